@@ -1,0 +1,33 @@
+"""splice: an inference engine for PyTorch models.
+
+``init_inference(model, config=None, **kwargs)`` applies splice's pipeline of transforms (see ``pipeline.PIPELINE``)
+and returns an :class:`InferenceEngine`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .config import InferenceConfig, resolve_config
+from .engine import InferenceEngine
+from .models import load
+from .pipeline import PipelineContext, resolve_device, run_pipeline
+
+__version__ = "0.1.0"
+__all__ = ["init_inference", "InferenceEngine", "InferenceConfig", "load", "__version__"]
+
+
+def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> InferenceEngine:
+    """Apply splice's transforms to ``model`` and return an :class:`InferenceEngine`.
+
+    ``config`` is None, a dict, a path to a JSON file, or an :class:`InferenceConfig`; ``kwargs`` are merged on top
+    (the same key with two different values raises). Keys and aliases are DeepSpeed's ``init_inference`` ones.
+    Invalid input raises before the model is changed.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"init_inference expects a torch.nn.Module, got {type(model).__name__}")
+    resolved = resolve_config(config, **kwargs)
+    ctx = PipelineContext(device=resolve_device(resolved))
+    model = run_pipeline(model, resolved, ctx)
+    return InferenceEngine(model, resolved, ctx.report)

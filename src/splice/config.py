@@ -1,0 +1,688 @@
+"""splice's inference configuration: every key of DeepSpeed's ``DeepSpeedInferenceConfig``, checked and explained.
+
+A DeepSpeed user only changes the import: the same dict, JSON file or keyword arguments work. Each option is either
+honoured by a pipeline stage, accepted with a warning that it has no effect in splice, or rejected as unsupported;
+``FIELD_SUPPORT`` says which. ``resolve_config`` merges a dict / JSON file / ``InferenceConfig`` with keyword
+arguments. Validation never writes into the objects the user passed in.
+
+``python -m splice.config`` prints the reference table (the one in docs/config-reference.md).
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, NamedTuple, get_args
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+
+
+class SpliceDeprecationWarning(FutureWarning):
+    """A deprecated DeepSpeed option name was used; its value was moved to the new place."""
+
+
+class SpliceIgnoredOptionWarning(UserWarning):
+    """An option was set to a non-default value that has no effect in splice."""
+
+
+HONOURED, IGNORED, UNSUPPORTED = "honoured", "ignored", "unsupported"
+
+#: What splice does with each option (dotted path; a section's entry covers its fields unless they have their own).
+#: honoured: a pipeline stage reads it (and raises "not yet" for what isn't built).
+#: ignored: a non-default value warns with ``SpliceIgnoredOptionWarning``.
+#: unsupported: a non-default value raises ``ValueError`` saying why.
+FIELD_SUPPORT: dict[str, str] = {
+    "replace_with_kernel_inject": HONOURED,
+    "dtype": HONOURED,
+    "tensor_parallel": HONOURED,
+    "enable_cuda_graph": HONOURED,
+    "use_triton": IGNORED,
+    "triton_autotune": IGNORED,
+    "zero.enabled": UNSUPPORTED,
+    "zero.stage": UNSUPPORTED,
+    "triangular_masking": IGNORED,
+    "moe.enabled": UNSUPPORTED,
+    "moe.ep_size": IGNORED,
+    "moe.moe_experts": IGNORED,
+    "moe.type": IGNORED,
+    "moe.ep_mp_group": IGNORED,
+    "moe.ep_group": IGNORED,
+    "keep_module_on_host": HONOURED,
+    "quant": HONOURED,
+    "quant.weight.quantized_initialization": IGNORED,
+    "quant.weight.post_init_quant": IGNORED,
+    "checkpoint": HONOURED,
+    "base_dir": HONOURED,
+    "set_empty_params": IGNORED,
+    "save_mp_checkpoint_path": HONOURED,
+    "checkpoint_config": IGNORED,
+    "return_tuple": IGNORED,
+    "training_mp_size": UNSUPPORTED,
+    "replace_method": IGNORED,
+    "injection_policy": HONOURED,
+    "injection_policy_tuple": IGNORED,
+    "config": IGNORED,
+    "max_out_tokens": HONOURED,
+    "min_out_tokens": IGNORED,
+    "transposed_mode": IGNORED,
+    "device": HONOURED,
+}
+
+#: Deprecated top-level DeepSpeed names and where their value now lives.
+DEPRECATED: dict[str, str] = {
+    "mp_size": "tensor_parallel.tp_size",
+    "mpu": "tensor_parallel.mpu",
+    "ep_size": "moe.ep_size",
+    "ep_group": "moe.ep_group",
+    "expert_group": "moe.ep_group",
+    "ep_mp_group": "moe.ep_mp_group",
+    "expert_mp_group": "moe.ep_mp_group",
+    "moe_experts": "moe.moe_experts",
+    "moe_type": "moe.type",
+}
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "bfloat": torch.bfloat16,
+    "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+    "int8": torch.int8,
+}
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
+_DTYPE_HELP = "torch.float32/float16/bfloat16/int8 or one of 'fp32', 'float32', 'float', 'fp16', 'float16', " \
+              "'half', 'bf16', 'bfloat16', 'int8' (any case, 'torch.' prefix allowed)"
+
+
+def parse_dtype(value: Any) -> torch.dtype | None:
+    """A supported ``torch.dtype`` from a dtype or its name; None stays None."""
+    if value is None or value in _DTYPES:
+        return value
+    if isinstance(value, str):
+        name = value.strip().lower().removeprefix("torch.")
+        if name in _DTYPE_NAMES:
+            return _DTYPE_NAMES[name]
+    raise ValueError(f"{value!r} is not a supported dtype; allowed: {_DTYPE_HELP}")
+
+
+def _note(deepspeed: str) -> dict[str, str]:
+    """Field metadata: how splice differs from DeepSpeed for this option."""
+    return {"deepspeed": deepspeed}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------------------------------
+class _ReadableErrors(type(BaseModel)):
+    """Turns pydantic's ValidationError from ``Section(...)`` into a ValueError naming each key.
+
+    (A metaclass rather than ``__init__``: a custom ``__init__`` makes pydantic call it for nested sections too and
+    run the model validators twice.)
+    """
+
+    def __call__(cls, *args: Any, **kwargs: Any):
+        try:
+            return super().__call__(*args, **kwargs)
+        except ValidationError as error:
+            raise ValueError(describe_errors(error, cls)) from None
+
+
+class _Section(BaseModel, metaclass=_ReadableErrors):
+    """Strict base: unknown keys are errors, aliases and names both work, errors name the key."""
+
+    model_config = ConfigDict(
+        extra="forbid", populate_by_name=True, arbitrary_types_allowed=True, validate_default=True
+    )
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any):
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as error:
+            raise ValueError(describe_errors(error, cls)) from None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prepare(cls, data: Any) -> Any:
+        return canonical_keys(cls, data) if isinstance(data, Mapping) else data
+
+
+class TensorParallelConfig(_Section):
+    enabled: bool = Field(True, description="Turn tensor parallelism on or off.", json_schema_extra=_note(
+        "DeepSpeed ignores enabled=False; splice raises if enabled=False while tp_size > 1."))
+    tp_size: int = Field(1, ge=1, description="Number of processes (ranks) the model is split across.")
+    tp_grain_size: int = Field(64, ge=1, description=(
+        "Granularity of uneven MLP / lm_head splits: per-rank sizes are rounded to multiples of it."))
+    mpu: Any = Field(None, description=(
+        "A Megatron-style model-parallel unit (get_model_parallel_group/_rank/_world_size); the tensor-parallel "
+        "group is taken from it."))
+    tp_group: Any = Field(None, description=(
+        "An existing torch.distributed process group to shard over; None means one is created."),
+        json_schema_extra=_note("DeepSpeed writes the group it creates back into this field; splice never "
+                                "writes into the config (the group lives in its ParallelContext)."))
+
+    @model_validator(mode="after")
+    def _enabled_matches_size(self) -> TensorParallelConfig:
+        if not self.enabled and self.tp_size > 1:
+            raise ValueError(f"tensor_parallel.enabled=False contradicts tensor_parallel.tp_size={self.tp_size}; "
+                             "allowed: enabled=True with tp_size > 1, or tp_size=1")
+        return self
+
+
+class ZeroConfig(_Section):
+    enabled: bool = Field(False, description="ZeRO-Inference: partition parameters across ranks / offload them.",
+                          json_schema_extra=_note(
+                              "splice does not implement ZeRO-Inference; split a model with tensor_parallel, keep "
+                              "weights in host memory with keep_module_on_host."))
+    stage: int = Field(0, ge=0, le=3, description="ZeRO stage (0-3).", json_schema_extra=_note(
+        "splice does not implement ZeRO-Inference; only stage 0 is accepted. DeepSpeed's other ZeRO keys "
+        "(offload_param, ...) are rejected as unknown."))
+
+
+class MoEConfig(_Section):
+    enabled: bool = Field(False, description="The model is a mixture of experts.", json_schema_extra=_note(
+        "DeepSpeed defaults to True and uses it only for models with MoE layers; splice has no MoE kernels or "
+        "expert parallelism, so enabling it raises."))
+    ep_size: int = Field(1, ge=1, description="Expert-parallel group size.", json_schema_extra=_note(
+        "only used with MoE, which splice does not implement"))
+    moe_experts: list[int] = Field(default_factory=lambda: [1], alias="num_experts",
+                                   description="Global number of experts per MoE layer.",
+                                   json_schema_extra=_note("only used with MoE, which splice does not implement"))
+    type: Literal["standard", "residual"] = Field("standard", description="MoE layer type.",
+                                                  json_schema_extra=_note("only used with MoE, which splice "
+                                                                          "does not implement"))
+    ep_mp_group: Any = Field(None, description="Expert model-parallel process group.",
+                             json_schema_extra=_note("only used with MoE, which splice does not implement"))
+    ep_group: Any = Field(None, alias="expert_group", description="Expert-parallel process group.",
+                          json_schema_extra=_note("only used with MoE, which splice does not implement"))
+
+
+class WeightQuantConfig(_Section):
+    enabled: bool = Field(True, description="Quantize the linear weights (when quant.enabled).")
+    num_bits: Literal[8, 4] = Field(8, description="Bits per quantized weight.")
+    q_type: Literal["symmetric", "asymmetric"] = Field("symmetric", description="Zero-point scheme.")
+    q_groups: int = Field(1, ge=1, description="Number of quantization groups per weight matrix.")
+    group_size: int | None = Field(None, ge=1, description=(
+        "Input elements per quantization group (e.g. 32, 64, 128); overrides q_groups. None uses q_groups."),
+        json_schema_extra=_note("splice extra"))
+    q_dtype: torch.dtype | None = Field(None, description=(
+        "Storage dtype of quantized weights: torch.int8 or torch.uint8; None lets the scheme choose."),
+        json_schema_extra=_note("splice extra"))
+    quantized_initialization: dict = Field(default_factory=dict, description=(
+        "DeepSpeed's quantize-while-loading options."), json_schema_extra=_note(
+        "splice quantizes after loading and sharding; use the other quant.weight keys"))
+    post_init_quant: dict = Field(default_factory=dict, description="DeepSpeed's per-module post-init options.",
+                                  json_schema_extra=_note("splice quantizes every linear of the transformer blocks; "
+                                                          "use the other quant.weight keys"))
+
+    @field_validator("q_dtype", mode="before")
+    @classmethod
+    def _check_q_dtype(cls, value: Any) -> Any:
+        if value is None or value in (torch.int8, torch.uint8):
+            return value
+        names = {"int8": torch.int8, "uint8": torch.uint8}
+        if isinstance(value, str) and value.lower().removeprefix("torch.") in names:
+            return names[value.lower().removeprefix("torch.")]
+        raise ValueError(f"{value!r} is not a supported quantized storage dtype; allowed: torch.int8, torch.uint8, "
+                         "None")
+
+
+class ActivationQuantConfig(_Section):
+    enabled: bool = Field(False, description="Quantize activations (when quant.enabled).", json_schema_extra=_note(
+        "DeepSpeed defaults to True; splice quantizes weights only unless asked."))
+    num_bits: Literal[8] = Field(8, description="Bits per quantized activation.")
+    q_type: Literal["symmetric", "asymmetric"] = Field("symmetric", description="Zero-point scheme.")
+    q_groups: int = Field(1, ge=1, description="Number of quantization groups.")
+
+
+class QKVQuantConfig(_Section):
+    enabled: bool = Field(True, description="Also quantize the attention q/k/v projections.")
+
+
+class QuantizationConfig(_Section):
+    enabled: bool = Field(False, description=(
+        "Quantize the model (see weight / activation / qkv). DeepSpeed defaults to True but only uses it with "
+        "dtype=int8."),
+                          json_schema_extra=_note(
+                              "DeepSpeed defaults to True but acts on it only with dtype=int8; splice defaults to "
+                              "False and quantizes whenever it is True."))
+    weight: WeightQuantConfig = Field(default_factory=WeightQuantConfig, description="Weight quantization.")
+    activation: ActivationQuantConfig = Field(default_factory=ActivationQuantConfig,
+                                              description="Activation quantization.")
+    qkv: QKVQuantConfig = Field(default_factory=QKVQuantConfig, description="q/k/v projection quantization.")
+
+
+class InferenceCheckpointConfig(_Section):
+    checkpoint_dir: str | None = Field(None, description="Checkpoint directory.")
+    save_mp_checkpoint_path: str | None = Field(None, description="Where to save a resharded checkpoint.")
+    base_dir: str | None = Field(None, description="Root directory of the checkpoint files.")
+
+
+_UNUSED_CKPT = ("DeepSpeed declares this section but its engine reads checkpoint, base_dir and "
+                "save_mp_checkpoint_path instead; use those")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The configuration
+# --------------------------------------------------------------------------------------------------------------------
+class InferenceConfig(_Section):
+    """Everything ``init_inference`` accepts. Build it with ``resolve_config``."""
+
+    replace_with_kernel_inject: bool = Field(False, alias="kernel_inject", description=(
+        "Replace each transformer block with splice's fused inference block."))
+    dtype: torch.dtype | None = Field(None, description=(
+        "Convert the model to this dtype (fp32, fp16, bf16, int8). None keeps the model's own dtype "
+        "(DeepSpeed defaults to fp16, which breaks on CPUs)."),
+        json_schema_extra=_note("DeepSpeed defaults to torch.float16, which breaks or crawls on CPUs; splice "
+                                "defaults to None (keep the model's dtype)."))
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig, alias="tp",
+                                                  description="Tensor parallelism: split the model across ranks.")
+    enable_cuda_graph: bool = Field(False, description="Capture the decode step in a CUDA graph (GPU only).")
+    use_triton: bool = Field(False, description="Use Triton kernels.", json_schema_extra=_note(
+        "splice has no Triton kernels; its fused block uses torch ops"))
+    triton_autotune: bool = Field(False, description="Autotune Triton kernels.", json_schema_extra=_note(
+        "splice has no Triton kernels"))
+    zero: ZeroConfig = Field(default_factory=ZeroConfig, description="ZeRO-Inference settings.")
+    triangular_masking: bool = Field(True, alias="tm", description="Use a causal (triangular) attention mask.",
+                                     json_schema_extra=_note("splice takes the mask from the model's architecture "
+                                                             "record"))
+    moe: MoEConfig = Field(default_factory=MoEConfig, description=(
+        "Mixture-of-experts settings; true/false is shorthand for {'enabled': ...}."))
+    keep_module_on_host: bool = Field(False, description=(
+        "Keep loaded weights in host memory instead of moving them to the device."))
+    quant: QuantizationConfig = Field(default_factory=QuantizationConfig, description="Quantization settings.")
+    checkpoint: str | os.PathLike | dict | None = Field(None, description=(
+        "Checkpoint to load: a path (folder, file or JSON load policy) or a load-policy dict."))
+    base_dir: str = Field("", description="Root directory for the relative file names in checkpoint.")
+    set_empty_params: bool = Field(False, description="Create the inference modules with empty tensors.",
+                                   json_schema_extra=_note("splice materialises weights from meta itself when a "
+                                                           "checkpoint is given"))
+    save_mp_checkpoint_path: str | None = Field(None, description=(
+        "Save the sharded (per-rank) model here after loading, to load faster next time."))
+    checkpoint_config: InferenceCheckpointConfig = Field(default_factory=InferenceCheckpointConfig,
+                                                         alias="ckpt_config", description="Checkpoint settings.",
+                                                         json_schema_extra=_note(_UNUSED_CKPT))
+    return_tuple: bool = Field(True, description="Transformer blocks return a tuple rather than a tensor.",
+                               json_schema_extra=_note("splice blocks keep the return type of the blocks they "
+                                                       "replace"))
+    training_mp_size: int = Field(1, ge=1, description="Model-parallel size the checkpoint was saved with.",
+                                  json_schema_extra=_note(
+                                      "splice loads unsharded checkpoints and shards them itself; merging "
+                                      "checkpoints saved with another model-parallel size is not supported. "
+                                      "Use the unsharded checkpoint."))
+    replace_method: str = Field("auto", description="Deprecated in DeepSpeed; no longer needed.",
+                                json_schema_extra=_note("deprecated; remove it"))
+    injection_policy: dict | None = Field(None, alias="injection_dict", description=(
+        "Map of block class to the names of its output linears (attention out, MLP out), for manual tensor "
+        "parallelism."))
+    injection_policy_tuple: tuple | None = Field(None, description="DeepSpeed-internal form of injection_policy.",
+                                                 json_schema_extra=_note("use injection_policy"))
+    config: dict | None = Field(None, alias="args", description="Model config dict to use instead of the model's.",
+                                json_schema_extra=_note("splice reads the model's own config"))
+    max_out_tokens: int = Field(1024, ge=1, alias="max_tokens", description=(
+        "Maximum tokens (prompt + generated) per sequence; sizes the KV cache."))
+    min_out_tokens: int = Field(1, ge=1, alias="min_tokens", description="Minimum tokens you expect to generate.",
+                                json_schema_extra=_note("splice sizes its KV cache from max_out_tokens up front"))
+    transposed_mode: bool = Field(False, description="Store weights transposed.", json_schema_extra=_note(
+        "splice chooses weight layouts itself"))
+    device: str | torch.device | None = Field(None, description=(
+        "Where the model runs: 'cpu', 'cuda', 'cuda:1', ...; None means CUDA if present, else CPU."),
+        json_schema_extra=_note("splice extra"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prepare(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data = canonical_keys(cls, data)
+        if isinstance(data.get("moe"), bool):
+            data["moe"] = {"enabled": data["moe"]}
+        return _move_deprecated(data)
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _check_dtype(cls, value: Any) -> torch.dtype | None:
+        return parse_dtype(value)
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _check_device(cls, value: Any) -> str | None:
+        if value is None:
+            return None
+        if isinstance(value, (str, torch.device)):
+            try:
+                return str(torch.device(value))
+            except (RuntimeError, ValueError):
+                pass
+        raise ValueError(f"{value!r} is not a device; allowed: None, a torch.device or a string such as 'cpu', "
+                         "'cuda', 'cuda:1'")
+
+    @field_validator("checkpoint", mode="before")
+    @classmethod
+    def _check_checkpoint(cls, value: Any) -> Any:
+        if value is None or isinstance(value, (str, os.PathLike, dict)):
+            return value
+        raise ValueError(f"{value!r} ({type(value).__name__}) is not a checkpoint; allowed: None, a path "
+                         "(str or os.PathLike) or a load-policy dict")
+
+    @model_validator(mode="after")
+    def _check_support(self) -> InferenceConfig:
+        for path, support in FIELD_SUPPORT.items():
+            value = _value_at(self, path)
+            if support == HONOURED or _same(value, _default_at(path)):
+                continue
+            note = _field_at(path).json_schema_extra["deepspeed"]
+            if support == UNSUPPORTED:
+                raise ValueError(f"{path}={value!r} is not supported by splice: {note}")
+            warnings.warn(f"{path}={value!r} has no effect in splice: {note}", SpliceIgnoredOptionWarning,
+                          stacklevel=2)
+        return self
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Keys: aliases, deprecated names, paths
+# --------------------------------------------------------------------------------------------------------------------
+def _aliases(model: type[BaseModel]) -> dict[str, str]:
+    """alias -> field name."""
+    return {info.alias: name for name, info in model.model_fields.items() if info.alias}
+
+
+def canonical_keys(model: type[BaseModel], data: Mapping) -> dict:
+    """A new dict with aliases replaced by field names; alias and name with different values raise."""
+    aliases = _aliases(model)
+    out: dict = {}
+    spelled: dict = {}
+    for key, value in data.items():
+        name = aliases.get(key, key)
+        if name in out and not _same(out[name], value, key=name):
+            raise ValueError(f"'{spelled[name]}' and '{key}' name the same option '{name}' but have different "
+                             f"values: {out[name]!r} and {value!r}; give it once")
+        out[name] = value
+        spelled[name] = key
+    return out
+
+
+def _section_dict(data: dict, section: str) -> dict:
+    """The current content of a section as a new plain dict of the keys given."""
+    value = data.get(section, {})
+    model = _section_model(InferenceConfig.model_fields[section].annotation)
+    if isinstance(value, BaseModel):
+        return {name: getattr(value, name) for name in value.model_fields_set}
+    if isinstance(value, Mapping):
+        return canonical_keys(model, value)
+    raise ValueError(f"'{section}' must be a dict or {model.__name__}, got {value!r}")
+
+
+def _move_deprecated(data: dict) -> dict:
+    """Move each deprecated top-level name to its new place in ``data`` (a dict we own), warning."""
+    for old in [key for key in data if key in DEPRECATED]:
+        new = DEPRECATED[old]
+        section, key = new.split(".")
+        current = _section_dict(data, section)
+        if key in current:
+            raise ValueError(f"'{old}' is deprecated and moves to '{new}', but '{new}' is also given "
+                             f"({old}={data[old]!r}, {new}={current[key]!r}); keep only '{new}'")
+        value = data.pop(old)
+        warnings.warn(f"'{old}' is deprecated; use '{new}' (moved {old}={value!r} there)", SpliceDeprecationWarning,
+                      stacklevel=2)
+        data[section] = {**current, key: value}
+    return data
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The section model inside a field annotation (``X``, ``X | None``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in get_args(annotation):
+        found = _section_model(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _field_at(path: str, root: type[BaseModel] | None = None) -> FieldInfo:
+    model = root or InferenceConfig
+    *parents, last = path.split(".")
+    for part in parents:
+        model = _section_model(model.model_fields[part].annotation)
+    return model.model_fields[last]
+
+
+def _default_at(path: str) -> Any:
+    return _field_at(path).get_default(call_default_factory=True)
+
+
+def _value_at(config: BaseModel, path: str) -> Any:
+    value: Any = config
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _covered(path: str) -> bool:
+    parts = path.split(".")
+    return any(".".join(parts[:end]) in FIELD_SUPPORT for end in range(1, len(parts) + 1))
+
+
+def field_support(path: str) -> str:
+    """honoured / ignored / unsupported for a dotted option path (the most specific entry of FIELD_SUPPORT)."""
+    parts = path.split(".")
+    for end in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:end])
+        if prefix in FIELD_SUPPORT:
+            return FIELD_SUPPORT[prefix]
+    raise KeyError(f"no FIELD_SUPPORT entry covers {path!r}")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Comparing values
+# --------------------------------------------------------------------------------------------------------------------
+def _plain(value: Any) -> Any:
+    """A section as a nested dict of the keys that were set; anything else unchanged."""
+    if isinstance(value, BaseModel):
+        return {name: _plain(getattr(value, name)) for name in value.model_fields_set}
+    return value
+
+
+def _same(a: Any, b: Any, key: str = "") -> bool:
+    if key == "dtype":
+        a, b = _dtype_or_raw(a), _dtype_or_raw(b)
+    if isinstance(a, BaseModel) and isinstance(b, BaseModel):
+        return a == b
+    a, b = _plain(a), _plain(b)
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # e.g. tensors: ambiguous truth value
+        return False
+
+
+def _dtype_or_raw(value: Any) -> Any:
+    try:
+        return parse_dtype(value)
+    except ValueError:
+        return value
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Readable errors
+# --------------------------------------------------------------------------------------------------------------------
+def _short(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _walk_loc(model: type[BaseModel], loc: tuple) -> tuple[str, type[BaseModel] | None, tuple]:
+    """(dotted field path, model holding the last part, the rest of loc) for a pydantic error location."""
+    names: list[str] = []
+    for index, part in enumerate(loc):
+        if model is None or not isinstance(part, str):
+            return ".".join(names), model, loc[index:]
+        name = _aliases(model).get(part, part)
+        if name not in model.model_fields:
+            return ".".join(names), model, loc[index:]
+        names.append(name)
+        if index < len(loc) - 1:
+            model = _section_model(model.model_fields[name].annotation)
+    return ".".join(names), model, ()
+
+
+def _valid_keys(model: type[BaseModel]) -> list[str]:
+    keys = list(model.model_fields) + list(_aliases(model))
+    return keys + list(DEPRECATED) if model is InferenceConfig else keys
+
+
+def _unknown_key_message(parent: str, model: type[BaseModel], key: Any) -> str:
+    full = f"{parent}.{key}" if parent else str(key)
+    valid = _valid_keys(model)
+    close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
+    prefix = f"{parent}." if parent else ""
+    hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys here: {', '.join(sorted(valid))}"
+    if parent == "zero":
+        hint += " (splice does not implement ZeRO-Inference, so DeepSpeed's other ZeRO keys are not accepted)"
+    return f"unknown config key '{full}'; {hint}"
+
+
+def _error_message(model: type[BaseModel], item: dict) -> str:
+    path, holder, rest = _walk_loc(model, tuple(item["loc"]))
+    if item["type"] == "extra_forbidden":
+        return _unknown_key_message(path, holder, rest[0] if rest else path)
+    if item["type"] == "value_error":
+        message = str(item["ctx"]["error"])
+        return f"invalid value for '{path}': {message}" if path else message
+    message = item["msg"][:1].lower() + item["msg"][1:]
+    return f"invalid value for '{path or '<config>'}': {_short(item['input'])} ({message})"
+
+
+def describe_errors(error: ValidationError, model: type[BaseModel]) -> str:
+    """One readable line per problem, each naming the key, the bad value and what is allowed."""
+    messages = [_error_message(model, item) for item in error.errors()]
+    return "; ".join(dict.fromkeys(messages))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# resolve_config
+# --------------------------------------------------------------------------------------------------------------------
+def _load_json(path: str | os.PathLike) -> dict:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ValueError(f"config file '{os.fspath(path)}' does not exist") from None
+    except OSError as error:
+        raise ValueError(f"cannot read config file '{os.fspath(path)}': {error}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"config file '{os.fspath(path)}' is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config file '{os.fspath(path)}' must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _as_dict(config: Any) -> dict:
+    """The user's config as a new top-level dict (nested values are shared, never modified)."""
+    if config is None:
+        return {}
+    if isinstance(config, InferenceConfig):
+        return _plain(config)
+    if isinstance(config, Mapping):
+        return dict(config)
+    if isinstance(config, (str, os.PathLike)):
+        return _load_json(config)
+    raise TypeError(f"config must be None, a dict, a path to a JSON file (str or os.PathLike) or an "
+                    f"InferenceConfig; got {type(config).__name__}")
+
+
+def _merge(base: dict, overrides: dict) -> dict:
+    """``base`` updated with ``overrides``; the same key with different values raises."""
+    base, overrides = canonical_keys(InferenceConfig, base), canonical_keys(InferenceConfig, overrides)
+    for key in base.keys() & overrides.keys():
+        if not _same(base[key], overrides[key], key=key):
+            raise ValueError(f"config key '{key}' is given twice with different values: {_short(base[key])} in "
+                             f"config and {_short(overrides[key])} in keyword arguments")
+    return {**base, **overrides}
+
+
+def resolve_config(config: Any = None, **kwargs: Any) -> InferenceConfig:
+    """One ``InferenceConfig`` from a dict, JSON file path or ``InferenceConfig`` (or None), plus keyword arguments.
+
+    Keyword arguments are merged on top; the same key given both ways with different values raises ``ValueError``.
+    Nothing the caller passed in is modified.
+    """
+    if isinstance(config, InferenceConfig) and not kwargs:
+        return config
+    return InferenceConfig.model_validate(_merge(_as_dict(config), kwargs))
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reference table
+# --------------------------------------------------------------------------------------------------------------------
+class FieldRow(NamedTuple):
+    key: str
+    aliases: tuple[str, ...]
+    default: str
+    meaning: str
+    deepspeed_difference: str
+    support: str
+
+
+def _default_text(info: FieldInfo) -> str:
+    if _section_model(info.annotation) is not None:
+        return "(section)"
+    value = info.get_default(call_default_factory=True)
+    return str(value) if isinstance(value, torch.dtype) else repr(value)
+
+
+def _rows(model: type[BaseModel], prefix: str) -> list[FieldRow]:
+    rows = []
+    for name, info in model.model_fields.items():
+        key = prefix + name
+        extra = info.json_schema_extra if isinstance(info.json_schema_extra, dict) else {}
+        aliases = tuple(a for a in [info.alias] if a)
+        section = _section_model(info.annotation)
+        support = field_support(key) if section is None or _covered(key) else "see its fields"
+        rows.append(FieldRow(key, aliases, _default_text(info), info.description or "",
+                             extra.get("deepspeed", ""), support))
+        if section is not None:
+            rows.extend(_rows(section, key + "."))
+    return rows
+
+
+def field_reference() -> list[FieldRow]:
+    """Every option (nested ones dotted), then the deprecated names, built from the fields' metadata."""
+    rows = _rows(InferenceConfig, "")
+    for old, new in DEPRECATED.items():
+        rows.append(FieldRow(old, (), "-", f"Deprecated: use {new}.", "same as DeepSpeed (also deprecated there)",
+                             "deprecated"))
+    return rows
+
+
+def reference_markdown() -> str:
+    """The reference table as Markdown."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = [
+        "# splice configuration reference",
+        "",
+        "Generated by `python -m splice.config`. Every key of DeepSpeed's `DeepSpeedInferenceConfig` is accepted.",
+        "*honoured*: a pipeline stage uses it. *ignored*: a non-default value warns (`SpliceIgnoredOptionWarning`). "
+        "*unsupported*: a non-default value raises `ValueError`. *deprecated*: moved to its new key with a "
+        "`SpliceDeprecationWarning`.",
+        "",
+        "| key | aliases | default | splice | meaning | difference from DeepSpeed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in field_reference():
+        aliases = ", ".join(f"`{a}`" for a in row.aliases)
+        lines.append(f"| `{row.key}` | {aliases} | `{cell(row.default)}` | {row.support} | {cell(row.meaning)} | "
+                     f"{cell(row.deepspeed_difference)} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")

@@ -1,0 +1,148 @@
+"""InferenceEngine: the module ``init_inference`` returns."""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import InferenceConfig
+
+
+class InferenceEngine(nn.Module):
+    """Wraps the transformed model: ``forward``, ``generate`` and per-forward profiling.
+
+    ``report`` lists what each pipeline step did, as ``(step, description)`` pairs.
+    """
+
+    def __init__(self, module: nn.Module, config: InferenceConfig, report: list[tuple[str, str]] | None = None):
+        super().__init__()
+        self.module = module.eval()
+        self.config = config
+        self.report = list(report or [])
+        self._timer: _ForwardTimer | None = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        input_ids = _input_ids(args, kwargs)
+        if input_ids is not None:
+            check_token_ids(input_ids, self.vocab_size)
+        with torch.inference_mode():
+            return self.module(*args, **kwargs)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """Hugging Face ``generate`` with every option it has, after checking the request fits ``max_out_tokens``."""
+        if not hasattr(self.module, "generate"):
+            raise TypeError(f"{type(self.module).__name__} has no generate(); only forward() is available")
+        input_ids = _input_ids(args, kwargs)
+        if input_ids is not None:
+            check_token_ids(input_ids, self.vocab_size)
+            prompt_length = input_ids.shape[-1]
+            check_request_length(prompt_length, self._requested_total(prompt_length, kwargs), self.config.max_out_tokens)
+        with torch.inference_mode():
+            return self.module.generate(*args, **kwargs)
+
+    @property
+    def vocab_size(self) -> int | None:
+        embeddings = self.module.get_input_embeddings() if hasattr(self.module, "get_input_embeddings") else None
+        return getattr(embeddings, "num_embeddings", None)
+
+    def _requested_total(self, prompt_length: int, kwargs: dict) -> int:
+        """Prompt plus new tokens, as Hugging Face's generate will resolve them from kwargs or the generation config."""
+        if kwargs.get("max_new_tokens") is not None:
+            return prompt_length + kwargs["max_new_tokens"]
+        if kwargs.get("max_length") is not None:
+            return max(prompt_length, kwargs["max_length"])
+        generation_config = kwargs.get("generation_config") or getattr(self.module, "generation_config", None)
+        if getattr(generation_config, "max_new_tokens", None) is not None:
+            return prompt_length + generation_config.max_new_tokens
+        return max(prompt_length, getattr(generation_config, "max_length", None) or 0)
+
+    # --- profiling, as DeepSpeed's engine offers it ---------------------------------------------------------------
+    def profile_model_time(self, use_cuda_events: bool = True) -> None:
+        """Start recording the latency of every forward call of the model (including those inside ``generate``).
+
+        CUDA events time a model on a GPU; a model on the CPU is timed with the wall clock.
+        """
+        if self._timer is None:
+            self._timer = _ForwardTimer(self.module, use_cuda_events)
+
+    def model_times(self) -> list[float]:
+        """The per-forward latencies in milliseconds since the last call; clears them."""
+        if self._timer is None:
+            raise RuntimeError("model_times() needs profile_model_time() to be called first")
+        return self._timer.take()
+
+
+def _input_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    candidate = kwargs.get("input_ids", args[0] if args else None)
+    return candidate if isinstance(candidate, torch.Tensor) else None
+
+
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int | None) -> None:
+    """Raise if ``input_ids`` is not an integer tensor of ids within ``[0, vocab_size)``."""
+    if input_ids.is_floating_point() or input_ids.is_complex():
+        raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+    if input_ids.dim() not in (1, 2):
+        raise ValueError(f"input_ids must have shape [batch, length] or [length], got {tuple(input_ids.shape)}")
+    if vocab_size is None or input_ids.numel() == 0:
+        return
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"input_ids contains token id {bad}; allowed: 0 <= id < vocab_size={vocab_size}")
+
+
+def check_request_length(prompt_length: int, total: int, max_out_tokens: int) -> None:
+    """Raise before any work if the prompt plus the tokens to generate exceed ``max_out_tokens``."""
+    if total > max_out_tokens:
+        raise ValueError(
+            f"prompt length {prompt_length} + {total - prompt_length} new tokens = {total} exceeds "
+            f"max_out_tokens={max_out_tokens}; allowed: prompt length + max_new_tokens <= {max_out_tokens} "
+            "(raise max_out_tokens in the config, or shorten the request)"
+        )
+
+
+class _ForwardTimer:
+    """Forward hooks that time each call of ``module``."""
+
+    def __init__(self, module: nn.Module, use_cuda_events: bool):
+        self.use_events = use_cuda_events and _on_cuda(module)
+        self.pending: list[Any] = []
+        self.start: Any = None
+        module.register_forward_pre_hook(self._before)
+        module.register_forward_hook(self._after)
+
+    def _before(self, module, args):
+        if self.use_events:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            _synchronize(module)
+            self.start = time.perf_counter()
+
+    def _after(self, module, args, output):
+        if self.use_events:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.pending.append((self.start, end))
+        else:
+            _synchronize(module)
+            self.pending.append((time.perf_counter() - self.start) * 1e3)
+
+    def take(self) -> list[float]:
+        if self.use_events:
+            torch.cuda.synchronize()
+        times = [p[0].elapsed_time(p[1]) if isinstance(p, tuple) else p for p in self.pending]
+        self.pending = []
+        return times
+
+
+def _on_cuda(module: nn.Module) -> bool:
+    param = next(module.parameters(), None)
+    return param is not None and param.device.type == "cuda"
+
+
+def _synchronize(module: nn.Module) -> None:
+    if _on_cuda(module):
+        torch.cuda.synchronize()

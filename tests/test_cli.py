@@ -1,0 +1,45 @@
+"""The command line, run as a user runs it: in a subprocess."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SPLICE = str(Path(sys.executable).parent / "splice")
+
+
+def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([SPLICE, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["info"]])
+def test_help_everywhere(command):
+    result = run(*command, "--help")
+    assert result.returncode == 0 and "usage: splice" in result.stdout
+
+
+@pytest.mark.slow
+def test_generate_streams_paris_and_timings():
+    result = run("generate", "The capital of France is", "--max-new-tokens", "6")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("The capital of France is Paris")
+    assert "prefill" in result.stdout and "tokens/s" in result.stdout
+
+
+@pytest.mark.slow
+def test_info_reports_pipeline_as_json():
+    result = run("info", "--dtype", "bf16", "--json")
+    assert result.returncode == 0, result.stderr
+    info = json.loads(result.stdout)
+    assert info["dtype"] == "torch.bfloat16" and info["device"] == "cpu"
+    assert [s["step"] for s in info["pipeline"]][0] == "dtype"
+    assert info["parameter_bytes"] == info["parameters"] * 2
+
+
+def test_bad_option_is_a_clear_error():
+    result = run("info", "--model", "no-such-model")
+    assert result.returncode == 2
+    assert "no-such-model" in result.stderr and "smollm2-135m-instruct" in result.stderr

@@ -1,0 +1,46 @@
+"""dtype conversion against Hugging Face models built directly in that dtype."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import splice
+
+from ..conftest import build_tiny, tiny_llama_config
+
+IDS = torch.tensor([[5, 17, 33, 9, 71, 4, 1, 2]])
+
+
+def reference_in(dtype, state_dict, config):
+    """HF's own way to get a model in ``dtype``: build it in that dtype and load the fp32 weights."""
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model.load_state_dict(state_dict)
+    return model
+
+
+@pytest.mark.parametrize("name, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16),
+                                         ("fp32", torch.float32), ("torch.bfloat16", torch.bfloat16)])
+def test_dtype_converts_parameters_and_matches_hf(name, dtype):
+    config = tiny_llama_config(tie_word_embeddings=True)
+    model = build_tiny(config)
+    reference = reference_in(dtype, model.state_dict(), config)
+    engine = splice.init_inference(model, dtype=name)
+    assert all(p.dtype == dtype for p in engine.module.parameters())
+    persistent = dict(engine.module.state_dict())
+    assert all(t.dtype == dtype for t in persistent.values() if t.is_floating_point())
+    assert engine.module.lm_head.weight is engine.module.model.embed_tokens.weight  # still tied
+    inv_freq = engine.module.model.rotary_emb.inv_freq  # a computed table: keeps fp32, as HF keeps it
+    assert inv_freq.dtype == torch.float32
+    with torch.no_grad():
+        expected = reference(IDS).logits
+    torch.testing.assert_close(engine(IDS).logits, expected, rtol=0, atol=0)
+
+
+def test_default_keeps_model_dtype():
+    model = build_tiny(tiny_llama_config(), dtype=torch.bfloat16)
+    engine = splice.init_inference(model)
+    assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
+    assert "kept" in dict(engine.report)["dtype"]
