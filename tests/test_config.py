@@ -390,7 +390,7 @@ def test_tp_disabled_with_size_above_one_raises():
     ({"min_out_tokens": 8}, "min_out_tokens"),
     ({"config": {"a": 1}}, "config"),
     ({"injection_policy_tuple": ("o_proj",)}, "injection_policy_tuple"),
-    ({"checkpoint_config": {"checkpoint_dir": "x"}}, "checkpoint_config"),
+    ({"checkpoint_config": {"save_mp_checkpoint_path": "x"}}, "checkpoint_config.save_mp_checkpoint_path"),
     ({"moe": {"ep_size": 2}}, "moe.ep_size"),
     ({"quant": {"weight": {"post_init_quant": {"fc": {}}}}}, "quant.weight.post_init_quant"),
 ])

@@ -5,9 +5,13 @@ and returns an :class:`InferenceEngine`.
 """
 from __future__ import annotations
 
-from typing import Any
+import os
 
-from torch import nn
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # splice never downloads from a model hub; set before transformers loads
+
+from typing import Any  # noqa: E402
+
+from torch import nn  # noqa: E402
 
 from .config import InferenceConfig, resolve_config
 from .engine import InferenceEngine

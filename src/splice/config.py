@@ -60,7 +60,8 @@ FIELD_SUPPORT: dict[str, str] = {
     "base_dir": HONOURED,
     "set_empty_params": IGNORED,
     "save_mp_checkpoint_path": HONOURED,
-    "checkpoint_config": IGNORED,
+    "checkpoint_config": HONOURED,
+    "checkpoint_config.save_mp_checkpoint_path": IGNORED,
     "return_tuple": IGNORED,
     "training_mp_size": UNSUPPORTED,
     "replace_method": IGNORED,
@@ -255,14 +256,16 @@ class QuantizationConfig(_Section):
     qkv: QKVQuantConfig = Field(default_factory=QKVQuantConfig, description="q/k/v projection quantization.")
 
 
+_UNUSED_CKPT = ("DeepSpeed declares this section but its engine ignores it; splice reads checkpoint_dir (when "
+                "checkpoint is not given) and base_dir")
+_UNUSED_CKPT_SAVE = "DeepSpeed's engine ignores it too; use the top-level save_mp_checkpoint_path"
+
+
 class InferenceCheckpointConfig(_Section):
     checkpoint_dir: str | None = Field(None, description="Checkpoint directory.")
-    save_mp_checkpoint_path: str | None = Field(None, description="Where to save a resharded checkpoint.")
+    save_mp_checkpoint_path: str | None = Field(None, description="Where to save a resharded checkpoint.",
+                                                json_schema_extra=_note(_UNUSED_CKPT_SAVE))
     base_dir: str | None = Field(None, description="Root directory of the checkpoint files.")
-
-
-_UNUSED_CKPT = ("DeepSpeed declares this section but its engine reads checkpoint, base_dir and "
-                "save_mp_checkpoint_path instead; use those")
 
 
 # --------------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,442 @@
+"""Safetensors checkpoint reading and meta-device materialisation.
+
+Only safetensors are read (never pickles). Shapes come from the file headers, so a checkpoint can be checked against
+a model (even one on the meta device) before anything is loaded. Loading streams one tensor at a time, so memory stays
+near one copy of the model.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
+from typing import Callable, Iterable, Union
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+ACCEPTED = (f"a Hugging Face checkpoint folder (with {SINGLE_FILE} or {INDEX_FILE}), "
+            f"a .safetensors file, a .safetensors.index.json file, or a list of .safetensors files")
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+Shape = tuple[int, ...]
+CheckpointSource = Union[str, os.PathLike, "list[str | os.PathLike]"]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Reading headers
+
+
+def checkpoint_files(path: CheckpointSource) -> list[Path]:
+    """The safetensors files of a checkpoint, in load order.
+
+    ``path``: a Hugging Face folder (``model.safetensors`` or ``model.safetensors.index.json``), one ``.safetensors``
+    file, an index JSON, or a list of ``.safetensors`` files (see :func:`load_policy_files` for DeepSpeed's
+    load-policy form).
+    """
+    if isinstance(path, (list, tuple)):
+        if not path:
+            raise ValueError(f"the checkpoint file list is empty; expected {ACCEPTED}")
+        return [file for item in path for file in _single_source_files(Path(item).expanduser(), list_item=True)]
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"checkpoint must be a path or a list of paths, got {type(path).__name__}: {path!r}")
+    return _single_source_files(Path(path).expanduser())
+
+
+def load_policy_files(policy: dict, base_dir: str | os.PathLike = "") -> list[Path]:
+    """The files of a DeepSpeed-style load policy ``{"checkpoints": [...], ...}``, relative to ``base_dir``.
+
+    Only safetensors files are accepted (DeepSpeed's policies usually list pickles, which are refused)."""
+    checkpoints = policy.get("checkpoints") if isinstance(policy, dict) else None
+    if isinstance(checkpoints, (str, os.PathLike)):
+        checkpoints = [checkpoints]
+    if not checkpoints or not isinstance(checkpoints, (list, tuple)):
+        raise ValueError(f"checkpoint policy {policy!r} has no 'checkpoints' list of files; expected "
+                         f"{{'checkpoints': ['model-00001.safetensors', ...]}} or {ACCEPTED}")
+    base = Path(base_dir).expanduser()
+    return checkpoint_files([base / name for name in checkpoints])
+
+
+def _single_source_files(path: Path, list_item: bool = False) -> list[Path]:
+    if not path.exists():
+        raise ValueError(f"checkpoint {str(path)!r} does not exist; expected {ACCEPTED}")
+    if path.suffix in PICKLE_SUFFIXES:
+        _refuse_pickle(path)
+    if list_item:
+        if path.is_file() and path.suffix == ".safetensors":
+            return [path]
+        raise ValueError(f"checkpoint file list entry {str(path)!r} is not a .safetensors file")
+    if path.is_dir():
+        if (path / SINGLE_FILE).is_file():
+            return [path / SINGLE_FILE]
+        if (path / INDEX_FILE).is_file():
+            return _files_from_json(path / INDEX_FILE)
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            _refuse_pickle(path / pickles[0])
+        raise ValueError(f"checkpoint folder {str(path)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; "
+                         f"expected {ACCEPTED}")
+    if path.suffix == ".safetensors":
+        return [path]
+    if path.suffix == ".json":
+        return _files_from_json(path)
+    raise ValueError(f"checkpoint {str(path)!r} is not a safetensors checkpoint; expected {ACCEPTED}")
+
+
+def checkpoint_shapes(path: CheckpointSource) -> dict[str, tuple[Shape, torch.dtype]]:
+    """Name -> (shape, dtype) of every tensor in the checkpoint, from the file headers only (no tensor data read)."""
+    shapes: dict[str, tuple[Shape, torch.dtype]] = {}
+    for file in checkpoint_files(path):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if name in shapes:
+                    raise ValueError(f"checkpoint {str(path)!r}: tensor {name!r} appears in more than one file")
+                tensor_slice = f.get_slice(name)
+                shapes[name] = (tuple(tensor_slice.get_shape()), _torch_dtype(tensor_slice.get_dtype()))
+    return shapes
+
+
+def _files_from_json(path: Path) -> list[Path]:
+    """Shards of a safetensors index (``weight_map``) or files of a load-policy JSON (``checkpoints``)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{str(path)!r} is not readable JSON: {e}") from None
+    if isinstance(data, dict) and "checkpoints" in data and "weight_map" not in data:
+        return load_policy_files(data, data.get("base_dir") or path.parent)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{str(path)!r} is neither a safetensors index (a 'weight_map' object) nor a load policy "
+                         f"(a 'checkpoints' list)")
+    return checkpoint_files([path.parent / name for name in dict.fromkeys(weight_map.values())])
+
+
+def _refuse_pickle(path: Path) -> None:
+    raise ValueError(f"{str(path)!r} is a pickle checkpoint ({path.suffix}); splice reads only safetensors, because "
+                     f"unpickling can run arbitrary code. Convert it once with transformers' "
+                     f"save_pretrained(..., safe_serialization=True); expected {ACCEPTED}")
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    if name not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"unsupported safetensors dtype {name!r}; supported: {sorted(_SAFETENSORS_DTYPES)}")
+    return _SAFETENSORS_DTYPES[name]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Checking a checkpoint against a model
+
+
+@dataclass
+class CheckpointMatch:
+    """How a checkpoint's tensors line up with a model's state dict."""
+
+    names: dict[str, str] = field(default_factory=dict)  # checkpoint name -> model name, for what gets loaded
+    missing: list[str] = field(default_factory=list)  # in the model, in no form in the checkpoint
+    unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the model
+    wrong_shape: list[tuple[str, Shape, Shape]] = field(default_factory=list)  # (name, checkpoint shape, model shape)
+    needs_conversion: list[str] = field(default_factory=list)  # need a transformers fuse/split op, not a rename
+    ignored: list[str] = field(default_factory=list)  # in the checkpoint, deliberately not loaded
+
+    @property
+    def ok(self) -> bool:
+        return not (self.missing or self.unexpected or self.wrong_shape or self.needs_conversion)
+
+    def describe(self, limit: int = 5) -> str:
+        parts = []
+        for label, items in (("missing from the checkpoint", self.missing),
+                             ("unexpected in the checkpoint", self.unexpected),
+                             ("needing a transformers weight conversion (fusing/splitting) splice does not do; "
+                              "load with from_pretrained instead", self.needs_conversion)):
+            if items:
+                parts.append(f"{len(items)} {label}: {_first(items, limit)}")
+        if self.wrong_shape:
+            shown = [f"{name} (checkpoint {list(f)} vs model {list(m)})" for name, f, m in self.wrong_shape]
+            parts.append(f"{len(shown)} with the wrong shape: {_first(shown, limit)}")
+        return "; ".join(parts)
+
+
+def match_checkpoint(model: nn.Module, shapes: dict[str, tuple[Shape, torch.dtype]]) -> CheckpointMatch:
+    """Compare checkpoint headers with the model's persistent state (works on meta).
+
+    Tied tensors need only one of their names. Checkpoint names go through the same renamings transformers applies
+    when loading (legacy names such as GPT-NeoX ``embed_out`` -> ``lm_head``, an added or dropped base-model prefix).
+    """
+    state = model.state_dict(keep_vars=True)
+    match = CheckpointMatch()
+    rename = _checkpoint_renamer(model, state)
+    ignorable = set(_non_persistent_buffer_names(model))
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    found: dict[str, Shape] = {}  # model name -> checkpoint shape
+    for file_name, (shape, _) in shapes.items():
+        name, needs_conversion = rename(file_name)
+        if name in state and not needs_conversion:
+            match.names[file_name] = name
+            found[name] = shape
+        elif name in ignorable or any(re.search(p, name) for p in patterns):
+            match.ignored.append(file_name)
+        elif needs_conversion:
+            match.needs_conversion.append(file_name)
+        else:
+            match.unexpected.append(file_name)
+    groups: dict[int, list[str]] = defaultdict(list)  # tied tensors share one object
+    for name, tensor in state.items():
+        groups[id(tensor)].append(name)
+    for names in groups.values():
+        present = [n for n in names if n in found]
+        if not present:
+            match.missing.append(names[0])
+        for name in present:
+            if found[name] != tuple(state[name].shape):
+                match.wrong_shape.append((name, found[name], tuple(state[name].shape)))
+    return match
+
+
+def _checkpoint_renamer(model: nn.Module, state: dict[str, torch.Tensor]) -> Callable[[str], tuple[str, bool]]:
+    """checkpoint name -> (model name, whether it needs a conversion op), using transformers' own key mapping."""
+    identity = lambda name: (name, False)  # noqa: E731
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # another transformers version: exact names only
+        return identity
+    if not isinstance(model, PreTrainedModel):
+        return identity
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    prefix = getattr(model, "base_model_prefix", None) or None
+
+    def rename(name: str) -> tuple[str, bool]:
+        renamed, converter_pattern = rename_source_key(name, renamings, converters, prefix, state)
+        return renamed, converter_pattern is not None
+
+    return rename
+
+
+def check_checkpoint(model: nn.Module, path: CheckpointSource) -> CheckpointMatch:
+    """Raise ValueError if the checkpoint's names or shapes don't fit the model. Reads headers only; never changes
+    the model."""
+    match = match_checkpoint(model, checkpoint_shapes(path))
+    if not match.ok:
+        raise ValueError(f"checkpoint {str(path)!r} does not match the model ({type(model).__name__}): "
+                         f"{match.describe()}")
+    return match
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_checkpoint(model: nn.Module, path: CheckpointSource, device: str | torch.device, *,
+                    progress: bool = True) -> nn.Module:
+    """Load the checkpoint's weights into ``model`` on ``device``, streaming one tensor at a time.
+
+    A model with meta tensors is materialised first (``to_empty``); its tied weights are tied again and its
+    non-persistent buffers (e.g. rotary ``inv_freq``) recomputed. A normal model is moved to ``device`` and its
+    weights overwritten. Each tensor is converted to the dtype of the model's tensor it lands in.
+    """
+    device = torch.device(device)
+    match = check_checkpoint(model, path)  # before the model is touched
+    if has_meta_tensors(model):
+        materialize(model, device)
+    else:
+        model.to(device)
+    _stream_weights(model, checkpoint_files(path), match.names, progress)
+    return model
+
+
+def has_meta_tensors(model: nn.Module) -> bool:
+    return any(t.is_meta for t in chain(model.parameters(), model.buffers()))
+
+
+def materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """Give a meta model real (uninitialised) storage on ``device``, keep its ties, and recompute the non-persistent
+    buffers that were meta. Non-persistent buffers that already had values keep them. Weights are left garbage.
+
+    The buffers are computed first, so a buffer that cannot be recomputed raises while the model is still untouched.
+    """
+    device = torch.device(device)
+    ties = _tied_groups(model)
+    kept = {name: buf for name, buf in _non_persistent_buffers(model) if not buf.is_meta}
+    computed = compute_buffers(model, [name for name, buf in _non_persistent_buffers(model) if buf.is_meta], device)
+    model.to_empty(device=device)
+    for names in ties:
+        for name in names[1:]:
+            _set_tensor(model, name, _get_tensor(model, names[0]))
+    for name, buf in chain(kept.items(), computed.items()):
+        _set_tensor(model, name, buf.to(device))
+    return model
+
+
+def _stream_weights(model: nn.Module, files: list[Path], names: dict[str, str], progress: bool) -> None:
+    """Copy each checkpoint tensor into the model's tensor ``names[name]``, one at a time.
+
+    ``safe_open`` maps the file and keeps every page it has read mapped (counted in RSS) until it is closed, so the
+    file is reopened every ``_MAPPED_BYTES``: RSS then stays near one model copy instead of model + file.
+    """
+    state = model.state_dict(keep_vars=True)
+    batches = [(file, batch) for file in files for batch in _read_batches(file, names)]
+    total = sum(len(batch) for _, batch in batches)
+    with torch.no_grad(), tqdm(total=total, desc="splice: loading checkpoint", unit="tensor", disable=not progress,
+                                leave=False) as bar:
+        for file, batch in batches:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for name in batch:
+                    state[names[name]].copy_(f.get_tensor(name))
+                    bar.update()
+
+
+_MAPPED_BYTES = 64 << 20
+
+
+def _read_batches(file: Path, wanted: dict[str, str]) -> list[list[str]]:
+    """The file's tensors that are ``wanted``, in groups of about ``_MAPPED_BYTES`` (headers only)."""
+    batches: list[list[str]] = [[]]
+    size = 0
+    with safe_open(file, framework="pt") as f:
+        for name in f.keys():
+            if name not in wanted:
+                continue
+            tensor_slice = f.get_slice(name)
+            nbytes = _numel(tensor_slice.get_shape()) * _torch_dtype(tensor_slice.get_dtype()).itemsize
+            if batches[-1] and size + nbytes > _MAPPED_BYTES:
+                batches.append([])
+                size = 0
+            batches[-1].append(name)
+            size += nbytes
+    return [names for names in batches if names]
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Non-persistent buffers
+
+
+def compute_buffers(model: nn.Module, names: Iterable[str], device: torch.device) -> dict[str, torch.Tensor]:
+    """Fresh values on ``device`` for the named non-persistent buffers, computed the way their owner initialises them.
+
+    A module may define ``init_buffers()`` (for splice's own layers); otherwise a transformers model's
+    ``_init_weights(module)`` is used, which is how transformers itself fills non-persistent buffers (e.g. rotary
+    ``inv_freq``/``original_inv_freq``, for every rope type) after loading from the meta device. It runs on a copy of
+    each owning module whose parameters stay on meta, so ``model`` is not changed. A buffer that nothing rewrote
+    raises rather than becoming garbage.
+    """
+    by_module: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        module_name, _, attr = name.rpartition(".")
+        by_module[module_name].append(attr)
+    owners = _pretrained_owners(model) if by_module else {}
+    computed: dict[str, torch.Tensor] = {}
+    not_recomputed = []
+    for module_name, attrs in by_module.items():
+        module = copy.deepcopy(model.get_submodule(module_name))  # cheap: its tensors are on meta
+        before = {}
+        for attr in attrs:
+            module._buffers[attr] = torch.empty_like(module._buffers[attr], device=device)
+            before[attr] = (module._buffers[attr], module._buffers[attr]._version)
+        with torch.no_grad():
+            if callable(getattr(module, "init_buffers", None)):
+                module.init_buffers()
+            elif owners.get(module_name) is not None:
+                owners[module_name]._init_weights(module)
+        for attr, (old, version) in before.items():
+            name = f"{module_name}.{attr}" if module_name else attr
+            new = module._buffers.get(attr)
+            if new is not None and not new.is_meta and (new is not old or new._version != version):
+                computed[name] = new
+            else:
+                not_recomputed.append(name)
+    if not_recomputed:
+        raise ValueError(
+            f"cannot recompute the non-persistent buffer(s) {not_recomputed} of the meta model: they are not in the "
+            f"checkpoint and neither the module's init_buffers() nor a transformers _init_weights rewrote them. Build "
+            f"the model on a real device instead of meta, or give the module an init_buffers() method")
+    return computed
+
+
+def _pretrained_owners(model: nn.Module) -> dict[str, nn.Module | None]:
+    """Module name -> the nearest enclosing transformers PreTrainedModel (itself included), or None."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        PreTrainedModel = ()  # noqa: N806
+    owners: dict[str, nn.Module | None] = {}
+
+    def visit(module: nn.Module, name: str, owner: nn.Module | None) -> None:
+        if isinstance(module, PreTrainedModel):
+            owner = module
+        owners[name] = owner
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if name else child_name, owner)
+
+    visit(model, "", None)
+    return owners
+
+
+def _non_persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    found = []
+    for module_name, module in model.named_modules():
+        for attr in module._non_persistent_buffers_set:
+            buf = module._buffers.get(attr)
+            if buf is not None:
+                found.append((f"{module_name}.{attr}" if module_name else attr, buf))
+    return found
+
+
+def _non_persistent_buffer_names(model: nn.Module) -> list[str]:
+    return [name for name, _ in _non_persistent_buffers(model)]
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def _tied_groups(model: nn.Module) -> list[list[str]]:
+    """Names that share one parameter or buffer object (e.g. lm_head.weight and model.embed_tokens.weight)."""
+    groups: dict[int, list[str]] = defaultdict(list)
+    for name, tensor in chain(model.named_parameters(remove_duplicate=False),
+                              model.named_buffers(remove_duplicate=False)):
+        groups[id(tensor)].append(name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _get_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    return module._parameters[attr] if attr in module._parameters else module._buffers[attr]
+
+
+def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    module_name, _, attr = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if attr in module._parameters:
+        module._parameters[attr] = tensor
+    else:
+        module._buffers[attr] = tensor
+
+
+def _first(items: list[str], limit: int) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")

