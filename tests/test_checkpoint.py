@@ -249,3 +249,13 @@ def test_nonexistent_or_unknown_paths_raise(tmp_path):
     index.write_text(json.dumps({"weight_map": {"a": "model-00001-of-00002.safetensors"}}))
     with pytest.raises(ValueError, match="model-00001-of-00002.safetensors' does not exist"):
         checkpoint_files(index)
+
+
+@pytest.mark.parametrize("damage", [lambda data: data[: len(data) // 2], lambda data: b"garbage" * 10])
+def test_corrupt_checkpoint_raises_naming_the_file(tmp_path, damage):
+    model = build_tiny(tiny_llama_config())
+    model.save_pretrained(tmp_path)
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(damage(file.read_bytes()))
+    with pytest.raises(ValueError, match="model.safetensors.*not a readable safetensors file"):
+        check_checkpoint(build_tiny(tiny_llama_config()), tmp_path)

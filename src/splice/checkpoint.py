@@ -11,13 +11,14 @@ import json
 import os
 import re
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import Callable, Iterable, Union
+from typing import Callable, Iterable, Iterator, Union
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -39,6 +40,16 @@ CheckpointSource = Union[str, os.PathLike, "list[str | os.PathLike]"]
 
 # --------------------------------------------------------------------------------------------------------------------
 # Reading headers
+
+
+@contextmanager
+def open_safetensors(file: Path, device: str = "cpu") -> Iterator:
+    """``safe_open`` whose failures (a corrupt or truncated file) raise ``ValueError`` naming the file."""
+    try:
+        with safe_open(file, framework="pt", device=device) as handle:
+            yield handle
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"checkpoint file {str(file)!r} is not a readable safetensors file: {error}") from None
 
 
 def checkpoint_files(path: CheckpointSource) -> list[Path]:
@@ -101,7 +112,7 @@ def checkpoint_shapes(path: CheckpointSource) -> dict[str, tuple[Shape, torch.dt
     """Name -> (shape, dtype) of every tensor in the checkpoint, from the file headers only (no tensor data read)."""
     shapes: dict[str, tuple[Shape, torch.dtype]] = {}
     for file in checkpoint_files(path):
-        with safe_open(file, framework="pt") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 if name in shapes:
                     raise ValueError(f"checkpoint {str(path)!r}: tensor {name!r} appears in more than one file")
@@ -296,7 +307,7 @@ def _stream_weights(model: nn.Module, files: list[Path], names: dict[str, str], 
     with torch.no_grad(), tqdm(total=total, desc="splice: loading checkpoint", unit="tensor", disable=not progress,
                                 leave=False) as bar:
         for file, batch in batches:
-            with safe_open(file, framework="pt", device="cpu") as f:
+            with open_safetensors(file) as f:
                 for name in batch:
                     state[names[name]].copy_(f.get_tensor(name))
                     bar.update()
@@ -309,7 +320,7 @@ def _read_batches(file: Path, wanted: dict[str, str]) -> list[list[str]]:
     """The file's tensors that are ``wanted``, in groups of about ``_MAPPED_BYTES`` (headers only)."""
     batches: list[list[str]] = [[]]
     size = 0
-    with safe_open(file, framework="pt") as f:
+    with open_safetensors(file) as f:
         for name in f.keys():
             if name not in wanted:
                 continue
