@@ -43,3 +43,11 @@ def test_bad_option_is_a_clear_error():
     result = run("info", "--model", "no-such-model")
     assert result.returncode == 2
     assert "no-such-model" in result.stderr and "smollm2-135m-instruct" in result.stderr
+
+
+@pytest.mark.slow
+def test_info_tp_prints_the_plan_without_processes():
+    result = run("info", "--tp", "2")
+    assert result.returncode == 0, result.stderr
+    assert "model.layers.*.self_attn.o_proj  row" in result.stdout
+    assert "model.layers.*.mlp.gate_proj     column" in result.stdout

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any, Sequence
@@ -100,14 +101,32 @@ def run_generate(args: argparse.Namespace) -> int:
     engine, tokenizer = build_engine(args)
     inputs = encode_prompt(tokenizer, args.prompt, args.chat)
     torch.manual_seed(args.seed)
-    streamer = TimingStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    if not args.chat:
+    speaker = _global_rank() == 0  # under torchrun every rank generates; one prints
+    streamer = TimingStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if speaker else None
+    if speaker and not args.chat:
         print(args.prompt, end="", flush=True)
-    streamer.start()
+    if streamer is not None:
+        streamer.start()
     engine.generate(**inputs, max_new_tokens=args.max_new_tokens, streamer=streamer,
                     pad_token_id=tokenizer.pad_token_id, **sampling_options(args))
-    print()
-    print(streamer.summary())
+    if streamer is not None:
+        print()
+        print(streamer.summary())
+    return 0
+
+
+def _global_rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def print_tp_plan(args: argparse.Namespace) -> int:
+    """Outside torchrun, ``info --tp N`` shows the tensor-parallel plan without sharding anything."""
+    import splice
+    from .transforms.tensor_parallel import describe_plan
+
+    model, _ = splice.load(args.model)
+    print(f"tensor-parallel plan for tp_size={args.tp} (run under `torchrun --nproc-per-node {args.tp}` to apply it):")
+    print(describe_plan(model, args.tp))
     return 0
 
 
@@ -137,6 +156,8 @@ def describe_engine(engine) -> dict[str, Any]:
 
 
 def run_info(args: argparse.Namespace) -> int:
+    if args.tp is not None and args.tp > 1 and "WORLD_SIZE" not in os.environ:
+        return print_tp_plan(args)
     start = time.perf_counter()
     engine, _ = build_engine(args)
     info = describe_engine(engine)

@@ -16,6 +16,8 @@ from ..checkpoint import check_checkpoint, has_meta_tensors, load_checkpoint, lo
 
 def check(model: nn.Module, config, ctx) -> None:
     """A meta model needs a checkpoint; a given checkpoint must fit the model (headers only, nothing loaded)."""
+    if _tensor_parallel_loads(ctx):
+        return
     source = checkpoint_source(config)
     if source is None:
         if has_meta_tensors(model):
@@ -29,7 +31,7 @@ def check(model: nn.Module, config, ctx) -> None:
 def place_model(model: nn.Module, config, ctx) -> nn.Module:
     """Move the model to ``ctx.device`` (CPU with ``keep_module_on_host``), loading the checkpoint if one is given."""
     target = torch.device("cpu") if config.keep_module_on_host else torch.device(ctx.device)
-    source = checkpoint_source(config)
+    source = None if _tensor_parallel_loads(ctx) else checkpoint_source(config)
     if source is not None:
         was_meta = has_meta_tensors(model)
         model = load_checkpoint(model, source, target)
@@ -63,6 +65,11 @@ def checkpoint_source(config) -> Path | list[Path] | None:
                         f"{checkpoint!r}")
     path = Path(checkpoint).expanduser()
     return path if path.is_absolute() or not base_dir else Path(base_dir).expanduser() / path
+
+
+def _tensor_parallel_loads(ctx) -> bool:
+    """With tp_size > 1 the tensor-parallel step loads each rank's checkpoint slices; placement only moves the model."""
+    return ctx.extras.get("checkpoint_owner") == "tensor_parallel"
 
 
 def _name(source: Path | list[Path]) -> str:

@@ -1,0 +1,329 @@
+"""AutoTP: make a tensor-parallel plan by following the data through one forward pass.
+
+No class names, no reprs. A tiny forward (4 tokens; on the meta device when the model has no weights yet) runs under
+a ``TorchFunctionMode`` that tags every tensor with the linears it was computed from since the block input ("@in"):
+
+- a linear whose input carries ``@in`` reads the block's input stream -> **column**;
+- a linear whose input comes only from other linears of the block, and whose output reaches the block's output
+  (is added back into the residual) -> **row**;
+- each row linear and the columns feeding it form a group: attention when its sizes match the model's heads, else an
+  MLP. A fused projection's layout (``[q|k|v]``, per-head ``[q,k,v]``, per-KV-group, ``[gate|up]``) is read from
+  the first shape operation applied to its output (split, view to ``(heads, 3, dim)``, ...).
+
+Anything that fits none of these is reported, never guessed.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from .plan import Rule, TPPlan, collapse, linear_like
+from .split import Heads
+
+INPUT = "@in"
+ATTENTION = "@attn"
+_ATTENTION_OPS = ("softmax", "scaled_dot_product_attention", "flex_attention")
+#: On the meta device a data-dependent check has no answer; answer as for an unpadded prompt of ones.
+_META_ANSWERS = {"__bool__": True, "__contains__": False}
+_SPLITS = ("split", "chunk", "__getitem__", "narrow", "split_with_sizes", "tensor_split", "unbind")
+_VIEWS = ("view", "reshape", "unflatten")
+
+
+@dataclass
+class Trace:
+    """What one forward showed: per linear, its input tags, size and first shape op; per block, its output tags."""
+
+    blocks: list[str] = field(default_factory=list)
+    block_lists: list[str] = field(default_factory=list)
+    inputs: dict[str, frozenset] = field(default_factory=dict)
+    out_ndim: dict[str, int] = field(default_factory=dict)
+    first_op: dict[str, tuple[str, tuple]] = field(default_factory=dict)
+    block_out: dict[str, frozenset] = field(default_factory=dict)
+
+
+class _Tagger(TorchFunctionMode):
+    """Propagates tags (sets of linear names) from every op's tensor inputs to its tensor outputs."""
+
+    def __init__(self, trace: Trace):
+        super().__init__()
+        self.trace, self.tags, self.fresh = trace, WeakTensorKeyDictionary(), WeakTensorKeyDictionary()
+
+    def tags_of(self, value) -> frozenset:
+        return frozenset().union(*(self.tags.get(t, frozenset()) for t in _tensors(value)))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        inputs = _tensors((args, kwargs))
+        if name in _META_ANSWERS and any(t.is_meta for t in inputs):
+            return _META_ANSWERS[name]
+        out = func(*args, **kwargs)
+        outputs = _tensors(out)
+        if not outputs:
+            return out
+        self._note_first_use(name, inputs, outputs)
+        tags = frozenset().union(*(self.tags.get(t, frozenset()) for t in inputs))
+        if name in _ATTENTION_OPS and tags:
+            tags |= {ATTENTION}
+        for tensor in outputs:
+            in_place = any(tensor is t for t in inputs)
+            self.tags[tensor] = (self.tags.get(tensor, frozenset()) | tags) if in_place else tags
+        return out
+
+    def _note_first_use(self, op: str, inputs, outputs) -> None:
+        for tensor in inputs:
+            name = self.fresh.pop(tensor, None)
+            if name is not None and name not in self.trace.first_op:
+                self.trace.first_op[name] = (op, tuple(tuple(o.shape) for o in outputs))
+
+    def linear_pre(self, name):
+        def hook(module, args):
+            self.trace.inputs[name] = self.tags_of(args[0]) if args else frozenset()
+        return hook
+
+    def linear_post(self, name):
+        def hook(module, args, out):
+            self.tags[out] = frozenset({name})
+            self.fresh[out] = name
+            self.trace.out_ndim[name] = out.dim()
+        return hook
+
+    def block_pre(self, name):
+        def hook(module, args, kwargs):
+            hidden = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+            if isinstance(hidden, torch.Tensor):
+                self.tags[hidden] = frozenset({INPUT})
+        return hook
+
+    def block_post(self, name):
+        def hook(module, args, out):
+            first = _tensors(out)[:1]
+            self.trace.block_out[name] = self.tags_of(first)
+        return hook
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
+
+
+def find_blocks(model: nn.Module) -> tuple[list[str], list[str]]:
+    """The repeated blocks: children of every ``nn.ModuleList`` that holds linears. Returns (blocks, list paths)."""
+    blocks, lists = [], []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and any(linear_like(m) for m in module.modules()):
+            if not any(name.startswith(b + ".") for b in blocks):
+                lists.append(name)
+                blocks += [f"{name}.{i}" for i in range(len(module))]
+    if not blocks:
+        raise ValueError(f"{type(model).__name__} has no repeated blocks (no nn.ModuleList of layers with linears); "
+                         "AutoTP needs them. Give an injection_policy instead")
+    return blocks, lists
+
+
+def trace_model(model: nn.Module, tokens: int = 4) -> Trace:
+    """Run one tiny forward and record the data flow (see the module docstring)."""
+    trace = Trace()
+    trace.blocks, trace.block_lists = find_blocks(model)
+    tagger = _Tagger(trace)
+    handles = []
+    for name, module in model.named_modules():
+        if linear_like(module):
+            handles += [module.register_forward_pre_hook(tagger.linear_pre(name)),
+                        module.register_forward_hook(tagger.linear_post(name))]
+        if name in trace.blocks:
+            handles += [module.register_forward_pre_hook(tagger.block_pre(name), with_kwargs=True),
+                        module.register_forward_hook(tagger.block_post(name))]
+    ids = torch.ones(1, tokens, dtype=torch.long, device=next(model.parameters()).device)
+    try:
+        with torch.no_grad(), tagger:
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    except Exception as e:
+        raise ValueError(f"tensor parallelism traces one forward of {type(model).__name__} (input_ids of {tokens} "
+                         f"tokens) to find its column- and row-parallel linears, and that forward failed: "
+                         f"{type(e).__name__}: {e}") from e
+    finally:
+        for handle in handles:
+            handle.remove()
+    return trace
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# From data flow to roles, groups and rules
+
+
+def roles_from_flow(trace: Trace, linears: dict[str, nn.Module]) -> dict[str, str]:
+    """Linear name -> "column" or "row" by the data-flow rules; raises listing linears that fit neither."""
+    roles, unclear = {}, []
+    for block in trace.blocks:
+        names = [n for n in linears if n.startswith(block + ".")]
+        for name in names:
+            seen = trace.inputs.get(name)
+            if seen is None:
+                unclear.append(f"{name} (never called in the forward pass)")
+            elif INPUT in seen:
+                roles[name] = "column"
+            elif seen - {ATTENTION} and seen <= {*names, ATTENTION} and name in trace.block_out.get(block, ()):
+                roles[name] = "row"
+            else:
+                unclear.append(f"{name} (reads {sorted(seen) or 'nothing from the block'})")
+    if unclear:
+        raise ValueError(f"AutoTP cannot place {len(unclear)} linear(s) as column- or row-parallel: {unclear[:8]}; "
+                         "give an injection_policy naming the row-parallel (output) linears")
+    return roles
+
+
+def groups_from_roles(trace: Trace, roles: dict[str, str]) -> dict[str, list[str]]:
+    """Row linear -> the column linears that feed it (from the traced data flow). Checks every column feeds exactly
+    one row and never writes into the residual directly."""
+    groups = {}
+    for row in (n for n, r in roles.items() if r == "row"):
+        feeders = sorted(trace.inputs.get(row, frozenset()) - {INPUT, ATTENTION})
+        wrong = [f for f in feeders if roles.get(f) != "column"]
+        if wrong or not feeders:
+            raise ValueError(f"row-parallel linear {row!r} must read only column-parallel linears' outputs, but it "
+                             f"reads {sorted(trace.inputs.get(row, ())) or 'nothing'} (non-column: {wrong})")
+        groups[row] = feeders
+    fed = [c for cs in groups.values() for c in cs]
+    block_out = frozenset().union(*trace.block_out.values()) if trace.block_out else frozenset()
+    for col in (n for n, r in roles.items() if r == "column"):
+        if fed.count(col) != 1 or col in block_out:
+            raise ValueError(f"column-parallel linear {col!r} must feed exactly one row-parallel linear and not the "
+                             f"residual stream; it feeds {fed.count(col)} row linear(s)"
+                             f"{' and the residual' if col in block_out else ''}")
+    return groups
+
+
+def group_rules(row: str, feeders: list[str], linears: dict[str, nn.Module], trace: Trace,
+                n_heads: int | None) -> tuple[dict[str, Rule], Heads | None]:
+    """Rules for one row linear and its feeders: by heads if attention (softmax/SDPA) lies between them, else by
+    MLP columns."""
+    r_in = in_features(linears[row])
+    outs = {f: out_features(linears[f]) for f in feeders}
+    if ATTENTION not in trace.inputs.get(row, ()):
+        return {row: Rule("row"), **{f: _mlp_rule(f, o, r_in) for f, o in outs.items()}}, None
+    heads = attention_heads(row, r_in, outs, n_heads)
+    rules = {row: Rule("row", "q", heads)}
+    for f, o in outs.items():
+        layout = "q" if o == heads.n_q * heads.head_dim else "kv" if o == heads.n_kv * heads.head_dim else \
+            fused_layout(f, trace, heads)
+        rules[f] = Rule("column", layout, heads)
+    return rules, heads
+
+
+def attention_heads(row: str, r_in: int, outs: dict[str, int], n_heads: int | None) -> Heads:
+    """Query heads from the model config; head size and KV heads from the projections' sizes."""
+    if not n_heads or r_in % n_heads:
+        raise ValueError(f"attention output {row!r} has {r_in} inputs, which the model config's "
+                         f"num_attention_heads={n_heads} does not divide; AutoTP needs the number of heads")
+    hd = r_in // n_heads
+    sizes = sorted(outs.values())
+    if len(sizes) == 3 and sizes[2] == r_in and sizes[0] == sizes[1] and sizes[0] % hd == 0:
+        n_kv = sizes[0] // hd
+    elif len(sizes) == 1 and sizes[0] % hd == 0 and (sizes[0] // hd - n_heads) % 2 == 0:
+        n_kv = (sizes[0] // hd - n_heads) // 2
+    else:
+        n_kv = 0
+    if n_kv < 1 or n_heads % n_kv:
+        raise ValueError(f"AutoTP cannot read the heads of the attention feeding {row!r}: projections "
+                         f"{outs} with {n_heads} heads of size {hd}; expected q/k/v projections or one fused q/k/v")
+    return Heads(n_heads, n_kv, hd)
+
+
+def _mlp_rule(name: str, out: int, r_in: int) -> Rule:
+    if out == r_in:
+        return Rule("column")
+    if out == 2 * r_in:
+        return Rule("column", "halves")
+    raise ValueError(f"column-parallel linear {name!r} has {out} outputs but the row-parallel linear it feeds has "
+                     f"{r_in} inputs; allowed: equal, or twice (fused [gate | up])")
+
+
+def fused_layout(name: str, trace: Trace, heads: Heads) -> str:
+    """The layout of a fused q/k/v projection, from the first shape op applied to its output."""
+    op, shapes = trace.first_op.get(name, ("nothing", ()))
+    hd, nq, nkv = heads.head_dim, heads.n_q, heads.n_kv
+    lead = trace.out_ndim.get(name, 1) - 1
+    if op in _SPLITS and shapes and shapes[0][lead:] == (nq * hd,):
+        return "qkv"
+    tail = tuple(shapes[0][lead:]) if op in _VIEWS and shapes else ()
+    if tail == (nq + 2 * nkv, hd):
+        return "qkv"
+    if nq == nkv and tail in ((nq, 3, hd), (nq, 3 * hd)):
+        return "heads"
+    if tail == (nkv, heads.group + 2, hd):
+        return "kv_groups"
+    raise ValueError(f"AutoTP cannot tell how the fused projection {name!r} ({(nq + 2 * nkv) * hd} outputs) lays out "
+                     f"its q/k/v: its output is first used by {op!r} giving shapes {list(shapes)}; give an "
+                     "injection_policy or a plan")
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The plan
+
+
+def autotp_plan(model: nn.Module, trace: Trace | None = None) -> TPPlan:
+    """AutoTP's plan for ``model`` (see the module docstring)."""
+    trace = trace or trace_model(model)
+    linears = {n: m for n, m in model.named_modules() if linear_like(m)}
+    roles = roles_from_flow(trace, linears)
+    return plan_from_roles(model, trace, roles, trace.blocks, source="autotp")
+
+
+def plan_from_roles(model: nn.Module, trace: Trace, roles: dict[str, str], blocks: list[str], source: str) -> TPPlan:
+    """Group the roles by data flow, give each group its layouts, add vocab/replicate rules, collapse to wildcards."""
+    n_heads = getattr(getattr(model, "config", None), "num_attention_heads", None)
+    linears = {n: m for n, m in model.named_modules() if linear_like(m)}
+    rules: dict[str, Rule] = {}
+    attention: dict[str, Heads] = {}
+    for row, feeders in groups_from_roles(trace, roles).items():
+        group, heads = group_rules(row, feeders, linears, trace, n_heads)
+        rules.update(group)
+        if heads is not None:
+            attention[common_parent([row, *feeders])] = heads
+    rules.update(edge_rules(model, linears, rules))
+    prefixes = trace.block_lists
+    ordered = {n: rules[n] for n, _ in model.named_modules() if n in rules}
+    return TPPlan(collapse(ordered, prefixes), collapse(attention, prefixes),
+                  list(collapse(dict.fromkeys(blocks, True), prefixes)), source)
+
+
+def edge_rules(model: nn.Module, linears: dict[str, nn.Module], covered: dict[str, Rule]) -> dict[str, Rule]:
+    """Vocab-parallel embeddings and lm_head (found with the model's get_*_embeddings), the rest replicated.
+
+    Only a plain ``nn.Embedding`` is split (a subclass may scale or offset in its forward, which the parallel
+    embedding would drop); an lm_head tied to an embedding that stays whole stays whole too."""
+    names = {id(m): n for n, m in model.named_modules()}
+    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    head = getattr(model, "get_output_embeddings", lambda: None)()
+    rules = {}
+    if isinstance(embed, nn.Embedding) and id(embed) in names:
+        rules[names[id(embed)]] = Rule("vocab" if type(embed) is nn.Embedding else "replicate")
+    if isinstance(head, nn.Linear) and id(head) in names:
+        whole = [r for r in rules.values() if r.style == "replicate"]
+        tied_to_whole = embed is not None and head.weight is getattr(embed, "weight", None) and whole
+        rules[names[id(head)]] = Rule("replicate" if tied_to_whole else "vocab")
+    rules.update({n: Rule("replicate") for n in linears if n not in covered and n not in rules})
+    return rules
+
+
+def common_parent(names: list[str]) -> str:
+    parts = [n.split(".")[:-1] for n in names]
+    common = []
+    for segments in zip(*parts):
+        if len(set(segments)) > 1:
+            break
+        common.append(segments[0])
+    return ".".join(common)
+
+
+def in_features(module: nn.Module) -> int:
+    return module.weight.shape[1] if isinstance(module, nn.Linear) else module.weight.shape[0]
+
+
+def out_features(module: nn.Module) -> int:
+    return module.weight.shape[0] if isinstance(module, nn.Linear) else module.weight.shape[1]

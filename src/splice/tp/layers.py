@@ -1,0 +1,84 @@
+"""Parallel layers. Each holds only its rank's shard and does its own communication through the ParallelContext.
+
+Quantization contract ("shard first, then quantize"): a column-parallel linear is a plain ``nn.Linear`` with fewer
+outputs; :class:`RowParallelLinear` and :class:`VocabParallelLinear` wrap an inner plain ``nn.Linear`` (``.linear``,
+without bias) and keep their collective and bias *outside* it. A quantizer may replace any ``nn.Linear`` — including
+``.linear`` inside these wrappers — with its own module of the same call signature, and the all-reduce / all-gather
+stays in place.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..distributed import ParallelContext
+
+
+class RowParallelLinear(nn.Module):
+    """``y = all_reduce(x_shard @ W_shard^T) + b``: the input features are split over the group."""
+
+    def __init__(self, linear: nn.Linear, bias: nn.Parameter | None, ctx: ParallelContext):
+        super().__init__()
+        self.linear, self.bias, self.ctx = linear, bias, ctx
+
+    @property
+    def in_features(self) -> int:
+        return self.linear.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.linear.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ctx.all_reduce(self.linear(x))
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"rank={self.ctx.rank}/{self.ctx.world_size}, bias={self.bias is not None}"
+
+
+class VocabParallelLinear(nn.Module):
+    """An lm_head split by vocabulary rows; the logits are all-gathered so every rank has all of them."""
+
+    def __init__(self, linear: nn.Linear, sizes: list[int], ctx: ParallelContext):
+        super().__init__()
+        self.linear, self.sizes, self.ctx = linear, list(sizes), ctx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ctx.all_gather_last(self.linear(x), self.sizes)
+
+    def extra_repr(self) -> str:
+        return f"vocab={sum(self.sizes)}, rows per rank={self.sizes}"
+
+
+class VocabParallelEmbedding(nn.Module):
+    """An embedding split by vocabulary rows ``start:stop``; ids elsewhere give zeros, then the group sums."""
+
+    def __init__(self, weight: nn.Parameter, start: int, num_embeddings: int, ctx: ParallelContext):
+        super().__init__()
+        self.weight, self.start, self.num_embeddings, self.ctx = weight, start, num_embeddings, ctx
+        self.embedding_dim = weight.shape[1]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.ctx.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
+
+    def extra_repr(self) -> str:
+        stop = self.start + self.weight.shape[0]
+        return f"rows {self.start}:{stop} of {self.num_embeddings}, dim={self.embedding_dim}"
+
+
+def plain_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` holding exactly these tensors (no copy, no initialisation)."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = _param(weight)
+    if bias is not None:
+        linear.bias = _param(bias)
+    return linear
+
+
+def _param(tensor: torch.Tensor) -> nn.Parameter:
+    return tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)

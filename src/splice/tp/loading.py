@@ -1,0 +1,206 @@
+"""Per-rank checkpoint loading and saving.
+
+:func:`load_slices` fills a sharded model (possibly still on the meta device) with only its rank's slices, read with
+safetensors' memory-mapped ``get_slice``, one tensor at a time (each file is opened per tensor, so the pages mapped
+for one tensor are released before the next): no rank ever holds the whole model.
+
+:func:`save_shards` writes ``save_mp_checkpoint_path``: one ``tp{N}-rank{r}.safetensors`` per rank plus
+``splice_tp.json`` (tp size, the plan, the files). Passing that JSON as ``checkpoint`` reloads each rank's file
+directly, with the stored plan: no tracing, no slicing.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from itertools import chain
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from ..distributed import ParallelContext
+from .apply import ShardMap, Slice, cut
+from .split import width
+from .plan import TPPlan
+
+MANIFEST = "splice_tp.json"
+FORMAT = "splice-tp/1"
+
+
+def checkpoint_files(path) -> list[Path]:
+    """The safetensors files of a checkpoint (splice.checkpoint's reader; a plain fallback if it is absent)."""
+    try:
+        from ..checkpoint import checkpoint_files as files
+    except ImportError:  # pragma: no cover - checkpoint.py is part of splice
+        path = Path(path)
+        return sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    return files(path)
+
+
+def tensor_index(files: list[Path]) -> dict[str, Path]:
+    """Tensor name -> the file holding it (headers only)."""
+    index = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            index.update(dict.fromkeys(f.keys(), file))
+    return index
+
+
+def load_slices(model: nn.Module, shards: ShardMap, path, chunk_mib: int = 16) -> None:
+    """Copy each tensor's slice (per ``shards``; whole tensors otherwise) from the checkpoint into ``model``.
+
+    The model must already have real storage (``splice.checkpoint.materialize`` a meta model first). Reads go in
+    chunks of about ``chunk_mib`` straight into the target, each through a freshly opened (memory-mapped) file, so
+    neither a temporary copy nor the file's mapped pages grow past one chunk. Raises naming the tensors the
+    checkpoint lacks or whose slice has the wrong shape.
+    """
+    index = tensor_index(checkpoint_files(path))
+    missing, wrong = [], []
+    with torch.no_grad():
+        for names, target in unique_tensors(model):
+            found = [s for s in (shards.get(n, Slice(n)) for n in names) if s.source in index]
+            if not found:
+                missing.append(names[0])
+                continue
+            file, spec = index[found[0].source], found[0]
+            shape = slice_shape(file, spec)
+            if shape != tuple(target.shape):
+                wrong.append(f"{names[0]} (checkpoint slice {list(shape)} vs model {list(target.shape)})")
+                continue
+            read_into(target, file, spec, chunk_mib * 2**20)
+    if missing or wrong:
+        raise ValueError(f"checkpoint {str(path)!r} does not fit the sharded model: missing {missing[:8]}, "
+                         f"wrong shape {wrong[:8]}")
+
+
+def slice_shape(file: Path, spec: Slice) -> tuple[int, ...]:
+    """The shape ``spec`` gives, from the file header only."""
+    with safe_open(file, framework="pt") as f:
+        shape = list(f.get_slice(spec.source).get_shape())
+    if spec.dim is not None:
+        shape[spec.dim] = width(spec.ranges)
+    return tuple(reversed(shape)) if spec.transpose else tuple(shape)
+
+
+def read_into(target: torch.Tensor, file: Path, spec: Slice, chunk_bytes: int) -> None:
+    """Copy ``spec``'s slice of the file's tensor into ``target``, a chunk of source rows at a time."""
+    dest = target.t() if spec.transpose else target  # indexed like the source from here on
+    if dest.dim() == 0:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            dest.copy_(f.get_tensor(spec.source))
+        return
+    for src_index, dst_index in _pieces(dest.shape, spec, chunk_bytes // max(1, dest[0].numel() * dest.element_size())):
+        with safe_open(file, framework="pt", device="cpu") as f:  # reopened: the mapping is released each time
+            dest[dst_index].copy_(f.get_slice(spec.source)[src_index])
+
+
+def _pieces(dest_shape, spec: Slice, rows_per_chunk: int):
+    """(source index, destination index) pairs covering the slice, at most ``rows_per_chunk`` source rows each."""
+    step = max(1, rows_per_chunk)
+    if spec.dim == 0:
+        offset = 0
+        for a, b in spec.ranges:
+            for c0 in range(a, b, step):
+                c1 = min(c0 + step, b)
+                yield (slice(c0, c1),), (slice(offset + c0 - a, offset + c1 - a),)
+            offset += b - a
+        return
+    for r0 in range(0, dest_shape[0], step):
+        rows = (slice(r0, min(r0 + step, dest_shape[0])),)
+        if spec.dim is None:
+            yield rows, rows
+            continue
+        lead, offset = rows + (slice(None),) * (spec.dim - 1), 0
+        for a, b in spec.ranges:
+            yield lead + (slice(a, b),), lead + (slice(offset, offset + b - a),)
+            offset += b - a
+
+
+def read_slice(file: Path, spec: Slice) -> torch.Tensor:
+    """Only the ranges ``spec`` names, as a new tensor (memory-mapped ``get_slice``)."""
+    with safe_open(file, framework="pt", device="cpu") as f:
+        view = f.get_slice(spec.source)
+        if spec.dim is None:
+            value = view[:]
+        else:
+            index = [slice(None)] * spec.dim
+            value = torch.cat([view[tuple(index + [slice(start, stop)])] for start, stop in spec.ranges], spec.dim)
+    return value.t().contiguous() if spec.transpose else value
+
+
+def unique_tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
+    """Each distinct parameter/persistent buffer once, with all the names it goes by (tied weights)."""
+    groups: dict[int, list[str]] = defaultdict(list)
+    tensors: dict[int, torch.Tensor] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        groups[id(tensor)].append(name)
+        tensors[id(tensor)] = tensor
+    return [(names, tensors[key]) for key, names in groups.items()]
+
+
+def slice_in_memory(state: dict[str, torch.Tensor], spec: Slice) -> torch.Tensor:
+    """The same slice as :func:`read_slice`, from an in-memory state dict (used by tests)."""
+    value = state[spec.source]
+    value = value if spec.dim is None else cut(value, spec.dim, spec.ranges)
+    return value.t() if spec.transpose else value
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# save_mp_checkpoint_path
+
+
+def save_shards(model: nn.Module, plan: TPPlan, ctx: ParallelContext, path: str | os.PathLike) -> Path:
+    """Write this rank's shard and (rank 0) the manifest; returns the manifest path. Collective: all ranks call."""
+    folder = Path(path).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    tp = ctx.world_size
+    files = [f"tp{tp}-rank{r}.safetensors" for r in range(tp)]
+    tensors, ties = {}, []
+    for names, tensor in unique_tensors(model):
+        tensors[names[0]] = tensor.detach().contiguous()
+        if len(names) > 1:
+            ties.append(names)
+    save_file(tensors, str(folder / files[ctx.rank]), metadata={"format": FORMAT, "rank": str(ctx.rank)})
+    manifest = folder / MANIFEST
+    if ctx.rank == 0:
+        data = {"format": FORMAT, "tp_size": tp, "files": files, "ties": ties, "plan": plan.to_dict()}
+        manifest.write_text(json.dumps(data, indent=1))
+    ctx.barrier()
+    return manifest
+
+
+def read_manifest(path: str | os.PathLike) -> dict | None:
+    """The manifest if ``path`` is a splice tensor-parallel checkpoint (its JSON or its folder), else None."""
+    path = Path(path).expanduser()
+    path = path / MANIFEST if path.is_dir() else path
+    if path.suffix != ".json" or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        return None
+    return {**data, "folder": str(path.parent)}
+
+
+def manifest_plan(manifest: dict, tp: int) -> TPPlan:
+    if manifest["tp_size"] != tp:
+        raise ValueError(f"checkpoint {manifest['folder']!r} was saved for tensor_parallel.tp_size="
+                         f"{manifest['tp_size']}, but tp_size={tp}; allowed: tp_size={manifest['tp_size']}, or load "
+                         "the original unsharded checkpoint")
+    return TPPlan.from_dict(manifest["plan"])
+
+
+def load_shard(model: nn.Module, manifest: dict, rank: int) -> None:
+    """Load this rank's saved shard into the (materialised) sharded model, by name, no slicing."""
+    file = Path(manifest["folder"]) / manifest["files"][rank]
+    load_slices(model, {}, file)
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    seen = {id(p): p for p in chain(model.parameters())}
+    return sum(p.numel() * p.element_size() for p in seen.values())

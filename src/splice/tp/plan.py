@@ -1,0 +1,186 @@
+"""A tensor-parallel plan is data: module paths (with ``*`` wildcards) mapped to how each module is sharded.
+
+``{"model.layers.*.self_attn.q_proj": Rule("column", "q", heads), "model.layers.*.self_attn.o_proj": Rule("row", "q",
+heads), "lm_head": Rule("vocab"), ...}``. Styles:
+
+- ``column``: the output features are split; no communication.
+- ``row``: the input features are split; the outputs are summed over the group (one all-reduce), then the bias added.
+- ``vocab``: an embedding or lm_head split by vocabulary rows (the lm_head's logits are all-gathered).
+- ``replicate``: every rank keeps the whole module.
+
+The ``layout`` (see :mod:`splice.tp.split`) says how the split dimension is organised, so fused projections are split
+by heads or halves rather than raw rows. ``attention`` lists the modules whose per-rank head counts must be set.
+AutoTP, a user ``injection_policy`` and (later) fused blocks only differ in how they *make* a plan;
+:func:`splice.tp.apply.apply_plan` applies any of them. Keys are module paths (a parameter's path minus
+``.weight``/``.bias``), as in transformers' ``base_model_tp_plan``.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from torch import nn
+
+from .split import HEAD_LAYOUTS, LAYOUTS, Heads, check_heads
+
+STYLES = ("column", "row", "vocab", "replicate")
+
+
+@dataclass(frozen=True)
+class Rule:
+    style: str
+    layout: str = "plain"
+    heads: Heads | None = None
+
+    def __post_init__(self) -> None:
+        if self.style not in STYLES:
+            raise ValueError(f"unknown tensor-parallel style {self.style!r}; allowed: {', '.join(STYLES)}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"unknown tensor-parallel layout {self.layout!r}; allowed: {', '.join(LAYOUTS)}")
+        if self.layout in HEAD_LAYOUTS and self.heads is None:
+            raise ValueError(f"layout {self.layout!r} splits by attention heads and needs heads=Heads(...)")
+
+    def __str__(self) -> str:
+        text = self.style if self.layout == "plain" else f"{self.style}({self.layout})"
+        return text if self.heads is None else f"{text} heads q={self.heads.n_q} kv={self.heads.n_kv} " \
+                                               f"dim={self.heads.head_dim}"
+
+
+@dataclass
+class TPPlan:
+    """Module-path patterns -> rules; attention-module patterns -> their (model-wide) heads; the blocks whose every
+    linear the plan must cover; where the plan came from."""
+
+    rules: dict[str, Rule]
+    attention: dict[str, Heads] = field(default_factory=dict)
+    blocks: list[str] = field(default_factory=list)
+    source: str = "user"
+
+    def to_dict(self) -> dict:
+        return {"source": self.source, "blocks": list(self.blocks),
+                "rules": {k: {key: val for key, val in asdict(r).items() if val is not None} for k, r in self.rules.items()},
+                "attention": {k: asdict(h) for k, h in self.attention.items()}}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TPPlan:
+        rules = {k: Rule(r["style"], r.get("layout", "plain"), Heads(**r["heads"]) if r.get("heads") else None)
+                 for k, r in data["rules"].items()}
+        attention = {k: Heads(**h) for k, h in data.get("attention", {}).items()}
+        return cls(rules, attention, list(data.get("blocks", [])), data.get("source", "user"))
+
+    def describe(self) -> str:
+        width = max((len(k) for k in self.rules), default=0)
+        lines = [f"tensor-parallel plan ({self.source}; blocks {', '.join(self.blocks) or 'none'}):"]
+        lines += [f"  {pattern:<{width}}  {rule}" for pattern, rule in self.rules.items()]
+        lines += [f"  {pattern:<{width}}  attention heads q={h.n_q} kv={h.n_kv} dim={h.head_dim}"
+                  for pattern, h in self.attention.items()]
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Matching
+
+
+def matches(pattern: str, name: str) -> bool:
+    """``*`` matches exactly one path segment: ``layers.*.mlp`` matches ``layers.3.mlp``."""
+    parts, segments = pattern.split("."), name.split(".")
+    return len(parts) == len(segments) and all(p in ("*", s) for p, s in zip(parts, segments))
+
+
+def lookup(table: dict, name: str):
+    """The value of the one pattern in ``table`` that matches ``name``, or None; two different matches raise."""
+    found = {pattern: value for pattern, value in table.items() if matches(pattern, name)}
+    if len(set(found.values())) > 1:
+        raise ValueError(f"module {name!r} is matched by several different plan rules: {found}")
+    return next(iter(found.values()), None)
+
+
+def resolve(plan: TPPlan, model: nn.Module) -> dict[str, Rule]:
+    """Module name -> rule for every module the plan covers."""
+    return {name: rule for name, _ in model.named_modules() if (rule := lookup(plan.rules, name)) is not None}
+
+
+def collapse(named: dict[str, object], prefixes: list[str]) -> dict[str, object]:
+    """Replace block indices by ``*`` (``layers.0.q``, ``layers.1.q`` -> ``layers.*.q``) where all blocks agree."""
+    grouped: dict[str, dict[str, object]] = {}
+    for name, value in named.items():
+        grouped.setdefault(_wildcard(name, prefixes), {})[name] = value
+    out: dict[str, object] = {}
+    for pattern, members in grouped.items():
+        if len(set(members.values())) == 1:
+            out[pattern] = next(iter(members.values()))
+        else:
+            out.update(members)
+    return out
+
+
+def _wildcard(name: str, prefixes: list[str]) -> str:
+    for prefix in prefixes:
+        head = prefix + "."
+        if name.startswith(head):
+            index, _, rest = name[len(head):].partition(".")
+            return f"{head}*" + (f".{rest}" if rest else "")
+    return name
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Verification
+
+
+def linear_like(module: nn.Module) -> bool:
+    """``nn.Linear`` or transformers' ``Conv1D`` (a linear with a transposed weight)."""
+    return isinstance(module, nn.Linear) or is_conv1d(module)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(module, Conv1D)
+
+
+def block_linears(model: nn.Module, blocks: list[str]) -> list[str]:
+    """Linears inside any module whose path matches one of the ``blocks`` patterns."""
+    names = [name for name, _ in model.named_modules()]
+    roots = [n for n in names if any(matches(b, n) for b in blocks)]
+    return [name for name, m in model.named_modules() if linear_like(m) and any(_inside(name, r) for r in roots)]
+
+
+def verify(plan: TPPlan, model: nn.Module, tp: int) -> dict[str, Rule]:
+    """Check the plan against the model; return module name -> rule. Raises ValueError listing rules that match
+    nothing, linears in blocks that no rule covers, rules on the wrong kind of module, and head counts ``tp`` cannot
+    split."""
+    resolved = resolve(plan, model)
+    modules = dict(model.named_modules())
+    unused = [p for p in plan.rules if not any(matches(p, n) for n in modules)]
+    unused += [p for p in plan.attention if not any(matches(p, n) for n in modules)]
+    if unused:
+        raise ValueError(f"tensor-parallel plan rules match no module: {unused}; modules with weights include: "
+                         f"{_sample([n for n, m in modules.items() if linear_like(m)])}")
+    uncovered = [n for n in block_linears(model, plan.blocks) if n not in resolved]
+    if uncovered:
+        raise ValueError(f"tensor-parallel plan leaves {len(uncovered)} linear(s) uncovered: {_sample(uncovered)}; "
+                         "give each a rule (column, row, replicate)")
+    for name, rule in resolved.items():
+        _check_kind(name, modules[name], rule)
+        if rule.heads is not None:
+            check_heads(rule.heads, tp)
+    for heads in plan.attention.values():
+        check_heads(heads, tp)
+    return resolved
+
+
+def _check_kind(name: str, module: nn.Module, rule: Rule) -> None:
+    ok = linear_like(module) or (rule.style in ("vocab", "replicate") and isinstance(module, nn.Embedding))
+    if not ok:
+        raise ValueError(f"tensor-parallel rule {rule.style!r} for {name!r} needs a linear (or an embedding for "
+                         f"'vocab'), but {name!r} is a {type(module).__name__}")
+
+
+def _inside(name: str, prefix: str) -> bool:
+    return name.startswith(prefix + ".")
+
+
+def _sample(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")

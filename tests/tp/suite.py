@@ -1,0 +1,34 @@
+"""The tp=2 run shared by several test modules: started once per test session, on first use."""
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+from tests.tp import workers
+from tests.tp.launch import run_ranks
+from tests.tp.models import FAMILIES, build
+
+PARITY_CASES = [(family, mode, {}) for family in FAMILIES for mode in ("autotp", "policy")]
+#: (family, config overrides); llama is saved in several files and loaded through its index JSON.
+CHECKPOINT_MODELS = [("llama", {"tie_word_embeddings": True}), ("gpt2", {})]
+SHARDED = {"llama": "model.safetensors.index.json"}
+_ROOT = tempfile.TemporaryDirectory(prefix="splice-tp2-")
+
+
+@functools.lru_cache(maxsize=1)
+def tp2() -> list[dict]:
+    """Per rank: {"distributed", "parity", "checkpoints", "bad"} results of ``workers.tp2_suite``."""
+    root = Path(_ROOT.name)
+    for family, overrides in CHECKPOINT_MODELS:
+        size = "150KB" if family in SHARDED else "100GB"
+        build(family, **overrides).save_pretrained(root / family / "hf", max_shard_size=size)
+    return run_ranks(workers.tp2_suite, 2, PARITY_CASES, CHECKPOINT_MODELS, SHARDED, str(root), timeout=200)
+
+
+def saved_files(family: str) -> list[str]:
+    return sorted(p.name for p in (Path(_ROOT.name) / family / "tp").iterdir())
+
+
+def hf_files(family: str) -> list[str]:
+    return sorted(p.name for p in (Path(_ROOT.name) / family / "hf").glob("*.safetensors*"))

@@ -1,0 +1,22 @@
+"""Per-rank loading from a meta model + HF safetensors folder (only this rank's slices), save_mp_checkpoint_path and
+reloading the saved shards: identical logits; tied embeddings stay tied; GPT-2's transposed Conv1D weights; a
+checkpoint in several files loaded through its index JSON."""
+from __future__ import annotations
+
+import pytest
+
+from tests.tp import suite
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def test_meta_model_loads_its_slices_and_saved_shards_reload():
+    for per_model in (r["checkpoints"] for r in suite.tp2()):
+        assert set(per_model) == {family for family, _ in suite.CHECKPOINT_MODELS}
+        for family, r in per_model.items():
+            assert r["first"]["max_diff"] < 1e-4 and r["first"]["tokens_equal"], (family, r)
+            assert r["reloaded"]["tokens_equal"] and r["bitwise_same"], (family, r)
+            assert r["tied"] and not r["meta_left"], (family, r)
+            assert r["loaded"].endswith(suite.SHARDED.get(family, "hf")), (family, r)
+    assert len(suite.hf_files("llama")) > 2  # several files + the index: loaded through the index JSON
+    assert suite.saved_files("llama") == ["splice_tp.json", "tp2-rank0.safetensors", "tp2-rank1.safetensors"]

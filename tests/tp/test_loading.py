@@ -1,0 +1,32 @@
+"""The chunked per-rank reader: every kind of slice, read a few rows at a time, equals slicing in memory."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from splice.tp.apply import Slice
+from splice.tp.loading import read_into, read_manifest, slice_in_memory, slice_shape
+
+SPECS = [Slice("w"), Slice("w", 0, ((1, 4), (6, 9))), Slice("w", 1, ((0, 3), (8, 12))),
+         Slice("w", 1, ((2, 5),), transpose=True), Slice("w", 0, ((2, 7),), transpose=True),
+         Slice("b", 0, ((1, 5),)), Slice("b"), Slice("s")]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.parametrize("chunk_bytes", [1, 100, 10**9])
+def test_chunked_reads_equal_in_memory_slices(tmp_path, spec, chunk_bytes):
+    state = {"w": torch.randn(10, 12), "b": torch.randn(7), "s": torch.tensor(3.0)}
+    save_file(state, str(tmp_path / "x.safetensors"))
+    expected = slice_in_memory(state, spec)
+    assert slice_shape(tmp_path / "x.safetensors", spec) == tuple(expected.shape)
+    target = torch.empty(expected.shape)
+    read_into(target, tmp_path / "x.safetensors", spec, chunk_bytes)
+    assert torch.equal(target, expected)
+
+
+def test_only_splice_manifests_are_manifests(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert read_manifest(tmp_path / "config.json") is None and read_manifest(tmp_path) is None
+    (tmp_path / "splice_tp.json").write_text('{"format": "splice-tp/1", "tp_size": 2}')
+    assert read_manifest(tmp_path)["tp_size"] == 2 and read_manifest(tmp_path)["folder"] == str(tmp_path)

@@ -1,0 +1,162 @@
+"""AutoTP's data-flow plans, user policies, verification and the plan as data (single process, meta models)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from splice.distributed import ParallelContext
+from splice.tp.apply import apply_plan
+from splice.tp.autotp import autotp_plan
+from splice.tp.loading import slice_in_memory
+from splice.tp.plan import Rule, TPPlan, verify
+from splice.tp.policy import policy_plan
+from splice.tp.split import Heads
+from tests.tp.models import FAMILIES, build
+
+# family -> (attention output, fused or q layout, MLP output, expected q/kv heads)
+EXPECTED = {
+    "llama": ("model.layers.*.self_attn.o_proj", ("model.layers.*.self_attn.k_proj", "kv"), "model.layers.*.mlp.down_proj", (4, 2)),
+    "qwen2": ("model.layers.*.self_attn.o_proj", ("model.layers.*.self_attn.q_proj", "q"), "model.layers.*.mlp.down_proj", (4, 2)),
+    "gpt2": ("transformer.h.*.attn.c_proj", ("transformer.h.*.attn.c_attn", "qkv"), "transformer.h.*.mlp.c_proj", (4, 4)),
+    "gpt_neox": ("gpt_neox.layers.*.attention.dense", ("gpt_neox.layers.*.attention.query_key_value", "heads"),
+                 "gpt_neox.layers.*.mlp.dense_4h_to_h", (4, 4)),
+    "bloom": ("transformer.h.*.self_attention.dense", ("transformer.h.*.self_attention.query_key_value", "heads"),
+              "transformer.h.*.mlp.dense_4h_to_h", (4, 4)),
+    "falcon": ("transformer.h.*.self_attention.dense", ("transformer.h.*.self_attention.query_key_value", "qkv"),
+               "transformer.h.*.mlp.dense_4h_to_h", (4, 1)),
+    "phi3": ("model.layers.*.self_attn.o_proj", ("model.layers.*.self_attn.qkv_proj", "qkv"),
+             "model.layers.*.mlp.down_proj", (4, 2)),
+    "opt": ("model.decoder.layers.*.self_attn.out_proj", ("model.decoder.layers.*.self_attn.q_proj", "q"),
+            "model.decoder.layers.*.fc2", (4, 4)),
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_autotp_finds_rows_columns_and_fused_layouts_by_data_flow(family):
+    plan = autotp_plan(build(family, meta=True))
+    attn_out, (column, layout), mlp_out, (n_q, n_kv) = EXPECTED[family]
+    assert plan.rules[attn_out].style == "row" and plan.rules[attn_out].layout == "q"
+    assert plan.rules[column] == Rule("column", layout, plan.rules[attn_out].heads)
+    assert (plan.rules[attn_out].heads.n_q, plan.rules[attn_out].heads.n_kv) == (n_q, n_kv)
+    assert plan.rules[mlp_out] == Rule("row")
+    assert sum(r.style == "vocab" for r in plan.rules.values()) == 2  # embeddings and lm_head
+    assert all("*" in p for p in plan.attention) and len(plan.blocks) == 1
+
+
+def test_phi3_gate_up_is_split_by_halves():
+    assert autotp_plan(build("phi3", meta=True)).rules["model.layers.*.mlp.gate_up_proj"] == Rule("column", "halves")
+
+
+def test_falcon_new_architecture_is_split_by_kv_groups():
+    plan = autotp_plan(build("falcon", meta=True, new_decoder_architecture=True, num_kv_heads=2))
+    rule = plan.rules["transformer.h.*.self_attention.query_key_value"]
+    assert (rule.layout, rule.heads) == ("kv_groups", Heads(4, 2, 16))
+
+
+def test_plan_round_trips_as_json_data_and_describes_itself():
+    plan = autotp_plan(build("gpt2", meta=True))
+    again = TPPlan.from_dict(plan.to_dict())
+    assert again == plan
+    lines = {line.split()[0]: line.split(None, 1)[1] for line in plan.describe().splitlines()[1:]}
+    assert lines["transformer.h.*.attn.c_attn"].startswith("column(qkv) heads q=4 kv=4 dim=16")
+    assert lines["lm_head"] == "vocab"
+
+
+def test_verify_reports_rules_that_match_nothing_and_uncovered_linears():
+    model = build("llama", meta=True)
+    plan = autotp_plan(model)
+    extra = TPPlan({**plan.rules, "model.layers.*.mlp.gate": Rule("column")}, plan.attention, plan.blocks)
+    with pytest.raises(ValueError, match=r"rules match no module: \['model.layers.\*.mlp.gate'\]"):
+        verify(extra, model, 2)
+    partial = TPPlan({k: v for k, v in plan.rules.items() if "up_proj" not in k}, plan.attention, plan.blocks)
+    with pytest.raises(ValueError, match=r"2 linear\(s\) uncovered: model.layers.0.mlp.up_proj, model.layers.1"):
+        verify(partial, model, 2)
+    wrong = TPPlan({**plan.rules, "model.layers.*.input_layernorm": Rule("column")}, plan.attention, plan.blocks)
+    with pytest.raises(ValueError, match="needs a linear .* is a LlamaRMSNorm"):
+        verify(wrong, model, 2)
+
+
+def test_policy_gives_the_same_plan_as_autotp_and_names_bad_entries():
+    model = build("llama", meta=True)
+    layer = type(model.model.layers[0])
+    policy = policy_plan(model, {layer: ("self_attn.o_proj", "mlp.down_proj")})
+    assert policy.rules == autotp_plan(model).rules and policy.source == "policy"
+    with pytest.raises(ValueError, match=r"\['mlp.down'\] name\(s\) no linear in it; its linears are \['mlp.down_proj'"):
+        policy_plan(model, {layer: ("self_attn.o_proj", "mlp.down")})
+    with pytest.raises(ValueError, match="row-parallel linear 'model.layers.0.self_attn.q_proj' must read only"):
+        policy_plan(model, {layer: ("self_attn.q_proj", "mlp.down_proj")})
+    with pytest.raises(TypeError, match="keys must be module classes"):
+        policy_plan(model, {"LlamaDecoderLayer": ("self_attn.o_proj",)})
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.skip = nn.Linear(8, 8)  # reads the stream and writes the residual directly: no row partner
+
+    def forward(self, hidden_states, **kwargs):
+        return hidden_states + self.skip(self.norm(hidden_states))
+
+
+class _Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.layers = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, input_ids, attention_mask=None, use_cache=None):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_autotp_lists_linears_it_cannot_place():
+    with pytest.raises(ValueError, match=r"column-parallel linear 'layers.0.skip' must feed exactly one row"):
+        autotp_plan(_Tiny())
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "falcon"])
+def test_shard_map_names_exactly_the_slices_each_rank_holds(family):
+    """apply_plan on real weights, every rank in turn (sharding needs no communication): each sharded tensor equals
+    the slice of the original its ShardMap entry names (Conv1D transposes included), and ties survive."""
+    original = build(family)
+    state = {k: v.clone() for k, v in original.state_dict().items()}
+    plan = autotp_plan(original)
+    for rank in range(3):
+        model = build(family)
+        shards = apply_plan(model, plan, ParallelContext(rank, 3), grain=64)
+        for name, tensor in model.state_dict().items():
+            expected = slice_in_memory(state, shards[name]) if name in shards else state[name]
+            assert torch.equal(tensor, expected), (rank, name)
+        emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+        if original.get_input_embeddings().weight is original.get_output_embeddings().weight:
+            assert head.linear.weight is emb.weight
+
+
+class _ScaledEmbedding(nn.Embedding):
+    def forward(self, ids):
+        return super().forward(ids) * 2.0
+
+
+def test_an_embedding_subclass_and_its_tied_head_stay_whole():
+    model = build("llama", meta=True, tie_word_embeddings=True)
+    scaled = _ScaledEmbedding(128, 64, device="meta")
+    model.model.embed_tokens = scaled
+    model.lm_head.weight = scaled.weight
+    plan = autotp_plan(model)
+    assert plan.rules["model.embed_tokens"] == plan.rules["lm_head"] == Rule("replicate")
+
+
+def test_head_counts_are_set_per_rank_on_modules_never_on_the_shared_config():
+    """Rank 2 of 3 on a 4-query/2-KV-head model holds query heads 2,3 with KV head 1."""
+    model = build("phi3")
+    apply_plan(model, autotp_plan(model), ParallelContext(2, 3))
+    attn = model.model.layers[0].self_attn
+    assert (attn.num_key_value_heads, attn.num_key_value_groups) == (1, 2)
+    assert (attn.config.num_attention_heads, attn.config.num_key_value_heads) == (2, 1)  # Phi-3 reads these
+    assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (4, 2)
+    assert attn.config._attn_implementation == model.config._attn_implementation  # a live view
+    assert attn.qkv_proj.out_features == (2 + 1 + 1) * 16
