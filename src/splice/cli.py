@@ -10,6 +10,8 @@ from typing import Any, Sequence
 
 import torch
 
+from .bench import add_bench_parser
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
@@ -31,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(title="commands")
     add_generate_parser(commands)
     add_info_parser(commands)
+    add_bench_parser(commands)
     return parser
 
 

@@ -39,7 +39,12 @@ class InferenceEngine(nn.Module):
             check_token_ids(input_ids, self.vocab_size)
             prompt_length = input_ids.shape[-1]
             check_request_length(prompt_length, self._requested_total(prompt_length, kwargs), self.config.max_out_tokens)
+        from .generation import generate as native_generate  # kernel-injected models: splice's own decode loop
+        from .transforms.inject import runtime_of
+
         with torch.inference_mode():
+            if runtime_of(self.module) is not None:
+                return native_generate(self.module, *args, **kwargs)  # falls back to HF for options it lacks
             return self.module.generate(*args, **kwargs)
 
     @property
@@ -75,7 +80,7 @@ class InferenceEngine(nn.Module):
 
 
 def _input_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    candidate = kwargs.get("input_ids", args[0] if args else None)
+    candidate = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
     return candidate if isinstance(candidate, torch.Tensor) else None
 
 

@@ -1,15 +1,159 @@
-"""Kernel injection: swap transformer blocks for splice's fused inference block."""
+"""Kernel injection: swap each decoder layer for splice's fused block and attach the native generation path.
+
+Everything family-specific comes from the architecture record (``splice.arch``). Weights are moved, not copied: the
+fused QKV and gate+up weights are concatenated layer by layer and each original layer is released right away, so
+peak memory grows by one layer at most. (With a checkpoint memory-mapped by safetensors, the pages of the released
+q/k/v/gate/up weights stay mapped, as clean page cache the kernel can drop, until the file is unmapped.)
+
+On CPU with 16-bit weights and no quantization to follow, the block linears are then packed for oneDNN.
+"""
 from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..arch import ArchRecord, ModelDims, lookup, model_dims
+from ..layers.block import BlockShape, SpliceBlock, activation
+from ..layers.causal_lm import SpliceCausalLM
+from ..layers.norm import HeadRMSNorm, RMSNorm
+from ..layers.packed_linear import PackedLinear, can_pack
+from ..quant import QuantConfig
+
+RUNTIME_ATTR = "splice_runtime"
 
 
 def check(model, config, ctx) -> None:
-    if config.replace_with_kernel_inject:
+    """Validation only: a known family, real weights, an activation and rope the fused block supports."""
+    if not config.replace_with_kernel_inject:
+        return
+    model_config = getattr(model, "config", None)
+    if model_config is None:
+        raise TypeError(f"kernel injection needs a transformers model with a .config, got {type(model).__name__}")
+    record = lookup(model_config)
+    if any(t.is_meta for t in model.parameters()):
+        raise ValueError("kernel injection needs the model's weights, but some are on the meta device; "
+                         "load the weights first (or use replace_with_kernel_inject=False)")
+    if ctx.parallel.world_size > 1:
         raise NotImplementedError(
-            "replace_with_kernel_inject=True is not available yet in this splice version; "
-            "use replace_with_kernel_inject=False"
-        )
+            f"replace_with_kernel_inject=True with tensor parallelism (world_size={ctx.parallel.world_size}) is not "
+            "available yet; allowed: tp_size=1, or replace_with_kernel_inject=False")
+    dims = model_dims(record, model_config)
+    activation(dims.activation)
+    if config.max_out_tokens > dims.rope.max_positions:
+        raise ValueError(f"max_out_tokens={config.max_out_tokens} exceeds {dims.rope.max_positions}, past which "
+                         f"rope_type={dims.rope.rope_type!r} rescales itself; allowed: max_out_tokens <= "
+                         f"{dims.rope.max_positions}")
 
 
 def inject_kernels(model, config, ctx):
-    ctx.record("inject", "skipped (replace_with_kernel_inject=False)")
+    if not config.replace_with_kernel_inject:
+        ctx.record("inject", "skipped (replace_with_kernel_inject=False)")
+        return model
+    runtime = inject(model, config.max_out_tokens)
+    packed = ""
+    if QuantConfig.from_inference_config(config) is None and can_pack(runtime.dtype, ctx.device):
+        packed = f"; {pack_linears(model, runtime)} linears packed for oneDNN"
+    ctx.record("inject", f"{len(runtime.blocks)} {model.config.model_type} decoder layers -> SpliceBlock (fused QKV "
+                         f"and gate+up GEMMs, SDPA, static KV cache of {config.max_out_tokens} tokens){packed}")
     return model
+
+
+def inject(model: nn.Module, max_out_tokens: int) -> SpliceCausalLM:
+    """Replace the decoder layers of ``model`` in place; return the native path, also attached as
+    ``model.splice_runtime`` (a plain attribute: not a submodule, so it adds nothing to ``state_dict``)."""
+    record = lookup(model.config)
+    dims = model_dims(record, model.config)
+    layers = get_path(model, record.layers)
+    for index in range(len(layers)):
+        layers[index] = fused_block(record, dims, index, layers[index])
+    norm = get_path(model, record.final_norm)
+    set_path(model, record.final_norm, RMSNorm(norm.weight, dims.eps, record.norm_offset))
+    runtime = SpliceCausalLM(model.config, dims, get_path(model, record.embed), layers,
+                             get_path(model, record.final_norm), get_path(model, record.lm_head), record.embed_scale,
+                             max_out_tokens)
+    setattr(model, RUNTIME_ATTR, runtime)
+    return runtime
+
+
+def pack_linears(model: nn.Module, runtime: SpliceCausalLM) -> int:
+    """Swap the blocks' plain ``nn.Linear`` layers (and an untied lm_head) for :class:`PackedLinear`; returns how many.
+
+    A tied lm_head shares the embedding table, which a lookup needs in the plain layout, so it stays as it is.
+    """
+    count = 0
+    for block in runtime.blocks:
+        for name in ("qkv", "o", "gate_up", "down"):
+            if type(getattr(block, name)) is nn.Linear:
+                setattr(block, name, PackedLinear(getattr(block, name)))
+                count += 1
+    head = runtime.lm_head
+    if type(head) is nn.Linear and head.weight is not runtime.embed.weight:
+        runtime.lm_head = PackedLinear(head)
+        model.set_output_embeddings(runtime.lm_head)
+        count += 1
+    return count
+
+
+def runtime_of(model: nn.Module) -> SpliceCausalLM | None:
+    """The native path of an injected model, or None."""
+    return getattr(model, RUNTIME_ATTR, None) if isinstance(model, nn.Module) else None
+
+
+def fused_block(record: ArchRecord, dims: ModelDims, index: int, layer: nn.Module) -> SpliceBlock:
+    """Build one :class:`SpliceBlock` from one decoder layer, taking its weights over."""
+    qkv = fused_linear(layer, record.qkv, (record.q, record.k, record.v))
+    gate_up = fused_linear(layer, record.gate_up, (record.gate, record.up))
+    shape = block_shape(dims, qkv.weight.shape[0], index)
+    qk_norm = None
+    if record.q_norm:
+        qk_norm = HeadRMSNorm(get_path(layer, record.q_norm).weight, get_path(layer, record.k_norm).weight,
+                              shape.n_heads, shape.n_kv_heads, dims.eps)
+    norms = [RMSNorm(get_path(layer, path).weight, dims.eps, record.norm_offset)
+             for path in (record.attn_norm, record.mlp_norm)]
+    return SpliceBlock(index, shape, qkv, get_path(layer, record.o), gate_up, get_path(layer, record.down), *norms,
+                       qk_norm)
+
+
+def fused_linear(layer: nn.Module, fused_path: str | None, part_paths: tuple[str, ...]) -> nn.Module:
+    """The checkpoint's own fused linear when the family has one, else the parts concatenated into one."""
+    if fused_path:
+        return get_path(layer, fused_path)
+    return concat_linears([get_path(layer, path) for path in part_paths])
+
+
+def block_shape(dims: ModelDims, qkv_rows: int, index: int) -> BlockShape:
+    """Head counts from the fused QKV weight (per rank after a tensor-parallel split), split as in the config."""
+    heads = qkv_rows // dims.head_dim
+    n_kv = heads * dims.n_kv_heads // (dims.n_heads + 2 * dims.n_kv_heads)
+    return BlockShape(heads - 2 * n_kv, n_kv, dims.head_dim, dims.windows[index], dims.activation)
+
+
+def concat_linears(linears: list[nn.Linear]) -> nn.Linear:
+    """One ``nn.Linear`` whose output is the outputs of ``linears`` one after the other; the originals are emptied."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    biases = [lin.bias for lin in linears]
+    bias = None
+    if any(b is not None for b in biases):
+        bias = torch.cat([b.detach() if b is not None else weight.new_zeros(lin.out_features)
+                          for b, lin in zip(biases, linears)])
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        fused.bias = nn.Parameter(bias, requires_grad=False)
+    for lin in linears:  # free the originals now, not when the old layer is collected
+        lin.weight = None
+        lin.bias = None
+    return fused
+
+
+def get_path(root: nn.Module, path: str) -> Any:
+    for name in path.split("."):
+        root = getattr(root, name)
+    return root
+
+
+def set_path(root: nn.Module, path: str, value: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(get_path(root, parent) if parent else root, name, value)

@@ -1,12 +1,30 @@
-"""Quantization: integer weight (and activation) kernels."""
+"""Quantization: integer weight (and activation) kernels, after sharding and kernel injection.
+
+Reads ``config.dtype == torch.int8`` and ``config.quant`` through ``QuantConfig.from_inference_config`` (the mapping is
+documented in ``splice/quant/scheme.py``) and hands the model to ``splice.quant.quantize``. Runs after tensor
+parallelism, so each rank quantizes its own shard, and after kernel injection, so fused q/k/v and gate/up linears are
+quantized as one matrix each. Packs for ``ctx.device``, where placement will put the model.
+"""
 from __future__ import annotations
 
+from torch import nn
 
-def check(model, config, ctx) -> None:
-    if config.quant.enabled:
-        raise NotImplementedError("quant.enabled=True is not available yet in this splice version; use quant.enabled=False")
+from ..quant import QuantConfig, plan, quantize
 
 
-def quantize_model(model, config, ctx):
-    ctx.record("quantize", "skipped (no quantization asked for)")
+def check(model: nn.Module, config, ctx) -> None:
+    """Raise on an unsupported scheme, or one that cannot fit the model's linears, before anything changes."""
+    qconfig = QuantConfig.from_inference_config(config)
+    if qconfig is not None:
+        plan(model, qconfig)
+
+
+def quantize_model(model: nn.Module, config, ctx) -> nn.Module:
+    qconfig = QuantConfig.from_inference_config(config)
+    if qconfig is None:
+        ctx.record("quantize", "skipped (no quantization asked for)")
+        return model
+    report = quantize(model, qconfig, device=ctx.device)
+    ctx.extras["quant_config"] = qconfig
+    ctx.record("quantize", report.summary())
     return model

@@ -1,0 +1,27 @@
+"""Architecture records and their registry, keyed on the model config's ``model_type``."""
+from __future__ import annotations
+
+from typing import Any
+
+from .families import RECORDS
+from .record import ArchRecord, ModelDims, RopeSpec, model_dims
+
+REGISTRY: dict[str, ArchRecord] = {record.model_type: record for record in RECORDS}
+
+__all__ = ["ArchRecord", "ModelDims", "RopeSpec", "REGISTRY", "lookup", "model_dims", "supported"]
+
+
+def supported() -> list[str]:
+    return sorted(REGISTRY)
+
+
+def lookup(config: Any) -> ArchRecord:
+    """The record for ``config.model_type``; raises ``ValueError`` naming the supported families otherwise."""
+    model_type = getattr(config, "model_type", None)
+    record = REGISTRY.get(model_type)
+    if record is None:
+        raise ValueError(
+            f"kernel injection has no architecture record for model_type={model_type!r}; "
+            f"supported: {', '.join(supported())} (use replace_with_kernel_inject=False for other models)"
+        )
+    return record

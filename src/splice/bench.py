@@ -1,0 +1,283 @@
+"""``splice bench``: HF eager ``generate`` vs splice (plain and kernel-injected), one after another in one process.
+
+For each configuration (dtype x batch) the model is loaded once; each mode generates ``--new`` tokens from the same
+random ``--prompt``-token prompt. Reported: prefill ms, decode tokens/s (after the first new token), ms/token, peak RSS
+during the run, speedup over HF eager, and a roofline: memory read bandwidth (a >= 1 GiB fp32 GEMV, measured at start)
+divided by the weight bytes read per decode step.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+MODES = ("hf", "plain", "inject")
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
+
+
+@dataclass
+class Row:
+    model: str
+    dtype: str
+    batch: int
+    mode: str
+    prefill_ms: float
+    decode_tok_s: float
+    ms_per_token: float
+    peak_rss_mb: float
+    speedup: float
+    roofline_tok_s: float
+
+
+def add_bench_parser(subparsers) -> None:
+    parser = subparsers.add_parser("bench", help="time HF eager vs splice (plain, kernel-injected) side by side")
+    parser.add_argument("--model", default="smollm2-135m-instruct",
+                        help="a name or folder splice.load accepts, or 'llama-1b' (random TinyLlama-shaped weights)")
+    parser.add_argument("--dtype", default="fp32", help="comma-separated: fp32,bf16 (default fp32)")
+    parser.add_argument("--batch", default="1", help="comma-separated batch sizes (default 1)")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
+    parser.add_argument("--new", type=int, default=64, help="new tokens (default 64)")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
+    parser.add_argument("--repeat", type=int, default=2, help="timed runs per mode, best kept (default 2)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the injected decode step")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--json", default="splice-bench.json", help="where to write the results (JSON)")
+    parser.add_argument("--plot", help="also draw the decode tokens/s bars to this image file (needs matplotlib)")
+    parser.set_defaults(run=run_bench)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    modes = _choices(args.modes, MODES, "--modes")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bandwidth = read_bandwidth_gbs()
+    rows: list[Row] = []
+    for dtype in _split(args.dtype):
+        for batch in (int(b) for b in _split(args.batch)):
+            rows += bench_configuration(args, dtype, batch, modes, bandwidth)
+    print(format_table(rows))
+    report = {"machine": machine_info(bandwidth), "settings": {"prompt": args.prompt, "new": args.new,
+              "compile": args.compile}, "results": [asdict(r) for r in rows]}
+    Path(args.json).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.json}")
+    if args.plot:
+        plot(rows, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def bench_configuration(args, dtype: str, batch: int, modes: list[str], bandwidth: float) -> list[Row]:
+    """Load once; run each mode on the same prompt (injection last: it changes the model in place)."""
+    import splice
+
+    model = load_model(args.model, dtype)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, model.config.vocab_size, (batch, args.prompt), generator=generator)
+    roofline = batch * bandwidth * 1e9 / weight_bytes_per_step(model)
+    rows, hf_speed = [], None
+    for mode in modes:
+        compiled = False
+        if mode == "hf":
+            generate = model.generate
+        else:
+            engine = splice.init_inference(model, replace_with_kernel_inject=(mode == "inject"),
+                                           max_out_tokens=args.prompt + args.new)
+            compiled = mode == "inject" and args.compile and try_compile(engine.module.splice_runtime)
+            generate = engine.generate
+        prefill_ms, tok_s, peak = time_generate(generate, prompt, args.new, args.repeat)
+        hf_speed = tok_s if mode == "hf" else hf_speed
+        rows.append(Row(args.model, dtype, batch, mode + ("+compile" if compiled else ""),
+                        prefill_ms, tok_s, 1e3 / tok_s * batch, peak, tok_s / hf_speed if hf_speed else float("nan"),
+                        roofline))
+    del model
+    gc.collect()
+    return rows
+
+
+def try_compile(runtime) -> bool:
+    try:
+        runtime.compile_decode()
+        return True
+    except ValueError as error:
+        print(f"splice bench: not compiling: {error}")
+        return False
+
+
+def time_generate(generate, prompt: torch.Tensor, new: int, repeat: int) -> tuple[float, float, float]:
+    """(prefill ms, decode tokens/s over the batch excluding the first token, peak RSS MiB): the best of ``repeat``
+    runs after a warm-up run (which also compiles, when asked); on a shared machine the best run is the least noisy."""
+    options = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(prompt))
+    generate(prompt, **options, streamer=Clock())
+    prefill, decode, peak = float("inf"), 0.0, 0.0
+    for _ in range(max(1, repeat)):
+        clock = Clock()
+        with RssPeak() as rss:
+            generate(prompt, **options, streamer=clock)
+        steps, decode_s = len(clock.arrivals), clock.arrivals[-1] - clock.arrivals[0]
+        prefill = min(prefill, (clock.arrivals[0] - clock.started) * 1e3)
+        decode = max(decode, (steps - 1) * prompt.shape[0] / decode_s)
+        peak = max(peak, rss.peak_mb)
+    return prefill, decode, peak
+
+
+class Clock:
+    """A streamer that only notes when each step's tokens arrive (the first ``put`` is the prompt)."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.arrivals: list[float] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if self._prompt_seen:
+            self.arrivals.append(time.perf_counter())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+class RssPeak:
+    """The peak resident set size while the block runs, sampled every 10 ms from /proc (Linux)."""
+
+    def __enter__(self):
+        self.peak_mb, self._stop = current_rss_mb(), threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self.peak_mb = max(self.peak_mb, current_rss_mb())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_mb = max(self.peak_mb, current_rss_mb())
+
+
+def current_rss_mb() -> float:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
+    """Memory read bandwidth: the best of ``repeats`` fp32 GEMVs over a ``gib``-GiB matrix."""
+    cols = 8192
+    matrix = torch.ones(int(gib * 2**30) // (4 * cols), cols)
+    vector = torch.ones(cols)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mv(matrix, vector)
+        best = min(best, time.perf_counter() - start)
+    return matrix.numel() * 4 / best / 1e9
+
+
+def weight_bytes_per_step(model) -> int:
+    """Bytes of weights one decode step reads: every parameter, except an input embedding that is not also the
+    output head (a lookup reads a few rows only)."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is embedding
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total if tied else total - embedding.numel() * embedding.element_size()
+
+
+def load_model(name: str, dtype: str):
+    import splice
+
+    if name == "llama-1b":
+        from transformers import AutoModelForCausalLM
+
+        from .config import parse_dtype
+
+        return AutoModelForCausalLM.from_pretrained(llama_1b_folder(), dtype=parse_dtype(dtype),
+                                                    local_files_only=True).eval()
+    return splice.load(name, dtype=dtype)[0]
+
+
+def llama_1b_folder() -> Path:
+    """A random-weight Llama with TinyLlama-1.1B dimensions, built and saved (bf16) once in splice's cache."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .models import cache_dir
+
+    folder = cache_dir() / "bench-llama-1b"
+    if (folder / "config.json").exists():
+        return folder
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**LLAMA_1B)).to(torch.bfloat16)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(folder.name + ".tmp")
+    model.save_pretrained(tmp)
+    tmp.rename(folder)
+    return folder
+
+
+def format_table(rows: list[Row]) -> str:
+    header = (f"{'model':<24} {'dtype':<5} {'batch':>5} {'mode':<15} {'prefill ms':>10} {'decode tok/s':>12} "
+              f"{'ms/token':>9} {'peak RSS MB':>11} {'speedup':>8} {'roofline tok/s':>14}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r.model[:24]:<24} {r.dtype:<5} {r.batch:>5} {r.mode:<15} {r.prefill_ms:>10.1f} "
+                     f"{r.decode_tok_s:>12.2f} {r.ms_per_token:>9.1f} {r.peak_rss_mb:>11.0f} {r.speedup:>7.2f}x "
+                     f"{r.roofline_tok_s:>14.2f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise ValueError("--plot needs matplotlib: pip install 'splice[plot]'") from error
+    configs = sorted({(r.model, r.dtype, r.batch) for r in rows}, key=str)
+    modes = list(dict.fromkeys(r.mode for r in rows))
+    width = 0.8 / (len(modes) + 1)
+    fig, ax = plt.subplots(figsize=(max(6, 2.5 * len(configs)), 4))
+    for i, mode in enumerate(modes):
+        values = [next((r.decode_tok_s for r in rows if (r.model, r.dtype, r.batch) == c and r.mode == mode), 0)
+                  for c in configs]
+        ax.bar([k + i * width for k in range(len(configs))], values, width, label=mode)
+    roof = [next(r.roofline_tok_s for r in rows if (r.model, r.dtype, r.batch) == c) for c in configs]
+    ax.bar([k + len(modes) * width for k in range(len(configs))], roof, width, label="roofline", color="lightgray")
+    ax.set_xticks([k + width * len(modes) / 2 for k in range(len(configs))])
+    ax.set_xticklabels([f"{m}\n{d} batch {b}" for m, d, b in configs])
+    ax.set_ylabel("decode tokens/s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def machine_info(bandwidth: float) -> dict:
+    return {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "read_bandwidth_gbs": round(bandwidth, 2)}
+
+
+def _split(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    chosen = _split(text)
+    bad = [c for c in chosen if c not in allowed]
+    if bad or not chosen:
+        raise ValueError(f"{flag}={text!r}: allowed values are {', '.join(allowed)}")
+    return chosen

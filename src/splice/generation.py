@@ -1,0 +1,223 @@
+"""splice's native generate loop for kernel-injected models: prefill, decode steps on a static KV cache, the logits
+processors Hugging Face would apply (its own public classes, in its order), sampling, stopping and streaming.
+
+``generate(model, ...)`` takes Hugging Face's ``generate`` arguments and returns what it returns. A request the
+native loop does not implement (beam search, constraints, custom processors, ...) runs Hugging Face's ``generate`` on
+the same injected model; never a silently different result.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation import (
+    LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .layers.causal_lm import SpliceCausalLM
+from .transforms.inject import runtime_of
+
+log = logging.getLogger("splice")
+
+#: generation options the native loop implements (any value)
+NATIVE_OPTIONS = frozenset({
+    "max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
+    "repetition_penalty", "eos_token_id", "pad_token_id", "return_dict_in_generate", "output_scores", "output_logits",
+})
+#: options that do not change the tokens produced
+IGNORED_OPTIONS = frozenset({
+    "bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation", "cache_config", "compile_config",
+    "disable_compile", "_from_model_config", "transformers_version",
+})
+#: options whose result Hugging Face's generate would not give exactly on the fused blocks either
+REFUSED_OPTIONS = ("output_attentions", "output_hidden_states")
+
+
+@dataclass
+class Request:
+    """One resolved native generate request."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    max_new_tokens: int
+    eos: torch.Tensor | None
+    pad: int | None
+    processors: LogitsProcessorList
+    do_sample: bool
+    return_dict: bool
+    output_scores: bool
+    output_logits: bool
+
+
+def generate(model, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None,
+             streamer=None, **kwargs: Any):
+    """Hugging Face ``generate`` for a kernel-injected ``model``: native loop when it implements the request."""
+    runtime = runtime_of(model)
+    if runtime is None:
+        raise ValueError("splice.generation.generate needs a kernel-injected model (replace_with_kernel_inject=True)")
+    plan = plan_request(model, inputs, generation_config, dict(kwargs))
+    if isinstance(plan, str):
+        log.info("splice generate: %s not in the native loop; transformers' generate runs on the fused model", plan)
+        return model.generate(inputs, generation_config=generation_config, streamer=streamer, **kwargs)
+    with torch.inference_mode():
+        return decode(runtime, plan, streamer)
+
+
+def plan_request(model, inputs, generation_config, kwargs: dict) -> Request | str:
+    """The resolved request, or a string naming what the native loop does not implement."""
+    input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+    if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point()):
+        return "inputs other than a 2-D tensor of token ids"
+    config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)  # exactly HF's merge
+    refused = [name for name in REFUSED_OPTIONS if getattr(config, name, False)]
+    if refused:
+        raise ValueError(f"{', '.join(refused)}=True is not available on a kernel-injected model (the fused blocks "
+                         "do not expose per-layer states); allowed: False, or replace_with_kernel_inject=False")
+    attention_mask = model_kwargs.pop("attention_mask", None)
+    model_kwargs = {k: v for k, v in model_kwargs.items() if v is not None}
+    if model_kwargs:
+        return f"arguments {sorted(model_kwargs)}"
+    other = non_native_options(config)
+    if other:
+        return f"options {other}"
+    prompt_len = input_ids.shape[1]
+    max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_len
+    if max_new <= 0:
+        return f"max_new_tokens={max_new}"
+    eos, pad = special_tokens(config, input_ids.device)
+    if attention_mask is None:
+        attention_mask = infer_attention_mask(input_ids, pad, eos)
+    processors = logits_processors(config, attention_mask, prompt_len, eos)
+    return Request(input_ids, attention_mask, max_new, eos, pad, processors, bool(config.do_sample),
+                   bool(config.return_dict_in_generate), bool(config.output_scores), bool(config.output_logits))
+
+
+def non_native_options(config: GenerationConfig) -> list[str]:
+    """Options set to something other than their neutral default that the native loop does not implement."""
+    pristine = GenerationConfig().to_dict()
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()  # HF's fallbacks for unset options
+    unknown = []
+    for name, value in config.to_dict().items():
+        if name in NATIVE_OPTIONS or name in IGNORED_OPTIONS or name in REFUSED_OPTIONS:
+            continue
+        if value in (None, False) or value == pristine.get(name) or value == defaults.get(name, object()):
+            continue
+        unknown.append(f"{name}={value!r}")
+    return unknown
+
+
+def special_tokens(config: GenerationConfig, device) -> tuple[torch.Tensor | None, int | None]:
+    """eos ids as a tensor and the pad id, defaulting pad to the first eos as Hugging Face does."""
+    eos_ids = config.eos_token_id
+    eos = None if eos_ids is None else torch.tensor(eos_ids, device=device).view(-1)
+    pad = config.pad_token_id
+    if pad is None and eos is not None:
+        pad = int(eos[0])
+    return eos, pad
+
+
+def infer_attention_mask(input_ids: torch.Tensor, pad: int | None, eos: torch.Tensor | None) -> torch.Tensor:
+    """Hugging Face's rule: pad tokens are masked when the pad id is present and is not an eos id."""
+    if pad is None or (eos is not None and bool((eos == pad).any())) or not bool((input_ids == pad).any()):
+        return torch.ones_like(input_ids)
+    return input_ids.ne(pad).long()
+
+
+def logits_processors(config: GenerationConfig, attention_mask: torch.Tensor, prompt_len: int,
+                      eos: torch.Tensor | None) -> LogitsProcessorList:
+    """The processors Hugging Face builds for the native options, in its order."""
+    processors = LogitsProcessorList()
+    device = attention_mask.device
+    if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
+        padding = (attention_mask != 0).int().argmax(dim=1)
+        penalty = float(config.repetition_penalty)
+        processors.append(RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=padding))
+    if eos is not None and config.min_length:
+        processors.append(MinLengthLogitsProcessor(config.min_length, eos, device=device))
+    if eos is not None and config.min_new_tokens:
+        processors.append(MinNewTokensLengthLogitsProcessor(prompt_len, config.min_new_tokens, eos, device=device))
+    if config.do_sample:
+        if config.temperature is not None and config.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(config.temperature))
+        if config.top_k is not None and config.top_k != 0:
+            processors.append(TopKLogitsWarper(top_k=config.top_k, min_tokens_to_keep=1))
+        if config.top_p is not None and config.top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p=config.top_p, min_tokens_to_keep=1))
+    return processors
+
+
+def decode(runtime: SpliceCausalLM, req: Request, streamer=None):
+    """Prefill the prompt, then one decode step per new token until every row stops or the length is reached."""
+    ids, mask = req.input_ids, req.attention_mask
+    batch, prompt_len = ids.shape
+    total = prompt_len + req.max_new_tokens
+    if total > runtime.max_len:
+        raise ValueError(f"prompt length {prompt_len} + {req.max_new_tokens} new tokens = {total} exceeds "
+                         f"max_out_tokens={runtime.max_len}; allowed: prompt length + max_new_tokens <= "
+                         f"{runtime.max_len}")
+    sequences = ids.new_full((batch, total), req.pad if req.pad is not None else 0)
+    sequences[:, :prompt_len] = ids
+    unfinished = torch.ones(batch, dtype=torch.long, device=ids.device)
+    scores, raw_logits = [], []
+    if streamer is not None:
+        streamer.put(ids.cpu())
+    cache = runtime.cache_for(batch)
+    positions = prefill_positions(mask)
+    cache.start(mask)
+    dense = bool(mask.all())  # no padding: the causal kernel needs no mask
+    logits = runtime.forward(ids, positions, cache.slot_ids[:prompt_len], cache, prompt_len, dense=dense)
+    position, slot = positions[:, -1:].clone(), cache.slot_ids[prompt_len - 1:prompt_len].clone()
+    length = prompt_len
+    while True:
+        next_logits = logits.to(dtype=torch.float32, copy=True)
+        next_scores = req.processors(sequences[:, :length], next_logits)
+        tokens = pick(next_scores, req.do_sample)
+        if req.eos is not None:
+            tokens = tokens * unfinished + req.pad * (1 - unfinished)
+            unfinished &= ~torch.isin(tokens, req.eos)
+        sequences[:, length] = tokens
+        length += 1
+        if req.output_scores:
+            scores.append(next_scores)
+        if req.output_logits:
+            raw_logits.append(next_logits)
+        if streamer is not None:
+            streamer.put(tokens.cpu())
+        if length == total or not bool(unfinished.any()):
+            break
+        position.add_(1)
+        slot.add_(1)
+        cache.mark(slot)
+        logits = runtime.decode_step(tokens[:, None], position, slot, cache, length)
+    if streamer is not None:
+        streamer.end()
+    return result(sequences[:, :length].contiguous(), req, scores, raw_logits)
+
+
+def prefill_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Rotary positions of a (left-padded) prompt, as Hugging Face computes them: pads get 0."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 0)
+
+
+def pick(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    if do_sample:
+        return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+    return torch.argmax(scores, dim=-1)
+
+
+def result(sequences: torch.Tensor, req: Request, scores: list, raw_logits: list):
+    if not req.return_dict:
+        return sequences
+    return GenerateDecoderOnlyOutput(sequences=sequences, scores=tuple(scores) if req.output_scores else None,
+                                     logits=tuple(raw_logits) if req.output_logits else None)

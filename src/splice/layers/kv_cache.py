@@ -1,0 +1,65 @@
+"""The static KV cache: preallocated buffers written in place at slot indices."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class StaticKVCache(nn.Module):
+    """Keys and values ``[layers, batch, kv_heads, max_len, head_dim]`` and which slots hold real (non-pad) tokens.
+
+    A slot is a column of the (left-padded) batch: the prompt fills slots ``0 .. L-1`` and each new token the next
+    one. Nothing is concatenated or reallocated while generating.
+    """
+
+    def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (n_layers, batch, kv_heads, max_len, head_dim)
+        self.register_buffer("keys", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("values", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("valid", torch.zeros(batch, max_len, dtype=torch.bool, device=device), persistent=False)
+        self.register_buffer("slot_ids", torch.arange(max_len, device=device), persistent=False)
+        self._per_layer()
+
+    def _per_layer(self) -> None:
+        self._keys, self._values = self.keys.unbind(0), self.values.unbind(0)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._per_layer()
+        return self
+
+    @property
+    def batch(self) -> int:
+        return self.valid.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return self.valid.shape[1]
+
+    def start(self, prompt_mask: torch.Tensor) -> None:
+        """Forget everything; mark the prompt's real tokens (``prompt_mask [batch, L]``, 1 = token, 0 = pad)."""
+        self.valid.zero_()
+        self.valid[:, : prompt_mask.shape[1]] = prompt_mask.bool()
+
+    def mark(self, slots: torch.Tensor) -> None:
+        """Mark ``slots`` as holding real tokens (the tokens being generated), without a host sync."""
+        self.valid.index_fill_(1, slots, True)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv_len: int):
+        """Write ``k, v [batch, kv_heads, len(slots), head_dim]`` at ``slots``; return the first ``kv_len`` slots."""
+        keys, values = self._keys[layer], self._values[layer]
+        keys.index_copy_(2, slots, k)
+        values.index_copy_(2, slots, v)
+        return keys[:, :, :kv_len], values[:, :, :kv_len]
+
+    def mask(self, q_slots: torch.Tensor, kv_len: int, window: int | None = None) -> torch.Tensor:
+        """Boolean attention mask ``[batch, 1, len(q_slots), kv_len]``: causal, real tokens only, within ``window``.
+
+        A query always sees its own slot, so a pad query never has an empty row (no NaN in the cache).
+        """
+        k_slots, q = self.slot_ids[:kv_len], q_slots[:, None]
+        visible = (k_slots <= q) & self.valid[:, None, None, :kv_len]
+        if window is not None:
+            visible &= k_slots > q - window
+        return visible | (k_slots == q)

@@ -1,0 +1,49 @@
+"""RMSNorm through the fused ATen op, rounding like the Hugging Face modules at every dtype."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``y = norm(x) * w`` over the last ``weight.numel()`` features.
+
+    ``offset`` is for checkpoints that store ``w - offset`` (Gemma: 1.0); the folded weight is kept in fp32 then, as
+    Gemma computes ``norm(x) * (1 + w)`` in fp32. Takes the given weight over (moved, not copied) when ``offset`` is 0.
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float, offset: float = 0.0):
+        super().__init__()
+        folded = weight.detach().float() + offset if offset else weight.detach()
+        self.weight = nn.Parameter(folded, requires_grad=False)
+        self.eps = eps
+        self.shape = (weight.shape[-1],)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.shape, weight, self.eps)
+        if weight.dtype == torch.float32:  # folded offset weight: scale in fp32, round once (as Gemma)
+            return F.rms_norm(x.float(), self.shape, weight, self.eps).to(x.dtype)
+        return F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype).mul_(weight)  # round, then scale (Llama)
+
+    def extra_repr(self) -> str:
+        return f"{self.shape[0]}, eps={self.eps}"
+
+
+class HeadRMSNorm(nn.Module):
+    """Per-head RMSNorm over ``head_dim`` for q and k at once (qk-norm).
+
+    ``x`` is ``[..., q_heads + kv_heads, head_dim]``: the first ``q_heads`` rows are scaled by the q weight, the rest by
+    the k weight."""
+
+    def __init__(self, q_weight: torch.Tensor, k_weight: torch.Tensor, q_heads: int, kv_heads: int, eps: float):
+        super().__init__()
+        rows = torch.cat([q_weight.detach().expand(q_heads, -1), k_weight.detach().expand(kv_heads, -1)])
+        self.weight = nn.Parameter(rows, requires_grad=False)
+        self.eps = eps
+        self.shape = (q_weight.shape[-1],)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype).mul_(self.weight)

@@ -1,0 +1,36 @@
+"""A linear layer whose weight is pre-packed for oneDNN (CPU, bf16/fp16).
+
+On CPU, ``F.linear`` with a bf16 weight reorders the weight into oneDNN's blocked layout on every call, which halves
+the bandwidth a batch-1 decode step gets from the weights. Packing once at injection removes that. The packed weight
+replaces the plain one (no second copy); it is opaque: it cannot be saved, deep-copied or moved to another device.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
+    """Packing pays off on CPU for 16-bit weights when this torch has oneDNN with bf16 support."""
+    return (torch.device(device).type == "cpu" and dtype in PACKABLE_DTYPES and torch.backends.mkldnn.is_available()
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+class PackedLinear(nn.Module):
+    """``y = x @ W.T + b`` through ``mkldnn._linear_pointwise`` on a weight packed for oneDNN."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
+        self.weight = nn.Parameter(packed, requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        linear.weight = None  # release the plain weight now
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"

@@ -1,0 +1,105 @@
+"""``quantize(model, QuantConfig)``: replace every eligible linear by the quantized layer of the scheme's handler.
+
+Eligible: modules whose type is exactly ``nn.Linear`` or Hugging Face's ``Conv1D`` (GPT-2 style, weight stored
+``[in, out]``), except the output head unless ``quantize_lm_head`` and q/k/v projections when ``quantize_qkv`` is False.
+Subclasses of ``nn.Linear`` are left alone and reported: they may carry behaviour (a tensor-parallel all-reduce, say)
+that a replacement would drop. Parallel layers should wrap a plain ``nn.Linear`` instead; that inner linear is then
+quantized and the wrapper's collective is kept ("shard first, then quantize").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .layers import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantizedLinear
+from .scheme import QKV_NAMES, QuantConfig
+
+#: scheme kind -> the layer class that quantizes a float weight for it.
+HANDLERS: dict[str, type[QuantizedLinear]] = {
+    cls.kind: cls for cls in (Int8WeightOnlyLinear, Int4WeightOnlyLinear, Int8DynamicLinear)
+}
+
+
+@dataclass
+class QuantReport:
+    """What ``quantize`` did: the layers it replaced, those it left in float (with why), and the weight bytes."""
+
+    kind: str
+    quantized: list[str] = field(default_factory=list)
+    kept_float: dict[str, str] = field(default_factory=dict)
+    float_bytes: int = 0
+    quantized_bytes: int = 0
+
+    @property
+    def ratio(self) -> float:
+        return self.quantized_bytes / self.float_bytes if self.float_bytes else 1.0
+
+    def summary(self) -> str:
+        kept = "; ".join(f"{name} ({why})" for name, why in list(self.kept_float.items())[:5])
+        more = f" and {len(self.kept_float) - 5} more" if len(self.kept_float) > 5 else ""
+        return (f"{self.kind}: {len(self.quantized)} linears, weights {self.float_bytes / 2**20:.1f} MiB -> "
+                f"{self.quantized_bytes / 2**20:.1f} MiB ({self.ratio:.3f}x); kept in float: {kept or 'none'}{more}")
+
+
+def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str | None = None) -> QuantReport:
+    """Quantize ``model`` in place. ``device``: where the packed weights go (default: each weight's own device);
+    pack on the device the model will run on, since int4 layouts differ between CPU and CUDA."""
+    if not isinstance(config, QuantConfig):
+        raise TypeError(f"quantize expects a splice.quant.QuantConfig, got {type(config).__name__}")
+    handler = HANDLERS[config.kind]
+    targets, report = plan(model, config)
+    for name, module in targets:
+        weight, bias = float_weight(module)
+        if device is not None:
+            weight, bias = weight.to(device), None if bias is None else bias.to(device)
+        layer = handler.from_float(weight, bias, config)
+        report.float_bytes += weight.numel() * 2  # against bf16, the dtype these kernels replace
+        report.quantized_bytes += layer.weight_nbytes()
+        model.set_submodule(name, layer)
+        report.quantized.append(name)
+    return report
+
+
+def plan(model: nn.Module, config: QuantConfig) -> tuple[list[tuple[str, nn.Module]], QuantReport]:
+    """The linears ``quantize`` would replace, and a report naming those it keeps in float. Validates the scheme
+    against every target's shape (raises ``ValueError``) without changing the model."""
+    report = QuantReport(config.kind)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    targets = []
+    for name, module in model.named_modules():
+        reason = _reason_to_skip(name, module, head, config)
+        if reason == "":
+            config.group_for(float_weight(module)[0].shape[1])  # raises if the scheme cannot fit this layer
+            targets.append((name, module))
+        elif reason is not None:
+            report.kept_float[name] = reason
+    return targets, report
+
+
+def _reason_to_skip(name: str, module: nn.Module, head: nn.Module | None, config: QuantConfig) -> str | None:
+    """'' to quantize; a reason to keep it in float; None for modules that are not linears at all."""
+    if not isinstance(module, nn.Linear) and not _is_conv1d(module):
+        return None
+    if type(module) is not nn.Linear and not _is_conv1d(module):
+        return f"{type(module).__name__} subclasses nn.Linear; wrap a plain nn.Linear to have it quantized"
+    if module is head and not config.quantize_lm_head:
+        return "output head; set quantize_lm_head=True to quantize it"
+    if not config.quantize_qkv and name.rsplit(".", 1)[-1] in QKV_NAMES:
+        return "q/k/v projection with quant.qkv.enabled=False"
+    return ""
+
+
+def float_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(weight [out, in], bias)`` of an ``nn.Linear`` or a ``Conv1D`` (whose weight is stored ``[in, out]``)."""
+    weight = module.weight.detach()
+    return (weight.t() if _is_conv1d(module) else weight), module.bias
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # transformers is optional for plain torch models
+        return False
+    return type(module) is Conv1D

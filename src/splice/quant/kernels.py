@@ -1,0 +1,160 @@
+"""Thin wrappers over the integer kernels PyTorch ships, one per operation, with the CPU / CUDA split in one place.
+
+Kernel choice, measured on this project's 2-core AVX-512/AMX Xeon (torch 2.13, one 5632x2048 layer, microseconds,
+other processes idle; ``benchmarks/bench_quant.py`` measures whole stacks):
+
+=========================================  =====  =====  =====  =====  ======
+rows (M)                                      1      8     16     128    512
+=========================================  =====  =====  =====  =====  ======
+bf16 ``F.linear``                           1150   1270    920   2120   6650
+``_weight_int8pack_mm`` (bf16 x)             870   2250   2220     -      -
+int8 -> bf16 de-quantise + ``F.linear``     2700   2560   3500   3560   8120
+``_weight_int4pack_mm_for_cpu`` g64          550   1280   2190  17240     -
+oneDNN ``qlinear_pointwise`` (W8A8)          550    470    590   1470   4430
+fbgemm ``linear_dynamic`` (W8A8, fp32 x)     960    880    650   3010  11380
+per-row int8 + ``torch._int_mm`` (W8A8)     1090   1250    710   2210   9990
+=========================================  =====  =====  =====  =====  ======
+
+So:
+
+* int8 weight-only: ``_weight_int8pack_mm`` is a GEMV kernel (time grows linearly with M); it runs up to
+  ``INT8_KERNEL_MAX_ROWS`` rows, above that the weight is de-quantised to bf16 for one ``F.linear`` (prefill). It is
+  6x slower with fp32 activations, so activations are cast to bf16.
+* int4: ``_weight_int4pack_mm_for_cpu`` at every M. It is a GEMV kernel too (8x slower than bf16 at 128 rows), but
+  de-quantising int4 to bf16 in eager torch costs more still (about 5x the 128-row kernel time).
+* W8A8: oneDNN's int8 GEMM (AMX) at every M: the fastest int8 path at every batch size here, bf16 input, scales as
+  tensors (no host sync). Activations get one scale per row (see ``dynamic_int8_mm``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import qmath
+
+INT8_KERNEL_MAX_ROWS = 16
+COMPUTE_DTYPE = torch.bfloat16
+CPU_INT4_BLOCK_N = 64  # rows per block of the AVX-512 int4 layout; N is padded to it so every block is full
+CUDA_INNER_K_TILES = 8
+
+
+def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x [M, K] bf16 @ (qweight [N, K] int8 * scales [N] bf16).T``, per output channel."""
+    if x.shape[0] <= INT8_KERNEL_MAX_ROWS and _has_int8pack_kernel(x.device):
+        return torch._weight_int8pack_mm(x, qweight, scales)
+    return F.linear(x, qweight.to(x.dtype)) * scales
+
+
+def int8_grouped_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Grouped int8: ``qweight [G, N, S]``, ``scales [G, N]``; one kernel call per group, summed."""
+    groups, _, size = qweight.shape
+    if x.shape[0] > INT8_KERNEL_MAX_ROWS or not _has_int8pack_kernel(x.device):
+        weight = (qweight.to(x.dtype) * scales[..., None]).permute(1, 0, 2).reshape(qweight.shape[1], -1)
+        return F.linear(x, weight)
+    chunks = x.reshape(x.shape[0], groups, size)
+    out = torch._weight_int8pack_mm(chunks[:, 0].contiguous(), qweight[0], scales[0]).float()
+    for g in range(1, groups):  # summed in float32: bf16 partial sums would add up rounding error
+        out += torch._weight_int8pack_mm(chunks[:, g].contiguous(), qweight[g], scales[g])
+    return out
+
+
+def _has_int8pack_kernel(device: torch.device) -> bool:
+    return device.type == "cpu" or torch._C._dispatch_has_kernel_for_dispatch_key(
+        "aten::_weight_int8pack_mm", device.type.upper())
+
+
+# ---- int4 -----------------------------------------------------------------------------------------------------------
+def int4_padding(device: torch.device, group: int) -> tuple[int, int]:
+    """(multiple for N, multiple for K) the int4 kernels of ``device`` need."""
+    if device.type == "cuda":
+        return 8, max(group, CUDA_INNER_K_TILES * 16)
+    return CPU_INT4_BLOCK_N, group
+
+
+def int4_pack(q: torch.Tensor) -> torch.Tensor:
+    """``q [N, K]`` (0..15, already padded) -> the kernel layout for ``q``'s device."""
+    if q.device.type == "cuda":
+        return torch._convert_weight_to_int4pack(qmath.pack_nibbles(q), CUDA_INNER_K_TILES)
+    return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cuda":
+        return torch._weight_int4pack_mm(x, packed, group, scales_and_zeros)
+    return torch._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)
+
+
+def int4_unpack_cpu_layout(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """``q [N, K]`` from the AVX-512 CPU layout (blocks of 64 rows; byte j of (block, k) holds row j in its low
+    nibble and row j + 32 in its high nibble). Callers verify it once per layer with :func:`int4_unpack_verified`."""
+    n = packed.numel() * 2 // k
+    blocks = packed.reshape(n // CPU_INT4_BLOCK_N, k, CPU_INT4_BLOCK_N // 2)
+    both = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [N / 64, K, 64]
+    return both.permute(0, 2, 1).reshape(n, k)
+
+
+def int4_unpack_verified(packed: torch.Tensor, q: torch.Tensor) -> bool:
+    """Whether :func:`int4_unpack_cpu_layout` reads ``packed`` back to ``q`` on this machine (AVX-512 layout)."""
+    if packed.device.type != "cpu" or q.shape[0] % CPU_INT4_BLOCK_N:
+        return False
+    return torch.equal(int4_unpack_cpu_layout(packed, q.shape[1]), q.to(torch.uint8))
+
+
+def int4_unpack_by_kernel(packed: torch.Tensor, n: int, k: int, group: int) -> torch.Tensor:
+    """``q [N, K]`` from any kernel layout, by multiplying the identity with scale 1 and zero 8 (exact in bf16)."""
+    ones = torch.ones(k // group, n, 1, dtype=COMPUTE_DTYPE, device=packed.device)
+    identity_sz = torch.cat([ones, ones * 8], dim=-1)
+    eye = torch.eye(k, dtype=COMPUTE_DTYPE, device=packed.device)
+    rows = [int4_mm(eye[start:start + 256], packed, group, identity_sz) for start in range(0, k, 256)]
+    return torch.cat(rows).t().round().to(torch.uint8)
+
+
+# ---- W8A8 -----------------------------------------------------------------------------------------------------------
+def dynamic_int8_prepack(qweight: torch.Tensor) -> torch.Tensor:
+    """The weight in the form :func:`dynamic_int8_mm` reads: oneDNN's blocked layout on CPU, ``[K, N]`` on CUDA."""
+    if qweight.device.type == "cuda":
+        return qweight.t()
+    return torch.ops.onednn.qlinear_prepack(qweight, None)
+
+
+def dynamic_int8_unpack(packed: torch.Tensor) -> torch.Tensor:
+    """``qweight [N, K]`` int8 back from :func:`dynamic_int8_prepack`."""
+    return (packed if packed.device.type == "cuda" else packed.to_dense()).t().contiguous()
+
+
+def dynamic_int8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` quantized to int8 per row on the fly (symmetric), times the int8 weight; result in float32.
+
+    oneDNN takes one activation scale per tensor, so each row is first divided by its own absolute max and the output
+    rows are multiplied back: ``(D x) W^T = D (x W^T)`` for a diagonal ``D``. One scale for the whole tensor costs
+    SmolLM2-135M +103 % perplexity (outlier channels); one per row +3.4 %.
+    """
+    if x.device.type == "cuda":
+        return _dynamic_int8_mm_cuda(x, packed, scales)
+    qx, row_scales = qmath.quantize_activation_per_row(x)
+    return onednn_int8_linear((qx.to(torch.int16) + 128).to(torch.uint8), packed, scales) * (row_scales * 127)
+
+
+@torch.library.custom_op("splice::onednn_int8_linear", mutates_args=())
+def onednn_int8_linear(qx: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``(qx - 128) / 127 @ (packed * scales).T`` in float32: uint8 activations (zero point 128, scale 1/127) times
+    oneDNN-packed int8 weights. An opaque op for ``torch.compile``: Inductor's own lowering of ``qlinear_pointwise``
+    insists on a frozen (constant) weight, while splice's weights are module buffers."""
+    unit = torch.full((), 1 / 127, device=qx.device)
+    zero = torch.full((), 128, dtype=torch.int64, device=qx.device)
+    weight_zeros = torch.zeros_like(scales, dtype=torch.int64)
+    return torch.ops.onednn.qlinear_pointwise.tensor(qx, unit, zero, packed, scales, weight_zeros, None, 1.0, 0,
+                                                     torch.float32, "none", [], "")
+
+
+@onednn_int8_linear.register_fake
+def _(qx: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return qx.new_empty((qx.shape[0], scales.shape[0]), dtype=torch.float32)
+
+
+def _dynamic_int8_mm_cuda(x: torch.Tensor, packed_kn: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Per-row symmetric int8 x per-channel int8 with ``torch._int_mm`` (needs M > 16: rows are padded to 32)."""
+    rows = x.shape[0]
+    qx, x_scales = qmath.quantize_activation_per_row(qmath.pad_to(x, 0, 32) if rows <= 16 else x)
+    acc = torch._int_mm(qx, packed_kn)[:rows]
+    return acc.float() * x_scales[:rows] * scales.float()

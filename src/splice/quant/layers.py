@@ -1,0 +1,278 @@
+"""Quantized linear layers: each holds its packed weight and scales (never a float copy) and calls its kernel.
+
+All three take any float input ``[..., in_features]``, run the kernel with bf16 activations, and return the input's
+dtype. The bias stays in float. ``state_dict()`` holds a device-independent form (``qweight`` plus scales); layers
+whose kernel wants another layout (int4, W8A8 on CPU) repack it when loading.
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from . import kernels, qmath
+from .scheme import QuantConfig
+
+
+class QuantizedLinear(nn.Module):
+    """Base class: shapes, bias, the float-in/float-out wrapper around ``_matmul``, and the size report.
+
+    Scales are cast to the kernel's dtype on use (a no-op unless someone called ``model.float()`` afterwards)."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig) -> QuantizedLinear:
+        """Quantize a float ``weight [out, in]`` (on the device the kernel will run on)."""
+        raise NotImplementedError
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, bias: bool, config: QuantConfig,
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> QuantizedLinear:
+        """A layer of the right shapes and zero weights, to load a saved state dict into (no quantization runs)."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1]).to(kernels.COMPUTE_DTYPE).contiguous()
+        out = self._matmul(rows).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight ``[out, in]`` this layer computes with (for tests and debugging)."""
+        raise NotImplementedError
+
+    def weight_nbytes(self) -> int:
+        """Bytes of the stored weight and its scales (the bias excluded)."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8WeightOnlyLinear(QuantizedLinear):
+    """int8 weights, one bf16 scale per output channel (``qweight [N, K]``, ``scales [N]``) or per group of input
+    elements (``qweight [G, N, S]``, ``scales [G, N]``, ``K`` zero-padded to a multiple of ``S``)."""
+
+    kind = "int8_weight_only"
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, qweight: torch.Tensor,
+                 scales: torch.Tensor) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales.to(kernels.COMPUTE_DTYPE))
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig) -> Int8WeightOnlyLinear:
+        out_features, in_features = weight.shape
+        group = config.group_for(in_features)
+        if group is None:
+            q, scales = qmath.quantize_int8(weight)
+            return cls(in_features, out_features, bias, q, scales[:, 0])
+        q, scales = qmath.quantize_int8(qmath.pad_to(weight, 1, group), group)
+        grouped = q.reshape(out_features, -1, group).transpose(0, 1).contiguous()
+        return cls(in_features, out_features, bias, grouped, scales.t().contiguous())
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, bias: bool, config: QuantConfig,
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Int8WeightOnlyLinear:
+        group = config.group_for(in_features)
+        shape = (out_features,) if group is None else (-(-in_features // group), out_features)
+        qshape = (out_features, in_features) if group is None else (*shape, group)
+        return cls(in_features, out_features, _zero_bias(bias, out_features, device, dtype),
+                   torch.zeros(qshape, dtype=torch.int8, device=device), torch.ones(shape, device=device))
+
+    @property
+    def grouped(self) -> bool:
+        return self.qweight.dim() == 3
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.grouped:
+            return kernels.int8_weight_mm(x, self.qweight, self.scales.to(x.dtype))
+        return kernels.int8_grouped_mm(qmath.pad_to(x, 1, self.qweight.shape[2]), self.qweight,
+                                       self.scales.to(x.dtype))
+
+    def dequantize(self) -> torch.Tensor:
+        if not self.grouped:
+            return qmath.dequantize_int8(self.qweight, self.scales[:, None])
+        q = self.qweight.transpose(0, 1).reshape(self.out_features, -1)
+        return qmath.dequantize_int8(q, self.scales.t())[:, : self.in_features]
+
+    def weight_nbytes(self) -> int:
+        return _nbytes(self.qweight) + _nbytes(self.scales)
+
+
+class _RepackedWeight(QuantizedLinear):
+    """A layer whose kernel layout differs from the saved ``qweight``: ``state_dict`` writes ``qweight`` (via
+    ``_qweight_for_saving``) and loading repacks it (via ``_set_qweight``). The packed tensor is bound to the device
+    type it was packed on."""
+
+    def _qweight_for_saving(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _saved_qweight_spec(self) -> tuple[tuple[int, ...], torch.dtype]:
+        raise NotImplementedError
+
+    def _set_qweight(self, qweight: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        destination[prefix + "qweight"] = self._qweight_for_saving()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        key = prefix + "qweight"
+        if key in unexpected_keys:
+            unexpected_keys.remove(key)
+        if key not in state_dict:
+            missing_keys.append(key)
+            return
+        shape, dtype = self._saved_qweight_spec()
+        saved = state_dict[key]
+        if tuple(saved.shape) != shape or saved.dtype != dtype:
+            error_msgs.append(f"{key}: saved {tuple(saved.shape)} {saved.dtype} does not fit this layer's "
+                              f"{shape} {dtype} (a different quantization scheme?)")
+            return
+        self._set_qweight(saved.to(self.packed.device))
+
+    def _check_device(self, x: torch.Tensor) -> None:
+        if x.device.type != self.packed_on:
+            raise RuntimeError(f"{type(self).__name__} was packed for {self.packed_on} but runs on {x.device.type}; "
+                               "quantize on the target device (quantize(..., device=...)) or save and reload there")
+
+
+class Int4WeightOnlyLinear(_RepackedWeight):
+    """int4 weights in torch's int4 kernel layout, ``group`` input elements per bf16 scale and zero.
+
+    ``N`` and ``K`` are zero-padded to what the kernel needs. Saved form: ``qweight [N', K' / 2]`` uint8 (two values
+    per byte, see ``qmath.pack_nibbles``) and ``scales_and_zeros [K' / group, N', 2]``.
+    """
+
+    kind = "int4_weight_only"
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, q: torch.Tensor,
+                 scales_and_zeros: torch.Tensor, group: int) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.group = group
+        self.register_buffer("scales_and_zeros", scales_and_zeros.to(kernels.COMPUTE_DTYPE))
+        self.register_buffer("packed", torch.empty(0, dtype=torch.uint8), persistent=False)
+        self._set_qweight(qmath.pack_nibbles(q))
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig) -> Int4WeightOnlyLinear:
+        out_features, in_features = weight.shape
+        group = config.group_for(in_features)
+        n_multiple, k_multiple = kernels.int4_padding(weight.device, group)
+        padded = qmath.pad_to(qmath.pad_to(weight, 0, n_multiple), 1, k_multiple)
+        q, scales_and_zeros = qmath.quantize_int4(padded, group, config.symmetric)
+        return cls(in_features, out_features, bias, q, scales_and_zeros, group)
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, bias: bool, config: QuantConfig,
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Int4WeightOnlyLinear:
+        group = config.group_for(in_features)
+        n_multiple, k_multiple = kernels.int4_padding(torch.device(device), group)
+        n, k = -(-out_features // n_multiple) * n_multiple, -(-in_features // k_multiple) * k_multiple
+        return cls(in_features, out_features, _zero_bias(bias, out_features, device, dtype),
+                   torch.zeros(n, k, dtype=torch.uint8, device=device), torch.zeros(k // group, n, 2, device=device),
+                   group)
+
+    def _set_qweight(self, qweight: torch.Tensor) -> None:
+        q = qmath.unpack_nibbles(qweight)
+        self.packed = kernels.int4_pack(q)
+        self.packed_on = q.device.type
+        self.padded_shape = tuple(q.shape)
+        # Saving reads the codes back: directly from the AVX-512 layout when it checks out here, else via the kernel.
+        self.unpackable = kernels.int4_unpack_verified(self.packed, q)
+
+    def _q(self) -> torch.Tensor:
+        n, k = self.padded_shape
+        if self.unpackable:
+            return kernels.int4_unpack_cpu_layout(self.packed, k)
+        return kernels.int4_unpack_by_kernel(self.packed, n, k, self.group)
+
+    def _qweight_for_saving(self) -> torch.Tensor:
+        return qmath.pack_nibbles(self._q())
+
+    def _saved_qweight_spec(self) -> tuple[tuple[int, ...], torch.dtype]:
+        n, k = self.padded_shape
+        return (n, k // 2), torch.uint8
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_device(x)
+        out = kernels.int4_mm(qmath.pad_to(x, 1, self.padded_shape[1]), self.packed, self.group,
+                              self.scales_and_zeros.to(x.dtype))
+        return out[:, : self.out_features]
+
+    def dequantize(self) -> torch.Tensor:
+        return qmath.dequantize_int4(self._q(), self.scales_and_zeros)[: self.out_features, : self.in_features]
+
+    def weight_nbytes(self) -> int:
+        return _nbytes(self.packed) + _nbytes(self.scales_and_zeros)
+
+
+class Int8DynamicLinear(_RepackedWeight):
+    """W8A8: int8 weights per output channel (float32 scales) times activations quantized to int8 per row on every
+    call (oneDNN's int8 GEMM on CPU, ``torch._int_mm`` on CUDA). Saved form: ``qweight [N, K]`` int8."""
+
+    kind = "int8_dynamic"
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, qweight: torch.Tensor,
+                 scales: torch.Tensor) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.register_buffer("scales", scales.float())
+        self.register_buffer("packed", torch.empty(0, dtype=torch.int8), persistent=False)
+        self._set_qweight(qweight)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig) -> Int8DynamicLinear:
+        q, scales = qmath.quantize_int8(weight)
+        return cls(weight.shape[1], weight.shape[0], bias, q, scales[:, 0])
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, bias: bool, config: QuantConfig,
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Int8DynamicLinear:
+        return cls(in_features, out_features, _zero_bias(bias, out_features, device, dtype),
+                   torch.zeros(out_features, in_features, dtype=torch.int8, device=device),
+                   torch.ones(out_features, device=device))
+
+    def _set_qweight(self, qweight: torch.Tensor) -> None:
+        self.packed = kernels.dynamic_int8_prepack(qweight)
+        self.packed_on = qweight.device.type
+
+    def _qweight_for_saving(self) -> torch.Tensor:
+        return kernels.dynamic_int8_unpack(self.packed)
+
+    def _saved_qweight_spec(self) -> tuple[tuple[int, ...], torch.dtype]:
+        return (self.out_features, self.in_features), torch.int8
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_device(x)
+        return kernels.dynamic_int8_mm(x, self.packed, self.scales.float())
+
+    def dequantize(self) -> torch.Tensor:
+        return qmath.dequantize_int8(self._qweight_for_saving(), self.scales[:, None])
+
+    def weight_nbytes(self) -> int:
+        return self.in_features * self.out_features + _nbytes(self.scales)
+
+
+def _zero_bias(bias: bool, out_features: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor | None:
+    return torch.zeros(out_features, device=device, dtype=dtype) if bias else None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -1,0 +1,134 @@
+"""``QuantConfig``: what to quantize and how; validates itself; maps from splice's ``InferenceConfig``.
+
+Mapping from the DeepSpeed-style keys (``InferenceConfig``):
+
+=====================================================  ==========================================================
+``dtype=torch.int8`` (or ``"int8"``), quant disabled   int8 weight-only, one scale per output channel, symmetric
+``quant.enabled=True``                                 ``quant.weight`` / ``quant.activation`` below
+``quant.weight.num_bits``                              8 or 4
+``quant.weight.group_size``                            input elements per scale (int4: 32, 64, 128 or 256)
+``quant.weight.q_groups`` (no ``group_size``)          groups per output row: ``group_size = in_features / q_groups``;
+                                                       1 (the default) = one scale per output channel for int8,
+                                                       ``DEFAULT_INT4_GROUP`` for int4
+``quant.weight.q_type``                                int8: 'symmetric'; int4: 'symmetric' or 'asymmetric'
+``quant.activation.enabled`` (+ ``num_bits=8``)        W8A8: int8 weights (per channel) x int8 activations,
+                                                       quantized dynamically per call
+``quant.activation.q_type``, ``q_groups``              'symmetric', 1: one scale per row (token), computed per call
+``quant.qkv.enabled=False``                            q/k/v projections stay in float
+=====================================================  ==========================================================
+
+Embeddings and the output head (lm_head) stay in float unless ``quantize_lm_head=True``.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 kernels accept
+DEFAULT_INT4_GROUP = 32  # the most accurate the kernels allow (0.31x the bf16 bytes); see the README's figures
+KINDS = ("int8_weight_only", "int4_weight_only", "int8_dynamic")
+
+#: Leaf module names of q/k/v projections (fused or not) across the architectures splice knows; used only for
+#: ``quant.qkv.enabled=False``.
+QKV_NAMES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv", "query", "key", "value",
+             "qkv")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """A quantization scheme. ``kind`` picks the handler (see ``splice.quant.api.HANDLERS``)."""
+
+    bits: int = 8
+    group_size: int | None = None  # None: q_groups decides (1 = per output channel; int4 default group)
+    q_groups: int = 1
+    symmetric: bool = True
+    activations: bool = False  # dynamic int8 activations (W8A8)
+    quantize_lm_head: bool = False
+    quantize_qkv: bool = True
+
+    def __post_init__(self) -> None:
+        _check_choice("bits (quant.weight.num_bits)", self.bits, (8, 4))
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError(f"group_size={self.group_size} must be a positive integer or None")
+        if self.q_groups < 1:
+            raise ValueError(f"q_groups={self.q_groups} must be >= 1")
+        if self.bits == 4:
+            _check_choice("int4 group_size", self.group_size, INT4_GROUP_SIZES + (None,))
+            if self.activations:
+                raise ValueError("int8 activations with num_bits=4 weights are not supported; allowed: "
+                                 "num_bits=8 with activation.enabled=True (W8A8), or num_bits=4 weight-only")
+        if self.bits == 8 and not self.symmetric:
+            raise ValueError("q_type='asymmetric' is not supported for num_bits=8 (torch's int8 kernels take no zero "
+                             "point); allowed: 'symmetric', or num_bits=4 with 'asymmetric'")
+        if self.activations and (self.group_size is not None or self.q_groups != 1):
+            raise ValueError(f"W8A8 needs one scale per output channel; got group_size={self.group_size}, "
+                             f"q_groups={self.q_groups}; allowed: group_size=None, q_groups=1")
+
+    @property
+    def kind(self) -> str:
+        if self.bits == 4:
+            return "int4_weight_only"
+        return "int8_dynamic" if self.activations else "int8_weight_only"
+
+    def group_for(self, in_features: int) -> int | None:
+        """Input elements per scale for a layer with ``in_features`` inputs (None: one scale per output row)."""
+        if self.group_size is not None:
+            return self.group_size
+        if self.q_groups == 1:
+            return DEFAULT_INT4_GROUP if self.bits == 4 else None
+        if in_features % self.q_groups:
+            raise ValueError(f"q_groups={self.q_groups} does not divide in_features={in_features}; allowed: a "
+                             f"divisor of every quantized layer's in_features, or set group_size")
+        group = in_features // self.q_groups
+        if self.bits == 4 and group not in INT4_GROUP_SIZES:
+            raise ValueError(f"q_groups={self.q_groups} gives int4 groups of {group} for in_features={in_features}; "
+                             f"allowed int4 group sizes: {INT4_GROUP_SIZES} (set group_size instead)")
+        return group
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> QuantConfig:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    @classmethod
+    def from_inference_config(cls, config: Any) -> QuantConfig | None:
+        """The scheme an ``InferenceConfig`` asks for, or None when it asks for no quantization."""
+        quant = config.quant
+        int8_dtype = config.dtype == torch.int8
+        if not quant.enabled:
+            return cls(bits=8) if int8_dtype else None
+        weight, act = quant.weight, quant.activation
+        if not weight.enabled:
+            if act.enabled:
+                raise ValueError("quant.activation.enabled=True with quant.weight.enabled=False is not supported; "
+                                 "allowed: quantized weights alone, or weights and activations together")
+            return cls(bits=8) if int8_dtype else None
+        if int8_dtype and weight.num_bits != 8:
+            raise ValueError(f"dtype=torch.int8 contradicts quant.weight.num_bits={weight.num_bits}; allowed: "
+                             "num_bits=8 with dtype=int8, or a float dtype (or None) with num_bits=4")
+        _check_q_dtype(weight)
+        if act.enabled and (act.q_groups != 1 or act.q_type != "symmetric"):
+            raise ValueError(f"quant.activation q_groups={act.q_groups}, q_type={act.q_type!r} is not supported; "
+                             "allowed: q_groups=1, q_type='symmetric' (activations get one symmetric scale per row)")
+        return cls(bits=weight.num_bits, group_size=weight.group_size, q_groups=weight.q_groups,
+                   symmetric=weight.q_type == "symmetric", activations=act.enabled,
+                   quantize_lm_head=bool(getattr(quant, "quantize_lm_head", False)),
+                   quantize_qkv=quant.qkv.enabled)
+
+
+def _check_choice(name: str, value: Any, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is not supported; allowed: {', '.join(map(repr, allowed))}")
+
+
+def _check_q_dtype(weight: Any) -> None:
+    wanted = torch.int8 if weight.num_bits == 8 else torch.uint8
+    q_dtype = getattr(weight, "q_dtype", None)
+    if q_dtype is not None and q_dtype != wanted:
+        raise ValueError(f"quant.weight.q_dtype={q_dtype} does not fit num_bits={weight.num_bits}; allowed: None or "
+                         f"{wanted} (int8 weights are stored as int8, int4 weights two per uint8)")

@@ -1,0 +1,59 @@
+"""Architecture records: the registry, and the numbers read from each family's config."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from splice.arch import REGISTRY, lookup, model_dims, supported
+
+from .tiny_models import FAMILIES, family_config
+
+
+def test_every_family_has_a_record():
+    assert set(FAMILIES) <= set(supported())
+    for model_type, record in REGISTRY.items():
+        assert record.model_type == model_type
+
+
+def test_unknown_model_type_raises_listing_supported():
+    with pytest.raises(ValueError, match="gpt2") as error:
+        lookup(SimpleNamespace(model_type="gpt2"))
+    for model_type in FAMILIES:
+        assert model_type in str(error.value)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_dims_follow_the_config(model_type):
+    config = family_config(model_type)
+    dims = model_dims(lookup(config), config)
+    assert (dims.hidden, dims.n_heads, dims.n_kv_heads) == (64, 4, 2)
+    assert dims.head_dim == (getattr(config, "head_dim", None) or 16)
+    assert len(dims.windows) == config.num_hidden_layers
+
+
+def test_variants_are_read_from_the_config():
+    mistral = family_config("mistral")
+    assert model_dims(lookup(mistral), mistral).windows == (6, 6)
+    qwen2 = family_config("qwen2")  # max_window_layers=1: layer 0 full, layer 1 sliding
+    assert model_dims(lookup(qwen2), qwen2).windows == (None, 6)
+    phi3 = family_config("phi3")
+    assert model_dims(lookup(phi3), phi3).rotary_dim == 8
+    gemma = family_config("gemma")
+    dims = model_dims(lookup(gemma), gemma)
+    assert dims.activation == "gelu_pytorch_tanh" and lookup(gemma).norm_offset == 1.0
+
+
+def test_rope_parameters_of_transformers_4_are_read():
+    config = SimpleNamespace(model_type="llama", rope_theta=5e5, rope_scaling={"type": "linear", "factor": 2.0},
+                             max_position_embeddings=128)
+    from splice.arch.record import rope_spec
+
+    spec = rope_spec(config)
+    assert (spec.theta, spec.rope_type, spec.partial_factor) == (5e5, "linear", 1.0)
+
+
+def test_dynamic_rope_limits_the_static_table():
+    config = family_config("llama")
+    config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    assert model_dims(lookup(config), config).rope.max_positions == config.max_position_embeddings

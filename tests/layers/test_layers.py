@@ -1,0 +1,83 @@
+"""The fused block's pieces against the Hugging Face modules they replace."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from splice.arch import lookup, model_dims
+from splice.layers.kv_cache import StaticKVCache
+from splice.layers.norm import RMSNorm
+from splice.layers.rotary import apply_rotary_, build_table
+
+from ..arch.tiny_models import family_config
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_llama(dtype):
+    hf = LlamaRMSNorm(64, eps=1e-5).to(dtype)
+    torch.nn.init.normal_(hf.weight)
+    x = torch.randn(2, 5, 64).to(dtype)
+    ours = RMSNorm(hf.weight, 1e-5)
+    assert ours.weight.data_ptr() == hf.weight.data_ptr()  # moved, not copied
+    torch.testing.assert_close(ours(x), hf(x), rtol=0, atol=1e-6 if dtype == torch.float32 else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_with_offset_matches_gemma(dtype):
+    hf = GemmaRMSNorm(64, eps=1e-6).to(dtype)
+    torch.nn.init.normal_(hf.weight)
+    x = torch.randn(2, 5, 64).to(dtype)
+    torch.testing.assert_close(RMSNorm(hf.weight, 1e-6, offset=1.0)(x), hf(x), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "default"}, {"rope_type": "linear", "factor": 2.0},
+                                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_rotary_table_and_in_place_apply_match_llama(rope):
+    config = family_config("llama")
+    config.rope_parameters = {**rope, "rope_theta": 10000.0}
+    dims = model_dims(lookup(config), config)
+    table = build_table(dims.rope, config, dims.head_dim, 40, torch.float32, "cpu")
+    positions = torch.tensor([[0, 3, 7, 39], [1, 2, 30, 31]])
+    cos, sin = LlamaRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions)
+    q, k = torch.randn(2, 4, 4, 16), torch.randn(2, 2, 4, 16)  # [batch, heads, seq, head_dim]
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
+    table_cos, table_sin = table.lookup(positions)  # [batch, seq, 1, dim]
+    qk = torch.cat([q, k], dim=1).transpose(1, 2).clone()  # [batch, seq, heads, head_dim]
+    apply_rotary_(qk, table_cos, table_sin)
+    torch.testing.assert_close(qk[:, :, :4].transpose(1, 2), q_ref, rtol=0, atol=1e-6)
+    torch.testing.assert_close(qk[:, :, 4:].transpose(1, 2), k_ref, rtol=0, atol=1e-6)
+
+
+def test_partial_rotary_leaves_the_rest_untouched():
+    config = family_config("phi3")
+    dims = model_dims(lookup(config), config)
+    table = build_table(dims.rope, config, dims.head_dim, 8, torch.float32, "cpu")
+    x = torch.randn(1, 3, 2, dims.head_dim)
+    rotated = apply_rotary_(x.clone(), *table.lookup(torch.tensor([[1, 2, 3]])))
+    assert torch.equal(rotated[..., dims.rotary_dim:], x[..., dims.rotary_dim:])
+    assert not torch.equal(rotated[..., : dims.rotary_dim], x[..., : dims.rotary_dim])
+
+
+def test_dynamic_rope_refuses_a_table_past_its_original_length():
+    config = family_config("llama")
+    config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+    dims = model_dims(lookup(config), config)
+    with pytest.raises(ValueError, match="dynamic"):
+        build_table(dims.rope, config, dims.head_dim, 1000, torch.float32, "cpu")
+
+
+def test_kv_cache_writes_in_place_and_masks():
+    cache = StaticKVCache(n_layers=2, batch=2, kv_heads=1, max_len=6, head_dim=4, dtype=torch.float32, device="cpu")
+    keys_ptr = cache.keys.data_ptr()
+    cache.start(torch.tensor([[0, 1, 1], [1, 1, 1]]))
+    k = torch.ones(2, 1, 3, 4)
+    out_k, _ = cache.update(1, k, 2 * k, torch.arange(3), kv_len=3)
+    assert out_k.shape == (2, 1, 3, 4) and cache.keys.data_ptr() == keys_ptr and cache.keys[0].abs().sum() == 0
+    mask = cache.mask(torch.arange(3), kv_len=3)
+    assert mask[0, 0].tolist() == [[True, False, False], [False, True, False], [False, True, True]]
+    assert mask[1, 0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    cache.mark(torch.tensor([3]))
+    assert cache.mask(torch.tensor([3]), kv_len=4, window=2)[1, 0].tolist() == [[False, False, True, True]]

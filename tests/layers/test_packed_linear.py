@@ -1,0 +1,51 @@
+"""oneDNN-packed linears for 16-bit weights on CPU, and injection using them."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import splice
+from splice.layers.packed_linear import PackedLinear, can_pack
+
+from ..arch.tiny_models import build_family, padded_batch
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
+                                reason="this torch has no oneDNN bf16 support")
+
+
+def test_packed_linear_matches_linear_and_frees_the_plain_weight():
+    linear = nn.Linear(48, 80, bias=True).to(torch.bfloat16)
+    x = torch.randn(3, 5, 48).to(torch.bfloat16)
+    expected = linear(x)
+    packed = PackedLinear(linear)
+    assert linear.weight is None
+    torch.testing.assert_close(packed(x), expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(packed(x[:, -1:]), expected[:, -1:], rtol=1e-2, atol=1e-2)
+
+
+def test_can_pack_only_16_bit_weights_on_cpu():
+    assert not can_pack(torch.float32, torch.device("cpu"))
+    assert not can_pack(torch.bfloat16, torch.device("meta"))
+
+
+def test_bf16_injection_packs_and_stays_close_to_hf():
+    reference = build_family("llama", dtype=torch.bfloat16)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
+    block = engine.module.model.layers[0]
+    assert isinstance(block.qkv, PackedLinear) and isinstance(engine.module.lm_head, PackedLinear)
+    assert any("packed" in what for step, what in engine.report if step == "inject")
+    ids, mask = padded_batch()
+    with torch.inference_mode():
+        expected = reference(ids, attention_mask=mask).logits.float()
+        got = engine(ids, attention_mask=mask).logits.float()
+    real = mask.bool()
+    assert ((expected - got).abs()[real].max() / expected.std()).item() < 0.05
+    assert (expected.argmax(-1) == got.argmax(-1))[real].float().mean() > 0.9
+
+
+def test_fp32_injection_does_not_pack(tiny_llama):
+    engine = splice.init_inference(tiny_llama, replace_with_kernel_inject=True, max_out_tokens=64)
+    assert type(engine.module.model.layers[0].qkv) is nn.Linear

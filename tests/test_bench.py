@@ -1,0 +1,83 @@
+"""``splice bench``: the side-by-side runner, on a tiny model so it stays fast."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from splice import bench
+
+from .arch.tiny_models import build_family
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_bench_parser(parser.add_subparsers())
+    return parser.parse_args(["bench", *argv])
+
+
+@pytest.fixture
+def tiny_bench(monkeypatch):
+    monkeypatch.setattr(bench, "load_model", lambda name, dtype: build_family("llama", dtype=bench_dtype(dtype)))
+    monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda: 10.0)
+
+
+def bench_dtype(name: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def test_bench_runs_every_mode_and_writes_json(tiny_bench, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    args = parse("--model", "tiny", "--batch", "1,2", "--prompt", "8", "--new", "6", "--repeat", "1",
+                 "--json", str(out))
+    assert args.run(args) == 0
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert [(r["batch"], r["mode"]) for r in rows] == [(b, m) for b in (1, 2) for m in ("hf", "plain", "inject")]
+    for row in rows:
+        assert row["prefill_ms"] > 0 and row["decode_tok_s"] > 0 and row["peak_rss_mb"] > 0
+        assert row["roofline_tok_s"] > 0
+    assert rows[0]["speedup"] == 1.0
+    assert report["machine"]["read_bandwidth_gbs"] == 10.0
+    assert "decode tok/s" in capsys.readouterr().out
+
+
+def test_bench_plot(tiny_bench, tmp_path):
+    pytest.importorskip("matplotlib")
+    args = parse("--model", "tiny", "--prompt", "8", "--new", "4", "--repeat", "1", "--modes", "hf,inject",
+                 "--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png"))
+    assert args.run(args) == 0
+    assert (tmp_path / "b.png").stat().st_size > 1000
+
+
+def test_bad_mode_is_refused(tiny_bench, tmp_path):
+    args = parse("--modes", "hf,fast", "--json", str(tmp_path / "b.json"))
+    with pytest.raises(ValueError, match="allowed values are hf, plain, inject"):
+        args.run(args)
+
+
+def test_llama_1b_is_built_once_in_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPLICE_CACHE", str(tmp_path))
+    monkeypatch.setattr(bench, "LLAMA_1B", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+    folder = bench.llama_1b_folder()
+    assert folder.parent == tmp_path and (folder / "config.json").exists()
+    stamp = (folder / "config.json").stat().st_mtime_ns
+    assert bench.llama_1b_folder() == folder and (folder / "config.json").stat().st_mtime_ns == stamp
+    model = bench.load_model("llama-1b", "fp32")
+    assert model.config.hidden_size == 32 and model.dtype == torch.float32
+
+
+def test_weight_bytes_count_a_tied_head_once():
+    untied = build_family("llama")
+    embedding = untied.model.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in untied.parameters())
+    assert bench.weight_bytes_per_step(untied) == total - embedding.numel() * 4
+    tied = build_family("gemma")
+    assert bench.weight_bytes_per_step(tied) == sum(p.numel() * p.element_size() for p in tied.parameters())
+
+
+def test_bandwidth_is_measured():
+    assert bench.read_bandwidth_gbs(gib=0.01, repeats=2) > 0.1

@@ -1,0 +1,160 @@
+"""Kernel injection: fp32 parity with the unmodified Hugging Face model for every family, and what it does to the
+model (weights moved, one QKV GEMM, one gate+up GEMM, original layers released)."""
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import splice
+from splice.generation import prefill_positions
+from splice.layers.block import SpliceBlock
+from splice.transforms.inject import inject, runtime_of
+
+from ..arch.tiny_models import FAMILIES, build_family, padded_batch
+
+
+def scaled_error(reference: torch.Tensor, value: torch.Tensor) -> float:
+    return ((reference - value).abs().max() / reference.std()).item()
+
+
+def native_logits(runtime, ids, mask):
+    cache = runtime.new_cache(ids.shape[0])
+    cache.start(mask)
+    slots = torch.arange(ids.shape[1])
+    return runtime.forward(ids, prefill_positions(mask), slots, cache, ids.shape[1], last_only=False)
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_logits_match_the_reference(model_type):
+    reference = build_family(model_type)
+    model = copy.deepcopy(reference)
+    runtime = inject(model, max_out_tokens=64)
+    ids, _ = padded_batch(batch=2, length=12)
+    full = torch.ones_like(ids)
+    with torch.inference_mode():
+        expected = reference(ids).logits
+        assert scaled_error(expected, model(ids).logits) < 1e-4  # HF forward through the fused blocks
+        assert scaled_error(expected, native_logits(runtime, ids, full)) < 1e-4  # splice's native path
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral", "qwen2"])
+def test_padded_logits_match_the_reference(model_type):
+    reference = build_family(model_type)
+    model = copy.deepcopy(reference)
+    runtime = inject(model, max_out_tokens=64)
+    ids, mask = padded_batch(batch=3, length=12)
+    with torch.inference_mode():
+        expected = reference(ids, attention_mask=mask).logits
+        real = mask.bool()
+        assert scaled_error(expected[real], model(ids, attention_mask=mask).logits[real]) < 1e-4
+        assert scaled_error(expected[real], native_logits(runtime, ids, mask)[real]) < 1e-4
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi3"])
+def test_weights_are_moved_not_copied(model_type):
+    model = build_family(model_type)
+    layer = model.model.layers[0]
+    o_proj, down_proj = layer.self_attn.o_proj, layer.mlp.down_proj
+    kept = {"o": o_proj.weight.data_ptr(), "down": down_proj.weight.data_ptr(),
+            "norm": layer.input_layernorm.weight.data_ptr()}
+    if model_type == "phi3":
+        kept["qkv"] = layer.self_attn.qkv_proj.weight.data_ptr()
+    released = weakref.ref(layer)
+    del layer
+    inject(model, max_out_tokens=32)
+    gc.collect()
+    block = model.model.layers[0]
+    assert released() is None  # the original layer object is gone
+    assert block.o is o_proj and block.down is down_proj
+    assert block.o.weight.data_ptr() == kept["o"] and block.down.weight.data_ptr() == kept["down"]
+    assert block.attn_norm.weight.data_ptr() == kept["norm"]
+    if model_type == "phi3":
+        assert block.qkv.weight.data_ptr() == kept["qkv"]
+
+
+def test_one_qkv_gemm_and_one_gate_up_gemm_per_block():
+    model = build_family("qwen2")
+    inject(model, max_out_tokens=32)
+    for block in model.model.layers:
+        assert isinstance(block, SpliceBlock)
+        linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
+        assert len(linears) == 4
+        assert block.qkv.out_features == (4 + 2 * 2) * 16 and block.qkv.bias is not None
+        assert block.gate_up.out_features == 2 * 128
+
+
+def test_parameter_memory_does_not_grow():
+    model = build_family("llama")
+    before = sum(p.numel() for p in model.parameters())
+    inject(model, max_out_tokens=32)
+    assert sum(p.numel() for p in model.parameters()) == before
+
+
+def test_init_inference_injects(tiny_llama):
+    reference = copy.deepcopy(tiny_llama)
+    engine = splice.init_inference(tiny_llama, replace_with_kernel_inject=True, max_out_tokens=64)
+    assert runtime_of(engine.module) is not None
+    assert any(step == "inject" and "SpliceBlock" in what for step, what in engine.report)
+    ids = torch.randint(3, 128, (2, 8))
+    with torch.inference_mode():
+        assert scaled_error(reference(ids).logits, engine(ids).logits) < 1e-4
+
+
+def test_init_inference_refuses_unsupported_family_before_changing_the_model():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
+    with pytest.raises(ValueError, match="model_type='gpt2'.*llama"):
+        splice.init_inference(model, replace_with_kernel_inject=True)
+    assert type(model.transformer.h[0]).__name__ == "GPT2Block"
+
+
+def test_plain_path_is_untouched(tiny_llama):
+    engine = splice.init_inference(tiny_llama, replace_with_kernel_inject=False)
+    assert runtime_of(engine.module) is None
+    assert not any(isinstance(m, SpliceBlock) for m in engine.module.modules())
+
+
+@pytest.mark.slow
+def test_real_smollm2_logits_match(smollm2):
+    reference, tokenizer = smollm2
+    model = copy.deepcopy(reference)
+    runtime = inject(model, max_out_tokens=64)
+    batch = tokenizer(["The capital of France is", "Once upon a time, there was a little"], return_tensors="pt",
+                      padding=True, padding_side="left")
+    with torch.inference_mode():
+        expected = reference(**batch).logits
+        real = batch.attention_mask.bool()
+        assert scaled_error(expected[real], model(**batch).logits[real]) < 1e-4
+        native = native_logits(runtime, batch.input_ids, batch.attention_mask)
+        assert scaled_error(expected[real], native[real]) < 1e-4
+
+
+def test_compile_refuses_packed_weights():
+    from splice.layers.packed_linear import can_pack
+
+    if not can_pack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no oneDNN bf16")
+    engine = splice.init_inference(build_family("llama", dtype=torch.bfloat16), replace_with_kernel_inject=True,
+                                   max_out_tokens=32)
+    with pytest.raises(ValueError, match="fp32"):
+        runtime_of(engine.module).compile_decode()
+
+
+@pytest.mark.slow
+def test_compiled_decode_step_gives_the_same_tokens():
+    from splice.generation import generate
+
+    reference, model = build_family("llama"), build_family("llama")
+    runtime = inject(model, max_out_tokens=32)
+    runtime.compile_decode()
+    ids, mask = padded_batch()
+    options = dict(max_new_tokens=12, eos_token_id=None)
+    for _ in range(2):  # the second call reuses the compiled graph and the cache
+        assert torch.equal(generate(model, ids, attention_mask=mask, **options),
+                           reference.generate(ids, attention_mask=mask, **options))

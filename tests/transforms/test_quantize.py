@@ -1,0 +1,46 @@
+"""The quantize transform: config mapping, validation before any change, and what it records."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splice.config import resolve_config
+from splice.pipeline import PipelineContext
+from splice.quant import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantConfig, QuantizedLinear
+from splice.transforms import quantize as quantize_transform
+
+
+def _run(model, **config):
+    resolved = resolve_config(config)
+    ctx = PipelineContext(device=torch.device("cpu"))
+    quantize_transform.check(model, resolved, ctx)
+    return quantize_transform.quantize_model(model, resolved, ctx), ctx
+
+
+@pytest.mark.parametrize("config, layer_type", [
+    ({"dtype": torch.int8}, Int8WeightOnlyLinear),
+    ({"dtype": "int8"}, Int8WeightOnlyLinear),
+    ({"quant": {"enabled": True, "weight": {"num_bits": 4, "group_size": 32}}}, Int4WeightOnlyLinear),
+    ({"quant": {"enabled": True, "activation": {"enabled": True}}}, Int8DynamicLinear),
+])
+def test_quantizes_the_block_linears(tiny_llama, config, layer_type):
+    model, ctx = _run(tiny_llama, **config)
+    assert isinstance(model.model.layers[0].mlp.gate_proj, layer_type)
+    assert not isinstance(model.lm_head, QuantizedLinear)
+    assert ctx.report[-1][0] == "quantize" and "14 linears" in ctx.report[-1][1]
+    assert isinstance(ctx.extras["quant_config"], QuantConfig)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(0, 128, (1, 8))).logits).all()
+
+
+def test_skipped_without_quantization(tiny_llama):
+    model, ctx = _run(tiny_llama, dtype="bf16")
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+    assert ctx.report == [("quantize", "skipped (no quantization asked for)")]
+
+
+def test_check_raises_before_anything_changes(tiny_llama):
+    config = resolve_config({"quant": {"enabled": True, "weight": {"num_bits": 8, "q_groups": 3}}})
+    with pytest.raises(ValueError, match="q_groups=3 does not divide in_features=64"):
+        quantize_transform.check(tiny_llama, config, PipelineContext(device=torch.device("cpu")))
+    assert not any(isinstance(m, QuantizedLinear) for m in tiny_llama.modules())
