@@ -8,10 +8,7 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check(model: nn.Module, config, ctx) -> None:
-    if config.dtype == torch.int8:
-        raise NotImplementedError(
-            "dtype=int8 is not available yet in this splice version; allowed now: fp32, fp16, bf16"
-        )
+    """Nothing to validate beyond the config: its dtype field already accepts only fp32, fp16, bf16 and int8."""
 
 
 def convert_dtype(model: nn.Module, config, ctx) -> nn.Module:
@@ -20,7 +17,7 @@ def convert_dtype(model: nn.Module, config, ctx) -> nn.Module:
     Non-persistent floating buffers (computed tables such as rotary frequencies) keep their precision, as they do when
     Hugging Face builds a model directly in a lower precision with ``from_pretrained(dtype=...)``.
     """
-    target = config.dtype
+    target = activation_dtype(config.dtype, ctx.device)
     if target is None:
         ctx.record("dtype", f"kept the model's own dtype ({model_dtype(model)})")
         return model
@@ -28,8 +25,20 @@ def convert_dtype(model: nn.Module, config, ctx) -> nn.Module:
     model.to(dtype=target)
     for module, name, tensor in kept:
         module._buffers[name] = tensor
-    ctx.record("dtype", f"converted floating parameters and persistent buffers to {target}")
+    int8 = config.dtype == torch.int8
+    why = " (int8 weights are made by the quantize step; activations run in this dtype)" if int8 else ""
+    ctx.record("dtype", f"converted floating parameters and persistent buffers to {target}{why}")
     return model
+
+
+def activation_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtype | None:
+    """The float dtype to convert to: ``dtype`` itself, or for int8 the dtype its activations run in (bf16 where the
+    device supports it: torch's int8 weight-only kernels are fast only with bf16 activations; else None = keep)."""
+    if dtype != torch.int8:
+        return dtype
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16
 
 
 def model_dtype(model: nn.Module) -> torch.dtype | None:
