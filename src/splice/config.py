@@ -254,6 +254,9 @@ class QuantizationConfig(_Section):
     activation: ActivationQuantConfig = Field(default_factory=ActivationQuantConfig,
                                               description="Activation quantization.")
     qkv: QKVQuantConfig = Field(default_factory=QKVQuantConfig, description="q/k/v projection quantization.")
+    quantize_lm_head: bool = Field(False, description=(
+        "Also quantize the output head (lm_head); embeddings always stay in float."),
+        json_schema_extra=_note("splice extra"))
 
 
 _UNUSED_CKPT = ("DeepSpeed declares this section but its engine ignores it; splice reads checkpoint_dir (when "

@@ -84,7 +84,8 @@ def _reason_to_skip(name: str, module: nn.Module, head: nn.Module | None, config
         return None
     if type(module) is not nn.Linear and not _is_conv1d(module):
         return f"{type(module).__name__} subclasses nn.Linear; wrap a plain nn.Linear to have it quantized"
-    if module is head and not config.quantize_lm_head:
+    heads = (head, getattr(head, "linear", None))  # a vocab-parallel head wraps its nn.Linear
+    if any(module is h for h in heads if h is not None) and not config.quantize_lm_head:
         return "output head; set quantize_lm_head=True to quantize it"
     if not config.quantize_qkv and name.rsplit(".", 1)[-1] in QKV_NAMES:
         return "q/k/v projection with quant.qkv.enabled=False"
