@@ -83,7 +83,8 @@ def test_int4_pads_unaligned_shapes():
 def test_int4_unpack_by_kernel_matches_layout_reading():
     _, layer = _layer("int4-g32")
     n, k = layer.padded_shape
-    assert layer.unpackable  # this machine's AVX-512 layout; the identity trick must agree with it
+    if not layer.unpackable:
+        pytest.skip("the int4 CPU layout read here is the AVX-512 one")
     by_kernel = kernels.int4_unpack_by_kernel(layer.packed, n, k, layer.group)
     assert torch.equal(by_kernel, kernels.int4_unpack_cpu_layout(layer.packed, k))
 
