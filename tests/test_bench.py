@@ -81,3 +81,21 @@ def test_weight_bytes_count_a_tied_head_once():
 
 def test_bandwidth_is_measured():
     assert bench.read_bandwidth_gbs(gib=0.01, repeats=2) > 0.1
+
+
+def test_quant_rows_are_quantized_and_smaller(tiny_bench, tmp_path):
+    out = tmp_path / "bench.json"
+    args = parse("--model", "tiny", "--prompt", "8", "--new", "4", "--repeat", "1", "--modes", "hf",
+                 "--quant", "int8,int4", "--json", str(out))
+    assert args.run(args) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["mode"] for r in rows] == ["hf", "inject+int8", "inject+int4"]
+    hf, int8, int4 = rows
+    assert int8["roofline_tok_s"] > hf["roofline_tok_s"] and int4["roofline_tok_s"] > int8["roofline_tok_s"]
+    assert all(r["decode_tok_s"] > 0 and r["speedup"] > 0 for r in rows)
+
+
+def test_bad_quant_scheme_is_refused(tiny_bench, tmp_path):
+    args = parse("--quant", "int3", "--json", str(tmp_path / "b.json"))
+    with pytest.raises(ValueError, match="--quant='int3': allowed values are int8, w8a8, int4"):
+        args.run(args)

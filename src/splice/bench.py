@@ -19,6 +19,13 @@ from pathlib import Path
 import torch
 
 MODES = ("hf", "plain", "inject")
+#: ``--quant`` schemes: init_inference options for each, run kernel-injected on a freshly loaded model.
+QUANT_SCHEMES = {
+    "int8": {"dtype": "int8"},
+    "w8a8": {"quant": {"enabled": True, "activation": {"enabled": True}}},
+    "int4": {"quant": {"enabled": True, "weight": {"num_bits": 4, "group_size": 32, "q_type": "asymmetric"}}},
+    "int4-g128": {"quant": {"enabled": True, "weight": {"num_bits": 4, "group_size": 128}}},
+}
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
 
@@ -47,6 +54,8 @@ def add_bench_parser(subparsers) -> None:
     parser.add_argument("--new", type=int, default=64, help="new tokens (default 64)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--repeat", type=int, default=2, help="timed runs per mode, best kept (default 2)")
+    parser.add_argument("--quant", default="", help=f"comma-separated quantized rows to add: {','.join(QUANT_SCHEMES)} "
+                        "(kernel-injected, each on a fresh copy of the model)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the injected decode step")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     parser.add_argument("--json", default="splice-bench.json", help="where to write the results (JSON)")
@@ -56,13 +65,16 @@ def add_bench_parser(subparsers) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     modes = _choices(args.modes, MODES, "--modes")
+    schemes = _choices(args.quant, tuple(QUANT_SCHEMES), "--quant") if args.quant else []
     if args.threads:
         torch.set_num_threads(args.threads)
     bandwidth = read_bandwidth_gbs()
     rows: list[Row] = []
     for dtype in _split(args.dtype):
         for batch in (int(b) for b in _split(args.batch)):
-            rows += bench_configuration(args, dtype, batch, modes, bandwidth)
+            plain_rows = bench_configuration(args, dtype, batch, modes, bandwidth)
+            hf_speed = next((r.decode_tok_s for r in plain_rows if r.mode == "hf"), float("nan"))
+            rows += plain_rows + bench_quantized(args, dtype, batch, schemes, bandwidth, hf_speed)
     print(format_table(rows))
     report = {"machine": machine_info(bandwidth), "settings": {"prompt": args.prompt, "new": args.new,
               "compile": args.compile}, "results": [asdict(r) for r in rows]}
@@ -100,6 +112,37 @@ def bench_configuration(args, dtype: str, batch: int, modes: list[str], bandwidt
     del model
     gc.collect()
     return rows
+
+
+def bench_quantized(args, dtype: str, batch: int, schemes: list[str], bandwidth: float, hf_speed: float
+                    ) -> list[Row]:
+    """One kernel-injected, quantized row per scheme; speedup is against the HF eager row of the same dtype/batch."""
+    import splice
+
+    rows = []
+    for scheme in schemes:
+        model = load_model(args.model, dtype)
+        generator = torch.Generator().manual_seed(0)
+        prompt = torch.randint(100, model.config.vocab_size, (batch, args.prompt), generator=generator)
+        engine = splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=args.prompt + args.new,
+                                       **QUANT_SCHEMES[scheme])
+        roofline = batch * bandwidth * 1e9 / stored_weight_bytes(engine.module)
+        prefill_ms, tok_s, peak = time_generate(engine.generate, prompt, args.new, args.repeat)
+        rows.append(Row(args.model, dtype, batch, f"inject+{scheme}", prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
+                        tok_s / hf_speed, roofline))
+        del engine, model
+        gc.collect()
+    return rows
+
+
+def stored_weight_bytes(model) -> int:
+    """Bytes of parameters and buffers (packed integer weights and scales live in buffers), less an untied input
+    embedding, which a decode step only reads a few rows of."""
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and getattr(head, "weight", None) is embedding
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    return total if tied else total - embedding.numel() * embedding.element_size()
 
 
 def try_compile(runtime) -> bool:
