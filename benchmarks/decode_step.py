@@ -2,6 +2,7 @@
 bare GEMVs (the bandwidth floor). Interleaving round by round makes the ratios trustworthy on a shared machine.
 
     python benchmarks/decode_step.py --dtype bf16 --threads 1 --json decode_step.json
+    python benchmarks/decode_step.py --dtype bf16 --compile    # adds the compiled step (compile_decode=True)
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--threads", type=int)
+    parser.add_argument("--compile", action="store_true", help="also time the compiled step (compile_decode=True)")
     parser.add_argument("--json", default="decode_step.json")
     args = parser.parse_args()
     if args.threads:
@@ -35,6 +37,14 @@ def main() -> None:
                                    max_out_tokens=args.prompt + 8)
     steps = {"gemv": gemv_step(reference), "hf": hf_step(reference, args.prompt),
              "splice": splice_step(engine.module.splice_runtime, args.prompt)}
+    if args.compile:
+        compiled = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True,
+                                         compile_decode=True, max_out_tokens=args.prompt + 8)
+        steps["splice_compiled"] = splice_step(compiled.module.splice_runtime, args.prompt)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            steps["splice_compiled"]()
+        compile_s = time.perf_counter() - start
     best = {name: float("inf") for name in steps}
     with torch.inference_mode():
         for _ in range(args.rounds):
@@ -45,6 +55,9 @@ def main() -> None:
     result = {"model": args.model, "dtype": args.dtype, "threads": torch.get_num_threads(),
               "best_ms": {k: round(v * 1e3, 2) for k, v in best.items()},
               "splice_speedup_over_hf": round(best["hf"] / best["splice"], 3)}
+    if args.compile:
+        result["compiled_speedup_over_hf"] = round(best["hf"] / best["splice_compiled"], 3)
+        result["first_compiled_step_s"] = round(compile_s, 1)
     print(json.dumps(result, indent=2))
     with open(args.json, "w") as out:
         json.dump(result, out, indent=2)

@@ -51,3 +51,11 @@ def test_info_tp_prints_the_plan_without_processes():
     assert result.returncode == 0, result.stderr
     assert "model.layers.*.self_attn.o_proj  row" in result.stdout
     assert "model.layers.*.mlp.gate_proj     column" in result.stdout
+
+
+def test_compile_flag_asks_for_compile_decode():
+    from splice.cli import build_parser, config_from_args
+
+    args = build_parser().parse_args(["generate", "hi", "--kernel-inject", "--compile"])
+    assert config_from_args(args) == {"replace_with_kernel_inject": True, "compile_decode": True}
+    assert "compile_decode" not in config_from_args(build_parser().parse_args(["info"]))

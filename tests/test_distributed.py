@@ -33,8 +33,21 @@ def test_groups_are_consecutive_replicas():
 def test_bad_group_sizes_name_the_values():
     with pytest.raises(ValueError, match=r"tp_size=4 is larger than the world size 2.*allowed: 1..2"):
         tp_groups(2, 4)
-    with pytest.raises(ValueError, match=r"tp_size=2 does not divide the world size 3.*allowed tp_size values: \[1, 3\]"):
+    with pytest.raises(ValueError, match=r"tp_size=2 does not divide the world size 3.*allowed tp_size values for 3 "
+                                         r"processes: \[1, 3\], or start a multiple of 2 processes \(2 or 4\)"):
         tp_groups(3, 2)
+
+
+def test_a_world_that_is_not_a_multiple_of_tp_size_is_refused_naming_the_rank_left_over():
+    """World 5, tp 2: [0, 1] and [2, 3] would be replicas, rank 4 would have no group. Refused (see the
+    splice.distributed docstring for why neither a tp=1 group nor an idle rank 4 is offered)."""
+    with pytest.raises(ValueError, match=r"groups \[\[0, 1\], \[2, 3\]\] would leave rank\(s\) \[4\] with no group; "
+                                         r"allowed tp_size values for 5 processes: \[1, 5\], or start a multiple of 2 "
+                                         r"processes \(4 or 6\)"):
+        tp_groups(5, 2)
+    with pytest.raises(ValueError, match=r"groups \[\[0, 1, 2\]\] would leave rank\(s\) \[3, 4\]"):
+        tp_groups(5, 3)
+    assert tp_groups(6, 2) == [[0, 1], [2, 3], [4, 5]]
 
 
 def test_local_device_follows_local_rank(monkeypatch):

@@ -37,7 +37,7 @@ def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> Infer
     parallel = build_parallel_context(resolved, _backend_device(resolved))  # before resolve_device: sets cuda:LOCAL_RANK
     ctx = PipelineContext(device=resolve_device(resolved), parallel=parallel)
     model = run_pipeline(model, resolved, ctx)
-    return InferenceEngine(model, resolved, ctx.report)
+    return InferenceEngine(model, resolved, ctx.report, ctx.parallel)
 
 
 def _backend_device(config: InferenceConfig) -> str:

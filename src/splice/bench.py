@@ -42,6 +42,7 @@ class Row:
     peak_rss_mb: float
     speedup: float
     roofline_tok_s: float
+    first_run_s: float = float("nan")  # inject+compile: the first generate call, compiling included
 
 
 def add_bench_parser(subparsers) -> None:
@@ -56,7 +57,8 @@ def add_bench_parser(subparsers) -> None:
     parser.add_argument("--repeat", type=int, default=2, help="timed runs per mode, best kept (default 2)")
     parser.add_argument("--quant", default="", help=f"comma-separated quantized rows to add: {','.join(QUANT_SCHEMES)} "
                         "(kernel-injected, each on a fresh copy of the model)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the injected decode step")
+    parser.add_argument("--compile", action="store_true",
+                        help="also run the injected model with its decode step compiled (compile_decode=True)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     parser.add_argument("--json", default="splice-bench.json", help="where to write the results (JSON)")
     parser.add_argument("--plot", help="also draw the decode tokens/s bars to this image file (needs matplotlib)")
@@ -96,19 +98,24 @@ def bench_configuration(args, dtype: str, batch: int, modes: list[str], bandwidt
     roofline = batch * bandwidth * 1e9 / weight_bytes_per_step(model)
     rows, hf_speed = [], None
     for mode in modes:
-        compiled = False
         if mode == "hf":
             generate = model.generate
         else:
             engine = splice.init_inference(model, replace_with_kernel_inject=(mode == "inject"),
                                            max_out_tokens=args.prompt + args.new)
-            compiled = mode == "inject" and args.compile and try_compile(engine.module.splice_runtime)
             generate = engine.generate
-        prefill_ms, tok_s, peak = time_generate(generate, prompt, args.new, args.repeat)
-        hf_speed = tok_s if mode == "hf" else hf_speed
-        rows.append(Row(args.model, dtype, batch, mode + ("+compile" if compiled else ""),
-                        prefill_ms, tok_s, 1e3 / tok_s * batch, peak, tok_s / hf_speed if hf_speed else float("nan"),
-                        roofline))
+        runs = [mode]
+        if mode == "inject" and args.compile:
+            runs.append("inject+compile")  # the same injected model, its decode step compiled afterwards
+        for run in runs:
+            first_s = float("nan")
+            if run == "inject+compile":
+                engine.module.splice_runtime.compile_decode()
+                first_s = time_first_run(generate, prompt, args.new)
+            prefill_ms, tok_s, peak = time_generate(generate, prompt, args.new, args.repeat)
+            hf_speed = tok_s if run == "hf" else hf_speed
+            rows.append(Row(args.model, dtype, batch, run, prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
+                            tok_s / hf_speed if hf_speed else float("nan"), roofline, first_s))
     del model
     gc.collect()
     return rows
@@ -145,13 +152,11 @@ def stored_weight_bytes(model) -> int:
     return total if tied else total - embedding.numel() * embedding.element_size()
 
 
-def try_compile(runtime) -> bool:
-    try:
-        runtime.compile_decode()
-        return True
-    except ValueError as error:
-        print(f"splice bench: not compiling: {error}")
-        return False
+def time_first_run(generate, prompt: torch.Tensor, new: int) -> float:
+    """Seconds of one generate call (the first one after compile_decode: it compiles)."""
+    start = time.perf_counter()
+    generate(prompt, max_new_tokens=new, min_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(prompt))
+    return time.perf_counter() - start
 
 
 def time_generate(generate, prompt: torch.Tensor, new: int, repeat: int) -> tuple[float, float, float]:
@@ -273,12 +278,12 @@ def llama_1b_folder() -> Path:
 
 def format_table(rows: list[Row]) -> str:
     header = (f"{'model':<24} {'dtype':<5} {'batch':>5} {'mode':<15} {'prefill ms':>10} {'decode tok/s':>12} "
-              f"{'ms/token':>9} {'peak RSS MB':>11} {'speedup':>8} {'roofline tok/s':>14}")
+              f"{'ms/token':>9} {'peak RSS MB':>11} {'speedup':>8} {'roofline tok/s':>14} {'first run s':>11}")
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(f"{r.model[:24]:<24} {r.dtype:<5} {r.batch:>5} {r.mode:<15} {r.prefill_ms:>10.1f} "
                      f"{r.decode_tok_s:>12.2f} {r.ms_per_token:>9.1f} {r.peak_rss_mb:>11.0f} {r.speedup:>7.2f}x "
-                     f"{r.roofline_tok_s:>14.2f}")
+                     f"{r.roofline_tok_s:>14.2f} {r.first_run_s:>11.1f}")
     return "\n".join(lines)
 
 

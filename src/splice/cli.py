@@ -44,6 +44,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", dest="config_file", help="a JSON file of init_inference options")
     parser.add_argument("--dtype", help="fp32 | bf16 | fp16 | int8 (default: the model's own)")
     parser.add_argument("--kernel-inject", action="store_true", help="replace_with_kernel_inject=True")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile_decode=True: torch.compile the decode step (needs --kernel-inject)")
     parser.add_argument("--tp", type=int, help="tensor_parallel.tp_size (run under torchrun)")
     parser.add_argument("--max-out-tokens", type=int, help="max_out_tokens: the longest prompt + continuation")
     parser.add_argument("--device", help="cpu | cuda | cuda:N (default: CUDA if present, else CPU)")
@@ -54,6 +56,7 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     options = {
         "dtype": args.dtype,
         "replace_with_kernel_inject": True if args.kernel_inject else None,
+        "compile_decode": True if getattr(args, "compile", False) else None,
         "tensor_parallel": {"tp_size": args.tp} if args.tp is not None else None,
         "max_out_tokens": args.max_out_tokens,
         "device": args.device,

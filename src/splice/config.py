@@ -41,6 +41,7 @@ FIELD_SUPPORT: dict[str, str] = {
     "dtype": HONOURED,
     "tensor_parallel": HONOURED,
     "enable_cuda_graph": HONOURED,
+    "compile_decode": HONOURED,
     "use_triton": IGNORED,
     "triton_autotune": IGNORED,
     "zero.enabled": UNSUPPORTED,
@@ -212,12 +213,20 @@ class WeightQuantConfig(_Section):
     q_dtype: torch.dtype | None = Field(None, description=(
         "Storage dtype of quantized weights: torch.int8 or torch.uint8; None lets the scheme choose."),
         json_schema_extra=_note("splice extra"))
+    calibration_ids: list[list[int]] | None = Field(None, description=(
+        "Token ids [sequences][tokens] (a LongTensor or nested lists) to calibrate int4 weights on with GPTQ; "
+        "None rounds to nearest. See src/splice/quant/README.md."), json_schema_extra=_note("splice extra"))
     quantized_initialization: dict = Field(default_factory=dict, description=(
         "DeepSpeed's quantize-while-loading options."), json_schema_extra=_note(
         "splice quantizes after loading and sharding; use the other quant.weight keys"))
     post_init_quant: dict = Field(default_factory=dict, description="DeepSpeed's per-module post-init options.",
                                   json_schema_extra=_note("splice quantizes every linear of the transformer blocks; "
                                                           "use the other quant.weight keys"))
+
+    @field_validator("calibration_ids", mode="before")
+    @classmethod
+    def _ids_to_lists(cls, value: Any) -> Any:
+        return value.tolist() if isinstance(value, torch.Tensor) else value
 
     @field_validator("q_dtype", mode="before")
     @classmethod
@@ -287,6 +296,10 @@ class InferenceConfig(_Section):
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig, alias="tp",
                                                   description="Tensor parallelism: split the model across ranks.")
     enable_cuda_graph: bool = Field(False, description="Capture the decode step in a CUDA graph (GPU only).")
+    compile_decode: bool = Field(False, description=(
+        "Compile splice's decode step with torch.compile (static shapes; needs replace_with_kernel_inject=True). "
+        "The first generate call compiles (tens of seconds on a small CPU; torch's inductor cache makes later "
+        "processes faster)."), json_schema_extra=_note("splice extra"))
     use_triton: bool = Field(False, description="Use Triton kernels.", json_schema_extra=_note(
         "splice has no Triton kernels; its fused block uses torch ops"))
     triton_autotune: bool = Field(False, description="Autotune Triton kernels.", json_schema_extra=_note(

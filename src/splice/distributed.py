@@ -5,6 +5,13 @@
 (env:// rendezvous; gloo on CPU, NCCL on CUDA) with a bounded collective timeout, and splits the world into
 consecutive tensor-parallel groups (data-parallel replicas of the model when the world is a multiple of ``tp_size``).
 
+A world that is *not* a multiple of ``tp_size`` is refused, on every rank alike, before any tensor-parallel group is
+made (world 5, tp 2: groups [0, 1], [2, 3] would leave rank 4 without a group). The alternatives are worse for the
+user: giving rank 4 a smaller group (tp 1) means it must hold the whole model, which tensor parallelism was asked for
+because it does not fit; leaving it idle means ``init_inference`` returns something that is not a model on that rank,
+so the user's script fails later and less clearly (or waits forever for a peer). The error names the groups, the
+rank(s) left over, the ``tp_size`` values that divide the world and the world sizes that fit ``tp_size``.
+
 The collective timeout (seconds) is ``$SPLICE_DIST_TIMEOUT_S``, default 30: a rank whose peer died or raised fails
 within that time instead of hanging (under ``torchrun`` the launcher also stops the other ranks as soon as one fails).
 """
@@ -163,11 +170,16 @@ def tp_groups(world: int, tp: int) -> list[list[int]]:
     if tp > world:
         raise ValueError(f"tensor_parallel.tp_size={tp} is larger than the world size {world} (processes started); "
                          f"allowed: 1..{world}, or start {tp} processes (torchrun --nproc-per-node {tp})")
+    groups = [list(range(start, start + tp)) for start in range(0, world - world % tp, tp)]
     if world % tp:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
-        raise ValueError(f"tensor_parallel.tp_size={tp} does not divide the world size {world}, so {world % tp} "
-                         f"rank(s) would have no tensor-parallel group; allowed tp_size values: {divisors}")
-    return [list(range(start, start + tp)) for start in range(0, world, tp)]
+        left = list(range(world - world % tp, world))
+        fits = [world - world % tp, world - world % tp + tp] if world >= tp else [tp]
+        raise ValueError(f"tensor_parallel.tp_size={tp} does not divide the world size {world}: the consecutive "
+                         f"tensor-parallel groups {groups} would leave rank(s) {left} with no group; allowed "
+                         f"tp_size values for {world} processes: {divisors}, or start a multiple of {tp} processes "
+                         f"({' or '.join(map(str, fits))})")
+    return groups
 
 
 def _new_groups(groups: list[list[int]], rank: int) -> Any:

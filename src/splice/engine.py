@@ -8,19 +8,23 @@ import torch
 from torch import nn
 
 from .config import InferenceConfig
+from .distributed import SINGLE_PROCESS, ParallelContext
 
 
 class InferenceEngine(nn.Module):
     """Wraps the transformed model: ``forward``, ``generate`` and per-forward profiling.
 
-    ``report`` lists what each pipeline step did, as ``(step, description)`` pairs.
+    ``report`` lists what each pipeline step did, as ``(step, description)`` pairs; ``parallel`` is the
+    tensor-parallel context the model was sharded for.
     """
 
-    def __init__(self, module: nn.Module, config: InferenceConfig, report: list[tuple[str, str]] | None = None):
+    def __init__(self, module: nn.Module, config: InferenceConfig, report: list[tuple[str, str]] | None = None,
+                 parallel: ParallelContext = SINGLE_PROCESS):
         super().__init__()
         self.module = module.eval()
         self.config = config
         self.report = list(report or [])
+        self.parallel = parallel
         self._timer: _ForwardTimer | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -42,6 +46,7 @@ class InferenceEngine(nn.Module):
         from .generation import generate as native_generate  # kernel-injected models: splice's own decode loop
         from .transforms.inject import runtime_of
 
+        self.parallel.sync_rng()  # under TP every rank must sample the same tokens, even if reseeded since init
         with torch.inference_mode():
             if runtime_of(self.module) is not None:
                 return native_generate(self.module, *args, **kwargs)  # falls back to HF for options it lacks

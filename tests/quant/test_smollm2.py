@@ -26,6 +26,18 @@ def _english_text() -> str:
     pytest.skip("no English licence text of 20 kB found on this machine")
 
 
+def _calibration_ids(tokenizer, evaluated: str, sequences: int = 8, tokens: int = 512) -> torch.Tensor:
+    """GPTQ calibration ids from licence texts found on this machine other than the evaluated one."""
+    paths = [p for p in map(Path, ["/usr/share/common-licenses/" + name for name in
+                                   ("Apache-2.0", "MPL-2.0", "LGPL-2.1", "GFDL-1.3")])
+             if p.is_file() and p.read_text(encoding="utf-8", errors="ignore") != evaluated]
+    text = "".join(p.read_text(encoding="utf-8", errors="ignore") for p in paths)
+    ids = tokenizer(text, return_tensors="pt").input_ids[0]
+    if ids.numel() < sequences * tokens:
+        pytest.skip(f"only {ids.numel()} calibration tokens of licence text found; GPTQ needs {sequences * tokens}")
+    return ids[: sequences * tokens].reshape(sequences, tokens)
+
+
 @pytest.fixture(scope="module")
 def bf16_model(smollm2):
     model, tokenizer = smollm2

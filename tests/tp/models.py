@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "gpt2", "gpt_neox", "bloom", "falcon", "opt", "phi3")
+#: gemma: its embedding scales by sqrt(hidden) in its own forward (transformers 5) and its lm_head is tied to it
+FAMILIES = ("llama", "qwen2", "gpt2", "gpt_neox", "bloom", "falcon", "opt", "phi3", "gemma")
 
 
 def tiny_config(family: str, **overrides):
@@ -25,6 +26,9 @@ def tiny_config(family: str, **overrides):
         "phi3": lambda: T.Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                      **common),
+        "gemma": lambda: T.GemmaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       max_position_embeddings=256, tie_word_embeddings=True, **common),
         "opt": lambda: T.OPTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
                                    word_embed_proj_dim=64, max_position_embeddings=256, **common),
     }[family]()

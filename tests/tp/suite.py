@@ -10,6 +10,8 @@ from tests.tp.launch import run_ranks
 from tests.tp.models import FAMILIES, build
 
 PARITY_CASES = [(family, mode, {}) for family in FAMILIES for mode in ("autotp", "policy")]
+#: at tp=3 also Falcon's new architecture (per-KV-group [q.., k, v] layout, 2 KV heads replicated over 3 ranks)
+TP3_CASES = [*PARITY_CASES, ("falcon", "autotp", {"new_decoder_architecture": True, "num_kv_heads": 2})]
 #: (family, config overrides); llama is saved in several files and loaded through its index JSON.
 CHECKPOINT_MODELS = [("llama", {"tie_word_embeddings": True}), ("gpt2", {})]
 SHARDED = {"llama": "model.safetensors.index.json"}
@@ -32,3 +34,9 @@ def saved_files(family: str) -> list[str]:
 
 def hf_files(family: str) -> list[str]:
     return sorted(p.name for p in (Path(_ROOT.name) / family / "hf").glob("*.safetensors*"))
+
+
+@functools.lru_cache(maxsize=1)
+def tp3() -> list[dict]:
+    """Per rank: {"parity", "fused"} results of ``workers.tp3_suite`` (uneven heads, replicated KV heads)."""
+    return run_ranks(workers.tp3_suite, 3, TP3_CASES, timeout=220)

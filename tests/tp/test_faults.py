@@ -27,6 +27,15 @@ def test_bad_sizes_and_policies_raise_on_every_rank():
     assert "tp_size=3 is larger than the world size 2" in messages["tp_larger_than_world"]
 
 
+def test_a_world_that_tp_size_does_not_divide_is_refused_on_every_rank():
+    """3 processes, tp_size=2: every rank raises the same error naming the rank left over (none hangs in a
+    collective: the groups are checked before any is made), and the processes stay usable."""
+    messages = {r["not_divisible"] for r in suite.tp3()}
+    assert len(messages) == 1
+    message = messages.pop()
+    assert "tp_size=2 does not divide the world size 3" in message and "[[0, 1]] would leave rank(s) [2]" in message
+
+
 def test_a_rank_that_raises_ends_the_group():
     start = time.monotonic()
     with pytest.raises(AssertionError) as failure:

@@ -30,3 +30,32 @@ def test_only_splice_manifests_are_manifests(tmp_path):
     assert read_manifest(tmp_path / "config.json") is None and read_manifest(tmp_path) is None
     (tmp_path / "splice_tp.json").write_text('{"format": "splice-tp/1", "tp_size": 2}')
     assert read_manifest(tmp_path)["tp_size"] == 2 and read_manifest(tmp_path)["folder"] == str(tmp_path)
+
+
+def test_meta_gemma_shards_load_their_rows_and_get_their_embed_scale_back(tmp_path):
+    """Gemma's embedding keeps a non-persistent ``embed_scale`` buffer (not in the checkpoint): a meta model sharded
+    per rank and materialised recomputes it inside the vocab-parallel wrapper; with its rows loaded from the HF
+    checkpoint, the ranks' parts sum to the unsharded, scaled embedding."""
+    from splice.checkpoint import materialize
+    from splice.distributed import ParallelContext
+    from splice.tp.apply import apply_plan
+    from splice.tp.autotp import autotp_plan
+    from splice.tp.loading import load_slices
+    from tests.tp.models import build
+
+    original = build("gemma")
+    original.save_pretrained(tmp_path)
+    ids = torch.tensor([[0, 3, 42, 63, 64, 100, 127]])
+    with torch.no_grad():
+        expected = original.get_input_embeddings()(ids)
+    total = torch.zeros_like(expected)
+    for rank in range(2):
+        model = build("gemma", meta=True)
+        shards = apply_plan(model, autotp_plan(model), ParallelContext(rank, 2))
+        load_slices(materialize(model, torch.device("cpu")), shards, tmp_path)
+        embedding = model.get_input_embeddings()
+        assert float(embedding.embed_scale) == 8.0 and model.lm_head.linear.weight is embedding.weight
+        embedding.ctx = ParallelContext()  # this rank's part only: the group would sum the parts
+        with torch.no_grad():
+            total += embedding(ids)
+    assert torch.allclose(total, expected, atol=1e-6)

@@ -27,6 +27,8 @@ EXPECTED = {
                "transformer.h.*.mlp.dense_4h_to_h", (4, 1)),
     "phi3": ("model.layers.*.self_attn.o_proj", ("model.layers.*.self_attn.qkv_proj", "qkv"),
              "model.layers.*.mlp.down_proj", (4, 2)),
+    "gemma": ("model.layers.*.self_attn.o_proj", ("model.layers.*.self_attn.k_proj", "kv"),
+              "model.layers.*.mlp.down_proj", (4, 2)),
     "opt": ("model.decoder.layers.*.self_attn.out_proj", ("model.decoder.layers.*.self_attn.q_proj", "q"),
             "model.decoder.layers.*.fc2", (4, 4)),
 }
@@ -118,7 +120,7 @@ def test_autotp_lists_linears_it_cannot_place():
         autotp_plan(_Tiny())
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2", "falcon"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "falcon", "gemma"])
 def test_shard_map_names_exactly_the_slices_each_rank_holds(family):
     """apply_plan on real weights, every rank in turn (sharding needs no communication): each sharded tensor equals
     the slice of the original its ShardMap entry names (Conv1D transposes included), and ties survive."""
@@ -137,17 +139,45 @@ def test_shard_map_names_exactly_the_slices_each_rank_holds(family):
 
 
 class _ScaledEmbedding(nn.Embedding):
+    """Scales and offsets in its own forward (as transformers 5's Gemma embedding scales by sqrt(hidden))."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("embed_scale", torch.tensor(8.0), persistent=False)
+
     def forward(self, ids):
-        return super().forward(ids) * 2.0
+        return super().forward(ids) * self.embed_scale + 1.0
 
 
-def test_an_embedding_subclass_and_its_tied_head_stay_whole():
-    model = build("llama", meta=True, tie_word_embeddings=True)
-    scaled = _ScaledEmbedding(128, 64, device="meta")
-    model.model.embed_tokens = scaled
-    model.lm_head.weight = scaled.weight
+@pytest.mark.parametrize("tp", [2, 3])
+def test_an_embedding_that_scales_in_its_forward_is_split_and_its_head_stays_tied(tp):
+    """Any nn.Embedding is vocab-parallel: each rank runs the module's own forward on its rows (zeros for the ids
+    it does not own), so the ranks' outputs sum to the unsharded forward; the tied lm_head shares the same rows."""
+    model = build("llama", tie_word_embeddings=True)
+    scaled = _ScaledEmbedding(128, 64, padding_idx=0)
+    with torch.no_grad():
+        scaled.weight.copy_(model.model.embed_tokens.weight)
+    model.model.embed_tokens, model.lm_head.weight = scaled, scaled.weight
+    ids = torch.tensor([[0, 5, 42, 43, 64, 85, 86, 127]])
+    with torch.no_grad():
+        expected = scaled(ids)
     plan = autotp_plan(model)
-    assert plan.rules["model.embed_tokens"] == plan.rules["lm_head"] == Rule("replicate")
+    assert plan.rules["model.embed_tokens"] == plan.rules["lm_head"] == Rule("vocab")
+    total = torch.zeros_like(expected)
+    for rank in range(tp):
+        sharded = build("llama", tie_word_embeddings=True)
+        sharded.model.embed_tokens = _ScaledEmbedding(128, 64, padding_idx=0)
+        sharded.load_state_dict(model.state_dict())
+        sharded.lm_head.weight = sharded.model.embed_tokens.weight
+        apply_plan(sharded, plan, ParallelContext(rank, tp))
+        emb = sharded.get_input_embeddings()
+        assert type(emb.embedding) is _ScaledEmbedding and emb.embed_scale is emb.embedding.embed_scale
+        assert sharded.get_output_embeddings().linear.weight is emb.weight  # still tied
+        assert emb.embedding.padding_idx == (0 if rank == 0 else None)  # renumbered to the local rows
+        emb.ctx = ParallelContext()  # this rank's part only (no group here): the group would sum the parts
+        with torch.no_grad():
+            total += emb(ids)
+    assert torch.allclose(total, expected, atol=1e-6)
 
 
 def test_head_counts_are_set_per_rank_on_modules_never_on_the_shared_config():

@@ -13,6 +13,7 @@ POLICY_ROWS = {
     "gpt2": ("attn.c_proj", "mlp.c_proj"), "gpt_neox": ("attention.dense", "mlp.dense_4h_to_h"),
     "bloom": ("self_attention.dense", "mlp.dense_4h_to_h"), "falcon": ("self_attention.dense", "mlp.dense_4h_to_h"),
     "opt": ("self_attn.out_proj", "fc2"), "phi3": ("self_attn.o_proj", "mlp.down_proj"),
+    "gemma": ("self_attn.o_proj", "mlp.down_proj"),
 }
 
 
@@ -179,8 +180,27 @@ def tp2_suite(rank: int, world: int, cases: list, models: list, index_files: dic
     """Everything the tests run at tp=2, in one pair of processes (process start-up dominates on 2 cores)."""
     return {"distributed": distributed_checks(rank, world), "parity": parity(rank, world, cases),
             "checkpoints": checkpoints(rank, world, models, index_files, root), "bad": bad_inputs(rank, world),
-            "fused": fused_block_parity(rank, world), "sampled": sampling(rank, world),
-            "quantized": quantized_parity(rank, world), "pipeline": pipeline_parity(rank, world)}
+            "fused": fused_pipeline(rank, world),
+            "fused_extra": {**fused_sampling_and_packing(rank, world),
+                            "checkpoint": fused_from_checkpoint(rank, world, root)},
+            "sampled": sampling(rank, world), "reseeded": reseeded_after_init(rank, world), "quantized": quantized_parity(rank, world),
+            "pipeline": pipeline_parity(rank, world), "hf_generate": hf_generate_fallback(rank, world)}
+
+
+def tp3_suite(rank: int, world: int, cases: list) -> dict:
+    """Everything the tests run at tp=3, in one set of processes."""
+    return {"parity": parity(rank, world, cases), "fused": fused_pipeline(rank, world),
+            "hf_generate": hf_generate_fallback(rank, world, ("llama",), {"beams": HF_ONLY_OPTIONS["beams"]}),
+            "not_divisible": error_of(lambda: shard(build("llama"), 2))}
+
+
+def error_of(case) -> str:
+    """The ValueError/TypeError ``case()`` raises, as text ("no error" if none)."""
+    try:
+        case()
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
 
 
 def raise_after_parity(rank: int, world: int) -> None:
@@ -196,31 +216,23 @@ def raise_after_parity(rank: int, world: int) -> None:
     reference(model)
 
 
-def fused_block_parity(rank: int, world: int, families: tuple = ("llama", "qwen2", "phi3")) -> dict:
-    """Fused-block TP: the tensor_parallel step shards the HF model, then kernel injection (the next pipeline step)
-    fuses each rank's q/k/v and gate/up shards into SpliceBlocks; o/down stay row-parallel (two all-reduces a block).
-    Called through splice.transforms.inject.inject directly (its check still refuses world_size > 1)."""
-    from splice.tp.layers import RowParallelLinear
-    from splice.transforms.inject import inject
-
-    out = {}
-    for family in families:
-        model = build(family)
-        ref = reference(model)
-        model, ctx = shard(model, world)
-        runtime = inject(model, 64)
-        block = runtime.blocks[0]
-        out[family] = {**compare(model, ref), "shape": (block.shape.n_heads, block.shape.n_kv_heads),
-                       "row_parallel": [isinstance(m, RowParallelLinear) for m in (block.o, block.down)]}
-    return out
-
-
 def sampling(rank: int, world: int) -> list[int]:
     """Ranks seeded differently still sample the same tokens: the step gives every rank rank 0's RNG state."""
     torch.manual_seed(1234 + rank)
     model, _ = shard(build("llama"), world)
     with torch.no_grad():
         out = model.generate(torch.tensor(PROMPT), do_sample=True, top_k=0, max_new_tokens=8, pad_token_id=0)
+    return out[0].tolist()
+
+
+def reseeded_after_init(rank: int, world: int) -> list[int]:
+    """A user who reseeds each rank differently *after* init_inference still gets the same samples on every rank:
+    engine.generate gives all ranks rank 0's random state before each request."""
+    import splice
+
+    engine = splice.init_inference(build("llama"), tensor_parallel={"tp_size": world})
+    torch.manual_seed(4321 + rank)
+    out = engine.generate(torch.tensor(PROMPT), do_sample=True, top_k=0, max_new_tokens=8, pad_token_id=0)
     return out[0].tolist()
 
 
@@ -255,3 +267,172 @@ def pipeline_parity(rank: int, world: int) -> dict:
     ctx = PipelineContext(device=torch.device("cpu"), parallel=build_parallel_context(config, "cpu"))
     model = run_pipeline(model, config, ctx)
     return {**compare(model, ref), "steps": [step for step, _ in ctx.report]}
+
+
+#: kernel-injection TP: every family with a fused-block record (tests.arch.tiny_models), new tokens per row
+FUSED_NEW_TOKENS = 12
+
+
+def fused_pipeline(rank: int, world: int, families: tuple | None = None) -> dict:
+    """``init_inference(model, tensor_parallel={"tp_size": world}, replace_with_kernel_inject=True)`` on each family
+    with a fused-block record, against the single-process unmodified HF model (built from the same seed on every
+    rank): logits through the HF forward and through splice's native path, greedy tokens of ``engine.generate`` (the
+    native loop) on a left-padded batch, all-reduces per forward counted at ``torch.distributed.all_reduce``."""
+    import splice
+    from splice.transforms.inject import runtime_of
+    from tests.arch.tiny_models import FAMILIES as INJECT_FAMILIES, build_family, padded_batch
+
+    out = {}
+    for family in families or INJECT_FAMILIES:
+        model = build_family(family)
+        ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(7))
+        prompt, mask = padded_batch(batch=3, length=10)
+        options = dict(max_new_tokens=FUSED_NEW_TOKENS, do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            ref_logits = model(ids).logits
+            ref_tokens = model.generate(prompt, attention_mask=mask, **options)
+        engine = splice.init_inference(model, tensor_parallel={"tp_size": world}, replace_with_kernel_inject=True,
+                                       max_out_tokens=64)
+        runtime = runtime_of(engine.module)
+        with count_collectives() as counts:
+            native = native_logits(runtime, ids)
+        with count_collectives() as embed_counts:
+            runtime.embed(ids)
+        tokens = engine.generate(prompt, attention_mask=mask, **options)
+        scale = ref_logits.std()
+        block = runtime.blocks[0]
+        out[family] = {
+            "hf_forward": float((engine(ids).logits - ref_logits).abs().max() / scale),
+            "native": float((native - ref_logits).abs().max() / scale),
+            "tokens_equal": bool(torch.equal(tokens, ref_tokens)), "native_loop": runtime._cache is not None,
+            "all_reduce": counts["all_reduce"], "embed_all_reduce": embed_counts["all_reduce"],
+            "all_gather": counts["all_gather"], "layers": len(runtime.blocks),
+            "shape": (block.shape.n_heads, block.shape.n_kv_heads),
+            "modules": [type(m).__name__ for m in (runtime.embed, runtime.lm_head, block.o, block.down)],
+            "config_heads": (model.config.num_attention_heads, model.config.num_key_value_heads),
+            "tied": runtime.lm_head.linear.weight is runtime.embed.weight}
+    return out
+
+
+def native_logits(runtime, ids: torch.Tensor) -> torch.Tensor:
+    """All positions' logits of an unpadded batch through splice's native forward (a fresh cache)."""
+    cache = runtime.new_cache(ids.shape[0])
+    cache.start(torch.ones_like(ids))
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    with torch.inference_mode():
+        return runtime.forward(ids, positions, cache.slot_ids[: ids.shape[1]], cache, ids.shape[1], last_only=False,
+                               dense=True)
+
+
+class count_collectives:
+    """Counts ``torch.distributed.all_reduce`` / ``all_gather`` calls inside the ``with`` (ParallelContext calls them
+    through the module attribute, so wrapping it sees every call)."""
+
+    def __enter__(self) -> dict:
+        import torch.distributed as dist
+
+        self.counts = {"all_reduce": 0, "all_gather": 0}
+        self.saved = {name: getattr(dist, name) for name in self.counts}
+        for name, fn in self.saved.items():
+            setattr(dist, name, self._counting(name, fn))
+        return self.counts
+
+    def _counting(self, name, fn):
+        def wrapper(*args, **kwargs):
+            self.counts[name] += 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    def __exit__(self, *exc) -> None:
+        import torch.distributed as dist
+
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
+def fused_sampling_and_packing(rank: int, world: int) -> dict:
+    """Ranks seeded differently before init_inference sample the same tokens in the native loop; bf16 blocks packed
+    for oneDNN keep the row-parallel all-reduce (only the inner linear is packed) and still match fp32."""
+    import splice
+    from splice.transforms.inject import runtime_of
+    from tests.arch.tiny_models import build_family
+
+    torch.manual_seed(1234 + rank)
+    engine = splice.init_inference(build_family("llama"), tensor_parallel={"tp_size": world},
+                                   replace_with_kernel_inject=True, max_out_tokens=64)
+    sampled = engine.generate(torch.tensor(PROMPT), do_sample=True, top_k=0, max_new_tokens=8, pad_token_id=0)
+    reference = build_family("llama")
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        ref_logits = reference(ids).logits
+    engine = splice.init_inference(build_family("llama", dtype=torch.bfloat16), tensor_parallel={"tp_size": world},
+                                   replace_with_kernel_inject=True, max_out_tokens=64)
+    block = runtime_of(engine.module).blocks[0]
+    with count_collectives() as counts:
+        logits = engine(ids).logits.float()
+    head = runtime_of(engine.module).lm_head
+    return {"sampled": sampled[0].tolist(), "o": type(block.o).__name__, "o_inner": type(block.o.linear).__name__,
+            "qkv": type(block.qkv).__name__, "head": type(head).__name__, "head_inner": type(head.linear).__name__,
+            "all_reduce": counts["all_reduce"],
+            "bf16_error": float((logits - ref_logits).abs().max() / ref_logits.std())}
+
+
+def fused_from_checkpoint(rank: int, world: int, root: str) -> dict:
+    """A meta model and a sharded HF safetensors checkpoint: the tensor_parallel step loads this rank's slices, then
+    kernel injection fuses them (no rank holds the whole model); logits and native greedy tokens as single process."""
+    import splice
+    from splice.transforms.inject import runtime_of
+
+    family, overrides = "llama", {"tie_word_embeddings": True}
+    ref = reference(build(family, **overrides))
+    engine = splice.init_inference(build(family, meta=True, **overrides), tensor_parallel={"tp_size": world},
+                                   checkpoint=f"{root}/{family}/hf/model.safetensors.index.json",
+                                   replace_with_kernel_inject=True, max_out_tokens=64)
+    ids = torch.tensor(PROMPT)
+    with torch.inference_mode():
+        logits = engine(ids).logits
+    tokens = engine.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    runtime = runtime_of(engine.module)
+    return {"max_diff": float((logits - ref[0]).abs().max()), "tokens_equal": bool(torch.equal(tokens, ref[1])),
+            "injected": runtime is not None, "tied": runtime.lm_head.linear.weight is runtime.embed.weight,
+            "meta_left": any(p.is_meta for p in engine.module.parameters())}
+
+
+#: generate options the native loop does not implement: engine.generate must run Hugging Face's generate for them
+HF_ONLY_OPTIONS = {"beams": dict(num_beams=3), "beams_return_2": dict(num_beams=3, num_return_sequences=2),
+                   "beams_length_penalty": dict(num_beams=3, length_penalty=0.5, early_stopping=True),
+                   "no_repeat_ngram": dict(no_repeat_ngram_size=2), "bad_words": dict(bad_words_ids=[[5], [9, 27]])}
+
+
+def hf_generate_fallback(rank: int, world: int, families=("llama", "gemma"), options=None) -> dict:
+    """``engine.generate`` with options only Hugging Face's generate has (beam search, ...) on a tensor-parallel model,
+    plain AutoTP (HF generate directly) and kernel-injected (the native loop hands over to HF generate on the fused
+    model), on a left-padded batch: tokens against the single-process HF model, beam scores and beam *sampling*
+    (ranks seeded differently before init_inference) compared across ranks by the test."""
+    import splice
+    from splice.transforms.inject import runtime_of
+    from tests.arch.tiny_models import build_family, padded_batch
+
+    options = HF_ONLY_OPTIONS if options is None else options
+    prompt, mask = padded_batch(batch=2, length=8)
+    common = dict(attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+    out = {}
+    for family in families:
+        model = build_family(family)
+        with torch.no_grad():
+            refs = {k: model.generate(prompt, do_sample=False, **common, **o) for k, o in options.items()}
+        for inject in (False, True):
+            torch.manual_seed(4321 + rank)
+            engine = splice.init_inference(build_family(family), tensor_parallel={"tp_size": world},
+                                           replace_with_kernel_inject=inject, max_out_tokens=64)
+            tokens = {k: engine.generate(prompt, do_sample=False, **common, **o) for k, o in options.items()}
+            scored = engine.generate(prompt, num_beams=3, do_sample=False, return_dict_in_generate=True,
+                                     output_scores=True, **common)
+            sampled = engine.generate(prompt, num_beams=3, do_sample=True, top_k=0, **common)
+            runtime = runtime_of(engine.module)
+            out[f"{family}/{'inject' if inject else 'autotp'}"] = {
+                "equal": {k: bool(torch.equal(tokens[k], refs[k])) for k in options},
+                "beam_scores": scored.sequences_scores.tolist(), "beam_sampled": sampled.tolist(),
+                "injected": runtime is not None, "native_loop_ran": runtime is not None and runtime._cache is not None,
+                "embedding": type(engine.module.get_input_embeddings()).__name__}
+    return out

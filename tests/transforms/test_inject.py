@@ -135,17 +135,6 @@ def test_real_smollm2_logits_match(smollm2):
         assert scaled_error(expected[real], native[real]) < 1e-4
 
 
-def test_compile_refuses_packed_weights():
-    from splice.layers.packed_linear import can_pack
-
-    if not can_pack(torch.bfloat16, torch.device("cpu")):
-        pytest.skip("no oneDNN bf16")
-    engine = splice.init_inference(build_family("llama", dtype=torch.bfloat16), replace_with_kernel_inject=True,
-                                   max_out_tokens=32)
-    with pytest.raises(ValueError, match="fp32"):
-        runtime_of(engine.module).compile_decode()
-
-
 @pytest.mark.slow
 def test_compiled_decode_step_gives_the_same_tokens():
     from splice.generation import generate
@@ -158,3 +147,58 @@ def test_compiled_decode_step_gives_the_same_tokens():
     for _ in range(2):  # the second call reuses the compiled graph and the cache
         assert torch.equal(generate(model, ids, attention_mask=mask, **options),
                            reference.generate(ids, attention_mask=mask, **options))
+
+
+def shard_in_process(model, rank: int, tp: int):
+    """One rank's shards of ``model`` by AutoTP's plan, made in this process (no collective runs until a forward)."""
+    from splice.distributed import ParallelContext
+    from splice.tp import apply_plan, autotp_plan, trace_model
+
+    ctx = ParallelContext(rank=rank, world_size=tp)
+    apply_plan(model, autotp_plan(model, trace_model(model)), ctx)
+    return ctx
+
+
+@pytest.mark.parametrize("model_type", ["llama", "phi3", "qwen3"])
+def test_head_counts_come_from_each_rank_weights(model_type):
+    """4 query / 2 KV heads over 3 ranks: 1, 1, 2 query heads, one (replicated) KV head each — uneven, so a ratio of
+    the config's counts would be wrong; separate and checkpoint-fused (Phi-3) QKV alike."""
+    shapes = []
+    for rank in range(3):
+        model = build_family(model_type)
+        shard_in_process(model, rank, 3)
+        block = inject(model, max_out_tokens=32).blocks[0]
+        shapes.append((block.shape.n_heads, block.shape.n_kv_heads))
+        assert block.qkv.out_features == (shapes[-1][0] + 2) * block.shape.head_dim
+    assert shapes == [(1, 1), (1, 1), (2, 1)]
+
+
+def test_check_accepts_tensor_parallel_contexts():
+    from splice.config import resolve_config
+    from splice.distributed import ParallelContext
+    from splice.pipeline import PipelineContext
+    from splice.transforms import inject as inject_step
+
+    config = resolve_config({"replace_with_kernel_inject": True, "max_out_tokens": 32})
+    ctx = PipelineContext(device=torch.device("cpu"), parallel=ParallelContext(rank=1, world_size=2))
+    inject_step.check(build_family("llama"), config, ctx)  # no longer refuses world_size > 1
+
+
+def test_packing_keeps_the_parallel_wrappers():
+    """bf16 on CPU under tensor parallelism: the plain linears inside the row/vocab-parallel wrappers are packed, the
+    wrappers (which own the all-reduce / all-gather) stay."""
+    from splice.layers.packed_linear import PackedLinear, can_pack
+    from splice.tp.layers import RowParallelLinear, VocabParallelLinear
+    from splice.transforms.inject import pack_linears
+
+    if not can_pack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no oneDNN bf16")
+    model = build_family("llama", dtype=torch.bfloat16)
+    shard_in_process(model, 0, 2)
+    runtime = inject(model, max_out_tokens=32)
+    assert pack_linears(model, runtime) == 4 * len(runtime.blocks) + 1
+    block = runtime.blocks[0]
+    assert isinstance(block.qkv, PackedLinear) and isinstance(block.gate_up, PackedLinear)
+    for wrapper in (block.o, block.down):
+        assert isinstance(wrapper, RowParallelLinear) and isinstance(wrapper.linear, PackedLinear)
+    assert isinstance(runtime.lm_head, VocabParallelLinear) and isinstance(runtime.lm_head.linear, PackedLinear)

@@ -44,3 +44,17 @@ def test_check_raises_before_anything_changes(tiny_llama):
     with pytest.raises(ValueError, match="q_groups=3 does not divide in_features=64"):
         quantize_transform.check(tiny_llama, config, PipelineContext(device=torch.device("cpu")))
     assert not any(isinstance(m, QuantizedLinear) for m in tiny_llama.modules())
+
+
+def test_calibration_ids_run_gptq(tiny_llama):
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    model, ctx = _run(tiny_llama, quant={"enabled": True, "weight": {"num_bits": 4, "group_size": 32,
+                                                                     "calibration_ids": ids}})
+    assert isinstance(model.model.layers[0].mlp.gate_proj, Int4WeightOnlyLinear)
+    assert "GPTQ on 2x16 tokens" in ctx.report[-1][1]
+
+
+def test_calibration_ids_with_int8_raise_in_check(tiny_llama):
+    config = resolve_config({"quant": {"enabled": True, "weight": {"num_bits": 8, "calibration_ids": [[1, 2, 3]]}}})
+    with pytest.raises(ValueError, match="int4 weights only"):
+        quantize_transform.check(tiny_llama, config, PipelineContext(device=torch.device("cpu")))

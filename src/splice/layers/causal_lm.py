@@ -9,26 +9,29 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..arch.record import ModelDims
 from .block import SpliceBlock
 from .kv_cache import StaticKVCache
 from .norm import RMSNorm
-from .packed_linear import PackedLinear
 from .rotary import RopeTable, build_table
 
 
 class SpliceCausalLM:
-    """``forward(tokens, positions, slots, cache, kv_len)`` returns the logits of the last position (or all)."""
+    """``forward(tokens, positions, slots, cache, kv_len)`` returns the logits of the last position (or all).
+
+    The embedding and the lm_head are called as modules: under tensor parallelism they are vocab-parallel (the
+    embedding sums its rows over the group, the lm_head all-gathers), so every rank gets the full logits."""
 
     def __init__(self, config: Any, dims: ModelDims, embed: nn.Embedding, blocks: nn.ModuleList, norm: RMSNorm,
                  lm_head: nn.Module, embed_scale: bool, max_len: int):
         self.config = config  # read only (rope types that need transformers' own init functions)
         self.dims = dims
         self.embed, self.blocks, self.norm, self.lm_head = embed, blocks, norm, lm_head
-        self.embed_scale = math.sqrt(dims.hidden) if embed_scale else None
+        # the family scales its embeddings: here, unless the embedding module does it itself (Gemma in transformers 5)
+        scales_itself = getattr(embed, "embed_scale", None) is not None
+        self.embed_scale = math.sqrt(dims.hidden) if embed_scale and not scales_itself else None
         self.max_len = max_len
         self.windows = sorted({block.window for block in blocks}, key=lambda w: -1 if w is None else w)
         self._rope: RopeTable | None = None
@@ -93,16 +96,15 @@ class SpliceCausalLM:
         return self.forward(tokens, positions, slot, cache, kv_len)
 
     def compile_decode(self, **options) -> None:
-        """Compile the decode step with ``torch.compile`` (opt-in: compiling takes tens of seconds on a small CPU)."""
-        if any(isinstance(m, PackedLinear) for block in self.blocks for m in block.modules()):
-            raise ValueError("compile_decode cannot trace the oneDNN-packed 16-bit weights these blocks hold (they "
-                             "already run oneDNN kernels); allowed: compile_decode on fp32 weights")
+        """Compile the decode step with ``torch.compile`` (opt-in: compiling takes tens of seconds on a small CPU).
+
+        oneDNN-packed linears run inside the graph as the ``splice::packed_linear`` custom op (``layers.compiled``)."""
         self.rope()
         self._compiled_step = torch.compile(self.forward, dynamic=False, **options)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        weight = self.embed.weight
-        x = F.embedding(tokens, weight)
+        """Through the embedding module itself: a vocab-parallel one looks up its rows and sums over the group."""
+        x = self.embed(tokens)
         if self.embed_scale is not None:
-            x.mul_(torch.tensor(self.embed_scale, dtype=torch.float32).to(weight.dtype))
+            x.mul_(torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype))
         return x

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .compiled import packed_linear
+
 PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -30,6 +32,8 @@ class PackedLinear(nn.Module):
         linear.weight = None  # release the plain weight now
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # inductor cannot lower the op on a weight it did not pack itself
+            return packed_linear(x, self.weight, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

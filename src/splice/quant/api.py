@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import gptq
 from .layers import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantizedLinear
 from .scheme import QKV_NAMES, QuantConfig
 
@@ -31,6 +32,7 @@ class QuantReport:
     kept_float: dict[str, str] = field(default_factory=dict)
     float_bytes: int = 0
     quantized_bytes: int = 0
+    calibration: str = "round-to-nearest"
 
     @property
     def ratio(self) -> float:
@@ -39,27 +41,69 @@ class QuantReport:
     def summary(self) -> str:
         kept = "; ".join(f"{name} ({why})" for name, why in list(self.kept_float.items())[:5])
         more = f" and {len(self.kept_float) - 5} more" if len(self.kept_float) > 5 else ""
-        return (f"{self.kind}: {len(self.quantized)} linears, weights {self.float_bytes / 2**20:.1f} MiB -> "
+        return (f"{self.kind} ({self.calibration}): {len(self.quantized)} linears, weights {self.float_bytes / 2**20:.1f} MiB -> "
                 f"{self.quantized_bytes / 2**20:.1f} MiB ({self.ratio:.3f}x); kept in float: {kept or 'none'}{more}")
 
 
-def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str | None = None) -> QuantReport:
+def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str | None = None,
+             calibration_ids: torch.Tensor | None = None, act_order: bool = False) -> QuantReport:
     """Quantize ``model`` in place. ``device``: where the packed weights go (default: each weight's own device);
-    pack on the device the model will run on, since int4 layouts differ between CPU and CUDA."""
+    pack on the device the model will run on, since int4 layouts differ between CPU and CUDA.
+
+    ``calibration_ids`` (int4 only): token ids ``[sequences, tokens]`` to calibrate on with GPTQ (``gptq.py``): the
+    model's own float forward runs over them once, and each linear's rounding is chosen to minimise its output
+    error on its inputs there. ``None``: round-to-nearest. ``act_order``: GPTQ quantizes
+    columns by decreasing activation energy. Either way the layers, kernels and saved form are the same.
+    """
     if not isinstance(config, QuantConfig):
         raise TypeError(f"quantize expects a splice.quant.QuantConfig, got {type(config).__name__}")
     handler = HANDLERS[config.kind]
     targets, report = plan(model, config)
+    if calibration_ids is None:
+        if act_order:
+            raise ValueError("act_order=True needs calibration_ids (it is a GPTQ option)")
+        for name, module in targets:
+            _replace(model, name, module, handler, config, device, report)
+        return report
+    ids = check_calibration_ids(calibration_ids, config)
+    hessians = gptq.run_calibration(model, ids, dict(targets))
     for name, module in targets:
-        weight, bias = float_weight(module)
-        if device is not None:
-            weight, bias = weight.to(device), None if bias is None else bias.to(device)
-        layer = handler.from_float(weight, bias, config)
-        report.float_bytes += weight.numel() * 2  # against bf16, the dtype these kernels replace
-        report.quantized_bytes += layer.weight_nbytes()
-        model.set_submodule(name, layer)
-        report.quantized.append(name)
+        _replace(model, name, module, handler, config, device, report, hessians.pop(name), act_order)
+    report.calibration = f"GPTQ on {ids.shape[0]}x{ids.shape[1]} tokens" + (", act-order" if act_order else "")
     return report
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module, handler: type[QuantizedLinear], config: QuantConfig,
+             device, report: QuantReport, hessian: torch.Tensor | None = None, act_order: bool = False) -> None:
+    weight, bias = float_weight(module)
+    if device is not None:
+        weight, bias = weight.to(device), None if bias is None else bias.to(device)
+    if hessian is None:
+        layer = handler.from_float(weight, bias, config)
+    else:
+        layer = handler.from_float(weight, bias, config, hessian=hessian, act_order=act_order)
+    report.float_bytes += weight.numel() * 2  # against bf16, the dtype these kernels replace
+    report.quantized_bytes += layer.weight_nbytes()
+    model.set_submodule(name, layer)
+    report.quantized.append(name)
+
+
+def check_calibration_ids(ids, config: QuantConfig) -> torch.Tensor:
+    if config.kind != "int4_weight_only":
+        raise ValueError(f"calibration_ids (GPTQ) is supported for int4 weights only, not {config.kind!r}; allowed: "
+                         "QuantConfig(bits=4, ...), or calibration_ids=None (round-to-nearest)")
+    if not isinstance(ids, torch.Tensor):
+        try:
+            ids = torch.tensor(ids, dtype=torch.long)
+        except (TypeError, ValueError) as err:
+            raise TypeError(f"calibration_ids must be a [sequences, tokens] integer tensor or nested lists of equal "
+                            f"length, got {type(ids).__name__}: {err}") from None
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.numel() == 0 or ids.is_floating_point() or ids.is_complex():
+        raise ValueError(f"calibration_ids must be a non-empty [sequences, tokens] integer tensor, got "
+                         f"dtype={ids.dtype}, shape={tuple(ids.shape)}")
+    return ids.long()
 
 
 def plan(model: nn.Module, config: QuantConfig) -> tuple[list[tuple[str, nn.Module]], QuantReport]:

@@ -11,7 +11,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from . import kernels, qmath
+from . import gptq, kernels, qmath
 from .scheme import QuantConfig
 
 
@@ -172,12 +172,18 @@ class Int4WeightOnlyLinear(_RepackedWeight):
         self._set_qweight(qmath.pack_nibbles(q))
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig) -> Int4WeightOnlyLinear:
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig,
+                   hessian: torch.Tensor | None = None, act_order: bool = False) -> Int4WeightOnlyLinear:
+        """Round-to-nearest, or GPTQ when given the input Hessian ``hessian [in, in]`` (see ``gptq.py``)."""
         out_features, in_features = weight.shape
         group = config.group_for(in_features)
         n_multiple, k_multiple = kernels.int4_padding(weight.device, group)
         padded = qmath.pad_to(qmath.pad_to(weight, 0, n_multiple), 1, k_multiple)
-        q, scales_and_zeros = qmath.quantize_int4(padded, group, config.symmetric)
+        if hessian is None:
+            q, scales_and_zeros = qmath.quantize_int4(padded, group, config.symmetric)
+        else:
+            hessian = qmath.pad_to(qmath.pad_to(hessian.to(weight.device), 0, k_multiple), 1, k_multiple)
+            q, scales_and_zeros = gptq.gptq_int4(padded, hessian, group, config.symmetric, act_order=act_order)
         return cls(in_features, out_features, bias, q, scales_and_zeros, group)
 
     @classmethod

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..distributed import ParallelContext
-from .layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelLinear, plain_linear
+from .layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelLinear, local_embedding, plain_linear
 from .plan import Rule, TPPlan, is_conv1d, matches, verify
 from .split import Heads, HeadShare, Ranges, balanced, head_share, layout_ranges, span
 
@@ -91,8 +91,8 @@ class _Sharder:
     def embedding(self, name: str, module: nn.Embedding) -> nn.Module:
         sizes = self.vocab_sizes(module.weight.shape[0])
         start, stop = span(sizes, self.ctx.rank)
-        weight = self.take(name, module, "weight", 0, ((start, stop),), as_linear=False)
-        return VocabParallelEmbedding(weight, start, module.weight.shape[0], self.ctx)
+        weight = self.take(name, module, "weight", 0, ((start, stop),), f"{name}.embedding.weight", as_linear=False)
+        return VocabParallelEmbedding(local_embedding(module, weight, start), start, module.weight.shape[0], self.ctx)
 
     def vocab_sizes(self, rows: int) -> list[int]:
         return balanced(rows, self.ctx.world_size)

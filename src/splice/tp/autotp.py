@@ -293,20 +293,18 @@ def plan_from_roles(model: nn.Module, trace: Trace, roles: dict[str, str], block
 
 
 def edge_rules(model: nn.Module, linears: dict[str, nn.Module], covered: dict[str, Rule]) -> dict[str, Rule]:
-    """Vocab-parallel embeddings and lm_head (found with the model's get_*_embeddings), the rest replicated.
+    """Vocab-parallel embedding and lm_head (found with the model's get_*_embeddings), the rest replicated.
 
-    Only a plain ``nn.Embedding`` is split (a subclass may scale or offset in its forward, which the parallel
-    embedding would drop); an lm_head tied to an embedding that stays whole stays whole too."""
+    Any ``nn.Embedding`` is split, subclasses included: the parallel embedding runs the module's own forward on its
+    rows (see :class:`splice.tp.layers.VocabParallelEmbedding`), so one that scales in its forward (Gemma in
+    transformers 5) is split like the others, and a tied lm_head stays tied to the same rows."""
     names = {id(m): n for n, m in model.named_modules()}
     embed = getattr(model, "get_input_embeddings", lambda: None)()
     head = getattr(model, "get_output_embeddings", lambda: None)()
     rules = {}
-    if isinstance(embed, nn.Embedding) and id(embed) in names:
-        rules[names[id(embed)]] = Rule("vocab" if type(embed) is nn.Embedding else "replicate")
-    if isinstance(head, nn.Linear) and id(head) in names:
-        whole = [r for r in rules.values() if r.style == "replicate"]
-        tied_to_whole = embed is not None and head.weight is getattr(embed, "weight", None) and whole
-        rules[names[id(head)]] = Rule("replicate" if tied_to_whole else "vocab")
+    for module, kind in ((embed, nn.Embedding), (head, nn.Linear)):
+        if isinstance(module, kind) and id(module) in names:
+            rules[names[id(module)]] = Rule("vocab")
     rules.update({n: Rule("replicate") for n in linears if n not in covered and n not in rules})
     return rules
 

@@ -8,8 +8,9 @@ stays in place.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..distributed import ParallelContext
@@ -53,22 +54,55 @@ class VocabParallelLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """An embedding split by vocabulary rows ``start:stop``; ids elsewhere give zeros, then the group sums."""
+    """An embedding split by vocabulary rows ``start:stop``; ids elsewhere give zeros, then the group sums.
 
-    def __init__(self, weight: nn.Parameter, start: int, num_embeddings: int, ctx: ParallelContext):
+    ``embedding`` is the original embedding module (its own class) holding only this rank's rows, and the lookup
+    calls *its* forward, so whatever that forward does to a row — Gemma's ``GemmaTextScaledWordEmbedding`` multiplies
+    by ``sqrt(hidden)`` in transformers 5 — happens exactly as in the unsharded model, with no knowledge of the
+    class. This is exact for any forward that maps each id to a function of its own row (lookup, then scale, offset
+    or cast): every id is owned by one rank, the others contribute zeros. Its attributes stay readable through the
+    wrapper where code inspects the embedding module (``weight``, ``embed_scale``).
+    """
+
+    def __init__(self, embedding: nn.Embedding, start: int, num_embeddings: int, ctx: ParallelContext):
         super().__init__()
-        self.weight, self.start, self.num_embeddings, self.ctx = weight, start, num_embeddings, ctx
-        self.embedding_dim = weight.shape[1]
+        self.embedding, self.start, self.num_embeddings, self.ctx = embedding, start, num_embeddings, ctx
+        self.embedding_dim = embedding.weight.shape[1]
+
+    @property
+    def weight(self) -> nn.Parameter:
+        """This rank's rows (the tensor a tied lm_head shares)."""
+        return self.embedding.weight
+
+    @property
+    def embed_scale(self):
+        """The wrapped embedding's own ``embed_scale`` (None if it has none): a reader that would otherwise scale
+        the embeddings itself (splice's native path) sees that the module already does."""
+        return getattr(self.embedding, "embed_scale", None)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.start
         outside = (local < 0) | (local >= self.weight.shape[0])
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self.embedding(local.masked_fill(outside, 0))
         return self.ctx.all_reduce(out.masked_fill(outside.unsqueeze(-1), 0))
 
     def extra_repr(self) -> str:
         stop = self.start + self.weight.shape[0]
         return f"rows {self.start}:{stop} of {self.num_embeddings}, dim={self.embedding_dim}"
+
+
+def local_embedding(module: nn.Embedding, weight: torch.Tensor, start: int) -> nn.Embedding:
+    """A shallow copy of ``module`` (same class, same buffers and settings) holding ``weight``, the rows from
+    ``start`` on; its ``padding_idx`` is renumbered to the local rows (None when another rank owns it)."""
+    local = copy.copy(module)
+    local._parameters, local._buffers, local._modules = (dict(module._parameters), dict(module._buffers),
+                                                          dict(module._modules))
+    local._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
+    local.weight = _param(weight)
+    local.num_embeddings = weight.shape[0]
+    pad = module.padding_idx
+    local.padding_idx = pad - start if pad is not None and start <= pad < start + weight.shape[0] else None
+    return local
 
 
 def plain_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:

@@ -6,6 +6,11 @@ peak memory grows by one layer at most. (With a checkpoint memory-mapped by safe
 q/k/v/gate/up weights stay mapped, as clean page cache the kernel can drop, until the file is unmapped.)
 
 On CPU with 16-bit weights and no quantization to follow, the block linears are then packed for oneDNN.
+
+Under tensor parallelism this step runs after the tensor_parallel step, on each rank's shards: q/k/v (or the
+checkpoint's fused qkv) and gate/up are column-parallel plain linears, so fusing them gives the rank's ``[q; k; v]``
+and ``[gate; up]``; o and down stay the row-parallel wrappers that all-reduce (two all-reduces a block). Head counts
+come from each rank's weights, which may be uneven (4 heads over 3 ranks) or hold replicated KV heads.
 """
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ from ..layers.causal_lm import SpliceCausalLM
 from ..layers.norm import HeadRMSNorm, RMSNorm
 from ..layers.packed_linear import PackedLinear, can_pack
 from ..quant import QuantConfig
+from ..tp.layers import RowParallelLinear, VocabParallelLinear
+from . import tensor_parallel
 
 RUNTIME_ATTR = "splice_runtime"
 
@@ -32,13 +39,10 @@ def check(model, config, ctx) -> None:
     if model_config is None:
         raise TypeError(f"kernel injection needs a transformers model with a .config, got {type(model).__name__}")
     record = lookup(model_config)
-    if any(t.is_meta for t in model.parameters()):
+    # under tensor parallelism with a checkpoint, the tensor_parallel step (before this one) loads each rank's slices
+    if not tensor_parallel.owns_checkpoint(ctx) and any(t.is_meta for t in model.parameters()):
         raise ValueError("kernel injection needs the model's weights, but some are on the meta device; "
                          "load the weights first (or use replace_with_kernel_inject=False)")
-    if ctx.parallel.world_size > 1:
-        raise NotImplementedError(
-            f"replace_with_kernel_inject=True with tensor parallelism (world_size={ctx.parallel.world_size}) is not "
-            "available yet; allowed: tp_size=1, or replace_with_kernel_inject=False")
     dims = model_dims(record, model_config)
     activation(dims.activation)
     if config.max_out_tokens > dims.rope.max_positions:
@@ -55,8 +59,14 @@ def inject_kernels(model, config, ctx):
     packed = ""
     if QuantConfig.from_inference_config(config) is None and can_pack(runtime.dtype, ctx.device):
         packed = f"; {pack_linears(model, runtime)} linears packed for oneDNN"
+    parallel = ""
+    if ctx.parallel.world_size > 1:
+        shape = runtime.blocks[0].shape
+        parallel = (f"; tensor-parallel rank {ctx.parallel.rank}/{ctx.parallel.world_size}: {shape.n_heads} query and "
+                    f"{shape.n_kv_heads} KV heads here, o/down row-parallel (two all-reduces a block)")
     ctx.record("inject", f"{len(runtime.blocks)} {model.config.model_type} decoder layers -> SpliceBlock (fused QKV "
-                         f"and gate+up GEMMs, SDPA, static KV cache of {config.max_out_tokens} tokens){packed}")
+                         f"and gate+up GEMMs, SDPA, static KV cache of {config.max_out_tokens} tokens)"
+                         f"{packed}{parallel}")
     return model
 
 
@@ -80,20 +90,34 @@ def inject(model: nn.Module, max_out_tokens: int) -> SpliceCausalLM:
 def pack_linears(model: nn.Module, runtime: SpliceCausalLM) -> int:
     """Swap the blocks' plain ``nn.Linear`` layers (and an untied lm_head) for :class:`PackedLinear`; returns how many.
 
-    A tied lm_head shares the embedding table, which a lookup needs in the plain layout, so it stays as it is.
+    Under tensor parallelism the row- and vocab-parallel wrappers keep their all-reduce / all-gather: only the plain
+    linear inside them is packed. A tied lm_head shares the embedding table, which a lookup needs in the plain
+    layout, so it stays as it is.
     """
     count = 0
     for block in runtime.blocks:
         for name in ("qkv", "o", "gate_up", "down"):
-            if type(getattr(block, name)) is nn.Linear:
-                setattr(block, name, PackedLinear(getattr(block, name)))
-                count += 1
+            count += pack_in(block, name)
     head = runtime.lm_head
-    if type(head) is nn.Linear and head.weight is not runtime.embed.weight:
+    if isinstance(head, VocabParallelLinear):
+        if head.linear.weight is not runtime.embed.weight:
+            count += pack_in(head, "linear")
+    elif type(head) is nn.Linear and head.weight is not runtime.embed.weight:
         runtime.lm_head = PackedLinear(head)
         model.set_output_embeddings(runtime.lm_head)
         count += 1
     return count
+
+
+def pack_in(parent: nn.Module, name: str) -> int:
+    """Pack ``parent.<name>`` (or the plain linear inside a row-parallel wrapper); 1 if packed, else 0."""
+    module = getattr(parent, name)
+    if isinstance(module, RowParallelLinear):
+        parent, name, module = module, "linear", module.linear
+    if type(module) is not nn.Linear or module.weight.numel() == 0:
+        return 0
+    setattr(parent, name, PackedLinear(module))
+    return 1
 
 
 def runtime_of(model: nn.Module) -> SpliceCausalLM | None:
@@ -103,9 +127,10 @@ def runtime_of(model: nn.Module) -> SpliceCausalLM | None:
 
 def fused_block(record: ArchRecord, dims: ModelDims, index: int, layer: nn.Module) -> SpliceBlock:
     """Build one :class:`SpliceBlock` from one decoder layer, taking its weights over."""
+    n_q, n_kv = head_counts(record, dims, layer)
     qkv = fused_linear(layer, record.qkv, (record.q, record.k, record.v))
     gate_up = fused_linear(layer, record.gate_up, (record.gate, record.up))
-    shape = block_shape(dims, qkv.weight.shape[0], index)
+    shape = BlockShape(n_q, n_kv, dims.head_dim, dims.windows[index], dims.activation)
     qk_norm = None
     if record.q_norm:
         qk_norm = HeadRMSNorm(get_path(layer, record.q_norm).weight, get_path(layer, record.k_norm).weight,
@@ -123,11 +148,36 @@ def fused_linear(layer: nn.Module, fused_path: str | None, part_paths: tuple[str
     return concat_linears([get_path(layer, path) for path in part_paths])
 
 
-def block_shape(dims: ModelDims, qkv_rows: int, index: int) -> BlockShape:
-    """Head counts from the fused QKV weight (per rank after a tensor-parallel split), split as in the config."""
-    heads = qkv_rows // dims.head_dim
-    n_kv = heads * dims.n_kv_heads // (dims.n_heads + 2 * dims.n_kv_heads)
-    return BlockShape(heads - 2 * n_kv, n_kv, dims.head_dim, dims.windows[index], dims.activation)
+def head_counts(record: ArchRecord, dims: ModelDims, layer: nn.Module) -> tuple[int, int]:
+    """This rank's query and key/value heads in ``layer``, read from its weights (after a tensor-parallel split they
+    may be uneven, e.g. 4 heads over 3 ranks, and KV heads may be replicated), never from a ratio of the config's.
+
+    Separate projections give both counts by their widths. A checkpoint-fused ``[q; k; v]`` gives their sum only: the
+    attention module's (per-rank) ``num_key_value_heads`` or ``num_key_value_groups`` splits it, else the config's
+    ratio (a single process).
+    """
+    hd = dims.head_dim
+    if not record.qkv:
+        n_q, n_kv = (out_features(get_path(layer, path)) // hd for path in (record.q, record.k))
+    else:
+        total = out_features(get_path(layer, record.qkv)) // hd
+        attention = get_path(layer, record.qkv.rpartition(".")[0]) if "." in record.qkv else layer
+        n_kv = getattr(attention, "num_key_value_heads", None)
+        groups = getattr(attention, "num_key_value_groups", None)
+        if not isinstance(n_kv, int) and isinstance(groups, int):
+            n_kv = total // (groups + 2)
+        if not isinstance(n_kv, int):
+            n_kv = total * dims.n_kv_heads // (dims.n_heads + 2 * dims.n_kv_heads)
+        n_q = total - 2 * n_kv
+    if n_kv < 1 or n_q < n_kv or n_q % n_kv:
+        raise ValueError(f"cannot fuse attention with {n_q} query heads over {n_kv} key/value heads of size {hd} "
+                         f"(model: {dims.n_heads} query, {dims.n_kv_heads} key/value heads); the query heads must be "
+                         "a positive multiple of the key/value heads")
+    return n_q, n_kv
+
+
+def out_features(linear: nn.Module) -> int:
+    return linear.weight.shape[0]
 
 
 def concat_linears(linears: list[nn.Linear]) -> nn.Linear:

@@ -3,13 +3,17 @@
 Reads ``config.dtype == torch.int8`` and ``config.quant`` through ``QuantConfig.from_inference_config`` (the mapping is
 documented in ``splice/quant/scheme.py``) and hands the model to ``splice.quant.quantize``. Runs after tensor
 parallelism, so each rank quantizes its own shard, and after kernel injection, so fused q/k/v and gate/up linears are
-quantized as one matrix each. Packs for ``ctx.device``, where placement will put the model.
+quantized as one matrix each. Packs for ``ctx.device``, where placement will put the model. With
+``quant.weight.calibration_ids`` (int4), GPTQ calibrates on the model's own forward over those ids (on every rank, on
+its shard, when sharded: all ranks must pass the same ids).
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from ..quant import QuantConfig, plan, quantize
+from ..quant.api import check_calibration_ids
 
 
 def check(model: nn.Module, config, ctx) -> None:
@@ -17,6 +21,8 @@ def check(model: nn.Module, config, ctx) -> None:
     qconfig = QuantConfig.from_inference_config(config)
     if qconfig is not None:
         plan(model, qconfig)
+        if config.quant.weight.calibration_ids is not None:
+            check_calibration_ids(config.quant.weight.calibration_ids, qconfig)
 
 
 def quantize_model(model: nn.Module, config, ctx) -> nn.Module:
@@ -24,7 +30,9 @@ def quantize_model(model: nn.Module, config, ctx) -> nn.Module:
     if qconfig is None:
         ctx.record("quantize", "skipped (no quantization asked for)")
         return model
-    report = quantize(model, qconfig, device=ctx.device)
+    ids = config.quant.weight.calibration_ids if config.quant.enabled else None
+    report = quantize(model, qconfig, device=ctx.device,
+                      calibration_ids=None if ids is None else torch.tensor(ids, dtype=torch.long))
     ctx.extras["quant_config"] = qconfig
     ctx.record("quantize", report.summary())
     return model
