@@ -80,8 +80,6 @@ def test_calibration_errors_name_the_choices():
     model = _TinyLM()
     with pytest.raises(ValueError, match="int4 weights only"):
         quantize(model, QuantConfig(), calibration_ids=torch.zeros(1, 4, dtype=torch.long))
-    with pytest.raises(ValueError, match="needs calibration_ids"):
-        quantize(model, QuantConfig(bits=4), act_order=True)
     with pytest.raises(ValueError, match="integer tensor"):
         quantize(model, QuantConfig(bits=4), calibration_ids=torch.zeros(1, 4))
 

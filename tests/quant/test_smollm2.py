@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import glob
 import sysconfig
+import time
 from pathlib import Path
 
 import pytest
@@ -58,9 +59,9 @@ def _continuation(model, tokenizer, prompt: str) -> str:
     return tokenizer.decode(out[0, ids.shape[1]:])
 
 
-# Budgets from issue 5, except int4 g64: SmolLM2-135M ships as GGUF Q4_1 (4-bit, groups of 32, asymmetric), so its
-# weights sit exactly on an asymmetric g32 grid (+1.0 %) and any other grid re-quantizes them: g64 costs +26.5 %
-# with round-to-nearest + least-squares refit. The issue's +10 % for g64 is NOT met; this bound guards the measured one.
+# Budgets from issue 5, except round-to-nearest int4 g64: SmolLM2-135M ships as GGUF Q4_1 (4-bit, groups of 32,
+# asymmetric), so its weights sit exactly on an asymmetric g32 grid (+1.0 %) and any other grid re-quantizes them: g64
+# costs +26.5 % with round-to-nearest + least-squares refit; this bound guards that. GPTQ meets +10 % at g64 (below).
 CASES = [
     pytest.param(QuantConfig(), 0.02, 0.55, id="int8"),
     pytest.param(QuantConfig(activations=True), 0.04, 0.55, id="w8a8"),
@@ -79,4 +80,28 @@ def test_perplexity_memory_and_paris(bf16_model, config, max_increase, max_bytes
     print(f"{config.kind} g{config.group_size}: perplexity {increase:+.2%} vs bf16 {base_ppl:.3f}, "
           f"bytes {report.ratio:.3f}x")
     assert increase <= max_increase
+    assert _continuation(model, tokenizer, "The capital of France is").strip().startswith("Paris")
+
+
+# GPTQ with act-order on 16 x 512 calibration tokens (measured, 1 thread: g64 asymmetric +7.0 %, symmetric +5.9 %;
+# ~35-75 s each on the shared 2-core machine). Issue 5's +10 % budget.
+GPTQ_CASES = [
+    pytest.param(QuantConfig(bits=4, group_size=64, symmetric=False), id="int4-g64-asym-gptq"),
+    pytest.param(QuantConfig(bits=4, group_size=64, symmetric=True), id="int4-g64-sym-gptq"),
+]
+
+
+@pytest.mark.parametrize("config", GPTQ_CASES)
+def test_gptq_int4_g64_within_issue_budget(bf16_model, config):
+    base, tokenizer, ids, base_ppl = bf16_model
+    calibration = _calibration_ids(tokenizer, _english_text(), sequences=16)
+    model = copy.deepcopy(base)
+    start = time.perf_counter()
+    report = quantize(model, config, calibration_ids=calibration, act_order=True)
+    seconds = time.perf_counter() - start
+    increase = _perplexity(model, ids) / base_ppl - 1
+    print(f"{report.summary()}: perplexity {increase:+.2%} vs bf16 {base_ppl:.3f}, quantize {seconds:.0f} s")
+    assert report.ratio <= 0.33
+    assert increase <= 0.10
+    assert seconds < 300  # a bound on runaway cost, not the target (< 60 s on an idle 2-core machine)
     assert _continuation(model, tokenizer, "The capital of France is").strip().startswith("Paris")

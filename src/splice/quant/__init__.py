@@ -2,6 +2,7 @@
 
     from splice.quant import QuantConfig, quantize
     report = quantize(model, QuantConfig(bits=4, group_size=64))   # in place; report.summary() says what it did
+    quantize(model, QuantConfig(bits=4, group_size=64), calibration_ids=ids)  # int4 with GPTQ (gptq.py)
 
 Schemes (``QuantConfig.kind``; ``HANDLERS`` maps each to its layer): ``int8_weight_only`` (per output channel or
 grouped), ``int4_weight_only`` (groups of 32/64/128/256) and ``int8_dynamic`` (W8A8). ``save_quantized`` /

@@ -41,27 +41,27 @@ class QuantReport:
     def summary(self) -> str:
         kept = "; ".join(f"{name} ({why})" for name, why in list(self.kept_float.items())[:5])
         more = f" and {len(self.kept_float) - 5} more" if len(self.kept_float) > 5 else ""
-        return (f"{self.kind} ({self.calibration}): {len(self.quantized)} linears, weights {self.float_bytes / 2**20:.1f} MiB -> "
-                f"{self.quantized_bytes / 2**20:.1f} MiB ({self.ratio:.3f}x); kept in float: {kept or 'none'}{more}")
+        return (f"{self.kind} ({self.calibration}): {len(self.quantized)} linears, weights "
+                f"{self.float_bytes / 2**20:.1f} MiB -> {self.quantized_bytes / 2**20:.1f} MiB ({self.ratio:.3f}x); "
+                f"kept in float: {kept or 'none'}{more}")
 
 
 def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str | None = None,
-             calibration_ids: torch.Tensor | None = None, act_order: bool = False) -> QuantReport:
+             calibration_ids: torch.Tensor | None = None, act_order: bool = True) -> QuantReport:
     """Quantize ``model`` in place. ``device``: where the packed weights go (default: each weight's own device);
     pack on the device the model will run on, since int4 layouts differ between CPU and CUDA.
 
     ``calibration_ids`` (int4 only): token ids ``[sequences, tokens]`` to calibrate on with GPTQ (``gptq.py``): the
     model's own float forward runs over them once, and each linear's rounding is chosen to minimise its output
-    error on its inputs there. ``None``: round-to-nearest. ``act_order``: GPTQ quantizes
-    columns by decreasing activation energy. Either way the layers, kernels and saved form are the same.
+    error on its inputs there. ``None``: round-to-nearest. ``act_order`` (GPTQ only; default on): quantize columns by
+    decreasing activation energy with group scales fixed up front; without it GPTQ made SmolLM2-135M int4 g64
+    asymmetric worse than round-to-nearest (README). Either way the layers, kernels and saved form are the same.
     """
     if not isinstance(config, QuantConfig):
         raise TypeError(f"quantize expects a splice.quant.QuantConfig, got {type(config).__name__}")
     handler = HANDLERS[config.kind]
     targets, report = plan(model, config)
     if calibration_ids is None:
-        if act_order:
-            raise ValueError("act_order=True needs calibration_ids (it is a GPTQ option)")
         for name, module in targets:
             _replace(model, name, module, handler, config, device, report)
         return report

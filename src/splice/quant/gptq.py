@@ -45,8 +45,11 @@ def gptq_int4(weight: torch.Tensor, hessian: torch.Tensor, group: int, symmetric
         static = _bf16_params(w.reshape(n, k // group, group), symmetric)  # each [N, K / group]
         perm = torch.argsort(torch.diagonal(h), descending=True)
         w, h = w[:, perm], h[perm][:, perm]
+        column_group = perm // group
+        column_params = static[0][:, column_group], static[1][:, column_group]  # [N, K], in quantization order
+        order = perm.tolist()
     else:
-        perm = torch.arange(k, device=w.device)
+        order = range(k)
     hinv = _upper_cholesky_of_inverse(h)
     q = torch.zeros(n, k, dtype=torch.float32, device=w.device)
     scales = torch.zeros(n, k // group, device=w.device)
@@ -54,13 +57,13 @@ def gptq_int4(weight: torch.Tensor, hessian: torch.Tensor, group: int, symmetric
     block = max(BLOCK, group)
     for start in range(0, k, block):
         stop = min(start + block, k)
-        w1, err1, hinv1 = w[:, start:stop].clone(), torch.zeros(n, stop - start, device=w.device), hinv[start:stop,
-                                                                                                         start:stop]
+        w1, hinv1 = w[:, start:stop].clone(), hinv[start:stop, start:stop]
+        err1 = torch.zeros(n, stop - start, device=w.device)
         for i in range(stop - start):
-            col = int(perm[start + i])
+            col = order[start + i]
             g = col // group
             if static is not None:
-                scale, zero = static[0][:, g], static[1][:, g]
+                scale, zero = column_params[0][:, start + i], column_params[1][:, start + i]
             else:
                 if col % group == 0:  # a group starts: fit it to the (already compensated) weights it holds now
                     s, z = _bf16_params(w1[:, i:i + group].unsqueeze(1), symmetric)
