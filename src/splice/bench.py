@@ -143,13 +143,8 @@ def bench_quantized(args, dtype: str, batch: int, schemes: list[str], bandwidth:
 
 
 def stored_weight_bytes(model) -> int:
-    """Bytes of parameters and buffers (packed integer weights and scales live in buffers), less an untied input
-    embedding, which a decode step only reads a few rows of."""
-    embedding = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    tied = head is not None and getattr(head, "weight", None) is embedding
-    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    return total if tied else total - embedding.numel() * embedding.element_size()
+    """:func:`weight_bytes_per_step` plus the buffers: quantized layers keep their packed weights and scales there."""
+    return weight_bytes_per_step(model) + sum(b.numel() * b.element_size() for b in model.buffers())
 
 
 def time_first_run(generate, prompt: torch.Tensor, new: int) -> float:
@@ -240,7 +235,7 @@ def weight_bytes_per_step(model) -> int:
     output head (a lookup reads a few rows only)."""
     embedding = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
-    tied = head is not None and head.weight is embedding
+    tied = head is not None and getattr(head, "weight", None) is embedding
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     return total if tied else total - embedding.numel() * embedding.element_size()
 

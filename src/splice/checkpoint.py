@@ -272,6 +272,11 @@ def load_checkpoint(model: nn.Module, path: CheckpointSource, device: str | torc
     return model
 
 
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes held by the model's parameters (a tied weight counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def has_meta_tensors(model: nn.Module) -> bool:
     return any(t.is_meta for t in chain(model.parameters(), model.buffers()))
 

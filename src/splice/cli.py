@@ -146,6 +146,7 @@ def add_info_parser(commands) -> None:
 
 
 def describe_engine(engine) -> dict[str, Any]:
+    from .checkpoint import parameter_bytes
     from .transforms.dtype import model_dtype
 
     module = engine.module
@@ -155,7 +156,7 @@ def describe_engine(engine) -> dict[str, Any]:
         "dtype": str(model_dtype(module)),
         "device": str(first.device) if first is not None else "none",
         "parameters": sum(p.numel() for p in module.parameters()),
-        "parameter_bytes": sum(p.numel() * p.element_size() for p in module.parameters()),
+        "parameter_bytes": parameter_bytes(module),
         "buffer_bytes": sum(b.numel() * b.element_size() for b in module.buffers()),
         "pipeline": [{"step": step, "did": what} for step, what in engine.report],
     }

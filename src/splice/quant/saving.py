@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..checkpoint import has_meta_tensors
 from .api import HANDLERS
 from .layers import QuantizedLinear
 from .scheme import QuantConfig
@@ -62,8 +63,7 @@ def load_quantized(model: nn.Module, directory: str | os.PathLike, config: Quant
     state = load_file(folder / WEIGHTS_NAME, device=str(device))
     for alias, kept in record["tied"].items():
         state[alias] = state[kept]
-    has_meta = any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-    model.load_state_dict(state, strict=True, assign=has_meta)
+    model.load_state_dict(state, strict=True, assign=has_meta_tensors(model))
     for alias, kept in record["tied"].items():  # assign=True gives each name its own Parameter: tie them again
         owner, _, leaf = alias.rpartition(".")
         setattr(model.get_submodule(owner), leaf, model.get_parameter(kept))

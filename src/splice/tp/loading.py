@@ -13,14 +13,13 @@ from __future__ import annotations
 import json
 import os
 from collections import defaultdict
-from itertools import chain
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from ..checkpoint import checkpoint_files, open_safetensors
 from ..distributed import ParallelContext
 from .apply import ShardMap, Slice, cut
 from .split import width
@@ -30,21 +29,11 @@ MANIFEST = "splice_tp.json"
 FORMAT = "splice-tp/1"
 
 
-def checkpoint_files(path) -> list[Path]:
-    """The safetensors files of a checkpoint (splice.checkpoint's reader; a plain fallback if it is absent)."""
-    try:
-        from ..checkpoint import checkpoint_files as files
-    except ImportError:  # pragma: no cover - checkpoint.py is part of splice
-        path = Path(path)
-        return sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
-    return files(path)
-
-
 def tensor_index(files: list[Path]) -> dict[str, Path]:
     """Tensor name -> the file holding it (headers only)."""
     index = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
+        with open_safetensors(file) as f:
             index.update(dict.fromkeys(f.keys(), file))
     return index
 
@@ -78,7 +67,7 @@ def load_slices(model: nn.Module, shards: ShardMap, path, chunk_mib: int = 16) -
 
 def slice_shape(file: Path, spec: Slice) -> tuple[int, ...]:
     """The shape ``spec`` gives, from the file header only."""
-    with safe_open(file, framework="pt") as f:
+    with open_safetensors(file) as f:
         shape = list(f.get_slice(spec.source).get_shape())
     if spec.dim is not None:
         shape[spec.dim] = width(spec.ranges)
@@ -89,11 +78,11 @@ def read_into(target: torch.Tensor, file: Path, spec: Slice, chunk_bytes: int) -
     """Copy ``spec``'s slice of the file's tensor into ``target``, a chunk of source rows at a time."""
     dest = target.t() if spec.transpose else target  # indexed like the source from here on
     if dest.dim() == 0:
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with open_safetensors(file) as f:
             dest.copy_(f.get_tensor(spec.source))
         return
     for src_index, dst_index in _pieces(dest.shape, spec, chunk_bytes // max(1, dest[0].numel() * dest.element_size())):
-        with safe_open(file, framework="pt", device="cpu") as f:  # reopened: the mapping is released each time
+        with open_safetensors(file) as f:  # reopened: the mapping is released each time
             dest[dst_index].copy_(f.get_slice(spec.source)[src_index])
 
 
@@ -121,7 +110,7 @@ def _pieces(dest_shape, spec: Slice, rows_per_chunk: int):
 
 def read_slice(file: Path, spec: Slice) -> torch.Tensor:
     """Only the ranges ``spec`` names, as a new tensor (memory-mapped ``get_slice``)."""
-    with safe_open(file, framework="pt", device="cpu") as f:
+    with open_safetensors(file) as f:
         view = f.get_slice(spec.source)
         if spec.dim is None:
             value = view[:]
@@ -200,7 +189,3 @@ def load_shard(model: nn.Module, manifest: dict, rank: int) -> None:
     file = Path(manifest["folder"]) / manifest["files"][rank]
     load_slices(model, {}, file)
 
-
-def parameter_bytes(model: nn.Module) -> int:
-    seen = {id(p): p for p in chain(model.parameters())}
-    return sum(p.numel() * p.element_size() for p in seen.values())

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint import check_checkpoint, has_meta_tensors, load_checkpoint, load_policy_files
+from ..checkpoint import check_checkpoint, has_meta_tensors, load_checkpoint, load_policy_files, parameter_bytes
 
 
 def check(model: nn.Module, config, ctx) -> None:
@@ -40,7 +40,7 @@ def place_model(model: nn.Module, config, ctx) -> nn.Module:
         model = model.to(target)
         how = "moved (no checkpoint)"
     host = " (keep_module_on_host)" if config.keep_module_on_host else ""
-    ctx.record("placement", f"on {target}{host}; {how}; {_parameter_bytes(model) / 2**20:.1f} MiB of parameters")
+    ctx.record("placement", f"on {target}{host}; {how}; {parameter_bytes(model) / 2**20:.1f} MiB of parameters")
     return model
 
 
@@ -77,6 +77,3 @@ def _name(source: Path | list[Path]) -> str:
         return f"{source[0]}" if len(source) == 1 else f"{source[0].parent} ({len(source)} files)"
     return str(source)
 
-
-def _parameter_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())

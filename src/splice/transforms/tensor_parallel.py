@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..checkpoint import check_checkpoint, has_meta_tensors, materialize
+from ..checkpoint import check_checkpoint, has_meta_tensors, materialize, parameter_bytes
 from ..tp.apply import apply_plan
 from ..tp.autotp import autotp_plan, trace_model
-from ..tp.loading import load_shard, load_slices, manifest_plan, parameter_bytes, read_manifest, save_shards
+from ..tp.loading import load_shard, load_slices, manifest_plan, read_manifest, save_shards
 from ..tp.plan import TPPlan, verify
 from ..tp.policy import policy_plan
 from . import placement
