@@ -14,6 +14,7 @@ from torch import nn
 
 from .config import InferenceConfig
 from .distributed import SINGLE_PROCESS, ParallelContext
+from .native import release_freed_memory
 from .transforms import dtype, graphs, inject, placement, quantize, tensor_parallel
 
 log = logging.getLogger("splice")
@@ -64,10 +65,11 @@ def resolve_device(config: InferenceConfig) -> torch.device:
 
 
 def run_pipeline(model: nn.Module, config: InferenceConfig, ctx: PipelineContext) -> nn.Module:
-    """Check every step, then apply them in order."""
+    """Check every step, then apply them in order; then hand the memory the steps freed back to the OS."""
     for step in PIPELINE:
         if step.check is not None:
             step.check(model, config, ctx)
     for step in PIPELINE:
         model = step.apply(model, config, ctx)
+    release_freed_memory()
     return model

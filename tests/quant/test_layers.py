@@ -1,13 +1,19 @@
 """Per-layer accuracy of the quantized linears: kernel vs de-quantized weights, and SQNR vs the float layer."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splice import native
 from splice.quant import HANDLERS, Int4WeightOnlyLinear, QuantConfig, sqnr_db
 from splice.quant import kernels, qmath
+
+needs_native = pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
 
 SCHEMES = {
     "int8": QuantConfig(),
@@ -21,11 +27,27 @@ MIN_SQNR = {"int8": 30, "int8-g64": 30, "int4-g32": 15, "int4-g64-asym": 15, "in
 ROWS = (1, 5, 40)  # both sides of kernels.INT8_KERNEL_MAX_ROWS
 
 
-def _layer(scheme: str, out_features: int = 200, in_features: int = 320, bias: bool = True):
+@contextmanager
+def native_kernels(enabled: bool):
+    """Layers built inside see ``splice.native`` as available (where it is) or not."""
+    if enabled:
+        yield
+        return
+    with mock.patch.object(native, "available", lambda: False):
+        yield
+
+
+def _layer(scheme: str, out_features: int = 200, in_features: int = 320, bias: bool = True, use_native: bool = True):
     torch.manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=bias)
     config = SCHEMES[scheme]
-    return linear, HANDLERS[config.kind].from_float(linear.weight.detach(), linear.bias, config)
+    with native_kernels(use_native):
+        return linear, HANDLERS[config.kind].from_float(linear.weight.detach(), linear.bias, config)
+
+
+def _empty_like(layer, config: QuantConfig, use_native: bool):
+    with native_kernels(use_native):
+        return type(layer).empty(layer.in_features, layer.out_features, layer.bias is not None, config, "cpu")
 
 
 def _reference_input(x: torch.Tensor, scheme: str) -> torch.Tensor:
@@ -37,10 +59,11 @@ def _reference_input(x: torch.Tensor, scheme: str) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_kernel_matches_dequantized_weights(scheme, rows):
-    linear, layer = _layer(scheme)
+def test_kernel_matches_dequantized_weights(scheme, rows, use_native):
+    linear, layer = _layer(scheme, use_native=use_native)
     x = torch.randn(rows, linear.in_features)
     expected = F.linear(_reference_input(x, scheme), layer.dequantize(), linear.bias)
     out = layer(x)
@@ -81,7 +104,7 @@ def test_int4_pads_unaligned_shapes():
 
 
 def test_int4_unpack_by_kernel_matches_layout_reading():
-    _, layer = _layer("int4-g32")
+    _, layer = _layer("int4-g32", use_native=False)
     n, k = layer.padded_shape
     if not layer.unpackable:
         pytest.skip("the int4 CPU layout read here is the AVX-512 one")
@@ -127,3 +150,87 @@ def test_conv1d_is_quantized_like_a_linear():
     layer = HANDLERS["int8_weight_only"].from_float(weight, bias, QuantConfig())
     x = torch.randn(4, 64)
     assert sqnr_db(conv(x), layer(x)) >= 30
+
+
+# ---- splice's native kernels (splice.native) ------------------------------------------------------------------------
+NATIVE_SCHEMES = ("int8", "int4-g32", "int4-g64-asym", "int4-g128")
+NATIVE_ROWS = (1, 3, 8, 20)  # both sides of native.MAX_ROWS["int8"]
+
+
+@contextmanager
+def _spy(op_name: str):
+    """Counts the calls of ``torch.ops.splice_kernels.<op_name>``."""
+    op = getattr(torch.ops.splice_kernels, op_name)
+    with mock.patch.object(torch.ops.splice_kernels, op_name, mock.Mock(wraps=op)) as calls:
+        yield calls
+
+
+@needs_native
+@pytest.mark.parametrize("rows", NATIVE_ROWS)
+@pytest.mark.parametrize("scheme", NATIVE_SCHEMES)
+def test_native_kernel_matches_dequantized_weights(scheme, rows):
+    linear, layer = _layer(scheme)
+    assert layer.use_native
+    x = torch.randn(rows, linear.in_features)
+    expected = F.linear(_reference_input(x, scheme), layer.dequantize(), linear.bias)
+    is_int8 = scheme == "int8"
+    with _spy("int8_gemv" if is_int8 else "int4_gemv") as calls:
+        out = layer(x)
+    assert calls.call_count == (rows <= native.MAX_ROWS["int8"] if is_int8 else 1)  # int8: torch's kernels above
+    assert (out - expected).norm() / expected.norm() < 1e-2
+
+
+@needs_native
+@pytest.mark.parametrize("scheme", ["int4-g32", "int4-g128"])
+def test_native_int4_holds_one_copy_in_the_tile_layout(scheme):
+    linear, layer = _layer(scheme, out_features=256, bias=False)
+    _, torch_layer = _layer(scheme, out_features=256, bias=False, use_native=False)
+    n, k = layer.padded_shape
+    assert layer.packed.shape == (n // 16, k // 8, 16) and layer.packed.dtype == torch.int32
+    assert layer.packed_scales.shape == (n // 16, k // layer.group, 16, 2)
+    stored = sum(b.numel() * b.element_size() for b in layer.buffers())
+    assert layer.weight_nbytes() == stored == torch_layer.weight_nbytes()
+    assert stored <= 0.33 * linear.weight.numel() * 2
+
+
+@needs_native
+@pytest.mark.parametrize("out_features, in_features", [(200, 320), (72, 200)])  # (72, 200): N and K padded
+@pytest.mark.parametrize("scheme", NATIVE_SCHEMES)
+def test_native_and_torch_layouts_load_each_other(scheme, out_features, in_features):
+    _, layer = _layer(scheme, out_features, in_features)
+    _, torch_layer = _layer(scheme, out_features, in_features, use_native=False)
+    saved = layer.state_dict()
+    assert saved.keys() == torch_layer.state_dict().keys()
+    assert all(torch.equal(saved[key], torch_layer.state_dict()[key]) for key in saved)  # one saved form
+    into_torch = _empty_like(layer, SCHEMES[scheme], use_native=False)
+    into_torch.load_state_dict(saved)
+    back = _empty_like(layer, SCHEMES[scheme], use_native=True)
+    back.load_state_dict(into_torch.state_dict())
+    assert layer.use_native and back.use_native and not into_torch.use_native
+    x = torch.randn(3, in_features)
+    torch.testing.assert_close(back(x), layer(x), rtol=0, atol=0)
+    torch.testing.assert_close(into_torch(x), torch_layer(x), rtol=0, atol=0)
+    assert (into_torch(x) - layer(x)).norm() / layer(x).norm() < 1e-2
+
+
+@needs_native
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32"])
+def test_native_layers_compile_in_one_graph(scheme):
+    _, layer = _layer(scheme)
+    x = torch.randn(2, layer.in_features, dtype=torch.bfloat16)
+    compiled = torch.compile(layer, fullgraph=True)
+    torch.testing.assert_close(compiled(x), layer(x))  # bf16 tolerance: Inductor fuses the bias add
+
+
+@pytest.mark.parametrize("group", [None, 20])
+@pytest.mark.parametrize("rows", [1, 12])
+def test_int8_torch_kernels_take_any_in_features(group, rows):
+    """torch's CPU ``_weight_int8pack_mm`` needs K a multiple of 16 (wrong sums or a crash otherwise)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(200, 72)
+    with native_kernels(False):
+        config = QuantConfig(group_size=group)
+        layer = HANDLERS["int8_weight_only"].from_float(linear.weight.detach(), linear.bias, config)
+    x = torch.randn(rows, 200)
+    expected = F.linear(_reference_input(x, "int8"), layer.dequantize(), linear.bias)
+    assert (layer(x) - expected).norm() / expected.norm() < 1e-2

@@ -5,8 +5,10 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from splice.quant import QuantConfig, load_quantized, quantize, read_scheme, save_quantized
+from splice import native
+from splice.quant import QuantConfig, QuantizedLinear, load_quantized, quantize, read_scheme, save_quantized
 from splice.quant import api as quant_api
 from tests.conftest import build_tiny, tiny_llama_config
 
@@ -66,3 +68,29 @@ def test_mismatched_scheme_raises(tmp_path):
 def test_folder_without_scheme_raises(tmp_path):
     with pytest.raises(ValueError, match="splice_quant.json is missing"):
         load_quantized(build_tiny(tiny_llama_config()), tmp_path)
+
+
+@pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
+@pytest.mark.parametrize("config", [QuantConfig(), QuantConfig(bits=4, group_size=32, symmetric=False)],
+                         ids=lambda c: f"{c.kind}-{c.group_size}")
+def test_native_and_torch_kernels_load_each_others_checkpoints(tmp_path, monkeypatch, config):
+    model_config = tiny_llama_config()
+    model = build_tiny(model_config)
+    quantize(model, config)
+    save_quantized(model, tmp_path / "native", config)
+    with monkeypatch.context() as patch:
+        patch.setattr(native, "available", lambda: False)
+        plain = load_quantized(build_tiny(model_config, seed=1), tmp_path / "native", config)
+    save_quantized(plain, tmp_path / "torch", config)
+    back = load_quantized(build_tiny(model_config, seed=1), tmp_path / "torch", config)
+    assert [_uses_native(m) for m in (model, plain, back)] == [{True}, {False}, {True}]
+    saved, resaved = load_file(tmp_path / "native/model.safetensors"), load_file(tmp_path / "torch/model.safetensors")
+    assert saved.keys() == resaved.keys() and all(torch.equal(saved[k], resaved[k]) for k in saved)
+    ids = torch.randint(0, 128, (1, 12))
+    expected = _logits(model, ids)
+    torch.testing.assert_close(_logits(back, ids), expected, rtol=0, atol=0)
+    assert (_logits(plain, ids) - expected).norm() / expected.norm() < 1e-2  # torch's kernels: other rounding
+
+
+def _uses_native(model) -> set[bool]:
+    return {m.use_native for m in model.modules() if isinstance(m, QuantizedLinear)}

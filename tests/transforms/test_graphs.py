@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import splice
+from splice.layers.native_linear import NativeLinear, can_use_native
 from splice.layers.packed_linear import PackedLinear, can_pack
 
 from ..arch.tiny_models import build_family, padded_batch
@@ -32,13 +33,35 @@ def test_compiled_decode_gives_hf_greedy_tokens_fp32():
     assert torch.equal(engine.generate(ids[:, 3:], attention_mask=mask[:, 3:], **GREEDY), expected)
 
 
-@pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bf16 on this CPU")
-def test_compiled_decode_runs_the_packed_bf16_weights():
+def test_compiled_decode_switches_batch_sizes_and_back():
+    """Steady-state steps skip most guard checks (only those that tell graphs apart): a new batch size must still get
+    its own graph, and the old one must still be right afterwards."""
+    reference = build_family("llama")
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, compile_decode=True,
+                                   max_out_tokens=64)
+    ids, mask = padded_batch(batch=3, length=12)
+    for rows in (slice(2, 3), slice(0, 3), slice(1, 3), slice(2, 3)):  # batch 1, 3, 2, then 1 again
+        with torch.inference_mode():
+            expected = reference.generate(ids[rows], attention_mask=mask[rows], **GREEDY)
+        assert torch.equal(engine.generate(ids[rows], attention_mask=mask[rows], **GREEDY), expected)
+    assert {key[0] for key in engine.module.splice_runtime._compiled_keys} == {1, 2, 3}
+
+
+@pytest.mark.parametrize("native_kernels", [True, False])
+def test_compiled_decode_runs_the_bf16_weights_eager_runs(native_kernels, monkeypatch):
+    """The compiled step calls the same wrapped linears (native GEMV, or oneDNN-packed without native kernels)."""
+    if native_kernels and not can_use_native(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("splice's native kernels are not available on this machine")
+    if not native_kernels:
+        if not can_pack(torch.bfloat16, torch.device("cpu")):
+            pytest.skip("no oneDNN bf16 on this CPU")
+        monkeypatch.setattr(splice.native, "available", lambda: False)
+    wrapper = NativeLinear if native_kernels else PackedLinear
     reference = build_family("llama", dtype=torch.bfloat16)
     eager = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
     compiled = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, compile_decode=True,
                                      max_out_tokens=64)
-    assert any(isinstance(m, PackedLinear) for m in compiled.module.modules())  # the very weights eager runs
+    assert any(isinstance(m, wrapper) for m in compiled.module.modules())  # the very weights eager runs
     ids, mask = padded_batch(batch=1, length=12)
     options = dict(GREEDY, return_dict_in_generate=True, output_logits=True)
     got, expected = (engine.generate(ids, attention_mask=mask, **options) for engine in (compiled, eager))

@@ -184,21 +184,40 @@ def test_check_accepts_tensor_parallel_contexts():
     inject_step.check(build_family("llama"), config, ctx)  # no longer refuses world_size > 1
 
 
-def test_packing_keeps_the_parallel_wrappers():
-    """bf16 on CPU under tensor parallelism: the plain linears inside the row/vocab-parallel wrappers are packed, the
-    wrappers (which own the all-reduce / all-gather) stay."""
+@pytest.mark.parametrize("wrapper_name", ["PackedLinear", "NativeLinear"])
+def test_wrapping_keeps_the_parallel_wrappers(wrapper_name):
+    """bf16 on CPU under tensor parallelism: the plain linears inside the row/vocab-parallel wrappers are wrapped
+    (oneDNN-packed or native), the wrappers (which own the all-reduce / all-gather) stay."""
+    from splice.layers.native_linear import NativeLinear, can_use_native
     from splice.layers.packed_linear import PackedLinear, can_pack
     from splice.tp.layers import RowParallelLinear, VocabParallelLinear
-    from splice.transforms.inject import pack_linears
+    from splice.transforms.inject import wrap_linears
 
-    if not can_pack(torch.bfloat16, torch.device("cpu")):
-        pytest.skip("no oneDNN bf16")
+    wrapper = {"PackedLinear": PackedLinear, "NativeLinear": NativeLinear}[wrapper_name]
+    usable = {PackedLinear: can_pack, NativeLinear: can_use_native}[wrapper]
+    if not usable(torch.bfloat16, torch.device("cpu")):
+        pytest.skip(f"{wrapper_name} is not available on this machine")
     model = build_family("llama", dtype=torch.bfloat16)
     shard_in_process(model, 0, 2)
     runtime = inject(model, max_out_tokens=32)
-    assert pack_linears(model, runtime) == 4 * len(runtime.blocks) + 1
+    assert wrap_linears(model, runtime, wrapper) == 4 * len(runtime.blocks) + 1
     block = runtime.blocks[0]
-    assert isinstance(block.qkv, PackedLinear) and isinstance(block.gate_up, PackedLinear)
-    for wrapper in (block.o, block.down):
-        assert isinstance(wrapper, RowParallelLinear) and isinstance(wrapper.linear, PackedLinear)
-    assert isinstance(runtime.lm_head, VocabParallelLinear) and isinstance(runtime.lm_head.linear, PackedLinear)
+    assert isinstance(block.qkv, wrapper) and isinstance(block.gate_up, wrapper)
+    for parallel in (block.o, block.down):
+        assert isinstance(parallel, RowParallelLinear) and isinstance(parallel.linear, wrapper)
+    assert isinstance(runtime.lm_head, VocabParallelLinear) and isinstance(runtime.lm_head.linear, wrapper)
+
+
+def test_native_linears_take_over_a_tied_lm_head_without_copying():
+    """The native path keeps the plain layout, so a tied lm_head is wrapped and still shares the embedding table."""
+    from splice.layers.native_linear import NativeLinear, can_use_native
+    from splice.transforms.inject import wrap_linears
+
+    if not can_use_native(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("splice's native kernels are not available on this machine")
+    model = build_family("gemma", dtype=torch.bfloat16)  # tied embeddings
+    embed = model.get_input_embeddings().weight
+    runtime = inject(model, max_out_tokens=32)
+    wrap_linears(model, runtime, NativeLinear)
+    assert isinstance(runtime.lm_head, NativeLinear) and runtime.lm_head.weight is embed
+    assert model.get_output_embeddings() is runtime.lm_head

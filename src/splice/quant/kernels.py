@@ -1,6 +1,27 @@
-"""Thin wrappers over the integer kernels PyTorch ships, one per operation, with the CPU / CUDA split in one place.
+"""Thin wrappers over the integer kernels, one per operation, with the CPU / CUDA / native split in one place: torch's
+own kernels, and splice's AVX-512 GEMVs (``splice.native``, ``torch.ops.splice_kernels``) on CPUs where those build.
 
-Kernel choice, measured on this project's 2-core AVX-512/AMX Xeon (torch 2.13, one 5632x2048 layer, microseconds,
+Which kernel runs where (M = rows of activations in the call; a layer decides once, when built, whether it may use
+the native kernels at all: ``native_kernels_on``):
+
+=============================  ============================================  ========================================
+scheme                         CPU, ``splice.native`` available              CPU without it; CUDA
+=============================  ============================================  ========================================
+int8 weight-only, per channel  ``int8_gemv`` for M <= 8, torch's path above  ``_weight_int8pack_mm`` for M <= 16 (CPU:
+                                                                             K % 16 == 0), else de-quantise + linear
+int8 weight-only, grouped      torch's path                                  ``_weight_int8pack_mm`` per group, same
+int4 weight-only               ``int4_gemv`` at every M (splice's tiles)     ``_weight_int4pack_mm[_for_cpu]``, any M
+W8A8                           oneDNN ``qlinear_pointwise``                  oneDNN (CPU), ``torch._int_mm`` (CUDA)
+=============================  ============================================  ========================================
+
+Why the native kernels, and why by rows: they stream weights with software prefetch, about 1.5x faster than torch's
+GEMVs (TinyLlama-shaped linear stack, batch 1: int8 43 vs 63 ms, int4 g32 26 vs 43 ms). Their time still grows with
+M, so ``native.MAX_ROWS`` bounds them: int8 stops at 8 rows (0.82x of oneDNN's bf16 linear there, which AMX wins
+above); int4 has no bound, since at 32 rows it still matches torch's int4 kernel (0.36x vs 0.34x of bf16) and the
+tile layout is then the only one kept (no second copy of the weight). Checkpoints are the same either way (padding
+follows torch's kernel), so a model saved with one kernel loads with the other.
+
+torch's kernels, measured on this project's 2-core AVX-512/AMX Xeon (torch 2.13, one 5632x2048 layer, microseconds,
 other processes idle; ``benchmarks/bench_quant.py`` measures whole stacks):
 
 =========================================  =====  =====  =====  =====  ======
@@ -15,11 +36,12 @@ fbgemm ``linear_dynamic`` (W8A8, fp32 x)     960    880    650   3010  11380
 per-row int8 + ``torch._int_mm`` (W8A8)     1090   1250    710   2210   9990
 =========================================  =====  =====  =====  =====  ======
 
-So:
+So, where the native kernels do not run:
 
 * int8 weight-only: ``_weight_int8pack_mm`` is a GEMV kernel (time grows linearly with M); it runs up to
   ``INT8_KERNEL_MAX_ROWS`` rows, above that the weight is de-quantised to bf16 for one ``F.linear`` (prefill). It is
-  6x slower with fp32 activations, so activations are cast to bf16.
+  6x slower with fp32 activations, so activations are cast to bf16. On CPU it needs K a multiple of 16 (torch 2.13
+  sums wrongly or crashes otherwise); other K de-quantise.
 * int4: ``_weight_int4pack_mm_for_cpu`` at every M. It is a GEMV kernel too (8x slower than bf16 at 128 rows), but
   de-quantising int4 to bf16 in eager torch costs more still (about 5x the 128-row kernel time).
 * W8A8: oneDNN's int8 GEMM (AMX) at every M: the fastest int8 path at every batch size here, bf16 input, scales as
@@ -30,17 +52,29 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import native
 from . import qmath
 
 INT8_KERNEL_MAX_ROWS = 16
+INT8PACK_CPU_K_MULTIPLE = 16  # torch 2.13's CPU _weight_int8pack_mm sums wrongly or segfaults for other K
 COMPUTE_DTYPE = torch.bfloat16
 CPU_INT4_BLOCK_N = 64  # rows per block of the AVX-512 int4 layout; N is padded to it so every block is full
 CUDA_INNER_K_TILES = 8
 
 
-def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x [M, K] bf16 @ (qweight [N, K] int8 * scales [N] bf16).T``, per output channel."""
-    if x.shape[0] <= INT8_KERNEL_MAX_ROWS and _has_int8pack_kernel(x.device):
+def native_kernels_on(device: torch.device | str) -> bool:
+    """Whether a layer packed on ``device`` uses splice's native GEMVs: CPU, and :func:`splice.native.available`.
+    Layers ask once, when built (``available`` is not traceable by ``torch.compile``), and keep the answer."""
+    return torch.device(device).type == "cpu" and native.available()
+
+
+def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                   use_native: bool = False) -> torch.Tensor:
+    """``x [M, K] bf16 @ (qweight [N, K] int8 * scales [N] bf16).T``, per output channel. ``use_native``: the layer
+    may use ``splice_kernels.int8_gemv`` (for the rows :func:`splice.native.fits`)."""
+    if use_native and native.fits("int8", x):
+        return torch.ops.splice_kernels.int8_gemv(x, qweight, scales)
+    if _int8pack_runs(x.device, x.shape[0], x.shape[1]):
         return torch._weight_int8pack_mm(x, qweight, scales)
     return F.linear(x, qweight.to(x.dtype)) * scales
 
@@ -48,7 +82,7 @@ def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor)
 def int8_grouped_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Grouped int8: ``qweight [G, N, S]``, ``scales [G, N]``; one kernel call per group, summed."""
     groups, _, size = qweight.shape
-    if x.shape[0] > INT8_KERNEL_MAX_ROWS or not _has_int8pack_kernel(x.device):
+    if not _int8pack_runs(x.device, x.shape[0], size):
         weight = (qweight.to(x.dtype) * scales[..., None]).permute(1, 0, 2).reshape(qweight.shape[1], -1)
         return F.linear(x, weight)
     chunks = x.reshape(x.shape[0], groups, size)
@@ -58,9 +92,14 @@ def int8_grouped_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     return out
 
 
-def _has_int8pack_kernel(device: torch.device) -> bool:
-    return device.type == "cpu" or torch._C._dispatch_has_kernel_for_dispatch_key(
-        "aten::_weight_int8pack_mm", device.type.upper())
+def _int8pack_runs(device: torch.device, rows: int, k: int) -> bool:
+    """Whether ``_weight_int8pack_mm`` suits ``[rows, k]`` inputs: at most ``INT8_KERNEL_MAX_ROWS`` rows, a kernel for
+    the device, and on CPU ``k`` a multiple of ``INT8PACK_CPU_K_MULTIPLE``."""
+    if rows > INT8_KERNEL_MAX_ROWS:
+        return False
+    if device.type == "cpu":
+        return k % INT8PACK_CPU_K_MULTIPLE == 0
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", device.type.upper())
 
 
 # ---- int4 -----------------------------------------------------------------------------------------------------------
@@ -71,14 +110,34 @@ def int4_padding(device: torch.device, group: int) -> tuple[int, int]:
     return CPU_INT4_BLOCK_N, group
 
 
-def int4_pack(q: torch.Tensor) -> torch.Tensor:
-    """``q [N, K]`` (0..15, already padded) -> the kernel layout for ``q``'s device."""
+def int4_pack(q: torch.Tensor, use_native: bool = False) -> torch.Tensor:
+    """``q [N, K]`` (0..15, already padded) -> the kernel layout: splice's native tiles (``use_native``, CPU), else
+    torch's layout for ``q``'s device."""
+    if use_native:
+        return native.int4_tile_pack(q)
     if q.device.type == "cuda":
         return torch._convert_weight_to_int4pack(qmath.pack_nibbles(q), CUDA_INNER_K_TILES)
     return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
 
 
-def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+def int4_pack_scales(scales_and_zeros: torch.Tensor, use_native: bool = False) -> torch.Tensor:
+    """Saved ``scales_and_zeros [K / group, N, 2]`` -> the bf16 form :func:`int4_mm` reads (tiled for native)."""
+    if use_native:
+        return native.int4_tile_scales(scales_and_zeros)
+    return scales_and_zeros.to(COMPUTE_DTYPE)
+
+
+def int4_unpack_scales(packed_scales: torch.Tensor, use_native: bool = False) -> torch.Tensor:
+    """Inverse of :func:`int4_pack_scales`: ``[K / group, N, 2]``."""
+    return native.int4_untile_scales(packed_scales) if use_native else packed_scales
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor,
+            use_native: bool = False) -> torch.Tensor:
+    """``x [M, K] bf16`` times the int4 weight packed by :func:`int4_pack` (same ``use_native``), scales and zeros
+    from :func:`int4_pack_scales`. Native tiles have no other kernel: every row count runs ``int4_gemv``."""
+    if use_native:
+        return torch.ops.splice_kernels.int4_gemv(x, packed, scales_and_zeros, group)
     if x.device.type == "cuda":
         return torch._weight_int4pack_mm(x, packed, group, scales_and_zeros)
     return torch._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)

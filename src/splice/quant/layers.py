@@ -2,7 +2,9 @@
 
 All three take any float input ``[..., in_features]``, run the kernel with bf16 activations, and return the input's
 dtype. The bias stays in float. ``state_dict()`` holds a device-independent form (``qweight`` plus scales); layers
-whose kernel wants another layout (int4, W8A8 on CPU) repack it when loading.
+whose kernel wants another layout (int4, W8A8 on CPU) repack it when loading. On CPUs where ``splice.native`` builds,
+per-channel int8 runs its ``int8_gemv`` for up to 8 rows and int4 keeps splice's tile layout for ``int4_gemv``
+(decided once per layer, when it is built: its ``use_native``).
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from .. import native
 from . import gptq, kernels, qmath
 from .scheme import QuantConfig
 
@@ -21,6 +24,7 @@ class QuantizedLinear(nn.Module):
     Scales are cast to the kernel's dtype on use (a no-op unless someone called ``model.float()`` afterwards)."""
 
     kind: ClassVar[str]
+    use_native: bool = False  # runs splice.native's kernels (decided when built: native.available is not traceable)
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -71,6 +75,8 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         super().__init__(in_features, out_features, bias)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales.to(kernels.COMPUTE_DTYPE))
+        # Per channel, same layout either way: the native GEMV runs for the rows it fits, torch's kernels otherwise.
+        self.use_native = qweight.dim() == 2 and kernels.native_kernels_on(qweight.device)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig) -> Int8WeightOnlyLinear:
@@ -98,7 +104,7 @@ class Int8WeightOnlyLinear(QuantizedLinear):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if not self.grouped:
-            return kernels.int8_weight_mm(x, self.qweight, self.scales.to(x.dtype))
+            return kernels.int8_weight_mm(x, self.qweight, self.scales.to(x.dtype), self.use_native)
         return kernels.int8_grouped_mm(qmath.pad_to(x, 1, self.qweight.shape[2]), self.qweight,
                                        self.scales.to(x.dtype))
 
@@ -113,40 +119,43 @@ class Int8WeightOnlyLinear(QuantizedLinear):
 
 
 class _RepackedWeight(QuantizedLinear):
-    """A layer whose kernel layout differs from the saved ``qweight``: ``state_dict`` writes ``qweight`` (via
-    ``_qweight_for_saving``) and loading repacks it (via ``_set_qweight``). The packed tensor is bound to the device
-    type it was packed on."""
+    """A layer whose kernel layout differs from its saved form: ``state_dict`` writes the tensors of ``_saved_form``
+    (``qweight``; int4 also ``scales_and_zeros``), and loading checks them against ``_saved_specs`` and hands them to
+    ``_load_saved_form`` to repack. The packed tensors are bound to the device type they were packed on."""
 
-    def _qweight_for_saving(self) -> torch.Tensor:
+    def _saved_form(self) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
-    def _saved_qweight_spec(self) -> tuple[tuple[int, ...], torch.dtype]:
+    def _saved_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         raise NotImplementedError
 
-    def _set_qweight(self, qweight: torch.Tensor) -> None:
+    def _load_saved_form(self, saved: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        destination[prefix + "qweight"] = self._qweight_for_saving()
+        for name, tensor in self._saved_form().items():
+            destination[prefix + name] = tensor
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        key = prefix + "qweight"
-        if key in unexpected_keys:
-            unexpected_keys.remove(key)
-        if key not in state_dict:
-            missing_keys.append(key)
-            return
-        shape, dtype = self._saved_qweight_spec()
-        saved = state_dict[key]
-        if tuple(saved.shape) != shape or saved.dtype != dtype:
-            error_msgs.append(f"{key}: saved {tuple(saved.shape)} {saved.dtype} does not fit this layer's "
-                              f"{shape} {dtype} (a different quantization scheme?)")
-            return
-        self._set_qweight(saved.to(self.packed.device))
+        specs = self._saved_specs()
+        saved = {}
+        for name, (shape, dtype) in specs.items():
+            key = prefix + name
+            if key in unexpected_keys:
+                unexpected_keys.remove(key)
+            if key not in state_dict:
+                missing_keys.append(key)
+            elif _fits_spec(state_dict[key], shape, dtype):
+                saved[name] = state_dict[key].to(self.packed.device)
+            else:
+                error_msgs.append(f"{key}: saved {tuple(state_dict[key].shape)} {state_dict[key].dtype} does not fit "
+                                  f"this layer's {shape} {dtype} (a different quantization scheme?)")
+        if len(saved) == len(specs):
+            self._load_saved_form(saved)
 
     def _check_device(self, x: torch.Tensor) -> None:
         if x.device.type != self.packed_on:
@@ -155,10 +164,13 @@ class _RepackedWeight(QuantizedLinear):
 
 
 class Int4WeightOnlyLinear(_RepackedWeight):
-    """int4 weights in torch's int4 kernel layout, ``group`` input elements per bf16 scale and zero.
+    """int4 weights in a kernel's layout, ``group`` input elements per bf16 scale and zero: splice's native tiles on
+    CPUs where ``splice.native`` builds (``use_native``), else torch's int4 layout for the device.
 
-    ``N`` and ``K`` are zero-padded to what the kernel needs. Saved form: ``qweight [N', K' / 2]`` uint8 (two values
-    per byte, see ``qmath.pack_nibbles``) and ``scales_and_zeros [K' / group, N', 2]``.
+    ``N`` and ``K`` are zero-padded to what torch's kernel needs (the same whichever kernel runs, so checkpoints keep
+    their shapes). Saved form: ``qweight [N', K' / 2]`` uint8 (two values per byte, see ``qmath.pack_nibbles``) and
+    ``scales_and_zeros [K' / group, N', 2]``; the layer holds only the packed weight and scales (``packed``,
+    ``packed_scales``) and converts on saving and loading.
     """
 
     kind = "int4_weight_only"
@@ -167,9 +179,10 @@ class Int4WeightOnlyLinear(_RepackedWeight):
                  scales_and_zeros: torch.Tensor, group: int) -> None:
         super().__init__(in_features, out_features, bias)
         self.group = group
-        self.register_buffer("scales_and_zeros", scales_and_zeros.to(kernels.COMPUTE_DTYPE))
+        self.use_native = kernels.native_kernels_on(q.device)
         self.register_buffer("packed", torch.empty(0, dtype=torch.uint8), persistent=False)
-        self._set_qweight(qmath.pack_nibbles(q))
+        self.register_buffer("packed_scales", torch.empty(0, dtype=kernels.COMPUTE_DTYPE), persistent=False)
+        self._pack(q, scales_and_zeros)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig,
@@ -196,38 +209,47 @@ class Int4WeightOnlyLinear(_RepackedWeight):
                    torch.zeros(n, k, dtype=torch.uint8, device=device), torch.zeros(k // group, n, 2, device=device),
                    group)
 
-    def _set_qweight(self, qweight: torch.Tensor) -> None:
-        q = qmath.unpack_nibbles(qweight)
-        self.packed = kernels.int4_pack(q)
+    def _pack(self, q: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
+        self.packed = kernels.int4_pack(q, self.use_native)
+        self.packed_scales = kernels.int4_pack_scales(scales_and_zeros, self.use_native)
         self.packed_on = q.device.type
         self.padded_shape = tuple(q.shape)
-        # Saving reads the codes back: directly from the AVX-512 layout when it checks out here, else via the kernel.
-        self.unpackable = kernels.int4_unpack_verified(self.packed, q)
+        # Saving reads torch's layout back directly when its AVX-512 form checks out here, else via the kernel.
+        self.unpackable = not self.use_native and kernels.int4_unpack_verified(self.packed, q)
 
     def _q(self) -> torch.Tensor:
         n, k = self.padded_shape
+        if self.use_native:
+            return native.int4_tile_unpack(self.packed)
         if self.unpackable:
             return kernels.int4_unpack_cpu_layout(self.packed, k)
         return kernels.int4_unpack_by_kernel(self.packed, n, k, self.group)
 
-    def _qweight_for_saving(self) -> torch.Tensor:
-        return qmath.pack_nibbles(self._q())
+    def _scales_and_zeros(self) -> torch.Tensor:
+        """``[K' / group, N', 2]``, the saved form of the scales and zeros."""
+        return kernels.int4_unpack_scales(self.packed_scales, self.use_native)
 
-    def _saved_qweight_spec(self) -> tuple[tuple[int, ...], torch.dtype]:
+    def _saved_form(self) -> dict[str, torch.Tensor]:
+        return {"qweight": qmath.pack_nibbles(self._q()), "scales_and_zeros": self._scales_and_zeros()}
+
+    def _saved_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         n, k = self.padded_shape
-        return (n, k // 2), torch.uint8
+        return {"qweight": ((n, k // 2), torch.uint8), "scales_and_zeros": ((k // self.group, n, 2), torch.bfloat16)}
+
+    def _load_saved_form(self, saved: dict[str, torch.Tensor]) -> None:
+        self._pack(qmath.unpack_nibbles(saved["qweight"]), saved["scales_and_zeros"])
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         self._check_device(x)
         out = kernels.int4_mm(qmath.pad_to(x, 1, self.padded_shape[1]), self.packed, self.group,
-                              self.scales_and_zeros.to(x.dtype))
+                              self.packed_scales.to(x.dtype), self.use_native)
         return out[:, : self.out_features]
 
     def dequantize(self) -> torch.Tensor:
-        return qmath.dequantize_int4(self._q(), self.scales_and_zeros)[: self.out_features, : self.in_features]
+        return qmath.dequantize_int4(self._q(), self._scales_and_zeros())[: self.out_features, : self.in_features]
 
     def weight_nbytes(self) -> int:
-        return _nbytes(self.packed) + _nbytes(self.scales_and_zeros)
+        return _nbytes(self.packed) + _nbytes(self.packed_scales)
 
 
 class Int8DynamicLinear(_RepackedWeight):
@@ -241,7 +263,7 @@ class Int8DynamicLinear(_RepackedWeight):
         super().__init__(in_features, out_features, bias)
         self.register_buffer("scales", scales.float())
         self.register_buffer("packed", torch.empty(0, dtype=torch.int8), persistent=False)
-        self._set_qweight(qweight)
+        self._pack(qweight)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig) -> Int8DynamicLinear:
@@ -255,22 +277,28 @@ class Int8DynamicLinear(_RepackedWeight):
                    torch.zeros(out_features, in_features, dtype=torch.int8, device=device),
                    torch.ones(out_features, device=device))
 
-    def _set_qweight(self, qweight: torch.Tensor) -> None:
+    def _pack(self, qweight: torch.Tensor) -> None:
         self.packed = kernels.dynamic_int8_prepack(qweight)
         self.packed_on = qweight.device.type
 
-    def _qweight_for_saving(self) -> torch.Tensor:
+    def _qweight(self) -> torch.Tensor:
         return kernels.dynamic_int8_unpack(self.packed)
 
-    def _saved_qweight_spec(self) -> tuple[tuple[int, ...], torch.dtype]:
-        return (self.out_features, self.in_features), torch.int8
+    def _saved_form(self) -> dict[str, torch.Tensor]:
+        return {"qweight": self._qweight()}
+
+    def _saved_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"qweight": ((self.out_features, self.in_features), torch.int8)}
+
+    def _load_saved_form(self, saved: dict[str, torch.Tensor]) -> None:
+        self._pack(saved["qweight"])
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         self._check_device(x)
         return kernels.dynamic_int8_mm(x, self.packed, self.scales.float())
 
     def dequantize(self) -> torch.Tensor:
-        return qmath.dequantize_int8(self._qweight_for_saving(), self.scales[:, None])
+        return qmath.dequantize_int8(self._qweight(), self.scales[:, None])
 
     def weight_nbytes(self) -> int:
         return self.in_features * self.out_features + _nbytes(self.scales)
@@ -278,6 +306,12 @@ class Int8DynamicLinear(_RepackedWeight):
 
 def _zero_bias(bias: bool, out_features: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor | None:
     return torch.zeros(out_features, device=device, dtype=dtype) if bias else None
+
+
+def _fits_spec(saved: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+    """Same shape, and the same dtype (any float dtype where a float one is expected: scales are cast on loading)."""
+    same_kind = saved.dtype == dtype or (saved.is_floating_point() and dtype.is_floating_point)
+    return tuple(saved.shape) == shape and same_kind
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -5,7 +5,9 @@ fused QKV and gate+up weights are concatenated layer by layer and each original 
 peak memory grows by one layer at most. (With a checkpoint memory-mapped by safetensors, the pages of the released
 q/k/v/gate/up weights stay mapped, as clean page cache the kernel can drop, until the file is unmapped.)
 
-On CPU with 16-bit weights and no quantization to follow, the block linears are then packed for oneDNN.
+On CPU with bf16 weights and no quantization to follow, the block linears and the lm_head then run on splice's native
+GEMV (``layers.native_linear``, plain weights, nothing copied); where those kernels are unavailable, 16-bit block
+linears are packed for oneDNN instead (``layers.packed_linear``, a packed copy; a tied lm_head stays as it is).
 
 Under tensor parallelism this step runs after the tensor_parallel step, on each rank's shards: q/k/v (or the
 checkpoint's fused qkv) and gate/up are column-parallel plain linears, so fusing them gives the rank's ``[q; k; v]``
@@ -23,6 +25,7 @@ from ..arch import ArchRecord, ModelDims, lookup, model_dims
 from ..layers.block import BlockShape, SpliceBlock, activation
 from ..layers.causal_lm import SpliceCausalLM
 from ..layers.norm import HeadRMSNorm, RMSNorm
+from ..layers.native_linear import NativeLinear, can_use_native, gather_on_huge_pages
 from ..layers.packed_linear import PackedLinear, can_pack
 from ..quant import QuantConfig
 from ..tp.layers import RowParallelLinear, VocabParallelLinear
@@ -57,8 +60,14 @@ def inject_kernels(model, config, ctx):
         return model
     runtime = inject(model, config.max_out_tokens)
     packed = ""
-    if QuantConfig.from_inference_config(config) is None and can_pack(runtime.dtype, ctx.device):
-        packed = f"; {pack_linears(model, runtime)} linears packed for oneDNN"
+    if QuantConfig.from_inference_config(config) is None:
+        if can_use_native(runtime.dtype, ctx.device):
+            count = wrap_linears(model, runtime, NativeLinear)
+            moved = gather_on_huge_pages([m.weight for m in model.modules() if isinstance(m, NativeLinear)])
+            packed = (f"; {count} linears on splice's native bf16 GEMV"
+                      + (f", weights gathered on 2 MiB pages ({moved / 2**20:.0f} MiB)" if moved else ""))
+        elif can_pack(runtime.dtype, ctx.device):
+            packed = f"; {wrap_linears(model, runtime, PackedLinear)} linears packed for oneDNN"
     parallel = ""
     if ctx.parallel.world_size > 1:
         shape = runtime.blocks[0].shape
@@ -87,36 +96,37 @@ def inject(model: nn.Module, max_out_tokens: int) -> SpliceCausalLM:
     return runtime
 
 
-def pack_linears(model: nn.Module, runtime: SpliceCausalLM) -> int:
-    """Swap the blocks' plain ``nn.Linear`` layers (and an untied lm_head) for :class:`PackedLinear`; returns how many.
+def wrap_linears(model: nn.Module, runtime: SpliceCausalLM, wrapper: type[nn.Module]) -> int:
+    """Swap the blocks' plain ``nn.Linear`` layers and the lm_head for ``wrapper(linear)``; returns how many.
 
     Under tensor parallelism the row- and vocab-parallel wrappers keep their all-reduce / all-gather: only the plain
-    linear inside them is packed. A tied lm_head shares the embedding table, which a lookup needs in the plain
-    layout, so it stays as it is.
+    linear inside them is wrapped. A tied lm_head shares the embedding table, which a lookup needs in the plain
+    layout: only :class:`NativeLinear` (which keeps that layout) takes it over.
     """
     count = 0
     for block in runtime.blocks:
         for name in ("qkv", "o", "gate_up", "down"):
-            count += pack_in(block, name)
+            count += wrap_in(block, name, wrapper)
     head = runtime.lm_head
+    tied_ok = wrapper is NativeLinear
     if isinstance(head, VocabParallelLinear):
-        if head.linear.weight is not runtime.embed.weight:
-            count += pack_in(head, "linear")
-    elif type(head) is nn.Linear and head.weight is not runtime.embed.weight:
-        runtime.lm_head = PackedLinear(head)
+        if tied_ok or head.linear.weight is not runtime.embed.weight:
+            count += wrap_in(head, "linear", wrapper)
+    elif type(head) is nn.Linear and (tied_ok or head.weight is not runtime.embed.weight):
+        runtime.lm_head = wrapper(head)
         model.set_output_embeddings(runtime.lm_head)
         count += 1
     return count
 
 
-def pack_in(parent: nn.Module, name: str) -> int:
-    """Pack ``parent.<name>`` (or the plain linear inside a row-parallel wrapper); 1 if packed, else 0."""
+def wrap_in(parent: nn.Module, name: str, wrapper: type[nn.Module]) -> int:
+    """Wrap ``parent.<name>`` (or the plain linear inside a row-parallel wrapper); 1 if wrapped, else 0."""
     module = getattr(parent, name)
     if isinstance(module, RowParallelLinear):
         parent, name, module = module, "linear", module.linear
     if type(module) is not nn.Linear or module.weight.numel() == 0:
         return 0
-    setattr(parent, name, PackedLinear(module))
+    setattr(parent, name, wrapper(module))
     return 1
 
 

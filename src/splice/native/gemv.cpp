@@ -1,0 +1,247 @@
+// splice's CPU GEMV kernels for decode (few rows of activations, weights streamed once from memory).
+//
+// Why they exist: on a 2-core AVX-512 Xeon, torch's bf16 / int8 / int4 GEMVs read weights at 14-22 GB/s, because
+// they stream each weight matrix without software prefetch (the hardware prefetcher stops at every 4 KiB page).
+// These kernels read the weight as one sequential stream per thread with a software prefetch a few KiB ahead, and
+// use AVX-512 BF16 dot products (two multiply-adds per lane and instruction), so decode runs at memory speed.
+//
+// All kernels: y[m, n] = sum_k x[m, k] * w[n, k] in float32, rounded once to bf16, for any number of rows
+// of x, taken MAX_ROWS at a time against each block of weights (so the weights are read from memory once).
+//   bf16_gemv(x bf16 [M, K], w bf16 [N, K])                       row-major weight, any N and K
+//   int8_gemv(x bf16 [M, K], w int8 [N, K], scales bf16 [N])      per-output-channel scales
+//   int4_gemv(x bf16 [M, K], w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group)
+//       tiles of 16 rows; dword (tile, c, r) holds q[r, 8c .. 8c+7] as nibbles in the order k = 0,2,4,6,1,3,5,7
+//       (so k and k+1 sit 16 bits apart); value = (q - 8) * scale + zero per (row, group).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <type_traits>
+
+namespace {
+
+constexpr int64_t MAX_ROWS = 4;
+constexpr int64_t PREFETCH_BYTES = 4096;
+
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+inline __m512 bf16_to_f32(__m256i v) {  // 16 bf16 -> 16 float
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+inline __m512i load_bf16_pairs(const at::BFloat16* p, int64_t n) {  // n <= 32 bf16, zero-filled
+  __mmask32 mask = n >= 32 ? ~__mmask32(0) : ((__mmask32(1) << n) - 1);
+  return _mm512_maskz_loadu_epi16(mask, p);
+}
+
+void check_rows(const at::Tensor& x, int64_t k, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, name, ": x must be [M, ", k, "], got ", x.sizes());
+  TORCH_CHECK(x.size(0) >= 1, name, ": x has no rows");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(), name,
+              ": x must be a contiguous bf16 CPU tensor");
+}
+
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+template <typename F>
+void with_rows(int64_t m, F&& f) {  // calls f(Int<m>) for m in 1 .. MAX_ROWS
+  switch (m) {
+    case 1: f(Int<1>{}); break;
+    case 2: f(Int<2>{}); break;
+    case 3: f(Int<3>{}); break;
+    default: f(Int<4>{}); break;
+  }
+}
+
+// Calls f(Int<rows of x>, first row of x) for chunks of up to MAX_ROWS rows of x (the weights they share stay in
+// cache between chunks).
+template <typename F>
+void for_x_chunks(int64_t m, F&& f) {
+  for (int64_t m0 = 0; m0 < m; m0 += MAX_ROWS) with_rows(std::min(MAX_ROWS, m - m0), [&](auto m_c) { f(m_c, m0); });
+}
+
+// Blocks of four weight rows split over the threads; f(Int<x rows>, Int<weight rows>, first weight row, first x row).
+template <typename F>
+void for_row_blocks(int64_t m, int64_t n, F&& f) {
+  at::parallel_for(0, n / 4, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) for_x_chunks(m, [&](auto m_c, int64_t m0) { f(m_c, Int<4>{}, b * 4, m0); });
+  });
+  const int64_t tail = n % 4;
+  if (tail) with_rows(tail, [&](auto r_c) { for_x_chunks(m, [&](auto m_c, int64_t m0) { f(m_c, r_c, n - tail, m0); }); });
+}
+
+// ---- bf16 --------------------------------------------------------------------------------------------------------
+// Four weight rows at a time; every 32 columns one 64-byte load per row and one dot-product instruction per x row.
+template <int M, int R>
+void bf16_rows(const at::BFloat16* x, const at::BFloat16* w, int64_t k, int64_t n0, at::BFloat16* out,
+               int64_t n_total) {
+  constexpr int m_rows = M, rows = R;
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  const at::BFloat16* base = w + n0 * k;
+  const char* stream = reinterpret_cast<const char*>(base);
+  for (int64_t c = 0; c < k; c += 32) {
+    const int64_t left = k - c;
+    for (int r = 0; r < rows; ++r) prefetch(stream + rows * c * 2 + PREFETCH_BYTES + 64 * r);
+    __m512i wv[R];
+    for (int r = 0; r < rows; ++r) wv[r] = load_bf16_pairs(base + r * k + c, left);
+    for (int64_t m = 0; m < m_rows; ++m) {
+      __m512bh xv = (__m512bh)load_bf16_pairs(x + m * k + c, left);
+      for (int r = 0; r < rows; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, (__m512bh)wv[r]);
+    }
+  }
+  for (int64_t m = 0; m < m_rows; ++m)
+    for (int r = 0; r < rows; ++r) out[m * n_total + n0 + r] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]));
+}
+
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.device().is_cpu(),
+              "bf16_gemv: w must be a contiguous bf16 CPU [N, K] tensor");
+  const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
+  check_rows(x, k, "bf16_gemv");
+  auto out = at::empty({m, n}, x.options());
+  const auto* xp = x.data_ptr<at::BFloat16>();
+  const auto* wp = w.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  for_row_blocks(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
+    bf16_rows<decltype(m_c)::value, decltype(r_c)::value>(xp + m0 * k, wp, k, n0, op + m0 * n, n);
+  });
+  return out;
+}
+
+// ---- int8 ---------------------------------------------------------------------------------------------------------
+// x is widened to float once; four weight rows at a time, 16 columns per step (sign-extend, convert, multiply-add).
+template <int M, int R>
+void int8_rows(const float* x, const int8_t* w, const float* scales, int64_t k, int64_t n0, at::BFloat16* out,
+               int64_t n_total) {
+  constexpr int m_rows = M, rows = R;
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  const int8_t* base = w + n0 * k;
+  for (int64_t c = 0; c < k; c += 16) {
+    const int64_t left = k - c;
+    const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
+    prefetch(base + rows * c + PREFETCH_BYTES);
+    __m512 wv[R];
+    for (int r = 0; r < rows; ++r)
+      wv[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, base + r * k + c)));
+    for (int64_t m = 0; m < m_rows; ++m) {
+      __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * k + c);
+      for (int r = 0; r < rows; ++r) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
+    }
+  }
+  for (int64_t m = 0; m < m_rows; ++m)
+    for (int r = 0; r < rows; ++r)
+      out[m * n_total + n0 + r] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]) * scales[n0 + r]);
+}
+
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.device().is_cpu(),
+              "int8_gemv: w must be a contiguous int8 CPU [N, K] tensor");
+  const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
+  check_rows(x, k, "int8_gemv");
+  TORCH_CHECK(scales.numel() == n, "int8_gemv: scales must have ", n, " elements, got ", scales.numel());
+  auto xf = x.to(at::kFloat).contiguous();
+  auto scales_f = scales.to(at::kFloat).contiguous();
+  auto out = at::empty({m, n}, x.options());
+  const float* xp = xf.data_ptr<float>();
+  const float* sp = scales_f.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  for_row_blocks(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
+    int8_rows<decltype(m_c)::value, decltype(r_c)::value>(xp + m0 * k, wp, sp, k, n0, op + m0 * n, n);
+  });
+  return out;
+}
+
+// ---- int4 ---------------------------------------------------------------------------------------------------------
+// Lanes are weight rows (16 per tile). A nibble q becomes the bf16 value 128 + q by OR-ing 0x4300 into it, so one
+// AND/OR (ternary logic) turns 16 rows x 2 columns into bf16 pairs for one dot product with the broadcast pair
+// (x[k], x[k+1]). Per group: y += scale * (dot - 136 * sum(x)) + zero * sum(x).
+constexpr int TILE = 16;
+
+template <int M>
+void int4_tile(const at::BFloat16* x, const float* xsum, const int32_t* w, const at::BFloat16* sz, int64_t k,
+               int64_t group, int64_t tile, at::BFloat16* out, int64_t n_total) {
+  constexpr int m_rows = M;
+  const __m512i nibble = _mm512_set1_epi32(0x000F000F), bf16_128 = _mm512_set1_epi32(0x43004300);
+  const int64_t chunks = k / 8, groups = k / group, chunks_per_group = group / 8;
+  const int32_t* base = w + tile * chunks * TILE;
+  const at::BFloat16* tile_sz = sz + tile * groups * TILE * 2;
+  const char* stream = reinterpret_cast<const char*>(base);
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 dot[M][4];  // one accumulator per column pair: four independent dependency chains
+    for (int m = 0; m < M; ++m)
+      for (int p = 0; p < 4; ++p) dot[m][p] = _mm512_setzero_ps();
+    for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+      prefetch(stream + c * 64 + PREFETCH_BYTES);
+      const __m512i q = _mm512_loadu_si512(base + c * TILE);
+      __m512i pairs[4];
+      for (int p = 0; p < 4; ++p)  // (A & B) | C, A = q >> 4p, B = nibble mask, C = 0x4300 pattern
+        pairs[p] = _mm512_ternarylogic_epi32(_mm512_srli_epi32(q, 4 * p), nibble, bf16_128, 0xEA);
+      for (int64_t m = 0; m < m_rows; ++m) {
+        const int32_t* xpairs = reinterpret_cast<const int32_t*>(x + m * k + c * 8);
+        for (int p = 0; p < 4; ++p)
+          dot[m][p] = _mm512_dpbf16_ps(dot[m][p], (__m512bh)pairs[p], (__m512bh)_mm512_set1_epi32(xpairs[p]));
+      }
+    }
+    const __m512i s_z = _mm512_loadu_si512(tile_sz + g * TILE * 2);  // 16 x (scale, zero) bf16
+    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(s_z, 16));
+    const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(s_z, _mm512_set1_epi32(0xFFFF0000)));
+    const __m512 offset = _mm512_fnmadd_ps(scale, _mm512_set1_ps(136.0f), zero);  // zero - 136 * scale
+    for (int64_t m = 0; m < m_rows; ++m) {
+      const __m512 dot_m = _mm512_add_ps(_mm512_add_ps(dot[m][0], dot[m][1]), _mm512_add_ps(dot[m][2], dot[m][3]));
+      acc[m] = _mm512_fmadd_ps(dot_m, scale, acc[m]);
+      acc[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[m * groups + g]), acc[m]);
+    }
+  }
+  for (int64_t m = 0; m < m_rows; ++m)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n_total + tile * TILE), (__m256i)_mm512_cvtneps_pbh(acc[m]));
+}
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == TILE && w.scalar_type() == at::kInt && w.is_contiguous() &&
+              w.device().is_cpu(), "int4_gemv: w must be a contiguous int32 CPU [N/16, K/8, 16] tensor");
+  const int64_t tiles = w.size(0), k = w.size(1) * 8, m = x.size(0), n = tiles * TILE;
+  TORCH_CHECK(group % 8 == 0 && k % group == 0, "int4_gemv: group ", group, " must divide K=", k, " in steps of 8");
+  check_rows(x, k, "int4_gemv");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() &&
+              sz.sizes() == at::IntArrayRef({tiles, k / group, TILE, 2}),
+              "int4_gemv: scales_and_zeros must be contiguous bf16 [", tiles, ", ", k / group, ", 16, 2], got ",
+              sz.sizes());
+  auto xsum = x.to(at::kFloat).reshape({m, k / group, group}).sum(-1).contiguous();
+  auto out = at::empty({m, n}, x.options());
+  const auto* xp = x.data_ptr<at::BFloat16>();
+  const float* sp = xsum.data_ptr<float>();
+  const int32_t* wp = w.data_ptr<int32_t>();
+  const auto* zp = sz.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  const int64_t groups = k / group;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for_x_chunks(m, [&](auto m_c, int64_t m0) {
+        int4_tile<decltype(m_c)::value>(xp + m0 * k, sp + m0 * groups, wp, zp, k, group, t, op + m0 * n, n);
+      });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(splice_kernels, lib) {
+  lib.def("bf16_gemv(Tensor x, Tensor w) -> Tensor");
+  lib.def("int8_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  lib.def("int4_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
+  lib.impl("bf16_gemv", &bf16_gemv);
+  lib.impl("int8_gemv", &int8_gemv);
+  lib.impl("int4_gemv", &int4_gemv);
+}

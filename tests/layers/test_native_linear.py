@@ -1,0 +1,69 @@
+"""bf16 linears on splice's native GEMV, and injection using them."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import splice
+from splice.layers.native_linear import NativeLinear, can_use_native
+
+from ..arch.tiny_models import build_family, padded_batch
+
+pytestmark = pytest.mark.skipif(not can_use_native(torch.bfloat16, torch.device("cpu")),
+                                reason="splice's native kernels are not available on this machine")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_linear_matches_the_float_product_at_every_row_count(bias):
+    linear = nn.Linear(200, 70, bias=bias).to(torch.bfloat16)
+    wrapped = NativeLinear(linear)
+    assert wrapped.weight is linear.weight  # nothing copied
+    for rows in (1, 3, 4, 5, 16):  # native up to 4 rows, F.linear above
+        x = torch.randn(rows, 1, 200).to(torch.bfloat16)
+        expected = x.float() @ linear.weight.float().T + (linear.bias.float() if bias else 0)
+        torch.testing.assert_close(wrapped(x).float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_can_use_native_only_for_bf16_on_cpu():
+    assert not can_use_native(torch.float32, torch.device("cpu"))
+    assert not can_use_native(torch.float16, torch.device("cpu"))
+    assert not can_use_native(torch.bfloat16, torch.device("meta"))
+
+
+def test_bf16_injection_uses_native_linears_and_stays_close_to_hf():
+    reference = build_family("llama", dtype=torch.bfloat16)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
+    block = engine.module.model.layers[0]
+    assert isinstance(block.qkv, NativeLinear) and isinstance(engine.module.lm_head, NativeLinear)
+    assert any("native bf16 GEMV" in what for step, what in engine.report if step == "inject")
+    ids, mask = padded_batch()
+    with torch.inference_mode():
+        expected = reference(ids, attention_mask=mask).logits.float()
+        got = engine(ids, attention_mask=mask).logits.float()
+        greedy_ref = reference.generate(ids[:1, 4:], max_new_tokens=12, do_sample=False)
+        greedy = engine.generate(ids[:1, 4:], max_new_tokens=12, do_sample=False)
+    real = mask.bool()
+    assert ((expected - got).abs()[real].max() / expected.std()).item() < 0.05
+    assert (expected.argmax(-1) == got.argmax(-1))[real].float().mean() > 0.9
+    assert (greedy_ref == greedy).float().mean() > 0.9
+
+
+def test_gathering_on_huge_pages_keeps_values_identity_and_ties():
+    from splice.layers.native_linear import gather_on_huge_pages
+
+    embed = nn.Embedding(64, 32).to(torch.bfloat16)
+    head = nn.Linear(32, 64, bias=False).to(torch.bfloat16)
+    head.weight = embed.weight  # tied
+    other = nn.Linear(32, 48).to(torch.bfloat16)
+    before = {name: p.detach().clone() for name, p in (("embed", embed.weight), ("other", other.weight))}
+    ids = (id(embed.weight), id(other.weight))
+    moved = gather_on_huge_pages([head.weight, other.weight, embed.weight])
+    assert (id(embed.weight), id(other.weight)) == ids and head.weight is embed.weight
+    assert torch.equal(embed.weight, before["embed"]) and torch.equal(other.weight, before["other"])
+    if moved:  # huge pages available: one buffer, each weight 64-byte aligned
+        assert moved == (64 * 32 + 48 * 32) * 2
+        assert embed.weight.untyped_storage().data_ptr() == other.weight.untyped_storage().data_ptr()
+        assert embed.weight.data_ptr() % 64 == 0 and other.weight.data_ptr() % 64 == 0

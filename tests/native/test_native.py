@@ -1,0 +1,97 @@
+"""splice's native CPU GEMV kernels against float32 products, their int4 layout, huge pages and the fallback."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from splice import native
+from splice.quant import qmath
+
+needs_native = pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
+ROWS = (1, 2, 4, 5, 9)
+SHAPES = ((64, 128), (37, 100), (5, 33), (130, 576))  # (N, K): tails in both
+
+
+def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((got.float() - expected).abs().max() / expected.abs().max()).item()
+
+
+@needs_native
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_bf16_gemv_matches_the_float_product(rows, n, k):
+    x, w = torch.randn(rows, k).bfloat16(), torch.randn(n, k).bfloat16()
+    assert relative_error(torch.ops.splice_kernels.bf16_gemv(x, w), x.float() @ w.float().T) < 1e-2
+
+
+@needs_native
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n, k", SHAPES)
+def test_int8_gemv_matches_the_float_product(rows, n, k):
+    x = torch.randn(rows, k).bfloat16()
+    w, scales = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16()
+    expected = (x.float() @ w.float().T) * scales.float()
+    assert relative_error(torch.ops.splice_kernels.int8_gemv(x, w, scales), expected) < 1e-2
+
+
+@needs_native
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("n, k, group", [(64, 128, 32), (32, 576, 64), (16, 256, 128), (48, 64, 64)])
+def test_int4_gemv_matches_the_dequantized_product(rows, n, k, group):
+    x = torch.randn(rows, k).bfloat16()
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales_and_zeros = torch.randn(k // group, n, 2).bfloat16()
+    expected = x.float() @ qmath.dequantize_int4(q, scales_and_zeros).T
+    got = torch.ops.splice_kernels.int4_gemv(x, native.int4_tile_pack(q), native.int4_tile_scales(scales_and_zeros),
+                                             group)
+    assert relative_error(got, expected) < 1e-2
+
+
+def test_int4_tile_layout_round_trips():
+    q = torch.randint(0, 16, (48, 96), dtype=torch.uint8)
+    scales_and_zeros = torch.randn(3, 48, 2).bfloat16()
+    tiles = native.int4_tile_pack(q)
+    assert tiles.shape == (3, 12, 16) and tiles.dtype == torch.int32
+    assert torch.equal(native.int4_tile_unpack(tiles), q)
+    assert torch.equal(native.int4_untile_scales(native.int4_tile_scales(scales_and_zeros)), scales_and_zeros)
+
+
+@needs_native
+def test_bad_shapes_name_the_value():
+    with pytest.raises(RuntimeError, match="must be \\[M, 64\\]"):
+        torch.ops.splice_kernels.bf16_gemv(torch.randn(1, 32).bfloat16(), torch.randn(8, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="group 48"):
+        torch.ops.splice_kernels.int4_gemv(torch.randn(1, 64).bfloat16(), torch.zeros(1, 8, 16, dtype=torch.int32),
+                                           torch.zeros(1, 1, 16, 2).bfloat16(), 48)
+
+
+@needs_native
+def test_kernels_trace_under_torch_compile():
+    w = torch.randn(24, 64).bfloat16()
+    step = torch.compile(lambda x: torch.ops.splice_kernels.bf16_gemv(x, w) * 2, dynamic=False)
+    x = torch.randn(1, 64).bfloat16()
+    torch.testing.assert_close(step(x), torch.ops.splice_kernels.bf16_gemv(x, w) * 2)
+
+
+def test_fits_checks_rows_dtype_and_device():
+    assert native.fits("bf16", torch.zeros(4, 8, dtype=torch.bfloat16))
+    assert not native.fits("bf16", torch.zeros(5, 8, dtype=torch.bfloat16))
+    assert not native.fits("int8", torch.zeros(2, 8))  # fp32 input
+    assert native.fits("int4", torch.zeros(512, 8, dtype=torch.bfloat16))
+
+
+def test_environment_switch_turns_them_off_without_a_warning():
+    code = ("import warnings; warnings.simplefilter('error'); from splice import native; "
+            "assert native.available() is False")
+    env = {**__import__("os").environ, "SPLICE_NATIVE_KERNELS": "0"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+def test_huge_page_advice_skips_what_it_cannot_cover():
+    assert native.advise_huge_pages(torch.zeros(1000)) == 0  # smaller than a huge page
+    big = torch.zeros(3 * native.HUGE_PAGE // 4)
+    advised = native.advise_huge_pages(big)
+    assert advised % native.HUGE_PAGE == 0 and advised <= big.numel() * 4
