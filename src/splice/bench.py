@@ -58,7 +58,8 @@ def add_bench_parser(subparsers) -> None:
     parser.add_argument("--quant", default="", help=f"comma-separated quantized rows to add: {','.join(QUANT_SCHEMES)} "
                         "(kernel-injected, each on a fresh copy of the model)")
     parser.add_argument("--compile", action="store_true",
-                        help="also run the injected model with its decode step compiled (compile_decode=True)")
+                        help="also run the injected (and quantized) models with their decode step compiled "
+                             "(compile_decode=True)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     parser.add_argument("--json", default="splice-bench.json", help="where to write the results (JSON)")
     parser.add_argument("--plot", help="also draw the decode tokens/s bars to this image file (needs matplotlib)")
@@ -123,7 +124,8 @@ def bench_configuration(args, dtype: str, batch: int, modes: list[str], bandwidt
 
 def bench_quantized(args, dtype: str, batch: int, schemes: list[str], bandwidth: float, hf_speed: float
                     ) -> list[Row]:
-    """One kernel-injected, quantized row per scheme; speedup is against the HF eager row of the same dtype/batch."""
+    """One kernel-injected, quantized row per scheme (and one compiled, with ``--compile``); speedup is against the HF
+    eager row of the same dtype/batch."""
     import splice
 
     rows = []
@@ -134,9 +136,14 @@ def bench_quantized(args, dtype: str, batch: int, schemes: list[str], bandwidth:
         engine = splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=args.prompt + args.new,
                                        **QUANT_SCHEMES[scheme])
         roofline = batch * bandwidth * 1e9 / stored_weight_bytes(engine.module)
-        prefill_ms, tok_s, peak = time_generate(engine.generate, prompt, args.new, args.repeat)
-        rows.append(Row(args.model, dtype, batch, f"inject+{scheme}", prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
-                        tok_s / hf_speed, roofline))
+        for run in [f"inject+{scheme}"] + ([f"inject+{scheme}+compile"] if args.compile else []):
+            first_s = float("nan")
+            if run.endswith("+compile"):
+                engine.module.splice_runtime.compile_decode()
+                first_s = time_first_run(engine.generate, prompt, args.new)
+            prefill_ms, tok_s, peak = time_generate(engine.generate, prompt, args.new, args.repeat)
+            rows.append(Row(args.model, dtype, batch, run, prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
+                            tok_s / hf_speed, roofline, first_s))
         del engine, model
         gc.collect()
     return rows

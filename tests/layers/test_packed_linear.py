@@ -10,7 +10,7 @@ from torch import nn
 import splice
 from splice.layers.packed_linear import PackedLinear, can_pack
 
-from ..arch.tiny_models import build_family, padded_batch
+from ..arch.tiny_models import assert_bf16_injection_close_to_hf, build_family
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
                                 reason="this torch has no oneDNN bf16 support")
@@ -38,13 +38,7 @@ def test_bf16_injection_packs_without_native_kernels_and_stays_close_to_hf(monke
     block = engine.module.model.layers[0]
     assert isinstance(block.qkv, PackedLinear) and isinstance(engine.module.lm_head, PackedLinear)
     assert any("packed for oneDNN" in what for step, what in engine.report if step == "inject")
-    ids, mask = padded_batch()
-    with torch.inference_mode():
-        expected = reference(ids, attention_mask=mask).logits.float()
-        got = engine(ids, attention_mask=mask).logits.float()
-    real = mask.bool()
-    assert ((expected - got).abs()[real].max() / expected.std()).item() < 0.05
-    assert (expected.argmax(-1) == got.argmax(-1))[real].float().mean() > 0.9
+    assert_bf16_injection_close_to_hf(reference, engine)
 
 
 def test_fp32_injection_does_not_pack(tiny_llama):

@@ -50,6 +50,33 @@ def test_int4_gemv_matches_the_dequantized_product(rows, n, k, group):
     assert relative_error(got, expected) < 1e-2
 
 
+@needs_native
+@pytest.mark.parametrize("n, k, group", [(48, 96, 32), (80, 160, 32), (112, 192, 64), (16, 384, 128), (208, 640, 128),
+                                         (32, 120, 24), (48, 40, 8)])
+def test_int4_dequantize_equals_the_reference_rounded_to_bf16(n, k, group):
+    """Bit for bit: (q - 8) has at most 4 significant bits and a bf16 scale 8, so (q - 8) * scale is exact in float32
+    and both sides round once there (the kernel's FMA, torch's add) and once to bf16 (round to nearest even: the
+    kernel's cvtne2ps, torch's cast). Shapes: N and K not multiples of 64, and groups of 24 and 8 columns (not
+    multiples of 32, the kernel's per-lane-shift path)."""
+    torch.manual_seed(n + k + group)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales_and_zeros = torch.randn(k // group, n, 2).bfloat16()
+    got = torch.ops.splice_kernels.int4_dequantize(native.int4_tile_pack(q), native.int4_tile_scales(scales_and_zeros),
+                                                   group)
+    assert got.dtype == torch.bfloat16 and got.shape == (n, k)
+    assert torch.equal(got, qmath.dequantize_int4(q, scales_and_zeros).bfloat16())
+
+
+@needs_native
+def test_int4_dequantize_traces_under_torch_compile():
+    q = torch.randint(0, 16, (32, 64), dtype=torch.uint8)
+    tiles, scales_and_zeros = native.int4_tile_pack(q), native.int4_tile_scales(torch.randn(2, 32, 2).bfloat16())
+    step = torch.compile(lambda x: x @ torch.ops.splice_kernels.int4_dequantize(tiles, scales_and_zeros, 32).T,
+                         fullgraph=True)
+    x = torch.randn(20, 64).bfloat16()
+    torch.testing.assert_close(step(x), x @ torch.ops.splice_kernels.int4_dequantize(tiles, scales_and_zeros, 32).T)
+
+
 def test_int4_tile_layout_round_trips():
     q = torch.randint(0, 16, (48, 96), dtype=torch.uint8)
     scales_and_zeros = torch.randn(3, 48, 2).bfloat16()
@@ -66,6 +93,9 @@ def test_bad_shapes_name_the_value():
     with pytest.raises(RuntimeError, match="group 48"):
         torch.ops.splice_kernels.int4_gemv(torch.randn(1, 64).bfloat16(), torch.zeros(1, 8, 16, dtype=torch.int32),
                                            torch.zeros(1, 1, 16, 2).bfloat16(), 48)
+    with pytest.raises(RuntimeError, match="scales_and_zeros must be contiguous bf16 \\[1, 2, 16, 2\\]"):
+        torch.ops.splice_kernels.int4_dequantize(torch.zeros(1, 8, 16, dtype=torch.int32),
+                                                 torch.zeros(1, 1, 16, 2).bfloat16(), 32)
 
 
 @needs_native

@@ -176,7 +176,22 @@ def test_native_kernel_matches_dequantized_weights(scheme, rows):
     is_int8 = scheme == "int8"
     with _spy("int8_gemv" if is_int8 else "int4_gemv") as calls:
         out = layer(x)
-    assert calls.call_count == (rows <= native.MAX_ROWS["int8"] if is_int8 else 1)  # int8: torch's kernels above
+    # int8: torch's kernels above native.MAX_ROWS; int4: de-quantise + F.linear above kernels.INT4_GEMV_MAX_ROWS
+    assert calls.call_count == (rows <= (native.MAX_ROWS["int8"] if is_int8 else kernels.INT4_GEMV_MAX_ROWS))
+    assert (out - expected).norm() / expected.norm() < 1e-2
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 8, 40, 130])
+@pytest.mark.parametrize("scheme", ["int4-g32", "int4-g64-asym", "int4-g128"])
+def test_native_int4_runs_the_gemv_for_few_rows_and_dequantizes_for_more(scheme, rows):
+    linear, layer = _layer(scheme, out_features=200, in_features=328)  # N and K padded (to 256 and the group)
+    x = torch.randn(rows, linear.in_features)
+    expected = F.linear(_reference_input(x, scheme), layer.dequantize(), linear.bias)
+    with _spy("int4_gemv") as gemv_calls, _spy("int4_dequantize") as dequantize_calls:
+        out = layer(x)
+    few = rows <= kernels.INT4_GEMV_MAX_ROWS
+    assert (gemv_calls.call_count, dequantize_calls.call_count) == ((1, 0) if few else (0, 1))
     assert (out - expected).norm() / expected.norm() < 1e-2
 
 
@@ -220,6 +235,17 @@ def test_native_layers_compile_in_one_graph(scheme):
     x = torch.randn(2, layer.in_features, dtype=torch.bfloat16)
     compiled = torch.compile(layer, fullgraph=True)
     torch.testing.assert_close(compiled(x), layer(x))  # bf16 tolerance: Inductor fuses the bias add
+
+
+@needs_native
+def test_native_int4_prefill_compiles_in_one_graph():
+    """Above ``kernels.INT4_GEMV_MAX_ROWS`` rows the graph holds ``int4_dequantize`` and a bf16 matmul."""
+    _, layer = _layer("int4-g32")
+    x = torch.randn(kernels.INT4_GEMV_MAX_ROWS + 24, layer.in_features, dtype=torch.bfloat16)
+    compiled = torch.compile(layer, fullgraph=True)
+    # bf16 tolerance, and some absolute slack: Inductor adds the bias to the float32 product before rounding, which
+    # moves outputs that nearly cancel by more than 1.6 % of themselves
+    torch.testing.assert_close(compiled(x), layer(x), rtol=1.6e-2, atol=1e-3)
 
 
 @pytest.mark.parametrize("group", [None, 20])

@@ -47,6 +47,25 @@ def test_compiled_decode_switches_batch_sizes_and_back():
     assert {key[0] for key in engine.module.splice_runtime._compiled_keys} == {1, 2, 3}
 
 
+def test_compiled_step_takes_inputs_no_graph_fits_yet():
+    """After generate (inference-mode inputs), a step called with ordinary tensors is not refused by the steady-state
+    guard shortcut: it takes the full guard check (and a graph of its own) and gives the eager step's logits."""
+    reference = build_family("llama")
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, compile_decode=True,
+                                   max_out_tokens=64)
+    ids, mask = padded_batch(batch=1, length=12)
+    engine.generate(ids, attention_mask=mask, **GREEDY)
+    runtime = engine.module.splice_runtime
+    cache = runtime.cache_for(1)
+    token, position, slot = torch.tensor([[5]]), torch.tensor([[12]]), torch.tensor([12])  # not inference tensors
+    with torch.inference_mode():  # the cache was made in inference mode
+        cache.start(torch.ones(1, 12, dtype=torch.long))
+        cache.mark(slot)
+        compiled = runtime.decode_step(token, position, slot, cache, 13)
+        eager = runtime.forward(token, position, slot, cache, 13)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("native_kernels", [True, False])
 def test_compiled_decode_runs_the_bf16_weights_eager_runs(native_kernels, monkeypatch):
     """The compiled step calls the same wrapped linears (native GEMV, or oneDNN-packed without native kernels)."""

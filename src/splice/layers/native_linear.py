@@ -44,31 +44,3 @@ class NativeLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 "native bf16 GEMV")
 
-
-def gather_on_huge_pages(weights: list[nn.Parameter]) -> int:
-    """Move ``weights`` (in place: each Parameter keeps its identity, so tied modules stay tied) into one buffer on
-    2 MiB pages; returns the bytes moved (0 where huge pages are unavailable).
-
-    A decode step streams every weight once; on 4 KiB pages each small matrix costs TLB misses the prefetcher cannot
-    hide (measured on SmolLM2-135M bf16: the step's GEMVs 12.6 ms -> 10.5 ms). The buffer is reserved whole but its
-    memory is committed as each weight is copied in, and each old tensor is released right after, so peak memory
-    grows by one weight, not by the model.
-    """
-    weights = [w for w in dict.fromkeys(weights) if w.device.type == "cpu" and w.is_contiguous()]
-    if not weights or not native.huge_pages_supported():
-        return 0
-    dtype = weights[0].dtype
-    weights = [w for w in weights if w.dtype == dtype]
-    align = native.HUGE_PAGE // dtype.itemsize
-    total = sum(-(-w.numel() // 32) * 32 for w in weights)  # each weight starts 64-byte aligned
-    buffer = torch.empty(total + align, dtype=dtype)
-    start = (-buffer.data_ptr() % native.HUGE_PAGE) // dtype.itemsize
-    arena = buffer[start:start + total]
-    native.advise_huge_pages(arena, collapse=False)
-    offset = 0
-    for weight in weights:
-        view = arena[offset:offset + weight.numel()].view(weight.shape)
-        view.copy_(weight.detach())
-        weight.data = view
-        offset += -(-weight.numel() // 32) * 32
-    return sum(w.numel() * dtype.itemsize for w in weights)

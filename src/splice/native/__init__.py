@@ -28,7 +28,9 @@ from ..models import cache_dir
 SOURCE = Path(__file__).with_name("gemv.cpp")
 #: Most rows of activations each kernel is used for (measured on a 2-core AVX-512/AMX Xeon, TinyLlama-shaped layers,
 #: against oneDNN's bf16 linear): bf16 1.18x at 1 row, 1.03x at 4, 0.72x at 8 (AMX wins there); int8 1.96x at 1 row,
-#: 0.82x at 8 (torch's int8 kernel: 0.62x); int4 g32 3.3x at 1 row, 1.03x at 8, 0.36x at 32 (torch's: 0.34x).
+#: 0.82x at 8 (torch's int8 kernel: 0.62x); int4 g32 3.3x at 1 row, 1.03x at 8, 0.36x at 32 (torch's: 0.34x) — the
+#: int4 GEMV itself takes any number of rows; quantized layers switch to ``int4_dequantize`` + oneDNN above 15 rows
+#: (``splice.quant.kernels.INT4_GEMV_MAX_ROWS``).
 MAX_ROWS = {"bf16": 4, "int8": 8, "int4": 1 << 30}
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
@@ -98,6 +100,9 @@ def _register_fakes() -> None:
     torch.library.register_fake("splice_kernels::int8_gemv")(lambda x, w, scales: fake_rows(x, w.shape[0]))
     torch.library.register_fake("splice_kernels::int4_gemv")(
         lambda x, w, scales_and_zeros, group: fake_rows(x, w.shape[0] * INT4_TILE))
+    torch.library.register_fake("splice_kernels::int4_dequantize")(
+        lambda w, scales_and_zeros, group: w.new_empty((w.shape[0] * INT4_TILE, w.shape[1] * INT4_CHUNK),
+                                                       dtype=torch.bfloat16))
 
 
 def fits(kind: str, x: torch.Tensor) -> bool:
@@ -146,7 +151,8 @@ def int4_untile_scales(tiled: torch.Tensor) -> torch.Tensor:
 
 # ---- huge pages -----------------------------------------------------------------------------------------------------
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25
+MADV_HUGEPAGE, MADV_COLLAPSE, MADV_PAGEOUT = 14, 25, 21
+PAGE = 4096
 
 
 @cache
@@ -194,3 +200,17 @@ def release_freed_memory() -> None:
     libc = _libc()
     if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+def page_out(tensor: torch.Tensor) -> None:
+    """Ask Linux to drop the whole pages under a CPU tensor from this process's memory (``MADV_PAGEOUT``), keeping
+    their contents: a memory-mapped checkpoint's clean pages are re-read from the file if touched again, anonymous
+    pages stay (there is no swap to move them to). For weights that were just copied elsewhere: their file pages
+    would otherwise stay resident until the checkpoint is unmapped, doubling the process's memory."""
+    libc = _libc()
+    if libc is None or tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_mkldnn:
+        return
+    start = tensor.data_ptr()
+    first, last = -(-start // PAGE) * PAGE, (start + tensor.numel() * tensor.element_size()) // PAGE * PAGE
+    if last > first:
+        libc.madvise(first, last - first, MADV_PAGEOUT)  # best effort: Linux >= 5.4

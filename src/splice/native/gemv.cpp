@@ -12,6 +12,9 @@
 //   int4_gemv(x bf16 [M, K], w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group)
 //       tiles of 16 rows; dword (tile, c, r) holds q[r, 8c .. 8c+7] as nibbles in the order k = 0,2,4,6,1,3,5,7
 //       (so k and k+1 sit 16 bits apart); value = (q - 8) * scale + zero per (row, group).
+//   int4_dequantize(w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group) -> bf16 [N, K]
+//       the same tiles back as a row-major bf16 weight, (q - 8) * scale + zero in float32 rounded once to bf16
+//       (for prefill: one oneDNN/AMX GEMM on it beats the GEMV above once there are more than a few rows).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -232,16 +235,112 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return out;
 }
 
+// ---- int4 -> bf16 ---------------------------------------------------------------------------------------------------
+// Per (row, group) a 16-entry table holds the 16 possible outputs: (q - 8) * scale + zero in float32 (q - 8 has at
+// most 4 significant bits and scale 8, so the product is exact and the sum is rounded once, as in
+// qmath.dequantize_int4), rounded to nearest even to bf16 (cvtne2ps, as the GEMV's output). Then 32 columns of a row
+// cost three shuffles: four tile words (4 chunks x 16 rows) are transposed 4 x 4 so each 128-bit lane holds one
+// row's four words; vpermw spreads a row's 16-bit halves over the 32 columns (k even in the low half, odd in the
+// high), vpsrlvw moves each column's nibble to the bottom, and vpermw looks it up in the table (duplicated in both
+// halves, so the stray fifth index bit does not matter). Groups that are not a multiple of 32 columns finish with a
+// per-lane-shift path (two words per 16 lanes).
+inline __m512 int4_column_pair(const int32_t* words, int64_t c, int64_t r, __m512 scale, __m512 zero,
+                               bool one_chunk = false) {  // 16 floats: columns 8c .. 8c + 15 of tile row r
+  const __m512i shifts = _mm512_setr_epi32(0, 16, 4, 20, 8, 24, 12, 28, 0, 16, 4, 20, 8, 24, 12, 28);
+  __m512i q = _mm512_set1_epi32(words[c * TILE + r]);
+  if (!one_chunk) q = _mm512_mask_set1_epi32(q, 0xFF00, words[(c + 1) * TILE + r]);
+  const __m512i v = _mm512_sub_epi32(_mm512_and_si512(_mm512_srlv_epi32(q, shifts), _mm512_set1_epi32(15)),
+                                     _mm512_set1_epi32(8));
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), scale, zero);
+}
+
+void int4_dequantize_tile(const int32_t* w, const at::BFloat16* sz, int64_t k, int64_t group, int64_t tile,
+                          at::BFloat16* out) {
+  const int64_t chunks = k / 8, groups = k / group, chunks_per_group = group / 8;
+  const int32_t* words = w + tile * chunks * TILE;
+  const at::BFloat16* tile_sz = sz + tile * groups * TILE * 2;
+  const __m512 q_minus_8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  __m512i spread[4];  // row 4l + i of a transposed block: its words sit in dwords 4l .. 4l + 3 of T_i
+  for (int l = 0; l < 4; ++l) {
+    alignas(64) int16_t sel[32];
+    for (int j = 0; j < 32; ++j) sel[j] = static_cast<int16_t>(8 * l + 2 * (j >> 3) + (j & 1));
+    spread[l] = _mm512_load_si512(sel);
+  }
+  alignas(64) int16_t shift_values[32];
+  for (int j = 0; j < 32; ++j) shift_values[j] = static_cast<int16_t>(4 * ((j & 7) >> 1));
+  const __m512i shifts = _mm512_load_si512(shift_values);
+  for (int64_t g = 0; g < groups; ++g) {
+    const __m512i s_z = _mm512_loadu_si512(tile_sz + g * TILE * 2);  // 16 rows x (scale, zero) bf16
+    alignas(64) float scales[TILE], zeros[TILE];
+    _mm512_store_ps(scales, _mm512_castsi512_ps(_mm512_slli_epi32(s_z, 16)));
+    _mm512_store_ps(zeros, _mm512_castsi512_ps(_mm512_and_si512(s_z, _mm512_set1_epi32(0xFFFF0000))));
+    __m512i table[TILE];
+    for (int r = 0; r < TILE; ++r) {
+      const __m512 values = _mm512_fmadd_ps(q_minus_8, _mm512_set1_ps(scales[r]), _mm512_set1_ps(zeros[r]));
+      table[r] = (__m512i)_mm512_cvtne2ps_pbh(values, values);
+    }
+    const int64_t c_begin = g * chunks_per_group, c_end = c_begin + chunks_per_group;
+    int64_t c = c_begin;
+    for (; c + 4 <= c_end; c += 4) {  // 32 columns x 16 rows
+      const int32_t* block = words + c * TILE;
+      const __m512i a = _mm512_loadu_si512(block), b = _mm512_loadu_si512(block + TILE);
+      const __m512i cc = _mm512_loadu_si512(block + 2 * TILE), d = _mm512_loadu_si512(block + 3 * TILE);
+      const __m512i ab_lo = _mm512_unpacklo_epi32(a, b), ab_hi = _mm512_unpackhi_epi32(a, b);
+      const __m512i cd_lo = _mm512_unpacklo_epi32(cc, d), cd_hi = _mm512_unpackhi_epi32(cc, d);
+      const __m512i t[4] = {_mm512_unpacklo_epi64(ab_lo, cd_lo), _mm512_unpackhi_epi64(ab_lo, cd_lo),
+                            _mm512_unpacklo_epi64(ab_hi, cd_hi), _mm512_unpackhi_epi64(ab_hi, cd_hi)};
+      for (int r = 0; r < TILE; ++r) {
+        const __m512i nibbles = _mm512_srlv_epi16(_mm512_permutexvar_epi16(spread[r >> 2], t[r & 3]), shifts);
+        _mm512_storeu_si512(out + (tile * TILE + r) * k + c * 8, _mm512_permutexvar_epi16(nibbles, table[r]));
+      }
+    }
+    for (int r = 0; c < c_end && r < TILE; ++r) {  // 8 to 24 columns left: group not a multiple of 32
+      const __m512 scale = _mm512_set1_ps(scales[r]), zero = _mm512_set1_ps(zeros[r]);
+      at::BFloat16* row = out + (tile * TILE + r) * k;
+      int64_t left = c;
+      for (; left + 2 <= c_end; left += 2)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + left * 8),
+                            (__m256i)_mm512_cvtneps_pbh(int4_column_pair(words, left, r, scale, zero)));
+      if (left < c_end)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(row + left * 8),
+                         _mm256_castsi256_si128((__m256i)_mm512_cvtneps_pbh(
+                             int4_column_pair(words, left, r, scale, zero, true))));
+    }
+  }
+}
+
+at::Tensor int4_dequantize(const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == TILE && w.scalar_type() == at::kInt && w.is_contiguous() &&
+              w.device().is_cpu(), "int4_dequantize: w must be a contiguous int32 CPU [N/16, K/8, 16] tensor");
+  const int64_t tiles = w.size(0), k = w.size(1) * 8, n = tiles * TILE;
+  TORCH_CHECK(group > 0 && group % 8 == 0 && k % group == 0, "int4_dequantize: group ", group, " must divide K=", k,
+              " in steps of 8");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.device().is_cpu() &&
+              sz.sizes() == at::IntArrayRef({tiles, k / group, TILE, 2}),
+              "int4_dequantize: scales_and_zeros must be contiguous bf16 [", tiles, ", ", k / group, ", 16, 2], got ",
+              sz.sizes());
+  auto out = at::empty({n, k}, w.options().dtype(at::kBFloat16));
+  const int32_t* wp = w.data_ptr<int32_t>();
+  const auto* zp = sz.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) int4_dequantize_tile(wp, zp, k, group, t, op);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("bf16_gemv(Tensor x, Tensor w) -> Tensor");
   lib.def("int8_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int4_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
+  lib.def("int4_dequantize(Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("bf16_gemv", &bf16_gemv);
   lib.impl("int8_gemv", &int8_gemv);
   lib.impl("int4_gemv", &int4_gemv);
+  lib.impl("int4_dequantize", &int4_dequantize);
 }

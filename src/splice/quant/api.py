@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .. import native
+from ..native.memory import gather_on_huge_pages
 from . import gptq
 from .layers import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantizedLinear
 from .scheme import QKV_NAMES, QuantConfig
@@ -33,6 +35,7 @@ class QuantReport:
     float_bytes: int = 0
     quantized_bytes: int = 0
     calibration: str = "round-to-nearest"
+    huge_page_bytes: int = 0  # quantized weights gathered into buffers on 2 MiB pages (CPU)
 
     @property
     def ratio(self) -> float:
@@ -43,7 +46,8 @@ class QuantReport:
         more = f" and {len(self.kept_float) - 5} more" if len(self.kept_float) > 5 else ""
         return (f"{self.kind} ({self.calibration}): {len(self.quantized)} linears, weights "
                 f"{self.float_bytes / 2**20:.1f} MiB -> {self.quantized_bytes / 2**20:.1f} MiB ({self.ratio:.3f}x); "
-                f"kept in float: {kept or 'none'}{more}")
+                f"kept in float: {kept or 'none'}{more}"
+                + (f"; on 2 MiB pages: {self.huge_page_bytes / 2**20:.0f} MiB" if self.huge_page_bytes else ""))
 
 
 def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str | None = None,
@@ -64,12 +68,14 @@ def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str |
     if calibration_ids is None:
         for name, module in targets:
             _replace(model, name, module, handler, config, device, report)
-        return report
-    ids = check_calibration_ids(calibration_ids, config)
-    hessians = gptq.run_calibration(model, ids, dict(targets))
-    for name, module in targets:
-        _replace(model, name, module, handler, config, device, report, hessians.pop(name), act_order)
-    report.calibration = f"GPTQ on {ids.shape[0]}x{ids.shape[1]} tokens" + (", act-order" if act_order else "")
+    else:
+        ids = check_calibration_ids(calibration_ids, config)
+        hessians = gptq.run_calibration(model, ids, dict(targets))
+        for name, module in targets:
+            _replace(model, name, module, handler, config, device, report, hessians.pop(name), act_order)
+        report.calibration = f"GPTQ on {ids.shape[0]}x{ids.shape[1]} tokens" + (", act-order" if act_order else "")
+    report.huge_page_bytes = gather_on_huge_pages(
+        [b for m in model.modules() if isinstance(m, QuantizedLinear) for b in m.buffers() if b.nbytes >= 1 << 16])
     return report
 
 
@@ -85,6 +91,7 @@ def _replace(model: nn.Module, name: str, module: nn.Module, handler: type[Quant
     report.float_bytes += weight.numel() * 2  # against bf16, the dtype these kernels replace
     report.quantized_bytes += layer.weight_nbytes()
     model.set_submodule(name, layer)
+    native.page_out(float_weight(module)[0])  # a memory-mapped float weight's pages: resident no more
     report.quantized.append(name)
 
 

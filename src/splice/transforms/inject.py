@@ -3,7 +3,8 @@
 Everything family-specific comes from the architecture record (``splice.arch``). Weights are moved, not copied: the
 fused QKV and gate+up weights are concatenated layer by layer and each original layer is released right away, so
 peak memory grows by one layer at most. (With a checkpoint memory-mapped by safetensors, the pages of the released
-q/k/v/gate/up weights stay mapped, as clean page cache the kernel can drop, until the file is unmapped.)
+q/k/v/gate/up weights are paged out of the process right away; else they would stay resident until the file is
+unmapped.)
 
 On CPU with bf16 weights and no quantization to follow, the block linears and the lm_head then run on splice's native
 GEMV (``layers.native_linear``, plain weights, nothing copied); where those kernels are unavailable, 16-bit block
@@ -21,11 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import native
 from ..arch import ArchRecord, ModelDims, lookup, model_dims
 from ..layers.block import BlockShape, SpliceBlock, activation
 from ..layers.causal_lm import SpliceCausalLM
 from ..layers.norm import HeadRMSNorm, RMSNorm
-from ..layers.native_linear import NativeLinear, can_use_native, gather_on_huge_pages
+from ..layers.native_linear import NativeLinear, can_use_native
+from ..native.memory import gather_on_huge_pages
 from ..layers.packed_linear import PackedLinear, can_pack
 from ..quant import QuantConfig
 from ..tp.layers import RowParallelLinear, VocabParallelLinear
@@ -202,7 +205,8 @@ def concat_linears(linears: list[nn.Linear]) -> nn.Linear:
     fused.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
         fused.bias = nn.Parameter(bias, requires_grad=False)
-    for lin in linears:  # free the originals now, not when the old layer is collected
+    for lin in linears:  # free the originals now, not when the old layer is collected (memory-mapped: page out)
+        native.page_out(lin.weight.detach())
         lin.weight = None
         lin.bias = None
     return fused

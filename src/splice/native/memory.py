@@ -1,0 +1,47 @@
+"""Where weights live in memory: one buffer on 2 MiB pages for the weights a decode step streams."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from . import HUGE_PAGE, advise_huge_pages, huge_pages_supported, page_out
+
+ALIGN_BYTES = 64
+
+
+def gather_on_huge_pages(tensors: list[torch.Tensor]) -> int:
+    """Move ``tensors`` (in place: each keeps its identity, so tied modules stay tied and buffers stay registered)
+    into one buffer per dtype on 2 MiB pages, in the given order; returns the bytes moved (0 where huge pages are
+    unavailable).
+
+    A decode step streams every weight once; on 4 KiB pages each matrix costs TLB misses the prefetcher cannot hide
+    (measured on SmolLM2-135M bf16: the step's GEMVs 12.6 ms -> 10.5 ms). Each buffer is reserved whole but its
+    memory is committed as each tensor is copied in, and each old tensor is released (or, memory-mapped, paged out)
+    right after, so peak memory grows by one tensor, not by the model.
+    """
+    if not huge_pages_supported():
+        return 0
+    groups: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for tensor in dict.fromkeys(tensors):  # each once, first position kept
+        if tensor.device.type == "cpu" and tensor.layout == torch.strided and tensor.is_contiguous():
+            groups[tensor.dtype].append(tensor)
+    return sum(_gather(group) for group in groups.values())
+
+
+def _gather(tensors: list[torch.Tensor]) -> int:
+    dtype = tensors[0].dtype
+    step = ALIGN_BYTES // dtype.itemsize
+    sizes = [-(-t.numel() // step) * step for t in tensors]  # each tensor starts 64-byte aligned
+    buffer = torch.empty(sum(sizes) + HUGE_PAGE // dtype.itemsize, dtype=dtype)
+    start = (-buffer.data_ptr() % HUGE_PAGE) // dtype.itemsize
+    arena = buffer[start:start + sum(sizes)]
+    advise_huge_pages(arena, collapse=False)  # before the first touch: the copies below fault in huge pages
+    offset = 0
+    for tensor, size in zip(tensors, sizes):
+        view = arena[offset:offset + tensor.numel()].view(tensor.shape)
+        view.copy_(tensor.detach())
+        page_out(tensor.detach())  # a memory-mapped checkpoint's pages: resident no more
+        tensor.data = view
+        offset += size
+    return sum(t.numel() * dtype.itemsize for t in tensors)
