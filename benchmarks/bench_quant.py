@@ -1,7 +1,9 @@
 """Quantized linears vs bf16 on the linear stack of a TinyLlama-shaped model (llama-1b), side by side in one process.
 
-Every transformer block's seven projections (q, k, v, o, gate, up, down: hidden 2048, intermediate 5632, 32 heads,
-4 KV heads) for ``--layers`` blocks, random weights. One "step" runs every projection once on a ``[batch, in]``
+Every transformer block's projections (hidden 2048, intermediate 5632, 32 heads, 4 KV heads) for ``--layers`` blocks,
+random weights: fused into QKV, o, gate+up, down as kernel injection runs them (``--separate``: the seven of the model).
+Rows: bf16 ``nn.Linear`` (torch's oneDNN linear), bf16 on splice's native GEMV, and each quantized scheme; all weights
+gathered on 2 MiB pages as ``init_inference`` places them. One "step" runs every projection once on a ``[batch, in]``
 input, as a decode step does (attention, norms and lm_head left out), so at batch 1 it reads every weight once from
 memory. Schemes run interleaved, round after round, and the median is kept, so load from other processes hits them
 alike. Writes JSON (default ``bench_out/quant.json``)::
@@ -22,14 +24,20 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from splice import native
+from splice.layers.native_linear import NativeLinear
+from splice.native.memory import gather_on_huge_pages
 from splice.quant import HANDLERS, QuantConfig
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS = 2048, 5632, 32, 4
 HEAD_DIM = HIDDEN // HEADS
-#: (out_features, in_features) of one block's projections.
-SHAPES = {"q": (HIDDEN, HIDDEN), "k": (KV_HEADS * HEAD_DIM, HIDDEN), "v": (KV_HEADS * HEAD_DIM, HIDDEN),
-          "o": (HIDDEN, HIDDEN), "gate": (INTERMEDIATE, HIDDEN), "up": (INTERMEDIATE, HIDDEN),
-          "down": (HIDDEN, INTERMEDIATE)}
+#: (out_features, in_features) of one block's projections, as the model has them ...
+SEPARATE = {"q": (HIDDEN, HIDDEN), "k": (KV_HEADS * HEAD_DIM, HIDDEN), "v": (KV_HEADS * HEAD_DIM, HIDDEN),
+            "o": (HIDDEN, HIDDEN), "gate": (INTERMEDIATE, HIDDEN), "up": (INTERMEDIATE, HIDDEN),
+            "down": (HIDDEN, INTERMEDIATE)}
+#: ... and as kernel injection fuses them (one QKV and one gate+up matrix), which is what splice's decode step runs.
+FUSED = {"qkv": (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), "o": (HIDDEN, HIDDEN),
+         "gate_up": (2 * INTERMEDIATE, HIDDEN), "down": (HIDDEN, INTERMEDIATE)}
 SCHEMES = {
     "int8": QuantConfig(),
     "int4-g32": QuantConfig(bits=4, group_size=32),
@@ -38,19 +46,23 @@ SCHEMES = {
 }
 
 
-def build_stacks(layers: int, schemes: list[str]) -> dict[str, list[nn.Module]]:
+def build_stacks(layers: int, schemes: list[str], shapes: dict[str, tuple[int, int]]) -> dict[str, list[nn.Module]]:
     """bf16 linears plus one quantized copy per scheme; block 0 is quantized, later blocks load its state (same
     values, separate memory) so building a 1B-parameter stack does not take minutes."""
     torch.manual_seed(0)
     stacks: dict[str, list[nn.Module]] = {"bf16": []}
     first: dict[str, dict[str, nn.Module]] = {name: {} for name in schemes}
     for _ in range(layers):
-        for proj, (n, k) in SHAPES.items():
+        for proj, (n, k) in shapes.items():
             linear = nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
             nn.init.normal_(linear.weight, std=0.02)
             stacks["bf16"].append(linear)
             for name in schemes:
                 stacks.setdefault(name, []).append(_quantized(linear, SCHEMES[name], first[name], proj))
+    if native.available():  # splice's bf16 decode path: the same weights through the native GEMV
+        stacks["bf16-native"] = [NativeLinear(linear) for linear in stacks["bf16"]]
+    gather_on_huge_pages([t for stack in stacks.values() for m in stack for t in [*m.parameters(), *m.buffers()]
+                          if t.nbytes >= 1 << 16])  # as init_inference places injected and quantized weights
     return stacks
 
 
@@ -88,20 +100,23 @@ def measure(stacks: dict[str, list[nn.Module]], batch: int, rounds: int) -> dict
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def run(layers: int, batches: list[int], rounds: int, schemes: list[str]) -> dict:
-    stacks = build_stacks(layers, schemes)
+def run(layers: int, batches: list[int], rounds: int, schemes: list[str], fused: bool = True) -> dict:
+    stacks = build_stacks(layers, schemes, FUSED if fused else SEPARATE)
     sizes = {name: weight_bytes(stack) for name, stack in stacks.items()}
     rows = []
     for batch in batches:
         medians = measure(stacks, batch, rounds)
+        best_bf16 = min(medians["bf16"], medians.get("bf16-native", float("inf")))
         for name, ms in medians.items():
             rows.append({"scheme": name, "batch": batch, "ms_per_step": round(ms, 2),
                          "speedup_vs_bf16": round(medians["bf16"] / ms, 2),
+                         "speedup_vs_best_bf16": round(best_bf16 / ms, 2),
                          "weight_bytes": sizes[name], "bytes_vs_bf16": round(sizes[name] / sizes["bf16"], 3),
                          "weight_gb_per_s": round(sizes[name] / ms / 1e6, 1)})
-            print(f"batch {batch:3d}  {name:10s} {ms:9.2f} ms/step  {medians['bf16'] / ms:5.2f}x bf16  "
+            print(f"batch {batch:3d}  {name:11s} {ms:9.2f} ms/step  {medians['bf16'] / ms:5.2f}x bf16  "
+                  f"{best_bf16 / ms:5.2f}x best bf16  "
                   f"{sizes[name] / 2**20:8.1f} MiB ({sizes[name] / sizes['bf16']:.3f}x)", flush=True)
-    return {"model": "llama-1b linear stack (TinyLlama shapes)", "layers": layers, "rounds": rounds,
+    return {"model": "llama-1b linear stack (TinyLlama shapes)", "fused": fused, "layers": layers, "rounds": rounds,
             "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.processor() or
             platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "rows": rows}
 
@@ -109,6 +124,8 @@ def run(layers: int, batches: list[int], rounds: int, schemes: list[str]) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=22)
+    parser.add_argument("--separate", action="store_true",
+                        help="the seven projections as the model has them (default: fused as injection runs them)")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
@@ -117,7 +134,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    result = run(args.layers, args.batch, args.rounds, args.schemes)
+    result = run(args.layers, args.batch, args.rounds, args.schemes, fused=not args.separate)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1), encoding="utf-8")
     print(f"wrote {args.out}")

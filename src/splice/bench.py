@@ -279,11 +279,12 @@ def llama_1b_folder() -> Path:
 
 
 def format_table(rows: list[Row]) -> str:
-    header = (f"{'model':<24} {'dtype':<5} {'batch':>5} {'mode':<15} {'prefill ms':>10} {'decode tok/s':>12} "
+    width = max([len("mode")] + [len(r.mode) for r in rows])
+    header = (f"{'model':<24} {'dtype':<5} {'batch':>5} {'mode':<{width}} {'prefill ms':>10} {'decode tok/s':>12} "
               f"{'ms/token':>9} {'peak RSS MB':>11} {'speedup':>8} {'roofline tok/s':>14} {'first run s':>11}")
     lines = [header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r.model[:24]:<24} {r.dtype:<5} {r.batch:>5} {r.mode:<15} {r.prefill_ms:>10.1f} "
+        lines.append(f"{r.model[:24]:<24} {r.dtype:<5} {r.batch:>5} {r.mode:<{width}} {r.prefill_ms:>10.1f} "
                      f"{r.decode_tok_s:>12.2f} {r.ms_per_token:>9.1f} {r.peak_rss_mb:>11.0f} {r.speedup:>7.2f}x "
                      f"{r.roofline_tok_s:>14.2f} {r.first_run_s:>11.1f}")
     return "\n".join(lines)
@@ -300,7 +301,7 @@ def plot(rows: list[Row], path: str) -> None:
     configs = sorted({(r.model, r.dtype, r.batch) for r in rows}, key=str)
     modes = list(dict.fromkeys(r.mode for r in rows))
     width = 0.8 / (len(modes) + 1)
-    fig, ax = plt.subplots(figsize=(max(6, 2.5 * len(configs)), 4))
+    fig, ax = plt.subplots(figsize=(max(6, 2.5 * len(configs)) + 2, 4))
     for i, mode in enumerate(modes):
         values = [next((r.decode_tok_s for r in rows if (r.model, r.dtype, r.batch) == c and r.mode == mode), 0)
                   for c in configs]
@@ -310,7 +311,7 @@ def plot(rows: list[Row], path: str) -> None:
     ax.set_xticks([k + width * len(modes) / 2 for k in range(len(configs))])
     ax.set_xticklabels([f"{m}\n{d} batch {b}" for m, d, b in configs])
     ax.set_ylabel("decode tokens/s")
-    ax.legend()
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, not over them
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -82,6 +82,8 @@ def _cpu_flags() -> set[str]:
 def _build() -> None:
     from torch.utils.cpp_extension import load
 
+    _put_ninja_on_path()
+
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
     build_dir = cache_dir() / "kernels" / key
@@ -89,6 +91,18 @@ def _build() -> None:
     load(name=f"splice_kernels_{key}", sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
          is_python_module=False, verbose=False)
     _register_fakes()
+
+
+def _put_ninja_on_path() -> None:
+    """torch's extension builder runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency) lives in the
+    environment's scripts folder, which is not on PATH when Python is run by its full path."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    folder = getattr(ninja, "BIN_DIR", None)
+    if folder and folder not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = folder + os.pathsep + os.environ.get("PATH", "")
 
 
 def _register_fakes() -> None:

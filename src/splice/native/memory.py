@@ -44,4 +44,5 @@ def _gather(tensors: list[torch.Tensor]) -> int:
         page_out(tensor.detach())  # a memory-mapped checkpoint's pages: resident no more
         tensor.data = view
         offset += size
+    advise_huge_pages(arena)  # collapse whatever was faulted in as small pages (memory was fragmented)
     return sum(t.numel() * dtype.itemsize for t in tensors)
