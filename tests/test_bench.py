@@ -99,3 +99,13 @@ def test_bad_quant_scheme_is_refused(tiny_bench, tmp_path):
     args = parse("--quant", "int3", "--json", str(tmp_path / "b.json"))
     with pytest.raises(ValueError, match="--quant='int3': allowed values are int8, w8a8, int4"):
         args.run(args)
+
+
+def test_rss_peak_sees_memory_freed_before_the_block_ends():
+    from splice.bench import RssPeak, current_rss_mb
+
+    before = current_rss_mb()
+    with RssPeak() as rss:
+        block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+        del block
+    assert rss.peak_mb >= before + 48
