@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/splice generate "The capital of France is"
+	$(VENV)/bin/splice generate --kernel-inject --dtype bf16 "The capital of France is"
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
