@@ -32,3 +32,11 @@ def test_gathering_groups_by_dtype_and_keeps_buffers_registered():
     for name, buffer in layer.named_buffers():
         assert torch.equal(buffer, before[name]) and buffer is getattr(layer, name)
     assert moved in (0, 64 * 96 + 4 * 12 * 16 * 4)
+
+
+def test_views_are_left_where_they_are():
+    """A view keeps its base alive: moving the view's storage would leave the base's memory behind, doubling it."""
+    base = torch.zeros(4, 1, 1 << 16, dtype=torch.int8)
+    view = base.reshape(4, 1 << 16)
+    pointer = view.data_ptr()
+    assert gather_on_huge_pages([view]) == 0 and view.data_ptr() == pointer

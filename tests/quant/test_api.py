@@ -85,3 +85,12 @@ def test_scheme_that_cannot_fit_a_layer_raises_before_changing_the_model(tiny_ll
     with pytest.raises(ValueError, match="q_groups=3"):
         quantize(tiny_llama, QuantConfig(q_groups=3))  # 64 and 128 inputs
     assert not any(isinstance(m, QuantizedLinear) for m in tiny_llama.modules())
+
+
+def test_quantized_int8_weights_are_not_views_so_they_can_move():
+    """``quantize_int8``'s codes are a tensor of their own: a view would keep its float-shaped base alive after the
+    weights are gathered on huge pages (it did: llama-1b int8 held 2.2 GB instead of 1.3 GB)."""
+    from splice.quant import qmath
+
+    q, _ = qmath.quantize_int8(torch.randn(8, 64))
+    assert q._base is None and q.shape == (8, 64)

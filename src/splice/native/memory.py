@@ -24,7 +24,9 @@ def gather_on_huge_pages(tensors: list[torch.Tensor]) -> int:
         return 0
     groups: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
     for tensor in dict.fromkeys(tensors):  # each once, first position kept
-        if tensor.device.type == "cpu" and tensor.layout == torch.strided and tensor.is_contiguous():
+        # views are left alone: a view keeps its base tensor alive, so its old memory would stay behind
+        if tensor.device.type == "cpu" and tensor.layout == torch.strided and tensor.is_contiguous() \
+                and tensor._base is None:
             groups[tensor.dtype].append(tensor)
     return sum(_gather(group) for group in groups.values())
 

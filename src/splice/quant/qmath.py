@@ -31,7 +31,9 @@ def quantize_int8(weight: torch.Tensor, group: int | None = None) -> tuple[torch
     grouped = _grouped(weight, group)
     scales = grouped.abs().amax(dim=-1).clamp(min=_EPS) / 127
     q = torch.round(grouped / scales[..., None]).clamp(-127, 127).to(torch.int8)
-    return q.reshape(weight.shape), scales
+    # a tensor of its own, not a view: a view keeps its base alive, so moving the view's storage elsewhere (as
+    # native.memory does) would leave the base's memory behind
+    return q.reshape(weight.shape).clone(), scales
 
 
 def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
