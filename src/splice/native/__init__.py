@@ -36,6 +36,7 @@ CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
 CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
 INT4_TILE = 16  # weight rows per int4 tile
 INT4_CHUNK = 8  # input columns per int32 word of a tile row
+INT4_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column of each nibble slot in a word: k and k + 1 sit 16 bits apart
 
 
 def enabled_by_env() -> bool:
@@ -133,9 +134,8 @@ def int4_tile_pack(q: torch.Tensor) -> torch.Tensor:
     (t, c, r) holds ``q[16t + r, 8c .. 8c + 7]`` as nibbles in the order k = 0, 2, 4, 6, 1, 3, 5, 7."""
     n, k = q.shape
     chunks = q.to(torch.int32).reshape(n // INT4_TILE, INT4_TILE, k // INT4_CHUNK, INT4_CHUNK).transpose(1, 2)
-    order = (0, 2, 4, 6, 1, 3, 5, 7)
     words = torch.zeros(chunks.shape[:-1], dtype=torch.int32, device=q.device)
-    for slot, column in enumerate(order):
+    for slot, column in enumerate(INT4_ORDER):
         words |= chunks[..., column] << (4 * slot)
     return words.contiguous()
 
@@ -143,9 +143,8 @@ def int4_tile_pack(q: torch.Tensor) -> torch.Tensor:
 def int4_tile_unpack(words: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`int4_tile_pack`: ``q [N, K]`` uint8."""
     tiles, chunks, _ = words.shape
-    order = (0, 2, 4, 6, 1, 3, 5, 7)
     columns = [None] * INT4_CHUNK
-    for slot, column in enumerate(order):
+    for slot, column in enumerate(INT4_ORDER):
         columns[column] = (words >> (4 * slot)) & 15
     q = torch.stack(columns, dim=-1)  # [tiles, chunks, 16, 8]
     return q.transpose(1, 2).reshape(tiles * INT4_TILE, chunks * INT4_CHUNK).to(torch.uint8)
@@ -180,11 +179,25 @@ def _libc():
 
 def huge_pages_supported() -> bool:
     """Linux with transparent huge pages available to ``madvise`` (and not switched off by SPLICE_NATIVE_KERNELS)."""
+    return _libc() is not None and enabled_by_env() and _transparent_huge_pages_allowed()
+
+
+@cache
+def _transparent_huge_pages_allowed() -> bool:
     try:
-        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        return "[never]" not in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
     except OSError:
         return False
-    return _libc() is not None and enabled_by_env() and "[never]" not in mode
+
+
+def _whole_pages(tensor: torch.Tensor, page: int) -> tuple[int, int] | None:
+    """(address, length) of the ``page``-aligned pages lying wholly inside a CPU tensor's memory, or None (no such
+    page, not a plain CPU tensor, or no libc to advise)."""
+    if _libc() is None or tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_mkldnn:
+        return None
+    start = tensor.data_ptr()
+    first, last = -(-start // page) * page, (start + tensor.numel() * tensor.element_size()) // page * page
+    return (first, last - first) if last > first else None
 
 
 def advise_huge_pages(tensor: torch.Tensor, collapse: bool = True) -> int:
@@ -192,20 +205,12 @@ def advise_huge_pages(tensor: torch.Tensor, collapse: bool = True) -> int:
     touched from now on), and with ``collapse`` also ``MADV_COLLAPSE`` (pages already there, Linux >= 6.1). Streaming
     weights then misses the TLB far less. Returns the bytes advised (0 where nothing applies: small tensors, other
     systems, file-backed memory)."""
-    if tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_mkldnn \
-            or not huge_pages_supported():
-        return 0
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
-    if last <= first:
-        return 0
-    libc = _libc()
-    if libc.madvise(first, last - first, MADV_HUGEPAGE) != 0:
+    pages = _whole_pages(tensor, HUGE_PAGE) if huge_pages_supported() else None
+    if pages is None or _libc().madvise(*pages, MADV_HUGEPAGE) != 0:
         return 0
     if collapse:
-        libc.madvise(first, last - first, MADV_COLLAPSE)  # best effort: older kernels leave it to khugepaged
-    return last - first
+        _libc().madvise(*pages, MADV_COLLAPSE)  # best effort: older kernels leave it to khugepaged
+    return pages[1]
 
 
 def release_freed_memory() -> None:
@@ -221,10 +226,6 @@ def page_out(tensor: torch.Tensor) -> None:
     their contents: a memory-mapped checkpoint's clean pages are re-read from the file if touched again, anonymous
     pages stay (there is no swap to move them to). For weights that were just copied elsewhere: their file pages
     would otherwise stay resident until the checkpoint is unmapped, doubling the process's memory."""
-    libc = _libc()
-    if libc is None or tensor.device.type != "cpu" or tensor.layout != torch.strided or tensor.is_mkldnn:
-        return
-    start = tensor.data_ptr()
-    first, last = -(-start // PAGE) * PAGE, (start + tensor.numel() * tensor.element_size()) // PAGE * PAGE
-    if last > first:
-        libc.madvise(first, last - first, MADV_PAGEOUT)  # best effort: Linux >= 5.4
+    pages = _whole_pages(tensor, PAGE)
+    if pages is not None:
+        _libc().madvise(*pages, MADV_PAGEOUT)  # best effort: Linux >= 5.4
