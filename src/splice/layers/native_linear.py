@@ -16,7 +16,7 @@ from .. import native
 
 def can_use_native(dtype: torch.dtype, device: torch.device) -> bool:
     """bf16 weights on CPU, and the native kernels built and loaded here."""
-    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and native.available()
+    return dtype == torch.bfloat16 and native.available_on(device)
 
 
 class NativeLinear(nn.Module):

@@ -60,6 +60,12 @@ def available() -> bool:
     return False
 
 
+def available_on(device: torch.device | str) -> bool:
+    """Whether tensors on ``device`` can use the native kernels: CPU, and :func:`available`. Layers ask once, when
+    built (``available`` is not traceable by ``torch.compile``), and keep the answer."""
+    return torch.device(device).type == "cpu" and available()
+
+
 def unsupported_reason() -> str | None:
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"they need Linux on x86-64, this is {sys.platform} on {platform.machine()}"

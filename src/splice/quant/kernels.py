@@ -93,9 +93,8 @@ INT4_GEMV_MAX_ROWS = 15  # native int4: int4_gemv up to here, int4_dequantize + 
 
 
 def native_kernels_on(device: torch.device | str) -> bool:
-    """Whether a layer packed on ``device`` uses splice's native GEMVs: CPU, and :func:`splice.native.available`.
-    Layers ask once, when built (``available`` is not traceable by ``torch.compile``), and keep the answer."""
-    return torch.device(device).type == "cpu" and native.available()
+    """Whether a layer packed on ``device`` uses splice's native GEMVs (:func:`splice.native.available_on`)."""
+    return native.available_on(device)
 
 
 def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
