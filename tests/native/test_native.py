@@ -28,7 +28,7 @@ def test_bf16_gemv_matches_the_float_product(rows, n, k):
 
 
 @needs_native
-@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("rows", ROWS + (16,))  # AMX (where present): 5 to 16 rows
 @pytest.mark.parametrize("n, k", SHAPES)
 def test_int8_gemv_matches_the_float_product(rows, n, k):
     x = torch.randn(rows, k).bfloat16()
@@ -38,8 +38,8 @@ def test_int8_gemv_matches_the_float_product(rows, n, k):
 
 
 @needs_native
-@pytest.mark.parametrize("rows", ROWS)
-@pytest.mark.parametrize("n, k, group", [(64, 128, 32), (32, 576, 64), (16, 256, 128), (48, 64, 64)])
+@pytest.mark.parametrize("rows", ROWS + (16, 17, 40))  # AMX (where present): from 3 rows; over 16 rows x is padded
+@pytest.mark.parametrize("n, k, group", [(64, 128, 32), (32, 576, 64), (16, 256, 128), (48, 64, 64), (32, 120, 24)])
 def test_int4_gemv_matches_the_dequantized_product(rows, n, k, group):
     x = torch.randn(rows, k).bfloat16()
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
@@ -118,6 +118,36 @@ def test_environment_switch_turns_them_off_without_a_warning():
             "assert native.available() is False")
     env = {**__import__("os").environ, "SPLICE_NATIVE_KERNELS": "0"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+@needs_native
+def test_amx_switch_leaves_the_avx512_path_for_every_row_count():
+    """``SPLICE_NATIVE_AMX=0``: ``int4_gemv`` and ``int8_gemv`` run their AVX-512 paths at 8 rows too (here checked
+    against the float products), and quantized layers leave them at the AVX-512 thresholds."""
+    code = (
+        "import torch; from splice import native; from splice.quant import qmath\n"
+        "assert native.available() and not native.amx_ready()\n"
+        "assert native.int4_gemv_max_rows == native.INT4_GEMV_MAX_ROWS['avx512']\n"
+        "assert native.MAX_ROWS['int8'] == native.INT8_MAX_ROWS['avx512']\n"
+        "torch.manual_seed(0)\n"
+        "x = torch.randn(8, 256).bfloat16(); q = torch.randint(0, 16, (64, 256), dtype=torch.uint8)\n"
+        "sz = torch.randn(256 // 32, 64, 2).bfloat16()\n"
+        "expected = x.float() @ qmath.dequantize_int4(q, sz).T\n"
+        "got = torch.ops.splice_kernels.int4_gemv(x, native.int4_tile_pack(q), native.int4_tile_scales(sz), 32)\n"
+        "assert ((got.float() - expected).abs().max() / expected.abs().max()).item() < 1e-2\n"
+        "w8, s8 = torch.randint(-127, 128, (64, 256), dtype=torch.int8), torch.rand(64).bfloat16()\n"
+        "expected = (x.float() @ w8.float().T) * s8.float()\n"
+        "got = torch.ops.splice_kernels.int8_gemv(x, w8, s8)\n"
+        "assert ((got.float() - expected).abs().max() / expected.abs().max()).item() < 1e-2\n")
+    env = {**__import__("os").environ, "SPLICE_NATIVE_AMX": "0"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+
+
+@needs_native
+def test_row_thresholds_follow_amx():
+    key = "amx" if native.amx_ready() else "avx512"
+    assert native.int4_gemv_max_rows == native.INT4_GEMV_MAX_ROWS[key]
+    assert native.MAX_ROWS["int8"] == native.INT8_MAX_ROWS[key]
 
 
 def test_huge_page_advice_skips_what_it_cannot_cover():

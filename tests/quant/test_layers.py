@@ -176,8 +176,8 @@ def test_native_kernel_matches_dequantized_weights(scheme, rows):
     is_int8 = scheme == "int8"
     with _spy("int8_gemv" if is_int8 else "int4_gemv") as calls:
         out = layer(x)
-    # int8: torch's kernels above native.MAX_ROWS; int4: de-quantise + F.linear above kernels.INT4_GEMV_MAX_ROWS
-    assert calls.call_count == (rows <= (native.MAX_ROWS["int8"] if is_int8 else kernels.INT4_GEMV_MAX_ROWS))
+    # int8: torch's kernels above native.MAX_ROWS; int4: de-quantise + F.linear above native.int4_gemv_max_rows
+    assert calls.call_count == (rows <= (native.MAX_ROWS["int8"] if is_int8 else native.int4_gemv_max_rows))
     assert (out - expected).norm() / expected.norm() < 1e-2
 
 
@@ -190,7 +190,7 @@ def test_native_int4_runs_the_gemv_for_few_rows_and_dequantizes_for_more(scheme,
     expected = F.linear(_reference_input(x, scheme), layer.dequantize(), linear.bias)
     with _spy("int4_gemv") as gemv_calls, _spy("int4_dequantize") as dequantize_calls:
         out = layer(x)
-    few = rows <= kernels.INT4_GEMV_MAX_ROWS
+    few = rows <= native.int4_gemv_max_rows
     assert (gemv_calls.call_count, dequantize_calls.call_count) == ((1, 0) if few else (0, 1))
     assert (out - expected).norm() / expected.norm() < 1e-2
 
@@ -239,9 +239,9 @@ def test_native_layers_compile_in_one_graph(scheme):
 
 @needs_native
 def test_native_int4_prefill_compiles_in_one_graph():
-    """Above ``kernels.INT4_GEMV_MAX_ROWS`` rows the graph holds ``int4_dequantize`` and a bf16 matmul."""
+    """Above ``native.int4_gemv_max_rows`` rows the graph holds ``int4_dequantize`` and a bf16 matmul."""
     _, layer = _layer("int4-g32")
-    x = torch.randn(kernels.INT4_GEMV_MAX_ROWS + 24, layer.in_features, dtype=torch.bfloat16)
+    x = torch.randn(native.int4_gemv_max_rows + 24, layer.in_features, dtype=torch.bfloat16)
     compiled = torch.compile(layer, fullgraph=True)
     # bf16 tolerance, and some absolute slack: Inductor adds the bias to the float32 product before rounding, which
     # moves outputs that nearly cancel by more than 1.6 % of themselves

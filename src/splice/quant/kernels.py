@@ -10,44 +10,36 @@ scheme                         CPU, ``splice.native`` available              CPU
 int8 weight-only, per channel  ``int8_gemv`` for M <= 8, torch's path above  ``_weight_int8pack_mm`` for M <= 16 (CPU:
                                                                              K % 16 == 0), else de-quantise + linear
 int8 weight-only, grouped      torch's path                                  ``_weight_int8pack_mm`` per group, same
-int4 weight-only               ``int4_gemv`` for M <= 15, above that         ``_weight_int4pack_mm[_for_cpu]``, any M
-                               ``int4_dequantize`` + ``F.linear`` (tiles)
+int4 weight-only               ``int4_gemv`` up to ``native.                 ``_weight_int4pack_mm[_for_cpu]``, any M
+                               int4_gemv_max_rows`` (64 with AMX, else 15),
+                               above that ``int4_dequantize`` + ``F.linear``
 W8A8                           oneDNN ``qlinear_pointwise``                  oneDNN (CPU), ``torch._int_mm`` (CUDA)
 =============================  ============================================  ========================================
 
 Why the native kernels, and why by rows: they stream weights with software prefetch, about 1.5x faster than torch's
-GEMVs (TinyLlama-shaped linear stack, batch 1: int8 43 vs 63 ms, int4 g32 26 vs 43 ms). Their time still grows with
-M, so ``native.MAX_ROWS`` bounds them: int8 stops at 8 rows (0.82x of oneDNN's bf16 linear there, which AMX wins
-above). int4 keeps only the tile layout (no second copy of the weight) and switches at ``INT4_GEMV_MAX_ROWS``: above
-it ``int4_dequantize`` writes the weight as a temporary bf16 ``[N, K]`` (exactly ``qmath.dequantize_int4`` rounded to
-bf16; freed after the call, so prefill peaks at one layer's bf16 weight more) for one oneDNN/AMX ``F.linear``.
-Checkpoints are the same either way (padding follows torch's kernel), so a model saved with one kernel loads with
-the other.
+GEMVs (TinyLlama-shaped linear stack, batch 1: int8 43 vs 63 ms, int4 g32 26 vs 43 ms). The int8 GEMV's time grows
+with M, so ``native.MAX_ROWS`` bounds it: it stops at 8 rows (0.82x of oneDNN's bf16 linear there, which AMX wins
+above). int4 keeps only the tile layout (no second copy of the weight). ``int4_gemv`` runs 1-2 rows with AVX-512 dot
+products and 3 rows and more on AMX tiles where the CPU has them (``native.amx_ready``: the weights are decoded once
+per call instead of once per row); above ``native.int4_gemv_max_rows`` rows ``int4_dequantize`` writes the weight as
+a temporary bf16 ``[N, K]`` (exactly ``qmath.dequantize_int4`` rounded to bf16; freed after the call, so prefill
+peaks at one layer's bf16 weight more) for one oneDNN/AMX ``F.linear``. Checkpoints are the same either way (padding
+follows torch's kernel), so a model saved with one kernel loads with the other.
 
-The int4 threshold, measured (2-core AVX-512/AMX Xeon, 2 threads, quiet machine; microseconds, best of 9-15; one
-layer, random weights, so its bf16 weight stays in the big L3 between calls):
+The int4 thresholds, measured (2-core AVX-512/AMX Xeon, 2 threads; microseconds, median of 5 passes over 40 layers
+on 2 MiB pages, random weights, g32):
 
-=====================================  =====  =====  =====  =====  ======
-rows (M)                                  1      8     16     32     128
-=====================================  =====  =====  =====  =====  ======
-5632x2048 g32  ``int4_gemv``             253   1121   2064   4030   16609
-5632x2048 g32  de-quantise + linear     1558   1566   1489   1649    2525
-5632x2048 g128 ``int4_gemv``             216   1015   2032   3965   16213
-5632x2048 g128 de-quantise + linear     1420   1494   1601   1930    2564
-2048x5632 g32  ``int4_gemv``             268   1093   2103   4226   17249
-2048x5632 g32  de-quantise + linear     1559   1420   1455   1602    2756
-2048x5632 g128 ``int4_gemv``             243   1015   1969   3947   15686
-2048x5632 g128 de-quantise + linear     1476   1346   1354   1545    2698
-bf16 ``F.linear`` (5632x2048)            732    788    794    861    1820
-=====================================  =====  =====  =====  =====  ======
+=====================================  =====  =====  =====  =====  =====  =====  =====  =====
+rows (M)                                  1      2      3      8     16     32     64    128
+=====================================  =====  =====  =====  =====  =====  =====  =====  =====
+5632x2048 ``int4_gemv`` (AMX from 3)    238    328    435    491    658    895   1604   4365
+5632x2048 de-quantise + linear         1512   1564   1552   1606   1642   1762   2160   2478
+2048x5632 ``int4_gemv`` (AMX from 3)    229    319    439    500    668    903   1582   3651
+2048x5632 de-quantise + linear         1445   1417   1403   1460   1539   1630   2319   2583
+=====================================  =====  =====  =====  =====  =====  =====  =====  =====
 
-(``int4_dequantize`` alone: 600-730 us for these layers, g32 the slower; it is bound by writing 23 MB.) The GEMV
-grows by about 125 us a row and the other path is nearly flat, so one layer alone crosses over at 11-12 rows. In the
-linear stack of two TinyLlama-shaped blocks (``benchmarks/bench_quant.py --layers 2``, weights read from memory as in
-a model), ms per step, GEMV vs de-quantise: 8 rows 10.9 vs 18.6 (g32), 10.2 vs 16.8 (g128); 12 rows 14.3 vs 18.4,
-13.2 vs 16.7; 16 rows 19.4 vs 17.7, 18.0 vs 17.4; 32 rows 35.7 vs 20.1, 34.1 vs 18.0 (bf16 13-15 throughout). So
-``INT4_GEMV_MAX_ROWS`` = 15: decode batches up to 15 stay on the GEMV, 16 rows and prefill de-quantise (one block at
-128 rows: 69 -> 15.5 ms g32, 64 -> 14.1 ms g128, bf16 11.5 ms).
+Without AMX the AVX-512 GEMV grows by about 125 us a row (1121 us at 8 rows, 2064 at 16 on the first layer), so
+there it stops at 15 rows (crossover measured at 11-16 rows in the linear stack of ``benchmarks/bench_quant.py``).
 
 torch's kernels, measured on this project's 2-core AVX-512/AMX Xeon (torch 2.13, one 5632x2048 layer, microseconds,
 other processes idle; ``benchmarks/bench_quant.py`` measures whole stacks):
@@ -89,7 +81,6 @@ INT8PACK_CPU_K_MULTIPLE = 16  # torch 2.13's CPU _weight_int8pack_mm sums wrongl
 COMPUTE_DTYPE = torch.bfloat16
 CPU_INT4_BLOCK_N = 64  # rows per block of the AVX-512 int4 layout; N is padded to it so every block is full
 CUDA_INNER_K_TILES = 8
-INT4_GEMV_MAX_ROWS = 15  # native int4: int4_gemv up to here, int4_dequantize + F.linear above (measured: docstring)
 
 
 def native_kernels_on(device: torch.device | str) -> bool:
@@ -164,10 +155,10 @@ def int4_unpack_scales(packed_scales: torch.Tensor, use_native: bool = False) ->
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor,
             use_native: bool = False) -> torch.Tensor:
     """``x [M, K] bf16`` times the int4 weight packed by :func:`int4_pack` (same ``use_native``), scales and zeros
-    from :func:`int4_pack_scales`. Native tiles: ``int4_gemv`` up to ``INT4_GEMV_MAX_ROWS`` rows, above that the
-    weight is de-quantised to a temporary bf16 copy (``int4_dequantize``) for one ``F.linear`` (oneDNN, AMX)."""
+    from :func:`int4_pack_scales`. Native tiles: ``int4_gemv`` up to ``native.int4_gemv_max_rows`` rows, above that
+    the weight is de-quantised to a temporary bf16 copy (``int4_dequantize``) for one ``F.linear`` (oneDNN, AMX)."""
     if use_native:
-        if x.shape[0] <= INT4_GEMV_MAX_ROWS:
+        if x.shape[0] <= native.int4_gemv_max_rows:
             return torch.ops.splice_kernels.int4_gemv(x, packed, scales_and_zeros, group)
         weight = torch.ops.splice_kernels.int4_dequantize(packed, scales_and_zeros, group)
         out = F.linear(x, weight)
