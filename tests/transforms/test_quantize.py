@@ -9,6 +9,8 @@ from splice.pipeline import PipelineContext
 from splice.quant import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantConfig, QuantizedLinear
 from splice.transforms import quantize as quantize_transform
 
+from ..arch.tiny_models import build_family
+
 
 def _run(model, **config):
     resolved = resolve_config(config)
@@ -58,3 +60,28 @@ def test_calibration_ids_with_int8_raise_in_check(tiny_llama):
     config = resolve_config({"quant": {"enabled": True, "weight": {"num_bits": 8, "calibration_ids": [[1, 2, 3]]}}})
     with pytest.raises(ValueError, match="int4 weights only"):
         quantize_transform.check(tiny_llama, config, PipelineContext(device=torch.device("cpu")))
+
+
+@pytest.mark.parametrize("quantize_lm_head", [False, True])
+def test_linears_left_in_float_go_on_the_native_gemv_after_injection(quantize_lm_head):
+    """Kernel-injected bf16 on CPU: the float lm_head runs on splice's native GEMV as it would without quantization
+    (a plain ``nn.Linear`` would run oneDNN's slower GEMV); a quantized one stays quantized."""
+    import splice
+    from splice.layers.native_linear import NativeLinear, can_use_native
+
+    if not can_use_native(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("splice's native kernels are not available on this machine")
+    model = build_family("llama", dtype=torch.bfloat16)
+    reference = model.lm_head.weight.detach().clone()
+    engine = splice.init_inference(model, dtype=torch.bfloat16, replace_with_kernel_inject=True, max_out_tokens=32,
+                                   quant={"enabled": True, "weight": {"num_bits": 4, "group_size": 32},
+                                          "quantize_lm_head": quantize_lm_head})
+    head = engine.module.lm_head
+    assert isinstance(head, QuantizedLinear if quantize_lm_head else NativeLinear)
+    assert head is engine.module.splice_runtime.lm_head
+    quantize_note = dict(engine.report)["quantize"]
+    assert ("1 linears on splice's native bf16 GEMV" in quantize_note) is not quantize_lm_head
+    if not quantize_lm_head:
+        torch.testing.assert_close(head.weight, reference, rtol=0, atol=0)
+    ids = torch.randint(0, 128, (1, 6))
+    assert engine.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, 10)

@@ -6,9 +6,10 @@ peak memory grows by one layer at most. (With a checkpoint memory-mapped by safe
 q/k/v/gate/up weights are paged out of the process right away; else they would stay resident until the file is
 unmapped.)
 
-On CPU with bf16 weights and no quantization to follow, the block linears and the lm_head then run on splice's native
-GEMV (``layers.native_linear``, plain weights, nothing copied); where those kernels are unavailable, 16-bit block
-linears are packed for oneDNN instead (``layers.packed_linear``, a packed copy; a tied lm_head stays as it is).
+On CPU with bf16 weights, the block linears and the lm_head then run on splice's native GEMV
+(``layers.native_linear``, plain weights, nothing copied); where those kernels are unavailable, 16-bit block linears
+are packed for oneDNN instead (``layers.packed_linear``, a packed copy; a tied lm_head stays as it is). With
+quantization to follow, the quantize step does this for the linears it leaves in float (:func:`wrap_float_linears`).
 
 Under tensor parallelism this step runs after the tensor_parallel step, on each rank's shards: q/k/v (or the
 checkpoint's fused qkv) and gate/up are column-parallel plain linears, so fusing them gives the rank's ``[q; k; v]``
@@ -62,15 +63,8 @@ def inject_kernels(model, config, ctx):
         ctx.record("inject", "skipped (replace_with_kernel_inject=False)")
         return model
     runtime = inject(model, config.max_out_tokens)
-    packed = ""
-    if QuantConfig.from_inference_config(config) is None:
-        if can_use_native(runtime.dtype, ctx.device):
-            count = wrap_linears(model, runtime, NativeLinear)
-            moved = gather_on_huge_pages([m.weight for m in model.modules() if isinstance(m, NativeLinear)])
-            packed = (f"; {count} linears on splice's native bf16 GEMV"
-                      + (f", weights gathered on 2 MiB pages ({moved / 2**20:.0f} MiB)" if moved else ""))
-        elif can_pack(runtime.dtype, ctx.device):
-            packed = f"; {wrap_linears(model, runtime, PackedLinear)} linears packed for oneDNN"
+    # with quantization to follow, the quantize step wraps the linears it leaves in float (the lm_head by default)
+    packed = wrap_float_linears(model, runtime, ctx.device) if QuantConfig.from_inference_config(config) is None else ""
     parallel = ""
     if ctx.parallel.world_size > 1:
         shape = runtime.blocks[0].shape
@@ -97,6 +91,20 @@ def inject(model: nn.Module, max_out_tokens: int) -> SpliceCausalLM:
                              max_out_tokens)
     setattr(model, RUNTIME_ATTR, runtime)
     return runtime
+
+
+def wrap_float_linears(model: nn.Module, runtime: SpliceCausalLM, device: torch.device) -> str:
+    """Put the plain float linears of an injected model on the fastest CPU kernel for decode: splice's native bf16
+    GEMV (their weights gathered on 2 MiB pages), else oneDNN-packed for 16-bit weights; returns a note for the
+    report ("" when neither applies)."""
+    if can_use_native(runtime.dtype, device):
+        count = wrap_linears(model, runtime, NativeLinear)
+        moved = gather_on_huge_pages([m.weight for m in model.modules() if isinstance(m, NativeLinear)])
+        return (f"; {count} linears on splice's native bf16 GEMV"
+                + (f", weights gathered on 2 MiB pages ({moved / 2**20:.0f} MiB)" if moved else ""))
+    if can_pack(runtime.dtype, device):
+        return f"; {wrap_linears(model, runtime, PackedLinear)} linears packed for oneDNN"
+    return ""
 
 
 def wrap_linears(model: nn.Module, runtime: SpliceCausalLM, wrapper: type[nn.Module]) -> int:
