@@ -51,6 +51,13 @@ def test_int4_gemv_matches_the_dequantized_product(rows, n, k, group):
 
 
 @needs_native
+@pytest.mark.parametrize("shape", [(37, 100), (256, 2048), (3, 5)])
+def test_int8_to_bf16_is_exact(shape):
+    q = torch.randint(-128, 128, shape, dtype=torch.int8)
+    torch.testing.assert_close(torch.ops.splice_kernels.int8_to_bf16(q), q.to(torch.bfloat16), rtol=0, atol=0)
+
+
+@needs_native
 @pytest.mark.parametrize("n, k, group", [(48, 96, 32), (80, 160, 32), (112, 192, 64), (16, 384, 128), (208, 640, 128),
                                          (32, 120, 24), (48, 40, 8)])
 def test_int4_dequantize_equals_the_reference_rounded_to_bf16(n, k, group):

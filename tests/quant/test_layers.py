@@ -174,10 +174,13 @@ def test_native_kernel_matches_dequantized_weights(scheme, rows):
     x = torch.randn(rows, linear.in_features)
     expected = F.linear(_reference_input(x, scheme), layer.dequantize(), linear.bias)
     is_int8 = scheme == "int8"
-    with _spy("int8_gemv" if is_int8 else "int4_gemv") as calls:
+    with _spy("int8_gemv" if is_int8 else "int4_gemv") as calls, _spy("int8_linear") as conversions:
         out = layer(x)
-    # int8: torch's kernels above native.MAX_ROWS; int4: de-quantise + F.linear above native.int4_gemv_max_rows
-    assert calls.call_count == (rows <= (native.MAX_ROWS["int8"] if is_int8 else native.int4_gemv_max_rows))
+    # int8: torch's kernel up to 16 rows above native.MAX_ROWS, then the native int8 -> bf16 conversion + F.linear;
+    # int4: de-quantise + F.linear above native.int4_gemv_max_rows
+    few = rows <= (native.MAX_ROWS["int8"] if is_int8 else native.int4_gemv_max_rows)
+    assert calls.call_count == few
+    assert conversions.call_count == (is_int8 and rows > max(native.MAX_ROWS["int8"], kernels.INT8_KERNEL_MAX_ROWS))
     assert (out - expected).norm() / expected.norm() < 1e-2
 
 
@@ -188,7 +191,7 @@ def test_native_int4_runs_the_gemv_for_few_rows_and_dequantizes_for_more(scheme,
     linear, layer = _layer(scheme, out_features=200, in_features=328)  # N and K padded (to 256 and the group)
     x = torch.randn(rows, linear.in_features)
     expected = F.linear(_reference_input(x, scheme), layer.dequantize(), linear.bias)
-    with _spy("int4_gemv") as gemv_calls, _spy("int4_dequantize") as dequantize_calls:
+    with _spy("int4_gemv") as gemv_calls, _spy("int4_linear") as dequantize_calls:
         out = layer(x)
     few = rows <= native.int4_gemv_max_rows
     assert (gemv_calls.call_count, dequantize_calls.call_count) == ((1, 0) if few else (0, 1))
@@ -238,14 +241,33 @@ def test_native_layers_compile_in_one_graph(scheme):
 
 
 @needs_native
-def test_native_int4_prefill_compiles_in_one_graph():
-    """Above ``native.int4_gemv_max_rows`` rows the graph holds ``int4_dequantize`` and a bf16 matmul."""
-    _, layer = _layer("int4-g32")
-    x = torch.randn(native.int4_gemv_max_rows + 24, layer.in_features, dtype=torch.bfloat16)
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32"])
+def test_native_prefill_compiles_in_one_graph(scheme):
+    """Above the GEMVs' rows the graph holds the ``int8_linear`` / ``int4_linear`` prefill ops."""
+    _, layer = _layer(scheme)
+    rows = (native.MAX_ROWS["int8"] if scheme == "int8" else native.int4_gemv_max_rows) + 24
+    x = torch.randn(rows, layer.in_features, dtype=torch.bfloat16)
     compiled = torch.compile(layer, fullgraph=True)
     # bf16 tolerance, and some absolute slack: Inductor adds the bias to the float32 product before rounding, which
     # moves outputs that nearly cancel by more than 1.6 % of themselves
     torch.testing.assert_close(compiled(x), layer(x), rtol=1.6e-2, atol=1e-3)
+
+
+@needs_native
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32"])
+def test_native_prefill_buffer_is_not_shared_between_results(scheme):
+    """Prefill de-quantises every layer into one kept buffer: layers of the same shape, called in turn (also after a
+    larger one grew the buffer), each get their own product."""
+    torch.manual_seed(0)
+    with native_kernels(True):
+        layers = [HANDLERS[SCHEMES[scheme].kind].from_float(torch.randn(256, 128), None, SCHEMES[scheme])
+                  for _ in range(2)]
+        bigger = HANDLERS[SCHEMES[scheme].kind].from_float(torch.randn(512, 256), None, SCHEMES[scheme])
+    x = torch.randn(80, 128, dtype=torch.bfloat16)
+    expected = [F.linear(x.float(), layer.dequantize()) for layer in layers]
+    outs = [layers[0](x), layers[1](x), bigger(torch.randn(80, 256, dtype=torch.bfloat16)), layers[0](x)]
+    for out, want in zip((outs[0], outs[1], outs[3]), (expected[0], expected[1], expected[0])):
+        assert (out.float() - want).norm() / want.norm() < 1e-2
 
 
 @pytest.mark.parametrize("group", [None, 20])

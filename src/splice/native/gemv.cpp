@@ -25,6 +25,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <type_traits>
 #include <vector>
 
@@ -269,6 +270,34 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   for_row_blocks(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
     int8_rows<decltype(m_c)::value, decltype(r_c)::value>(xp + m0 * k, wp, sp, k, n0, op + m0 * n, n);
   });
+  return out;
+}
+
+// ---- int8 -> bf16 -------------------------------------------------------------------------------------------------
+// The int8 codes as a bf16 [N, K] weight (exact: every int8 value is a bf16), for prefill's one oneDNN GEMM; the
+// per-channel scales are applied to its output (int8_linear below).
+void int8_to_bf16_into(const int8_t* src, int64_t numel, at::BFloat16* dst) {
+  at::parallel_for(0, numel, 1 << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; i += 32) {
+      const int64_t left = end - i;
+      const __mmask32 mask = left >= 32 ? ~__mmask32(0) : ((__mmask32(1) << left) - 1);
+      const __m256i bytes = _mm256_maskz_loadu_epi8(mask, src + i);
+      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
+      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
+      _mm512_mask_storeu_epi16(dst + i, mask, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  });
+}
+
+void check_int8_weight(const at::Tensor& w, const char* name) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.device().is_cpu(), name,
+              ": w must be a contiguous int8 CPU [N, K] tensor");
+}
+
+at::Tensor int8_to_bf16(const at::Tensor& w) {
+  check_int8_weight(w, "int8_to_bf16");
+  auto out = at::empty(w.sizes(), w.options().dtype(at::kBFloat16));
+  int8_to_bf16_into(w.data_ptr<int8_t>(), w.numel(), out.data_ptr<at::BFloat16>());
   return out;
 }
 
@@ -522,24 +551,67 @@ void int4_dequantize_tile(const int32_t* w, const at::BFloat16* sz, int64_t k, i
   }
 }
 
-at::Tensor int4_dequantize(const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+void check_int4_tiles(const at::Tensor& w, const at::Tensor& sz, int64_t group, const char* name) {
   TORCH_CHECK(w.dim() == 3 && w.size(2) == TILE && w.scalar_type() == at::kInt && w.is_contiguous() &&
-              w.device().is_cpu(), "int4_dequantize: w must be a contiguous int32 CPU [N/16, K/8, 16] tensor");
-  const int64_t tiles = w.size(0), k = w.size(1) * 8, n = tiles * TILE;
-  TORCH_CHECK(group > 0 && group % 8 == 0 && k % group == 0, "int4_dequantize: group ", group, " must divide K=", k,
+              w.device().is_cpu(), name, ": w must be a contiguous int32 CPU [N/16, K/8, 16] tensor");
+  const int64_t tiles = w.size(0), k = w.size(1) * 8;
+  TORCH_CHECK(group > 0 && group % 8 == 0 && k % group == 0, name, ": group ", group, " must divide K=", k,
               " in steps of 8");
   TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.device().is_cpu() &&
               sz.sizes() == at::IntArrayRef({tiles, k / group, TILE, 2}),
-              "int4_dequantize: scales_and_zeros must be contiguous bf16 [", tiles, ", ", k / group, ", 16, 2], got ",
+              name, ": scales_and_zeros must be contiguous bf16 [", tiles, ", ", k / group, ", 16, 2], got ",
               sz.sizes());
-  auto out = at::empty({n, k}, w.options().dtype(at::kBFloat16));
+}
+
+void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t group, at::BFloat16* out) {
+  const int64_t k = w.size(1) * 8;
   const int32_t* wp = w.data_ptr<int32_t>();
   const auto* zp = sz.data_ptr<at::BFloat16>();
-  auto* op = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) int4_dequantize_tile(wp, zp, k, group, t, op);
+  at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) int4_dequantize_tile(wp, zp, k, group, t, out);
   });
+}
+
+at::Tensor int4_dequantize(const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+  check_int4_tiles(w, sz, group, "int4_dequantize");
+  auto out = at::empty({w.size(0) * TILE, w.size(1) * 8}, w.options().dtype(at::kBFloat16));
+  int4_dequantize_into(w, sz, group, out.data_ptr<at::BFloat16>());
   return out;
+}
+
+// ---- prefill: one oneDNN GEMM on the de-quantised weight ---------------------------------------------------------
+// Many rows of x: the weight is de-quantised to bf16 and multiplied by one oneDNN/AMX GEMM. The bf16 copy goes into a
+// buffer kept between calls (grown to the largest weight seen): a fresh one each call costs Linux's zeroing of its
+// pages, which took longer than the conversion itself. Conversion and GEMM are one op, so the buffer never outlives
+// the GEMM that reads it (torch.compile may reorder separate ops).
+std::mutex prefill_mutex;
+
+at::Tensor prefill_weight(int64_t n, int64_t k) {  // the caller holds prefill_mutex
+  static at::Tensor buffer;
+  if (!buffer.defined() || buffer.numel() < n * k) {
+    buffer = at::Tensor();  // freed before the larger one is made
+    buffer = at::empty({n * k}, at::TensorOptions().dtype(at::kBFloat16));
+  }
+  return buffer.narrow(0, 0, n * k).view({n, k});
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  check_int8_weight(w, "int8_linear");
+  check_rows(x, w.size(1), "int8_linear");
+  std::lock_guard<std::mutex> lock(prefill_mutex);
+  const at::Tensor weight = prefill_weight(w.size(0), w.size(1));
+  int8_to_bf16_into(w.data_ptr<int8_t>(), w.numel(), weight.data_ptr<at::BFloat16>());
+  return at::linear(x, weight) * scales;
+}
+
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+  check_int4_tiles(w, sz, group, "int4_linear");
+  const int64_t n = w.size(0) * TILE, k = w.size(1) * 8;
+  check_rows(x, k, "int4_linear");
+  std::lock_guard<std::mutex> lock(prefill_mutex);
+  const at::Tensor weight = prefill_weight(n, k);
+  int4_dequantize_into(w, sz, group, weight.data_ptr<at::BFloat16>());
+  return at::linear(x, weight);
 }
 
 }  // namespace
@@ -549,6 +621,9 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("int8_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int4_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("int4_dequantize(Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
+  lib.def("int8_to_bf16(Tensor w) -> Tensor");
+  lib.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  lib.def("int4_linear(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("amx_ready() -> bool", &amx_ready);  // no tensors: one kernel for every backend
 }
 
@@ -557,4 +632,7 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("int8_gemv", &int8_gemv);
   lib.impl("int4_gemv", &int4_gemv);
   lib.impl("int4_dequantize", &int4_dequantize);
+  lib.impl("int8_to_bf16", &int8_to_bf16);
+  lib.impl("int8_linear", &int8_linear);
+  lib.impl("int4_linear", &int4_linear);
 }

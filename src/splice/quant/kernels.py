@@ -7,8 +7,9 @@ the native kernels at all: ``native_kernels_on``):
 =============================  ============================================  ========================================
 scheme                         CPU, ``splice.native`` available              CPU without it; CUDA
 =============================  ============================================  ========================================
-int8 weight-only, per channel  ``int8_gemv`` for M <= 8, torch's path above  ``_weight_int8pack_mm`` for M <= 16 (CPU:
-                                                                             K % 16 == 0), else de-quantise + linear
+int8 weight-only, per channel  ``int8_gemv`` up to ``native.MAX_ROWS``       ``_weight_int8pack_mm`` for M <= 16 (CPU:
+                               (16 with AMX, else 8), torch's kernel to 16,  K % 16 == 0), else de-quantise + linear
+                               above: ``int8_to_bf16`` + ``F.linear``
 int8 weight-only, grouped      torch's path                                  ``_weight_int8pack_mm`` per group, same
 int4 weight-only               ``int4_gemv`` up to ``native.                 ``_weight_int4pack_mm[_for_cpu]``, any M
                                int4_gemv_max_rows`` (64 with AMX, else 15),
@@ -17,9 +18,11 @@ W8A8                           oneDNN ``qlinear_pointwise``                  one
 =============================  ============================================  ========================================
 
 Why the native kernels, and why by rows: they stream weights with software prefetch, about 1.5x faster than torch's
-GEMVs (TinyLlama-shaped linear stack, batch 1: int8 43 vs 63 ms, int4 g32 26 vs 43 ms). The int8 GEMV's time grows
-with M, so ``native.MAX_ROWS`` bounds it: it stops at 8 rows (0.82x of oneDNN's bf16 linear there, which AMX wins
-above). int4 keeps only the tile layout (no second copy of the weight). ``int4_gemv`` runs 1-2 rows with AVX-512 dot
+GEMVs (TinyLlama-shaped linear stack, batch 1: int8 43 vs 63 ms, int4 g32 26 vs 43 ms). The int8 GEMV runs 5 to 16
+rows on AMX tiles where the CPU has them (1.4-1.7x oneDNN's bf16 linear at 8 and 16 rows); with AVX-512 only its time
+grows with M, so it stops at 8 rows (0.82x of oneDNN's bf16 linear there). Prefill converts the codes with the native
+``int8_to_bf16`` (3x torch's int8 -> bf16 copy; TinyLlama-shaped prefill of 128 tokens spent 384 of 645 ms in that
+copy) for one ``F.linear``, and scales its output. int4 keeps only the tile layout (no second copy of the weight). ``int4_gemv`` runs 1-2 rows with AVX-512 dot
 products and 3 rows and more on AMX tiles where the CPU has them (``native.amx_ready``: the weights are decoded once
 per call instead of once per row); above ``native.int4_gemv_max_rows`` rows ``int4_dequantize`` writes the weight as
 a temporary bf16 ``[N, K]`` (exactly ``qmath.dequantize_int4`` rounded to bf16; freed after the call, so prefill
@@ -96,6 +99,8 @@ def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
         return torch.ops.splice_kernels.int8_gemv(x, qweight, scales)
     if _int8pack_runs(x.device, x.shape[0], x.shape[1]):
         return torch._weight_int8pack_mm(x, qweight, scales)
+    if use_native and x.dtype == torch.bfloat16:  # prefill: native conversion into a kept buffer, one GEMM
+        return torch.ops.splice_kernels.int8_linear(x, qweight, scales)
     return F.linear(x, qweight.to(x.dtype)) * scales
 
 
@@ -160,10 +165,7 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros:
     if use_native:
         if x.shape[0] <= native.int4_gemv_max_rows:
             return torch.ops.splice_kernels.int4_gemv(x, packed, scales_and_zeros, group)
-        weight = torch.ops.splice_kernels.int4_dequantize(packed, scales_and_zeros, group)
-        out = F.linear(x, weight)
-        del weight  # N x K bf16: freed before the next layer de-quantises its own
-        return out
+        return torch.ops.splice_kernels.int4_linear(x, packed, scales_and_zeros, group)
     if x.device.type == "cuda":
         return torch._weight_int4pack_mm(x, packed, group, scales_and_zeros)
     return torch._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)
