@@ -109,3 +109,16 @@ def test_rss_peak_sees_memory_freed_before_the_block_ends():
         block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
         del block
     assert rss.peak_mb >= before + 48
+
+
+def test_table_puts_quantized_rows_beside_the_float_row_of_their_mode():
+    def row(mode: str, tok_s: float, speedup: float = float("nan")) -> bench.Row:
+        return bench.Row("m", "bf16", 1, mode, 10.0, tok_s, 1000 / tok_s, 100.0, speedup, 50.0)
+
+    table = bench.format_table([row("inject", 10.0), row("inject+compile", 20.0), row("inject+int4", 25.0),
+                                row("inject+int4+compile", 52.0), row("inject+int8", 16.0, speedup=1.6)])
+    cells = {line.split()[3]: line.split()[8:10] for line in table.splitlines()[2:]}
+    assert cells["inject+int4"] == ["-", "2.50x"]  # no HF row: no speedup over it
+    assert cells["inject+int4+compile"] == ["-", "2.60x"]  # against inject+compile, not inject
+    assert cells["inject+int8"] == ["1.60x", "1.60x"]
+    assert cells["inject+compile"] == ["-", "-"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import platform
 import threading
 import time
@@ -294,15 +295,34 @@ def llama_1b_folder() -> Path:
 
 
 def format_table(rows: list[Row]) -> str:
+    """The rows as a text table. "vs float" puts each quantized row beside the same run's float row of the same mode
+    (``inject+int4+compile`` against ``inject+compile``); "-" where a figure was not measured."""
     width = max([len("mode")] + [len(r.mode) for r in rows])
     header = (f"{'model':<24} {'dtype':<5} {'batch':>5} {'mode':<{width}} {'prefill ms':>10} {'decode tok/s':>12} "
-              f"{'ms/token':>9} {'peak RSS MB':>11} {'speedup':>8} {'roofline tok/s':>14} {'first run s':>11}")
+              f"{'ms/token':>9} {'peak RSS MB':>11} {'speedup':>8} {'vs float':>8} {'roofline tok/s':>14} "
+              f"{'first run s':>11}")
+    float_speed = {(r.model, r.dtype, r.batch, r.mode): r.decode_tok_s for r in rows}
     lines = [header, "-" * len(header)]
     for r in rows:
+        base = float_speed.get((r.model, r.dtype, r.batch, _float_mode(r.mode)))
+        vs_float = r.decode_tok_s / base if base and _float_mode(r.mode) != r.mode else math.nan
         lines.append(f"{r.model[:24]:<24} {r.dtype:<5} {r.batch:>5} {r.mode:<{width}} {r.prefill_ms:>10.1f} "
-                     f"{r.decode_tok_s:>12.2f} {r.ms_per_token:>9.1f} {r.peak_rss_mb:>11.0f} {r.speedup:>7.2f}x "
-                     f"{r.roofline_tok_s:>14.2f} {r.first_run_s:>11.1f}")
+                     f"{r.decode_tok_s:>12.2f} {r.ms_per_token:>9.1f} {r.peak_rss_mb:>11.0f} {_ratio(r.speedup):>8} "
+                     f"{_ratio(vs_float):>8} {r.roofline_tok_s:>14.2f} {_number(r.first_run_s):>11}")
     return "\n".join(lines)
+
+
+def _float_mode(mode: str) -> str:
+    """``inject+int4+compile`` -> ``inject+compile``: the mode without its quantization scheme."""
+    return "+".join(part for part in mode.split("+") if part not in QUANT_SCHEMES)
+
+
+def _ratio(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.2f}x"
+
+
+def _number(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.1f}"
 
 
 def plot(rows: list[Row], path: str) -> None:
