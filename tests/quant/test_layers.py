@@ -268,6 +268,9 @@ def test_native_prefill_buffer_is_not_shared_between_results(scheme):
     outs = [layers[0](x), layers[1](x), bigger(torch.randn(80, 256, dtype=torch.bfloat16)), layers[0](x)]
     for out, want in zip((outs[0], outs[1], outs[3]), (expected[0], expected[1], expected[0])):
         assert (out.float() - want).norm() / want.norm() < 1e-2
+    assert native.release_prefill_buffer() >= 512 * 256 * 2  # the largest weight's bf16 copy
+    assert torch.ops.splice_kernels.prefill_buffer_bytes() == 0
+    assert (layers[1](x).float() - expected[1]).norm() / expected[1].norm() < 1e-2  # made again
 
 
 @pytest.mark.parametrize("group", [None, 20])

@@ -74,6 +74,16 @@ def amx_ready() -> bool:
     return available() and torch.ops.splice_kernels.amx_ready()
 
 
+def release_prefill_buffer() -> int:
+    """Free the bf16 buffer quantized layers de-quantise their weights into for prefill (kept between calls, the
+    size of the largest weight seen; made again on the next prefill). Returns the bytes freed."""
+    if not (enabled_by_env() and available.cache_info().currsize and available()):
+        return 0
+    freed = torch.ops.splice_kernels.prefill_buffer_bytes()
+    torch.ops.splice_kernels.release_prefill_buffer()
+    return freed
+
+
 def available_on(device: torch.device | str) -> bool:
     """Whether tensors on ``device`` can use the native kernels: CPU, and :func:`available`. Layers ask once, when
     built (``available`` is not traceable by ``torch.compile``), and keep the answer."""

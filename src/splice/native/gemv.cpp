@@ -585,14 +585,24 @@ at::Tensor int4_dequantize(const at::Tensor& w, const at::Tensor& sz, int64_t gr
 // pages, which took longer than the conversion itself. Conversion and GEMM are one op, so the buffer never outlives
 // the GEMM that reads it (torch.compile may reorder separate ops).
 std::mutex prefill_mutex;
+at::Tensor prefill_buffer;  // guarded by prefill_mutex
 
 at::Tensor prefill_weight(int64_t n, int64_t k) {  // the caller holds prefill_mutex
-  static at::Tensor buffer;
-  if (!buffer.defined() || buffer.numel() < n * k) {
-    buffer = at::Tensor();  // freed before the larger one is made
-    buffer = at::empty({n * k}, at::TensorOptions().dtype(at::kBFloat16));
+  if (!prefill_buffer.defined() || prefill_buffer.numel() < n * k) {
+    prefill_buffer = at::Tensor();  // freed before the larger one is made
+    prefill_buffer = at::empty({n * k}, at::TensorOptions().dtype(at::kBFloat16));
   }
-  return buffer.narrow(0, 0, n * k).view({n, k});
+  return prefill_buffer.narrow(0, 0, n * k).view({n, k});
+}
+
+int64_t prefill_buffer_bytes() {
+  std::lock_guard<std::mutex> lock(prefill_mutex);
+  return prefill_buffer.defined() ? prefill_buffer.nbytes() : 0;
+}
+
+void release_prefill_buffer() {
+  std::lock_guard<std::mutex> lock(prefill_mutex);
+  prefill_buffer = at::Tensor();
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
@@ -624,7 +634,10 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("int8_to_bf16(Tensor w) -> Tensor");
   lib.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
-  lib.def("amx_ready() -> bool", &amx_ready);  // no tensors: one kernel for every backend
+  // no tensors: one kernel for every backend
+  lib.def("amx_ready() -> bool", &amx_ready);
+  lib.def("prefill_buffer_bytes() -> int", &prefill_buffer_bytes);
+  lib.def("release_prefill_buffer() -> ()", &release_prefill_buffer);
 }
 
 TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
