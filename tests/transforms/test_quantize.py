@@ -85,3 +85,14 @@ def test_linears_left_in_float_go_on_the_native_gemv_after_injection(quantize_lm
         torch.testing.assert_close(head.weight, reference, rtol=0, atol=0)
     ids = torch.randint(0, 128, (1, 6))
     assert engine.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, 10)
+
+
+def test_report_names_the_kernels(tiny_llama):
+    from splice import native
+
+    _, ctx = _run(tiny_llama, dtype="int8")
+    note = ctx.report[-1][1]
+    if native.available():
+        assert "kernels: splice native (AVX-512" in note and ("AMX" in note) == native.amx_ready()
+    else:
+        assert "kernels: torch's" in note

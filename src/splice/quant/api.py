@@ -36,6 +36,7 @@ class QuantReport:
     quantized_bytes: int = 0
     calibration: str = "round-to-nearest"
     huge_page_bytes: int = 0  # quantized weights gathered into buffers on 2 MiB pages (CPU)
+    kernels: str = ""  # which kernels the layers call, e.g. "splice native (AVX-512 + AMX for batches)"
 
     @property
     def ratio(self) -> float:
@@ -47,7 +48,8 @@ class QuantReport:
         return (f"{self.kind} ({self.calibration}): {len(self.quantized)} linears, weights "
                 f"{self.float_bytes / 2**20:.1f} MiB -> {self.quantized_bytes / 2**20:.1f} MiB ({self.ratio:.3f}x); "
                 f"kept in float: {kept or 'none'}{more}"
-                + (f"; on 2 MiB pages: {self.huge_page_bytes / 2**20:.0f} MiB" if self.huge_page_bytes else ""))
+                + (f"; on 2 MiB pages: {self.huge_page_bytes / 2**20:.0f} MiB" if self.huge_page_bytes else "")
+                + (f"; kernels: {self.kernels}" if self.kernels else ""))
 
 
 def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str | None = None,
@@ -76,7 +78,20 @@ def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str |
         report.calibration = f"GPTQ on {ids.shape[0]}x{ids.shape[1]} tokens" + (", act-order" if act_order else "")
     report.huge_page_bytes = gather_on_huge_pages(
         [b for m in model.modules() if isinstance(m, QuantizedLinear) for b in m.buffers() if b.nbytes >= 1 << 16])
+    report.kernels = _kernel_names([m for m in model.modules() if isinstance(m, QuantizedLinear)])
     return report
+
+
+def _kernel_names(layers: list[QuantizedLinear]) -> str:
+    """Which kernels ``layers`` call: splice's native ones (with AMX for batches where the CPU has it), else torch's
+    (W8A8 and grouped int8 always use torch's / oneDNN's)."""
+    if not layers:
+        return ""
+    native_count = sum(layer.use_native for layer in layers)
+    if not native_count:
+        return "torch's"
+    name = "splice native (AVX-512" + (" + AMX for batches" if native.amx_ready() else "") + ")"
+    return name if native_count == len(layers) else f"{name} for {native_count} of {len(layers)}, torch's for the rest"
 
 
 def _replace(model: nn.Module, name: str, module: nn.Module, handler: type[QuantizedLinear], config: QuantConfig,
