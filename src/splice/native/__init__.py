@@ -30,13 +30,14 @@ SOURCE = Path(__file__).with_name("gemv.cpp")
 #: against oneDNN's bf16 linear): bf16 1.18x at 1 row, 1.03x at 4, 0.72x at 8 (AMX wins there); int8 1.96x at 1 row,
 #: 0.82x at 8 with AVX-512 only (torch's int8 kernel: 0.62x), so 8 rows there, and 16 where ``int8_gemv`` runs 5 rows
 #: and more on AMX (1.4-1.7x at 8 and 16 rows; set when the kernels load). The int4 GEMV itself takes any number of
-#: rows (on AMX from 3 rows); quantized layers switch to ``int4_dequantize`` + oneDNN above :data:`int4_gemv_max_rows`.
+#: rows (on AMX from 3 rows); quantized layers switch to ``int4_linear`` (de-quantise + oneDNN) above
+#: :data:`int4_gemv_max_rows`.
 MAX_ROWS = {"bf16": 4, "int8": 8, "int4": 1 << 30}
 INT8_MAX_ROWS = {"amx": 16, "avx512": 8}
 #: Most rows ``int4_gemv`` is used for before quantized layers de-quantise the weight for one oneDNN GEMM instead
-#: (``splice.quant.kernels.int4_mm``): 64 where ``int4_gemv`` runs 3 rows and more on AMX (one 5632x2048 g32 layer,
-#: us, GEMV vs de-quantise + linear: 16 rows 658 vs 1642, 64 rows 1604 vs 2160, 128 rows 4365 vs 2478), else 15
-#: (AVX-512 only: it grows by ~125 us a row there). Set when the kernels load (:func:`available`).
+#: (``int4_linear``, from ``splice.quant.kernels.int4_mm``): 64 where ``int4_gemv`` runs 3 rows and more on AMX (one
+#: 5632x2048 g32 layer, us, GEMV vs de-quantise + linear: 16 rows 658 vs 1642, 64 rows 1604 vs 2160, 128 rows 4365 vs
+#: 2478), else 15 (AVX-512 only: it grows by ~125 us a row there). Set when the kernels load (:func:`available`).
 INT4_GEMV_MAX_ROWS = {"amx": 64, "avx512": 15}
 int4_gemv_max_rows = INT4_GEMV_MAX_ROWS["avx512"]
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
@@ -46,8 +47,8 @@ INT4_CHUNK = 8  # input columns per int32 word of a tile row
 INT4_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column of each nibble slot in a word: k and k + 1 sit 16 bits apart
 
 
-def enabled_by_env(variable: str = "SPLICE_NATIVE_KERNELS") -> bool:
-    return os.environ.get(variable, "1") not in ("0", "false", "no", "off")
+def enabled_by_env() -> bool:
+    return os.environ.get("SPLICE_NATIVE_KERNELS", "1") not in ("0", "false", "no", "off")
 
 
 @cache

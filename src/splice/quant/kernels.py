@@ -13,21 +13,25 @@ int8 weight-only, per channel  ``int8_gemv`` up to ``native.MAX_ROWS``       ``_
 int8 weight-only, grouped      torch's path                                  ``_weight_int8pack_mm`` per group, same
 int4 weight-only               ``int4_gemv`` up to ``native.                 ``_weight_int4pack_mm[_for_cpu]``, any M
                                int4_gemv_max_rows`` (64 with AMX, else 15),
-                               above that ``int4_dequantize`` + ``F.linear``
+                               above that ``int4_linear`` (de-quantise +
+                               one oneDNN GEMM)
 W8A8                           oneDNN ``qlinear_pointwise``                  oneDNN (CPU), ``torch._int_mm`` (CUDA)
 =============================  ============================================  ========================================
 
 Why the native kernels, and why by rows: they stream weights with software prefetch, about 1.5x faster than torch's
 GEMVs (TinyLlama-shaped linear stack, batch 1: int8 43 vs 63 ms, int4 g32 26 vs 43 ms). The int8 GEMV runs 5 to 16
 rows on AMX tiles where the CPU has them (1.4-1.7x oneDNN's bf16 linear at 8 and 16 rows); with AVX-512 only its time
-grows with M, so it stops at 8 rows (0.82x of oneDNN's bf16 linear there). Prefill converts the codes with the native
-``int8_to_bf16`` (3x torch's int8 -> bf16 copy; TinyLlama-shaped prefill of 128 tokens spent 384 of 645 ms in that
-copy) for one ``F.linear``, and scales its output. int4 keeps only the tile layout (no second copy of the weight). ``int4_gemv`` runs 1-2 rows with AVX-512 dot
-products and 3 rows and more on AMX tiles where the CPU has them (``native.amx_ready``: the weights are decoded once
-per call instead of once per row); above ``native.int4_gemv_max_rows`` rows ``int4_dequantize`` writes the weight as
-a temporary bf16 ``[N, K]`` (exactly ``qmath.dequantize_int4`` rounded to bf16; freed after the call, so prefill
-peaks at one layer's bf16 weight more) for one oneDNN/AMX ``F.linear``. Checkpoints are the same either way (padding
-follows torch's kernel), so a model saved with one kernel loads with the other.
+grows with M, so it stops at 8 rows (0.82x of oneDNN's bf16 linear there). int4 keeps only the tile layout (no second
+copy of the weight). ``int4_gemv`` runs 1-2 rows with AVX-512 dot products and 3 rows and more on AMX tiles where the
+CPU has them (``native.amx_ready``: the weights are decoded once per call instead of once per row).
+
+Prefill (above those rows) de-quantises the weight to bf16 for one oneDNN/AMX GEMM, inside one op per scheme
+(``int8_linear``: the native int8 -> bf16 conversion, output scaled after; ``int4_linear``: exactly
+``qmath.dequantize_int4`` rounded to bf16). The bf16 copy goes into one buffer kept between calls (the size of the
+largest weight; ``native.release_prefill_buffer`` frees it): TinyLlama-shaped prefill of 128 tokens spent 384 of 645 ms
+in torch's int8 -> bf16 copy into fresh memory, 311 ms in all with the native conversion into the kept buffer.
+Checkpoints are the same either way (padding follows torch's kernel), so a model saved with one kernel loads with the
+other.
 
 The int4 thresholds, measured (2-core AVX-512/AMX Xeon, 2 threads; microseconds, median of 5 passes over 40 layers
 on 2 MiB pages, random weights, g32):
@@ -67,7 +71,7 @@ So, where the native kernels do not run:
   sums wrongly or crashes otherwise); other K de-quantise.
 * int4: ``_weight_int4pack_mm_for_cpu`` at every M. It is a GEMV kernel too (8x slower than bf16 at 128 rows), but
   de-quantising int4 to bf16 in eager torch costs more still (about 5x the 128-row kernel time; the native
-  ``int4_dequantize`` above needs its tile layout).
+  ``int4_linear`` above needs its tile layout).
 * W8A8: oneDNN's int8 GEMM (AMX) at every M: the fastest int8 path at every batch size here, bf16 input, scales as
   tensors (no host sync). Activations get one scale per row (see ``dynamic_int8_mm``).
 """
@@ -161,7 +165,7 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros:
             use_native: bool = False) -> torch.Tensor:
     """``x [M, K] bf16`` times the int4 weight packed by :func:`int4_pack` (same ``use_native``), scales and zeros
     from :func:`int4_pack_scales`. Native tiles: ``int4_gemv`` up to ``native.int4_gemv_max_rows`` rows, above that
-    the weight is de-quantised to a temporary bf16 copy (``int4_dequantize``) for one ``F.linear`` (oneDNN, AMX)."""
+    ``int4_linear`` (the weight de-quantised into the kept bf16 buffer for one oneDNN/AMX GEMM)."""
     if use_native:
         if x.shape[0] <= native.int4_gemv_max_rows:
             return torch.ops.splice_kernels.int4_gemv(x, packed, scales_and_zeros, group)
