@@ -59,3 +59,23 @@ def test_compile_flag_asks_for_compile_decode():
     args = build_parser().parse_args(["generate", "hi", "--kernel-inject", "--compile"])
     assert config_from_args(args) == {"replace_with_kernel_inject": True, "compile_decode": True}
     assert "compile_decode" not in config_from_args(build_parser().parse_args(["info"]))
+
+
+def test_quant_flag_asks_for_the_bench_schemes():
+    from splice.bench import QUANT_SCHEMES
+    from splice.cli import build_parser, config_from_args
+
+    parse = build_parser().parse_args
+    assert config_from_args(parse(["generate", "hi", "--quant", "int4", "--dtype", "bf16"])) == {
+        "dtype": "bf16", **QUANT_SCHEMES["int4"]}
+    assert config_from_args(parse(["info", "--quant", "int8"])) == {"dtype": "int8"}
+    with pytest.raises(ValueError, match="--quant int8 sets dtype='int8', but --dtype 'bf16' was given"):
+        config_from_args(parse(["generate", "hi", "--quant", "int8", "--dtype", "bf16"]))
+
+
+@pytest.mark.slow
+def test_generate_int4_says_paris():
+    result = run("generate", "The capital of France is", "--max-new-tokens", "4", "--kernel-inject", "--dtype", "bf16",
+                 "--quant", "int4")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("The capital of France is Paris")

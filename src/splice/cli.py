@@ -10,7 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .bench import add_bench_parser
+from .bench import QUANT_SCHEMES, add_bench_parser
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -44,6 +44,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", dest="config_file", help="a JSON file of init_inference options")
     parser.add_argument("--dtype", help="fp32 | bf16 | fp16 | int8 (default: the model's own)")
     parser.add_argument("--kernel-inject", action="store_true", help="replace_with_kernel_inject=True")
+    parser.add_argument("--quant", choices=tuple(QUANT_SCHEMES),
+                        help="quantize: int8 (= --dtype int8), w8a8, int4 (g32 asymmetric), int4-g128 (as splice bench "
+                             "--quant; other schemes through --config)")
     parser.add_argument("--compile", action="store_true",
                         help="compile_decode=True: torch.compile the decode step (needs --kernel-inject)")
     parser.add_argument("--tp", type=int, help="tensor_parallel.tp_size (run under torchrun)")
@@ -61,7 +64,13 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "max_out_tokens": args.max_out_tokens,
         "device": args.device,
     }
-    return {key: value for key, value in options.items() if value is not None}
+    options = {key: value for key, value in options.items() if value is not None}
+    for key, value in QUANT_SCHEMES.get(getattr(args, "quant", None), {}).items():
+        if options.get(key, value) != value:
+            raise ValueError(f"--quant {args.quant} sets {key}={value!r}, but --{key} {options[key]!r} was given; "
+                             f"drop one of them")
+        options[key] = value
+    return options
 
 
 def build_engine(args: argparse.Namespace):
@@ -117,7 +126,8 @@ def run_generate(args: argparse.Namespace) -> int:
                     pad_token_id=tokenizer.pad_token_id, **sampling_options(args))
     if streamer is not None:
         print()
-        print(streamer.summary())
+        compiled = " (decode includes compiling the decode step, done on its first call)" if args.compile else ""
+        print(streamer.summary() + compiled)
     return 0
 
 
