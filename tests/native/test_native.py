@@ -157,6 +157,26 @@ def test_row_thresholds_follow_amx():
     assert native.MAX_ROWS["int8"] == native.INT8_MAX_ROWS[key]
 
 
+@needs_native
+def test_amx_gemvs_and_onednn_take_turns_on_the_same_threads():
+    """The AMX GEMVs configure and release the tile state on every call; oneDNN's bf16 GEMM (AMX too, with its own
+    tile configuration) then runs on the same threads: both stay right, round after round."""
+    torch.manual_seed(0)
+    q = torch.randint(0, 16, (256, 512), dtype=torch.uint8)
+    scales_and_zeros = torch.randn(512 // 32, 256, 2).bfloat16()
+    words, tiled = native.int4_tile_pack(q), native.int4_tile_scales(scales_and_zeros)
+    w8, s8 = torch.randint(-127, 128, (256, 512), dtype=torch.int8), torch.rand(256).bfloat16()
+    dense = torch.randn(384, 512).bfloat16()
+    for _ in range(3):
+        x = torch.randn(8, 512).bfloat16()
+        expected = x.float() @ qmath.dequantize_int4(q, scales_and_zeros).T
+        assert relative_error(torch.ops.splice_kernels.int4_gemv(x, words, tiled, 32), expected) < 1e-2
+        expected = (x.float() @ w8.float().T) * s8.float()
+        assert relative_error(torch.ops.splice_kernels.int8_gemv(x, w8, s8), expected) < 1e-2
+        rows = torch.randn(128, 512).bfloat16()
+        assert relative_error(torch.nn.functional.linear(rows, dense), rows.float() @ dense.float().T) < 1e-2
+
+
 def test_huge_page_advice_skips_what_it_cannot_cover():
     assert native.advise_huge_pages(torch.zeros(1000)) == 0  # smaller than a huge page
     big = torch.zeros(3 * native.HUGE_PAGE // 4)

@@ -120,8 +120,8 @@ def _build() -> None:
     key = hashlib.sha256(source + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
     build_dir = cache_dir() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
-    load(name=f"splice_kernels_{key}", sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-         is_python_module=False, verbose=False)
+    load(name=f"splice_kernels_{key}", sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+         build_directory=str(build_dir), is_python_module=False, verbose=False)
     _register_fakes()
     global int4_gemv_max_rows
     kind = "amx" if torch.ops.splice_kernels.amx_ready() else "avx512"
