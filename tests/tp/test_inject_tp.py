@@ -47,6 +47,13 @@ def test_every_fused_family_matches_single_process_tp3():
     check_fused([r["fused"] for r in suite.tp3()], 3)
 
 
+def test_compiled_decode_step_runs_under_tensor_parallelism():
+    """compile_decode=True at tp=2: each rank's compiled step (collectives traced in, no graph breaks) gives HF's
+    single-process greedy tokens."""
+    for rank, result in enumerate(r["fused_extra"]["compiled"] for r in suite.tp2()):
+        assert result == {"tokens_equal": True, "compiled": True, "graph_breaks": 0}, (rank, result)
+
+
 def test_native_loop_samples_the_same_tokens_on_every_rank():
     """Ranks seeded differently before init_inference: the tensor_parallel step gives all rank 0's RNG state, and
     the native loop draws in step."""

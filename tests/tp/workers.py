@@ -182,7 +182,8 @@ def tp2_suite(rank: int, world: int, cases: list, models: list, index_files: dic
             "checkpoints": checkpoints(rank, world, models, index_files, root), "bad": bad_inputs(rank, world),
             "fused": fused_pipeline(rank, world),
             "fused_extra": {**fused_sampling_and_packing(rank, world),
-                            "checkpoint": fused_from_checkpoint(rank, world, root)},
+                            "checkpoint": fused_from_checkpoint(rank, world, root),
+                            "compiled": compiled_decode(rank, world)},
             "sampled": sampling(rank, world), "reseeded": reseeded_after_init(rank, world), "quantized": quantized_parity(rank, world),
             "pipeline": pipeline_parity(rank, world), "hf_generate": hf_generate_fallback(rank, world)}
 
@@ -375,6 +376,26 @@ def fused_sampling_and_packing(rank: int, world: int) -> dict:
             "qkv": type(block.qkv).__name__, "head": type(head).__name__, "head_inner": type(head.linear).__name__,
             "all_reduce": counts["all_reduce"],
             "bf16_error": float((logits - ref_logits).abs().max() / ref_logits.std())}
+
+
+def compiled_decode(rank: int, world: int) -> dict:
+    """compile_decode=True on each rank's shard: greedy tokens against HF single-process, and no graph breaks (the
+    collectives are traced into the graph)."""
+    import splice
+    from splice.transforms.inject import runtime_of
+    from tests.arch.tiny_models import build_family
+    from torch._dynamo.utils import counters
+
+    ids = torch.tensor(PROMPT)
+    with torch.no_grad():
+        expected = build_family("llama").generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                                                  do_sample=False, pad_token_id=0)
+    engine = splice.init_inference(build_family("llama"), tensor_parallel={"tp_size": world},
+                                   replace_with_kernel_inject=True, compile_decode=True, max_out_tokens=64)
+    breaks_before = sum(counters["graph_break"].values())
+    tokens = engine.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    return {"tokens_equal": torch.equal(tokens, expected), "compiled": bool(runtime_of(engine.module)._compiled_keys),
+            "graph_breaks": sum(counters["graph_break"].values()) - breaks_before}
 
 
 def fused_from_checkpoint(rank: int, world: int, root: str) -> dict:

@@ -3,7 +3,9 @@
 
 Only the decode step is compiled: one token per row at a tensor position, attending over the whole static KV cache
 (the cache's mask hides the empty slots), so its shapes never change and it compiles once per batch size. Prefill and
-everything else stay eager. Compiling happens lazily, on the first decode step of the first ``generate`` call.
+everything else stay eager. Compiling happens lazily, on the first decode step of the first ``generate`` call. Under
+tensor parallelism each rank compiles its own step; dynamo traces the row-parallel all-reduces and the vocab-parallel
+all-gather into the graph as functional collectives (no graph breaks).
 """
 from __future__ import annotations
 
@@ -35,10 +37,6 @@ def check_compile(config, ctx) -> None:
         raise ValueError("compile_decode=True compiles splice's own decode step, which needs "
                          "replace_with_kernel_inject=True; allowed: replace_with_kernel_inject=True, or "
                          "compile_decode=False")
-    if ctx.parallel.world_size > 1:
-        raise NotImplementedError(
-            f"compile_decode=True with tensor parallelism (world_size={ctx.parallel.world_size}) is not available "
-            "yet; allowed: compile_decode=False, or world_size=1")
     if config.enable_cuda_graph:
         raise ValueError("compile_decode=True and enable_cuda_graph=True both capture the decode step; "
                          "allowed: one of them")
