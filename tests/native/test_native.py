@@ -52,9 +52,12 @@ def test_int4_gemv_matches_the_dequantized_product(rows, n, k, group):
 
 @needs_native
 @pytest.mark.parametrize("shape", [(37, 100), (256, 2048), (3, 5)])
-def test_int8_to_bf16_is_exact(shape):
-    q = torch.randint(-128, 128, shape, dtype=torch.int8)
-    torch.testing.assert_close(torch.ops.splice_kernels.int8_to_bf16(q), q.to(torch.bfloat16), rtol=0, atol=0)
+def test_int8_linear_converts_the_codes_exactly(shape):
+    """Bit for bit torch's own composition: the native int8 -> bf16 conversion is exact, then the same GEMM."""
+    q, scales = torch.randint(-128, 128, shape, dtype=torch.int8), torch.rand(shape[0]).bfloat16()
+    x = torch.randn(40, shape[1]).bfloat16()
+    expected = torch.nn.functional.linear(x, q.to(torch.bfloat16)) * scales
+    torch.testing.assert_close(torch.ops.splice_kernels.int8_linear(x, q, scales), expected, rtol=0, atol=0)
 
 
 @needs_native
@@ -100,6 +103,9 @@ def test_bad_shapes_name_the_value():
     with pytest.raises(RuntimeError, match="group 48"):
         torch.ops.splice_kernels.int4_gemv(torch.randn(1, 64).bfloat16(), torch.zeros(1, 8, 16, dtype=torch.int32),
                                            torch.zeros(1, 1, 16, 2).bfloat16(), 48)
+    with pytest.raises(RuntimeError, match="scales must be a contiguous bf16 tensor of 8 elements, got Float \\[8\\]"):
+        torch.ops.splice_kernels.int8_gemv(torch.randn(1, 64).bfloat16(), torch.zeros(8, 64, dtype=torch.int8),
+                                           torch.ones(8))
     with pytest.raises(RuntimeError, match="scales_and_zeros must be contiguous bf16 \\[1, 2, 16, 2\\]"):
         torch.ops.splice_kernels.int4_dequantize(torch.zeros(1, 8, 16, dtype=torch.int32),
                                                  torch.zeros(1, 1, 16, 2).bfloat16(), 32)

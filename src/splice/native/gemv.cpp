@@ -184,6 +184,11 @@ void int8_rows(const float* x, const int8_t* w, const at::BFloat16* scales, int6
       out[m * n_total + n0 + r] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]) * static_cast<float>(scales[n0 + r]));
 }
 
+void check_int8_weight(const at::Tensor& w, const char* name) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.device().is_cpu(), name,
+              ": w must be a contiguous int8 CPU [N, K] tensor");
+}
+
 // int8 on AMX, roles swapped: the weight is the a operand (16 weight rows x 32 columns: row-major int8 converted to
 // bf16 as it streams is already that layout) and x the b operand (column pairs x rows of x, prepared once per call),
 // so the sums tile is [16 weight rows x M] and each weight row gets its scale once, at the end. 64 columns per step:
@@ -254,12 +259,12 @@ at::Tensor int8_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 }
 
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.device().is_cpu(),
-              "int8_gemv: w must be a contiguous int8 CPU [N, K] tensor");
+  check_int8_weight(w, "int8_gemv");
   const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
   check_rows(x, k, "int8_gemv");
   TORCH_CHECK(scales.numel() == n && scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(),
-              "int8_gemv: scales must be a contiguous bf16 tensor of ", n, " elements, got ", scales.sizes());
+              "int8_gemv: scales must be a contiguous bf16 tensor of ", n, " elements, got ", scales.scalar_type(), " ",
+              scales.sizes());
   if (m >= INT8_AMX_MIN_ROWS && m <= AMX_ROWS && amx_ready()) return int8_amx(x, w, scales);
   auto xf = x.to(at::kFloat).contiguous();
   auto out = at::empty({m, n}, x.options());
@@ -287,18 +292,6 @@ void int8_to_bf16_into(const int8_t* src, int64_t numel, at::BFloat16* dst) {
       _mm512_mask_storeu_epi16(dst + i, mask, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
   });
-}
-
-void check_int8_weight(const at::Tensor& w, const char* name) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.device().is_cpu(), name,
-              ": w must be a contiguous int8 CPU [N, K] tensor");
-}
-
-at::Tensor int8_to_bf16(const at::Tensor& w) {
-  check_int8_weight(w, "int8_to_bf16");
-  auto out = at::empty(w.sizes(), w.options().dtype(at::kBFloat16));
-  int8_to_bf16_into(w.data_ptr<int8_t>(), w.numel(), out.data_ptr<at::BFloat16>());
-  return out;
 }
 
 // ---- int4 ---------------------------------------------------------------------------------------------------------
@@ -380,6 +373,18 @@ void int4_tile(const at::BFloat16* x, const float* xsum, const int32_t* w, const
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n_total + tile * TILE), (__m256i)_mm512_cvtneps_pbh(acc[m]));
 }
 
+void check_int4_tiles(const at::Tensor& w, const at::Tensor& sz, int64_t group, const char* name) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == TILE && w.scalar_type() == at::kInt && w.is_contiguous() &&
+              w.device().is_cpu(), name, ": w must be a contiguous int32 CPU [N/16, K/8, 16] tensor");
+  const int64_t tiles = w.size(0), k = w.size(1) * 8;
+  TORCH_CHECK(group > 0 && group % 8 == 0 && k % group == 0, name, ": group ", group, " must divide K=", k,
+              " in steps of 8");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.device().is_cpu() &&
+              sz.sizes() == at::IntArrayRef({tiles, k / group, TILE, 2}),
+              name, ": scales_and_zeros must be contiguous bf16 [", tiles, ", ", k / group, ", 16, 2], got ",
+              sz.sizes());
+}
+
 // ---- int4 on AMX (AMX_MIN_ROWS rows and more) -------------------------------------------------------------------
 // Within a tile, the 32-column slices of a group decode (int4_pairs) into exactly AMX B tiles in VNNI layout: row
 // 4 * chunk + p holds pairs p of that chunk, 16 weight rows x (k, k + 1). So per group the tile's slices are decoded
@@ -450,15 +455,9 @@ at::Tensor int4_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 }
 
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == TILE && w.scalar_type() == at::kInt && w.is_contiguous() &&
-              w.device().is_cpu(), "int4_gemv: w must be a contiguous int32 CPU [N/16, K/8, 16] tensor");
+  check_int4_tiles(w, sz, group, "int4_gemv");
   const int64_t tiles = w.size(0), k = w.size(1) * 8, m = x.size(0), n = tiles * TILE;
-  TORCH_CHECK(group % 8 == 0 && k % group == 0, "int4_gemv: group ", group, " must divide K=", k, " in steps of 8");
   check_rows(x, k, "int4_gemv");
-  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() &&
-              sz.sizes() == at::IntArrayRef({tiles, k / group, TILE, 2}),
-              "int4_gemv: scales_and_zeros must be contiguous bf16 [", tiles, ", ", k / group, ", 16, 2], got ",
-              sz.sizes());
   if (m >= AMX_MIN_ROWS && group % AMX_COLUMNS == 0 && amx_ready()) return int4_amx(x, w, sz, group);
   const auto* xp = x.data_ptr<at::BFloat16>();
   const std::vector<float> xsum = group_sums(xp, m, k, group);
@@ -551,18 +550,6 @@ void int4_dequantize_tile(const int32_t* w, const at::BFloat16* sz, int64_t k, i
   }
 }
 
-void check_int4_tiles(const at::Tensor& w, const at::Tensor& sz, int64_t group, const char* name) {
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == TILE && w.scalar_type() == at::kInt && w.is_contiguous() &&
-              w.device().is_cpu(), name, ": w must be a contiguous int32 CPU [N/16, K/8, 16] tensor");
-  const int64_t tiles = w.size(0), k = w.size(1) * 8;
-  TORCH_CHECK(group > 0 && group % 8 == 0 && k % group == 0, name, ": group ", group, " must divide K=", k,
-              " in steps of 8");
-  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.device().is_cpu() &&
-              sz.sizes() == at::IntArrayRef({tiles, k / group, TILE, 2}),
-              name, ": scales_and_zeros must be contiguous bf16 [", tiles, ", ", k / group, ", 16, 2], got ",
-              sz.sizes());
-}
-
 void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t group, at::BFloat16* out) {
   const int64_t k = w.size(1) * 8;
   const int32_t* wp = w.data_ptr<int32_t>();
@@ -631,7 +618,6 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("int8_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int4_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("int4_dequantize(Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
-  lib.def("int8_to_bf16(Tensor w) -> Tensor");
   lib.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   // no tensors: one kernel for every backend
@@ -645,7 +631,6 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("int8_gemv", &int8_gemv);
   lib.impl("int4_gemv", &int4_gemv);
   lib.impl("int4_dequantize", &int4_dequantize);
-  lib.impl("int8_to_bf16", &int8_to_bf16);
   lib.impl("int8_linear", &int8_linear);
   lib.impl("int4_linear", &int4_linear);
 }

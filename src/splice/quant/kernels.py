@@ -9,7 +9,7 @@ scheme                         CPU, ``splice.native`` available              CPU
 =============================  ============================================  ========================================
 int8 weight-only, per channel  ``int8_gemv`` up to ``native.MAX_ROWS``       ``_weight_int8pack_mm`` for M <= 16 (CPU:
                                (16 with AMX, else 8), torch's kernel to 16,  K % 16 == 0), else de-quantise + linear
-                               above: ``int8_to_bf16`` + ``F.linear``
+                               above: ``int8_linear`` (int8 -> bf16 + GEMM)
 int8 weight-only, grouped      torch's path                                  ``_weight_int8pack_mm`` per group, same
 int4 weight-only               ``int4_gemv`` up to ``native.                 ``_weight_int4pack_mm[_for_cpu]``, any M
                                int4_gemv_max_rows`` (64 with AMX, else 15),
