@@ -1,6 +1,9 @@
 """splice's native CPU GEMV kernels against float32 products, their int4 layout, huge pages and the fallback."""
 from __future__ import annotations
 
+import os
+import re
+import shutil
 import subprocess
 import sys
 
@@ -11,6 +14,19 @@ from splice import native
 from splice.quant import qmath
 
 needs_native = pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
+
+
+@pytest.fixture(params=native.ISA_LEVELS)
+def isa(request):
+    """Each kernel test runs at every instruction-set level this CPU can execute; the others skip, naming the flags."""
+    level = request.param
+    if not native.available():
+        pytest.skip("splice's native kernels are not available here")
+    if level not in native.supported_isas():
+        pytest.skip(f"the {level} kernels need CPU flags {', '.join(native.ISA_FLAGS[level])} (and, for amx, the "
+                    f"tile state from Linux); this machine runs {', '.join(native.supported_isas())}")
+    with native.use_isa(level):
+        yield level
 ROWS = (1, 2, 4, 5, 9)
 SHAPES = ((64, 128), (37, 100), (5, 33), (130, 576))  # (N, K): tails in both
 
@@ -22,7 +38,7 @@ def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
 @needs_native
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("n, k", SHAPES)
-def test_bf16_gemv_matches_the_float_product(rows, n, k):
+def test_bf16_gemv_matches_the_float_product(isa, rows, n, k):
     x, w = torch.randn(rows, k).bfloat16(), torch.randn(n, k).bfloat16()
     assert relative_error(torch.ops.splice_kernels.bf16_gemv(x, w), x.float() @ w.float().T) < 1e-2
 
@@ -30,7 +46,7 @@ def test_bf16_gemv_matches_the_float_product(rows, n, k):
 @needs_native
 @pytest.mark.parametrize("rows", ROWS + (16,))  # AMX (where present): 5 to 16 rows
 @pytest.mark.parametrize("n, k", SHAPES)
-def test_int8_gemv_matches_the_float_product(rows, n, k):
+def test_int8_gemv_matches_the_float_product(isa, rows, n, k):
     x = torch.randn(rows, k).bfloat16()
     w, scales = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16()
     expected = (x.float() @ w.float().T) * scales.float()
@@ -40,7 +56,7 @@ def test_int8_gemv_matches_the_float_product(rows, n, k):
 @needs_native
 @pytest.mark.parametrize("rows", ROWS + (16, 17, 40))  # AMX (where present): from 3 rows; over 16 rows x is padded
 @pytest.mark.parametrize("n, k, group", [(64, 128, 32), (32, 576, 64), (16, 256, 128), (48, 64, 64), (32, 120, 24)])
-def test_int4_gemv_matches_the_dequantized_product(rows, n, k, group):
+def test_int4_gemv_matches_the_dequantized_product(isa, rows, n, k, group):
     x = torch.randn(rows, k).bfloat16()
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     scales_and_zeros = torch.randn(k // group, n, 2).bfloat16()
@@ -52,7 +68,7 @@ def test_int4_gemv_matches_the_dequantized_product(rows, n, k, group):
 
 @needs_native
 @pytest.mark.parametrize("shape", [(37, 100), (256, 2048), (3, 5)])
-def test_int8_linear_converts_the_codes_exactly(shape):
+def test_int8_linear_converts_the_codes_exactly(isa, shape):
     """Bit for bit torch's own composition: the native int8 -> bf16 conversion is exact, then the same GEMM."""
     q, scales = torch.randint(-128, 128, shape, dtype=torch.int8), torch.rand(shape[0]).bfloat16()
     x = torch.randn(40, shape[1]).bfloat16()
@@ -63,7 +79,7 @@ def test_int8_linear_converts_the_codes_exactly(shape):
 @needs_native
 @pytest.mark.parametrize("n, k, group", [(48, 96, 32), (80, 160, 32), (112, 192, 64), (16, 384, 128), (208, 640, 128),
                                          (32, 120, 24), (48, 40, 8)])
-def test_int4_dequantize_equals_the_reference_rounded_to_bf16(n, k, group):
+def test_int4_dequantize_equals_the_reference_rounded_to_bf16(isa, n, k, group):
     """Bit for bit: (q - 8) has at most 4 significant bits and a bf16 scale 8, so (q - 8) * scale is exact in float32
     and both sides round once there (the kernel's FMA, torch's add) and once to bf16 (round to nearest even: the
     kernel's cvtne2ps, torch's cast). Shapes: N and K not multiples of 64, and groups of 24 and 8 columns (not
@@ -97,7 +113,7 @@ def test_int4_tile_layout_round_trips():
 
 
 @needs_native
-def test_bad_shapes_name_the_value():
+def test_bad_shapes_name_the_value(isa):
     with pytest.raises(RuntimeError, match="must be \\[M, 64\\]"):
         torch.ops.splice_kernels.bf16_gemv(torch.randn(1, 32).bfloat16(), torch.randn(8, 64).bfloat16())
     with pytest.raises(RuntimeError, match="group 48"):
@@ -112,7 +128,7 @@ def test_bad_shapes_name_the_value():
 
 
 @needs_native
-def test_kernels_trace_under_torch_compile():
+def test_kernels_trace_under_torch_compile(isa):
     w = torch.randn(24, 64).bfloat16()
     step = torch.compile(lambda x: torch.ops.splice_kernels.bf16_gemv(x, w) * 2, dynamic=False)
     x = torch.randn(1, 64).bfloat16()
@@ -120,28 +136,39 @@ def test_kernels_trace_under_torch_compile():
 
 
 def test_fits_checks_rows_dtype_and_device():
-    assert native.fits("bf16", torch.zeros(4, 8, dtype=torch.bfloat16))
-    assert not native.fits("bf16", torch.zeros(5, 8, dtype=torch.bfloat16))
+    assert native.fits("bf16", torch.zeros(native.MAX_ROWS["bf16"], 8, dtype=torch.bfloat16))
+    assert not native.fits("bf16", torch.zeros(native.MAX_ROWS["bf16"] + 1, 8, dtype=torch.bfloat16))
     assert not native.fits("int8", torch.zeros(2, 8))  # fp32 input
-    assert native.fits("int4", torch.zeros(512, 8, dtype=torch.bfloat16))
+    assert native.fits("int4", torch.zeros(native.MAX_ROWS["int4"], 8, dtype=torch.bfloat16))
+    assert not native.fits("int4", torch.zeros(native.MAX_ROWS["int4"] + 1, 8, dtype=torch.bfloat16))
 
 
 def test_environment_switch_turns_them_off_without_a_warning():
     code = ("import warnings; warnings.simplefilter('error'); from splice import native; "
             "assert native.available() is False")
-    env = {**__import__("os").environ, "SPLICE_NATIVE_KERNELS": "0"}
+    env = {**os.environ, "SPLICE_NATIVE_KERNELS": "0"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
 
 
+def _run_with_env(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=300)
+
+
 @needs_native
-def test_amx_switch_leaves_the_avx512_path_for_every_row_count():
-    """``SPLICE_NATIVE_AMX=0``: ``int4_gemv`` and ``int8_gemv`` run their AVX-512 paths at 8 rows too (here checked
-    against the float products), and quantized layers leave them at the AVX-512 thresholds."""
+@pytest.mark.parametrize("variable, value", [("SPLICE_NATIVE_ISA", "avx2"), ("SPLICE_NATIVE_ISA", "avx512"),
+                                             ("SPLICE_NATIVE_AMX", "0")])
+def test_environment_caps_the_level_and_its_row_limits(variable, value):
+    """``SPLICE_NATIVE_ISA`` caps the level (so the AVX2 kernels run on an AVX-512 machine), ``SPLICE_NATIVE_AMX=0``
+    keeps AMX off; the row limits follow, and an 8-row int4 and int8 GEMV stays right on that level's path."""
+    expected = "avx512" if variable == "SPLICE_NATIVE_AMX" else value
+    if expected not in native.supported_isas():
+        pytest.skip(f"this CPU cannot run the {expected} kernels (it runs {', '.join(native.supported_isas())})")
     code = (
         "import torch; from splice import native; from splice.quant import qmath\n"
-        "assert native.available() and not native.amx_ready()\n"
-        "assert native.int4_gemv_max_rows == native.INT4_GEMV_MAX_ROWS['avx512']\n"
-        "assert native.MAX_ROWS['int8'] == native.INT8_MAX_ROWS['avx512']\n"
+        f"assert native.available() and native.isa() == {expected!r}, native.isa()\n"
+        f"assert native.MAX_ROWS == native.ROW_LIMITS[{expected!r}]\n"
+        "assert not native.amx_ready()\n"
         "torch.manual_seed(0)\n"
         "x = torch.randn(8, 256).bfloat16(); q = torch.randint(0, 16, (64, 256), dtype=torch.uint8)\n"
         "sz = torch.randn(256 // 32, 64, 2).bfloat16()\n"
@@ -152,19 +179,56 @@ def test_amx_switch_leaves_the_avx512_path_for_every_row_count():
         "expected = (x.float() @ w8.float().T) * s8.float()\n"
         "got = torch.ops.splice_kernels.int8_gemv(x, w8, s8)\n"
         "assert ((got.float() - expected).abs().max() / expected.abs().max()).item() < 1e-2\n")
-    env = {**__import__("os").environ, "SPLICE_NATIVE_AMX": "0"}
-    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=300)
+    result = _run_with_env(code, **{variable: value})
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 @needs_native
-def test_row_thresholds_follow_amx():
-    key = "amx" if native.amx_ready() else "avx512"
-    assert native.int4_gemv_max_rows == native.INT4_GEMV_MAX_ROWS[key]
-    assert native.MAX_ROWS["int8"] == native.INT8_MAX_ROWS[key]
+def test_an_unknown_or_unsupported_level_names_the_allowed_ones():
+    result = _run_with_env("from splice import native; native.available()", SPLICE_NATIVE_ISA="sse9")
+    assert result.returncode != 0 and "SPLICE_NATIVE_ISA='sse9' is not a level; allowed: avx2, avx512, amx" in result.stderr
+    with pytest.raises(ValueError, match="allowed: " + ", ".join(native.supported_isas())):
+        native.set_isa("avx1024")
+    missing = [level for level in native.ISA_LEVELS if level not in native.supported_isas()]
+    if missing:
+        result = _run_with_env("from splice import native; native.available()", SPLICE_NATIVE_ISA=missing[0])
+        assert f"allowed here: {', '.join(native.supported_isas())}" in result.stderr
 
 
 @needs_native
-def test_amx_gemvs_and_onednn_take_turns_on_the_same_threads():
+def test_use_isa_switches_the_level_and_the_row_limits_and_restores_them():
+    before, limits = native.isa(), dict(native.MAX_ROWS)
+    with native.use_isa("avx2"):
+        assert native.isa() == "avx2" and native.MAX_ROWS == native.ROW_LIMITS["avx2"] and not native.amx_ready()
+    assert native.isa() == before and native.MAX_ROWS == limits
+
+
+@needs_native
+def test_only_the_avx512_regions_hold_avx512_or_amx_instructions():
+    """The library is built for baseline x86-64 and loaded on AVX2-only CPUs: an AVX-512 or AMX instruction anywhere
+    outside the ``avx512`` namespace (the checks, the dispatch, the AVX2 kernels, code inlined from headers) would
+    crash there. Read from the disassembly of the built library."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump (binutils) is not installed")
+    library = native.library_path()
+    text = subprocess.run([objdump, "-d", "--no-show-raw-insn", "-C", str(library)], capture_output=True, text=True,
+                          check=True, timeout=300).stdout
+    wide = re.compile(r"zmm|%k[0-7]\b|[xy]mm(1[6-9]|2[0-9]|3[01])\b|\{1to|vpternlog|\btile|vcvtne2ps2bf16|vdpbf16ps")
+    offenders, checked = [], 0
+    for function in re.split(r"\n(?=[0-9a-f]+ <)", text):
+        header = re.match(r"[0-9a-f]+ <(.*)>:", function)
+        if header is None or "avx512::" in header.group(1):
+            continue
+        checked += 1
+        if any(wide.search(re.sub(r"<.*>", "", line)) for line in function.splitlines()[1:]):
+            offenders.append(header.group(1))
+    assert checked > 50 and "avx2::" in text
+    assert not offenders, offenders[:5]
+
+
+@needs_native
+def test_amx_gemvs_and_onednn_take_turns_on_the_same_threads(isa):
     """The AMX GEMVs configure and release the tile state on every call; oneDNN's bf16 GEMM (AMX too, with its own
     tile configuration) then runs on the same threads: both stay right, round after round."""
     torch.manual_seed(0)

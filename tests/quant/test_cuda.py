@@ -1,6 +1,6 @@
-"""The quantized layers on CUDA (torch's int4 / int8 kernels, ``torch._int_mm`` for W8A8): kernel against the
-de-quantized weights, the saved form moving between CPU and CUDA, and a kernel-injected int4 model generating.
-Skipped without a CUDA device; ``benchmarks/device_check.sh`` runs them on a lent GPU."""
+"""The quantized layers on CUDA (torch's int4 / int8 kernels; W8A8 rounds the activations per block, then runs the
+int8 ones): kernel against the de-quantized weights, the saved form moving between CPU and CUDA, and a kernel-injected
+int4 model generating. Skipped without a CUDA device; ``benchmarks/device_check.sh`` runs them on a lent GPU."""
 from __future__ import annotations
 
 import pytest

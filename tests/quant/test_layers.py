@@ -51,12 +51,34 @@ def _empty_like(layer, config: QuantConfig, use_native: bool):
 
 
 def _reference_input(x: torch.Tensor, scheme: str) -> torch.Tensor:
-    """What the kernel multiplies: bf16 activations, also quantized per row for W8A8."""
+    """What the kernel multiplies: bf16 activations; for W8A8 each row's blocks of 32 rounded to int8 steps of
+    (block's absolute max / 127), written out block by block."""
     x = x.to(torch.bfloat16).float()
-    if scheme == "w8a8":
-        q, scales = qmath.quantize_activation_per_row(x)
-        return q.float() * scales
-    return x
+    if scheme != "w8a8":
+        return x
+    out = torch.empty_like(x)
+    for start in range(0, x.shape[1], 32):
+        block = x[:, start:start + 32].double()
+        step = block.abs().amax(dim=1, keepdim=True) / 127
+        out[:, start:start + 32] = (torch.round(block / step) * step).float()
+    return out
+
+
+def test_w8a8_rounds_each_block_of_a_row_on_its_own_scale():
+    """One outlier channel (as real models have) sets only its own block's scale: the rest of the row keeps its
+    resolution. The weights of the outlier's block are zero here, so the product is what the other blocks give: close
+    to the float product with a scale per block, flattened to nothing by one scale per row."""
+    torch.manual_seed(0)
+    weight = torch.randn(64, 256)
+    weight[:, :32] = 0
+    layer = HANDLERS["int8_dynamic"].from_float(weight, None, SCHEMES["w8a8"])
+    x = torch.randn(4, 256) * 0.1
+    x[:, 3] = 200.0
+    expected = F.linear(x.bfloat16().float(), layer.dequantize())
+    blocks_sqnr = qmath.sqnr_db(expected, layer(x))
+    per_row = x.abs().amax(dim=1, keepdim=True) / 127
+    row_sqnr = qmath.sqnr_db(expected, F.linear(torch.round(x / per_row) * per_row, layer.dequantize()))
+    assert blocks_sqnr > 30 and row_sqnr < 5, (blocks_sqnr, row_sqnr)
 
 
 @pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch"])
@@ -177,8 +199,8 @@ def test_native_kernel_matches_dequantized_weights(scheme, rows):
     with _spy("int8_gemv" if is_int8 else "int4_gemv") as calls, _spy("int8_linear") as conversions:
         out = layer(x)
     # int8: torch's kernel up to 16 rows above native.MAX_ROWS, then the native int8 -> bf16 conversion + F.linear;
-    # int4: de-quantise + F.linear above native.int4_gemv_max_rows
-    few = rows <= (native.MAX_ROWS["int8"] if is_int8 else native.int4_gemv_max_rows)
+    # int4: de-quantise + F.linear above native.MAX_ROWS["int4"]
+    few = rows <= (native.MAX_ROWS["int8"] if is_int8 else native.MAX_ROWS["int4"])
     assert calls.call_count == few
     assert conversions.call_count == (is_int8 and rows > max(native.MAX_ROWS["int8"], kernels.INT8_KERNEL_MAX_ROWS))
     assert (out - expected).norm() / expected.norm() < 1e-2
@@ -193,7 +215,7 @@ def test_native_int4_runs_the_gemv_for_few_rows_and_dequantizes_for_more(scheme,
     expected = F.linear(_reference_input(x, scheme), layer.dequantize(), linear.bias)
     with _spy("int4_gemv") as gemv_calls, _spy("int4_linear") as dequantize_calls:
         out = layer(x)
-    few = rows <= native.int4_gemv_max_rows
+    few = rows <= native.MAX_ROWS["int4"]
     assert (gemv_calls.call_count, dequantize_calls.call_count) == ((1, 0) if few else (0, 1))
     assert (out - expected).norm() / expected.norm() < 1e-2
 
@@ -245,7 +267,7 @@ def test_native_layers_compile_in_one_graph(scheme):
 def test_native_prefill_compiles_in_one_graph(scheme):
     """Above the GEMVs' rows the graph holds the ``int8_linear`` / ``int4_linear`` prefill ops."""
     _, layer = _layer(scheme)
-    rows = (native.MAX_ROWS["int8"] if scheme == "int8" else native.int4_gemv_max_rows) + 24
+    rows = (native.MAX_ROWS["int8"] if scheme == "int8" else native.MAX_ROWS["int4"]) + 24
     x = torch.randn(rows, layer.in_features, dtype=torch.bfloat16)
     compiled = torch.compile(layer, fullgraph=True)
     # bf16 tolerance, and some absolute slack: Inductor adds the bias to the float32 product before rounding, which

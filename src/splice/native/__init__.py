@@ -1,77 +1,150 @@
 """splice's native CPU decode kernels (``gemv.cpp``): bf16, int8 and int4 GEMVs for a few rows of activations.
 
-They are compiled once per machine with torch's C++ extension builder into ``$SPLICE_CACHE/kernels/<hash>`` (about
+They are compiled once per machine with torch's C++ extension builder into ``$SPLICE_CACHE/kernels/<key>`` (about
 half a minute on 2 cores; a compiler lock makes concurrent ranks wait for one build) and registered as the torch ops
-``torch.ops.splice_kernels.*``, so they also run inside ``torch.compile`` graphs. They need an x86 CPU with AVX-512
-BF16 and a C++ compiler; without either, or with ``SPLICE_NATIVE_KERNELS=0``, :func:`available` is False and callers
+``torch.ops.splice_kernels.*``, so they also run inside ``torch.compile`` graphs. The build is for baseline x86-64,
+with each kernel written once per instruction-set level and chosen at run time (:data:`ISA_LEVELS`): ``avx2`` (AVX2 +
+FMA), ``avx512`` (AVX-512 with BF16 dot products), ``amx`` (``avx512`` plus AMX tiles for batches). Without a C++
+compiler, on a CPU without AVX2 and FMA, or with ``SPLICE_NATIVE_KERNELS=0``, :func:`available` is False and callers
 use torch's own kernels (a warning says why, once, unless the variable turned them off).
 
-Why not only torch's kernels: see ``gemv.cpp`` — torch's GEMVs read weights at 14-22 GB/s on this project's 2-core
-Xeon, these at 22-28 GB/s, and :func:`advise_huge_pages` adds a few more by putting weights on 2 MiB pages.
+The level defaults to the best the CPU runs; ``SPLICE_NATIVE_ISA=avx2|avx512|amx`` caps it (so the AVX2 path runs and
+is tested on an AVX-512 machine), as does ``SPLICE_NATIVE_AMX=0`` (at most ``avx512``); :func:`use_isa` switches it
+inside one process.
+
+Why not only torch's kernels: see ``gemv.cpp`` and ``docs/benchmarks.md``.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import hashlib
 import os
 import platform
+import subprocess
 import sys
 import warnings
 from functools import cache
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from ..models import cache_dir
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
-#: Most rows of activations each kernel is used for (measured on a 2-core AVX-512/AMX Xeon, TinyLlama-shaped layers,
-#: against oneDNN's bf16 linear): bf16 1.18x at 1 row, 1.03x at 4, 0.72x at 8 (AMX wins there); int8 1.96x at 1 row,
-#: 0.82x at 8 with AVX-512 only (torch's int8 kernel: 0.62x), so 8 rows there, and 16 where ``int8_gemv`` runs 5 rows
-#: and more on AMX (1.4-1.7x at 8 and 16 rows; set when the kernels load). The int4 GEMV itself takes any number of
-#: rows (on AMX from 3 rows); quantized layers switch to ``int4_linear`` (de-quantise + oneDNN) above
-#: :data:`int4_gemv_max_rows`.
-MAX_ROWS = {"bf16": 4, "int8": 8, "int4": 1 << 30}
-INT8_MAX_ROWS = {"amx": 16, "avx512": 8}
-#: Most rows ``int4_gemv`` is used for before quantized layers de-quantise the weight for one oneDNN GEMM instead
-#: (``int4_linear``, from ``splice.quant.kernels.int4_mm``): 64 where ``int4_gemv`` runs 3 rows and more on AMX (one
-#: 5632x2048 g32 layer, us, GEMV vs de-quantise + linear: 16 rows 658 vs 1642, 64 rows 1604 vs 2160, 128 rows 4365 vs
-#: 2478), else 15 (AVX-512 only: it grows by ~125 us a row there). Set when the kernels load (:func:`available`).
-INT4_GEMV_MAX_ROWS = {"amx": 64, "avx512": 15}
-int4_gemv_max_rows = INT4_GEMV_MAX_ROWS["avx512"]
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
-CFLAGS = ["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma"]
+#: Instruction-set levels, lowest first; their index + 1 is the level number the C++ side uses.
+ISA_LEVELS = ("avx2", "avx512", "amx")
+#: What each level runs, for reports.
+ISA_DESCRIPTIONS = {"avx2": "AVX2 + FMA", "avx512": "AVX-512 BF16", "amx": "AVX-512 BF16, AMX tiles for batches"}
+#: CPU flags (``/proc/cpuinfo`` names) each level needs.
+ISA_FLAGS = {
+    "avx2": ("avx2", "fma"),
+    "avx512": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
+    "amx": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile", "amx_bf16"),
+}
+#: Most rows of activations each native GEMV serves, per level; more rows (prefill) go to one oneDNN GEMM (bf16), torch's
+#: int8 kernel and then de-quantise + GEMM (int8), or de-quantise + GEMM (int4). Measured crossovers, TinyLlama-shaped
+#: layers (``docs/kernels.md`` has the tables): with AMX the int8 GEMV runs 5-16 rows and the int4 GEMV 3 rows and more
+#: on tiles, so they serve more rows there.
+ROW_LIMITS = {
+    "amx": {"bf16": 4, "int8": 16, "int4": 64},
+    "avx512": {"bf16": 4, "int8": 8, "int4": 15},
+    "avx2": {"bf16": 4, "int8": 8, "int4": 15},
+}
+#: The active level's limits (updated by :func:`set_isa`); read by :func:`fits` and the quantized layers.
+MAX_ROWS = dict(ROW_LIMITS["avx512"])
+CFLAGS = ["-O3", "-fopenmp"]  # baseline x86-64: gemv.cpp enables each level's instructions in its own regions
 INT4_TILE = 16  # weight rows per int4 tile
 INT4_CHUNK = 8  # input columns per int32 word of a tile row
 INT4_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # column of each nibble slot in a word: k and k + 1 sit 16 bits apart
+_OFF = ("0", "false", "no", "off")
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get("SPLICE_NATIVE_KERNELS", "1") not in ("0", "false", "no", "off")
+    return os.environ.get("SPLICE_NATIVE_KERNELS", "1") not in _OFF
 
 
 @cache
 def available() -> bool:
-    """Whether the native kernels are built and loaded here (builds them on the first call)."""
+    """Whether the native kernels are built and loaded here (builds them on the first call). Raises ValueError for a
+    ``SPLICE_NATIVE_ISA`` this CPU cannot run."""
     if not enabled_by_env():
         return False
+    requested = _requested_isa()
     reason = unsupported_reason()
     if reason is None:
         try:
             _build()
-            return True
         except Exception as error:  # a missing compiler, a broken toolchain: fall back, but say so
             reason = f"building them failed ({type(error).__name__}: {str(error).strip().splitlines()[-1][:200]})"
+    if reason is None:
+        set_isa(_initial_isa(requested))
+        return True
     warnings.warn(f"splice's native CPU kernels are not used: {reason}; torch's kernels run instead "
                   "(set SPLICE_NATIVE_KERNELS=0 to silence this)", RuntimeWarning, stacklevel=2)
     return False
 
 
+def _requested_isa() -> str | None:
+    value = os.environ.get("SPLICE_NATIVE_ISA", "").strip().lower()
+    if value and value not in ISA_LEVELS:
+        raise ValueError(f"SPLICE_NATIVE_ISA={value!r} is not a level; allowed: {', '.join(ISA_LEVELS)}")
+    return value or None
+
+
+def _initial_isa(requested: str | None) -> str:
+    """The level to start at: the best here, capped by SPLICE_NATIVE_ISA and SPLICE_NATIVE_AMX=0."""
+    levels = _levels_here()
+    if requested is not None and requested not in levels:
+        raise ValueError(f"SPLICE_NATIVE_ISA={requested!r} needs CPU flags this machine lacks "
+                         f"({', '.join(f for f in ISA_FLAGS[requested] if f not in _cpu_flags()) or 'AMX tile state'});"
+                         f" allowed here: {', '.join(levels)}")
+    level = requested or levels[-1]
+    if os.environ.get("SPLICE_NATIVE_AMX", "1").strip().lower() in _OFF and level == "amx":
+        level = "avx512"
+    return level
+
+
+def supported_isas() -> tuple[str, ...]:
+    """The levels this machine can run, lowest first (empty where the kernels are not :func:`available`)."""
+    return _levels_here() if available() else ()
+
+
+def _levels_here() -> tuple[str, ...]:
+    return ISA_LEVELS[: torch.ops.splice_kernels.best_isa()]
+
+
+def isa() -> str | None:
+    """The level the kernels run at now, or None where they are not :func:`available`."""
+    return ISA_LEVELS[torch.ops.splice_kernels.isa() - 1] if available() else None
+
+
+def set_isa(level: str) -> None:
+    """Run the kernels at ``level`` (one of :func:`supported_isas`) from now on, with that level's row limits.
+    Layers built earlier keep their layout, which is the same at every level."""
+    levels = _levels_here()
+    if level not in levels:
+        raise ValueError(f"ISA level {level!r} is not available here; allowed: {', '.join(levels)}")
+    torch.ops.splice_kernels.set_isa(ISA_LEVELS.index(level) + 1)
+    MAX_ROWS.update(ROW_LIMITS[level])
+
+
+@contextlib.contextmanager
+def use_isa(level: str) -> Iterator[None]:
+    """Run the kernels at ``level`` inside the block (tests, benchmarks), then at the level before."""
+    before = isa()
+    set_isa(level)
+    try:
+        yield
+    finally:
+        set_isa(before)
+
+
 def amx_ready() -> bool:
-    """Whether ``int4_gemv`` (from 3 rows) and ``int8_gemv`` (from 5) run on AMX tiles: the kernels are
-    :func:`available`, the CPU has AMX-BF16, Linux lets this process use the tile state, and ``SPLICE_NATIVE_AMX``
-    does not say 0 (read once)."""
+    """Whether ``int4_gemv`` (from 3 rows) and ``int8_gemv`` (from 5) run on AMX tiles: the active level is ``amx``
+    (the CPU has AMX-BF16, Linux lets this process use the tile state, and nothing capped the level)."""
     return available() and torch.ops.splice_kernels.amx_ready()
 
 
@@ -94,41 +167,59 @@ def available_on(device: torch.device | str) -> bool:
 def unsupported_reason() -> str | None:
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return f"they need Linux on x86-64, this is {sys.platform} on {platform.machine()}"
-    missing = [flag for flag in CPU_FLAGS if flag not in _cpu_flags()]
+    missing = [flag for flag in ISA_FLAGS["avx2"] if flag not in _cpu_flags()]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
     return None
 
 
-def _cpu_flags() -> set[str]:
+@cache
+def _cpu_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def _build_key() -> str:
+    """A hash of everything that changes the binary: the source, the flags, the compiler, torch (version and C++ ABI)
+    and Python."""
+    parts = [SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _compiler_version().encode(), torch.__version__.encode(),
+             str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(), sys.version.encode()]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def library_path(key: str | None = None) -> Path:
+    """Where the built library of this source, flags, compiler, torch and Python lives (or will)."""
+    key = key or _build_key()
+    return cache_dir() / "kernels" / key / f"splice_kernels_{key}.so"
+
+
+def _compiler_version() -> str:
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return compiler
 
 
 def _build() -> None:
     from torch.utils.cpp_extension import load
 
     _put_ninja_on_path()
-
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + torch.__version__.encode() + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    key = _build_key()
     build_dir = cache_dir() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
-    load(name=f"splice_kernels_{key}", sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+    name = f"splice_kernels_{key}"
+    if not library_path(key).exists():
+        print("splice: building its native CPU kernels, once per machine (about 30 s)...", file=sys.stderr, flush=True)
+    load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
          build_directory=str(build_dir), is_python_module=False, verbose=False)
     _register_fakes()
-    global int4_gemv_max_rows
-    kind = "amx" if torch.ops.splice_kernels.amx_ready() else "avx512"
-    int4_gemv_max_rows = INT4_GEMV_MAX_ROWS[kind]
-    MAX_ROWS["int8"] = INT8_MAX_ROWS[kind]
-
-
 def _put_ninja_on_path() -> None:
     """torch's extension builder runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency) lives in the
     environment's scripts folder, which is not on PATH when Python is run by its full path."""
@@ -159,8 +250,8 @@ def _register_fakes() -> None:
 
 
 def fits(kind: str, x: torch.Tensor) -> bool:
-    """Whether a ``kind`` ("bf16", "int8", "int4") call with input ``x [rows, K]`` suits the native kernel: bf16 on
-    CPU, at most ``MAX_ROWS[kind]`` rows. Layers check :func:`available` once when built (it is not traceable by
+    """Whether a ``kind`` ("bf16", "int8", "int4") call with input ``x [rows, K]`` suits the native GEMV: bf16 on
+    CPU, at most ``MAX_ROWS[kind]`` rows (the active level's limit). Layers check :func:`available` once when built (it is not traceable by
     ``torch.compile``) and this on every call (it is)."""
     return (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.dim() == 2
             and 1 <= x.shape[0] <= MAX_ROWS[kind])

@@ -1,12 +1,11 @@
 // splice's CPU GEMV kernels for decode (few rows of activations, weights streamed once from memory).
 //
-// Why they exist: on a 2-core AVX-512 Xeon, torch's bf16 / int8 / int4 GEMVs read weights at 14-22 GB/s, because
-// they stream each weight matrix without software prefetch (the hardware prefetcher stops at every 4 KiB page).
-// These kernels read the weight as one sequential stream per thread with a software prefetch a few KiB ahead, and
-// use AVX-512 BF16 dot products (two multiply-adds per lane and instruction), so decode runs at memory speed.
+// Why they exist: torch's bf16 / int8 / int4 GEMVs stream each weight matrix without software prefetch (the hardware
+// prefetcher stops at every 4 KiB page), so they read weights well below memory speed. These kernels read the weight
+// as one sequential stream per thread with a software prefetch a few KiB ahead, so decode runs at memory speed.
 //
 // All kernels: y[m, n] = sum_k x[m, k] * w[n, k] in float32, rounded once to bf16, for any number of rows
-// of x, taken MAX_ROWS at a time against each block of weights (so the weights are read from memory once).
+// of x, taken a few at a time against each block of weights (so the weights are read from memory once).
 //   bf16_gemv(x bf16 [M, K], w bf16 [N, K])                       row-major weight, any N and K
 //   int8_gemv(x bf16 [M, K], w int8 [N, K], scales bf16 [N])      per-output-channel scales
 //   int4_gemv(x bf16 [M, K], w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group)
@@ -14,7 +13,15 @@
 //       (so k and k+1 sit 16 bits apart); value = (q - 8) * scale + zero per (row, group).
 //   int4_dequantize(w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group) -> bf16 [N, K]
 //       the same tiles back as a row-major bf16 weight, (q - 8) * scale + zero in float32 rounded once to bf16
-//       (for prefill: one oneDNN/AMX GEMM on it beats the GEMV above once there are more than a few rows).
+//       (for prefill: one oneDNN GEMM on it beats the GEMV above once there are more than a few rows).
+//
+// Instruction sets: the file is compiled for baseline x86-64; each kernel exists once per ISA level, in a region
+// compiled for that level (#pragma GCC target), and the ops dispatch at run time on the active level:
+//   ISA_AVX2    AVX2 + FMA: weights widened to float32 and multiply-added (8 lanes)
+//   ISA_AVX512  AVX-512 F/BW/VL/DQ + BF16: bf16 dot products (16 lanes, two products per lane and instruction)
+//   ISA_AMX     ISA_AVX512, and AMX tiles for int4 (from 3 rows) and int8 (5-16 rows) GEMVs
+// The active level starts at the best the CPU (and Linux, for AMX tile state) allows; set_isa lowers it, so every
+// level the machine can execute can run and be tested here. Nothing outside the regions may use wider instructions.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -23,6 +30,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -31,10 +39,140 @@
 
 namespace {
 
-constexpr int64_t MAX_ROWS = 4;
+constexpr int64_t MAX_ROWS = 4;  // rows of x per pass over a block of weights (AVX-512)
 constexpr int64_t PREFETCH_BYTES = 4096;
+constexpr int TILE = 16;  // weight rows per int4 tile
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+// ---- instruction-set levels -----------------------------------------------------------------------------------------
+enum Isa : int64_t { ISA_NONE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 };
+
+bool cpu_has_amx_bf16() {
+  unsigned eax, ebx, ecx, edx;
+  return __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (edx >> 22 & 1) && (edx >> 24 & 1);  // AMX-BF16, -TILE
+}
+
+// Whether Linux lets this process use the AMX tile state (ARCH_REQ_XCOMP_PERM, Linux 5.16+). Asked once.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return cpu_has_amx_bf16() && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return permitted;
+}
+
+// The best level this CPU and OS run (__builtin_cpu_supports also checks that the OS saves the vector state).
+int64_t best_isa() {
+  static const int64_t best = [] {
+    __builtin_cpu_init();
+    const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                        __builtin_cpu_supports("avx512bf16");
+    if (avx512) return int64_t(amx_permitted() ? ISA_AMX : ISA_AVX512);
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return int64_t(ISA_AVX2);
+    return int64_t(ISA_NONE);
+  }();
+  return best;
+}
+
+std::atomic<int64_t> active_isa{-1};  // -1: not chosen yet (the best level)
+
+int64_t isa() {
+  int64_t level = active_isa.load(std::memory_order_relaxed);
+  return level < 0 ? best_isa() : level;
+}
+
+void set_isa(int64_t level) {
+  TORCH_CHECK(level >= ISA_AVX2 && level <= best_isa(), "set_isa: level ", level, " is not available; allowed: ",
+              int64_t(ISA_AVX2), " (AVX2) to ", best_isa(), " on this CPU");
+  active_isa.store(level, std::memory_order_relaxed);
+}
+
+bool amx_ready() { return isa() == ISA_AMX; }
+
+void check_isa(const char* name) {
+  TORCH_CHECK(isa() >= ISA_AVX2, name, ": this CPU lacks AVX2 and FMA, which splice's native kernels need");
+}
+
+// ---- checks -------------------------------------------------------------------------------------------------------
+void check_rows(const at::Tensor& x, int64_t k, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, name, ": x must be [M, ", k, "], got ", x.sizes());
+  TORCH_CHECK(x.size(0) >= 1, name, ": x has no rows");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(), name,
+              ": x must be a contiguous bf16 CPU tensor");
+}
+
+void check_bf16_weight(const at::Tensor& w, const char* name) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.device().is_cpu(), name,
+              ": w must be a contiguous bf16 CPU [N, K] tensor");
+}
+
+void check_int8_weight(const at::Tensor& w, const char* name) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.device().is_cpu(), name,
+              ": w must be a contiguous int8 CPU [N, K] tensor");
+}
+
+void check_int8_scales(const at::Tensor& scales, int64_t n, const char* name) {
+  TORCH_CHECK(scales.numel() == n && scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(), name,
+              ": scales must be a contiguous bf16 tensor of ", n, " elements, got ", scales.scalar_type(), " ",
+              scales.sizes());
+}
+
+void check_int4_tiles(const at::Tensor& w, const at::Tensor& sz, int64_t group, const char* name) {
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == TILE && w.scalar_type() == at::kInt && w.is_contiguous() &&
+              w.device().is_cpu(), name, ": w must be a contiguous int32 CPU [N/16, K/8, 16] tensor");
+  const int64_t tiles = w.size(0), k = w.size(1) * 8;
+  TORCH_CHECK(group > 0 && group % 8 == 0 && k % group == 0, name, ": group ", group, " must divide K=", k,
+              " in steps of 8");
+  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.device().is_cpu() &&
+              sz.sizes() == at::IntArrayRef({tiles, k / group, TILE, 2}),
+              name, ": scales_and_zeros must be contiguous bf16 [", tiles, ", ", k / group, ", 16, 2], got ",
+              sz.sizes());
+}
+
+// ---- loops shared by every level ------------------------------------------------------------------------------------
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+template <typename F>
+void with_rows(int64_t m, F&& f) {  // calls f(Int<m>) for m in 1 .. 4
+  switch (m) {
+    case 1: f(Int<1>{}); break;
+    case 2: f(Int<2>{}); break;
+    case 3: f(Int<3>{}); break;
+    default: f(Int<4>{}); break;
+  }
+}
+
+// Calls f(Int<rows of x>, first row of x) for chunks of up to X rows of x (the weights they share stay in cache
+// between chunks).
+template <int64_t X, typename F>
+void for_x_chunks(int64_t m, F&& f) {
+  for (int64_t m0 = 0; m0 < m; m0 += X) with_rows(std::min(X, m - m0), [&](auto m_c) { f(m_c, m0); });
+}
+
+// Blocks of four weight rows split over the threads; f(Int<x rows>, Int<weight rows>, first weight row, first x row).
+template <int64_t X, typename F>
+void for_row_blocks(int64_t m, int64_t n, F&& f) {
+  at::parallel_for(0, n / 4, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      for_x_chunks<X>(m, [&](auto m_c, int64_t m0) { f(m_c, Int<4>{}, b * 4, m0); });
+  });
+  const int64_t tail = n % 4;
+  if (tail)
+    with_rows(tail, [&](auto r_c) { for_x_chunks<X>(m, [&](auto m_c, int64_t m0) { f(m_c, r_c, n - tail, m0); }); });
+}
+
+struct TileConfig {  // LDTILECFG's 64-byte operand, palette 1
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,f16c")
+namespace avx512 {
 
 inline __m512 bf16_to_f32(__m256i v) {  // 16 bf16 -> 16 float
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
@@ -45,43 +183,6 @@ inline __m512i load_bf16_pairs(const at::BFloat16* p, int64_t n) {  // n <= 32 b
   return _mm512_maskz_loadu_epi16(mask, p);
 }
 
-void check_rows(const at::Tensor& x, int64_t k, const char* name) {
-  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, name, ": x must be [M, ", k, "], got ", x.sizes());
-  TORCH_CHECK(x.size(0) >= 1, name, ": x has no rows");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(), name,
-              ": x must be a contiguous bf16 CPU tensor");
-}
-
-template <int V>
-using Int = std::integral_constant<int, V>;
-
-template <typename F>
-void with_rows(int64_t m, F&& f) {  // calls f(Int<m>) for m in 1 .. MAX_ROWS
-  switch (m) {
-    case 1: f(Int<1>{}); break;
-    case 2: f(Int<2>{}); break;
-    case 3: f(Int<3>{}); break;
-    default: f(Int<4>{}); break;
-  }
-}
-
-// Calls f(Int<rows of x>, first row of x) for chunks of up to MAX_ROWS rows of x (the weights they share stay in
-// cache between chunks).
-template <typename F>
-void for_x_chunks(int64_t m, F&& f) {
-  for (int64_t m0 = 0; m0 < m; m0 += MAX_ROWS) with_rows(std::min(MAX_ROWS, m - m0), [&](auto m_c) { f(m_c, m0); });
-}
-
-// Blocks of four weight rows split over the threads; f(Int<x rows>, Int<weight rows>, first weight row, first x row).
-template <typename F>
-void for_row_blocks(int64_t m, int64_t n, F&& f) {
-  at::parallel_for(0, n / 4, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) for_x_chunks(m, [&](auto m_c, int64_t m0) { f(m_c, Int<4>{}, b * 4, m0); });
-  });
-  const int64_t tail = n % 4;
-  if (tail) with_rows(tail, [&](auto r_c) { for_x_chunks(m, [&](auto m_c, int64_t m0) { f(m_c, r_c, n - tail, m0); }); });
-}
-
 // ---- AMX --------------------------------------------------------------------------------------------------------
 // Tile matrix multiply (TDPBF16PS): sums[rows x 16] += a[rows x 32 bf16] . b[16 column pairs x 16 (bf16 pairs)], from
 // tiles loaded from memory. The int4 and int8 GEMVs use it from AMX_MIN_ROWS and INT8_AMX_MIN_ROWS rows of x, where
@@ -89,31 +190,8 @@ void for_row_blocks(int64_t m, int64_t n, F&& f) {
 // converted weight slice through L1 costs more than it saves.
 constexpr int64_t AMX_MIN_ROWS = 3, AMX_ROWS = 16, AMX_COLUMNS = 32;
 
-struct TileConfig {  // LDTILECFG's 64-byte operand, palette 1
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
 // Tile registers (GCC's _tile_* macros take them as literals): 0 = sums [rows x 16 float], 1 = x slice [rows x 32 bf16],
 // 2 = weight slice [16 column pairs x 16 weight rows].
-
-bool cpu_has_amx_bf16() {
-  unsigned eax, ebx, ecx, edx;
-  return __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (edx >> 22 & 1) && (edx >> 24 & 1);  // AMX-BF16, -TILE
-}
-
-// Whether this process runs AMX: SPLICE_NATIVE_AMX is not 0, the CPU has AMX and Linux grants the tile state
-// (ARCH_REQ_XCOMP_PERM, Linux 5.16+). Decided once.
-bool amx_ready() {
-  static const bool ready = [] {
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    const char* env = std::getenv("SPLICE_NATIVE_AMX");
-    const bool off = env && (!std::strcmp(env, "0") || !std::strcmp(env, "false") || !std::strcmp(env, "no") ||
-                             !std::strcmp(env, "off"));
-    return !off && cpu_has_amx_bf16() && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ready;
-}
 
 // ---- bf16 --------------------------------------------------------------------------------------------------------
 // Four weight rows at a time; every 32 columns one 64-byte load per row and one dot-product instruction per x row.
@@ -141,15 +219,12 @@ void bf16_rows(const at::BFloat16* x, const at::BFloat16* w, int64_t k, int64_t 
 }
 
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.device().is_cpu(),
-              "bf16_gemv: w must be a contiguous bf16 CPU [N, K] tensor");
   const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
-  check_rows(x, k, "bf16_gemv");
   auto out = at::empty({m, n}, x.options());
   const auto* xp = x.data_ptr<at::BFloat16>();
   const auto* wp = w.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
-  for_row_blocks(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
+  for_row_blocks<MAX_ROWS>(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
     bf16_rows<decltype(m_c)::value, decltype(r_c)::value>(xp + m0 * k, wp, k, n0, op + m0 * n, n);
   });
   return out;
@@ -182,11 +257,6 @@ void int8_rows(const float* x, const int8_t* w, const at::BFloat16* scales, int6
   for (int64_t m = 0; m < m_rows; ++m)
     for (int r = 0; r < rows; ++r)
       out[m * n_total + n0 + r] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]) * static_cast<float>(scales[n0 + r]));
-}
-
-void check_int8_weight(const at::Tensor& w, const char* name) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.device().is_cpu(), name,
-              ": w must be a contiguous int8 CPU [N, K] tensor");
 }
 
 // int8 on AMX, roles swapped: the weight is the a operand (16 weight rows x 32 columns: row-major int8 converted to
@@ -259,12 +329,7 @@ at::Tensor int8_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 }
 
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
-  check_int8_weight(w, "int8_gemv");
   const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
-  check_rows(x, k, "int8_gemv");
-  TORCH_CHECK(scales.numel() == n && scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(),
-              "int8_gemv: scales must be a contiguous bf16 tensor of ", n, " elements, got ", scales.scalar_type(), " ",
-              scales.sizes());
   if (m >= INT8_AMX_MIN_ROWS && m <= AMX_ROWS && amx_ready()) return int8_amx(x, w, scales);
   auto xf = x.to(at::kFloat).contiguous();
   auto out = at::empty({m, n}, x.options());
@@ -272,7 +337,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const auto* sp = scales.data_ptr<at::BFloat16>();
   const int8_t* wp = w.data_ptr<int8_t>();
   auto* op = out.data_ptr<at::BFloat16>();
-  for_row_blocks(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
+  for_row_blocks<MAX_ROWS>(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
     int8_rows<decltype(m_c)::value, decltype(r_c)::value>(xp + m0 * k, wp, sp, k, n0, op + m0 * n, n);
   });
   return out;
@@ -298,7 +363,6 @@ void int8_to_bf16_into(const int8_t* src, int64_t numel, at::BFloat16* dst) {
 // Lanes are weight rows (16 per tile). A nibble q becomes the bf16 value 128 + q by OR-ing 0x4300 into it, so one
 // AND/OR (ternary logic) turns 16 rows x 2 columns into bf16 pairs for one dot product with the broadcast pair
 // (x[k], x[k+1]). Per group: y += scale * (dot - 136 * sum(x)) + zero * sum(x).
-constexpr int TILE = 16;
 
 // The four bf16 pair vectors of one chunk word vector q: pairs[p] lane r = (128 + q[r, 8c + 2p], 128 + q[r, 8c + 2p + 1]).
 // (A & B) | C with A = the word shifted so the pair's nibbles sit at bits 0-3 of each 16-bit half. Shifts by 8 are
@@ -373,18 +437,6 @@ void int4_tile(const at::BFloat16* x, const float* xsum, const int32_t* w, const
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n_total + tile * TILE), (__m256i)_mm512_cvtneps_pbh(acc[m]));
 }
 
-void check_int4_tiles(const at::Tensor& w, const at::Tensor& sz, int64_t group, const char* name) {
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == TILE && w.scalar_type() == at::kInt && w.is_contiguous() &&
-              w.device().is_cpu(), name, ": w must be a contiguous int32 CPU [N/16, K/8, 16] tensor");
-  const int64_t tiles = w.size(0), k = w.size(1) * 8;
-  TORCH_CHECK(group > 0 && group % 8 == 0 && k % group == 0, name, ": group ", group, " must divide K=", k,
-              " in steps of 8");
-  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.device().is_cpu() &&
-              sz.sizes() == at::IntArrayRef({tiles, k / group, TILE, 2}),
-              name, ": scales_and_zeros must be contiguous bf16 [", tiles, ", ", k / group, ", 16, 2], got ",
-              sz.sizes());
-}
-
 // ---- int4 on AMX (AMX_MIN_ROWS rows and more) -------------------------------------------------------------------
 // Within a tile, the 32-column slices of a group decode (int4_pairs) into exactly AMX B tiles in VNNI layout: row
 // 4 * chunk + p holds pairs p of that chunk, 16 weight rows x (k, k + 1). So per group the tile's slices are decoded
@@ -403,13 +455,15 @@ void int4_amx_tiles(const at::BFloat16* x, int64_t m, const float* xsum, const i
   for (int t = 0; t < 3; ++t) config.bytes_per_row[t] = 64;
   _tile_loadconfig(&config);
   const int64_t chunks = k / 8, groups = k / group, slices = group / AMX_COLUMNS;
-  std::vector<__m512i> decoded(slices * 16);
-  std::vector<__m512> acc(m);
+  // per-call scratch from ATen (64-byte aligned): the decoded slices of one group, and one accumulator per row of x
+  const at::Tensor scratch = at::empty({(slices * 16 + m) * 64}, at::TensorOptions().dtype(at::kByte));
+  __m512i* decoded = reinterpret_cast<__m512i*>(scratch.data_ptr<uint8_t>());
+  __m512* acc = reinterpret_cast<__m512*>(decoded + slices * 16);
   alignas(64) float sums[AMX_ROWS * TILE];
   for (int64_t tile = t_begin; tile < t_end; ++tile) {
     const int32_t* base = w + tile * chunks * TILE;
     const char* stream = reinterpret_cast<const char*>(base);
-    for (auto& a : acc) a = _mm512_setzero_ps();
+    for (int64_t r = 0; r < m; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       for (int64_t c = g * group / 8, i = 0; i < slices * 4; ++c, ++i) {
         prefetch(stream + c * 64 + PREFETCH_BYTES);
@@ -455,9 +509,7 @@ at::Tensor int4_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
 }
 
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
-  check_int4_tiles(w, sz, group, "int4_gemv");
   const int64_t tiles = w.size(0), k = w.size(1) * 8, m = x.size(0), n = tiles * TILE;
-  check_rows(x, k, "int4_gemv");
   if (m >= AMX_MIN_ROWS && group % AMX_COLUMNS == 0 && amx_ready()) return int4_amx(x, w, sz, group);
   const auto* xp = x.data_ptr<at::BFloat16>();
   const std::vector<float> xsum = group_sums(xp, m, k, group);
@@ -469,7 +521,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const int64_t groups = k / group;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      for_x_chunks(m, [&](auto m_c, int64_t m0) {
+      for_x_chunks<MAX_ROWS>(m, [&](auto m_c, int64_t m0) {
         int4_tile<decltype(m_c)::value>(xp + m0 * k, sp + m0 * groups, wp, zp, k, group, t, op + m0 * n, n);
       });
   });
@@ -559,7 +611,297 @@ void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t gro
   });
 }
 
+
+}  // namespace avx512
+#pragma GCC pop_options
+
+// ---- AVX2 + FMA ------------------------------------------------------------------------------------------------------
+// The same kernels for CPUs without AVX-512 BF16: weights are widened to float32 (bf16 by a shift, int8 by sign
+// extension and conversion, int4 nibbles by shift and mask) and multiply-added 8 lanes at a time; x is converted to
+// float32 once per call. AVX2 has 16 vector registers, so x is taken two rows at a time against four weight rows.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace avx2 {
+
+constexpr int64_t X_ROWS = 2;
+
+inline __m256 bf16x8_to_f32(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+inline __m256 int8x8_to_f32(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline float horizontal_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+at::Tensor to_float(const at::Tensor& x) { return x.to(at::kFloat).contiguous(); }
+
+// Four weight rows (R) against M rows of x; 32 columns per step (one 64-byte line per weight row), then 8 at a time,
+// then one. Widen loads 8 weights as floats; the prefetch hint for the next line is the caller's (Prefetch).
+template <int M, int R, typename Widen, typename Prefetch, typename T>
+void rows_dot(const float* x, const T* base, int64_t k, Widen widen, Prefetch prefetch_next, float sums[M][R]) {
+  __m256 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  const int64_t k32 = k / 32 * 32, k8 = k / 8 * 8;
+  int64_t c = 0;
+  for (; c < k32; c += 32) {
+    prefetch_next(c);
+    for (int64_t j = 0; j < 32; j += 8) {
+      __m256 wv[R];
+      for (int r = 0; r < R; ++r) wv[r] = widen(base + r * k + c + j);
+      for (int m = 0; m < M; ++m) {
+        const __m256 xv = _mm256_loadu_ps(x + m * k + c + j);
+        for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
+      }
+    }
+  }
+  for (; c < k8; c += 8) {
+    __m256 wv[R];
+    for (int r = 0; r < R; ++r) wv[r] = widen(base + r * k + c);
+    for (int m = 0; m < M; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * k + c);
+      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) {
+      float total = horizontal_sum(acc[m][r]);
+      for (int64_t t = k8; t < k; ++t) total += x[m * k + t] * static_cast<float>(base[r * k + t]);
+      sums[m][r] = total;
+    }
+}
+
+// bf16: the block's R rows are contiguous, so one linear prefetch per row and step walks the block in order.
+template <int M, int R>
+void bf16_rows(const float* x, const at::BFloat16* w, int64_t k, int64_t n0, at::BFloat16* out, int64_t n_total) {
+  const at::BFloat16* base = w + n0 * k;
+  const char* stream = reinterpret_cast<const char*>(base);
+  float sums[M][R];
+  rows_dot<M, R>(x, base, k, [](const at::BFloat16* p) { return bf16x8_to_f32(p); }, [&](int64_t c) {
+    for (int r = 0; r < R; ++r) prefetch(stream + R * c * 2 + PREFETCH_BYTES + 64 * r);
+  }, sums);
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) out[m * n_total + n0 + r] = at::BFloat16(sums[m][r]);
+}
+
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
+  const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
+  const at::Tensor xf = to_float(x);
+  auto out = at::empty({m, n}, x.options());
+  const float* xp = xf.data_ptr<float>();
+  const auto* wp = w.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  for_row_blocks<X_ROWS>(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
+    bf16_rows<decltype(m_c)::value, decltype(r_c)::value>(xp + m0 * k, wp, k, n0, op + m0 * n, n);
+  });
+  return out;
+}
+
+// int8: 32 bytes per row and step; the prefetch walks the next block's rows in the order they will be read, two
+// lines per step (each row's next line every other step).
+template <int M, int R>
+void int8_rows(const float* x, const int8_t* w, const at::BFloat16* scales, int64_t k, int64_t n0, at::BFloat16* out,
+               int64_t n_total) {
+  const int8_t* base = w + n0 * k;
+  float sums[M][R];
+  rows_dot<M, R>(x, base, k, [](const int8_t* p) { return int8x8_to_f32(p); }, [&](int64_t c) {
+    const int64_t step = c / 32;
+    prefetch(base + (R + (2 * step) % R) * k + c);
+    prefetch(base + (R + (2 * step + 1) % R) * k + c);
+  }, sums);
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r)
+      out[m * n_total + n0 + r] = at::BFloat16(sums[m][r] * static_cast<float>(scales[n0 + r]));
+}
+
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
+  const at::Tensor xf = to_float(x);
+  auto out = at::empty({m, n}, x.options());
+  const float* xp = xf.data_ptr<float>();
+  const auto* sp = scales.data_ptr<at::BFloat16>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  for_row_blocks<X_ROWS>(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
+    int8_rows<decltype(m_c)::value, decltype(r_c)::value>(xp + m0 * k, wp, sp, k, n0, op + m0 * n, n);
+  });
+  return out;
+}
+
+// int4: lanes are weight rows, a 16-row tile is two halves of 8. Nibble slot s of a word (column ORDER[s] of the
+// chunk) becomes a float by shift, mask and conversion, and is multiply-added with the broadcast x column. Per group:
+// y += scale * dot + (zero - 8 * scale) * sum(x), the codes q being 0..15.
+constexpr int ORDER[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+
+std::vector<float> group_sums(const float* x, int64_t m, int64_t k, int64_t group) {
+  std::vector<float> sums(m * (k / group));
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t g = 0; g < k / group; ++g) {
+      const float* p = x + r * k + g * group;
+      __m256 s = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 8 <= group; j += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(p + j));
+      float total = horizontal_sum(s);
+      for (; j < group; ++j) total += p[j];
+      sums[r * (k / group) + g] = total;
+    }
+  return sums;
+}
+
+template <int M>
+void int4_tile(const float* x, const float* xsum, const int32_t* w, const at::BFloat16* sz, int64_t k, int64_t group,
+               int64_t tile, at::BFloat16* out, int64_t n_total) {
+  const int64_t chunks = k / 8, groups = k / group, chunks_per_group = group / 8;
+  const int32_t* base = w + tile * chunks * TILE;
+  const at::BFloat16* tile_sz = sz + tile * groups * TILE * 2;
+  const char* stream = reinterpret_cast<const char*>(base);
+  const __m256i nibble = _mm256_set1_epi32(15);
+  __m256 acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 dot[M][2][2];  // [x row][half][even/odd slot]: independent dependency chains
+    for (int m = 0; m < M; ++m)
+      for (int h = 0; h < 2; ++h) dot[m][h][0] = dot[m][h][1] = _mm256_setzero_ps();
+    for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+      prefetch(stream + c * 64 + PREFETCH_BYTES);
+      const __m256i q[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + c * TILE)),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + c * TILE + 8))};
+      for (int s = 0; s < 8; ++s) {
+        __m256 v[2];
+        for (int h = 0; h < 2; ++h)
+          v[h] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q[h], 4 * s), nibble));
+        for (int m = 0; m < M; ++m) {
+          const __m256 xv = _mm256_broadcast_ss(x + m * k + c * 8 + ORDER[s]);
+          for (int h = 0; h < 2; ++h) dot[m][h][s & 1] = _mm256_fmadd_ps(v[h], xv, dot[m][h][s & 1]);
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {  // 8 rows x (scale, zero) bf16 pairs: scale in the low half of each dword
+      const __m256i s_z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile_sz + (g * TILE + 8 * h) * 2));
+      const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(s_z, 16));
+      const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(s_z, _mm256_set1_epi32(0xFFFF0000)));
+      const __m256 offset = _mm256_fnmadd_ps(scale, _mm256_set1_ps(8.0f), zero);
+      for (int m = 0; m < M; ++m) {
+        acc[m][h] = _mm256_fmadd_ps(_mm256_add_ps(dot[m][h][0], dot[m][h][1]), scale, acc[m][h]);
+        acc[m][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum[m * groups + g]), acc[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    alignas(32) float values[TILE];
+    _mm256_store_ps(values, acc[m][0]);
+    _mm256_store_ps(values + 8, acc[m][1]);
+    for (int r = 0; r < TILE; ++r) out[m * n_total + tile * TILE + r] = at::BFloat16(values[r]);
+  }
+}
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+  const int64_t tiles = w.size(0), k = w.size(1) * 8, m = x.size(0), n = tiles * TILE;
+  const at::Tensor xf = to_float(x);
+  const float* xp = xf.data_ptr<float>();
+  const std::vector<float> xsum = group_sums(xp, m, k, group);
+  auto out = at::empty({m, n}, x.options());
+  const float* sp = xsum.data();
+  const int32_t* wp = w.data_ptr<int32_t>();
+  const auto* zp = sz.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  const int64_t groups = k / group;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for_x_chunks<X_ROWS>(m, [&](auto m_c, int64_t m0) {
+        int4_tile<decltype(m_c)::value>(xp + m0 * k, sp + m0 * groups, wp, zp, k, group, t, op + m0 * n, n);
+      });
+  });
+  return out;
+}
+
+// ---- conversions for prefill (exactly the AVX-512 results: every int8 is a bf16; (q - 8) * scale is exact in
+// float32, so the one rounding of the sum and the round-to-nearest-even to bf16 match) ----------------------------
+void int8_to_bf16_into(const int8_t* src, int64_t numel, at::BFloat16* dst) {
+  at::parallel_for(0, numel, 1 << 16, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+    for (; i + 16 <= end; i += 16) {  // int8 -> int16 -> top half of float32 bits is the bf16 of the same value
+      const __m256 lo = int8x8_to_f32(src + i), hi = int8x8_to_f32(src + i + 8);
+      const __m256i bits = _mm256_packus_epi32(_mm256_srli_epi32(_mm256_castps_si256(lo), 16),
+                                               _mm256_srli_epi32(_mm256_castps_si256(hi), 16));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm256_permute4x64_epi64(bits, 0xD8));
+    }
+    for (; i < end; ++i) dst[i] = at::BFloat16(static_cast<float>(src[i]));
+  });
+}
+
+void int4_dequantize_tile(const int32_t* w, const at::BFloat16* sz, int64_t k, int64_t group, int64_t tile,
+                          at::BFloat16* out) {
+  const int64_t chunks = k / 8, groups = k / group, chunks_per_group = group / 8;
+  const int32_t* words = w + tile * chunks * TILE;
+  const at::BFloat16* tile_sz = sz + tile * groups * TILE * 2;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int r = 0; r < TILE; ++r) {
+      const float scale = static_cast<float>(tile_sz[(g * TILE + r) * 2]);
+      const float zero = static_cast<float>(tile_sz[(g * TILE + r) * 2 + 1]);
+      at::BFloat16* row = out + (tile * TILE + r) * k;
+      for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+        const uint32_t word = static_cast<uint32_t>(words[c * TILE + r]);
+        for (int s = 0; s < 8; ++s)
+          row[c * 8 + ORDER[s]] = at::BFloat16(std::fma(static_cast<float>(static_cast<int>(word >> (4 * s) & 15) - 8),
+                                                        scale, zero));
+      }
+    }
+}
+
+void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t group, at::BFloat16* out) {
+  const int64_t k = w.size(1) * 8;
+  const int32_t* wp = w.data_ptr<int32_t>();
+  const auto* zp = sz.data_ptr<at::BFloat16>();
+  at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) int4_dequantize_tile(wp, zp, k, group, t, out);
+  });
+}
+
+}  // namespace avx2
+#pragma GCC pop_options
+
+// ---- the ops: checks, then the active level's kernel -----------------------------------------------------------------
+at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
+  check_isa("bf16_gemv");
+  check_bf16_weight(w, "bf16_gemv");
+  check_rows(x, w.size(1), "bf16_gemv");
+  return isa() >= ISA_AVX512 ? avx512::bf16_gemv(x, w) : avx2::bf16_gemv(x, w);
+}
+
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  check_isa("int8_gemv");
+  check_int8_weight(w, "int8_gemv");
+  check_rows(x, w.size(1), "int8_gemv");
+  check_int8_scales(scales, w.size(0), "int8_gemv");
+  return isa() >= ISA_AVX512 ? avx512::int8_gemv(x, w, scales) : avx2::int8_gemv(x, w, scales);
+}
+
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+  check_isa("int4_gemv");
+  check_int4_tiles(w, sz, group, "int4_gemv");
+  check_rows(x, w.size(1) * 8, "int4_gemv");
+  return isa() >= ISA_AVX512 ? avx512::int4_gemv(x, w, sz, group) : avx2::int4_gemv(x, w, sz, group);
+}
+
+void int8_to_bf16_into(const int8_t* src, int64_t numel, at::BFloat16* dst) {
+  if (isa() >= ISA_AVX512) avx512::int8_to_bf16_into(src, numel, dst);
+  else avx2::int8_to_bf16_into(src, numel, dst);
+}
+
+void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t group, at::BFloat16* out) {
+  if (isa() >= ISA_AVX512) avx512::int4_dequantize_into(w, sz, group, out);
+  else avx2::int4_dequantize_into(w, sz, group, out);
+}
+
 at::Tensor int4_dequantize(const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+  check_isa("int4_dequantize");
   check_int4_tiles(w, sz, group, "int4_dequantize");
   auto out = at::empty({w.size(0) * TILE, w.size(1) * 8}, w.options().dtype(at::kBFloat16));
   int4_dequantize_into(w, sz, group, out.data_ptr<at::BFloat16>());
@@ -567,7 +909,7 @@ at::Tensor int4_dequantize(const at::Tensor& w, const at::Tensor& sz, int64_t gr
 }
 
 // ---- prefill: one oneDNN GEMM on the de-quantised weight ---------------------------------------------------------
-// Many rows of x: the weight is de-quantised to bf16 and multiplied by one oneDNN/AMX GEMM. The bf16 copy goes into a
+// Many rows of x: the weight is de-quantised to bf16 and multiplied by one oneDNN GEMM. The bf16 copy goes into a
 // buffer kept between calls (grown to the largest weight seen): a fresh one each call costs Linux's zeroing of its
 // pages, which took longer than the conversion itself. Conversion and GEMM are one op, so the buffer never outlives
 // the GEMM that reads it (torch.compile may reorder separate ops).
@@ -593,6 +935,7 @@ void release_prefill_buffer() {
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  check_isa("int8_linear");
   check_int8_weight(w, "int8_linear");
   check_rows(x, w.size(1), "int8_linear");
   std::lock_guard<std::mutex> lock(prefill_mutex);
@@ -602,6 +945,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+  check_isa("int4_linear");
   check_int4_tiles(w, sz, group, "int4_linear");
   const int64_t n = w.size(0) * TILE, k = w.size(1) * 8;
   check_rows(x, k, "int4_linear");
@@ -622,6 +966,9 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("int4_linear(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   // no tensors: one kernel for every backend
   lib.def("amx_ready() -> bool", &amx_ready);
+  lib.def("isa() -> int", &isa);
+  lib.def("best_isa() -> int", &best_isa);
+  lib.def("set_isa(int level) -> ()", &set_isa);
   lib.def("prefill_buffer_bytes() -> int", &prefill_buffer_bytes);
   lib.def("release_prefill_buffer() -> ()", &release_prefill_buffer);
 }

@@ -36,7 +36,7 @@ class QuantReport:
     quantized_bytes: int = 0
     calibration: str = "round-to-nearest"
     huge_page_bytes: int = 0  # quantized weights gathered into buffers on 2 MiB pages (CPU)
-    kernels: str = ""  # which kernels the layers call, e.g. "splice native (AVX-512 + AMX for batches)"
+    kernels: str = ""  # which kernels the layers call, e.g. "splice native (AVX-512 BF16, AMX tiles for batches)"
 
     @property
     def ratio(self) -> float:
@@ -83,14 +83,14 @@ def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str |
 
 
 def _kernel_names(layers: list[QuantizedLinear]) -> str:
-    """Which kernels ``layers`` call: splice's native ones (with AMX for batches where the CPU has it), else torch's
-    (W8A8 and grouped int8 always use torch's / oneDNN's)."""
+    """Which kernels ``layers`` call: splice's native ones (at the active instruction-set level), else torch's
+    (grouped int8 always uses torch's)."""
     if not layers:
         return ""
     native_count = sum(layer.use_native for layer in layers)
     if not native_count:
         return "torch's"
-    name = "splice native (AVX-512" + (" + AMX for batches" if native.amx_ready() else "") + ")"
+    name = f"splice native ({native.ISA_DESCRIPTIONS[native.isa()]})"
     return name if native_count == len(layers) else f"{name} for {native_count} of {len(layers)}, torch's for the rest"
 
 

@@ -1,5 +1,5 @@
 """Thin wrappers over the integer kernels, one per operation, with the CPU / CUDA / native split in one place: torch's
-own kernels, and splice's AVX-512 GEMVs (``splice.native``, ``torch.ops.splice_kernels``) on CPUs where those build.
+own kernels, and splice's native GEMVs (``splice.native``: AVX2, AVX-512, AMX, ``torch.ops.splice_kernels``) on CPUs where those build.
 
 Which kernel runs where (M = rows of activations in the call; a layer decides once, when built, whether it may use
 the native kernels at all: ``native_kernels_on``):
@@ -15,7 +15,9 @@ int4 weight-only               ``int4_gemv`` up to ``native.                 ``_
                                int4_gemv_max_rows`` (64 with AMX, else 15),
                                above that ``int4_linear`` (de-quantise +
                                one oneDNN GEMM)
-W8A8                           oneDNN ``qlinear_pointwise``                  oneDNN (CPU), ``torch._int_mm`` (CUDA)
+W8A8                           activations rounded to int8 per block of 32   the same, on torch's int8 kernels
+                               (``qmath.round_activations``), then the int8
+                               weight-only kernels above
 =============================  ============================================  ========================================
 
 Why the native kernels, and why by rows: they stream weights with software prefetch, about 1.5x faster than torch's
@@ -72,8 +74,10 @@ So, where the native kernels do not run:
 * int4: ``_weight_int4pack_mm_for_cpu`` at every M. It is a GEMV kernel too (8x slower than bf16 at 128 rows), but
   de-quantising int4 to bf16 in eager torch costs more still (about 5x the 128-row kernel time; the native
   ``int4_linear`` above needs its tile layout).
-* W8A8: oneDNN's int8 GEMM (AMX) at every M: the fastest int8 path at every batch size here, bf16 input, scales as
-  tensors (no host sync). Activations get one scale per row (see ``dynamic_int8_mm``).
+* W8A8: the activations are rounded to int8 per row and block of 32 (``qmath.round_activations``), then multiplied
+  by the per-channel int8 kernels above. oneDNN's int8 GEMM (the ``qlinear_pointwise`` row) takes one activation scale
+  per row, which let outlier channels flatten whole rows: the perplexity cost then swung by several percent with the
+  CPU's float rounding (see ``Int8DynamicLinear``).
 """
 from __future__ import annotations
 
@@ -164,10 +168,10 @@ def int4_unpack_scales(packed_scales: torch.Tensor, use_native: bool = False) ->
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor,
             use_native: bool = False) -> torch.Tensor:
     """``x [M, K] bf16`` times the int4 weight packed by :func:`int4_pack` (same ``use_native``), scales and zeros
-    from :func:`int4_pack_scales`. Native tiles: ``int4_gemv`` up to ``native.int4_gemv_max_rows`` rows, above that
+    from :func:`int4_pack_scales`. Native tiles: ``int4_gemv`` up to ``native.MAX_ROWS["int4"]`` rows, above that
     ``int4_linear`` (the weight de-quantised into the kept bf16 buffer for one oneDNN/AMX GEMM)."""
     if use_native:
-        if x.shape[0] <= native.int4_gemv_max_rows:
+        if x.shape[0] <= native.MAX_ROWS["int4"]:
             return torch.ops.splice_kernels.int4_gemv(x, packed, scales_and_zeros, group)
         return torch.ops.splice_kernels.int4_linear(x, packed, scales_and_zeros, group)
     if x.device.type == "cuda":
@@ -198,54 +202,3 @@ def int4_unpack_by_kernel(packed: torch.Tensor, n: int, k: int, group: int) -> t
     eye = torch.eye(k, dtype=COMPUTE_DTYPE, device=packed.device)
     rows = [int4_mm(eye[start:start + 256], packed, group, identity_sz) for start in range(0, k, 256)]
     return torch.cat(rows).t().round().to(torch.uint8)
-
-
-# ---- W8A8 -----------------------------------------------------------------------------------------------------------
-def dynamic_int8_prepack(qweight: torch.Tensor) -> torch.Tensor:
-    """The weight in the form :func:`dynamic_int8_mm` reads: oneDNN's blocked layout on CPU, ``[K, N]`` on CUDA."""
-    if qweight.device.type == "cuda":
-        return qweight.t()
-    return torch.ops.onednn.qlinear_prepack(qweight, None)
-
-
-def dynamic_int8_unpack(packed: torch.Tensor) -> torch.Tensor:
-    """``qweight [N, K]`` int8 back from :func:`dynamic_int8_prepack`."""
-    return (packed if packed.device.type == "cuda" else packed.to_dense()).t().contiguous()
-
-
-def dynamic_int8_mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x [M, K]`` quantized to int8 per row on the fly (symmetric), times the int8 weight; result in float32.
-
-    oneDNN takes one activation scale per tensor, so each row is first divided by its own absolute max and the output
-    rows are multiplied back: ``(D x) W^T = D (x W^T)`` for a diagonal ``D``. One scale for the whole tensor costs
-    SmolLM2-135M +103 % perplexity (outlier channels); one per row +3.4 %.
-    """
-    if x.device.type == "cuda":
-        return _dynamic_int8_mm_cuda(x, packed, scales)
-    qx, row_scales = qmath.quantize_activation_per_row(x)
-    return onednn_int8_linear((qx.to(torch.int16) + 128).to(torch.uint8), packed, scales) * (row_scales * 127)
-
-
-@torch.library.custom_op("splice::onednn_int8_linear", mutates_args=())
-def onednn_int8_linear(qx: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``(qx - 128) / 127 @ (packed * scales).T`` in float32: uint8 activations (zero point 128, scale 1/127) times
-    oneDNN-packed int8 weights. An opaque op for ``torch.compile``: Inductor's own lowering of ``qlinear_pointwise``
-    insists on a frozen (constant) weight, while splice's weights are module buffers."""
-    unit = torch.full((), 1 / 127, device=qx.device)
-    zero = torch.full((), 128, dtype=torch.int64, device=qx.device)
-    weight_zeros = torch.zeros_like(scales, dtype=torch.int64)
-    return torch.ops.onednn.qlinear_pointwise.tensor(qx, unit, zero, packed, scales, weight_zeros, None, 1.0, 0,
-                                                     torch.float32, "none", [], "")
-
-
-@onednn_int8_linear.register_fake
-def _(qx: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return qx.new_empty((qx.shape[0], scales.shape[0]), dtype=torch.float32)
-
-
-def _dynamic_int8_mm_cuda(x: torch.Tensor, packed_kn: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Per-row symmetric int8 x per-channel int8 with ``torch._int_mm`` (needs M > 16: rows are padded to 32)."""
-    rows = x.shape[0]
-    qx, x_scales = qmath.quantize_activation_per_row(qmath.pad_to(x, 0, 32) if rows <= 16 else x)
-    acc = torch._int_mm(qx, packed_kn)[:rows]
-    return acc.float() * x_scales[:rows] * scales.float()

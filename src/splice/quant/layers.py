@@ -1,8 +1,8 @@
 """Quantized linear layers: each holds its packed weight and scales (never a float copy) and calls its kernel.
 
-All three take any float input ``[..., in_features]``, run the kernel with bf16 activations, and return the input's
+All of them take any float input ``[..., in_features]``, run the kernel with bf16 activations, and return the input's
 dtype. The bias stays in float. ``state_dict()`` holds a device-independent form (``qweight`` plus scales); layers
-whose kernel wants another layout (int4, W8A8 on CPU) repack it when loading. On CPUs where ``splice.native`` builds,
+whose kernel wants another layout (int4) repack it when loading. On CPUs where ``splice.native`` builds,
 per-channel int8 runs its ``int8_gemv`` for up to 8 rows and int4 keeps splice's tile layout for ``int4_gemv``
 (decided once per layer, when it is built: its ``use_native``).
 """
@@ -252,56 +252,28 @@ class Int4WeightOnlyLinear(_RepackedWeight):
         return _nbytes(self.packed) + _nbytes(self.packed_scales)
 
 
-class Int8DynamicLinear(_RepackedWeight):
-    """W8A8: int8 weights per output channel (float32 scales) times activations quantized to int8 per row on every
-    call (oneDNN's int8 GEMM on CPU, ``torch._int_mm`` on CUDA). Saved form: ``qweight [N, K]`` int8."""
+class Int8DynamicLinear(Int8WeightOnlyLinear):
+    """W8A8: int8 weights with one scale per output channel (``qweight [N, K]``, ``scales [N]``), times activations
+    rounded to int8 on every call, one symmetric scale per row and block of ``qmath.ACTIVATION_BLOCK`` input elements
+    (as llama.cpp's Q8_0 activations). The products run on the per-channel int8 kernels (splice's native GEMV for
+    decode rows, de-quantise + one GEMM for prefill; torch's kernels elsewhere), so every CPU and CUDA computes the
+    same thing.
+
+    Why blocks, not one scale per row (torch's and oneDNN's dynamic quantization): one outlier channel sets a row's
+    scale and flattens every other value in it, and the model's outputs then swing with tiny numerical differences
+    (the same model's perplexity moved by several percent between two CPUs' float rounding). With blocks of 32 the
+    activation rounding costs far less and no longer depends on the CPU.
+    """
 
     kind = "int8_dynamic"
-
-    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, qweight: torch.Tensor,
-                 scales: torch.Tensor) -> None:
-        super().__init__(in_features, out_features, bias)
-        self.register_buffer("scales", scales.float())
-        self.register_buffer("packed", torch.empty(0, dtype=torch.int8), persistent=False)
-        self._pack(qweight)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig) -> Int8DynamicLinear:
         q, scales = qmath.quantize_int8(weight)
         return cls(weight.shape[1], weight.shape[0], bias, q, scales[:, 0])
 
-    @classmethod
-    def empty(cls, in_features: int, out_features: int, bias: bool, config: QuantConfig,
-              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Int8DynamicLinear:
-        return cls(in_features, out_features, _zero_bias(bias, out_features, device, dtype),
-                   torch.zeros(out_features, in_features, dtype=torch.int8, device=device),
-                   torch.ones(out_features, device=device))
-
-    def _pack(self, qweight: torch.Tensor) -> None:
-        self.packed = kernels.dynamic_int8_prepack(qweight)
-        self.packed_on = qweight.device.type
-
-    def _qweight(self) -> torch.Tensor:
-        return kernels.dynamic_int8_unpack(self.packed)
-
-    def _saved_form(self) -> dict[str, torch.Tensor]:
-        return {"qweight": self._qweight()}
-
-    def _saved_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        return {"qweight": ((self.out_features, self.in_features), torch.int8)}
-
-    def _load_saved_form(self, saved: dict[str, torch.Tensor]) -> None:
-        self._pack(saved["qweight"])
-
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        self._check_device(x)
-        return kernels.dynamic_int8_mm(x, self.packed, self.scales.float())
-
-    def dequantize(self) -> torch.Tensor:
-        return qmath.dequantize_int8(self._qweight(), self.scales[:, None])
-
-    def weight_nbytes(self) -> int:
-        return self.in_features * self.out_features + _nbytes(self.scales)
+        return super()._matmul(qmath.round_activations(x))
 
 
 def _zero_bias(bias: bool, out_features: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor | None:

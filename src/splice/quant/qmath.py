@@ -114,11 +114,18 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([packed >> 4, packed & 15], dim=-1).reshape(packed.shape[0], -1)
 
 
-def quantize_activation_per_row(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic symmetric int8 per row: ``(qx int8 [M, K], scales float32 [M, 1])``."""
-    x = x.float()
-    scales = x.abs().amax(dim=-1, keepdim=True).clamp(min=_EPS) / 127
-    return torch.round(x / scales).clamp(-127, 127).to(torch.int8), scales
+ACTIVATION_BLOCK = 32  # input elements per activation scale in W8A8 (llama.cpp's Q8_0 block)
+
+
+def round_activations(x: torch.Tensor, block: int = ACTIVATION_BLOCK) -> torch.Tensor:
+    """``x [M, K]`` rounded to symmetric int8 per row and block of ``block`` input elements (``K`` zero-padded): each
+    block's values become ``q * scale`` with ``q`` in -127..127 and ``scale`` = the block's absolute max / 127, returned
+    in ``x``'s dtype."""
+    rows, k = x.shape
+    blocks = pad_to(x.float(), 1, block).reshape(rows, -1, block)
+    scales = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=_EPS) / 127
+    q = torch.round(blocks / scales).clamp_(-127, 127)
+    return (q * scales).reshape(rows, -1)[:, :k].to(x.dtype)
 
 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
