@@ -641,17 +641,35 @@ inline float horizontal_sum(__m256 v) {
 
 at::Tensor to_float(const at::Tensor& x) { return x.to(at::kFloat).contiguous(); }
 
-// Four weight rows (R) against M rows of x; 32 columns per step (one 64-byte line per weight row), then 8 at a time,
-// then one. Widen loads 8 weights as floats; the prefetch hint for the next line is the caller's (Prefetch).
-template <int M, int R, typename Widen, typename Prefetch, typename T>
-void rows_dot(const float* x, const T* base, int64_t k, Widen widen, Prefetch prefetch_next, float sums[M][R]) {
+inline __m256 widen(const at::BFloat16* p) { return bf16x8_to_f32(p); }
+inline __m256 widen(const int8_t* p) { return int8x8_to_f32(p); }
+
+// The software prefetch of one 32-column step. bf16: a block's R rows are contiguous, so R lines a step walk it in
+// order. int8: a row's step is half a line, so two lines a step walk the next block's rows in the order they will be
+// read (each row's next line every other step).
+template <int R>
+inline void prefetch_step(const at::BFloat16* base, int64_t k, int64_t c) {
+  const char* stream = reinterpret_cast<const char*>(base);
+  for (int r = 0; r < R; ++r) prefetch(stream + R * c * 2 + PREFETCH_BYTES + 64 * r);
+}
+
+template <int R>
+inline void prefetch_step(const int8_t* base, int64_t k, int64_t c) {
+  const int64_t step = c / 32;
+  prefetch(base + (R + (2 * step) % R) * k + c);
+  prefetch(base + (R + (2 * step + 1) % R) * k + c);
+}
+
+// Four weight rows (R) against M rows of x; 32 columns per step, then 8 at a time, then one: sums[m][r] in float32.
+template <int M, int R, typename T>
+void rows_dot(const float* x, const T* base, int64_t k, float sums[M][R]) {
   __m256 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
   const int64_t k32 = k / 32 * 32, k8 = k / 8 * 8;
   int64_t c = 0;
   for (; c < k32; c += 32) {
-    prefetch_next(c);
+    prefetch_step<R>(base, k, c);
     for (int64_t j = 0; j < 32; j += 8) {
       __m256 wv[R];
       for (int r = 0; r < R; ++r) wv[r] = widen(base + r * k + c + j);
@@ -677,15 +695,10 @@ void rows_dot(const float* x, const T* base, int64_t k, Widen widen, Prefetch pr
     }
 }
 
-// bf16: the block's R rows are contiguous, so one linear prefetch per row and step walks the block in order.
 template <int M, int R>
 void bf16_rows(const float* x, const at::BFloat16* w, int64_t k, int64_t n0, at::BFloat16* out, int64_t n_total) {
-  const at::BFloat16* base = w + n0 * k;
-  const char* stream = reinterpret_cast<const char*>(base);
   float sums[M][R];
-  rows_dot<M, R>(x, base, k, [](const at::BFloat16* p) { return bf16x8_to_f32(p); }, [&](int64_t c) {
-    for (int r = 0; r < R; ++r) prefetch(stream + R * c * 2 + PREFETCH_BYTES + 64 * r);
-  }, sums);
+  rows_dot<M, R>(x, w + n0 * k, k, sums);
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) out[m * n_total + n0 + r] = at::BFloat16(sums[m][r]);
 }
@@ -703,18 +716,11 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   return out;
 }
 
-// int8: 32 bytes per row and step; the prefetch walks the next block's rows in the order they will be read, two
-// lines per step (each row's next line every other step).
 template <int M, int R>
 void int8_rows(const float* x, const int8_t* w, const at::BFloat16* scales, int64_t k, int64_t n0, at::BFloat16* out,
                int64_t n_total) {
-  const int8_t* base = w + n0 * k;
   float sums[M][R];
-  rows_dot<M, R>(x, base, k, [](const int8_t* p) { return int8x8_to_f32(p); }, [&](int64_t c) {
-    const int64_t step = c / 32;
-    prefetch(base + (R + (2 * step) % R) * k + c);
-    prefetch(base + (R + (2 * step + 1) % R) * k + c);
-  }, sums);
+  rows_dot<M, R>(x, w + n0 * k, k, sums);
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r)
       out[m * n_total + n0 + r] = at::BFloat16(sums[m][r] * static_cast<float>(scales[n0 + r]));
@@ -735,8 +741,10 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 }
 
 // int4: lanes are weight rows, a 16-row tile is two halves of 8. Nibble slot s of a word (column ORDER[s] of the
-// chunk) becomes a float by shift, mask and conversion, and is multiply-added with the broadcast x column. Per group:
-// y += scale * dot + (zero - 8 * scale) * sum(x), the codes q being 0..15.
+// chunk) is shifted to bits 16-19 and OR-ed into the float 1.0, which gives 1 + q / 128 exactly (no conversion
+// instruction; its product with a bf16 x is exact in float32), multiply-added with the broadcast x column. So the
+// dot is sum(x) + sum(q x) / 128, and per group y += 128 * scale * dot + (zero - 136 * scale) * sum(x) for codes q
+// in 0..15, value (q - 8) * scale + zero.
 constexpr int ORDER[8] = {0, 2, 4, 6, 1, 3, 5, 7};
 
 std::vector<float> group_sums(const float* x, int64_t m, int64_t k, int64_t group) {
@@ -761,7 +769,7 @@ void int4_tile(const float* x, const float* xsum, const int32_t* w, const at::BF
   const int32_t* base = w + tile * chunks * TILE;
   const at::BFloat16* tile_sz = sz + tile * groups * TILE * 2;
   const char* stream = reinterpret_cast<const char*>(base);
-  const __m256i nibble = _mm256_set1_epi32(15);
+  const __m256i nibble = _mm256_set1_epi32(0x000F0000), one = _mm256_set1_epi32(0x3F800000);
   __m256 acc[M][2];
   for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -774,8 +782,11 @@ void int4_tile(const float* x, const float* xsum, const int32_t* w, const at::BF
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + c * TILE + 8))};
       for (int s = 0; s < 8; ++s) {
         __m256 v[2];
-        for (int h = 0; h < 2; ++h)
-          v[h] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(q[h], 4 * s), nibble));
+        for (int h = 0; h < 2; ++h) {
+          const __m256i at_16 = s < 4 ? _mm256_slli_epi32(q[h], 16 - 4 * s)
+                                      : s == 4 ? q[h] : _mm256_srli_epi32(q[h], 4 * s - 16);
+          v[h] = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(at_16, nibble), one));
+        }
         for (int m = 0; m < M; ++m) {
           const __m256 xv = _mm256_broadcast_ss(x + m * k + c * 8 + ORDER[s]);
           for (int h = 0; h < 2; ++h) dot[m][h][s & 1] = _mm256_fmadd_ps(v[h], xv, dot[m][h][s & 1]);
@@ -786,9 +797,10 @@ void int4_tile(const float* x, const float* xsum, const int32_t* w, const at::BF
       const __m256i s_z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile_sz + (g * TILE + 8 * h) * 2));
       const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(s_z, 16));
       const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(s_z, _mm256_set1_epi32(0xFFFF0000)));
-      const __m256 offset = _mm256_fnmadd_ps(scale, _mm256_set1_ps(8.0f), zero);
+      const __m256 offset = _mm256_fnmadd_ps(scale, _mm256_set1_ps(136.0f), zero);
+      const __m256 dot_scale = _mm256_mul_ps(scale, _mm256_set1_ps(128.0f));
       for (int m = 0; m < M; ++m) {
-        acc[m][h] = _mm256_fmadd_ps(_mm256_add_ps(dot[m][h][0], dot[m][h][1]), scale, acc[m][h]);
+        acc[m][h] = _mm256_fmadd_ps(_mm256_add_ps(dot[m][h][0], dot[m][h][1]), dot_scale, acc[m][h]);
         acc[m][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum[m * groups + g]), acc[m][h]);
       }
     }
