@@ -232,8 +232,8 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
 
 // ---- int8 ---------------------------------------------------------------------------------------------------------
 // x is widened to float once; four weight rows at a time, 16 columns per step (sign-extend, convert, multiply-add).
-// The prefetch walks the next block's four rows in the order they will be read (a linear prefetch over the block,
-// as bf16 uses, was 7 % slower here: an int8 row is short, so the four row streams sit within a few pages).
+// The prefetch walks the next block's four rows in the order they will be read (faster than a linear prefetch over
+// the block, as bf16 uses: an int8 row is short, so the four row streams sit within a few pages).
 template <int M, int R>
 void int8_rows(const float* x, const int8_t* w, const at::BFloat16* scales, int64_t k, int64_t n0, at::BFloat16* out,
                int64_t n_total) {
@@ -263,10 +263,8 @@ void int8_rows(const float* x, const int8_t* w, const at::BFloat16* scales, int6
 // bf16 as it streams is already that layout) and x the b operand (column pairs x rows of x, prepared once per call),
 // so the sums tile is [16 weight rows x M] and each weight row gets its scale once, at the end. 64 columns per step:
 // every row's cache line is converted whole (sign-extend, convert exactly to float, round to bf16: int8 fits bf16).
-// Measured (40 layers on 2 MiB pages, 2 threads, us per layer; AMX vs int8_rows vs oneDNN's bf16 linear):
-//   5632x2048: 3 rows 733 / 545 / 1028, 4 rows 754 / 635 / 1046, 8 rows 773 / 1278 / 1064, 16 rows 856 / 2413 / 1066
-//   2048x5632: 3 rows 550 / 524 / 962,  4 rows 561 / 635 / 969,  8 rows 588 / 1192 / 983,  16 rows 663 / 2301 / 1009
-// so AMX from INT8_AMX_MIN_ROWS rows (converting the weight to bf16 costs more than int4's decode, hence later).
+// AMX from INT8_AMX_MIN_ROWS rows, where it beats int8_rows (docs/kernels.md has the measurements): converting the
+// weight to bf16 costs more than int4's decode, hence later than int4.
 constexpr int64_t INT8_AMX_MIN_ROWS = 5;
 __attribute__((target("amx-tile,amx-bf16")))
 void int8_amx_blocks(const int32_t* x_pairs, int64_t m, const int8_t* w, const at::BFloat16* scales, int64_t n,
@@ -442,9 +440,8 @@ void int4_tile(const at::BFloat16* x, const float* xsum, const int32_t* w, const
 // 4 * chunk + p holds pairs p of that chunk, 16 weight rows x (k, k + 1). So per group the tile's slices are decoded
 // once into a buffer in L1; then for every 16 rows of x, TDPBF16PS sums them against x's columns (the A tile, read
 // from x in place), and the [rows x 16] float sums get the group's scale and offset as in int4_tile. The decoding is
-// paid once for all rows, where int4_tile pays a dot product per row and column pair: measured on a TinyLlama-shaped
-// 5632x2048 g32 layer (2 threads), AMX vs int4_tile 427 vs 598 us at 4 rows, 471 vs 1014 at 8, 552 vs 1976 at 16;
-// at one or two rows the round trip of the decoded tiles through L1 makes it slower (416 vs 269 us at one row).
+// paid once for all rows, where int4_tile pays a dot product per row and column pair; at one or two rows the round
+// trip of the decoded tiles through L1 makes it slower (docs/kernels.md has the measurements).
 // Tiles [t_begin, t_end) for all m rows of x (x holds whole AMX_ROWS chunks of rows when m > AMX_ROWS: padded).
 __attribute__((target("amx-tile,amx-bf16")))
 void int4_amx_tiles(const at::BFloat16* x, int64_t m, const float* xsum, const int32_t* w, const at::BFloat16* sz,
