@@ -37,6 +37,34 @@ def test_info_reports_pipeline_as_json():
     assert info["dtype"] == "torch.bfloat16" and info["device"] == "cpu"
     assert [s["step"] for s in info["pipeline"]][0] == "dtype"
     assert info["parameter_bytes"] == info["parameters"] * 2
+    assert set(info["machine"]) >= {"cpu", "native", "kernels"}
+
+
+def _machine_here() -> dict:
+    from splice.machine import describe_machine
+
+    return describe_machine()
+
+
+def test_info_machine_prints_cpu_and_level_without_a_model():
+    result = run("info", "--machine", "--model", "no-such-model", timeout=120)
+    assert result.returncode == 0, result.stderr
+    here = _machine_here()
+    assert result.stdout.startswith("machine\n") and here["cpu"]["model"] in result.stdout
+    native = here["native"]
+    assert (f"level            {native['level']} " in result.stdout if native["available"]
+            else native["reason"] in result.stdout)
+    assert "pipeline" not in result.stdout and "parameters" not in result.stdout
+
+
+def test_info_machine_json_has_the_machine_only():
+    result = run("info", "--machine", "--json", timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    here = _machine_here()
+    assert list(report) == ["machine"]
+    assert report["machine"]["cpu"]["model"] == here["cpu"]["model"]
+    assert report["machine"]["native"]["level"] == here["native"]["level"]
 
 
 def test_bad_option_is_a_clear_error():

@@ -148,10 +148,14 @@ def print_tp_plan(args: argparse.Namespace) -> int:
 
 # --- splice info ----------------------------------------------------------------------------------------------------
 def add_info_parser(commands) -> None:
-    parser = commands.add_parser("info", help="show what the pipeline does to a model",
-                                 description="Run init_inference on the model and print what each transform did.")
+    parser = commands.add_parser("info", help="show what the pipeline does to a model, and what the machine gives",
+                                 description="Run init_inference on the model and print what each transform did, then "
+                                             "the machine: CPU, instruction sets, splice's native kernels and the "
+                                             "kernel each kind of linear runs.")
     add_model_options(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--machine", action="store_true",
+                        help="print only the machine section, without loading a model (model options are ignored)")
     parser.set_defaults(run=run_info)
 
 
@@ -173,12 +177,19 @@ def describe_engine(engine) -> dict[str, Any]:
 
 
 def run_info(args: argparse.Namespace) -> int:
+    from .machine import describe_machine, render_machine
+
+    if args.machine:
+        machine = describe_machine()
+        print(json.dumps({"machine": machine}, indent=2) if args.json else render_machine(machine))
+        return 0
     if args.tp is not None and args.tp > 1 and "WORLD_SIZE" not in os.environ:
         return print_tp_plan(args)
     start = time.perf_counter()
     engine, _ = build_engine(args)
     info = describe_engine(engine)
     info["init_seconds"] = round(time.perf_counter() - start, 2)
+    info["machine"] = describe_machine()
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -186,6 +197,7 @@ def run_info(args: argparse.Namespace) -> int:
         print(f"  {step['step']:<16} {step['did']}")
     for key in ("model", "dtype", "device", "parameters", "parameter_bytes", "buffer_bytes", "init_seconds"):
         print(f"{key:<16} {info[key]:,}" if isinstance(info[key], int) else f"{key:<16} {info[key]}")
+    print(render_machine(info["machine"]))
     return 0
 
 

@@ -1,0 +1,168 @@
+"""The machine report: its shape, that it follows the native kernels' level and row limits, and that it says why
+torch's kernels run where splice's native ones do not. Expectations come from this machine, whatever its CPU."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from splice import machine, native
+from splice.quant import kernels
+
+REPORT_KEYS = {"cpu", "isa_features", "native", "kernels", "huge_pages", "memory"}
+GEMV_KINDS = {"bf16": "bf16_gemv", "int8": "int8_gemv", "int4": "int4_gemv"}
+NATIVE_MISSING = None if native.available() else machine.native_unavailable_reason()
+needs_native = pytest.mark.skipif(NATIVE_MISSING is not None,
+                                  reason=f"splice's native kernels are not available here: {NATIVE_MISSING}")
+
+
+def _report_in_subprocess(**env: str) -> dict:
+    code = "import json; from splice.machine import describe_machine; print(json.dumps(describe_machine()))"
+    result = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def _skip_unless_level_runs(level: str) -> None:
+    if NATIVE_MISSING is not None:
+        pytest.skip(f"splice's native kernels are not available here: {NATIVE_MISSING}")
+    if level not in native.supported_isas():
+        pytest.skip(f"this machine cannot run the {level} kernels (it needs CPU flags "
+                    f"{', '.join(native.ISA_FLAGS[level])}; levels here: {', '.join(native.supported_isas())})")
+
+
+def _entries(report: dict, kernel_prefix: str) -> list[dict]:
+    return [entry for entry in report["kernels"] if entry["kernel"].startswith(kernel_prefix)]
+
+
+def test_report_keys_and_types():
+    report = machine.describe_machine()
+    assert set(report) == REPORT_KEYS
+    cpu = report["cpu"]
+    assert isinstance(cpu["model"], str) and cpu["model"]
+    assert cpu["logical_cores"] == os.cpu_count() and cpu["torch_threads"] == torch.get_num_threads()
+    assert cpu["torch_version"] == torch.__version__
+    assert cpu["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert list(report["isa_features"]) == list(machine.ISA_FEATURES)
+    assert all(isinstance(has, bool) for has in report["isa_features"].values())
+    assert isinstance(report["huge_pages"]["used_by_splice"], bool)
+    assert report["huge_pages"]["mode"] in (None, "always", "madvise", "never")
+    assert all(size is None or (isinstance(size, int) and size > 0) for size in report["memory"].values())
+    assert all(set(entry) == {"linear", "min_rows", "max_rows", "kernel", "why"} for entry in report["kernels"])
+    json.dumps(report)  # the --json form
+
+
+def test_isa_features_cover_every_level_and_match_the_cpu_flags():
+    report = machine.describe_machine()
+    for flags in native.ISA_FLAGS.values():
+        assert set(flags) <= set(machine.ISA_FEATURES)
+    assert report["isa_features"] == {flag: flag in native._cpu_flags() for flag in machine.ISA_FEATURES}
+
+
+def test_native_section_follows_the_native_module():
+    info = machine.describe_machine()["native"]
+    assert info["available"] == native.available()
+    assert info["level"] == native.isa()
+    assert info["levels_here"] == list(native.supported_isas())
+    assert [level["level"] for level in info["levels"]] == list(native.ISA_LEVELS)
+    for level in info["levels"]:
+        assert level["runs_here"] == (level["level"] in native.supported_isas())
+        assert (level["why_not"] is None) == level["runs_here"]
+    if native.available():
+        assert info["reason"] is None and info["max_rows"] == native.MAX_ROWS
+        assert info["level_description"] == native.ISA_DESCRIPTIONS[native.isa()]
+
+
+def test_kernel_table_row_ranges_run_from_one_row_to_no_limit():
+    entries_by_linear: dict[str, list[dict]] = {}
+    for entry in machine.describe_machine()["kernels"]:
+        entries_by_linear.setdefault(entry["linear"], []).append(entry)
+    for linear, entries in entries_by_linear.items():
+        assert entries[0]["min_rows"] == 1, linear
+        assert entries[-1]["max_rows"] is None, linear
+        for before, after in zip(entries, entries[1:]):
+            assert after["min_rows"] == before["max_rows"] + 1, linear
+
+
+@needs_native
+def test_kernel_table_row_limits_are_native_max_rows():
+    report = machine.describe_machine()
+    for kind, op in GEMV_KINDS.items():
+        gemv = _entries(report, f"splice_kernels.{op}")
+        assert gemv, kind
+        assert gemv[0]["min_rows"] == 1 and gemv[-1]["max_rows"] == native.MAX_ROWS[kind]
+        after = [entry for entry in report["kernels"]
+                 if entry["linear"] == gemv[-1]["linear"] and entry["min_rows"] == native.MAX_ROWS[kind] + 1]
+        assert len(after) == 1 and op not in after[0]["kernel"], kind
+
+
+@needs_native
+def test_int8_table_hands_over_to_torch_then_prefill_at_its_constants():
+    entries = [entry for entry in machine.describe_machine()["kernels"]
+               if entry["linear"] == "int8 weight-only, per channel"]
+    prefill = entries[-1]
+    assert prefill["kernel"] == "splice_kernels.int8_linear"
+    assert prefill["min_rows"] == max(native.MAX_ROWS["int8"], kernels.INT8_KERNEL_MAX_ROWS) + 1
+
+
+def test_avx2_level_is_reported():
+    _skip_unless_level_runs("avx2")
+    with native.use_isa("avx2"):
+        report = machine.describe_machine()
+    assert report["native"]["level"] == "avx2"
+    assert report["native"]["level_description"] == native.ISA_DESCRIPTIONS["avx2"]
+    assert report["native"]["max_rows"] == native.ROW_LIMITS["avx2"]
+    assert not any("AMX" in entry["why"] for entry in report["kernels"])
+    assert "level            avx2" in machine.render_machine(report)
+
+
+def test_amx_level_puts_batches_on_tiles_from_gemv_constants():
+    _skip_unless_level_runs("amx")
+    with native.use_isa("amx"):
+        report = machine.describe_machine()
+    tiles = [entry for entry in report["kernels"] if "AMX tiles" in entry["why"]]
+    assert {entry["min_rows"] for entry in tiles} == {machine.native_source_constant("INT8_AMX_MIN_ROWS"),
+                                                       machine.native_source_constant("AMX_MIN_ROWS")}
+    amx_limits = native.ROW_LIMITS["amx"]
+    assert {entry["max_rows"] for entry in tiles} == {amx_limits["int8"], amx_limits["int4"]}
+
+
+def test_native_source_constant_names_what_is_missing():
+    assert machine.native_source_constant("AMX_ROWS") > 0
+    with pytest.raises(LookupError, match="NO_SUCH_CONSTANT"):
+        machine.native_source_constant("NO_SUCH_CONSTANT")
+
+
+def test_native_kernels_off_means_torch_kernels_and_the_reason():
+    report = _report_in_subprocess(SPLICE_NATIVE_KERNELS="0")
+    info = report["native"]
+    assert info["available"] is False and info["level"] is None and info["max_rows"] is None
+    assert "SPLICE_NATIVE_KERNELS=0" in info["reason"]
+    assert not _entries(report, "splice_kernels.")
+    for linear in ("bf16, kernel injection", "int8 weight-only, per channel", "int4 weight-only"):
+        entries = [entry for entry in report["kernels"] if entry["linear"] == linear]
+        assert entries and all(info["reason"] in entry["why"] for entry in entries), linear
+    assert report["huge_pages"]["used_by_splice"] is False
+
+
+def test_environment_cap_is_named_as_what_chose_the_level():
+    levels = native.supported_isas()
+    if len(levels) < 2:
+        pytest.skip(f"one level or none runs here ({', '.join(levels) or 'none'}): nothing to cap")
+    info = _report_in_subprocess(SPLICE_NATIVE_ISA=levels[0])["native"]
+    assert info["level"] == levels[0]
+    assert f"SPLICE_NATIVE_ISA={levels[0]}" in info["level_chosen_by"]
+
+
+def test_text_form_names_the_cpu_the_level_and_every_linear():
+    report = machine.describe_machine()
+    text = machine.render_machine(report)
+    assert report["cpu"]["model"] in text
+    assert (f"level            {report['native']['level']}" in text if report["native"]["available"]
+            else report["native"]["reason"] in text)
+    assert all(entry["linear"] in text and entry["kernel"] in text for entry in report["kernels"])
