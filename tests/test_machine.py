@@ -121,21 +121,15 @@ def test_avx2_level_is_reported():
     assert "level            avx2" in machine.render_machine(report)
 
 
-def test_amx_level_puts_batches_on_tiles_from_gemv_constants():
+def test_amx_level_puts_batches_on_tiles_where_the_kernels_do():
     _skip_unless_level_runs("amx")
     with native.use_isa("amx"):
         report = machine.describe_machine()
     tiles = [entry for entry in report["kernels"] if "AMX tiles" in entry["why"]]
-    assert {entry["min_rows"] for entry in tiles} == {machine.native_source_constant("INT8_AMX_MIN_ROWS"),
-                                                       machine.native_source_constant("AMX_MIN_ROWS")}
+    thresholds = native.amx_thresholds()
+    assert {entry["min_rows"] for entry in tiles} == {thresholds["int8_min_rows"], thresholds["int4_min_rows"]}
     amx_limits = native.ROW_LIMITS["amx"]
     assert {entry["max_rows"] for entry in tiles} == {amx_limits["int8"], amx_limits["int4"]}
-
-
-def test_native_source_constant_names_what_is_missing():
-    assert machine.native_source_constant("AMX_ROWS") > 0
-    with pytest.raises(LookupError, match="NO_SUCH_CONSTANT"):
-        machine.native_source_constant("NO_SUCH_CONSTANT")
 
 
 def test_native_kernels_off_means_torch_kernels_and_the_reason():

@@ -143,14 +143,6 @@ def _level_missing_reason(missing: list[str]) -> str:
     return "Linux does not let this process use the AMX tile state"
 
 
-def native_source_constant(name: str) -> int:
-    """An integer ``constexpr`` of ``gemv.cpp`` (the AMX row thresholds live only there)."""
-    found = re.search(rf"\b{name}\s*=\s*(\d+)", native.SOURCE.read_text())
-    if found is None:
-        raise LookupError(f"{native.SOURCE} defines no integer constant {name}")
-    return int(found.group(1))
-
-
 # ---- which kernel each linear runs ----------------------------------------------------------------------------------
 def kernel_table() -> list[dict[str, Any]]:
     """One entry per kind of linear and range of activation rows (``max_rows`` None: no upper bound): the kernel that
@@ -192,7 +184,7 @@ def _vector_description() -> str:
 def bf16_native_rows() -> list[dict[str, Any]]:
     return _ranges("bf16, kernel injection", [
         (native.MAX_ROWS["bf16"], "splice_kernels.bf16_gemv",
-         f"NativeLinear: native GEMV ({_vector_description()} dot products) streams the weight for decode rows"),
+         f"NativeLinear: native GEMV ({_vector_description()} vector code) streams the weight for decode rows"),
         (None, "F.linear (oneDNN GEMM)", "NativeLinear, prefill: one oneDNN GEMM beats a GEMV per row")])
 
 
@@ -215,7 +207,7 @@ def _packed_or_plain(dtype: torch.dtype) -> str:
 
 def int8_native_rows() -> list[dict[str, Any]]:
     native_max, torch_max = native.MAX_ROWS["int8"], kernels.INT8_KERNEL_MAX_ROWS
-    steps = _amx_split(native_max, "int8_gemv", "INT8_AMX_MIN_ROWS") + [
+    steps = _amx_split(native_max, "int8_gemv") + [
         (torch_max, "torch._weight_int8pack_mm",
          f"torch's int8 GEMV (K a multiple of {kernels.INT8PACK_CPU_K_MULTIPLE}; other K: int8_linear)"),
         (None, "splice_kernels.int8_linear", PREFILL_WHY)]
@@ -223,23 +215,24 @@ def int8_native_rows() -> list[dict[str, Any]]:
 
 
 def int4_native_rows() -> list[dict[str, Any]]:
-    steps = _amx_split(native.MAX_ROWS["int4"], "int4_gemv", "AMX_MIN_ROWS") + [
+    steps = _amx_split(native.MAX_ROWS["int4"], "int4_gemv") + [
         (None, "splice_kernels.int4_linear", PREFILL_WHY)]
     return _ranges("int4 weight-only", steps)
 
 
-def _amx_split(native_max: int, op: str, amx_min_name: str) -> list[tuple[int | None, str, str]]:
-    """The native GEMV's steps up to ``native_max`` rows: vector dot products, and at the amx level AMX tiles from
-    ``gemv.cpp``'s ``amx_min_name`` rows (int8: up to one tile of ``AMX_ROWS`` rows)."""
+def _amx_split(native_max: int, op: str) -> list[tuple[int | None, str, str]]:
+    """The native GEMV's steps up to ``native_max`` rows: vector dot products, and at the amx level AMX tiles where
+    ``native.amx_thresholds()`` puts them (int8: up to one tile of rows)."""
     kernel = f"splice_kernels.{op}"
-    vector = f"native GEMV, {_vector_description()} dot products"
+    vector = f"native GEMV ({_vector_description()} vector code)"
     if not native.amx_ready():
         return [(native_max, kernel, vector)]
-    amx_min = native_source_constant(amx_min_name)
-    tiles = f"native GEMV on AMX tiles (from {amx_min} rows: {amx_min_name} in gemv.cpp)"
+    amx = native.amx_thresholds()
+    amx_min = amx["int4_min_rows"] if op == "int4_gemv" else amx["int8_min_rows"]
+    tiles = f"native GEMV on AMX tiles (from {amx_min} rows)"
     if op == "int4_gemv":
-        tiles += f"; groups not a multiple of {native_source_constant('AMX_COLUMNS')} stay on dot products"
-    amx_max = native_max if op == "int4_gemv" else min(native_max, native_source_constant("AMX_ROWS"))
+        tiles += f"; groups not a multiple of {amx['int4_group_multiple']} stay on dot products"
+    amx_max = native_max if op == "int4_gemv" else min(native_max, amx["int8_max_rows"])
     return [(min(amx_min - 1, native_max), kernel, vector), (amx_max, kernel, tiles), (native_max, kernel, vector)]
 
 

@@ -148,6 +148,17 @@ def amx_ready() -> bool:
     return available() and torch.ops.splice_kernels.amx_ready()
 
 
+def amx_thresholds() -> dict[str, int]:
+    """Where the AMX paths of the GEMVs start and stop (rows of activations), as ``gemv.cpp`` decides them:
+    ``int4_min_rows``, ``int8_min_rows``, ``int8_max_rows``, and ``int4_group_multiple`` (other int4 groups stay on
+    dot products)."""
+    if not available():
+        raise RuntimeError("splice's native kernels are not available here")
+    int4_min, int8_min, int8_max, columns = torch.ops.splice_kernels.amx_thresholds()
+    return {"int4_min_rows": int4_min, "int8_min_rows": int8_min, "int8_max_rows": int8_max,
+            "int4_group_multiple": columns}
+
+
 def release_prefill_buffer() -> int:
     """Free the bf16 buffer quantized layers de-quantise their weights into for prefill (kept between calls, the
     size of the largest weight seen; made again on the next prefill). Returns the bytes freed."""

@@ -876,6 +876,12 @@ void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t gro
 }  // namespace avx2
 #pragma GCC pop_options
 
+// Where the AMX paths start and stop, for reports: int4 from AMX_MIN_ROWS rows (groups a multiple of AMX_COLUMNS),
+// int8 from INT8_AMX_MIN_ROWS to AMX_ROWS rows.
+std::vector<int64_t> amx_thresholds() {
+  return {avx512::AMX_MIN_ROWS, avx512::INT8_AMX_MIN_ROWS, avx512::AMX_ROWS, avx512::AMX_COLUMNS};
+}
+
 // ---- the ops: checks, then the active level's kernel -----------------------------------------------------------------
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   check_isa("bf16_gemv");
@@ -978,6 +984,7 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("isa() -> int", &isa);
   lib.def("best_isa() -> int", &best_isa);
   lib.def("set_isa(int level) -> ()", &set_isa);
+  lib.def("amx_thresholds() -> int[]", &amx_thresholds);
   lib.def("prefill_buffer_bytes() -> int", &prefill_buffer_bytes);
   lib.def("release_prefill_buffer() -> ()", &release_prefill_buffer);
 }
