@@ -122,3 +122,38 @@ def test_table_puts_quantized_rows_beside_the_float_row_of_their_mode():
     assert cells["inject+int4+compile"] == ["-", "2.60x"]  # against inject+compile, not inject
     assert cells["inject+int8"] == ["1.60x", "1.60x"]
     assert cells["inject+compile"] == ["-", "-"]
+
+
+def test_isa_times_every_injected_row_at_each_level(tiny_bench, tmp_path, monkeypatch):
+    """``--isa avx2,<best>``: each kernel-injected row is timed once per level, with the native kernels at that level
+    while it runs (HF rows once, at no level)."""
+    from splice import native
+
+    if not native.available():
+        pytest.skip("splice's native kernels are not available here")
+    levels = ["avx2", native.supported_isas()[-1]]
+    seen = []
+
+    def fake_time(generate, prompt, new, repeat):
+        seen.append(native.isa())
+        return 1.0, 10.0, 100.0
+
+    monkeypatch.setattr(bench, "time_generate", fake_time)
+    out = tmp_path / "bench.json"
+    args = parse("--model", "tiny", "--dtype", "bf16", "--prompt", "8", "--new", "4", "--repeat", "1", "--modes",
+                 "hf,inject", "--quant", "int8", "--isa", ",".join(levels), "--json", str(out))
+    before = native.isa()
+    assert args.run(args) == 0
+    modes = [r["mode"] for r in json.loads(out.read_text())["results"]]
+    assert modes == ["hf"] + [f"inject@{level}" for level in levels] + [f"inject+int8@{level}" for level in levels]
+    assert seen == [before] + levels + levels and native.isa() == before
+
+
+def test_isa_names_the_levels_this_machine_runs(tiny_bench, tmp_path):
+    from splice import native
+
+    if not native.available():
+        pytest.skip("splice's native kernels are not available here")
+    args = parse("--isa", "sse2", "--json", str(tmp_path / "b.json"))
+    with pytest.raises(ValueError, match="--isa.*allowed values are " + ", ".join(native.supported_isas())):
+        args.run(args)

@@ -62,6 +62,9 @@ def add_bench_parser(subparsers) -> None:
                         help="also run the injected (and quantized) models with their decode step compiled "
                              "(compile_decode=True)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--isa", default="", help="comma-separated levels of splice's native kernels (avx2, avx512, "
+                        "amx) to time every kernel-injected row at, side by side (rows named mode@level; default: "
+                        "the active level only)")
     parser.add_argument("--json", default="splice-bench.json", help="where to write the results (JSON)")
     parser.add_argument("--plot", help="also draw the decode tokens/s bars to this image file (needs matplotlib)")
     parser.set_defaults(run=run_bench)
@@ -70,6 +73,7 @@ def add_bench_parser(subparsers) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     modes = _choices(args.modes, MODES, "--modes")
     schemes = _choices(args.quant, tuple(QUANT_SCHEMES), "--quant") if args.quant else []
+    args.isa_levels = _isa_levels(args.isa)
     if args.threads:
         torch.set_num_threads(args.threads)
     bandwidth = read_bandwidth_gbs()
@@ -114,10 +118,12 @@ def bench_configuration(args, dtype: str, batch: int, modes: list[str], bandwidt
             if run == "inject+compile":
                 engine.module.splice_runtime.compile_decode()
                 first_s = time_first_run(generate, prompt, args.new)
-            prefill_ms, tok_s, peak = time_generate(generate, prompt, args.new, args.repeat)
-            hf_speed = tok_s if run == "hf" else hf_speed
-            rows.append(Row(args.model, dtype, batch, run, prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
-                            tok_s / hf_speed if hf_speed else float("nan"), roofline, first_s))
+            for name, level in _runs_at_levels(run, args.isa_levels if run.startswith("inject") else []):
+                with _native_level(level):
+                    prefill_ms, tok_s, peak = time_generate(generate, prompt, args.new, args.repeat)
+                hf_speed = tok_s if run == "hf" else hf_speed
+                rows.append(Row(args.model, dtype, batch, name, prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
+                                tok_s / hf_speed if hf_speed else float("nan"), roofline, first_s))
     del model
     engine = generate = None  # noqa: F841 — the model lives on through these until collected
     gc.collect()
@@ -143,12 +149,36 @@ def bench_quantized(args, dtype: str, batch: int, schemes: list[str], bandwidth:
             if run.endswith("+compile"):
                 engine.module.splice_runtime.compile_decode()
                 first_s = time_first_run(engine.generate, prompt, args.new)
-            prefill_ms, tok_s, peak = time_generate(engine.generate, prompt, args.new, args.repeat)
-            rows.append(Row(args.model, dtype, batch, run, prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
-                            tok_s / hf_speed, roofline, first_s))
+            for name, level in _runs_at_levels(run, args.isa_levels):
+                with _native_level(level):
+                    prefill_ms, tok_s, peak = time_generate(engine.generate, prompt, args.new, args.repeat)
+                rows.append(Row(args.model, dtype, batch, name, prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
+                                tok_s / hf_speed, roofline, first_s))
         del engine, model
         gc.collect()
     return rows
+
+
+def _isa_levels(text: str) -> list[str]:
+    """``--isa``: levels of the native kernels this machine runs (empty: time at the active level only)."""
+    if not text:
+        return []
+    from . import native
+
+    return _choices(text, native.supported_isas(), "--isa (the levels this machine runs)")
+
+
+def _runs_at_levels(run: str, levels: list[str]) -> list[tuple[str, str | None]]:
+    """(row name, native level) for one run: ``mode@level`` per level, or the mode alone at the active level."""
+    return [(f"{run}@{level}", level) for level in levels] or [(run, None)]
+
+
+def _native_level(level: str | None):
+    from contextlib import nullcontext
+
+    from . import native
+
+    return nullcontext() if level is None else native.use_isa(level)
 
 
 def stored_weight_bytes(model) -> int:
