@@ -65,7 +65,7 @@ def peak_rss_mib() -> float:
 
 
 def load(tp: int, folder: Path, layers: int, dtype: torch.dtype):
-    """The model with its weights: tp=1 through splice's checkpoint loader, tp>1 through the tensor_parallel step."""
+    """The model with its weights: tp=1 through splice's checkpoint loader, tp>1 through the shard step."""
     model = meta_model(layers, dtype)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     if tp == 1:
@@ -74,13 +74,13 @@ def load(tp: int, folder: Path, layers: int, dtype: torch.dtype):
         return load_checkpoint(model, folder, "cpu", progress=False), total
     from splice.config import resolve_config
     from splice.distributed import build_parallel_context
-    from splice.pipeline import PipelineContext
-    from splice.transforms import tensor_parallel
+    from splice.plan import resolve
+    from splice.steps import Stage
+    from splice.steps.shard import shard
 
     cfg = resolve_config({"tensor_parallel": {"tp_size": tp}, "checkpoint": str(folder)})
-    ctx = PipelineContext(device=torch.device("cpu"), parallel=build_parallel_context(cfg, "cpu"))
-    tensor_parallel.check(model, cfg, ctx)
-    return tensor_parallel.shard_model(model, cfg, ctx), total
+    plan = resolve(cfg, model, build_parallel_context(cfg, "cpu"), torch.device("cpu"))
+    return shard(Stage(model), plan)[0].model, total
 
 
 def decode(model, prompt: int, new_tokens: int) -> dict:

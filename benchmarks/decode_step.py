@@ -36,11 +36,11 @@ def main() -> None:
     engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True,
                                    max_out_tokens=args.prompt + 8)
     steps = {"gemv": gemv_step(reference), "hf": hf_step(reference, args.prompt),
-             "splice": splice_step(engine.module.splice_runtime, args.prompt)}
+             "splice": splice_step(engine.runtime, args.prompt)}
     if args.compile:
         compiled = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True,
                                          compile_decode=True, max_out_tokens=args.prompt + 8)
-        steps["splice_compiled"] = splice_step(compiled.module.splice_runtime, args.prompt)
+        steps["splice_compiled"] = splice_step(compiled.runtime, args.prompt)
         start = time.perf_counter()
         with torch.inference_mode():
             steps["splice_compiled"]()

@@ -17,7 +17,7 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda'
 'transformers', transformers.__version__)"
 
 timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/quant/test_cuda.py tests/test_init.py \
-    tests/transforms/test_graphs.py 2>&1 | tail -25
+    tests/steps/test_compile.py 2>&1 | tail -25
 
 timeout 180 python3 - <<'PY'
 """Batch-1 and batch-8 time of one TinyLlama-shaped block's fused projections (x22 layers), bf16 vs quantized."""

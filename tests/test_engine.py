@@ -27,8 +27,8 @@ def test_init_inference_returns_engine_module(pair):
     engine = splice.init_inference(model)
     assert isinstance(engine, InferenceEngine) and isinstance(engine, torch.nn.Module)
     assert engine.module is model and not engine.module.training
-    assert [step for step, _ in engine.report] == ["dtype", "tensor_parallel", "inject", "quantize", "placement",
-                                                  "graphs"]
+    assert [report.step for report in engine.reports] == ["dtype", "load", "shard", "fuse", "quantize", "kernels",
+                                                          "place", "compile"]
 
 
 def test_forward_matches_reference_logits(pair):

@@ -10,16 +10,16 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import splice
 from splice.generation import generate, plan_request
-from splice.transforms.inject import inject
+from splice.steps.fuse import inject
 
 from .arch.tiny_models import FAMILIES, build_family, padded_batch
 
 
 def pair(model_type: str, max_out_tokens: int = 128):
+    """The HF model, and a fused copy with its decode runtime: ``generate(*fused, ...)``."""
     reference = build_family(model_type)
     model = copy.deepcopy(reference)
-    inject(model, max_out_tokens)
-    return reference, model
+    return reference, (model, inject(model, max_out_tokens))
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -30,7 +30,7 @@ def test_greedy_48_tokens_match_batch_1_and_padded_batch_3(model_type):
     with torch.inference_mode():
         for batch in ({"input_ids": ids[:1]}, {"input_ids": ids, "attention_mask": mask}):
             expected = reference.generate(**batch, **options)
-            got = generate(model, **batch, **options)
+            got = generate(*model, **batch, **options)
             assert got.shape == expected.shape == (batch["input_ids"].shape[0], 58)
             assert torch.equal(got, expected)
 
@@ -43,7 +43,7 @@ def test_sampling_matches_hf_with_the_same_seed():
     torch.manual_seed(3)
     expected = reference.generate(ids, attention_mask=mask, **options)
     torch.manual_seed(3)
-    assert torch.equal(generate(model, ids, attention_mask=mask, **options), expected)
+    assert torch.equal(generate(*model, ids, attention_mask=mask, **options), expected)
 
 
 def test_sampling_is_reproducible_and_top_k_1_is_greedy():
@@ -52,36 +52,36 @@ def test_sampling_is_reproducible_and_top_k_1_is_greedy():
     runs = []
     for _ in range(2):
         torch.manual_seed(7)
-        runs.append(generate(model, ids, attention_mask=mask, max_new_tokens=16, do_sample=True))
+        runs.append(generate(*model, ids, attention_mask=mask, max_new_tokens=16, do_sample=True))
     assert torch.equal(runs[0], runs[1])
-    greedy = generate(model, ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
-    top1 = generate(model, ids, attention_mask=mask, max_new_tokens=16, do_sample=True, top_k=1)
+    greedy = generate(*model, ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    top1 = generate(*model, ids, attention_mask=mask, max_new_tokens=16, do_sample=True, top_k=1)
     assert torch.equal(greedy, top1)
 
 
 def test_eos_list_stops_rows_and_pads_finished_ones():
     reference, model = pair("llama")
     ids, mask = padded_batch()
-    free = generate(model, ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
+    free = generate(*model, ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
     stop_ids = [int(free[0, 12]), int(free[1, 14]), int(free[2, 15])]  # a token each row emits
     options = dict(max_new_tokens=12, eos_token_id=stop_ids, pad_token_id=0)
     expected = reference.generate(ids, attention_mask=mask, **options)
-    got = generate(model, ids, attention_mask=mask, **options)
+    got = generate(*model, ids, attention_mask=mask, **options)
     assert torch.equal(got, expected) and got.shape[1] <= 16 and (got == 0).any()
 
 
 def test_generation_config_defaults_come_from_the_model():
     reference, model = pair("llama")
     ids, _ = padded_batch(batch=1)
-    for m in (reference, model):
+    for m in (reference, model[0]):
         m.generation_config.max_new_tokens = 9
         m.generation_config.eos_token_id = None
-    plan = plan_request(model, ids, None, {})
+    plan = plan_request(model[0], ids, None, {})
     assert plan.max_new_tokens == 9 and plan.eos is None
-    assert torch.equal(generate(model, ids), reference.generate(ids))
+    assert torch.equal(generate(*model, ids), reference.generate(ids))
     config = GenerationConfig(max_new_tokens=5, eos_token_id=None, pad_token_id=0)
     expected = reference.generate(ids, generation_config=config)
-    assert torch.equal(generate(model, ids, generation_config=config), expected)
+    assert torch.equal(generate(*model, ids, generation_config=config), expected)
 
 
 def test_return_dict_scores_and_logits():
@@ -90,7 +90,7 @@ def test_return_dict_scores_and_logits():
     options = dict(max_new_tokens=5, return_dict_in_generate=True, output_scores=True, output_logits=True,
                    eos_token_id=None)
     expected = reference.generate(ids, attention_mask=mask, **options)
-    got = generate(model, ids, attention_mask=mask, **options)
+    got = generate(*model, ids, attention_mask=mask, **options)
     assert isinstance(got, GenerateDecoderOnlyOutput)
     assert torch.equal(got.sequences, expected.sequences)
     assert len(got.scores) == len(got.logits) == 5
@@ -112,7 +112,7 @@ def test_streamer_sees_prompt_then_each_token():
     _, model = pair("llama")
     ids, _ = padded_batch(batch=1)
     recorder = Recorder()
-    out = generate(model, ids, max_new_tokens=6, eos_token_id=None, streamer=recorder)
+    out = generate(*model, ids, max_new_tokens=6, eos_token_id=None, streamer=recorder)
     assert recorder.ended and torch.equal(recorder.values[0], ids)
     assert torch.equal(torch.cat([v.view(-1) for v in recorder.values[1:]]), out[0, ids.shape[1]:])
 
@@ -121,23 +121,23 @@ def test_beam_search_falls_back_to_hf_on_the_fused_model():
     reference, model = pair("mistral")
     ids, mask = padded_batch()
     options = dict(max_new_tokens=12, num_beams=3, eos_token_id=None)
-    assert isinstance(plan_request(model, ids, None, {"attention_mask": mask, **options}), str)
+    assert isinstance(plan_request(model[0], ids, None, {"attention_mask": mask, **options}), str)
     expected = reference.generate(ids, attention_mask=mask, **options)
-    assert torch.equal(generate(model, ids, attention_mask=mask, **options), expected)
+    assert torch.equal(generate(*model, ids, attention_mask=mask, **options), expected)
 
 
 def test_options_hf_could_not_give_exactly_raise():
     _, model = pair("llama")
     ids, _ = padded_batch(batch=1)
     with pytest.raises(ValueError, match="output_hidden_states"):
-        generate(model, ids, max_new_tokens=2, return_dict_in_generate=True, output_hidden_states=True)
+        generate(*model, ids, max_new_tokens=2, return_dict_in_generate=True, output_hidden_states=True)
 
 
 def test_request_past_max_out_tokens_raises_before_work():
     _, model = pair("llama", max_out_tokens=16)
     ids, _ = padded_batch(batch=1)
     with pytest.raises(ValueError, match="max_out_tokens=16"):
-        generate(model, ids, max_new_tokens=7)
+        generate(*model, ids, max_new_tokens=7)
 
 
 def test_engine_generate_uses_the_native_loop(tiny_llama):
@@ -155,14 +155,14 @@ def test_engine_generate_uses_the_native_loop(tiny_llama):
 def test_real_smollm2_greedy_matches(smollm2):
     reference, tokenizer = smollm2
     model = copy.deepcopy(reference)
-    inject(model, max_out_tokens=128)
+    model = (model, inject(model, max_out_tokens=128))
     prompts = ["The capital of France is", "Once upon a time, there was a little", "Hi"]
     batch = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
     with torch.inference_mode():
         for inputs in ({"input_ids": batch.input_ids[1:2]}, dict(batch)):
             expected = reference.generate(**inputs, max_new_tokens=48, do_sample=False)
-            assert torch.equal(generate(model, **inputs, max_new_tokens=48, do_sample=False), expected)
-    text = tokenizer.decode(generate(model, batch.input_ids[:1], attention_mask=batch.attention_mask[:1],
+            assert torch.equal(generate(*model, **inputs, max_new_tokens=48, do_sample=False), expected)
+    text = tokenizer.decode(generate(*model, batch.input_ids[:1], attention_mask=batch.attention_mask[:1],
                                      max_new_tokens=3)[0, batch.input_ids.shape[1]:])
     assert text.startswith(" Paris")
 
@@ -193,7 +193,7 @@ def test_bf16_fidelity_on_real_text(record_property):
     reference, tokenizer = splice.load("smollm2-135m-instruct", dtype="bf16")
     engine = splice.init_inference(splice.load("smollm2-135m-instruct", dtype="bf16")[0],
                                    replace_with_kernel_inject=True, max_out_tokens=640)
-    runtime = engine.module.splice_runtime
+    runtime = engine.runtime
     ids = tokenizer(english_text(), return_tensors="pt").input_ids[:, :512]
     with torch.inference_mode():
         expected = reference(ids).logits

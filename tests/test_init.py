@@ -60,9 +60,8 @@ def test_not_a_module_raises():
 
 def test_cuda_graph_with_tp_raises_naming_both():
     from splice.config import resolve_config
-    from splice.pipeline import PipelineContext
-    from splice.transforms import graphs
+    from splice.plan import check_graphs
 
     config = resolve_config(enable_cuda_graph=True, tensor_parallel={"tp_size": 2})
     with pytest.raises(ValueError, match="tp_size=2"):
-        graphs.check(build_tiny(tiny_llama_config()), config, PipelineContext(device=torch.device("cpu")))
+        check_graphs(config, torch.device("cpu"))

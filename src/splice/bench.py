@@ -19,6 +19,9 @@ from pathlib import Path
 
 import torch
 
+from .models import DEFAULT_MODEL
+from .streaming import StepClock
+
 MODES = ("hf", "plain", "inject")
 #: ``--quant`` schemes: init_inference options for each, run kernel-injected on a freshly loaded model.
 QUANT_SCHEMES = {
@@ -48,7 +51,7 @@ class Row:
 
 def add_bench_parser(subparsers) -> None:
     parser = subparsers.add_parser("bench", help="time HF eager vs splice (plain, kernel-injected) side by side")
-    parser.add_argument("--model", default="smollm2-135m-instruct",
+    parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="a name or folder splice.load accepts, or 'llama-1b' (random TinyLlama-shaped weights)")
     parser.add_argument("--dtype", default="fp32", help="comma-separated: fp32,bf16 (default fp32)")
     parser.add_argument("--batch", default="1", help="comma-separated batch sizes (default 1)")
@@ -116,7 +119,7 @@ def bench_configuration(args, dtype: str, batch: int, modes: list[str], bandwidt
         for run in runs:
             first_s = float("nan")
             if run == "inject+compile":
-                engine.module.splice_runtime.compile_decode()
+                engine.runtime.compile_decode()
                 first_s = time_first_run(generate, prompt, args.new)
             for name, level in _runs_at_levels(run, args.isa_levels if run.startswith("inject") else []):
                 with _native_level(level):
@@ -147,7 +150,7 @@ def bench_quantized(args, dtype: str, batch: int, schemes: list[str], bandwidth:
         for run in [f"inject+{scheme}"] + ([f"inject+{scheme}+compile"] if args.compile else []):
             first_s = float("nan")
             if run.endswith("+compile"):
-                engine.module.splice_runtime.compile_decode()
+                engine.runtime.compile_decode()
                 first_s = time_first_run(engine.generate, prompt, args.new)
             for name, level in _runs_at_levels(run, args.isa_levels):
                 with _native_level(level):
@@ -197,34 +200,16 @@ def time_generate(generate, prompt: torch.Tensor, new: int, repeat: int) -> tupl
     """(prefill ms, decode tokens/s over the batch excluding the first token, peak RSS MiB): the best of ``repeat``
     runs after a warm-up run (which also compiles, when asked); on a shared machine the best run is the least noisy."""
     options = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(prompt))
-    generate(prompt, **options, streamer=Clock())
+    generate(prompt, **options, streamer=StepClock())
     prefill, decode, peak = float("inf"), 0.0, 0.0
     for _ in range(max(1, repeat)):
-        clock = Clock()
+        clock = StepClock()
         with RssPeak() as rss:
             generate(prompt, **options, streamer=clock)
-        steps, decode_s = len(clock.arrivals), clock.arrivals[-1] - clock.arrivals[0]
-        prefill = min(prefill, (clock.arrivals[0] - clock.started) * 1e3)
-        decode = max(decode, (steps - 1) * prompt.shape[0] / decode_s)
+        prefill = min(prefill, clock.prefill_ms)
+        decode = max(decode, clock.decode_steps_per_s * prompt.shape[0])
         peak = max(peak, rss.peak_mb)
     return prefill, decode, peak
-
-
-class Clock:
-    """A streamer that only notes when each step's tokens arrive (the first ``put`` is the prompt)."""
-
-    def __init__(self):
-        self.started = time.perf_counter()
-        self.arrivals: list[float] = []
-        self._prompt_seen = False
-
-    def put(self, value) -> None:
-        if self._prompt_seen:
-            self.arrivals.append(time.perf_counter())
-        self._prompt_seen = True
-
-    def end(self) -> None:
-        pass
 
 
 class RssPeak:

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Union
+from typing import Callable, Iterable, Iterator, Mapping, Union
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -204,10 +204,7 @@ def match_checkpoint(model: nn.Module, shapes: dict[str, tuple[Shape, torch.dtyp
             match.needs_conversion.append(file_name)
         else:
             match.unexpected.append(file_name)
-    groups: dict[int, list[str]] = defaultdict(list)  # tied tensors share one object
-    for name, tensor in state.items():
-        groups[id(tensor)].append(name)
-    for names in groups.values():
+    for names in tensor_groups(state):
         present = [n for n in names if n in found]
         if not present:
             match.missing.append(names[0])
@@ -429,13 +426,28 @@ def _non_persistent_buffer_names(model: nn.Module) -> list[str]:
 # Small helpers
 
 
+def tensor_groups(state: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """The names of ``state`` grouped by the tensor they hold, in order of first appearance: tied weights (one object,
+    or the same memory in a detached ``state_dict()``) share a group, e.g. lm_head.weight and embed_tokens.weight."""
+    groups: dict[tuple, list[str]] = {}
+    for name, tensor in state.items():
+        groups.setdefault(_tensor_key(tensor), []).append(name)
+    return list(groups.values())
+
+
+def _tensor_key(tensor: torch.Tensor) -> tuple:
+    """One object is one tensor; real tensors are also the same when they view the same memory the same way (meta
+    and empty tensors have no memory to tell them apart)."""
+    if tensor.is_meta or tensor.numel() == 0:
+        return ("object", id(tensor))
+    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+            tensor.stride())
+
+
 def _tied_groups(model: nn.Module) -> list[list[str]]:
     """Names that share one parameter or buffer object (e.g. lm_head.weight and model.embed_tokens.weight)."""
-    groups: dict[int, list[str]] = defaultdict(list)
-    for name, tensor in chain(model.named_parameters(remove_duplicate=False),
-                              model.named_buffers(remove_duplicate=False)):
-        groups[id(tensor)].append(name)
-    return [names for names in groups.values() if len(names) > 1]
+    named = dict(chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)))
+    return [names for names in tensor_groups(named) if len(names) > 1]
 
 
 def _get_tensor(model: nn.Module, name: str) -> torch.Tensor:

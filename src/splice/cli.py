@@ -11,8 +11,7 @@ from typing import Any, Sequence
 import torch
 
 from .bench import QUANT_SCHEMES, add_bench_parser
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from .models import DEFAULT_MODEL
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -117,7 +116,7 @@ def run_generate(args: argparse.Namespace) -> int:
     inputs = encode_prompt(tokenizer, args.prompt, args.chat)
     torch.manual_seed(args.seed)
     speaker = _global_rank() == 0  # under torchrun every rank generates; one prints
-    streamer = TimingStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if speaker else None
+    streamer = TimingStreamer(tokenizer, skip_special_tokens=True) if speaker else None
     if speaker and not args.chat:
         print(args.prompt, end="", flush=True)
     if streamer is not None:
@@ -138,18 +137,18 @@ def _global_rank() -> int:
 def print_tp_plan(args: argparse.Namespace) -> int:
     """Outside torchrun, ``info --tp N`` shows the tensor-parallel plan without sharding anything."""
     import splice
-    from .transforms.tensor_parallel import describe_plan
+    from .plan import describe_tensor_parallel
 
     model, _ = splice.load(args.model)
     print(f"tensor-parallel plan for tp_size={args.tp} (run under `torchrun --nproc-per-node {args.tp}` to apply it):")
-    print(describe_plan(model, args.tp))
+    print(describe_tensor_parallel(model, args.tp))
     return 0
 
 
 # --- splice info ----------------------------------------------------------------------------------------------------
 def add_info_parser(commands) -> None:
     parser = commands.add_parser("info", help="show what the pipeline does to a model, and what the machine gives",
-                                 description="Run init_inference on the model and print what each transform did, then "
+                                 description="Run init_inference on the model and print what each step did, then "
                                              "the machine: CPU, instruction sets, splice's native kernels and the "
                                              "kernel each kind of linear runs.")
     add_model_options(parser)
@@ -160,8 +159,10 @@ def add_info_parser(commands) -> None:
 
 
 def describe_engine(engine) -> dict[str, Any]:
+    from dataclasses import asdict
+
     from .checkpoint import parameter_bytes
-    from .transforms.dtype import model_dtype
+    from .steps.dtype import model_dtype
 
     module = engine.module
     first = next(module.parameters(), None)
@@ -172,7 +173,7 @@ def describe_engine(engine) -> dict[str, Any]:
         "parameters": sum(p.numel() for p in module.parameters()),
         "parameter_bytes": parameter_bytes(module),
         "buffer_bytes": sum(b.numel() * b.element_size() for b in module.buffers()),
-        "pipeline": [{"step": step, "did": what} for step, what in engine.report],
+        "pipeline": [{"did": report.summary(), **asdict(report)} for report in engine.reports],
     }
 
 

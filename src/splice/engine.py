@@ -9,23 +9,42 @@ from torch import nn
 
 from .config import InferenceConfig
 from .distributed import SINGLE_PROCESS, ParallelContext
+from .generation import check_request_length
+from .generation import generate as native_generate
+from .layers.causal_lm import SpliceCausalLM
+from .steps import StepReport
 
 
 class InferenceEngine(nn.Module):
-    """Wraps the transformed model: ``forward``, ``generate`` and per-forward profiling.
+    """Wraps the model the pipeline built: ``forward``, ``generate`` and per-forward profiling.
 
-    ``report`` lists what each pipeline step did, as ``(step, description)`` pairs; ``parallel`` is the
-    tensor-parallel context the model was sharded for.
+    ``reports`` holds what each pipeline step did, one dataclass per step (``report`` gives them as
+    ``(step, sentence)`` pairs); ``parallel`` is the tensor-parallel context the model was sharded for; ``runtime`` is
+    the native decode runtime of a fused (kernel-injected) model, None otherwise.
     """
 
-    def __init__(self, module: nn.Module, config: InferenceConfig, report: list[tuple[str, str]] | None = None,
-                 parallel: ParallelContext = SINGLE_PROCESS):
+    def __init__(self, module: nn.Module, config: InferenceConfig, reports: list[StepReport] | None = None,
+                 parallel: ParallelContext = SINGLE_PROCESS, runtime: SpliceCausalLM | None = None):
         super().__init__()
         self.module = module.eval()
         self.config = config
-        self.report = list(report or [])
+        self.reports = list(reports or [])
         self.parallel = parallel
+        self.runtime = runtime
         self._timer: _ForwardTimer | None = None
+
+    @property
+    def report(self) -> list[tuple[str, str]]:
+        """What each step did, as ``(step, sentence)`` pairs."""
+        return [(report.step, report.summary()) for report in self.reports]
+
+    def step_report(self, step: str) -> StepReport:
+        """The report of the step named ``step`` ("dtype", "load", "shard", "fuse", "quantize", "kernels", "place",
+        "compile")."""
+        for report in self.reports:
+            if report.step == step:
+                return report
+        raise KeyError(f"no step {step!r}; steps: {', '.join(r.step for r in self.reports)}")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         input_ids = _input_ids(args, kwargs)
@@ -43,13 +62,10 @@ class InferenceEngine(nn.Module):
             check_token_ids(input_ids, self.vocab_size)
             prompt_length = input_ids.shape[-1]
             check_request_length(prompt_length, self._requested_total(prompt_length, kwargs), self.config.max_out_tokens)
-        from .generation import generate as native_generate  # kernel-injected models: splice's own decode loop
-        from .transforms.inject import runtime_of
-
         self.parallel.sync_rng()  # under TP every rank must sample the same tokens, even if reseeded since init
         with torch.inference_mode():
-            if runtime_of(self.module) is not None:
-                return native_generate(self.module, *args, **kwargs)  # falls back to HF for options it lacks
+            if self.runtime is not None:
+                return native_generate(self.module, self.runtime, *args, **kwargs)  # HF's for options it lacks
             return self.module.generate(*args, **kwargs)
 
     @property
@@ -101,16 +117,6 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int | None) -> None:
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise ValueError(f"input_ids contains token id {bad}; allowed: 0 <= id < vocab_size={vocab_size}")
-
-
-def check_request_length(prompt_length: int, total: int, max_out_tokens: int) -> None:
-    """Raise before any work if the prompt plus the tokens to generate exceed ``max_out_tokens``."""
-    if total > max_out_tokens:
-        raise ValueError(
-            f"prompt length {prompt_length} + {total - prompt_length} new tokens = {total} exceeds "
-            f"max_out_tokens={max_out_tokens}; allowed: prompt length + max_new_tokens <= {max_out_tokens} "
-            "(raise max_out_tokens in the config, or shorten the request)"
-        )
 
 
 class _ForwardTimer:

@@ -25,7 +25,6 @@ from transformers.generation import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .layers.causal_lm import SpliceCausalLM
-from .transforms.inject import runtime_of
 
 log = logging.getLogger("splice")
 
@@ -59,12 +58,13 @@ class Request:
     output_logits: bool
 
 
-def generate(model, inputs: torch.Tensor | None = None, generation_config: GenerationConfig | None = None,
-             streamer=None, **kwargs: Any):
-    """Hugging Face ``generate`` for a kernel-injected ``model``: native loop when it implements the request."""
-    runtime = runtime_of(model)
-    if runtime is None:
-        raise ValueError("splice.generation.generate needs a kernel-injected model (replace_with_kernel_inject=True)")
+def generate(model, runtime: SpliceCausalLM, inputs: torch.Tensor | None = None,
+             generation_config: GenerationConfig | None = None, streamer=None, **kwargs: Any):
+    """Hugging Face ``generate`` for a kernel-injected ``model`` and its decode ``runtime`` (``engine.runtime``):
+    the native loop when it implements the request, else transformers' generate on the fused model."""
+    if not isinstance(runtime, SpliceCausalLM):
+        raise TypeError(f"splice.generation.generate needs the decode runtime of a kernel-injected model "
+                        f"(engine.runtime), got {type(runtime).__name__}")
     plan = plan_request(model, inputs, generation_config, dict(kwargs))
     if isinstance(plan, str):
         log.info("splice generate: %s not in the native loop; transformers' generate runs on the fused model", plan)
@@ -156,15 +156,22 @@ def logits_processors(config: GenerationConfig, attention_mask: torch.Tensor, pr
     return processors
 
 
+def check_request_length(prompt_length: int, total: int, max_out_tokens: int) -> None:
+    """Raise before any work if the prompt plus the tokens to generate exceed ``max_out_tokens``."""
+    if total > max_out_tokens:
+        raise ValueError(
+            f"prompt length {prompt_length} + {total - prompt_length} new tokens = {total} exceeds "
+            f"max_out_tokens={max_out_tokens}; allowed: prompt length + max_new_tokens <= {max_out_tokens} "
+            "(raise max_out_tokens in the config, or shorten the request)"
+        )
+
+
 def decode(runtime: SpliceCausalLM, req: Request, streamer=None):
     """Prefill the prompt, then one decode step per new token until every row stops or the length is reached."""
     ids, mask = req.input_ids, req.attention_mask
     batch, prompt_len = ids.shape
     total = prompt_len + req.max_new_tokens
-    if total > runtime.max_len:
-        raise ValueError(f"prompt length {prompt_len} + {req.max_new_tokens} new tokens = {total} exceeds "
-                         f"max_out_tokens={runtime.max_len}; allowed: prompt length + max_new_tokens <= "
-                         f"{runtime.max_len}")
+    check_request_length(prompt_len, total, runtime.max_len)
     sequences = ids.new_full((batch, total), req.pad if req.pad is not None else 0)
     sequences[:, :prompt_len] = ids
     unfinished = torch.ones(batch, dtype=torch.long, device=ids.device)

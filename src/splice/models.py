@@ -7,16 +7,13 @@
 * a Hugging Face checkpoint folder (``config.json`` + safetensors);
 * a ``.gguf`` file: converted once into the cache, keyed by the file's sha256.
 
-Nothing is ever downloaded: ``HF_HUB_OFFLINE=1`` is set before transformers is imported and every ``from_pretrained``
-call passes ``local_files_only=True``.
+Nothing is ever downloaded: every ``from_pretrained`` call passes ``local_files_only=True`` (splice leaves the
+process's ``HF_HUB_OFFLINE`` as the user set it).
 """
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before huggingface_hub reads it at import time
-
 import hashlib
+import os
 import importlib.metadata
 import json
 import logging

@@ -1,4 +1,5 @@
-"""A streamer that prints tokens as they come and times prefill and decode."""
+"""Streamers that time generation: :class:`StepClock` notes when each step's tokens arrive; :class:`TimingStreamer`
+also prints them as they come."""
 from __future__ import annotations
 
 import time
@@ -6,43 +7,53 @@ import time
 from transformers import TextStreamer
 
 
-class TimingStreamer(TextStreamer):
-    """``TextStreamer`` that records when each new token arrives.
+class StepClock:
+    """A streamer that only notes when each decode step's tokens arrive. ``generate`` first puts the prompt, then one
+    value per step (a token per row); prefill time is from :meth:`start` to the first step, decode speed counts the
+    steps after the first."""
 
-    Prefill time is from ``start()`` to the first new token; decode speed counts the tokens after the first.
-    """
-
-    def __init__(self, tokenizer, skip_prompt: bool = False, **decode_kwargs):
-        super().__init__(tokenizer, skip_prompt=skip_prompt, **decode_kwargs)
+    def __init__(self):
         self.start()
 
     def start(self) -> None:
         """(Re)start the clock: call it right before ``generate``."""
         self.started = time.perf_counter()
         self.arrivals: list[float] = []
-        self._seen_prompt = not self.skip_prompt
+        self._prompt_seen = False
 
     def put(self, value) -> None:
-        if not self._seen_prompt:
-            self._seen_prompt = True
-        else:
-            self.arrivals.extend([time.perf_counter()] * _new_token_count(value))
-        super().put(value)
+        if self._prompt_seen:
+            self.arrivals.append(time.perf_counter())
+        self._prompt_seen = True
+
+    def end(self) -> None:
+        pass
 
     @property
     def prefill_ms(self) -> float:
         return (self.arrivals[0] - self.started) * 1e3 if self.arrivals else float("nan")
 
     @property
-    def decode_tokens_per_s(self) -> float:
+    def decode_steps_per_s(self) -> float:
         if len(self.arrivals) < 2:
             return float("nan")
         return (len(self.arrivals) - 1) / (self.arrivals[-1] - self.arrivals[0])
 
     def summary(self) -> str:
-        return (f"[prefill {self.prefill_ms:.1f} ms | decode {self.decode_tokens_per_s:.1f} tokens/s "
+        return (f"[prefill {self.prefill_ms:.1f} ms | decode {self.decode_steps_per_s:.1f} tokens/s "
                 f"| {len(self.arrivals)} new tokens]")
 
 
-def _new_token_count(value) -> int:
-    return 1 if value.dim() <= 1 else value.shape[-1]
+class TimingStreamer(StepClock, TextStreamer):
+    """``TextStreamer`` (printing the new tokens of one row, the prompt skipped) that is also a :class:`StepClock`."""
+
+    def __init__(self, tokenizer, **decode_kwargs):
+        TextStreamer.__init__(self, tokenizer, skip_prompt=True, **decode_kwargs)
+        StepClock.__init__(self)
+
+    def put(self, value) -> None:
+        StepClock.put(self, value)
+        TextStreamer.put(self, value)
+
+    def end(self) -> None:
+        TextStreamer.end(self)

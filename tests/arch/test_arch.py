@@ -57,3 +57,20 @@ def test_dynamic_rope_limits_the_static_table():
     config = family_config("llama")
     config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
     assert model_dims(lookup(config), config).rope.max_positions == config.max_position_embeddings
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_the_record_tensor_parallel_plan_is_autotps(model_type):
+    """Each record carries its family's tensor-parallel plan; AutoTP, analysing the model's data flow, must find the
+    same one (rules, attention heads, blocks) for every family."""
+    from splice.arch import tensor_parallel_plan
+    from splice.tp.autotp import autotp_plan, trace_model
+
+    from .tiny_models import build_family
+
+    model = build_family(model_type)
+    record_plan = tensor_parallel_plan(lookup(model.config), model.config)
+    found = autotp_plan(model, trace_model(model))
+    assert record_plan.rules == found.rules
+    assert record_plan.attention == found.attention and record_plan.blocks == found.blocks
+    assert record_plan.source == "record"

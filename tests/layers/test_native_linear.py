@@ -38,7 +38,8 @@ def test_bf16_injection_uses_native_linears_and_stays_close_to_hf():
     engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
     block = engine.module.model.layers[0]
     assert isinstance(block.qkv, NativeLinear) and isinstance(engine.module.lm_head, NativeLinear)
-    assert any("native bf16 GEMV" in what for step, what in engine.report if step == "inject")
+    kernels = engine.step_report("kernels")
+    assert kernels.float_kernel == "native" and kernels.wrapped == 4 * 2 + 1
     assert_bf16_injection_close_to_hf(reference, engine)
     ids, _ = padded_batch()
     with torch.inference_mode():

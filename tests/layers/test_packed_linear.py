@@ -37,7 +37,8 @@ def test_bf16_injection_packs_without_native_kernels_and_stays_close_to_hf(monke
     engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
     block = engine.module.model.layers[0]
     assert isinstance(block.qkv, PackedLinear) and isinstance(engine.module.lm_head, PackedLinear)
-    assert any("packed for oneDNN" in what for step, what in engine.report if step == "inject")
+    kernels = engine.step_report("kernels")
+    assert kernels.float_kernel == "packed" and kernels.wrapped == 4 * 2 + 1
     assert_bf16_injection_close_to_hf(reference, engine)
 
 

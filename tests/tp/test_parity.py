@@ -42,7 +42,7 @@ def test_shard_first_then_quantize_keeps_the_all_reduce():
 def test_the_whole_pipeline_with_a_parallel_context():
     for r in (r["pipeline"] for r in suite.tp2()):
         assert r["max_diff"] < 1e-4 and r["tokens_equal"], r
-        assert "tensor_parallel" in r["steps"] and "placement" in r["steps"], r
+        assert "shard" in r["steps"] and "place" in r["steps"], r
 
 
 def test_ranks_reseeded_after_init_still_sample_the_same_tokens():

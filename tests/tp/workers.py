@@ -18,16 +18,17 @@ POLICY_ROWS = {
 
 
 def shard(model, tp: int, device="cpu", **config):
-    """Run splice's tensor_parallel step (check, then shard) on this rank; returns (model, pipeline context)."""
+    """Resolve a plan and run splice's shard step on this rank; returns (model, plan, shard report)."""
     from splice.config import resolve_config
     from splice.distributed import build_parallel_context
-    from splice.pipeline import PipelineContext
-    from splice.transforms import tensor_parallel
+    from splice.plan import resolve
+    from splice.steps import Stage
+    from splice.steps.shard import shard as shard_step
 
     config = resolve_config({"tensor_parallel": {"tp_size": tp, **config.pop("tensor_parallel", {})}, **config})
-    ctx = PipelineContext(device=torch.device(device), parallel=build_parallel_context(config, device))
-    tensor_parallel.check(model, config, ctx)
-    return tensor_parallel.shard_model(model, config, ctx), ctx
+    plan = resolve(config, model, build_parallel_context(config, device), torch.device(device))
+    stage, report = shard_step(Stage(model), plan)
+    return stage.model, plan, report
 
 
 def policy_for(model, family: str) -> dict:
@@ -58,10 +59,10 @@ def parity(rank: int, world: int, cases: list[tuple[str, str, dict]]) -> dict:
         ref = reference(model)
         total = sum(p.numel() for p in model.parameters())
         extra = {"injection_policy": policy_for(model, family)} if mode == "policy" else {}
-        model, ctx = shard(model, world, **extra)
+        model, plan, _ = shard(model, world, **extra)
         local = sum(p.numel() for p in model.parameters())
         results[f"{family}/{mode}{overrides or ''}"] = {**compare(model, ref), "param_ratio": local / total,
-                                                        "plan": ctx.extras["tp_plan"].source}
+                                                        "plan": plan.tp_plan.source}
     return results
 
 
@@ -74,7 +75,7 @@ def head_counts(rank: int, world: int) -> dict:
     for name, overrides in cases.items():
         model = build("llama", **overrides)
         ref = reference(model)
-        model, ctx = shard(model, world)
+        model, _, _ = shard(model, world)
         attn = model.model.layers[0].self_attn
         out[name] = {**compare(model, ref), "q_rows": attn.q_proj.out_features // 8,
                      "kv_rows": attn.k_proj.out_features // 8, "groups": attn.num_key_value_groups,
@@ -87,8 +88,8 @@ def replicas(rank: int, world: int, tp: int) -> dict:
     """world = replicas x tp: each consecutive group of tp ranks holds one copy of the model."""
     model = build("llama")
     ref = reference(model)
-    model, ctx = shard(model, tp)
-    p = ctx.parallel
+    model, plan, _ = shard(model, tp)
+    p = plan.parallel
     return {**compare(model, ref), "tp_rank": p.rank, "replica": p.replica, "replicas": p.replicas}
 
 
@@ -102,14 +103,15 @@ def checkpoint_roundtrip(rank: int, world: int, family: str, overrides: dict, fo
     """Meta model + HF safetensors folder -> this rank's slices only; save_mp_checkpoint_path; reload the saved
     shards from their manifest; both equal the single-process model."""
     ref = reference(build(family, **overrides))
-    model, ctx = shard(build(family, meta=True, **overrides), world, checkpoint=folder, save_mp_checkpoint_path=saved)
+    model, _, report = shard(build(family, meta=True, **overrides), world, checkpoint=folder,
+                             save_mp_checkpoint_path=saved)
     first = compare(model, ref)
-    again, _ = shard(build(family, meta=True, **overrides), world, checkpoint=f"{saved}/splice_tp.json")
+    again, _, _ = shard(build(family, meta=True, **overrides), world, checkpoint=f"{saved}/splice_tp.json")
     logits = [reference(m)[0] for m in (model, again)]
     tied = getattr(model, "lm_head", None)
     return {"first": first, "reloaded": compare(again, ref), "bitwise_same": bool(torch.equal(*logits)),
             "tied": tied is not None and tied.linear.weight is model.get_input_embeddings().weight,
-            "meta_left": any(p.is_meta for p in again.parameters()), "loaded": ctx.extras.get("checkpoint_loaded")}
+            "meta_left": any(p.is_meta for p in again.parameters()), "loaded": report.loaded_from}
 
 
 def bad_inputs(rank: int, world: int) -> dict:
@@ -208,7 +210,7 @@ def raise_after_parity(rank: int, world: int) -> None:
     """Shard, check parity, then rank 1 raises while rank 0 enters a collective: both must end, not hang."""
     model = build("llama")
     ref = reference(model)
-    model, ctx = shard(model, world)
+    model, _, _ = shard(model, world)
     result = compare(model, ref)
     assert result["tokens_equal"] and result["max_diff"] < 1e-4, result
     print(f"PARITY ok rank {rank}", flush=True)
@@ -220,7 +222,7 @@ def raise_after_parity(rank: int, world: int) -> None:
 def sampling(rank: int, world: int) -> list[int]:
     """Ranks seeded differently still sample the same tokens: the step gives every rank rank 0's RNG state."""
     torch.manual_seed(1234 + rank)
-    model, _ = shard(build("llama"), world)
+    model, _, _ = shard(build("llama"), world)
     with torch.no_grad():
         out = model.generate(torch.tensor(PROMPT), do_sample=True, top_k=0, max_new_tokens=8, pad_token_id=0)
     return out[0].tolist()
@@ -248,7 +250,7 @@ def quantized_parity(rank: int, world: int) -> dict:
     whole = build("llama")
     quantize(whole, qconfig)
     ref = reference(whole)
-    model, _ = shard(build("llama"), world)
+    model, _, _ = shard(build("llama"), world)
     report = quantize(model, qconfig)
     o_proj = model.model.layers[0].self_attn.o_proj
     return {**compare(model, ref), "wrapper_kept": isinstance(o_proj, RowParallelLinear),
@@ -256,18 +258,19 @@ def quantized_parity(rank: int, world: int) -> dict:
 
 
 def pipeline_parity(rank: int, world: int) -> dict:
-    """The whole splice pipeline (dtype -> tensor_parallel -> ... -> placement) with the ParallelContext that
+    """The whole splice pipeline (dtype -> load -> shard -> ... -> compile) with the ParallelContext that
     init_inference is to build with splice.distributed.build_parallel_context."""
     from splice.config import resolve_config
     from splice.distributed import build_parallel_context
-    from splice.pipeline import PipelineContext, run_pipeline
+    from splice.pipeline import run_pipeline
+    from splice.plan import resolve
 
     model = build("qwen2")
     ref = reference(model)
     config = resolve_config({"tensor_parallel": {"tp_size": world}, "dtype": "fp32", "device": "cpu"})
-    ctx = PipelineContext(device=torch.device("cpu"), parallel=build_parallel_context(config, "cpu"))
-    model = run_pipeline(model, config, ctx)
-    return {**compare(model, ref), "steps": [step for step, _ in ctx.report]}
+    plan = resolve(config, model, build_parallel_context(config, "cpu"), torch.device("cpu"))
+    stage, reports = run_pipeline(model, plan)
+    return {**compare(stage.model, ref), "steps": [report.step for report in reports]}
 
 
 #: kernel-injection TP: every family with a fused-block record (tests.arch.tiny_models), new tokens per row
@@ -280,7 +283,6 @@ def fused_pipeline(rank: int, world: int, families: tuple | None = None) -> dict
     rank): logits through the HF forward and through splice's native path, greedy tokens of ``engine.generate`` (the
     native loop) on a left-padded batch, all-reduces per forward counted at ``torch.distributed.all_reduce``."""
     import splice
-    from splice.transforms.inject import runtime_of
     from tests.arch.tiny_models import FAMILIES as INJECT_FAMILIES, build_family, padded_batch
 
     out = {}
@@ -294,7 +296,7 @@ def fused_pipeline(rank: int, world: int, families: tuple | None = None) -> dict
             ref_tokens = model.generate(prompt, attention_mask=mask, **options)
         engine = splice.init_inference(model, tensor_parallel={"tp_size": world}, replace_with_kernel_inject=True,
                                        max_out_tokens=64)
-        runtime = runtime_of(engine.module)
+        runtime = engine.runtime
         with count_collectives() as counts:
             native = native_logits(runtime, ids)
         with count_collectives() as embed_counts:
@@ -355,7 +357,6 @@ def fused_sampling_and_packing(rank: int, world: int) -> dict:
     """Ranks seeded differently before init_inference sample the same tokens in the native loop; bf16 blocks packed
     for oneDNN keep the row-parallel all-reduce (only the inner linear is packed) and still match fp32."""
     import splice
-    from splice.transforms.inject import runtime_of
     from tests.arch.tiny_models import build_family
 
     torch.manual_seed(1234 + rank)
@@ -368,10 +369,10 @@ def fused_sampling_and_packing(rank: int, world: int) -> dict:
         ref_logits = reference(ids).logits
     engine = splice.init_inference(build_family("llama", dtype=torch.bfloat16), tensor_parallel={"tp_size": world},
                                    replace_with_kernel_inject=True, max_out_tokens=64)
-    block = runtime_of(engine.module).blocks[0]
+    block = engine.runtime.blocks[0]
     with count_collectives() as counts:
         logits = engine(ids).logits.float()
-    head = runtime_of(engine.module).lm_head
+    head = engine.runtime.lm_head
     return {"sampled": sampled[0].tolist(), "o": type(block.o).__name__, "o_inner": type(block.o.linear).__name__,
             "qkv": type(block.qkv).__name__, "head": type(head).__name__, "head_inner": type(head.linear).__name__,
             "all_reduce": counts["all_reduce"],
@@ -382,7 +383,6 @@ def compiled_decode(rank: int, world: int) -> dict:
     """compile_decode=True on each rank's shard: greedy tokens against HF single-process, and no graph breaks (the
     collectives are traced into the graph)."""
     import splice
-    from splice.transforms.inject import runtime_of
     from tests.arch.tiny_models import build_family
     from torch._dynamo.utils import counters
 
@@ -394,7 +394,7 @@ def compiled_decode(rank: int, world: int) -> dict:
                                    replace_with_kernel_inject=True, compile_decode=True, max_out_tokens=64)
     breaks_before = sum(counters["graph_break"].values())
     tokens = engine.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    return {"tokens_equal": torch.equal(tokens, expected), "compiled": bool(runtime_of(engine.module)._compiled_keys),
+    return {"tokens_equal": torch.equal(tokens, expected), "compiled": bool(engine.runtime._compiled_keys),
             "graph_breaks": sum(counters["graph_break"].values()) - breaks_before}
 
 
@@ -402,7 +402,6 @@ def fused_from_checkpoint(rank: int, world: int, root: str) -> dict:
     """A meta model and a sharded HF safetensors checkpoint: the tensor_parallel step loads this rank's slices, then
     kernel injection fuses them (no rank holds the whole model); logits and native greedy tokens as single process."""
     import splice
-    from splice.transforms.inject import runtime_of
 
     family, overrides = "llama", {"tie_word_embeddings": True}
     ref = reference(build(family, **overrides))
@@ -413,7 +412,7 @@ def fused_from_checkpoint(rank: int, world: int, root: str) -> dict:
     with torch.inference_mode():
         logits = engine(ids).logits
     tokens = engine.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
-    runtime = runtime_of(engine.module)
+    runtime = engine.runtime
     return {"max_diff": float((logits - ref[0]).abs().max()), "tokens_equal": bool(torch.equal(tokens, ref[1])),
             "injected": runtime is not None, "tied": runtime.lm_head.linear.weight is runtime.embed.weight,
             "meta_left": any(p.is_meta for p in engine.module.parameters())}
@@ -431,7 +430,6 @@ def hf_generate_fallback(rank: int, world: int, families=("llama", "gemma"), opt
     model), on a left-padded batch: tokens against the single-process HF model, beam scores and beam *sampling*
     (ranks seeded differently before init_inference) compared across ranks by the test."""
     import splice
-    from splice.transforms.inject import runtime_of
     from tests.arch.tiny_models import build_family, padded_batch
 
     options = HF_ONLY_OPTIONS if options is None else options
@@ -450,7 +448,7 @@ def hf_generate_fallback(rank: int, world: int, families=("llama", "gemma"), opt
             scored = engine.generate(prompt, num_beams=3, do_sample=False, return_dict_in_generate=True,
                                      output_scores=True, **common)
             sampled = engine.generate(prompt, num_beams=3, do_sample=True, top_k=0, **common)
-            runtime = runtime_of(engine.module)
+            runtime = engine.runtime
             out[f"{family}/{'inject' if inject else 'autotp'}"] = {
                 "equal": {k: bool(torch.equal(tokens[k], refs[k])) for k in options},
                 "beam_scores": scored.sequences_scores.tolist(), "beam_sampled": sampled.tolist(),

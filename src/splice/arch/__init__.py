@@ -4,11 +4,12 @@ from __future__ import annotations
 from typing import Any
 
 from .families import RECORDS
-from .record import ArchRecord, ModelDims, RopeSpec, model_dims
+from .record import ArchRecord, ModelDims, RopeSpec, model_dims, tensor_parallel_plan
 
 REGISTRY: dict[str, ArchRecord] = {record.model_type: record for record in RECORDS}
 
-__all__ = ["ArchRecord", "ModelDims", "RopeSpec", "REGISTRY", "lookup", "model_dims", "supported"]
+__all__ = ["ArchRecord", "ModelDims", "RopeSpec", "REGISTRY", "lookup", "model_dims", "supported",
+           "tensor_parallel_plan"]
 
 
 def supported() -> list[str]:

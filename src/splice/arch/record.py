@@ -1,12 +1,16 @@
 """The data that describes one architecture family, and the per-model numbers read from a model's config.
 
 A record says *where* things are and *which variant* a family uses; it holds no code. The generic fused block
-(``splice.layers.block``) and the inject transform read it.
+(``splice.layers.block``) and the fuse step read it, and :func:`tensor_parallel_plan` reads the family's
+tensor-parallel plan off it (as transformers keeps ``base_model_tp_plan`` on its configs).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from ..tp.plan import Rule, TPPlan
+from ..tp.split import Heads
 
 
 @dataclass(frozen=True)
@@ -120,3 +124,26 @@ def _rescale_limit(rope_type: str, params: dict, config: Any) -> int:
     if rope_type == "longrope":
         return params.get("original_max_position_embeddings", config.max_position_embeddings)
     return 2**62
+
+
+def tensor_parallel_plan(record: ArchRecord, config: Any) -> TPPlan:
+    """The family's tensor-parallel plan: embedding and lm_head split by vocabulary, q/k/v (or the fused qkv) and
+    gate/up (or gate_up) column-parallel by heads and halves, o and down row-parallel (two all-reduces a block)."""
+    dims = model_dims(record, config)
+    heads = Heads(dims.n_heads, dims.n_kv_heads, dims.head_dim)
+    block = f"{record.layers}.*"
+    rules = {record.embed: Rule("vocab")}
+    if record.qkv:
+        rules[f"{block}.{record.qkv}"] = Rule("column", "qkv", heads)
+    else:
+        rules[f"{block}.{record.q}"] = Rule("column", "q", heads)
+        rules.update({f"{block}.{path}": Rule("column", "kv", heads) for path in (record.k, record.v)})
+    rules[f"{block}.{record.o}"] = Rule("row", "q", heads)
+    if record.gate_up:
+        rules[f"{block}.{record.gate_up}"] = Rule("column", "halves")
+    else:
+        rules.update({f"{block}.{path}": Rule("column") for path in (record.gate, record.up)})
+    rules[f"{block}.{record.down}"] = Rule("row")
+    rules[record.lm_head] = Rule("vocab")
+    attention = {f"{block}.{record.o.rpartition('.')[0]}": heads}
+    return TPPlan(rules, attention, [block], source="record")

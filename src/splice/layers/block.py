@@ -1,6 +1,6 @@
 """The generic fused transformer block (pre-norm attention + gated MLP) that replaces a model's decoder layers.
 
-It knows nothing about any family's names: ``splice.transforms.inject`` builds it from an architecture record.
+It knows nothing about any family's names: ``splice.steps.fuse`` builds it from an architecture record.
 Two entry points share the same fused code:
 
 * ``forward`` has the Hugging Face decoder-layer interface, so the model's own forward and ``generate`` (any

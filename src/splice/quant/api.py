@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .. import native
+from ..layers.conv1d import is_conv1d, linear_weight
 from ..native.memory import gather_on_huge_pages
 from . import gptq
 from .layers import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantizedLinear
@@ -78,11 +79,11 @@ def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str |
         report.calibration = f"GPTQ on {ids.shape[0]}x{ids.shape[1]} tokens" + (", act-order" if act_order else "")
     report.huge_page_bytes = gather_on_huge_pages(
         [b for m in model.modules() if isinstance(m, QuantizedLinear) for b in m.buffers() if b.nbytes >= 1 << 16])
-    report.kernels = _kernel_names([m for m in model.modules() if isinstance(m, QuantizedLinear)])
+    report.kernels = kernel_names([m for m in model.modules() if isinstance(m, QuantizedLinear)])
     return report
 
 
-def _kernel_names(layers: list[QuantizedLinear]) -> str:
+def kernel_names(layers: list[QuantizedLinear]) -> str:
     """Which kernels ``layers`` call: splice's native ones (at the active instruction-set level), else torch's
     (grouped int8 always uses torch's)."""
     if not layers:
@@ -160,13 +161,9 @@ def _reason_to_skip(name: str, module: nn.Module, head: nn.Module | None, config
 
 def float_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(weight [out, in], bias)`` of an ``nn.Linear`` or a ``Conv1D`` (whose weight is stored ``[in, out]``)."""
-    weight = module.weight.detach()
-    return (weight.t() if _is_conv1d(module) else weight), module.bias
+    return linear_weight(module)
 
 
 def _is_conv1d(module: nn.Module) -> bool:
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # transformers is optional for plain torch models
-        return False
-    return type(module) is Conv1D
+    """A ``Conv1D`` itself: like ``nn.Linear``, a subclass may carry behaviour a replacement would drop."""
+    return is_conv1d(module, exact=True)

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..checkpoint import has_meta_tensors
+from ..checkpoint import has_meta_tensors, tensor_groups
 from .api import HANDLERS
 from .layers import QuantizedLinear
 from .scheme import QuantConfig
@@ -88,16 +88,8 @@ def _empty_layer(model: nn.Module, name: str, layer: dict, config: QuantConfig,
 
 def _dedupe(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """safetensors refuses tensors that share memory (tied embeddings): keep the first name, map the others to it."""
-    kept: dict[tuple, str] = {}
-    out, tied = {}, {}
-    for name, tensor in state.items():
-        key = (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        if tensor.numel() and key in kept:
-            tied[name] = kept[key]
-        else:
-            kept[key] = name
-            out[name] = tensor
-    return out, tied
+    groups = tensor_groups(state)
+    return {names[0]: state[names[0]] for names in groups}, {alias: names[0] for names in groups for alias in names[1:]}
 
 
 def _read_record(folder: Path) -> dict:

@@ -15,7 +15,8 @@ from torch import nn
 
 from ..distributed import ParallelContext
 from .layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelLinear, local_embedding, plain_linear
-from .plan import Rule, TPPlan, is_conv1d, matches, verify
+from ..layers.conv1d import in_out_features, is_conv1d
+from .plan import Rule, TPPlan, matches, verify
 from .split import Heads, HeadShare, Ranges, balanced, head_share, layout_ranges, span
 
 #: Attributes HF attention modules read for their head counts, and what each means. Set per rank on the module,
@@ -73,16 +74,16 @@ class _Sharder:
                              self.grain if grain is None else grain)
 
     def column(self, name: str, module: nn.Module, rule: Rule) -> nn.Module:
-        ranges = self.ranges(rule.layout, out_size(module), rule.heads)
+        ranges = self.ranges(rule.layout, in_out_features(module)[1], rule.heads)
         return plain_linear(self.take(name, module, "weight", 0, ranges), self.take(name, module, "bias", 0, ranges))
 
     def row(self, name: str, module: nn.Module, rule: Rule) -> nn.Module:
-        ranges = self.ranges(rule.layout, in_size(module), rule.heads)
+        ranges = self.ranges(rule.layout, in_out_features(module)[0], rule.heads)
         weight = self.take(name, module, "weight", 1, ranges, f"{name}.linear.weight")
         return RowParallelLinear(plain_linear(weight, None), self.take(name, module, "bias", None, ()), self.ctx)
 
     def vocab(self, name: str, module: nn.Module, rule: Rule) -> nn.Module:
-        sizes = self.vocab_sizes(out_size(module))
+        sizes = self.vocab_sizes(in_out_features(module)[1])
         ranges = (span(sizes, self.ctx.rank),)
         weight = self.take(name, module, "weight", 0, ranges, f"{name}.linear.weight")
         bias = self.take(name, module, "bias", 0, ranges, f"{name}.linear.bias")
@@ -119,12 +120,6 @@ def cut(tensor: torch.Tensor, dim: int, ranges: Ranges) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
-def out_size(module: nn.Module) -> int:
-    return module.weight.shape[1] if is_conv1d(module) else module.weight.shape[0]
-
-
-def in_size(module: nn.Module) -> int:
-    return module.weight.shape[0] if is_conv1d(module) else module.weight.shape[1]
 
 
 def localize_heads(module: nn.Module, heads: Heads, share: HeadShare) -> None:

@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ..layers.conv1d import in_out_features
 from .plan import Rule, TPPlan, collapse, linear_like
 from .split import Heads
 
@@ -202,8 +203,8 @@ def group_rules(row: str, feeders: list[str], linears: dict[str, nn.Module], tra
                 n_heads: int | None) -> tuple[dict[str, Rule], Heads | None]:
     """Rules for one row linear and its feeders: by heads if attention (softmax/SDPA) lies between them, else by
     MLP columns."""
-    r_in = in_features(linears[row])
-    outs = {f: out_features(linears[f]) for f in feeders}
+    r_in = in_out_features(linears[row])[0]
+    outs = {f: in_out_features(linears[f])[1] for f in feeders}
     if ATTENTION not in trace.inputs.get(row, ()):
         return {row: Rule("row"), **{f: _mlp_rule(f, o, r_in) for f, o in outs.items()}}, None
     heads = attention_heads(row, r_in, outs, n_heads)
@@ -317,11 +318,3 @@ def common_parent(names: list[str]) -> str:
             break
         common.append(segments[0])
     return ".".join(common)
-
-
-def in_features(module: nn.Module) -> int:
-    return module.weight.shape[1] if isinstance(module, nn.Linear) else module.weight.shape[0]
-
-
-def out_features(module: nn.Module) -> int:
-    return module.weight.shape[0] if isinstance(module, nn.Linear) else module.weight.shape[1]

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..checkpoint import checkpoint_files, open_safetensors
+from ..checkpoint import checkpoint_files, open_safetensors, tensor_groups
 from ..distributed import ParallelContext
 from .apply import ShardMap, Slice, cut
 from .split import width
@@ -108,30 +107,14 @@ def _pieces(dest_shape, spec: Slice, rows_per_chunk: int):
             offset += b - a
 
 
-def read_slice(file: Path, spec: Slice) -> torch.Tensor:
-    """Only the ranges ``spec`` names, as a new tensor (memory-mapped ``get_slice``)."""
-    with open_safetensors(file) as f:
-        view = f.get_slice(spec.source)
-        if spec.dim is None:
-            value = view[:]
-        else:
-            index = [slice(None)] * spec.dim
-            value = torch.cat([view[tuple(index + [slice(start, stop)])] for start, stop in spec.ranges], spec.dim)
-    return value.t().contiguous() if spec.transpose else value
-
-
 def unique_tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
     """Each distinct parameter/persistent buffer once, with all the names it goes by (tied weights)."""
-    groups: dict[int, list[str]] = defaultdict(list)
-    tensors: dict[int, torch.Tensor] = {}
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        groups[id(tensor)].append(name)
-        tensors[id(tensor)] = tensor
-    return [(names, tensors[key]) for key, names in groups.items()]
+    state = model.state_dict(keep_vars=True)
+    return [(names, state[names[0]]) for names in tensor_groups(state)]
 
 
 def slice_in_memory(state: dict[str, torch.Tensor], spec: Slice) -> torch.Tensor:
-    """The same slice as :func:`read_slice`, from an in-memory state dict (used by tests)."""
+    """One checkpoint slice (``spec``) from an in-memory state dict (used by tests)."""
     value = state[spec.source]
     value = value if spec.dim is None else cut(value, spec.dim, spec.ranges)
     return value.t() if spec.transpose else value

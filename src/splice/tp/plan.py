@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
+from ..layers.conv1d import is_conv1d
 from .split import HEAD_LAYOUTS, LAYOUTS, Heads, check_heads
 
 STYLES = ("column", "row", "vocab", "replicate")
@@ -131,12 +132,6 @@ def linear_like(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
-def is_conv1d(module: nn.Module) -> bool:
-    try:
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        return False
-    return isinstance(module, Conv1D)
 
 
 def block_linears(model: nn.Module, blocks: list[str]) -> list[str]:

@@ -13,7 +13,7 @@ from torch import nn
 import splice
 from splice.generation import prefill_positions
 from splice.layers.block import SpliceBlock
-from splice.transforms.inject import inject, runtime_of
+from splice.steps.fuse import inject
 
 from ..arch.tiny_models import FAMILIES, build_family, padded_batch
 
@@ -98,8 +98,9 @@ def test_parameter_memory_does_not_grow():
 def test_init_inference_injects(tiny_llama):
     reference = copy.deepcopy(tiny_llama)
     engine = splice.init_inference(tiny_llama, replace_with_kernel_inject=True, max_out_tokens=64)
-    assert runtime_of(engine.module) is not None
-    assert any(step == "inject" and "SpliceBlock" in what for step, what in engine.report)
+    assert engine.runtime is not None
+    fused = engine.step_report("fuse")
+    assert (fused.family, fused.layers, fused.kv_cache_tokens) == ("llama", 2, 64)
     ids = torch.randint(3, 128, (2, 8))
     with torch.inference_mode():
         assert scaled_error(reference(ids).logits, engine(ids).logits) < 1e-4
@@ -116,7 +117,7 @@ def test_init_inference_refuses_unsupported_family_before_changing_the_model():
 
 def test_plain_path_is_untouched(tiny_llama):
     engine = splice.init_inference(tiny_llama, replace_with_kernel_inject=False)
-    assert runtime_of(engine.module) is None
+    assert engine.runtime is None
     assert not any(isinstance(m, SpliceBlock) for m in engine.module.modules())
 
 
@@ -145,7 +146,7 @@ def test_compiled_decode_step_gives_the_same_tokens():
     ids, mask = padded_batch()
     options = dict(max_new_tokens=12, eos_token_id=None)
     for _ in range(2):  # the second call reuses the compiled graph and the cache
-        assert torch.equal(generate(model, ids, attention_mask=mask, **options),
+        assert torch.equal(generate(model, runtime, ids, attention_mask=mask, **options),
                            reference.generate(ids, attention_mask=mask, **options))
 
 
@@ -173,15 +174,14 @@ def test_head_counts_come_from_each_rank_weights(model_type):
     assert shapes == [(1, 1), (1, 1), (2, 1)]
 
 
-def test_check_accepts_tensor_parallel_contexts():
-    from splice.config import resolve_config
+def test_fusing_resolves_under_tensor_parallel_contexts():
     from splice.distributed import ParallelContext
-    from splice.pipeline import PipelineContext
-    from splice.transforms import inject as inject_step
 
-    config = resolve_config({"replace_with_kernel_inject": True, "max_out_tokens": 32})
-    ctx = PipelineContext(device=torch.device("cpu"), parallel=ParallelContext(rank=1, world_size=2))
-    inject_step.check(build_family("llama"), config, ctx)  # no longer refuses world_size > 1
+    from .plans import plan_for
+
+    plan = plan_for(build_family("llama"), ParallelContext(rank=1, world_size=2), replace_with_kernel_inject=True,
+                    max_out_tokens=32, tensor_parallel={"tp_size": 2})
+    assert plan.fuse and plan.tp_plan is not None
 
 
 @pytest.mark.parametrize("wrapper_name", ["PackedLinear", "NativeLinear"])
@@ -191,7 +191,7 @@ def test_wrapping_keeps_the_parallel_wrappers(wrapper_name):
     from splice.layers.native_linear import NativeLinear, can_use_native
     from splice.layers.packed_linear import PackedLinear, can_pack
     from splice.tp.layers import RowParallelLinear, VocabParallelLinear
-    from splice.transforms.inject import wrap_linears
+    from splice.steps.kernels import wrap_linears
 
     wrapper = {"PackedLinear": PackedLinear, "NativeLinear": NativeLinear}[wrapper_name]
     usable = {PackedLinear: can_pack, NativeLinear: can_use_native}[wrapper]
@@ -211,7 +211,7 @@ def test_wrapping_keeps_the_parallel_wrappers(wrapper_name):
 def test_native_linears_take_over_a_tied_lm_head_without_copying():
     """The native path keeps the plain layout, so a tied lm_head is wrapped and still shares the embedding table."""
     from splice.layers.native_linear import NativeLinear, can_use_native
-    from splice.transforms.inject import wrap_linears
+    from splice.steps.kernels import wrap_linears
 
     if not can_use_native(torch.bfloat16, torch.device("cpu")):
         pytest.skip("splice's native kernels are not available on this machine")

@@ -1,4 +1,4 @@
-"""The graphs step: ``compile_decode=True`` compiles splice's decode step; it must not change a single greedy token."""
+"""The compile step: ``compile_decode=True`` compiles splice's decode step; it must not change a single greedy token."""
 from __future__ import annotations
 
 import copy
@@ -19,10 +19,9 @@ def test_compiled_decode_gives_hf_greedy_tokens_fp32():
     reference = build_family("llama")
     engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, compile_decode=True,
                                    max_out_tokens=64)
-    runtime = engine.module.splice_runtime
+    runtime = engine.runtime
     assert runtime._compiled_step is not None
-    assert ("graphs", "decode step compiled with torch.compile (static shapes; compiles on the first decode step, "
-                      "cached by torch's inductor cache)") in engine.report
+    assert engine.step_report("compile").compiled
     ids, mask = padded_batch(batch=3, length=12)
     with torch.inference_mode():
         expected = reference.generate(ids, attention_mask=mask, **GREEDY)
@@ -44,7 +43,7 @@ def test_compiled_decode_switches_batch_sizes_and_back():
         with torch.inference_mode():
             expected = reference.generate(ids[rows], attention_mask=mask[rows], **GREEDY)
         assert torch.equal(engine.generate(ids[rows], attention_mask=mask[rows], **GREEDY), expected)
-    assert {key[0] for key in engine.module.splice_runtime._compiled_keys} == {1, 2, 3}
+    assert {key[0] for key in engine.runtime._compiled_keys} == {1, 2, 3}
 
 
 def test_compiled_step_takes_inputs_no_graph_fits_yet():
@@ -55,7 +54,7 @@ def test_compiled_step_takes_inputs_no_graph_fits_yet():
                                    max_out_tokens=64)
     ids, mask = padded_batch(batch=1, length=12)
     engine.generate(ids, attention_mask=mask, **GREEDY)
-    runtime = engine.module.splice_runtime
+    runtime = engine.runtime
     cache = runtime.cache_for(1)
     token, position, slot = torch.tensor([[5]]), torch.tensor([[12]]), torch.tensor([12])  # not inference tensors
     with torch.inference_mode():  # the cache was made in inference mode

@@ -1,22 +1,19 @@
-"""The quantize transform: config mapping, validation before any change, and what it records."""
+"""The quantize step: config mapping, validation before any change (in the plan), and what it reports."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from splice.config import resolve_config
-from splice.pipeline import PipelineContext
-from splice.quant import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantConfig, QuantizedLinear
-from splice.transforms import quantize as quantize_transform
+from splice.quant import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantizedLinear
+from splice.steps.quantize import quantize_weights
 
 from ..arch.tiny_models import build_family
+from .plans import plan_for, run_step
 
 
 def _run(model, **config):
-    resolved = resolve_config(config)
-    ctx = PipelineContext(device=torch.device("cpu"))
-    quantize_transform.check(model, resolved, ctx)
-    return quantize_transform.quantize_model(model, resolved, ctx), ctx
+    stage, report = run_step(quantize_weights, model, **config)
+    return stage.model, report
 
 
 @pytest.mark.parametrize("config, layer_type", [
@@ -26,40 +23,38 @@ def _run(model, **config):
     ({"quant": {"enabled": True, "activation": {"enabled": True}}}, Int8DynamicLinear),
 ])
 def test_quantizes_the_block_linears(tiny_llama, config, layer_type):
-    model, ctx = _run(tiny_llama, **config)
+    model, report = _run(tiny_llama, **config)
     assert isinstance(model.model.layers[0].mlp.gate_proj, layer_type)
     assert not isinstance(model.lm_head, QuantizedLinear)
-    assert ctx.report[-1][0] == "quantize" and "14 linears" in ctx.report[-1][1]
-    assert isinstance(ctx.extras["quant_config"], QuantConfig)
+    assert report.step == "quantize" and len(report.quant.quantized) == 14
+    assert report.quant.kind == layer_type.kind
     with torch.no_grad():
         assert torch.isfinite(model(torch.randint(0, 128, (1, 8))).logits).all()
 
 
 def test_skipped_without_quantization(tiny_llama):
-    model, ctx = _run(tiny_llama, dtype="bf16")
+    model, report = _run(tiny_llama, dtype="bf16")
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
-    assert ctx.report == [("quantize", "skipped (no quantization asked for)")]
+    assert report.quant is None and report.summary() == "skipped (no quantization asked for)"
 
 
 def test_check_raises_before_anything_changes(tiny_llama):
-    config = resolve_config({"quant": {"enabled": True, "weight": {"num_bits": 8, "q_groups": 3}}})
     with pytest.raises(ValueError, match="q_groups=3 does not divide in_features=64"):
-        quantize_transform.check(tiny_llama, config, PipelineContext(device=torch.device("cpu")))
+        plan_for(tiny_llama, quant={"enabled": True, "weight": {"num_bits": 8, "q_groups": 3}})
     assert not any(isinstance(m, QuantizedLinear) for m in tiny_llama.modules())
 
 
 def test_calibration_ids_run_gptq(tiny_llama):
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
-    model, ctx = _run(tiny_llama, quant={"enabled": True, "weight": {"num_bits": 4, "group_size": 32,
-                                                                     "calibration_ids": ids}})
+    model, report = _run(tiny_llama, quant={"enabled": True, "weight": {"num_bits": 4, "group_size": 32,
+                                                                        "calibration_ids": ids}})
     assert isinstance(model.model.layers[0].mlp.gate_proj, Int4WeightOnlyLinear)
-    assert "GPTQ on 2x16 tokens" in ctx.report[-1][1]
+    assert "GPTQ on 2x16 tokens" in report.quant.calibration
 
 
 def test_calibration_ids_with_int8_raise_in_check(tiny_llama):
-    config = resolve_config({"quant": {"enabled": True, "weight": {"num_bits": 8, "calibration_ids": [[1, 2, 3]]}}})
     with pytest.raises(ValueError, match="int4 weights only"):
-        quantize_transform.check(tiny_llama, config, PipelineContext(device=torch.device("cpu")))
+        plan_for(tiny_llama, quant={"enabled": True, "weight": {"num_bits": 8, "calibration_ids": [[1, 2, 3]]}})
 
 
 @pytest.mark.parametrize("quantize_lm_head", [False, True])
@@ -78,9 +73,9 @@ def test_linears_left_in_float_go_on_the_native_gemv_after_injection(quantize_lm
                                           "quantize_lm_head": quantize_lm_head})
     head = engine.module.lm_head
     assert isinstance(head, QuantizedLinear if quantize_lm_head else NativeLinear)
-    assert head is engine.module.splice_runtime.lm_head
-    quantize_note = dict(engine.report)["quantize"]
-    assert ("1 linears on splice's native bf16 GEMV" in quantize_note) is not quantize_lm_head
+    assert head is engine.runtime.lm_head
+    kernels = engine.step_report("kernels")
+    assert (kernels.float_kernel, kernels.wrapped) == (("torch", 0) if quantize_lm_head else ("native", 1))
     if not quantize_lm_head:
         torch.testing.assert_close(head.weight, reference, rtol=0, atol=0)
     ids = torch.randint(0, 128, (1, 6))
@@ -90,9 +85,8 @@ def test_linears_left_in_float_go_on_the_native_gemv_after_injection(quantize_lm
 def test_report_names_the_kernels(tiny_llama):
     from splice import native
 
-    _, ctx = _run(tiny_llama, dtype="int8")
-    note = ctx.report[-1][1]
+    _, report = _run(tiny_llama, dtype="int8")
     if native.available():
-        assert f"kernels: splice native ({native.ISA_DESCRIPTIONS[native.isa()]})" in note
+        assert report.quant.kernels == f"splice native ({native.ISA_DESCRIPTIONS[native.isa()]})"
     else:
         assert "kernels: torch's" in note

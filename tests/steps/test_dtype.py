@@ -43,12 +43,14 @@ def test_default_keeps_model_dtype():
     model = build_tiny(tiny_llama_config(), dtype=torch.bfloat16)
     engine = splice.init_inference(model)
     assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
-    assert "kept" in dict(engine.report)["dtype"]
+    report = engine.step_report("dtype")
+    assert not report.converted and report.dtype == "torch.bfloat16"
 
 
 def test_int8_runs_activations_in_bf16_and_quantizes_the_linears():
     model = build_tiny(tiny_llama_config())
     engine = splice.init_inference(model, dtype="int8")
-    assert "bfloat16" in dict(engine.report)["dtype"]
+    report = engine.step_report("dtype")
+    assert report.converted and report.int8 and report.dtype == "torch.bfloat16"
     assert engine.module.model.embed_tokens.weight.dtype == torch.bfloat16
     assert not any(type(m) is torch.nn.Linear for m in engine.module.model.layers.modules())

@@ -1,0 +1,262 @@
+"""``resolve(config, model, parallel) -> Plan``: every decision ``init_inference`` makes, and every check, up front.
+
+The plan is frozen; the steps (``splice.steps``) only apply it and never read the raw config. Everything that can
+fail on the user's input fails here, while the model is still untouched: a bad checkpoint, a family kernel injection
+does not know, a quantization scheme that does not fit a layer, a tensor-parallel size that does not match the
+processes, a compile option without its prerequisite.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import native
+from .arch import lookup, model_dims, tensor_parallel_plan
+from .checkpoint import check_checkpoint, has_meta_tensors, load_policy_files
+from .config import InferenceConfig
+from .distributed import ParallelContext
+from .layers.block import activation
+from .layers.native_linear import can_use_native
+from .layers.packed_linear import can_pack
+from .quant import QuantConfig
+from .quant import plan as quant_targets
+from .quant.api import check_calibration_ids
+from .tp.autotp import autotp_plan, trace_model
+from .tp.loading import manifest_plan, read_manifest
+from .tp.plan import TPPlan, verify
+from .tp.policy import policy_plan
+
+CheckpointSource = Path | list[Path]
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """How one kind of linear computes, and why (for reports and ``splice info``)."""
+
+    kernel: str  # "native" (splice's GEMV), "packed" (oneDNN-packed weight), "torch"
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every decision, made once. ``config`` is kept for the engine's per-request checks; the steps read the fields."""
+
+    config: InferenceConfig
+    device: torch.device  # where the model computes
+    home: torch.device  # where its weights live: ``device``, or the CPU with keep_module_on_host
+    keep_on_host: bool  # keep_module_on_host
+    parallel: ParallelContext
+    dtype: torch.dtype | None  # floating weights are converted to this (None: kept)
+    int8: bool  # dtype=int8: int8 weights from the quantize step, activations in ``dtype``
+    checkpoint: CheckpointSource | None
+    checkpoint_loader: str | None  # "load" (whole checkpoint), "shard" (each rank its slices), None (no checkpoint)
+    tp_plan: TPPlan | None  # None at tp_size 1
+    tp_grain_size: int
+    save_shards_to: str | None
+    fuse: bool  # kernel injection
+    max_out_tokens: int
+    quant: QuantConfig | None
+    calibration_ids: torch.Tensor | None
+    float_kernel: KernelChoice  # the float linears of a fused model
+    compile_decode: bool
+
+    @property
+    def tp_size(self) -> int:
+        return self.parallel.world_size
+
+
+def resolve(config: InferenceConfig, model: nn.Module, parallel: ParallelContext, device: torch.device) -> Plan:
+    """Decide and check everything; raises ``ValueError`` / ``TypeError`` naming the bad value and what is allowed."""
+    tp = tensor_parallel_size(config, parallel)
+    dtype = activation_dtype(config.dtype, device)
+    checkpoint = checkpoint_source(config)
+    tp_plan = resolve_tensor_parallel(config, model, tp, checkpoint)
+    check_weights(model, checkpoint, tp)
+    if config.replace_with_kernel_inject:
+        check_fusable(model, config)
+    quant = QuantConfig.from_inference_config(config)
+    calibration_ids = resolve_quantization(model, quant, config)
+    check_graphs(config, device)
+    compute_dtype = dtype or _model_float_dtype(model)
+    return Plan(
+        config=config, device=device, home=torch.device("cpu") if config.keep_module_on_host else device,
+        keep_on_host=bool(config.keep_module_on_host),
+        parallel=parallel, dtype=dtype, int8=config.dtype == torch.int8, checkpoint=checkpoint,
+        checkpoint_loader=None if checkpoint is None else ("shard" if tp > 1 else "load"), tp_plan=tp_plan,
+        tp_grain_size=config.tensor_parallel.tp_grain_size, save_shards_to=config.save_mp_checkpoint_path or None,
+        fuse=bool(config.replace_with_kernel_inject), max_out_tokens=config.max_out_tokens, quant=quant,
+        calibration_ids=calibration_ids, float_kernel=float_kernel(compute_dtype, device),
+        compile_decode=bool(config.compile_decode))
+
+
+def resolve_device(config: InferenceConfig) -> torch.device:
+    """The device the model runs on: the configured one, else CUDA if present, else CPU."""
+    if config.device is not None:
+        device = torch.device(config.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={config.device!r} was asked for but CUDA is not available; allowed: 'cpu'")
+        return device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+# ---- dtype ----------------------------------------------------------------------------------------------------------
+def activation_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.dtype | None:
+    """The float dtype to convert to: ``dtype`` itself, or for int8 the dtype its activations run in (bf16 where the
+    device supports it: torch's int8 weight-only kernels are fast only with bf16 activations)."""
+    if dtype != torch.int8:
+        return dtype
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16
+
+
+def _model_float_dtype(model: nn.Module) -> torch.dtype | None:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
+# ---- checkpoint -----------------------------------------------------------------------------------------------------
+def checkpoint_source(config: InferenceConfig) -> CheckpointSource | None:
+    """What to load: ``config.checkpoint``, else ``config.checkpoint_config.checkpoint_dir``; None if neither is set.
+
+    A relative path is resolved against ``config.base_dir``; a DeepSpeed load-policy dict (``{"checkpoints": [...]}``)
+    becomes its list of safetensors files.
+    """
+    checkpoint = getattr(config, "checkpoint", None)
+    checkpoint_config = getattr(config, "checkpoint_config", None)
+    base_dir = getattr(config, "base_dir", "") or ""
+    if checkpoint is None and getattr(checkpoint_config, "checkpoint_dir", None) is not None:
+        checkpoint = checkpoint_config.checkpoint_dir
+        base_dir = base_dir or getattr(checkpoint_config, "base_dir", None) or ""
+    if checkpoint is None:
+        return None
+    if isinstance(checkpoint, dict):
+        return load_policy_files(checkpoint, base_dir)
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise TypeError(f"checkpoint must be a path or a load-policy dict, got {type(checkpoint).__name__}: "
+                        f"{checkpoint!r}")
+    path = Path(checkpoint).expanduser()
+    return path if path.is_absolute() or not base_dir else Path(base_dir).expanduser() / path
+
+
+def tp_manifest(source: CheckpointSource | None) -> dict | None:
+    """A splice tensor-parallel checkpoint's manifest (``splice_tp.json``), or None."""
+    return read_manifest(source) if isinstance(source, Path) else None
+
+
+def check_weights(model: nn.Module, checkpoint: CheckpointSource | None, tp: int) -> None:
+    """A meta model needs a checkpoint; a whole-model checkpoint must fit the model (headers only, nothing loaded)."""
+    if checkpoint is None:
+        if has_meta_tensors(model):
+            raise ValueError("the model has tensors on the meta device (no weights) and no checkpoint was given; "
+                             "pass checkpoint=<safetensors folder, file or index JSON> so splice can load them, "
+                             "or give a model with real weights")
+        return
+    if tp == 1 or tp_manifest(checkpoint) is None:
+        check_checkpoint(model, checkpoint)
+
+
+# ---- tensor parallelism ---------------------------------------------------------------------------------------------
+def tensor_parallel_size(config: InferenceConfig, parallel: ParallelContext) -> int:
+    """The effective tensor-parallel size; the config and the parallel context must agree."""
+    wanted, have = config.tensor_parallel.tp_size, parallel.world_size
+    given_group = config.tensor_parallel.tp_group is not None or config.tensor_parallel.mpu is not None
+    if wanted != have and not (given_group and wanted == 1):
+        raise ValueError(f"tensor_parallel.tp_size={wanted}, but this process's parallel context has {have} rank(s); "
+                         f"launch {wanted} processes with `torchrun --nproc-per-node {wanted}` so init_inference can "
+                         "build the group, or pass tp_group")
+    return have
+
+
+def resolve_tensor_parallel(config: InferenceConfig, model: nn.Module, tp: int,
+                            checkpoint: CheckpointSource | None) -> TPPlan | None:
+    """The verified plan at ``tp`` ranks (None at 1): the checkpoint manifest's, else the injection_policy's, else with
+    kernel injection the family record's, else AutoTP's (as DeepSpeed: its injection containers carry their own
+    policies, AutoTP serves the models it does not inject)."""
+    if tp == 1:
+        if config.save_mp_checkpoint_path:
+            raise ValueError(f"save_mp_checkpoint_path={config.save_mp_checkpoint_path!r} writes tensor-parallel "
+                             "shards and needs tensor_parallel.tp_size > 1; at tp_size=1 save the model with "
+                             "save_pretrained instead")
+        return None
+    manifest = tp_manifest(checkpoint)
+    if manifest is not None:
+        plan = manifest_plan(manifest, tp)
+    elif config.injection_policy:
+        plan = policy_plan(model, config.injection_policy, trace_model(model))
+    elif config.replace_with_kernel_inject:
+        plan = tensor_parallel_plan(lookup(model.config), model.config)
+    else:
+        plan = autotp_plan(model, trace_model(model))
+    verify(plan, model, tp)
+    return plan
+
+
+def describe_tensor_parallel(model: nn.Module, tp_size: int, injection_policy: dict | None = None) -> str:
+    """The plan splice would apply at ``tp_size`` (for ``splice info --tp N``); runs nothing distributed."""
+    trace = trace_model(model)
+    plan = policy_plan(model, injection_policy, trace) if injection_policy else autotp_plan(model, trace)
+    verify(plan, model, tp_size)
+    return plan.describe()
+
+
+# ---- kernel injection -----------------------------------------------------------------------------------------------
+def check_fusable(model: nn.Module, config: InferenceConfig) -> None:
+    """A known family, an activation and rope the fused block supports (meta weights are fine: they are loaded
+    before fusing)."""
+    model_config = getattr(model, "config", None)
+    if model_config is None:
+        raise TypeError(f"kernel injection needs a transformers model with a .config, got {type(model).__name__}")
+    dims = model_dims(lookup(model_config), model_config)
+    activation(dims.activation)
+    if config.max_out_tokens > dims.rope.max_positions:
+        raise ValueError(f"max_out_tokens={config.max_out_tokens} exceeds {dims.rope.max_positions}, past which "
+                         f"rope_type={dims.rope.rope_type!r} rescales itself; allowed: max_out_tokens <= "
+                         f"{dims.rope.max_positions}")
+
+
+# ---- quantization ---------------------------------------------------------------------------------------------------
+def resolve_quantization(model: nn.Module, quant: QuantConfig | None, config: InferenceConfig) -> torch.Tensor | None:
+    """Check the scheme against every linear it would replace; return the GPTQ calibration ids, if any."""
+    if quant is None:
+        return None
+    quant_targets(model, quant)
+    ids = config.quant.weight.calibration_ids if config.quant.enabled else None
+    return None if ids is None else check_calibration_ids(ids, quant)
+
+
+# ---- kernels --------------------------------------------------------------------------------------------------------
+def float_kernel(dtype: torch.dtype | None, device: torch.device) -> KernelChoice:
+    """How a fused model's float linears (and those quantization leaves in float) compute for decode."""
+    if dtype is not None and can_use_native(dtype, device):
+        level = native.isa()
+        return KernelChoice("native", f"bf16 on a CPU whose native kernels run at {level} "
+                                      f"({native.ISA_DESCRIPTIONS[level]})")
+    if dtype is not None and can_pack(dtype, device):
+        return KernelChoice("packed", f"{dtype} on CPU without splice's native bf16 GEMV: oneDNN-packed weights")
+    return KernelChoice("torch", f"{dtype} on {device.type}: torch's own linear")
+
+
+# ---- graphs ---------------------------------------------------------------------------------------------------------
+def check_graphs(config: InferenceConfig, device: torch.device) -> None:
+    if config.compile_decode:
+        if not config.replace_with_kernel_inject:
+            raise ValueError("compile_decode=True compiles splice's own decode step, which needs "
+                             "replace_with_kernel_inject=True; allowed: replace_with_kernel_inject=True, or "
+                             "compile_decode=False")
+        if config.enable_cuda_graph:
+            raise ValueError("compile_decode=True and enable_cuda_graph=True both capture the decode step; "
+                             "allowed: one of them")
+    if not config.enable_cuda_graph:
+        return
+    if config.tensor_parallel.tp_size > 1:
+        raise ValueError(
+            f"enable_cuda_graph=True cannot be combined with tensor_parallel.tp_size={config.tensor_parallel.tp_size}; "
+            "allowed: enable_cuda_graph=True with tp_size=1, or enable_cuda_graph=False")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"enable_cuda_graph=True needs a CUDA device, but the model runs on {device}; "
+                         "allowed: enable_cuda_graph=False on CPU")
+    raise NotImplementedError("enable_cuda_graph=True is not available yet in this splice version; use False")

@@ -1,0 +1,32 @@
+"""compile: a compiled static decode step (``compile_decode``); CUDA graphs are checked in the plan and not captured
+yet.
+
+Only the decode step is compiled: one token per row at a tensor position, attending over the whole static KV cache
+(the cache's mask hides the empty slots), so its shapes never change and it compiles once per batch size. Prefill and
+everything else stay eager. Compiling happens lazily, on the first decode step of the first ``generate`` call. Under
+tensor parallelism each rank compiles its own step; dynamo traces the row-parallel all-reduces and the vocab-parallel
+all-gather into the graph as functional collectives (no graph breaks).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..plan import Plan
+from . import Stage, StepReport
+
+
+@dataclass(frozen=True)
+class CompileReport(StepReport):
+    compiled: bool
+
+    def summary(self) -> str:
+        if self.compiled:
+            return ("decode step compiled with torch.compile (static shapes; compiles on the first decode step, cached "
+                    "by torch's inductor cache)")
+        return "no graph capture (compile_decode=False, enable_cuda_graph=False)"
+
+
+def compile_decode(stage: Stage, plan: Plan) -> tuple[Stage, CompileReport]:
+    if plan.compile_decode:
+        stage.runtime.compile_decode()
+    return stage, CompileReport("compile", plan.compile_decode)

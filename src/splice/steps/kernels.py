@@ -1,0 +1,97 @@
+"""kernels: pick how the float linears of a fused model compute, by the plan's choice (``plan.float_kernel``).
+
+Fusing and quantizing produce weights; this step wraps each plain float linear of the fused blocks and the lm_head
+(the ones quantization left in float, or all of them) in its kernel's layer: splice's native bf16 GEMV
+(``layers.native_linear``, plain weights gathered on 2 MiB pages, nothing copied), or a oneDNN-packed weight
+(``layers.packed_linear``, 16-bit weights where the native kernels do not run; a tied lm_head stays as it is).
+Quantized layers carry their own kernels (``splice.quant.kernels``); the report names them too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..layers.causal_lm import SpliceCausalLM
+from ..layers.native_linear import NativeLinear
+from ..layers.packed_linear import PackedLinear
+from ..native.memory import gather_on_huge_pages
+from ..plan import Plan
+from ..quant import QuantizedLinear
+from ..quant.api import kernel_names
+from ..tp.layers import RowParallelLinear, VocabParallelLinear
+from . import Stage, StepReport
+
+WRAPPERS = {"native": NativeLinear, "packed": PackedLinear}
+
+
+@dataclass(frozen=True)
+class KernelsReport(StepReport):
+    float_kernel: str  # "native", "packed", "torch"
+    reason: str
+    wrapped: int  # float linears now on that kernel (0 without fusing)
+    huge_page_bytes: int
+    quantized_kernels: str  # which kernels the quantized layers call ("" without quantization)
+
+    def summary(self) -> str:
+        parts = []
+        if self.wrapped:
+            name = {"native": "splice's native bf16 GEMV", "packed": "oneDNN-packed weights"}[self.float_kernel]
+            pages = f", weights gathered on 2 MiB pages ({self.huge_page_bytes / 2**20:.0f} MiB)" \
+                if self.huge_page_bytes else ""
+            parts.append(f"{self.wrapped} float linears on {name}{pages} ({self.reason})")
+        else:
+            parts.append(f"float linears on torch's own kernels ({self.reason})")
+        if self.quantized_kernels:
+            parts.append(f"quantized linears on {self.quantized_kernels}")
+        return "; ".join(parts)
+
+
+def select_kernels(stage: Stage, plan: Plan) -> tuple[Stage, KernelsReport]:
+    quantized = [m for m in stage.model.modules() if isinstance(m, QuantizedLinear)]
+    choice = plan.float_kernel
+    wrapper = WRAPPERS.get(choice.kernel)
+    wrapped, moved = 0, 0
+    if stage.runtime is not None and wrapper is not None:
+        wrapped = wrap_linears(stage.model, stage.runtime, wrapper)
+        if wrapper is NativeLinear:
+            moved = gather_on_huge_pages([m.weight for m in stage.model.modules() if isinstance(m, NativeLinear)])
+    kernel = choice.kernel if wrapped else "torch"
+    reason = choice.reason if wrapped or stage.runtime is None else "no plain float linear left to wrap"
+    if stage.runtime is None:
+        reason = "not fused (replace_with_kernel_inject=False): the model's own layers"
+    return stage, KernelsReport("kernels", kernel, reason, wrapped, moved, kernel_names(quantized))
+
+
+def wrap_linears(model: nn.Module, runtime: SpliceCausalLM, wrapper: type[nn.Module]) -> int:
+    """Swap the blocks' plain ``nn.Linear`` layers and the lm_head for ``wrapper(linear)``; returns how many.
+
+    Under tensor parallelism the row- and vocab-parallel wrappers keep their all-reduce / all-gather: only the plain
+    linear inside them is wrapped. A tied lm_head shares the embedding table, which a lookup needs in the plain
+    layout: only :class:`NativeLinear` (which keeps that layout) takes it over.
+    """
+    count = 0
+    for block in runtime.blocks:
+        for name in ("qkv", "o", "gate_up", "down"):
+            count += wrap_in(block, name, wrapper)
+    head = runtime.lm_head
+    tied_ok = wrapper is NativeLinear
+    if isinstance(head, VocabParallelLinear):
+        if tied_ok or head.linear.weight is not runtime.embed.weight:
+            count += wrap_in(head, "linear", wrapper)
+    elif type(head) is nn.Linear and (tied_ok or head.weight is not runtime.embed.weight):
+        runtime.lm_head = wrapper(head)
+        model.set_output_embeddings(runtime.lm_head)
+        count += 1
+    return count
+
+
+def wrap_in(parent: nn.Module, name: str, wrapper: type[nn.Module]) -> int:
+    """Wrap ``parent.<name>`` (or the plain linear inside a row-parallel wrapper); 1 if wrapped, else 0."""
+    module = getattr(parent, name)
+    if isinstance(module, RowParallelLinear):
+        parent, name, module = module, "linear", module.linear
+    if type(module) is not nn.Linear or module.weight.numel() == 0:
+        return 0
+    setattr(parent, name, wrapper(module))
+    return 1
