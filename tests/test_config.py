@@ -446,12 +446,12 @@ def test_field_reference_rows():
     assert "| `tensor_parallel.tp_grain_size` |" in markdown and "`kernel_inject`" in markdown
 
 
-def test_readme_config_table_is_current():
+def test_docs_config_table_is_current():
     from pathlib import Path
 
     from splice.config import reference_markdown
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = readme.index("<!-- config-reference:start -->\n") + len("<!-- config-reference:start -->\n")
-    end = readme.index("<!-- config-reference:end -->")
-    assert readme[start:end] == reference_markdown(), "regenerate the README table with `python -m splice.config`"
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    start = docs.index("<!-- config-reference:start -->\n") + len("<!-- config-reference:start -->\n")
+    end = docs.index("<!-- config-reference:end -->")
+    assert docs[start:end] == reference_markdown(), "regenerate docs/configuration.md's table with `python -m splice.config`"

@@ -5,7 +5,7 @@ honoured by a pipeline stage, accepted with a warning that it has no effect in s
 ``FIELD_SUPPORT`` says which. ``resolve_config`` merges a dict / JSON file / ``InferenceConfig`` with keyword
 arguments. Validation never writes into the objects the user passed in.
 
-``python -m splice.config`` prints the reference table (the one in docs/config-reference.md).
+``python -m splice.config`` prints the reference table (the one in docs/configuration.md).
 """
 from __future__ import annotations
 
@@ -295,7 +295,11 @@ class InferenceConfig(_Section):
                                 "defaults to None (keep the model's dtype)."))
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig, alias="tp",
                                                   description="Tensor parallelism: split the model across ranks.")
-    enable_cuda_graph: bool = Field(False, description="Capture the decode step in a CUDA graph (GPU only).")
+    enable_cuda_graph: bool = Field(False, description="Capture the decode step in a CUDA graph (GPU only).",
+                                    json_schema_extra=_note(
+                                        "checked (needs a CUDA device and tp_size 1, else ValueError), but capture is "
+                                        "not built yet: True then raises NotImplementedError; compile_decode=True "
+                                        "compiles the decode step instead"))
     compile_decode: bool = Field(False, description=(
         "Compile splice's decode step with torch.compile (static shapes; needs replace_with_kernel_inject=True). "
         "The first generate call compiles (tens of seconds on a small CPU; torch's inductor cache makes later "
