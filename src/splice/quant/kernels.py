@@ -1,18 +1,18 @@
 """Thin wrappers over the integer kernels, one per operation, with the CPU / CUDA / native split in one place: torch's
-own kernels, and splice's native GEMVs (``splice.native``: AVX2, AVX-512, AMX, ``torch.ops.splice_kernels``) on CPUs where those build.
+own kernels, and splice's native GEMVs (``splice.native``: AVX2, AVX-512, AMX; ``torch.ops.splice_kernels``) on CPUs
+where those build.
 
 Which kernel runs where (M = rows of activations in the call; a layer decides once, when built, whether it may use
-the native kernels at all: ``native_kernels_on``):
+the native kernels at all: ``native_kernels_on``; the row limits are ``native.MAX_ROWS`` of the active level):
 
 =============================  ============================================  ========================================
 scheme                         CPU, ``splice.native`` available              CPU without it; CUDA
 =============================  ============================================  ========================================
-int8 weight-only, per channel  ``int8_gemv`` up to ``native.MAX_ROWS``       ``_weight_int8pack_mm`` for M <= 16 (CPU:
-                               (16 with AMX, else 8), torch's kernel to 16,  K % 16 == 0), else de-quantise + linear
-                               above: ``int8_linear`` (int8 -> bf16 + GEMM)
+int8 weight-only, per channel  ``int8_gemv`` up to ``MAX_ROWS["int8"]``,     ``_weight_int8pack_mm`` for M <= 16 (CPU:
+                               torch's kernel to 16, above that              K % 16 == 0), else de-quantise + linear
+                               ``int8_linear`` (int8 -> bf16 + one GEMM)
 int8 weight-only, grouped      torch's path                                  ``_weight_int8pack_mm`` per group, same
-int4 weight-only               ``int4_gemv`` up to ``native.                 ``_weight_int4pack_mm[_for_cpu]``, any M
-                               int4_gemv_max_rows`` (64 with AMX, else 15),
+int4 weight-only               ``int4_gemv`` up to ``MAX_ROWS["int4"]``,     ``_weight_int4pack_mm[_for_cpu]``, any M
                                above that ``int4_linear`` (de-quantise +
                                one oneDNN GEMM)
 W8A8                           activations rounded to int8 per block of 32   the same, on torch's int8 kernels
@@ -20,64 +20,31 @@ W8A8                           activations rounded to int8 per block of 32   the
                                weight-only kernels above
 =============================  ============================================  ========================================
 
-Why the native kernels, and why by rows: they stream weights with software prefetch, about 1.5x faster than torch's
-GEMVs (TinyLlama-shaped linear stack, batch 1: int8 43 vs 63 ms, int4 g32 26 vs 43 ms). The int8 GEMV runs 5 to 16
-rows on AMX tiles where the CPU has them (1.4-1.7x oneDNN's bf16 linear at 8 and 16 rows); with AVX-512 only its time
-grows with M, so it stops at 8 rows (0.82x of oneDNN's bf16 linear there). int4 keeps only the tile layout (no second
-copy of the weight). ``int4_gemv`` runs 1-2 rows with AVX-512 dot products and 3 rows and more on AMX tiles where the
-CPU has them (``native.amx_ready``: the weights are decoded once per call instead of once per row).
+Why the native kernels, and why by rows: they stream weights with software prefetch, faster than torch's GEMVs; the
+GEMVs' time grows with M, so above a level's row limit one GEMM on the de-quantised weight wins (``docs/kernels.md``
+has the measurements behind every limit, and torch's kernels beside them). On the amx level the int8 GEMV runs 5 to
+16 rows and the int4 GEMV 3 rows and more on AMX tiles (the weights decoded once per call instead of once per row).
+int4 keeps only the tile layout (no second copy of the weight).
 
-Prefill (above those rows) de-quantises the weight to bf16 for one oneDNN/AMX GEMM, inside one op per scheme
+Prefill (above those rows) de-quantises the weight to bf16 for one oneDNN GEMM, inside one op per scheme
 (``int8_linear``: the native int8 -> bf16 conversion, output scaled after; ``int4_linear``: exactly
 ``qmath.dequantize_int4`` rounded to bf16). The bf16 copy goes into one buffer kept between calls (the size of the
-largest weight; ``native.release_prefill_buffer`` frees it): TinyLlama-shaped prefill of 128 tokens spent 384 of 645 ms
-in torch's int8 -> bf16 copy into fresh memory, 311 ms in all with the native conversion into the kept buffer.
-Checkpoints are the same either way (padding follows torch's kernel), so a model saved with one kernel loads with the
-other.
+largest weight; ``native.release_prefill_buffer`` frees it): a fresh buffer per call pays Linux's zeroing of its
+pages. Checkpoints are the same either way (padding follows torch's kernel), so a model saved with one kernel loads
+with the other.
 
-The int4 thresholds, measured (2-core AVX-512/AMX Xeon, 2 threads; microseconds, median of 5 passes over 40 layers
-on 2 MiB pages, random weights, g32):
-
-=====================================  =====  =====  =====  =====  =====  =====  =====  =====
-rows (M)                                  1      2      3      8     16     32     64    128
-=====================================  =====  =====  =====  =====  =====  =====  =====  =====
-5632x2048 ``int4_gemv`` (AMX from 3)    238    328    435    491    658    895   1604   4365
-5632x2048 de-quantise + linear         1512   1564   1552   1606   1642   1762   2160   2478
-2048x5632 ``int4_gemv`` (AMX from 3)    229    319    439    500    668    903   1582   3651
-2048x5632 de-quantise + linear         1445   1417   1403   1460   1539   1630   2319   2583
-=====================================  =====  =====  =====  =====  =====  =====  =====  =====
-
-Without AMX the AVX-512 GEMV grows by about 125 us a row (1121 us at 8 rows, 2064 at 16 on the first layer), so
-there it stops at 15 rows (crossover measured at 11-16 rows in the linear stack of ``benchmarks/bench_quant.py``).
-
-torch's kernels, measured on this project's 2-core AVX-512/AMX Xeon (torch 2.13, one 5632x2048 layer, microseconds,
-other processes idle; ``benchmarks/bench_quant.py`` measures whole stacks):
-
-=========================================  =====  =====  =====  =====  ======
-rows (M)                                      1      8     16     128    512
-=========================================  =====  =====  =====  =====  ======
-bf16 ``F.linear``                           1150   1270    920   2120   6650
-``_weight_int8pack_mm`` (bf16 x)             870   2250   2220     -      -
-int8 -> bf16 de-quantise + ``F.linear``     2700   2560   3500   3560   8120
-``_weight_int4pack_mm_for_cpu`` g64          550   1280   2190  17240     -
-oneDNN ``qlinear_pointwise`` (W8A8)          550    470    590   1470   4430
-fbgemm ``linear_dynamic`` (W8A8, fp32 x)     960    880    650   3010  11380
-per-row int8 + ``torch._int_mm`` (W8A8)     1090   1250    710   2210   9990
-=========================================  =====  =====  =====  =====  ======
-
-So, where the native kernels do not run:
+Where the native kernels do not run:
 
 * int8 weight-only: ``_weight_int8pack_mm`` is a GEMV kernel (time grows linearly with M); it runs up to
   ``INT8_KERNEL_MAX_ROWS`` rows, above that the weight is de-quantised to bf16 for one ``F.linear`` (prefill). It is
-  6x slower with fp32 activations, so activations are cast to bf16. On CPU it needs K a multiple of 16 (torch 2.13
+  much slower with fp32 activations, so activations are cast to bf16. On CPU it needs K a multiple of 16 (torch 2.13
   sums wrongly or crashes otherwise); other K de-quantise.
-* int4: ``_weight_int4pack_mm_for_cpu`` at every M. It is a GEMV kernel too (8x slower than bf16 at 128 rows), but
-  de-quantising int4 to bf16 in eager torch costs more still (about 5x the 128-row kernel time; the native
-  ``int4_linear`` above needs its tile layout).
+* int4: ``_weight_int4pack_mm_for_cpu`` at every M. It is a GEMV kernel too, but de-quantising int4 to bf16 in eager
+  torch costs more still (the native ``int4_linear`` above needs its tile layout).
 * W8A8: the activations are rounded to int8 per row and block of 32 (``qmath.round_activations``), then multiplied
-  by the per-channel int8 kernels above. oneDNN's int8 GEMM (the ``qlinear_pointwise`` row) takes one activation scale
-  per row, which let outlier channels flatten whole rows: the perplexity cost then swung by several percent with the
-  CPU's float rounding (see ``Int8DynamicLinear``).
+  by the per-channel int8 kernels above. oneDNN's int8 GEMM takes one activation scale per row, which let outlier
+  channels flatten whole rows: the perplexity cost then swung by several percent with the CPU's float rounding (see
+  ``Int8DynamicLinear``); on CPUs without VNNI its u8 x s8 products also saturate.
 """
 from __future__ import annotations
 
