@@ -151,7 +151,9 @@ def test_environment_switch_turns_them_off_without_a_warning():
 
 
 def _run_with_env(code: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+    """``code`` in a fresh Python with ``env`` as the only level settings (the caller's own caps are dropped)."""
+    base = {k: v for k, v in os.environ.items() if k not in ("SPLICE_NATIVE_ISA", "SPLICE_NATIVE_AMX")}
+    return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
                           timeout=300)
 
 
