@@ -845,21 +845,32 @@ void int8_to_bf16_into(const int8_t* src, int64_t numel, at::BFloat16* dst) {
   });
 }
 
+// 8 floats -> 8 bf16, rounded to nearest even (as at::BFloat16 and the AVX-512 conversion round finite values).
+inline __m128i f32x8_to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+}
+
+// One tile row's chunk (8 columns) at a time: the word broadcast to 8 lanes, each lane shifted to its column's
+// nibble (column j sits in slot ORDER^-1[j]), then (q - 8) * scale + zero in float32 and rounded to bf16.
 void int4_dequantize_tile(const int32_t* w, const at::BFloat16* sz, int64_t k, int64_t group, int64_t tile,
                           at::BFloat16* out) {
   const int64_t chunks = k / 8, groups = k / group, chunks_per_group = group / 8;
   const int32_t* words = w + tile * chunks * TILE;
   const at::BFloat16* tile_sz = sz + tile * groups * TILE * 2;
+  const __m256i shifts = _mm256_setr_epi32(0, 16, 4, 20, 8, 24, 12, 28), nibble = _mm256_set1_epi32(15);
+  const __m256i eight = _mm256_set1_epi32(8);
   for (int64_t g = 0; g < groups; ++g)
     for (int r = 0; r < TILE; ++r) {
-      const float scale = static_cast<float>(tile_sz[(g * TILE + r) * 2]);
-      const float zero = static_cast<float>(tile_sz[(g * TILE + r) * 2 + 1]);
+      const __m256 scale = _mm256_set1_ps(static_cast<float>(tile_sz[(g * TILE + r) * 2]));
+      const __m256 zero = _mm256_set1_ps(static_cast<float>(tile_sz[(g * TILE + r) * 2 + 1]));
       at::BFloat16* row = out + (tile * TILE + r) * k;
       for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-        const uint32_t word = static_cast<uint32_t>(words[c * TILE + r]);
-        for (int s = 0; s < 8; ++s)
-          row[c * 8 + ORDER[s]] = at::BFloat16(std::fma(static_cast<float>(static_cast<int>(word >> (4 * s) & 15) - 8),
-                                                        scale, zero));
+        const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(words[c * TILE + r]), shifts), nibble);
+        const __m256 value = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, eight)), scale, zero);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(row + c * 8), f32x8_to_bf16(value));
       }
     }
 }
