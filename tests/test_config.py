@@ -358,6 +358,20 @@ def test_quant_settings_accepted():
     assert config.quant.weight.q_dtype == torch.uint8 and config.quant.qkv.enabled is False
 
 
+@pytest.mark.parametrize("weight, symmetric", [
+    ({"num_bits": 4}, False),  # no q_type: the most accurate the int4 kernels take (they take a zero point)
+    ({"num_bits": 8}, True),  # the int8 kernels take no zero point
+    ({"num_bits": 4, "q_type": "symmetric"}, True),  # DeepSpeed's default, when named, is honoured
+    ({"num_bits": 4, "q_type": "asymmetric"}, False),
+])
+def test_quant_weight_q_type_defaults_to_the_best_for_the_bit_width(weight, symmetric):
+    from splice.quant import QuantConfig
+
+    config = resolve_quietly(quant={"enabled": True, "weight": weight})
+    assert config.quant.weight.q_type == weight.get("q_type")
+    assert QuantConfig.from_inference_config(config).symmetric is symmetric
+
+
 def test_wrong_type_names_field_value_and_allowed():
     with pytest.raises(ValueError) as info:
         resolve_config(use_triton="maybe")

@@ -205,7 +205,12 @@ class MoEConfig(_Section):
 class WeightQuantConfig(_Section):
     enabled: bool = Field(True, description="Quantize the linear weights (when quant.enabled).")
     num_bits: Literal[8, 4] = Field(8, description="Bits per quantized weight.")
-    q_type: Literal["symmetric", "asymmetric"] = Field("symmetric", description="Zero-point scheme.")
+    q_type: Literal["symmetric", "asymmetric"] | None = Field(None, description=(
+        "Zero-point scheme. None picks the most accurate one the kernels take at num_bits: 'asymmetric' for 4 bits "
+        "(the int4 kernels take a zero point), 'symmetric' for 8 (the int8 kernels take none)."),
+        json_schema_extra=_note("DeepSpeed defaults to 'symmetric'; splice defaults to None, i.e. 'asymmetric' for "
+                                "int4, which reproduces weights more closely (see src/splice/quant/README.md). "
+                                "An explicit 'symmetric' is honoured."))
     q_groups: int = Field(1, ge=1, description="Number of quantization groups per weight matrix.")
     group_size: int | None = Field(None, ge=1, description=(
         "Input elements per quantization group (e.g. 32, 64, 128); overrides q_groups. None uses q_groups."),

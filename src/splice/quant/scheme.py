@@ -10,7 +10,9 @@ Mapping from the DeepSpeed-style keys (``InferenceConfig``):
 ``quant.weight.q_groups`` (no ``group_size``)          groups per output row: ``group_size = in_features / q_groups``;
                                                        1 (the default) = one scale per output channel for int8,
                                                        ``DEFAULT_INT4_GROUP`` for int4
-``quant.weight.q_type``                                int8: 'symmetric'; int4: 'symmetric' or 'asymmetric'
+``quant.weight.q_type``                                int8: 'symmetric'; int4: 'symmetric' or 'asymmetric';
+                                                       None (the default): the most accurate the kernels take,
+                                                       ``DEFAULT_SYMMETRIC`` (int4 asymmetric, int8 symmetric)
 ``quant.activation.enabled`` (+ ``num_bits=8``)        W8A8: int8 weights (per channel) x int8 activations,
                                                        quantized dynamically per call
 ``quant.activation.q_type``, ``q_groups``              'symmetric', 1: one scale per row (token), computed per call
@@ -29,6 +31,10 @@ import torch
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 kernels accept
 DEFAULT_INT4_GROUP = 32  # the most accurate the kernels allow (0.31x the bf16 bytes); see the README's figures
 KINDS = ("int8_weight_only", "int4_weight_only", "int8_dynamic")
+#: bits -> ``symmetric`` for a config that names no ``q_type``: the most accurate scheme the kernels take. int4 kernels
+#: take a zero point per group (asymmetric reproduces weights more closely; the README's figures); int8 kernels take
+#: none. DeepSpeed defaults to symmetric at every width.
+DEFAULT_SYMMETRIC = {4: False, 8: True}
 
 #: Leaf module names of q/k/v projections (fused or not) across the architectures splice knows; used only for
 #: ``quant.qkv.enabled=False``.
@@ -116,9 +122,17 @@ class QuantConfig:
             raise ValueError(f"quant.activation q_groups={act.q_groups}, q_type={act.q_type!r} is not supported; "
                              "allowed: q_groups=1, q_type='symmetric' (activations get one symmetric scale per row)")
         return cls(bits=weight.num_bits, group_size=weight.group_size, q_groups=weight.q_groups,
-                   symmetric=weight.q_type == "symmetric", activations=act.enabled,
+                   symmetric=_symmetric(weight.q_type, weight.num_bits), activations=act.enabled,
                    quantize_lm_head=bool(getattr(quant, "quantize_lm_head", False)),
                    quantize_qkv=quant.qkv.enabled)
+
+
+def _symmetric(q_type: str | None, bits: int) -> bool:
+    """``quant.weight.q_type`` as ``QuantConfig.symmetric``; None: ``DEFAULT_SYMMETRIC`` for ``bits``."""
+    if q_type is None:
+        return DEFAULT_SYMMETRIC.get(bits, True)
+    _check_choice("quant.weight.q_type", q_type, ("symmetric", "asymmetric", None))
+    return q_type == "symmetric"
 
 
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:
