@@ -259,7 +259,7 @@ def test_native_layers_compile_in_one_graph(scheme):
     _, layer = _layer(scheme)
     x = torch.randn(2, layer.in_features, dtype=torch.bfloat16)
     compiled = torch.compile(layer, fullgraph=True)
-    torch.testing.assert_close(compiled(x), layer(x))  # bf16 tolerance: Inductor fuses the bias add
+    torch.testing.assert_close(compiled(x), layer(x), rtol=1.6e-2, atol=1e-3)  # Inductor fuses the bias add
 
 
 @needs_native

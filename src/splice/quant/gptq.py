@@ -66,7 +66,7 @@ def gptq_int4(weight: torch.Tensor, hessian: torch.Tensor, group: int, symmetric
                 scale, zero = column_params[0][:, start + i], column_params[1][:, start + i]
             else:
                 if col % group == 0:  # a group starts: fit it to the (already compensated) weights it holds now
-                    s, z = _bf16_params(w1[:, i:i + group].unsqueeze(1), symmetric)
+                    s, z = _bf16_params(w1[:, i:i + group].unsqueeze(1), symmetric, search=True)
                     scales[:, g], zeros[:, g] = s[:, 0], z[:, 0]
                 scale, zero = scales[:, g], zeros[:, g]
             column = w1[:, i]
@@ -82,10 +82,14 @@ def gptq_int4(weight: torch.Tensor, hessian: torch.Tensor, group: int, symmetric
     return q.to(torch.uint8), scales_and_zeros
 
 
-def _bf16_params(grouped: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    scales, zeros = qmath.int4_params(grouped, symmetric)
+def _bf16_params(grouped: torch.Tensor, symmetric: bool, search: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scales and zeros fitted to ``grouped`` (``search``: the symmetric scale search, for a group fitted as it
+    starts), in bf16 precision; scales keep their sign (a negative one puts the largest magnitude on code -8)."""
+    scales, zeros = qmath.int4_params(grouped, symmetric, search=search)
     bf16 = torch.bfloat16
-    return scales.to(bf16).float().clamp(min=torch.finfo(bf16).tiny), zeros.to(bf16).float()
+    scales = scales.to(bf16).float()
+    tiny = torch.finfo(bf16).tiny
+    return torch.where(scales.abs() < tiny, torch.full_like(scales, tiny), scales), zeros.to(bf16).float()
 
 
 def _upper_cholesky_of_inverse(h: torch.Tensor) -> torch.Tensor:
