@@ -30,7 +30,6 @@ import torch
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 kernels accept
 DEFAULT_INT4_GROUP = 32  # the most accurate the kernels allow (0.31x the bf16 bytes); see the README's figures
-KINDS = ("int8_weight_only", "int4_weight_only", "int8_dynamic")
 #: bits -> ``symmetric`` for a config that names no ``q_type``: the most accurate scheme the kernels take. int4 kernels
 #: take a zero point per group (asymmetric reproduces weights more closely; the README's figures); int8 kernels take
 #: none. DeepSpeed defaults to symmetric at every width.
