@@ -9,7 +9,7 @@ from torch import nn
 
 from .config import InferenceConfig
 from .distributed import SINGLE_PROCESS, ParallelContext
-from .generation import check_request_length
+from .generation import check_request, check_token_ids, request_input_ids
 from .generation import generate as native_generate
 from .layers.causal_lm import SpliceCausalLM
 from .steps import StepReport
@@ -47,21 +47,18 @@ class InferenceEngine(nn.Module):
         raise KeyError(f"no step {step!r}; steps: {', '.join(r.step for r in self.reports)}")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        input_ids = _input_ids(args, kwargs)
+        input_ids = request_input_ids(args, kwargs)
         if input_ids is not None:
             check_token_ids(input_ids, self.vocab_size)
         with torch.inference_mode():
             return self.module(*args, **kwargs)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """Hugging Face ``generate`` with every option it has, after checking the request fits ``max_out_tokens``."""
+        """Hugging Face ``generate`` with every option it has, after checking the request
+        (:func:`splice.generation.check_request`: ids, padding, sampling values, length within ``max_out_tokens``)."""
         if not hasattr(self.module, "generate"):
             raise TypeError(f"{type(self.module).__name__} has no generate(); only forward() is available")
-        input_ids = _input_ids(args, kwargs)
-        if input_ids is not None:
-            check_token_ids(input_ids, self.vocab_size)
-            prompt_length = input_ids.shape[-1]
-            check_request_length(prompt_length, self._requested_total(prompt_length, kwargs), self.config.max_out_tokens)
+        check_request(self.module, args, kwargs, self.vocab_size, self.config.max_out_tokens)
         self.parallel.sync_rng()  # under TP every rank must sample the same tokens, even if reseeded since init
         with torch.inference_mode():
             if self.runtime is not None:
@@ -72,17 +69,6 @@ class InferenceEngine(nn.Module):
     def vocab_size(self) -> int | None:
         embeddings = self.module.get_input_embeddings() if hasattr(self.module, "get_input_embeddings") else None
         return getattr(embeddings, "num_embeddings", None)
-
-    def _requested_total(self, prompt_length: int, kwargs: dict) -> int:
-        """Prompt plus new tokens, as Hugging Face's generate will resolve them from kwargs or the generation config."""
-        if kwargs.get("max_new_tokens") is not None:
-            return prompt_length + kwargs["max_new_tokens"]
-        if kwargs.get("max_length") is not None:
-            return max(prompt_length, kwargs["max_length"])
-        generation_config = kwargs.get("generation_config") or getattr(self.module, "generation_config", None)
-        if getattr(generation_config, "max_new_tokens", None) is not None:
-            return prompt_length + generation_config.max_new_tokens
-        return max(prompt_length, getattr(generation_config, "max_length", None) or 0)
 
     # --- profiling, as DeepSpeed's engine offers it ---------------------------------------------------------------
     def profile_model_time(self, use_cuda_events: bool = True) -> None:
@@ -98,25 +84,6 @@ class InferenceEngine(nn.Module):
         if self._timer is None:
             raise RuntimeError("model_times() needs profile_model_time() to be called first")
         return self._timer.take()
-
-
-def _input_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    candidate = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
-    return candidate if isinstance(candidate, torch.Tensor) else None
-
-
-def check_token_ids(input_ids: torch.Tensor, vocab_size: int | None) -> None:
-    """Raise if ``input_ids`` is not an integer tensor of ids within ``[0, vocab_size)``."""
-    if input_ids.is_floating_point() or input_ids.is_complex():
-        raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
-    if input_ids.dim() not in (1, 2):
-        raise ValueError(f"input_ids must have shape [batch, length] or [length], got {tuple(input_ids.shape)}")
-    if vocab_size is None or input_ids.numel() == 0:
-        return
-    low, high = int(input_ids.min()), int(input_ids.max())
-    if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        raise ValueError(f"input_ids contains token id {bad}; allowed: 0 <= id < vocab_size={vocab_size}")
 
 
 class _ForwardTimer:

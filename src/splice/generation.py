@@ -8,6 +8,7 @@ the same injected model; never a silently different result.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,6 +165,111 @@ def check_request_length(prompt_length: int, total: int, max_out_tokens: int) ->
             f"max_out_tokens={max_out_tokens}; allowed: prompt length + max_new_tokens <= {max_out_tokens} "
             "(raise max_out_tokens in the config, or shorten the request)"
         )
+
+
+# ---- the per-request check ------------------------------------------------------------------------------------------
+#: generation option -> (whether a value is allowed, what is allowed); None always is (the option is off)
+VALUE_RULES = {
+    "temperature": (lambda v: v >= 0, "a number >= 0 (0 or do_sample=False decodes greedily)"),
+    "top_k": (lambda v: v >= 0 and float(v).is_integer(), "an integer >= 0 (0 turns top-k off)"),
+    "top_p": (lambda v: 0 < v <= 1, "a number in (0, 1] (1 turns top-p off)"),
+    "min_p": (lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+    "typical_p": (lambda v: 0 < v <= 1, "a number in (0, 1]"),
+    "repetition_penalty": (lambda v: v > 0, "a number > 0 (1 turns it off)"),
+    "max_new_tokens": (lambda v: v >= 1 and float(v).is_integer(), "an integer >= 1"),
+    "max_length": (lambda v: v >= 1 and float(v).is_integer(), "an integer >= 1"),
+    "min_new_tokens": (lambda v: v >= 0 and float(v).is_integer(), "an integer >= 0"),
+    "min_length": (lambda v: v >= 0 and float(v).is_integer(), "an integer >= 0"),
+}
+
+
+def request_input_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The token ids of a ``forward`` / ``generate`` call, wherever Hugging Face accepts them."""
+    candidate = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    return candidate if isinstance(candidate, torch.Tensor) else None
+
+
+def check_request(model, args: tuple, kwargs: dict, vocab_size: int | None, max_out_tokens: int) -> None:
+    """Raise ``ValueError`` / ``TypeError`` naming the bad value and what is allowed, before any work: the token ids
+    (integers in range, at least one per row), the attention mask (no row of padding only), the sampling and length
+    options (from the keyword arguments, else the generation config), and the total length against
+    ``max_out_tokens``.
+
+    An empty prompt is a request without tokens: ``input_ids=None`` starts from the model's ``bos_token_id`` as
+    Hugging Face does (its text-generation pipeline passes an empty text that way); a tensor of length 0 raises.
+    """
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    options = {name: kwargs[name] if kwargs.get(name) is not None else getattr(config, name, None)
+               for name in (*VALUE_RULES, "do_sample", "pad_token_id", "eos_token_id")}
+    check_generation_values(options)
+    input_ids = request_input_ids(args, kwargs)
+    if input_ids is None:
+        return
+    check_token_ids(input_ids, vocab_size)
+    if input_ids.shape[-1] == 0:
+        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: an empty prompt; allowed: at least one "
+                         "token per row, or input_ids=None to start from the model's bos_token_id")
+    check_padding_rows(input_ids, kwargs.get("attention_mask"), options["pad_token_id"], options["eos_token_id"])
+    prompt_length = input_ids.shape[-1]
+    check_request_length(prompt_length, requested_total(prompt_length, kwargs, config), max_out_tokens)
+
+
+def check_generation_values(options: dict) -> None:
+    """Each set sampling or length option is a finite real number its rule allows."""
+    for name, (allowed, description) in VALUE_RULES.items():
+        value = options.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name}={value!r} ({type(value).__name__}); allowed: {description}")
+        if not math.isfinite(value) or not allowed(value):
+            raise ValueError(f"{name}={value!r}; allowed: {description}")
+    if options.get("do_sample") and options.get("temperature") == 0:
+        raise ValueError("temperature=0 with do_sample=True; allowed: temperature > 0 to sample, or "
+                         "do_sample=False (greedy decoding, which temperature 0 means)")
+
+
+def check_token_ids(input_ids: torch.Tensor, vocab_size: int | None) -> None:
+    """Raise if ``input_ids`` is not an integer tensor of ids within ``[0, vocab_size)``."""
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
+    if input_ids.dim() not in (1, 2):
+        raise ValueError(f"input_ids must have shape [batch, length] or [length], got {tuple(input_ids.shape)}")
+    if vocab_size is None or input_ids.numel() == 0:
+        return
+    low, high = int(input_ids.min()), int(input_ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"input_ids contains token id {bad}; allowed: 0 <= id < vocab_size={vocab_size}")
+
+
+def check_padding_rows(input_ids: torch.Tensor, attention_mask, pad: int | None, eos) -> None:
+    """No row may be padding only: it has nothing to attend to, and would generate from garbage."""
+    if attention_mask is None:
+        eos_ids = [] if eos is None else torch.tensor(eos).view(-1).tolist()
+        if pad is None or pad in eos_ids:
+            return
+        attention_mask = input_ids.ne(pad)
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+        raise ValueError(f"attention_mask has shape {shape}; allowed: a tensor the shape of input_ids, "
+                         f"{tuple(input_ids.shape)}")
+    empty = (attention_mask.reshape(-1, input_ids.shape[-1]) == 0).all(dim=-1).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"row(s) {empty} of the batch are padding only (attention_mask all 0); allowed: at least "
+                         "one real token per row")
+
+
+def requested_total(prompt_length: int, kwargs: dict, config) -> int:
+    """Prompt plus new tokens, as Hugging Face's generate resolves them from the keyword arguments or the generation
+    config (``max_new_tokens`` before ``max_length``)."""
+    if kwargs.get("max_new_tokens") is not None:
+        return prompt_length + int(kwargs["max_new_tokens"])
+    if kwargs.get("max_length") is not None:
+        return max(prompt_length, int(kwargs["max_length"]))
+    if getattr(config, "max_new_tokens", None) is not None:
+        return prompt_length + int(config.max_new_tokens)
+    return max(prompt_length, int(getattr(config, "max_length", None) or 0))
 
 
 def decode(runtime: SpliceCausalLM, req: Request, streamer=None):
