@@ -49,7 +49,8 @@ def open_safetensors(file: Path, device: str = "cpu") -> Iterator:
         with safe_open(file, framework="pt", device=device) as handle:
             yield handle
     except (SafetensorError, OSError) as error:
-        raise ValueError(f"checkpoint file {str(file)!r} is not a readable safetensors file: {error}") from None
+        raise ValueError(f"checkpoint file {str(file)!r} is not a readable safetensors file ({error}); allowed: a "
+                         "complete safetensors file (copy or save it again)") from None
 
 
 def checkpoint_files(path: CheckpointSource) -> list[Path]:
@@ -142,6 +143,12 @@ def _refuse_pickle(path: Path) -> None:
                      f"save_pretrained(..., safe_serialization=True); expected {ACCEPTED}")
 
 
+def _dtype_kind(dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "bool"
+    return "float" if dtype.is_floating_point or dtype.is_complex else "integer"
+
+
 def _torch_dtype(name: str) -> torch.dtype:
     if name not in _SAFETENSORS_DTYPES:
         raise ValueError(f"unsupported safetensors dtype {name!r}; supported: {sorted(_SAFETENSORS_DTYPES)}")
@@ -160,12 +167,14 @@ class CheckpointMatch:
     missing: list[str] = field(default_factory=list)  # in the model, in no form in the checkpoint
     unexpected: list[str] = field(default_factory=list)  # in the checkpoint, not in the model
     wrong_shape: list[tuple[str, Shape, Shape]] = field(default_factory=list)  # (name, checkpoint shape, model shape)
+    wrong_dtype: list[tuple[str, torch.dtype, torch.dtype]] = field(default_factory=list)  # a float tensor stored
+    # as integers or the reverse: (name, checkpoint dtype, model dtype); float-to-float is a conversion, not an error
     needs_conversion: list[str] = field(default_factory=list)  # need a transformers fuse/split op, not a rename
     ignored: list[str] = field(default_factory=list)  # in the checkpoint, deliberately not loaded
 
     @property
     def ok(self) -> bool:
-        return not (self.missing or self.unexpected or self.wrong_shape or self.needs_conversion)
+        return not (self.missing or self.unexpected or self.wrong_shape or self.wrong_dtype or self.needs_conversion)
 
     def describe(self, limit: int = 5) -> str:
         parts = []
@@ -178,6 +187,11 @@ class CheckpointMatch:
         if self.wrong_shape:
             shown = [f"{name} (checkpoint {list(f)} vs model {list(m)})" for name, f, m in self.wrong_shape]
             parts.append(f"{len(shown)} with the wrong shape: {_first(shown, limit)}")
+        if self.wrong_dtype:
+            shown = [f"{name} (checkpoint {str(f).removeprefix('torch.')} vs model {str(m).removeprefix('torch.')})"
+                     for name, f, m in self.wrong_dtype]
+            parts.append(f"{len(shown)} with a dtype of the wrong kind (allowed: a float tensor in any float dtype, "
+                         f"an integer one in any integer dtype): {_first(shown, limit)}")
         return "; ".join(parts)
 
 
@@ -193,11 +207,13 @@ def match_checkpoint(model: nn.Module, shapes: dict[str, tuple[Shape, torch.dtyp
     ignorable = set(_non_persistent_buffer_names(model))
     patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
     found: dict[str, Shape] = {}  # model name -> checkpoint shape
-    for file_name, (shape, _) in shapes.items():
+    for file_name, (shape, dtype) in shapes.items():
         name, needs_conversion = rename(file_name)
         if name in state and not needs_conversion:
             match.names[file_name] = name
             found[name] = shape
+            if _dtype_kind(dtype) != _dtype_kind(state[name].dtype):
+                match.wrong_dtype.append((name, dtype, state[name].dtype))
         elif name in ignorable or any(re.search(p, name) for p in patterns):
             match.ignored.append(file_name)
         elif needs_conversion:

@@ -602,12 +602,16 @@ def _load_json(path: str | os.PathLike) -> dict:
         raise ValueError(f"config file '{os.fspath(path)}' does not exist") from None
     except OSError as error:
         raise ValueError(f"cannot read config file '{os.fspath(path)}': {error}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(f"config file '{os.fspath(path)}' is not UTF-8 text (byte {error.object[error.start]:#04x} "
+                         f"at offset {error.start}); allowed: a UTF-8 JSON object") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"config file '{os.fspath(path)}' is not valid JSON: {error}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"config file '{os.fspath(path)}' must hold a JSON object, got {type(data).__name__}")
+        raise ValueError(f"config file '{os.fspath(path)}' holds a JSON {type(data).__name__}; allowed: a JSON object "
+                         "of init_inference options")
     return data
 
 

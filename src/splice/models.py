@@ -92,6 +92,7 @@ def load(name_or_path: str | os.PathLike, dtype: Any = None) -> tuple[nn.Module,
     torch_dtype = model_dtype(dtype) if dtype is not None else default_dtype
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, local_files_only=True)
+    _check_loaded_dtypes(model, folder)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     log.info("splice: loaded %s from %s in %.1f s", name_or_path, folder, time.perf_counter() - start)
     return model.eval(), tokenizer
@@ -369,12 +370,30 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 
 def _require_safetensors_folder(path: Path) -> None:
-    from .checkpoint import checkpoint_files
+    """A config.json holding a JSON object, and safetensors files whose headers read (every shard present, none
+    truncated); raises ValueError naming what is wrong."""
+    from .checkpoint import checkpoint_shapes
 
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is a folder without config.json, so not a Hugging Face checkpoint folder; "
                          f"accepted: {_accepted_kinds()}")
-    checkpoint_files(path)  # raises for pickles or a folder without safetensors
+    try:
+        config = json.loads((path / "config.json").read_bytes().decode("utf-8"))
+    except ValueError as error:  # invalid JSON or not UTF-8
+        raise ValueError(f"{path / 'config.json'} is not readable JSON ({error}); allowed: a UTF-8 JSON object"
+                         ) from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{path / 'config.json'} holds a JSON {type(config).__name__}; allowed: a JSON object")
+    checkpoint_shapes(path)  # raises for pickles, a missing shard, a corrupt or truncated file
+
+
+def _check_loaded_dtypes(model: nn.Module, folder: Path) -> None:
+    """A float weight stored as integers (or the reverse) is a broken checkpoint: transformers would cast it."""
+    from .checkpoint import CheckpointMatch, checkpoint_shapes, match_checkpoint
+
+    wrong = match_checkpoint(model, checkpoint_shapes(folder)).wrong_dtype
+    if wrong:
+        raise ValueError(f"checkpoint {str(folder)!r}: {CheckpointMatch(wrong_dtype=wrong).describe()}")
 
 
 def _accepted_kinds() -> str:
