@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from . import native
 from .models import DEFAULT_MODEL
 from .streaming import StepClock
 
@@ -77,6 +78,7 @@ def run_bench(args: argparse.Namespace) -> int:
     modes = _choices(args.modes, MODES, "--modes")
     schemes = _choices(args.quant, tuple(QUANT_SCHEMES), "--quant") if args.quant else []
     args.isa_levels = _isa_levels(args.isa)
+    native.available()  # build (once per machine) and load the native kernels before anything is timed
     if args.threads:
         torch.set_num_threads(args.threads)
     bandwidth = read_bandwidth_gbs()

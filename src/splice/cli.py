@@ -3,32 +3,61 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
-from typing import Any, Sequence
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 import torch
 
+from . import native
 from .bench import QUANT_SCHEMES, add_bench_parser
+from .config import config_keys
 from .models import DEFAULT_MODEL
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     if not hasattr(args, "run"):
         parser.print_help()
         return 2
     try:
         return args.run(args) or 0
     except (ValueError, TypeError, NotImplementedError) as error:
-        print(f"splice: error: {error}", file=sys.stderr)
+        print(f"splice: error: {error}", file=sys.stderr, flush=True)
         return 2
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with errors as ``splice: error: ...`` (as the commands' own errors), long values shortened."""
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(2, f"splice: error: {shorten(message)}\n")
+
+
+def shorten(text: str, limit: int = 300) -> str:
+    """``text`` cut to ``limit`` characters (a long prompt in an error message would bury the message)."""
+    return text if len(text) <= limit else f"{text[:limit - 30]}... ({len(text)} characters)"
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """Parse ``argv``; ``generate``'s positionals may come on either side of options (``MODEL --dtype bf16 PROMPT``),
+    which argparse alone leaves unrecognized."""
+    args, extra = parser.parse_known_args(argv)
+    if hasattr(args, "words"):
+        args.words += [word for word in extra if not word.startswith("-")]
+        extra = [word for word in extra if word.startswith("-")]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="splice", description="Fast inference for PyTorch / Hugging Face models.")
+    parser = Parser(prog="splice", description="Fast inference for PyTorch / Hugging Face models.")
     commands = parser.add_subparsers(title="commands")
     add_generate_parser(commands)
     add_info_parser(commands)
@@ -37,9 +66,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # --- options shared by the commands ---------------------------------------------------------------------------------
+def checked(kind: Callable[[str], Any], allowed: Callable[[Any], bool], description: str) -> Callable[[str], Any]:
+    """An argparse ``type`` that parses with ``kind`` and refuses values ``allowed`` rejects (NaN always)."""
+    def parse_value(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{shorten(text, 40)!r} is not {description}") from None
+        if (isinstance(value, float) and not math.isfinite(value)) or not allowed(value):
+            raise argparse.ArgumentTypeError(f"{shorten(text, 40)} is not allowed; allowed: {description}")
+        return value
+
+    return parse_value
+
+
+POSITIVE_INT = checked(int, lambda v: v >= 1, "an integer >= 1")
+
+
 def add_model_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"built-in name, Hugging Face checkpoint folder or .gguf file (default: {DEFAULT_MODEL})")
+    parser.add_argument("--model", help=f"built-in name, Hugging Face checkpoint folder or .gguf file "
+                                         f"(default: {DEFAULT_MODEL})")
     parser.add_argument("--config", dest="config_file", help="a JSON file of init_inference options")
     parser.add_argument("--dtype", help="fp32 | bf16 | fp16 | int8 (default: the model's own)")
     parser.add_argument("--kernel-inject", action="store_true", help="replace_with_kernel_inject=True")
@@ -48,8 +94,10 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
                              "--quant; other schemes through --config)")
     parser.add_argument("--compile", action="store_true",
                         help="compile_decode=True: torch.compile the decode step (needs --kernel-inject)")
-    parser.add_argument("--tp", type=int, help="tensor_parallel.tp_size (run under torchrun)")
-    parser.add_argument("--max-out-tokens", type=int, help="max_out_tokens: the longest prompt + continuation")
+    parser.add_argument("--tp", type=POSITIVE_INT, help="tensor_parallel.tp_size (run under torchrun)")
+    parser.add_argument("--max-out-tokens", type=POSITIVE_INT,
+                        help="max_out_tokens: the longest prompt + continuation (default: the model's context "
+                             "length, max_position_embeddings)")
     parser.add_argument("--device", help="cpu | cuda | cuda:N (default: CUDA if present, else CPU)")
 
 
@@ -75,30 +123,111 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def build_engine(args: argparse.Namespace):
     import splice
 
-    model, tokenizer = splice.load(args.model)
-    engine = splice.init_inference(model, config=args.config_file, **config_from_args(args))
+    native.available()  # build (once per machine) and load the native kernels before anything is timed
+    model, tokenizer = splice.load(args.model or DEFAULT_MODEL)
+    options = config_from_args(args)
+    if "max_out_tokens" not in options and "max_out_tokens" not in config_keys(args.config_file):
+        length = context_length(model, bool(options.get("replace_with_kernel_inject")))
+        options.update({"max_out_tokens": length} if length else {})
+    engine = splice.init_inference(model, config=args.config_file, **options)
     return engine, tokenizer
+
+
+def context_length(model, kernel_inject: bool) -> int | None:
+    """The model's context length (``max_position_embeddings``); with kernel injection at most what its rope type
+    reaches with a fixed table."""
+    config = getattr(model, "config", None)
+    length = getattr(config, "max_position_embeddings", None)
+    if not isinstance(length, int) or length < 1:
+        return None
+    if kernel_inject:
+        from .arch.record import rope_spec
+
+        length = min(length, rope_spec(config).max_positions)
+    return length
 
 
 # --- splice generate ------------------------------------------------------------------------------------------------
 def add_generate_parser(commands) -> None:
     parser = commands.add_parser("generate", help="stream a continuation of PROMPT",
                                  description="Stream a continuation of PROMPT, then print prefill time and decode speed.")
-    parser.add_argument("prompt", help="the text to continue")
+    parser.add_argument("words", nargs="*", metavar="[MODEL] PROMPT",
+                        help="the model (as --model) and the text to continue; an empty PROMPT starts from the "
+                             "model's BOS token, as transformers' text-generation pipeline does")
+    parser.add_argument("--prompt-file", help="read PROMPT from this UTF-8 text file ('-': standard input)")
     add_model_options(parser)
-    parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default: 32)")
+    parser.add_argument("--max-new-tokens", type=POSITIVE_INT, default=32, help="tokens to generate (default: 32)")
     parser.add_argument("--chat", action="store_true", help="wrap PROMPT in the model's chat template")
-    parser.add_argument("--temperature", type=float, help="sample with this temperature (default: greedy)")
-    parser.add_argument("--top-k", type=int, help="sample from the K most likely tokens")
-    parser.add_argument("--top-p", type=float, help="sample from the smallest set of tokens with probability >= P")
+    parser.add_argument("--greedy", action="store_true", help="always take the most likely token (the default)")
+    parser.add_argument("--temperature", type=checked(float, lambda v: v >= 0, "a number >= 0"),
+                        help="sample with this temperature; 0 means greedy (default: greedy)")
+    parser.add_argument("--top-k", type=checked(int, lambda v: v >= 1, "an integer >= 1"),
+                        help="sample from the K most likely tokens")
+    parser.add_argument("--top-p", type=checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+                        help="sample from the smallest set of tokens with probability >= P, 0 < P <= 1")
+    parser.add_argument("--repetition-penalty", type=checked(float, lambda v: v > 0, "a number > 0"),
+                        help="divide the scores of tokens already present by this (1: off)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: 0)")
     parser.set_defaults(run=run_generate)
 
 
 def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``do_sample`` and the sampling values: greedy unless a temperature > 0, top-k or top-p asks to sample;
+    ``--greedy`` or ``--temperature 0`` with a sampling option is a contradiction and raises."""
     chosen = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
     chosen = {key: value for key, value in chosen.items() if value is not None}
-    return {"do_sample": True, **chosen} if chosen else {"do_sample": False}
+    penalty = {} if args.repetition_penalty is None else {"repetition_penalty": args.repetition_penalty}
+    greedy = "--greedy" if args.greedy else "--temperature 0" if args.temperature == 0 else None
+    if greedy is None:
+        return {"do_sample": bool(chosen), **chosen, **penalty}
+    conflicting = [f"--{key.replace('_', '-')} {value}" for key, value in chosen.items() if key != "temperature"
+                   or (args.greedy and value != 0)]
+    if conflicting:
+        raise ValueError(f"{greedy} asks for greedy decoding, which {', '.join(conflicting)} does not apply to; "
+                         f"allowed: one of them (a temperature > 0 to sample)")
+    return {"do_sample": False, **penalty}
+
+
+def prompt_and_model(args: argparse.Namespace) -> tuple[str, str]:
+    """``[MODEL] PROMPT`` (or ``[MODEL]`` with ``--prompt-file``) and ``--model``: the prompt and the model name."""
+    words = list(args.words)
+    most = 1 if args.prompt_file is not None else 2
+    if len(words) > most or (most == 2 and not words):
+        usage = "[MODEL] with --prompt-file" if most == 1 else "[MODEL] PROMPT"
+        raise ValueError(f"expected {usage}, got {len(words)} positional argument(s); allowed: {usage} (quote a "
+                         "prompt that has spaces)")
+    prompt = read_prompt_file(args.prompt_file) if args.prompt_file is not None else words.pop()
+    model = words[0] if words else None
+    if model is not None and args.model is not None and model != args.model:
+        raise ValueError(f"the model is given twice, {shorten(model, 80)!r} and --model {shorten(args.model, 80)!r}; "
+                         "allowed: one of them")
+    check_utf8(prompt, "PROMPT")
+    return prompt, model or args.model or DEFAULT_MODEL
+
+
+def read_prompt_file(path: str) -> str:
+    data = sys.stdin.buffer.read() if path == "-" else _read_bytes(path)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--prompt-file {path}: byte {data[error.start]:#04x} at offset {error.start} is not UTF-8; "
+                         "allowed: UTF-8 text") from None
+
+
+def _read_bytes(path: str) -> bytes:
+    try:
+        return Path(path).expanduser().read_bytes()
+    except OSError as error:
+        raise ValueError(f"--prompt-file {path}: cannot read it ({error.strerror}); allowed: a readable text file"
+                         ) from None
+
+
+def check_utf8(text: str, what: str) -> None:
+    """Command-line text that was not UTF-8 arrives with its bytes as lone surrogates (Python's surrogateescape)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{what} is not UTF-8 text (character {error.start} is not); allowed: UTF-8 text") from None
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> dict[str, torch.Tensor]:
@@ -110,19 +239,33 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> dict[str, torch.Tensor]
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from .generation import check_request
     from .streaming import TimingStreamer
 
+    prompt, args.model = prompt_and_model(args)
+    options = {"max_new_tokens": args.max_new_tokens, **sampling_options(args)}
     engine, tokenizer = build_engine(args)
-    inputs = encode_prompt(tokenizer, args.prompt, args.chat)
+    inputs = encode_prompt(tokenizer, prompt, args.chat)
+    if inputs["input_ids"].shape[-1] == 0:
+        inputs = {}  # an empty prompt: generate starts from the model's BOS token
+        if engine.module.generation_config.bos_token_id is None:
+            raise ValueError("PROMPT is empty and the model has no BOS token to start from; allowed: a prompt of at "
+                             "least one token")
+    options["pad_token_id"] = tokenizer.pad_token_id
+    check_request(engine.module, (), {**inputs, **options}, engine.vocab_size, engine.config.max_out_tokens)
     torch.manual_seed(args.seed)
     speaker = _global_rank() == 0  # under torchrun every rank generates; one prints
     streamer = TimingStreamer(tokenizer, skip_special_tokens=True) if speaker else None
-    if speaker and not args.chat:
-        print(args.prompt, end="", flush=True)
-    if streamer is not None:
-        streamer.start()
-    engine.generate(**inputs, max_new_tokens=args.max_new_tokens, streamer=streamer,
-                    pad_token_id=tokenizer.pad_token_id, **sampling_options(args))
+    try:
+        if speaker and not args.chat:
+            print(prompt, end="", flush=True)
+        if streamer is not None:
+            streamer.start()
+        engine.generate(**inputs, **options, streamer=streamer)
+    except BaseException:
+        if speaker:
+            print(flush=True)  # end the streamed line: the error gets a line of its own
+        raise
     if streamer is not None:
         print()
         compiled = " (decode includes compiling the decode step, done on its first call)" if args.compile else ""
@@ -139,7 +282,7 @@ def print_tp_plan(args: argparse.Namespace) -> int:
     import splice
     from .plan import describe_tensor_parallel
 
-    model, _ = splice.load(args.model)
+    model, _ = splice.load(args.model or DEFAULT_MODEL)
     print(f"tensor-parallel plan for tp_size={args.tp} (run under `torchrun --nproc-per-node {args.tp}` to apply it):")
     print(describe_tensor_parallel(model, args.tp))
     return 0
@@ -173,8 +316,24 @@ def describe_engine(engine) -> dict[str, Any]:
         "parameters": sum(p.numel() for p in module.parameters()),
         "parameter_bytes": parameter_bytes(module),
         "buffer_bytes": sum(b.numel() * b.element_size() for b in module.buffers()),
+        "max_out_tokens": engine.config.max_out_tokens,
+        "kv_cache_bytes": kv_cache_bytes(module, engine.config.max_out_tokens),
         "pipeline": [{"did": report.summary(), **asdict(report)} for report in engine.reports],
     }
+
+
+def kv_cache_bytes(module, tokens: int) -> int | None:
+    """Bytes the keys and values of one sequence of ``tokens`` take (layers x 2 x kv heads x head dim, in the
+    model's float dtype), or None where the config does not say its attention shape."""
+    config = getattr(module, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
+    if not layers or not heads:
+        return None
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
+    return 2 * layers * kv_heads * head_dim * tokens * dtype.itemsize
 
 
 def run_info(args: argparse.Namespace) -> int:
@@ -196,8 +355,12 @@ def run_info(args: argparse.Namespace) -> int:
         return 0
     for step in info["pipeline"]:
         print(f"  {step['step']:<16} {step['did']}")
-    for key in ("model", "dtype", "device", "parameters", "parameter_bytes", "buffer_bytes", "init_seconds"):
+    for key in ("model", "dtype", "device", "parameters", "parameter_bytes", "buffer_bytes", "max_out_tokens",
+                "init_seconds"):
         print(f"{key:<16} {info[key]:,}" if isinstance(info[key], int) else f"{key:<16} {info[key]}")
+    kv = info["kv_cache_bytes"]
+    print(f"{'kv_cache_bytes':<16} " + (f"{kv:,} per sequence at max_out_tokens ({kv / 2**20:,.0f} MiB)"
+                                        if kv is not None else "unknown (the config has no attention shape)"))
     print(render_machine(info["machine"]))
     return 0
 

@@ -1,7 +1,10 @@
 """splice's native CPU decode kernels (``gemv.cpp``): bf16, int8 and int4 GEMVs for a few rows of activations.
 
 They are compiled once per machine with torch's C++ extension builder into ``$SPLICE_CACHE/kernels/<key>`` (about
-half a minute on 2 cores; a compiler lock makes concurrent ranks wait for one build) and registered as the torch ops
+half a minute on 2 cores, announced on stderr). ``<key>`` hashes everything that changes the binary (:func:`_build_key`),
+so installs and environments that differ build side by side and never rebuild each other's library. One process
+builds (a file lock per key), in a private folder, and renames the finished library into place; the others wait and
+load it. The library is registered as the torch ops
 ``torch.ops.splice_kernels.*``, so they also run inside ``torch.compile`` graphs. The build is for baseline x86-64,
 with each kernel written once per instruction-set level and chosen at run time (:data:`ISA_LEVELS`): ``avx2`` (AVX2 +
 FMA), ``avx512`` (AVX-512 with BF16 dot products), ``amx`` (``avx512`` plus AMX tiles for batches). Without a C++
@@ -19,11 +22,14 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import fcntl
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from functools import cache
 from pathlib import Path
@@ -196,18 +202,23 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def _build_key() -> str:
-    """A hash of everything that changes the binary: the source, the flags, the compiler, torch (version and C++ ABI)
-    and Python."""
-    parts = [SOURCE.read_bytes(), " ".join(CFLAGS).encode(), _compiler_version().encode(), torch.__version__.encode(),
-             str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(), sys.version.encode()]
+LDFLAGS = ["-fopenmp"]
+
+
+def _build_key(source: Path = SOURCE, cflags: tuple[str, ...] = tuple(CFLAGS),
+               ldflags: tuple[str, ...] = tuple(LDFLAGS)) -> str:
+    """A hash of everything that changes the binary: the source, the flags, the compiler, torch (version, commit and
+    C++ ABI), Python and the machine type. Paths are left out: two installs of the same source share one build."""
+    parts = [source.read_bytes(), " ".join(cflags).encode(), " ".join(ldflags).encode(), _compiler_version().encode(),
+             torch.__version__.encode(), str(torch.version.git_version).encode(),
+             str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(), sys.version.encode(), platform.machine().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
-def library_path(key: str | None = None) -> Path:
+def library_path(key: str | None = None, stem: str = "splice_kernels") -> Path:
     """Where the built library of this source, flags, compiler, torch and Python lives (or will)."""
     key = key or _build_key()
-    return cache_dir() / "kernels" / key / f"splice_kernels_{key}.so"
+    return cache_dir() / "kernels" / key / f"{stem}_{key}.so"
 
 
 def _compiler_version() -> str:
@@ -219,18 +230,60 @@ def _compiler_version() -> str:
 
 
 def _build() -> None:
+    build_library(SOURCE, "splice_kernels", CFLAGS, LDFLAGS, what="splice's native CPU kernels")
+    _register_fakes()
+
+
+def build_library(source: Path, name: str, cflags: list[str], ldflags: list[str], what: str) -> Path:
+    """Load the cached library of ``source`` into this process (``torch.ops.load_library``), building it first if no
+    process has: under a per-key file lock, in a private folder, then renamed into place, so concurrent processes and
+    installs build once and never load a half-written file. Building and waiting say so on stderr, naming ``what``.
+    Returns the library's path, ``$SPLICE_CACHE/kernels/<key>/<name>_<key>.so``."""
+    key = _build_key(source, tuple(cflags), tuple(ldflags))
+    path = library_path(key, stem=name)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _build_lock(path.parent / "build.lock", what):
+            if not path.exists():
+                _compile(source, cflags, ldflags, path, what)  # loads it, too
+                return path
+    torch.ops.load_library(str(path))
+    return path
+
+
+@contextlib.contextmanager
+def _build_lock(lock_file: Path, what: str) -> Iterator[None]:
+    """An exclusive lock on ``lock_file`` (released by the OS if the holder dies)."""
+    with open(lock_file, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"splice: waiting for another process to finish building {what}...", file=sys.stderr, flush=True)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _compile(source: Path, cflags: list[str], ldflags: list[str], path: Path, what: str) -> None:
+    """Build ``source`` in a fresh folder next to ``path`` (torch's builder, which also loads the library) and rename
+    the library to ``path``. Called with the build lock held, so leftovers of a killed build can go."""
     from torch.utils.cpp_extension import load
 
+    print(f"splice: building {what}, once per machine (about half a minute)...", file=sys.stderr, flush=True)
+    for leftover in path.parent.glob("building-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
     _put_ninja_on_path()
-    key = _build_key()
-    build_dir = cache_dir() / "kernels" / key
-    build_dir.mkdir(parents=True, exist_ok=True)
-    name = f"splice_kernels_{key}"
-    if not library_path(key).exists():
-        print("splice: building its native CPU kernels, once per machine (about 30 s)...", file=sys.stderr, flush=True)
-    load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-         build_directory=str(build_dir), is_python_module=False, verbose=False)
-    _register_fakes()
+    folder = Path(tempfile.mkdtemp(prefix="building-", dir=path.parent))
+    try:
+        load(name=path.stem, sources=[str(source)], extra_cflags=cflags, extra_ldflags=ldflags,
+             build_directory=str(folder), is_python_module=False, verbose=False)
+        os.replace(folder / path.name, path)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _put_ninja_on_path() -> None:
     """torch's extension builder runs ``ninja`` from PATH; the ``ninja`` wheel (a dependency) lives in the
     environment's scripts folder, which is not on PATH when Python is run by its full path."""
