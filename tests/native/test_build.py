@@ -1,0 +1,92 @@
+"""How splice builds its native libraries: one build per key, shared by installs, safe when processes race.
+
+A tiny C source stands in for ``gemv.cpp`` (the build path is the same; compiling it takes a fraction of a second), in
+a temporary ``SPLICE_CACHE`` so the cache other runs use is left alone.
+"""
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from splice import native
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler")
+
+TINY = 'extern "C" int splice_tiny_answer() { return 42; }\n'
+BUILD = """
+import sys
+from pathlib import Path
+from splice import native
+print(native.build_library(Path(sys.argv[1]), "tiny", ["-O1"], [], what="a test library"))
+"""
+
+
+def tiny_source(folder: Path, text: str = TINY) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    source = folder / "tiny.cpp"
+    source.write_text(text)
+    return source
+
+
+def start_build(source: Path, cache: Path, log: Path) -> subprocess.Popen:
+    env = {**os.environ, "SPLICE_CACHE": str(cache)}
+    return subprocess.Popen([sys.executable, "-c", BUILD, str(source)], env=env, stdout=subprocess.PIPE,
+                            stderr=log.open("w"), text=True)
+
+
+def wait_for(condition, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_two_processes_racing_build_once_and_load_the_same_library(tmp_path, monkeypatch):
+    """The test holds the build lock while two processes start, so both must wait for it; released, exactly one
+    builds (saying so) and the other loads its result."""
+    monkeypatch.setenv("SPLICE_CACHE", str(tmp_path / "cache"))
+    source = tiny_source(tmp_path / "src")
+    key = native._build_key(source, ("-O1",), ())
+    library = native.library_path(key, stem="tiny")
+    library.parent.mkdir(parents=True)
+    logs = [tmp_path / "a.log", tmp_path / "b.log"]
+    with open(library.parent / "build.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        builds = [start_build(source, tmp_path / "cache", log) for log in logs]
+        wait_for(lambda: all("waiting for another process" in log.read_text() for log in logs))
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    outputs = [build.communicate(timeout=300)[0].strip() for build in builds]
+    errors = [log.read_text() for log in logs]
+    assert [build.returncode for build in builds] == [0, 0], errors
+    assert outputs == [str(library)] * 2
+    assert sum("splice: building a test library, once per machine" in text for text in errors) == 1, errors
+    assert sorted(p.name for p in library.parent.iterdir()) == ["build.lock", library.name]  # no build folder left
+    assert ctypes.CDLL(str(library)).splice_tiny_answer() == 42
+
+
+def test_the_key_follows_the_source_and_flags_not_the_install_path(tmp_path):
+    one, other = tiny_source(tmp_path / "install-a"), tiny_source(tmp_path / "install-b")
+    assert native._build_key(one, ("-O1",), ()) == native._build_key(other, ("-O1",), ())
+    changed = tiny_source(tmp_path / "install-c", TINY.replace("42", "43"))
+    assert native._build_key(changed, ("-O1",), ()) != native._build_key(one, ("-O1",), ())
+    assert native._build_key(one, ("-O2",), ()) != native._build_key(one, ("-O1",), ())
+    assert native._build_key(one, ("-O1",), ("-lm",)) != native._build_key(one, ("-O1",), ())
+
+
+def test_a_built_library_is_loaded_without_building_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPLICE_CACHE", str(tmp_path / "cache"))
+    source = tiny_source(tmp_path / "src")
+    first = start_build(source, tmp_path / "cache", tmp_path / "first.log")
+    assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()
+    again = start_build(source, tmp_path / "cache", tmp_path / "again.log")
+    assert again.wait(timeout=300) == 0
+    assert "building" in (tmp_path / "first.log").read_text()
+    assert (tmp_path / "again.log").read_text() == ""
