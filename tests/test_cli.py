@@ -1,12 +1,14 @@
-"""The command line, run as a user runs it: in a subprocess."""
+"""The command line: run as a user runs it (in a subprocess), and in this process with a tiny model for its habits."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SPLICE = str(Path(sys.executable).parent / "splice")
 
@@ -107,3 +109,100 @@ def test_generate_int4_says_paris():
                  "--quant", "int4")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("The capital of France is Paris")
+
+
+# ---- habits: [MODEL] PROMPT, greedy, errors on their own line, the default context --------------------------------
+@pytest.fixture
+def tiny_cli(monkeypatch):
+    """``splice.load`` answering every name with a tiny random Llama that uses SmolLM2's tokenizer (its vocabulary
+    size, context 256), so CLI runs take a moment."""
+    from transformers import AutoTokenizer
+
+    import splice
+    from splice.models import resolve_checkpoint
+
+    from .conftest import build_tiny, tiny_llama_config
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m-instruct")[0])
+    loaded = []
+
+    def load(name):
+        loaded.append(name)
+        return build_tiny(tiny_llama_config(vocab_size=len(tokenizer))), tokenizer
+
+    monkeypatch.setattr(splice, "load", load)
+    return loaded
+
+
+def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
+    from splice.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("argv, model, prompt", [
+    (["generate", "hi"], "smollm2-135m-instruct", "hi"),
+    (["generate", "some-model", "hi"], "some-model", "hi"),
+    (["generate", "some-model", "--dtype", "bf16", "hi"], "some-model", "hi"),
+    (["generate", "--model", "some-model", "hi"], "some-model", "hi"),
+    (["generate", "some-model", "--model", "some-model", "hi"], "some-model", "hi"),
+])
+def test_the_model_can_come_first_as_a_positional(argv, model, prompt):
+    from splice.cli import build_parser, parse, prompt_and_model
+
+    assert prompt_and_model(parse(build_parser(), argv)) == (prompt, model)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], {"do_sample": False}),
+    (["--greedy"], {"do_sample": False}),
+    (["--temperature", "0"], {"do_sample": False}),
+    (["--greedy", "--temperature", "0", "--repetition-penalty", "1.2"], {"do_sample": False, "repetition_penalty": 1.2}),
+    (["--temperature", "0.7"], {"do_sample": True, "temperature": 0.7}),
+    (["--top-p", "1"], {"do_sample": True, "top_p": 1.0}),
+])
+def test_greedy_is_the_default_and_temperature_0_means_greedy(flags, expected):
+    from splice.cli import build_parser, parse, sampling_options
+
+    assert sampling_options(parse(build_parser(), ["generate", *flags, "hi"])) == expected
+
+
+def test_the_default_max_out_tokens_is_the_context_and_info_prints_the_kv_cache(tiny_cli, capsys):
+    code, out, err = run_main(["info", "--model", "tiny"], capsys)
+    assert code == 0, err
+    kv = 2 * 2 * 2 * 16 * 256 * 4  # (keys, values) x layers x kv heads x head dim x 256 positions x fp32
+    assert "max_out_tokens   256\n" in out and f"kv_cache_bytes   {kv:,} per sequence at max_out_tokens" in out
+    code, out, err = run_main(["info", "--model", "tiny", "--max-out-tokens", "100", "--json"], capsys)
+    assert code == 0 and json.loads(out)["kv_cache_bytes"] == kv * 100 // 256
+
+
+def test_an_error_after_streamed_text_gets_its_own_line(tiny_cli, capsys, monkeypatch):
+    from splice.engine import InferenceEngine
+
+    def fail_midway(self, *args, streamer=None, **kwargs):
+        streamer.put(kwargs["input_ids"])
+        streamer.put(torch.tensor([42]))
+        raise ValueError("a failure halfway")
+
+    monkeypatch.setattr(InferenceEngine, "generate", fail_midway)
+    code, out, err = run_main(["generate", "Hi", "--max-new-tokens", "3"], capsys)
+    assert code == 2 and out.startswith("Hi") and out.endswith("\n")
+    assert err == "splice: error: a failure halfway\n"
+
+
+def test_a_long_prompt_is_not_echoed_when_refused(tiny_cli, capsys):
+    prompt = "word " * 400
+    code, out, err = run_main(["generate", prompt, "--max-out-tokens", "64"], capsys)
+    assert code == 2 and out == "" and "word word" not in err
+    assert re.fullmatch(r"splice: error: prompt length \d+ \+ 32 new tokens = \d+ exceeds max_out_tokens=64; .*\n", err)
+
+
+def test_an_empty_prompt_starts_from_bos(tiny_cli, capsys):
+    code, out, err = run_main(["generate", "", "--max-new-tokens", "3", "--kernel-inject"], capsys)
+    assert code == 0, err
+    assert "3 new tokens]" in out

@@ -259,7 +259,7 @@ def check_checkpoint(model: nn.Module, path: CheckpointSource) -> CheckpointMatc
     match = match_checkpoint(model, checkpoint_shapes(path))
     if not match.ok:
         raise ValueError(f"checkpoint {str(path)!r} does not match the model ({type(model).__name__}): "
-                         f"{match.describe()}")
+                         f"{match.describe()}; allowed: a checkpoint of this architecture and size")
     return match
 
 

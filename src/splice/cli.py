@@ -14,7 +14,7 @@ import torch
 
 from . import native
 from .bench import QUANT_SCHEMES, add_bench_parser
-from .config import config_keys
+from .config import resolve_config
 from .models import DEFAULT_MODEL
 
 
@@ -72,7 +72,7 @@ def checked(kind: Callable[[str], Any], allowed: Callable[[Any], bool], descript
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{shorten(text, 40)!r} is not {description}") from None
+            raise argparse.ArgumentTypeError(f"{shorten(text, 40)!r} is not allowed; allowed: {description}") from None
         if (isinstance(value, float) and not math.isfinite(value)) or not allowed(value):
             raise argparse.ArgumentTypeError(f"{shorten(text, 40)} is not allowed; allowed: {description}")
         return value
@@ -123,14 +123,13 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
 def build_engine(args: argparse.Namespace):
     import splice
 
+    config = resolve_config(args.config_file, **config_from_args(args))  # checked before the model loads
     native.available()  # build (once per machine) and load the native kernels before anything is timed
     model, tokenizer = splice.load(args.model or DEFAULT_MODEL)
-    options = config_from_args(args)
-    if "max_out_tokens" not in options and "max_out_tokens" not in config_keys(args.config_file):
-        length = context_length(model, bool(options.get("replace_with_kernel_inject")))
-        options.update({"max_out_tokens": length} if length else {})
-    engine = splice.init_inference(model, config=args.config_file, **options)
-    return engine, tokenizer
+    length = context_length(model, bool(config.replace_with_kernel_inject))
+    if "max_out_tokens" not in config.model_fields_set and length:
+        config = config.model_copy(update={"max_out_tokens": length})
+    return splice.init_inference(model, config=config), tokenizer
 
 
 def context_length(model, kernel_inject: bool) -> int | None:

@@ -639,13 +639,6 @@ def _merge(base: dict, overrides: dict) -> dict:
     return {**base, **overrides}
 
 
-def config_keys(config: Any) -> set[str]:
-    """The top-level options a config (None, a dict, a JSON file path or an ``InferenceConfig``) sets, by field name."""
-    if isinstance(config, InferenceConfig):
-        return set(config.model_fields_set)
-    return set(canonical_keys(InferenceConfig, _as_dict(config)))
-
-
 def resolve_config(config: Any = None, **kwargs: Any) -> InferenceConfig:
     """One ``InferenceConfig`` from a dict, JSON file path or ``InferenceConfig`` (or None), plus keyword arguments.
 
