@@ -101,7 +101,8 @@ def test_init_inference_refuses_the_checkpoint_and_leaves_the_model(files, name,
 
 
 LOAD_CORPUS = [entry for entry in CHECKPOINT_CORPUS if entry[1] != "no_tensors"] + [
-    ("config.json holding a list", "config_list", ValueError, r"config\.json holds a JSON list; allowed: a JSON object"),
+    ("config.json holding a list", "config_list", ValueError,
+     r"config\.json holds a JSON list; allowed: a JSON object"),
 ]
 
 
@@ -156,7 +157,8 @@ REQUEST_CORPUS = [
      r"row\(s\) \[1\] of the batch are padding only"),
     ("mask of another shape", dict(input_ids=IDS, attention_mask=torch.ones(1, 3)), ValueError,
      r"attention_mask has shape \(1, 3\); allowed: a tensor the shape of input_ids"),
-    ("max_new_tokens 0", dict(input_ids=IDS, max_new_tokens=0), ValueError, r"max_new_tokens=0; allowed: an integer >= 1"),
+    ("max_new_tokens 0", dict(input_ids=IDS, max_new_tokens=0), ValueError,
+     r"max_new_tokens=0; allowed: an integer >= 1"),
     ("negative max_new_tokens", dict(input_ids=IDS, max_new_tokens=-2), ValueError, r"max_new_tokens=-2; allowed"),
     ("too long for max_out_tokens", dict(input_ids=IDS, max_new_tokens=61), ValueError,
      r"= 65 exceeds max_out_tokens=64; allowed"),
@@ -168,11 +170,13 @@ REQUEST_CORPUS = [
      r"temperature=0 with do_sample=True; allowed: .*do_sample=False"),
     ("temperature as text", dict(input_ids=IDS, do_sample=True, temperature="hot"), TypeError,
      r"temperature='hot' \(str\); allowed"),
-    ("negative top_k", dict(input_ids=IDS, do_sample=True, top_k=-1), ValueError, r"top_k=-1; allowed: an integer >= 0"),
+    ("negative top_k", dict(input_ids=IDS, do_sample=True, top_k=-1), ValueError,
+     r"top_k=-1; allowed: an integer >= 0"),
     ("fractional top_k", dict(input_ids=IDS, do_sample=True, top_k=2.5), ValueError, r"top_k=2\.5; allowed"),
     ("top_p above 1", dict(input_ids=IDS, do_sample=True, top_p=1.5), ValueError,
      r"top_p=1\.5; allowed: a number in \(0, 1\]"),
-    ("top_p 0", dict(input_ids=IDS, do_sample=True, top_p=0.0), ValueError, r"top_p=0\.0; allowed: a number in \(0, 1\]"),
+    ("top_p 0", dict(input_ids=IDS, do_sample=True, top_p=0.0), ValueError,
+     r"top_p=0\.0; allowed: a number in \(0, 1\]"),
     ("negative top_p", dict(input_ids=IDS, do_sample=True, top_p=-0.5), ValueError, r"top_p=-0\.5; allowed"),
     ("NaN top_p", dict(input_ids=IDS, do_sample=True, top_p=NAN), ValueError, r"top_p=nan; allowed"),
     ("negative repetition_penalty", dict(input_ids=IDS, repetition_penalty=-1.0), ValueError,

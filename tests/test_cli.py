@@ -162,7 +162,8 @@ def test_the_model_can_come_first_as_a_positional(argv, model, prompt):
     ([], {"do_sample": False}),
     (["--greedy"], {"do_sample": False}),
     (["--temperature", "0"], {"do_sample": False}),
-    (["--greedy", "--temperature", "0", "--repetition-penalty", "1.2"], {"do_sample": False, "repetition_penalty": 1.2}),
+    (["--greedy", "--temperature", "0", "--repetition-penalty", "1.2"],
+     {"do_sample": False, "repetition_penalty": 1.2}),
     (["--temperature", "0.7"], {"do_sample": True, "temperature": 0.7}),
     (["--top-p", "1"], {"do_sample": True, "top_p": 1.0}),
 ])

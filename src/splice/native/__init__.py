@@ -1,11 +1,11 @@
 """splice's native CPU decode kernels (``gemv.cpp``): bf16, int8 and int4 GEMVs for a few rows of activations.
 
 They are compiled once per machine with torch's C++ extension builder into ``$SPLICE_CACHE/kernels/<key>`` (about
-half a minute on 2 cores, announced on stderr). ``<key>`` hashes everything that changes the binary (:func:`_build_key`),
-so installs and environments that differ build side by side and never rebuild each other's library. One process
-builds (a file lock per key), in a private folder, and renames the finished library into place; the others wait and
-load it. The library is registered as the torch ops
-``torch.ops.splice_kernels.*``, so they also run inside ``torch.compile`` graphs. The build is for baseline x86-64,
+half a minute on 2 cores, announced on stderr). ``<key>`` hashes everything that changes the binary
+(:func:`_build_key`), so installs and environments that differ build side by side and never rebuild each other's
+library. One process builds (a file lock per key), in a private folder, and renames the finished library into place;
+the others wait and load it. The library registers the torch ops ``torch.ops.splice_kernels.*``, so they also run
+inside ``torch.compile`` graphs. The build is for baseline x86-64,
 with each kernel written once per instruction-set level and chosen at run time (:data:`ISA_LEVELS`): ``avx2`` (AVX2 +
 FMA), ``avx512`` (AVX-512 with BF16 dot products), ``amx`` (``avx512`` plus AMX tiles for batches). Without a C++
 compiler, on a CPU without AVX2 and FMA, or with ``SPLICE_NATIVE_KERNELS=0``, :func:`available` is False and callers
