@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,7 +221,7 @@ def check_generation_values(options: dict) -> None:
         value = options.get(name)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"{name}={value!r} ({type(value).__name__}); allowed: {description}")
         if not math.isfinite(value) or not allowed(value):
             raise ValueError(f"{name}={value!r}; allowed: {description}")
@@ -246,7 +247,7 @@ def check_token_ids(input_ids: torch.Tensor, vocab_size: int | None) -> None:
 def check_padding_rows(input_ids: torch.Tensor, attention_mask, pad: int | None, eos) -> None:
     """No row may be padding only: it has nothing to attend to, and would generate from garbage."""
     if attention_mask is None:
-        eos_ids = [] if eos is None else torch.tensor(eos).view(-1).tolist()
+        eos_ids = [] if eos is None else torch.as_tensor(eos).view(-1).tolist()
         if pad is None or pad in eos_ids:
             return
         attention_mask = input_ids.ne(pad)
