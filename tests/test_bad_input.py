@@ -57,6 +57,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
     variant("garbage", lambda f: (f / "model.safetensors").write_bytes(b"\xff" * 4096))
     variant("no_tensors", lambda f: save_file({}, str(f / "model.safetensors")))
     variant("int_weights", _store_one_weight_as_int32)
+    variant("u16", _write_unknown_dtype)
     variant("config_list", lambda f: (f / "config.json").write_text("[1, 2]"))
     sharded = root / "sharded"
     shards = sorted(sharded.glob("model-*.safetensors"))
@@ -67,6 +68,12 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (root / "latin1.json").write_bytes('{"dtype": "bf16", "note": "caf\xe9"}'.encode("latin-1"))
     paths["config_list_file"], paths["config_latin1_file"] = root / "list.json", root / "latin1.json"
     return paths
+
+
+def _write_unknown_dtype(folder: Path) -> None:
+    """A well-formed safetensors file whose one tensor has a dtype splice does not read (unsigned 16-bit)."""
+    header = json.dumps({"model.embed_tokens.weight": {"dtype": "U16", "shape": [2], "data_offsets": [0, 4]}}).encode()
+    (folder / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
 
 
 def _store_one_weight_as_int32(folder: Path) -> None:
@@ -84,6 +91,7 @@ CHECKPOINT_CORPUS = [
     ("file without tensors", "no_tensors", ValueError, r"missing from the checkpoint: model\."),
     ("float weight stored as int32", "int_weights", ValueError,
      r"model\.layers\.0\.mlp\.up_proj\.weight \(checkpoint int32 vs model float32\)"),
+    ("unsupported dtype", "u16", ValueError, r"unsupported safetensors dtype 'U16'; allowed: BF16, BOOL, F16"),
     ("missing shard in an index", "missing_shard", ValueError, r"model-0000\d-of-0000\d\.safetensors' does not exist"),
 ]
 

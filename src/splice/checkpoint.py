@@ -151,7 +151,7 @@ def _dtype_kind(dtype: torch.dtype) -> str:
 
 def _torch_dtype(name: str) -> torch.dtype:
     if name not in _SAFETENSORS_DTYPES:
-        raise ValueError(f"unsupported safetensors dtype {name!r}; supported: {sorted(_SAFETENSORS_DTYPES)}")
+        raise ValueError(f"unsupported safetensors dtype {name!r}; allowed: {', '.join(sorted(_SAFETENSORS_DTYPES))}")
     return _SAFETENSORS_DTYPES[name]
 
 
