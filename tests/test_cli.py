@@ -207,3 +207,17 @@ def test_an_empty_prompt_starts_from_bos(tiny_cli, capsys):
     code, out, err = run_main(["generate", "", "--max-new-tokens", "3", "--kernel-inject"], capsys)
     assert code == 0, err
     assert "3 new tokens]" in out
+
+
+def test_the_native_kernels_are_ready_before_the_clock_starts(tiny_cli, capsys, monkeypatch):
+    """A first build (or load) of the native kernels must not count in the prefill time or decode speed."""
+    from splice import native
+    from splice.streaming import StepClock
+
+    events = []
+    monkeypatch.setattr(native, "available", lambda: events.append("kernels") or False)
+    start = StepClock.start
+    monkeypatch.setattr(StepClock, "start", lambda self: events.append("clock") or start(self))
+    code, _, err = run_main(["generate", "Hi", "--max-new-tokens", "2"], capsys)
+    assert code == 0, err
+    assert events[0] == "kernels" and "clock" in events
