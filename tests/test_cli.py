@@ -203,6 +203,12 @@ def test_a_long_prompt_is_not_echoed_when_refused(tiny_cli, capsys):
     assert re.fullmatch(r"splice: error: prompt length \d+ \+ 32 new tokens = \d+ exceeds max_out_tokens=64; .*\n", err)
 
 
+def test_a_long_prompt_taken_for_a_model_is_not_echoed(capsys):
+    prompt = "word " * 400
+    code, out, err = run_main(["generate", prompt, "hi"], capsys)
+    assert code == 2 and out == "" and len(err) < 400 and "unknown model 'word word" in err and "(2000 characters)" in err
+
+
 def test_an_empty_prompt_starts_from_bos(tiny_cli, capsys):
     code, out, err = run_main(["generate", "", "--max-new-tokens", "3", "--kernel-inject"], capsys)
     assert code == 0, err

@@ -27,7 +27,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args) or 0
     except (ValueError, TypeError, NotImplementedError) as error:
-        print(f"splice: error: {error}", file=sys.stderr, flush=True)
+        message = str(error)
+        for word in getattr(args, "words", []):  # a prompt taken for a model name, say: not echoed in full
+            message = message.replace(word, shorten(word, 80)) if len(word) > 80 else message
+        print(f"splice: error: {message}", file=sys.stderr, flush=True)
         return 2
 
 

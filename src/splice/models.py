@@ -110,14 +110,22 @@ def resolve_checkpoint(name_or_path: str | os.PathLike) -> tuple[Path, torch.dty
         raise TypeError(f"expected a model name or a path, got {type(name_or_path).__name__}: {name_or_path!r}; "
                         f"accepted: {_accepted_kinds()}")
     path = Path(name_or_path).expanduser()
-    if path.is_dir():
+    if _is_dir(path):
         _require_safetensors_folder(path)
         return path, "auto"
-    if path.is_file() and path.suffix.lower() == ".gguf":
+    if _is_dir(path) is False and path.is_file() and path.suffix.lower() == ".gguf":
         sha256 = cached_sha256(path)
         return ensure_converted(path, f"{_slug(path.stem)}-{sha256[:12]}", sha256), torch.float32
     raise ValueError(f"unknown model {str(name_or_path)!r}: no such built-in name, folder or .gguf file; "
                      f"accepted: {_accepted_kinds()}")
+
+
+def _is_dir(path: Path) -> bool | None:
+    """Whether ``path`` is a folder; None where the name cannot be a path here (too long, say)."""
+    try:
+        return path.is_dir()
+    except OSError:
+        return None
 
 
 def builtin_gguf_path(spec: BuiltinModel) -> Path:
