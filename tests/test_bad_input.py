@@ -275,6 +275,21 @@ def test_cli_refuses(capsys, name, argv, pattern):
     assert_cli_error(*cli(["generate", *argv], capsys), pattern)
 
 
+BENCH_CORPUS = [
+    ("no new tokens", ["--new", "0"], r"--new: 0 is not allowed; allowed: an integer >= 1"),
+    ("an empty prompt", ["--prompt", "0"], r"--prompt: 0 is not allowed; allowed: an integer >= 1"),
+    ("batch 0", ["--batch", "0,1"], r"--batch: 0,1 is not allowed; allowed: comma-separated integers >= 1"),
+    ("batch as text", ["--batch", "x"], r"--batch: 'x' is not allowed"),
+    ("no timed runs", ["--repeat", "0"], r"--repeat: 0 is not allowed"),
+    ("no threads", ["--threads", "0"], r"--threads: 0 is not allowed"),
+]
+
+
+@pytest.mark.parametrize("name, argv, pattern", BENCH_CORPUS, ids=[e[0] for e in BENCH_CORPUS])
+def test_bench_refuses(capsys, name, argv, pattern):
+    assert_cli_error(*cli(["bench", *argv], capsys), pattern)
+
+
 @pytest.mark.parametrize("name, folder, error, pattern", LOAD_CORPUS, ids=[e[0] for e in LOAD_CORPUS])
 def test_cli_refuses_the_model_folder(files, capsys, name, folder, error, pattern):
     assert_cli_error(*cli(["generate", str(files[folder]), "hi"], capsys), pattern)

@@ -51,21 +51,24 @@ class Row:
 
 
 def add_bench_parser(subparsers) -> None:
+    from .cli import POSITIVE_INT, checked
+
+    batches = checked(_positive_ints, bool, "comma-separated integers >= 1")
     parser = subparsers.add_parser("bench", help="time HF eager vs splice (plain, kernel-injected) side by side")
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="a name or folder splice.load accepts, or 'llama-1b' (random TinyLlama-shaped weights)")
     parser.add_argument("--dtype", default="fp32", help="comma-separated: fp32,bf16 (default fp32)")
-    parser.add_argument("--batch", default="1", help="comma-separated batch sizes (default 1)")
-    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
-    parser.add_argument("--new", type=int, default=64, help="new tokens (default 64)")
+    parser.add_argument("--batch", type=batches, default=[1], help="comma-separated batch sizes (default 1)")
+    parser.add_argument("--prompt", type=POSITIVE_INT, default=128, help="prompt tokens (default 128)")
+    parser.add_argument("--new", type=POSITIVE_INT, default=64, help="new tokens (default 64)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
-    parser.add_argument("--repeat", type=int, default=2, help="timed runs per mode, best kept (default 2)")
+    parser.add_argument("--repeat", type=POSITIVE_INT, default=2, help="timed runs per mode, best kept (default 2)")
     parser.add_argument("--quant", default="", help=f"comma-separated quantized rows to add: {','.join(QUANT_SCHEMES)} "
                         "(kernel-injected, each on a fresh copy of the model)")
     parser.add_argument("--compile", action="store_true",
                         help="also run the injected (and quantized) models with their decode step compiled "
                              "(compile_decode=True)")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--threads", type=POSITIVE_INT, help="torch threads (default: torch's own choice)")
     parser.add_argument("--isa", default="", help="comma-separated levels of splice's native kernels (avx2, avx512, "
                         "amx) to time every kernel-injected row at, side by side (rows named mode@level; default: "
                         "the active level only)")
@@ -84,7 +87,7 @@ def run_bench(args: argparse.Namespace) -> int:
     bandwidth = read_bandwidth_gbs()
     rows: list[Row] = []
     for dtype in _split(args.dtype):
-        for batch in (int(b) for b in _split(args.batch)):
+        for batch in args.batch:
             plain_rows = bench_configuration(args, dtype, batch, modes, bandwidth)
             hf_speed = next((r.decode_tok_s for r in plain_rows if r.mode == "hf"), float("nan"))
             rows += plain_rows + bench_quantized(args, dtype, batch, schemes, bandwidth, hf_speed)
@@ -376,6 +379,12 @@ def machine_info(bandwidth: float) -> dict:
 
 def _split(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _positive_ints(text: str) -> list[int]:
+    """``"1,4"`` -> ``[1, 4]``; an empty list (refused by the caller) for anything but integers >= 1."""
+    values = [int(part) for part in _split(text)]  # ValueError for a non-integer
+    return values if values and min(values) >= 1 else []
 
 
 def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
