@@ -202,6 +202,14 @@ def test_generate_refuses_the_request(engines, name, request_kwargs, error, patt
         engine.generate(**{"max_new_tokens": 4, **request_kwargs})
 
 
+@pytest.mark.parametrize("ids", [torch.zeros(1, 0, dtype=torch.long), torch.zeros(0, 4, dtype=torch.long)],
+                         ids=["no tokens", "no rows"])
+def test_forward_refuses_an_empty_batch(engines, ids):
+    _, engine = engines
+    with pytest.raises(ValueError, match=r"input_ids has shape \(\d, \d\): an empty prompt; allowed"):
+        engine(ids)
+
+
 def test_a_bad_value_in_the_generation_config_is_refused_too(engines):
     from transformers import GenerationConfig
 

@@ -207,9 +207,6 @@ def check_request(model, args: tuple, kwargs: dict, vocab_size: int | None, max_
     if input_ids is None:
         return
     check_token_ids(input_ids, vocab_size)
-    if input_ids.shape[-1] == 0:
-        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: an empty prompt; allowed: at least one "
-                         "token per row, or input_ids=None to start from the model's bos_token_id")
     check_padding_rows(input_ids, kwargs.get("attention_mask"), options["pad_token_id"], options["eos_token_id"])
     prompt_length = input_ids.shape[-1]
     check_request_length(prompt_length, requested_total(prompt_length, kwargs, config), max_out_tokens)
@@ -231,12 +228,15 @@ def check_generation_values(options: dict) -> None:
 
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int | None) -> None:
-    """Raise if ``input_ids`` is not an integer tensor of ids within ``[0, vocab_size)``."""
+    """Raise if ``input_ids`` is not a non-empty integer tensor of ids within ``[0, vocab_size)``."""
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
         raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
     if input_ids.dim() not in (1, 2):
         raise ValueError(f"input_ids must have shape [batch, length] or [length], got {tuple(input_ids.shape)}")
-    if vocab_size is None or input_ids.numel() == 0:
+    if input_ids.shape[-1] == 0 or input_ids.numel() == 0:
+        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}: an empty prompt; allowed: at least one "
+                         "token per row (generate also takes input_ids=None, starting from the model's bos_token_id)")
+    if vocab_size is None:
         return
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= vocab_size:
