@@ -14,14 +14,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import native
 from .arch import lookup, model_dims, tensor_parallel_plan
 from .checkpoint import check_checkpoint, has_meta_tensors, load_policy_files
 from .config import InferenceConfig
 from .distributed import ParallelContext
+from .kernel_choice import KernelChoice, float_kernel, quant_kernel
 from .layers.block import activation
-from .layers.native_linear import can_use_native
-from .layers.packed_linear import can_pack
 from .quant import QuantConfig
 from .quant import plan as quant_targets
 from .quant.api import check_calibration_ids
@@ -31,14 +29,6 @@ from .tp.plan import TPPlan, verify
 from .tp.policy import policy_plan
 
 CheckpointSource = Path | list[Path]
-
-
-@dataclass(frozen=True)
-class KernelChoice:
-    """How one kind of linear computes, and why (for reports and ``splice info``)."""
-
-    kernel: str  # "native" (splice's GEMV), "packed" (oneDNN-packed weight), "torch"
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -62,6 +52,7 @@ class Plan:
     quant: QuantConfig | None
     calibration_ids: torch.Tensor | None
     float_kernel: KernelChoice  # the float linears of a fused model
+    quant_kernel: KernelChoice | None  # the quantized linears (None without quantization)
     compile_decode: bool
 
     @property
@@ -90,6 +81,7 @@ def resolve(config: InferenceConfig, model: nn.Module, parallel: ParallelContext
         tp_grain_size=config.tensor_parallel.tp_grain_size, save_shards_to=config.save_mp_checkpoint_path or None,
         fuse=bool(config.replace_with_kernel_inject), max_out_tokens=config.max_out_tokens, quant=quant,
         calibration_ids=calibration_ids, float_kernel=float_kernel(compute_dtype, device),
+        quant_kernel=None if quant is None else quant_kernel(quant, device),
         compile_decode=bool(config.compile_decode))
 
 
@@ -226,18 +218,6 @@ def resolve_quantization(model: nn.Module, quant: QuantConfig | None, config: In
     quant_targets(model, quant)
     ids = config.quant.weight.calibration_ids if config.quant.enabled else None
     return None if ids is None else check_calibration_ids(ids, quant)
-
-
-# ---- kernels --------------------------------------------------------------------------------------------------------
-def float_kernel(dtype: torch.dtype | None, device: torch.device) -> KernelChoice:
-    """How a fused model's float linears (and those quantization leaves in float) compute for decode."""
-    if dtype is not None and can_use_native(dtype, device):
-        level = native.isa()
-        return KernelChoice("native", f"bf16 on a CPU whose native kernels run at {level} "
-                                      f"({native.ISA_DESCRIPTIONS[level]})")
-    if dtype is not None and can_pack(dtype, device):
-        return KernelChoice("packed", f"{dtype} on CPU without splice's native bf16 GEMV: oneDNN-packed weights")
-    return KernelChoice("torch", f"{dtype} on {device.type}: torch's own linear")
 
 
 # ---- graphs ---------------------------------------------------------------------------------------------------------

@@ -27,27 +27,23 @@ MIN_SQNR = {"int8": 30, "int8-g64": 30, "int4-g32": 15, "int4-g64-asym": 15, "in
 ROWS = (1, 5, 40)  # both sides of kernels.INT8_KERNEL_MAX_ROWS
 
 
-@contextmanager
-def native_kernels(enabled: bool):
-    """Layers built inside see ``splice.native`` as available (where it is) or not."""
-    if enabled:
-        yield
-        return
+def test_native_kernels_are_refused_where_they_do_not_run():
     with mock.patch.object(native, "available", lambda: False):
-        yield
+        with pytest.raises(ValueError, match="native=True"):
+            HANDLERS["int8_weight_only"].from_float(torch.randn(16, 32), None, SCHEMES["int8"], native=True)
 
 
 def _layer(scheme: str, out_features: int = 200, in_features: int = 320, bias: bool = True, use_native: bool = True):
     torch.manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=bias)
     config = SCHEMES[scheme]
-    with native_kernels(use_native):
-        return linear, HANDLERS[config.kind].from_float(linear.weight.detach(), linear.bias, config)
+    return linear, HANDLERS[config.kind].from_float(linear.weight.detach(), linear.bias, config,
+                                                    native=use_native and native.available())
 
 
 def _empty_like(layer, config: QuantConfig, use_native: bool):
-    with native_kernels(use_native):
-        return type(layer).empty(layer.in_features, layer.out_features, layer.bias is not None, config, "cpu")
+    return type(layer).empty(layer.in_features, layer.out_features, layer.bias is not None, config, "cpu",
+                             native=use_native and native.available())
 
 
 def _reference_input(x: torch.Tensor, scheme: str) -> torch.Tensor:
@@ -148,7 +144,8 @@ def test_int4_refit_lowers_the_error():
 def test_state_dict_round_trip(scheme):
     linear, layer = _layer(scheme)
     config = SCHEMES[scheme]
-    fresh = HANDLERS[config.kind].empty(linear.in_features, linear.out_features, True, config, torch.device("cpu"))
+    fresh = HANDLERS[config.kind].empty(linear.in_features, linear.out_features, True, config, torch.device("cpu"),
+                                        native=layer.use_native)
     fresh.load_state_dict(layer.state_dict())
     x = torch.randn(3, linear.in_features)
     torch.testing.assert_close(fresh(x), layer(x), rtol=0, atol=0)
@@ -281,10 +278,9 @@ def test_native_prefill_buffer_is_not_shared_between_results(scheme):
     """Prefill de-quantises every layer into one kept buffer: layers of the same shape, called in turn (also after a
     larger one grew the buffer), each get their own product."""
     torch.manual_seed(0)
-    with native_kernels(True):
-        layers = [HANDLERS[SCHEMES[scheme].kind].from_float(torch.randn(256, 128), None, SCHEMES[scheme])
-                  for _ in range(2)]
-        bigger = HANDLERS[SCHEMES[scheme].kind].from_float(torch.randn(512, 256), None, SCHEMES[scheme])
+    handler = HANDLERS[SCHEMES[scheme].kind]
+    layers = [handler.from_float(torch.randn(256, 128), None, SCHEMES[scheme], native=True) for _ in range(2)]
+    bigger = handler.from_float(torch.randn(512, 256), None, SCHEMES[scheme], native=True)
     x = torch.randn(80, 128, dtype=torch.bfloat16)
     expected = [F.linear(x.float(), layer.dequantize()) for layer in layers]
     outs = [layers[0](x), layers[1](x), bigger(torch.randn(80, 256, dtype=torch.bfloat16)), layers[0](x)]
@@ -301,9 +297,7 @@ def test_int8_torch_kernels_take_any_in_features(group, rows):
     """torch's CPU ``_weight_int8pack_mm`` needs K a multiple of 16 (wrong sums or a crash otherwise)."""
     torch.manual_seed(0)
     linear = nn.Linear(200, 72)
-    with native_kernels(False):
-        config = QuantConfig(group_size=group)
-        layer = HANDLERS["int8_weight_only"].from_float(linear.weight.detach(), linear.bias, config)
+    layer = HANDLERS["int8_weight_only"].from_float(linear.weight.detach(), linear.bias, QuantConfig(group_size=group))
     x = torch.randn(rows, 200)
     expected = F.linear(_reference_input(x, "int8"), layer.dequantize(), linear.bias)
     assert (layer(x) - expected).norm() / expected.norm() < 1e-2

@@ -2,8 +2,9 @@
 own kernels, and splice's native GEMVs (``splice.native``: AVX2, AVX-512, AMX; ``torch.ops.splice_kernels``) on CPUs
 where those build.
 
-Which kernel runs where (M = rows of activations in the call; a layer decides once, when built, whether it may use
-the native kernels at all: ``native_kernels_on``; the row limits are ``native.MAX_ROWS`` of the active level):
+Which kernel runs where (M = rows of activations in the call; whether a layer may use the native kernels at all is
+given to it when built, as ``splice.kernel_choice.quant_kernel`` decided; the row limits are ``native.MAX_ROWS`` of
+the active level):
 
 =============================  ============================================  ========================================
 scheme                         CPU, ``splice.native`` available              CPU without it; CUDA
@@ -59,11 +60,6 @@ INT8PACK_CPU_K_MULTIPLE = 16  # torch 2.13's CPU _weight_int8pack_mm sums wrongl
 COMPUTE_DTYPE = torch.bfloat16
 CPU_INT4_BLOCK_N = 64  # rows per block of the AVX-512 int4 layout; N is padded to it so every block is full
 CUDA_INNER_K_TILES = 8
-
-
-def native_kernels_on(device: torch.device | str) -> bool:
-    """Whether a layer packed on ``device`` uses splice's native GEMVs (:func:`splice.native.available_on`)."""
-    return native.available_on(device)
 
 
 def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

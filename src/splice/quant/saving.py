@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..checkpoint import has_meta_tensors, tensor_groups
+from ..kernel_choice import quant_kernel
 from .api import HANDLERS
 from .layers import QuantizedLinear
 from .scheme import QuantConfig
@@ -83,7 +84,7 @@ def _empty_layer(model: nn.Module, name: str, layer: dict, config: QuantConfig,
     weight = getattr(current, "weight", None)
     dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.bfloat16
     return HANDLERS[layer["kind"]].empty(layer["in_features"], layer["out_features"], layer["bias"], config, device,
-                                         dtype)
+                                         dtype, native=quant_kernel(config, device).native)
 
 
 def _dedupe(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
