@@ -71,7 +71,7 @@ def resolve(config: InferenceConfig, model: nn.Module, parallel: ParallelContext
         check_fusable(model, config)
     quant = QuantConfig.from_inference_config(config)
     calibration_ids = resolve_quantization(model, quant, config)
-    check_graphs(config, device)
+    check_graphs(config)
     compute_dtype = dtype or _model_float_dtype(model)
     return Plan(
         config=config, device=device, home=torch.device("cpu") if config.keep_module_on_host else device,
@@ -221,22 +221,9 @@ def resolve_quantization(model: nn.Module, quant: QuantConfig | None, config: In
 
 
 # ---- graphs ---------------------------------------------------------------------------------------------------------
-def check_graphs(config: InferenceConfig, device: torch.device) -> None:
-    if config.compile_decode:
-        if not config.replace_with_kernel_inject:
-            raise ValueError("compile_decode=True compiles splice's own decode step, which needs "
-                             "replace_with_kernel_inject=True; allowed: replace_with_kernel_inject=True, or "
-                             "compile_decode=False")
-        if config.enable_cuda_graph:
-            raise ValueError("compile_decode=True and enable_cuda_graph=True both capture the decode step; "
-                             "allowed: one of them")
-    if not config.enable_cuda_graph:
-        return
-    if config.tensor_parallel.tp_size > 1:
-        raise ValueError(
-            f"enable_cuda_graph=True cannot be combined with tensor_parallel.tp_size={config.tensor_parallel.tp_size}; "
-            "allowed: enable_cuda_graph=True with tp_size=1, or enable_cuda_graph=False")
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise ValueError(f"enable_cuda_graph=True needs a CUDA device, but the model runs on {device}; "
-                         "allowed: enable_cuda_graph=False on CPU")
-    raise NotImplementedError("enable_cuda_graph=True is not available yet in this splice version; use False")
+def check_graphs(config: InferenceConfig) -> None:
+    """compile_decode compiles splice's own decode step, so it needs kernel injection."""
+    if config.compile_decode and not config.replace_with_kernel_inject:
+        raise ValueError("compile_decode=True compiles splice's own decode step, which needs "
+                         "replace_with_kernel_inject=True; allowed: replace_with_kernel_inject=True, or "
+                         "compile_decode=False")
