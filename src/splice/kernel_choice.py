@@ -65,11 +65,20 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
                                      "int8 GEMV takes one scale per output channel)")
     if native.available_on(device):
         limit = native.MAX_ROWS[ROW_LIMIT_OF[kind]]
-        prefix = "activations rounded to int8 per block of 32, then " if kind == "int8_dynamic" else ""
-        return KernelChoice("native", f"{prefix}splice's {ROW_LIMIT_OF[kind]} GEMV up to {limit} rows, de-quantise + "
+        if kind == "int8_dynamic":
+            products = "integer dot products (AVX512-VNNI)" if int8_dot_products() else "bf16 products"
+            return KernelChoice("native", f"activations rounded to int8 per block of 32, splice's int8 GEMV with "
+                                          f"{products} up to {limit} rows, de-quantise + one oneDNN GEMM above; "
+                                          f"{native_level()}")
+        return KernelChoice("native", f"splice's {ROW_LIMIT_OF[kind]} GEMV up to {limit} rows, de-quantise + "
                                       f"one oneDNN GEMM above; {native_level()}")
     return KernelChoice("torch", f"torch's {'int4' if kind == 'int4_weight_only' else 'int8'} kernels for "
                                  f"{device.type} ({why_not_native(device)})")
+
+
+def int8_dot_products() -> bool:
+    """Whether W8A8's native decode GEMV multiplies in integers at the active level (AVX512-VNNI)."""
+    return native.available() and bool(torch.ops.splice_kernels.int8_dot_ready())
 
 
 def native_level() -> str:

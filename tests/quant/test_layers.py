@@ -172,7 +172,8 @@ def test_conv1d_is_quantized_like_a_linear():
 
 
 # ---- splice's native kernels (splice.native) ------------------------------------------------------------------------
-NATIVE_SCHEMES = ("int8", "int4-g32", "int4-g64-asym", "int4-g128")
+NATIVE_SCHEMES = ("int8", "w8a8", "int4-g32", "int4-g64-asym", "int4-g128")
+DECODE_OP = {"int8": "int8_gemv", "w8a8": "int8_dot_gemv"}  # int4: int4_gemv
 NATIVE_ROWS = (1, 3, 8, 20)  # both sides of native.MAX_ROWS["int8"]
 
 
@@ -192,8 +193,8 @@ def test_native_kernel_matches_dequantized_weights(scheme, rows):
     assert layer.use_native
     x = torch.randn(rows, linear.in_features)
     expected = F.linear(_reference_input(x, scheme), layer.dequantize(), linear.bias)
-    is_int8 = scheme == "int8"
-    with _spy("int8_gemv" if is_int8 else "int4_gemv") as calls, _spy("int8_linear") as conversions:
+    is_int8 = scheme in DECODE_OP
+    with _spy(DECODE_OP.get(scheme, "int4_gemv")) as calls, _spy("int8_linear") as conversions:
         out = layer(x)
     # int8: torch's kernel up to 16 rows above native.MAX_ROWS, then the native int8 -> bf16 conversion + F.linear;
     # int4: de-quantise + F.linear above native.MAX_ROWS["int4"]
@@ -251,7 +252,7 @@ def test_native_and_torch_layouts_load_each_other(scheme, out_features, in_featu
 
 
 @needs_native
-@pytest.mark.parametrize("scheme", ["int8", "int4-g32"])
+@pytest.mark.parametrize("scheme", ["int8", "w8a8", "int4-g32"])
 def test_native_layers_compile_in_one_graph(scheme):
     _, layer = _layer(scheme)
     x = torch.randn(2, layer.in_features, dtype=torch.bfloat16)

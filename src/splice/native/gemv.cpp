@@ -8,6 +8,8 @@
 // of x, taken a few at a time against each block of weights (so the weights are read from memory once).
 //   bf16_gemv(x bf16 [M, K], w bf16 [N, K])                       row-major weight, any N and K
 //   int8_gemv(x bf16 [M, K], w int8 [N, K], scales bf16 [N])      per-output-channel scales
+//   int8_dot_gemv(x, w, scales)  the same product with x rounded to int8 per row and block of 32 (W8A8): integer
+//       dot products with AVX512-VNNI, else the rounded x through int8_gemv
 //   int4_gemv(x bf16 [M, K], w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group)
 //       tiles of 16 rows; dword (tile, c, r) holds q[r, 8c .. 8c+7] as nibbles in the order k = 0,2,4,6,1,3,5,7
 //       (so k and k+1 sit 16 bits apart); value = (q - 8) * scale + zero per (row, group).
@@ -30,7 +32,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -337,6 +341,102 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   auto* op = out.data_ptr<at::BFloat16>();
   for_row_blocks<MAX_ROWS>(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
     int8_rows<decltype(m_c)::value, decltype(r_c)::value>(xp + m0 * k, wp, sp, k, n0, op + m0 * n, n);
+  });
+  return out;
+}
+
+// ---- int8 x int8 dot products (VNNI) ----------------------------------------------------------------------------
+// W8A8 decode: x is rounded once per call to int8, one scale d per row and block of 32 columns (as
+// qmath.round_activations: d = block's absolute max / 127, q = round(x / d) in -127..127), and each weight row is
+// multiplied with integer dot products (vpdpbusd: 64 byte products per instruction, summed in int32), so the weight is
+// never widened to float. vpdpbusd takes one unsigned operand: the weight bytes are flipped to w + 128 as they stream
+// (one xor), and the 128 * sum(q) that adds to each block's sum is taken off once per row of x, since it does not
+// depend on the weight row: y = scale * (sum_b d_b * dot_b - 128 * sum_b d_b * sum(q_b)).
+constexpr int64_t DOT_BLOCK = 32;  // columns per activation scale (qmath.ACTIVATION_BLOCK)
+constexpr int64_t DOT_STEP = 64;   // columns per vpdpbusd (two blocks: 8 int32 lanes each)
+
+struct DotActivations {
+  int64_t padded;               // columns of q, k rounded up to DOT_STEP (zeros past k)
+  std::vector<int8_t> q;        // [m, padded]
+  std::vector<float> d;         // [m, padded / DOT_STEP, 16]: each lane's block scale (8 lanes per block)
+  std::vector<float> offset;    // [m]: 128 * sum_b d_b * sum(q_b)
+};
+
+DotActivations round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
+  DotActivations a;
+  a.padded = (k + DOT_STEP - 1) / DOT_STEP * DOT_STEP;
+  const int64_t steps = a.padded / DOT_STEP;
+  a.q.assign(m * a.padded, 0);
+  a.d.assign(m * steps * 16, 0.f);
+  a.offset.assign(m, 0.f);
+  const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
+  for (int64_t i = 0; i < m; ++i) {
+    double offset = 0;
+    for (int64_t b = 0; b < k / DOT_BLOCK; ++b) {
+      const at::BFloat16* src = x + i * k + b * DOT_BLOCK;
+      const __m512 lo = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+      const __m512 hi = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16)));
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float d = std::max(amax, 1e-12f) / 127.f;
+      const __m512 dv = _mm512_set1_ps(d);
+      const __m512i q_lo = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(lo, dv)), low), high);
+      const __m512i q_hi = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(hi, dv)), low), high);
+      int8_t* dst = a.q.data() + i * a.padded + b * DOT_BLOCK;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q_lo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(q_hi));
+      float* lanes = a.d.data() + (i * steps + b / 2) * 16 + (b % 2) * 8;
+      std::fill(lanes, lanes + 8, d);
+      offset += double(d) * _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
+    }
+    a.offset[i] = static_cast<float>(128.0 * offset);
+  }
+  return a;
+}
+
+template <int M, int R>
+__attribute__((target("avx512vnni")))
+void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k,
+                   int64_t n0, at::BFloat16* out, int64_t n_total) {
+  constexpr int m_rows = M, rows = R;
+  const int64_t steps = a.padded / DOT_STEP;
+  const int8_t* xq = a.q.data() + m0 * a.padded;
+  const float* xd = a.d.data() + m0 * steps * 16;
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  const int8_t* base = w + n0 * k;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t c = 0; c < k; c += DOT_STEP) {
+    const int64_t left = k - c;
+    const __mmask64 mask = left >= DOT_STEP ? ~__mmask64(0) : ((__mmask64(1) << left) - 1);
+    __m512i wv[R];
+    for (int r = 0; r < rows; ++r) {
+      prefetch(base + (R + r) * k + c);  // the next block's rows, one line each per step
+      wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, base + r * k + c), flip);
+    }
+    for (int m = 0; m < m_rows; ++m) {
+      const __m512i xv = _mm512_loadu_si512(xq + m * a.padded + c);
+      const __m512 dv = _mm512_loadu_ps(xd + (m * steps + c / DOT_STEP) * 16);
+      for (int r = 0; r < rows; ++r)
+        acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xv)), dv,
+                                    acc[m][r]);
+    }
+  }
+  for (int m = 0; m < m_rows; ++m)
+    for (int r = 0; r < rows; ++r)
+      out[m * n_total + n0 + r] = at::BFloat16((_mm512_reduce_add_ps(acc[m][r]) - a.offset[m0 + m]) *
+                                               static_cast<float>(scales[n0 + r]));
+}
+
+at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
+  const DotActivations a = round_rows(x.data_ptr<at::BFloat16>(), m, k);
+  auto out = at::empty({m, n}, x.options());
+  const auto* sp = scales.data_ptr<at::BFloat16>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  for_row_blocks<MAX_ROWS>(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
+    int8_dot_rows<decltype(m_c)::value, decltype(r_c)::value>(a, m0, wp, sp, k, n0, op + m0 * n, n);
   });
   return out;
 }
@@ -909,6 +1009,37 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return isa() >= ISA_AVX512 ? avx512::int8_gemv(x, w, scales) : avx2::int8_gemv(x, w, scales);
 }
 
+// Whether int8_dot_gemv runs at the active level: avx512 or amx, on a CPU with AVX512-VNNI.
+bool int8_dot_ready() { return isa() >= ISA_AVX512 && __builtin_cpu_supports("avx512vnni"); }
+
+// x rounded as qmath.round_activations does (per row and block of 32, to q * d in bf16), for levels without VNNI.
+at::Tensor round_activations(const at::Tensor& x) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty_like(xf);
+  const float* src = xf.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t start = 0; start < xf.numel(); start += avx512::DOT_BLOCK) {
+    float amax = 0.f;
+    for (int64_t j = 0; j < avx512::DOT_BLOCK; ++j) amax = std::max(amax, std::abs(src[start + j]));
+    const float d = std::max(amax, 1e-12f) / 127.f;
+    for (int64_t j = 0; j < avx512::DOT_BLOCK; ++j)
+      dst[start + j] = std::min(127.f, std::max(-127.f, std::nearbyint(src[start + j] / d))) * d;
+  }
+  return out.to(at::kBFloat16);
+}
+
+// W8A8's decode product: integer dot products where int8_dot_ready(), else the rounded x through int8_gemv (the same
+// arithmetic, in bf16).
+at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  check_isa("int8_dot_gemv");
+  check_int8_weight(w, "int8_dot_gemv");
+  check_rows(x, w.size(1), "int8_dot_gemv");
+  check_int8_scales(scales, w.size(0), "int8_dot_gemv");
+  TORCH_CHECK(w.size(1) % avx512::DOT_BLOCK == 0, "int8_dot_gemv: in_features must be a multiple of ",
+              avx512::DOT_BLOCK, ", got ", w.size(1));
+  return int8_dot_ready() ? avx512::int8_dot_gemv(x, w, scales) : int8_gemv(round_activations(x), w, scales);
+}
+
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
   check_isa("int4_gemv");
   check_int4_tiles(w, sz, group, "int4_gemv");
@@ -986,12 +1117,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("bf16_gemv(Tensor x, Tensor w) -> Tensor");
   lib.def("int8_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  lib.def("int8_dot_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int4_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("int4_dequantize(Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   // no tensors: one kernel for every backend
   lib.def("amx_ready() -> bool", &amx_ready);
+  lib.def("int8_dot_ready() -> bool", &int8_dot_ready);
   lib.def("isa() -> int", &isa);
   lib.def("best_isa() -> int", &best_isa);
   lib.def("set_isa(int level) -> ()", &set_isa);
@@ -1003,6 +1136,7 @@ TORCH_LIBRARY(splice_kernels, lib) {
 TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("bf16_gemv", &bf16_gemv);
   lib.impl("int8_gemv", &int8_gemv);
+  lib.impl("int8_dot_gemv", &int8_dot_gemv);
   lib.impl("int4_gemv", &int4_gemv);
   lib.impl("int4_dequantize", &int4_dequantize);
   lib.impl("int8_linear", &int8_linear);

@@ -16,9 +16,11 @@ int8 weight-only, grouped      torch's path                                  ``_
 int4 weight-only               ``int4_gemv`` up to ``MAX_ROWS["int4"]``,     ``_weight_int4pack_mm[_for_cpu]``, any M
                                above that ``int4_linear`` (de-quantise +
                                one oneDNN GEMM)
-W8A8                           activations rounded to int8 per block of 32   the same, on torch's int8 kernels
-                               (``qmath.round_activations``), then the int8
-                               weight-only kernels above
+W8A8                           ``int8_dot_gemv`` up to ``MAX_ROWS["int8"]``  activations rounded to int8 per block
+                               (activations rounded to int8 per block of 32  of 32 (``qmath.round_activations``),
+                               in the op, integer dot products with          then torch's int8 kernels above
+                               AVX512-VNNI); above, the rounded activations
+                               through the int8 weight-only kernels above
 =============================  ============================================  ========================================
 
 Why the native kernels, and why by rows: they stream weights with software prefetch, faster than torch's GEMVs; the
@@ -73,6 +75,16 @@ def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if use_native and x.dtype == torch.bfloat16:  # prefill: native conversion into a kept buffer, one GEMM
         return torch.ops.splice_kernels.int8_linear(x, qweight, scales)
     return F.linear(x, qweight.to(x.dtype)) * scales
+
+
+def int8_dynamic_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    use_native: bool = False) -> torch.Tensor:
+    """W8A8: ``x`` rounded to int8 per row and block of ``qmath.ACTIVATION_BLOCK``, times the per-channel int8 weight.
+    Decode rows on the native kernels run ``int8_dot_gemv`` (the rounding and integer dot products in one op, VNNI
+    where the CPU has it); everything else rounds ``x`` first and runs :func:`int8_weight_mm`."""
+    if use_native and native.fits("int8", x) and x.shape[1] % qmath.ACTIVATION_BLOCK == 0:
+        return torch.ops.splice_kernels.int8_dot_gemv(x, qweight, scales)
+    return int8_weight_mm(qmath.round_activations(x), qweight, scales, use_native)
 
 
 def int8_grouped_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -264,9 +264,9 @@ class Int4WeightOnlyLinear(_RepackedWeight):
 class Int8DynamicLinear(Int8WeightOnlyLinear):
     """W8A8: int8 weights with one scale per output channel (``qweight [N, K]``, ``scales [N]``), times activations
     rounded to int8 on every call, one symmetric scale per row and block of ``qmath.ACTIVATION_BLOCK`` input elements
-    (as llama.cpp's Q8_0 activations). The products run on the per-channel int8 kernels (splice's native GEMV for
-    decode rows, de-quantise + one GEMM for prefill; torch's kernels elsewhere), so every CPU and CUDA computes the
-    same thing.
+    (as llama.cpp's Q8_0 activations). Decode rows on the native kernels multiply in integers (``int8_dot_gemv``);
+    otherwise the rounded activations go through the per-channel int8 kernels (de-quantise + one GEMM for prefill;
+    torch's kernels elsewhere), so every CPU and CUDA computes the same thing up to the float rounding of the sums.
 
     Why blocks, not one scale per row (torch's and oneDNN's dynamic quantization): one outlier channel sets a row's
     scale and flattens every other value in it, and the model's outputs then swing with tiny numerical differences
@@ -283,7 +283,7 @@ class Int8DynamicLinear(Int8WeightOnlyLinear):
         return cls(weight.shape[1], weight.shape[0], bias, q, scales[:, 0], native)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return super()._matmul(qmath.round_activations(x))
+        return kernels.int8_dynamic_mm(x, self.qweight, self.scales.to(x.dtype), self.use_native)
 
 
 def _check_native(native_kernels: bool, device: torch.device) -> None:
