@@ -40,6 +40,7 @@ class KernelChoice:
 
     kernel: str
     reason: str
+    dot_products: bool = False  # int8 decode rows rounded to int8 per block and summed in integers (VNNI)
 
     @property
     def native(self) -> bool:
@@ -70,6 +71,10 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
             return KernelChoice("native", f"activations rounded to int8 per block of 32, splice's int8 GEMV with "
                                           f"{products} up to {limit} rows, de-quantise + one oneDNN GEMM above; "
                                           f"{native_level()}")
+        if kind == "int8_weight_only" and int8_dot_products():
+            return KernelChoice("native", f"splice's int8 GEMV up to {limit} rows on integer dot products "
+                                          f"(AVX512-VNNI; each row of activations rounded to int8 per block of 32), "
+                                          f"de-quantise + one oneDNN GEMM above; {native_level()}", dot_products=True)
         return KernelChoice("native", f"splice's {ROW_LIMIT_OF[kind]} GEMV up to {limit} rows, de-quantise + "
                                       f"one oneDNN GEMM above; {native_level()}")
     return KernelChoice("torch", f"torch's {'int4' if kind == 'int4_weight_only' else 'int8'} kernels for "

@@ -205,6 +205,28 @@ def test_native_kernel_matches_dequantized_weights(scheme, rows):
 
 
 @needs_native
+@pytest.mark.parametrize("rows", NATIVE_ROWS)
+def test_int8_decode_rows_on_dot_products_round_activations_per_block(rows):
+    """``dot_products`` (the kernel choice where the CPU has VNNI): decode rows are rounded per block of 32 and summed
+    in integers, as W8A8's; prefill rows keep bf16 activations."""
+    torch.manual_seed(0)
+    linear = nn.Linear(320, 200)
+    layer = HANDLERS["int8_weight_only"].from_float(linear.weight.detach(), linear.bias, SCHEMES["int8"], native=True,
+                                                    dot_products=True)
+    assert layer.use_dot_products
+    x = torch.randn(rows, 320)
+    decode = rows <= native.MAX_ROWS["int8"]
+    expected = F.linear(_reference_input(x, "w8a8" if decode else "int8"), layer.dequantize(), linear.bias)
+    with _spy("int8_dot_gemv") as calls:
+        out = layer(x)
+    assert calls.call_count == decode
+    assert (out - expected).norm() / expected.norm() < (5e-3 if decode else 1e-2)
+    odd = HANDLERS["int8_weight_only"].from_float(torch.randn(8, 48), None, SCHEMES["int8"], native=True,
+                                                  dot_products=True)
+    assert not odd.use_dot_products  # 48 inputs: not whole blocks of 32
+
+
+@needs_native
 @pytest.mark.parametrize("rows", [1, 8, 40, 130])
 @pytest.mark.parametrize("scheme", ["int4-g32", "int4-g64-asym", "int4-g128"])
 def test_native_int4_runs_the_gemv_for_few_rows_and_dequantizes_for_more(scheme, rows):

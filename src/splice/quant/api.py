@@ -94,9 +94,10 @@ def _replace(model: nn.Module, name: str, module: nn.Module, handler: type[Quant
     kernel = kernel or quant_kernel(config, weight.device)
     report.kernel = report.kernel or kernel
     if hessian is None:
-        layer = handler.from_float(weight, bias, config, native=kernel.native)
+        layer = handler.from_float(weight, bias, config, native=kernel.native, dot_products=kernel.dot_products)
     else:
-        layer = handler.from_float(weight, bias, config, native=kernel.native, hessian=hessian, act_order=act_order)
+        layer = handler.from_float(weight, bias, config, native=kernel.native, dot_products=kernel.dot_products,
+                                   hessian=hessian, act_order=act_order)
     report.float_bytes += weight.numel() * 2  # against bf16, the dtype these kernels replace
     report.quantized_bytes += layer.weight_nbytes()
     model.set_submodule(name, layer)

@@ -64,11 +64,14 @@ CPU_INT4_BLOCK_N = 64  # rows per block of the AVX-512 int4 layout; N is padded 
 CUDA_INNER_K_TILES = 8
 
 
-def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                   use_native: bool = False) -> torch.Tensor:
+def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, use_native: bool = False,
+                   dot_products: bool = False) -> torch.Tensor:
     """``x [M, K] bf16 @ (qweight [N, K] int8 * scales [N] bf16).T``, per output channel. ``use_native``: the layer
-    may use ``splice_kernels.int8_gemv`` (for the rows :func:`splice.native.fits`)."""
+    may use ``splice_kernels.int8_gemv`` (for the rows :func:`splice.native.fits`); ``dot_products``: those rows go to
+    ``int8_dot_gemv`` instead (``x`` rounded to int8 per block of 32, integer sums)."""
     if use_native and native.fits("int8", x):
+        if dot_products:
+            return torch.ops.splice_kernels.int8_dot_gemv(x, qweight, scales)
         return torch.ops.splice_kernels.int8_gemv(x, qweight, scales)
     if _int8pack_runs(x.device, x.shape[0], x.shape[1]):
         return torch._weight_int8pack_mm(x, qweight, scales)

@@ -33,15 +33,16 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig,
-                   native: bool = False) -> QuantizedLinear:
+                   native: bool = False, dot_products: bool = False) -> QuantizedLinear:
         """Quantize a float ``weight [out, in]`` (on the device the kernel will run on); ``native``: call splice's
-        native kernels (CPU, where ``splice.native`` is available), else torch's."""
+        native kernels (CPU, where ``splice.native`` is available), else torch's; ``dot_products``: int8 decode rows
+        on integer dot products (``splice.kernel_choice.KernelChoice.dot_products``)."""
         raise NotImplementedError
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, bias: bool, config: QuantConfig,
               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-              native: bool = False) -> QuantizedLinear:
+              native: bool = False, dot_products: bool = False) -> QuantizedLinear:
         """A layer of the right shapes and zero weights, to load a saved state dict into (no quantization runs)."""
         raise NotImplementedError
 
@@ -74,35 +75,38 @@ class Int8WeightOnlyLinear(QuantizedLinear):
     kind = "int8_weight_only"
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, qweight: torch.Tensor,
-                 scales: torch.Tensor, native: bool = False) -> None:
+                 scales: torch.Tensor, native: bool = False, dot_products: bool = False) -> None:
         super().__init__(in_features, out_features, bias)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales.to(kernels.COMPUTE_DTYPE))
         # Per channel, same layout either way: the native GEMV runs for the rows it fits, torch's kernels otherwise.
         self.use_native = native and qweight.dim() == 2
+        # Decode rows rounded to int8 per block and multiplied in integers (whole blocks of input only).
+        self.use_dot_products = self.use_native and dot_products and in_features % qmath.ACTIVATION_BLOCK == 0
         _check_native(native, qweight.device)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig,
-                   native: bool = False) -> Int8WeightOnlyLinear:
+                   native: bool = False, dot_products: bool = False) -> Int8WeightOnlyLinear:
         out_features, in_features = weight.shape
         group = config.group_for(in_features)
         if group is None:
             q, scales = qmath.quantize_int8(weight)
-            return cls(in_features, out_features, bias, q, scales[:, 0], native)
+            return cls(in_features, out_features, bias, q, scales[:, 0], native, dot_products)
         q, scales = qmath.quantize_int8(qmath.pad_to(weight, 1, group), group)
         grouped = q.reshape(out_features, -1, group).transpose(0, 1).contiguous()
-        return cls(in_features, out_features, bias, grouped, scales.t().contiguous(), native)
+        return cls(in_features, out_features, bias, grouped, scales.t().contiguous(), native, dot_products)
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, bias: bool, config: QuantConfig,
               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-              native: bool = False) -> Int8WeightOnlyLinear:
+              native: bool = False, dot_products: bool = False) -> Int8WeightOnlyLinear:
         group = config.group_for(in_features)
         shape = (out_features,) if group is None else (-(-in_features // group), out_features)
         qshape = (out_features, in_features) if group is None else (*shape, group)
         return cls(in_features, out_features, _zero_bias(bias, out_features, device, dtype),
-                   torch.zeros(qshape, dtype=torch.int8, device=device), torch.ones(shape, device=device), native)
+                   torch.zeros(qshape, dtype=torch.int8, device=device), torch.ones(shape, device=device), native,
+                   dot_products)
 
     @property
     def grouped(self) -> bool:
@@ -110,7 +114,8 @@ class Int8WeightOnlyLinear(QuantizedLinear):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if not self.grouped:
-            return kernels.int8_weight_mm(x, self.qweight, self.scales.to(x.dtype), self.use_native)
+            return kernels.int8_weight_mm(x, self.qweight, self.scales.to(x.dtype), self.use_native,
+                                          self.use_dot_products)
         return kernels.int8_grouped_mm(qmath.pad_to(x, 1, self.qweight.shape[2]), self.qweight,
                                        self.scales.to(x.dtype))
 
@@ -193,7 +198,7 @@ class Int4WeightOnlyLinear(_RepackedWeight):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig,
-                   native: bool = False, hessian: torch.Tensor | None = None,
+                   native: bool = False, dot_products: bool = False, hessian: torch.Tensor | None = None,
                    act_order: bool = False) -> Int4WeightOnlyLinear:
         """Round-to-nearest, or GPTQ when given the input Hessian ``hessian [in, in]`` (see ``gptq.py``)."""
         out_features, in_features = weight.shape
@@ -210,7 +215,7 @@ class Int4WeightOnlyLinear(_RepackedWeight):
     @classmethod
     def empty(cls, in_features: int, out_features: int, bias: bool, config: QuantConfig,
               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-              native: bool = False) -> Int4WeightOnlyLinear:
+              native: bool = False, dot_products: bool = False) -> Int4WeightOnlyLinear:
         group = config.group_for(in_features)
         n_multiple, k_multiple = kernels.int4_padding(torch.device(device), group)
         n, k = -(-out_features // n_multiple) * n_multiple, -(-in_features // k_multiple) * k_multiple
@@ -278,9 +283,9 @@ class Int8DynamicLinear(Int8WeightOnlyLinear):
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig,
-                   native: bool = False) -> Int8DynamicLinear:
+                   native: bool = False, dot_products: bool = False) -> Int8DynamicLinear:
         q, scales = qmath.quantize_int8(weight)
-        return cls(weight.shape[1], weight.shape[0], bias, q, scales[:, 0], native)
+        return cls(weight.shape[1], weight.shape[0], bias, q, scales[:, 0], native, dot_products)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.int8_dynamic_mm(x, self.qweight, self.scales.to(x.dtype), self.use_native)

@@ -83,8 +83,9 @@ def _empty_layer(model: nn.Module, name: str, layer: dict, config: QuantConfig,
     current = model.get_submodule(name)
     weight = getattr(current, "weight", None)
     dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.bfloat16
+    kernel = quant_kernel(config, device)
     return HANDLERS[layer["kind"]].empty(layer["in_features"], layer["out_features"], layer["bias"], config, device,
-                                         dtype, native=quant_kernel(config, device).native)
+                                         dtype, native=kernel.native, dot_products=kernel.dot_products)
 
 
 def _dedupe(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
