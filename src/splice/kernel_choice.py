@@ -71,10 +71,13 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
             return KernelChoice("native", f"activations rounded to int8 per block of 32, splice's int8 GEMV with "
                                           f"{products} up to {limit} rows, de-quantise + one oneDNN GEMM above; "
                                           f"{native_level()}")
-        if kind == "int8_weight_only" and int8_dot_products():
-            return KernelChoice("native", f"splice's int8 GEMV up to {limit} rows on integer dot products "
-                                          f"(AVX512-VNNI; each row of activations rounded to int8 per block of 32), "
-                                          f"de-quantise + one oneDNN GEMM above; {native_level()}", dot_products=True)
+        if int8_dot_products():
+            bits = ROW_LIMIT_OF[kind]
+            tiles = " (from 3 rows, AMX tiles on x as it is)" if bits == "int4" and native.amx_ready() else ""
+            return KernelChoice("native", f"splice's {bits} GEMV up to {limit} rows on integer dot products "
+                                          f"(AVX512-VNNI; each row of activations rounded to int8 per block of 32)"
+                                          f"{tiles}, de-quantise + one oneDNN GEMM above; {native_level()}",
+                                dot_products=True)
         return KernelChoice("native", f"splice's {ROW_LIMIT_OF[kind]} GEMV up to {limit} rows, de-quantise + "
                                       f"one oneDNN GEMM above; {native_level()}")
     return KernelChoice("torch", f"torch's {'int4' if kind == 'int4_weight_only' else 'int8'} kernels for "
@@ -82,7 +85,7 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
 
 
 def int8_dot_products() -> bool:
-    """Whether W8A8's native decode GEMV multiplies in integers at the active level (AVX512-VNNI)."""
+    """Whether the native decode GEMVs can multiply in integers at the active level (AVX512-VNNI)."""
     return native.available() and bool(torch.ops.splice_kernels.int8_dot_ready())
 
 

@@ -68,6 +68,25 @@ def test_int8_dot_gemv_rounds_x_per_block_and_sums_exactly(isa, rows, n, k):
 
 
 @needs_native
+@pytest.mark.parametrize("rows", (1, 2, 3, 5))
+@pytest.mark.parametrize("n, k, group", [(64, 128, 32), (32, 576, 64), (16, 256, 128), (32, 120, 24)])
+def test_int4_dot_gemv_rounds_x_per_block_where_it_can(isa, rows, n, k, group):
+    """Integer dot products where the CPU has VNNI, the group is whole blocks of 32 and AMX does not take the rows;
+    otherwise exactly ``int4_gemv``."""
+    x = torch.randn(rows, k).bfloat16() * torch.linspace(0.1, 5, k).bfloat16()
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales_and_zeros = torch.randn(k // group, n, 2).bfloat16()
+    w, sz = native.int4_tile_pack(q), native.int4_tile_scales(scales_and_zeros)
+    got = torch.ops.splice_kernels.int4_dot_gemv(x, w, sz, group)
+    amx = rows >= 3 and group % 32 == 0 and native.amx_ready()
+    if torch.ops.splice_kernels.int8_dot_ready() and group % 32 == 0 and not amx:
+        expected = qmath.round_activations(x.float()) @ qmath.dequantize_int4(q, scales_and_zeros).T
+        assert relative_error(got, expected) < 4e-3
+    else:
+        torch.testing.assert_close(got, torch.ops.splice_kernels.int4_gemv(x, w, sz, group), rtol=0, atol=0)
+
+
+@needs_native
 def test_int8_dot_gemv_refuses_in_features_off_the_block():
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.splice_kernels.int8_dot_gemv(torch.randn(1, 48).bfloat16(), torch.zeros(4, 48, dtype=torch.int8),

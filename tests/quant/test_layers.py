@@ -227,6 +227,27 @@ def test_int8_decode_rows_on_dot_products_round_activations_per_block(rows):
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [1, 2, 40])
+@pytest.mark.parametrize("scheme", ["int4-g32", "int4-g128"])
+def test_int4_decode_rows_on_dot_products_round_activations_per_block(scheme, rows):
+    """``dot_products``: decode rows go to ``int4_dot_gemv`` (rounded per block of 32 where the CPU has VNNI, and
+    below the AMX rows); prefill rows de-quantise as before."""
+    torch.manual_seed(0)
+    linear = nn.Linear(320, 200)
+    layer = HANDLERS["int4_weight_only"].from_float(linear.weight.detach(), linear.bias, SCHEMES[scheme], native=True,
+                                                    dot_products=True)
+    assert layer.use_dot_products
+    x = torch.randn(rows, 320)
+    decode = rows <= native.MAX_ROWS["int4"]
+    rounded = decode and torch.ops.splice_kernels.int8_dot_ready() and not (rows >= 3 and native.amx_ready())
+    expected = F.linear(_reference_input(x, "w8a8" if rounded else scheme), layer.dequantize(), linear.bias)
+    with _spy("int4_dot_gemv") as calls:
+        out = layer(x)
+    assert calls.call_count == decode
+    assert (out - expected).norm() / expected.norm() < (5e-3 if rounded else 1e-2)
+
+
+@needs_native
 @pytest.mark.parametrize("rows", [1, 8, 40, 130])
 @pytest.mark.parametrize("scheme", ["int4-g32", "int4-g64-asym", "int4-g128"])
 def test_native_int4_runs_the_gemv_for_few_rows_and_dequantizes_for_more(scheme, rows):

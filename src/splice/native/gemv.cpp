@@ -13,6 +13,8 @@
 //   int4_gemv(x bf16 [M, K], w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group)
 //       tiles of 16 rows; dword (tile, c, r) holds q[r, 8c .. 8c+7] as nibbles in the order k = 0,2,4,6,1,3,5,7
 //       (so k and k+1 sit 16 bits apart); value = (q - 8) * scale + zero per (row, group).
+//   int4_dot_gemv(x, w, sz, group)  the same with x rounded to int8 per row and block of 32, integer dot products
+//       (AVX512-VNNI, groups of whole blocks); else int4_gemv
 //   int4_dequantize(w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group) -> bf16 [N, K]
 //       the same tiles back as a row-major bf16 weight, (q - 8) * scale + zero in float32 rounded once to bf16
 //       (for prefill: one oneDNN GEMM on it beats the GEMV above once there are more than a few rows).
@@ -625,6 +627,106 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return out;
 }
 
+// ---- int4 x int8 dot products (VNNI) ----------------------------------------------------------------------------
+// Decode rows of x rounded to int8 per row and block of 32 (as int8_dot_gemv), times the int4 tiles with vpdpbusd:
+// the nibbles are already unsigned, so a tile word masked with 0x0F0F0F0F gives each row's columns 0, 4, 1, 5 of the
+// chunk as bytes and shifted by 4 its columns 2, 6, 3, 7 (the nibble order above), against x's bytes in the same order
+// broadcast to the 16 rows. Per block of 32 the int32 sums get the block's scale d; per group,
+// y += scale * sum_b d_b * dot_b + (zero - 8 * scale) * sum_b d_b * sum(q_b).
+struct Int4DotActivations {
+  std::vector<int32_t> pairs;  // [m, k / 8, 2]: per chunk the bytes of q at columns (0, 4, 1, 5) and (2, 6, 3, 7)
+  std::vector<float> d;        // [m, k / 32]
+  std::vector<float> sums;     // [m, k / group]: sum_b d_b * sum(q_b) over the group's blocks
+};
+
+Int4DotActivations round_rows_for_int4(const at::BFloat16* x, int64_t m, int64_t k, int64_t group) {
+  const DotActivations a = round_rows(x, m, k);
+  const int64_t chunks = k / 8, blocks = k / DOT_BLOCK, steps = a.padded / DOT_STEP;
+  Int4DotActivations out;
+  out.pairs.resize(m * chunks * 2);
+  out.d.resize(m * blocks);
+  out.sums.assign(m * (k / group), 0.f);
+  for (int64_t i = 0; i < m; ++i) {
+    const int8_t* q = a.q.data() + i * a.padded;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int8_t* p = q + c * 8;
+      const int8_t lo[4] = {p[0], p[4], p[1], p[5]}, hi[4] = {p[2], p[6], p[3], p[7]};
+      std::memcpy(&out.pairs[(i * chunks + c) * 2], lo, 4);
+      std::memcpy(&out.pairs[(i * chunks + c) * 2 + 1], hi, 4);
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float d = a.d[(i * steps + b / 2) * 16 + (b % 2) * 8];
+      out.d[i * blocks + b] = d;
+      int32_t total = 0;
+      for (int64_t j = 0; j < DOT_BLOCK; ++j) total += q[b * DOT_BLOCK + j];
+      out.sums[i * (k / group) + b * DOT_BLOCK / group] += d * static_cast<float>(total);
+    }
+  }
+  return out;
+}
+
+template <int M>
+__attribute__((target("avx512vnni")))
+void int4_dot_tile(const Int4DotActivations& a, int64_t m0, const int32_t* w, const at::BFloat16* sz, int64_t k,
+                   int64_t group, int64_t tile, at::BFloat16* out, int64_t n_total) {
+  constexpr int m_rows = M;
+  const int64_t chunks = k / 8, groups = k / group, blocks = k / DOT_BLOCK, blocks_per_group = group / DOT_BLOCK;
+  const int32_t* base = w + tile * chunks * TILE;
+  const at::BFloat16* tile_sz = sz + tile * groups * TILE * 2;
+  const char* stream = reinterpret_cast<const char*>(base);
+  const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 dots[M];
+    for (int m = 0; m < M; ++m) dots[m] = _mm512_setzero_ps();
+    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+      __m512i sums[M][2];  // two independent chains per row of x
+      for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm512_setzero_si512();
+      for (int64_t c = b * 4; c < b * 4 + 4; ++c) {
+        prefetch(stream + c * 64 + PREFETCH_BYTES);
+        const __m512i words = _mm512_loadu_si512(base + c * TILE);
+        const __m512i low = _mm512_and_si512(words, nibbles);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi32(words, 4), nibbles);
+        for (int m = 0; m < m_rows; ++m) {
+          const int32_t* xp = a.pairs.data() + ((m0 + m) * chunks + c) * 2;
+          sums[m][c & 1] = _mm512_dpbusd_epi32(sums[m][c & 1], low, _mm512_set1_epi32(xp[0]));
+          sums[m][c & 1] = _mm512_dpbusd_epi32(sums[m][c & 1], high, _mm512_set1_epi32(xp[1]));
+        }
+      }
+      for (int m = 0; m < m_rows; ++m)
+        dots[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sums[m][0], sums[m][1])),
+                                  _mm512_set1_ps(a.d[(m0 + m) * blocks + b]), dots[m]);
+    }
+    const __m512i s_z = _mm512_loadu_si512(tile_sz + g * TILE * 2);
+    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(s_z, 16));
+    const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(s_z, _mm512_set1_epi32(0xFFFF0000)));
+    const __m512 offset = _mm512_fnmadd_ps(scale, _mm512_set1_ps(8.0f), zero);
+    for (int m = 0; m < m_rows; ++m) {
+      acc[m] = _mm512_fmadd_ps(dots[m], scale, acc[m]);
+      acc[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.sums[(m0 + m) * groups + g]), acc[m]);
+    }
+  }
+  for (int m = 0; m < m_rows; ++m)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n_total + tile * TILE), (__m256i)_mm512_cvtneps_pbh(acc[m]));
+}
+
+at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+  const int64_t tiles = w.size(0), k = w.size(1) * 8, m = x.size(0), n = tiles * TILE;
+  const Int4DotActivations a = round_rows_for_int4(x.data_ptr<at::BFloat16>(), m, k, group);
+  auto out = at::empty({m, n}, x.options());
+  const int32_t* wp = w.data_ptr<int32_t>();
+  const auto* zp = sz.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for_x_chunks<MAX_ROWS>(m, [&](auto m_c, int64_t m0) {
+        int4_dot_tile<decltype(m_c)::value>(a, m0, wp, zp, k, group, t, op + m0 * n, n);
+      });
+  });
+  return out;
+}
+
 // ---- int4 -> bf16 ---------------------------------------------------------------------------------------------------
 // Per (row, group) a 16-entry table holds the 16 possible outputs: (q - 8) * scale + zero in float32 (q - 8 has at
 // most 4 significant bits and scale 8, so the product is exact and the sum is rounded once, as in
@@ -1047,6 +1149,17 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return isa() >= ISA_AVX512 ? avx512::int4_gemv(x, w, sz, group) : avx2::int4_gemv(x, w, sz, group);
 }
 
+// int4 decode rows with x rounded to int8 per block of 32 and integer dot products where int8_dot_ready() and the
+// group is whole blocks; else (and from AMX_MIN_ROWS rows on AMX) int4_gemv on x as it is.
+at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+  check_isa("int4_dot_gemv");
+  check_int4_tiles(w, sz, group, "int4_dot_gemv");
+  check_rows(x, w.size(1) * 8, "int4_dot_gemv");
+  const bool tiles = x.size(0) >= avx512::AMX_MIN_ROWS && group % avx512::AMX_COLUMNS == 0 && amx_ready();
+  if (int8_dot_ready() && group % avx512::DOT_BLOCK == 0 && !tiles) return avx512::int4_dot_gemv(x, w, sz, group);
+  return isa() >= ISA_AVX512 ? avx512::int4_gemv(x, w, sz, group) : avx2::int4_gemv(x, w, sz, group);
+}
+
 void int8_to_bf16_into(const int8_t* src, int64_t numel, at::BFloat16* dst) {
   if (isa() >= ISA_AVX512) avx512::int8_to_bf16_into(src, numel, dst);
   else avx2::int8_to_bf16_into(src, numel, dst);
@@ -1119,6 +1232,7 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("int8_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int8_dot_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int4_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
+  lib.def("int4_dot_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("int4_dequantize(Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
@@ -1138,6 +1252,7 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("int8_gemv", &int8_gemv);
   lib.impl("int8_dot_gemv", &int8_dot_gemv);
   lib.impl("int4_gemv", &int4_gemv);
+  lib.impl("int4_dot_gemv", &int4_dot_gemv);
   lib.impl("int4_dequantize", &int4_dequantize);
   lib.impl("int8_linear", &int8_linear);
   lib.impl("int4_linear", &int4_linear);

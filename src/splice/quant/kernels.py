@@ -144,13 +144,15 @@ def int4_unpack_scales(packed_scales: torch.Tensor, use_native: bool = False) ->
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor,
-            use_native: bool = False) -> torch.Tensor:
+            use_native: bool = False, dot_products: bool = False) -> torch.Tensor:
     """``x [M, K] bf16`` times the int4 weight packed by :func:`int4_pack` (same ``use_native``), scales and zeros
-    from :func:`int4_pack_scales`. Native tiles: ``int4_gemv`` up to ``native.MAX_ROWS["int4"]`` rows, above that
+    from :func:`int4_pack_scales`. Native tiles: ``int4_gemv`` up to ``native.MAX_ROWS["int4"]`` rows (with
+    ``dot_products``, ``int4_dot_gemv``: x rounded to int8 per block of 32, integer dot products), above that
     ``int4_linear`` (the weight de-quantised into the kept bf16 buffer for one oneDNN/AMX GEMM)."""
     if use_native:
         if x.shape[0] <= native.MAX_ROWS["int4"]:
-            return torch.ops.splice_kernels.int4_gemv(x, packed, scales_and_zeros, group)
+            op = torch.ops.splice_kernels.int4_dot_gemv if dot_products else torch.ops.splice_kernels.int4_gemv
+            return op(x, packed, scales_and_zeros, group)
         return torch.ops.splice_kernels.int4_linear(x, packed, scales_and_zeros, group)
     if x.device.type == "cuda":
         return torch._weight_int4pack_mm(x, packed, group, scales_and_zeros)

@@ -187,10 +187,12 @@ class Int4WeightOnlyLinear(_RepackedWeight):
     kind = "int4_weight_only"
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, q: torch.Tensor,
-                 scales_and_zeros: torch.Tensor, group: int, native: bool = False) -> None:
+                 scales_and_zeros: torch.Tensor, group: int, native: bool = False, dot_products: bool = False) -> None:
         super().__init__(in_features, out_features, bias)
         self.group = group
         self.use_native = native
+        # Decode rows rounded to int8 per block and multiplied in integers (groups of whole blocks only).
+        self.use_dot_products = native and dot_products and group % qmath.ACTIVATION_BLOCK == 0
         _check_native(native, q.device)
         self.register_buffer("packed", torch.empty(0, dtype=torch.uint8), persistent=False)
         self.register_buffer("packed_scales", torch.empty(0, dtype=kernels.COMPUTE_DTYPE), persistent=False)
@@ -210,7 +212,7 @@ class Int4WeightOnlyLinear(_RepackedWeight):
         else:
             hessian = qmath.pad_to(qmath.pad_to(hessian.to(weight.device), 0, k_multiple), 1, k_multiple)
             q, scales_and_zeros = gptq.gptq_int4(padded, hessian, group, config.symmetric, act_order=act_order)
-        return cls(in_features, out_features, bias, q, scales_and_zeros, group, native)
+        return cls(in_features, out_features, bias, q, scales_and_zeros, group, native, dot_products)
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, bias: bool, config: QuantConfig,
@@ -221,7 +223,7 @@ class Int4WeightOnlyLinear(_RepackedWeight):
         n, k = -(-out_features // n_multiple) * n_multiple, -(-in_features // k_multiple) * k_multiple
         return cls(in_features, out_features, _zero_bias(bias, out_features, device, dtype),
                    torch.zeros(n, k, dtype=torch.uint8, device=device), torch.zeros(k // group, n, 2, device=device),
-                   group, native)
+                   group, native, dot_products)
 
     def _pack(self, q: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
         self.packed = kernels.int4_pack(q, self.use_native)
@@ -256,7 +258,7 @@ class Int4WeightOnlyLinear(_RepackedWeight):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         self._check_device(x)
         out = kernels.int4_mm(qmath.pad_to(x, 1, self.padded_shape[1]), self.packed, self.group,
-                              self.packed_scales.to(x.dtype), self.use_native)
+                              self.packed_scales.to(x.dtype), self.use_native, self.use_dot_products)
         return out[:, : self.out_features]
 
     def dequantize(self) -> torch.Tensor:
