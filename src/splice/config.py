@@ -40,7 +40,7 @@ FIELD_SUPPORT: dict[str, str] = {
     "replace_with_kernel_inject": HONOURED,
     "dtype": HONOURED,
     "tensor_parallel": HONOURED,
-    "enable_cuda_graph": HONOURED,
+    "enable_cuda_graph": UNSUPPORTED,
     "compile_decode": HONOURED,
     "use_triton": IGNORED,
     "triton_autotune": IGNORED,
@@ -209,7 +209,7 @@ class WeightQuantConfig(_Section):
         "Zero-point scheme. None picks the most accurate one the kernels take at num_bits: 'asymmetric' for 4 bits "
         "(the int4 kernels take a zero point), 'symmetric' for 8 (the int8 kernels take none)."),
         json_schema_extra=_note("DeepSpeed defaults to 'symmetric'; splice defaults to None, i.e. 'asymmetric' for "
-                                "int4, which reproduces weights more closely (see src/splice/quant/README.md). "
+                                "int4, which reproduces weights more closely (see docs/quantization.md). "
                                 "An explicit 'symmetric' is honoured."))
     q_groups: int = Field(1, ge=1, description="Number of quantization groups per weight matrix.")
     group_size: int | None = Field(None, ge=1, description=(
@@ -220,7 +220,7 @@ class WeightQuantConfig(_Section):
         json_schema_extra=_note("splice extra"))
     calibration_ids: list[list[int]] | None = Field(None, description=(
         "Token ids [sequences][tokens] (a LongTensor or nested lists) to calibrate int4 weights on with GPTQ; "
-        "None rounds to nearest. See src/splice/quant/README.md."), json_schema_extra=_note("splice extra"))
+        "None rounds to nearest. See docs/quantization.md."), json_schema_extra=_note("splice extra"))
     quantized_initialization: dict = Field(default_factory=dict, description=(
         "DeepSpeed's quantize-while-loading options."), json_schema_extra=_note(
         "splice quantizes after loading and sharding; use the other quant.weight keys"))
@@ -302,9 +302,8 @@ class InferenceConfig(_Section):
                                                   description="Tensor parallelism: split the model across ranks.")
     enable_cuda_graph: bool = Field(False, description="Capture the decode step in a CUDA graph (GPU only).",
                                     json_schema_extra=_note(
-                                        "checked (needs a CUDA device and tp_size 1, else ValueError), but capture is "
-                                        "not built yet: True then raises NotImplementedError; compile_decode=True "
-                                        "compiles the decode step instead"))
+                                        "CUDA graph capture is not built yet: True raises ValueError; "
+                                        "compile_decode=True compiles the decode step instead"))
     compile_decode: bool = Field(False, description=(
         "Compile splice's decode step with torch.compile (static shapes; needs replace_with_kernel_inject=True). "
         "The first generate call compiles (tens of seconds on a small CPU; torch's inductor cache makes later "

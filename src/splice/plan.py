@@ -14,14 +14,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import native
 from .arch import lookup, model_dims, tensor_parallel_plan
 from .checkpoint import check_checkpoint, has_meta_tensors, load_policy_files
 from .config import InferenceConfig
 from .distributed import ParallelContext
+from .kernel_choice import KernelChoice, float_kernel, quant_kernel
 from .layers.block import activation
-from .layers.native_linear import can_use_native
-from .layers.packed_linear import can_pack
 from .quant import QuantConfig
 from .quant import plan as quant_targets
 from .quant.api import check_calibration_ids
@@ -31,14 +29,6 @@ from .tp.plan import TPPlan, verify
 from .tp.policy import policy_plan
 
 CheckpointSource = Path | list[Path]
-
-
-@dataclass(frozen=True)
-class KernelChoice:
-    """How one kind of linear computes, and why (for reports and ``splice info``)."""
-
-    kernel: str  # "native" (splice's GEMV), "packed" (oneDNN-packed weight), "torch"
-    reason: str
 
 
 @dataclass(frozen=True)
@@ -62,6 +52,7 @@ class Plan:
     quant: QuantConfig | None
     calibration_ids: torch.Tensor | None
     float_kernel: KernelChoice  # the float linears of a fused model
+    quant_kernel: KernelChoice | None  # the quantized linears (None without quantization)
     compile_decode: bool
 
     @property
@@ -80,7 +71,7 @@ def resolve(config: InferenceConfig, model: nn.Module, parallel: ParallelContext
         check_fusable(model, config)
     quant = QuantConfig.from_inference_config(config)
     calibration_ids = resolve_quantization(model, quant, config)
-    check_graphs(config, device)
+    check_graphs(config)
     compute_dtype = dtype or _model_float_dtype(model)
     return Plan(
         config=config, device=device, home=torch.device("cpu") if config.keep_module_on_host else device,
@@ -90,6 +81,7 @@ def resolve(config: InferenceConfig, model: nn.Module, parallel: ParallelContext
         tp_grain_size=config.tensor_parallel.tp_grain_size, save_shards_to=config.save_mp_checkpoint_path or None,
         fuse=bool(config.replace_with_kernel_inject), max_out_tokens=config.max_out_tokens, quant=quant,
         calibration_ids=calibration_ids, float_kernel=float_kernel(compute_dtype, device),
+        quant_kernel=None if quant is None else quant_kernel(quant, device),
         compile_decode=bool(config.compile_decode))
 
 
@@ -228,35 +220,10 @@ def resolve_quantization(model: nn.Module, quant: QuantConfig | None, config: In
     return None if ids is None else check_calibration_ids(ids, quant)
 
 
-# ---- kernels --------------------------------------------------------------------------------------------------------
-def float_kernel(dtype: torch.dtype | None, device: torch.device) -> KernelChoice:
-    """How a fused model's float linears (and those quantization leaves in float) compute for decode."""
-    if dtype is not None and can_use_native(dtype, device):
-        level = native.isa()
-        return KernelChoice("native", f"bf16 on a CPU whose native kernels run at {level} "
-                                      f"({native.ISA_DESCRIPTIONS[level]})")
-    if dtype is not None and can_pack(dtype, device):
-        return KernelChoice("packed", f"{dtype} on CPU without splice's native bf16 GEMV: oneDNN-packed weights")
-    return KernelChoice("torch", f"{dtype} on {device.type}: torch's own linear")
-
-
 # ---- graphs ---------------------------------------------------------------------------------------------------------
-def check_graphs(config: InferenceConfig, device: torch.device) -> None:
-    if config.compile_decode:
-        if not config.replace_with_kernel_inject:
-            raise ValueError("compile_decode=True compiles splice's own decode step, which needs "
-                             "replace_with_kernel_inject=True; allowed: replace_with_kernel_inject=True, or "
-                             "compile_decode=False")
-        if config.enable_cuda_graph:
-            raise ValueError("compile_decode=True and enable_cuda_graph=True both capture the decode step; "
-                             "allowed: one of them")
-    if not config.enable_cuda_graph:
-        return
-    if config.tensor_parallel.tp_size > 1:
-        raise ValueError(
-            f"enable_cuda_graph=True cannot be combined with tensor_parallel.tp_size={config.tensor_parallel.tp_size}; "
-            "allowed: enable_cuda_graph=True with tp_size=1, or enable_cuda_graph=False")
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise ValueError(f"enable_cuda_graph=True needs a CUDA device, but the model runs on {device}; "
-                         "allowed: enable_cuda_graph=False on CPU")
-    raise NotImplementedError("enable_cuda_graph=True is not available yet in this splice version; use False")
+def check_graphs(config: InferenceConfig) -> None:
+    """compile_decode compiles splice's own decode step, so it needs kernel injection."""
+    if config.compile_decode and not config.replace_with_kernel_inject:
+        raise ValueError("compile_decode=True compiles splice's own decode step, which needs "
+                         "replace_with_kernel_inject=True; allowed: replace_with_kernel_inject=True, or "
+                         "compile_decode=False")

@@ -39,7 +39,7 @@ def test_bf16_injection_uses_native_linears_and_stays_close_to_hf():
     block = engine.module.model.layers[0]
     assert isinstance(block.qkv, NativeLinear) and isinstance(engine.module.lm_head, NativeLinear)
     kernels = engine.step_report("kernels")
-    assert kernels.float_kernel == "native" and kernels.wrapped == 4 * 2 + 1
+    assert (kernels.float_linears.kernel, kernels.float_linears.count) == ("native", 4 * 2 + 1)
     assert_bf16_injection_close_to_hf(reference, engine)
     ids, _ = padded_batch()
     with torch.inference_mode():

@@ -38,7 +38,7 @@ def test_bf16_injection_packs_without_native_kernels_and_stays_close_to_hf(monke
     block = engine.module.model.layers[0]
     assert isinstance(block.qkv, PackedLinear) and isinstance(engine.module.lm_head, PackedLinear)
     kernels = engine.step_report("kernels")
-    assert kernels.float_kernel == "packed" and kernels.wrapped == 4 * 2 + 1
+    assert (kernels.float_linears.kernel, kernels.float_linears.count) == ("packed", 4 * 2 + 1)
     assert_bf16_injection_close_to_hf(reference, engine)
 
 

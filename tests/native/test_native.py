@@ -54,6 +54,46 @@ def test_int8_gemv_matches_the_float_product(isa, rows, n, k):
 
 
 @needs_native
+@pytest.mark.parametrize("rows", ROWS + (16,))
+@pytest.mark.parametrize("n, k", [(64, 128), (37, 96), (5, 32), (130, 576)])  # K: whole steps of 64 and a half step
+def test_int8_dot_gemv_rounds_x_per_block_and_sums_exactly(isa, rows, n, k):
+    """W8A8's decode op: x rounded as ``qmath.round_activations`` does, then the int8 product; the integer sums are
+    exact, so the only difference left is the output's rounding to bf16 (and, without VNNI, the rounded x in bf16)."""
+    x = torch.randn(rows, k).bfloat16() * torch.linspace(0.1, 10, k).bfloat16()  # blocks of different scales
+    w, scales = torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16()
+    expected = (qmath.round_activations(x.float()) @ w.float().T) * scales.float()
+    got = torch.ops.splice_kernels.int8_dot_gemv(x, w, scales)
+    assert relative_error(got, expected) < (4e-3 if torch.ops.splice_kernels.int8_dot_ready() else 1e-2)
+    assert torch.ops.splice_kernels.int8_dot_ready() == (isa != "avx2" and "avx512_vnni" in native._cpu_flags())
+
+
+@needs_native
+@pytest.mark.parametrize("rows", (1, 2, 3, 5))
+@pytest.mark.parametrize("n, k, group", [(64, 128, 32), (32, 576, 64), (16, 256, 128), (32, 120, 24)])
+def test_int4_dot_gemv_rounds_x_per_block_where_it_can(isa, rows, n, k, group):
+    """Integer dot products where the CPU has VNNI, the group is whole blocks of 32 and AMX does not take the rows;
+    otherwise exactly ``int4_gemv``."""
+    x = torch.randn(rows, k).bfloat16() * torch.linspace(0.1, 5, k).bfloat16()
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales_and_zeros = torch.randn(k // group, n, 2).bfloat16()
+    w, sz = native.int4_tile_pack(q), native.int4_tile_scales(scales_and_zeros)
+    got = torch.ops.splice_kernels.int4_dot_gemv(x, w, sz, group)
+    amx = rows >= 3 and group % 32 == 0 and native.amx_ready()
+    if torch.ops.splice_kernels.int8_dot_ready() and group % 32 == 0 and not amx:
+        expected = qmath.round_activations(x.float()) @ qmath.dequantize_int4(q, scales_and_zeros).T
+        assert relative_error(got, expected) < 4e-3
+    else:
+        torch.testing.assert_close(got, torch.ops.splice_kernels.int4_gemv(x, w, sz, group), rtol=0, atol=0)
+
+
+@needs_native
+def test_int8_dot_gemv_refuses_in_features_off_the_block():
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.splice_kernels.int8_dot_gemv(torch.randn(1, 48).bfloat16(), torch.zeros(4, 48, dtype=torch.int8),
+                                               torch.ones(4).bfloat16())
+
+
+@needs_native
 @pytest.mark.parametrize("rows", ROWS + (16, 17, 40))  # AMX (where present): from 3 rows; over 16 rows x is padded
 @pytest.mark.parametrize("n, k, group", [(64, 128, 32), (32, 576, 64), (16, 256, 128), (48, 64, 64), (32, 120, 24)])
 def test_int4_gemv_matches_the_dequantized_product(isa, rows, n, k, group):

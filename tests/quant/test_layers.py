@@ -27,27 +27,23 @@ MIN_SQNR = {"int8": 30, "int8-g64": 30, "int4-g32": 15, "int4-g64-asym": 15, "in
 ROWS = (1, 5, 40)  # both sides of kernels.INT8_KERNEL_MAX_ROWS
 
 
-@contextmanager
-def native_kernels(enabled: bool):
-    """Layers built inside see ``splice.native`` as available (where it is) or not."""
-    if enabled:
-        yield
-        return
+def test_native_kernels_are_refused_where_they_do_not_run():
     with mock.patch.object(native, "available", lambda: False):
-        yield
+        with pytest.raises(ValueError, match="native=True"):
+            HANDLERS["int8_weight_only"].from_float(torch.randn(16, 32), None, SCHEMES["int8"], native=True)
 
 
 def _layer(scheme: str, out_features: int = 200, in_features: int = 320, bias: bool = True, use_native: bool = True):
     torch.manual_seed(0)
     linear = nn.Linear(in_features, out_features, bias=bias)
     config = SCHEMES[scheme]
-    with native_kernels(use_native):
-        return linear, HANDLERS[config.kind].from_float(linear.weight.detach(), linear.bias, config)
+    return linear, HANDLERS[config.kind].from_float(linear.weight.detach(), linear.bias, config,
+                                                    native=use_native and native.available())
 
 
 def _empty_like(layer, config: QuantConfig, use_native: bool):
-    with native_kernels(use_native):
-        return type(layer).empty(layer.in_features, layer.out_features, layer.bias is not None, config, "cpu")
+    return type(layer).empty(layer.in_features, layer.out_features, layer.bias is not None, config, "cpu",
+                             native=use_native and native.available())
 
 
 def _reference_input(x: torch.Tensor, scheme: str) -> torch.Tensor:
@@ -148,7 +144,8 @@ def test_int4_refit_lowers_the_error():
 def test_state_dict_round_trip(scheme):
     linear, layer = _layer(scheme)
     config = SCHEMES[scheme]
-    fresh = HANDLERS[config.kind].empty(linear.in_features, linear.out_features, True, config, torch.device("cpu"))
+    fresh = HANDLERS[config.kind].empty(linear.in_features, linear.out_features, True, config, torch.device("cpu"),
+                                        native=layer.use_native)
     fresh.load_state_dict(layer.state_dict())
     x = torch.randn(3, linear.in_features)
     torch.testing.assert_close(fresh(x), layer(x), rtol=0, atol=0)
@@ -175,7 +172,8 @@ def test_conv1d_is_quantized_like_a_linear():
 
 
 # ---- splice's native kernels (splice.native) ------------------------------------------------------------------------
-NATIVE_SCHEMES = ("int8", "int4-g32", "int4-g64-asym", "int4-g128")
+NATIVE_SCHEMES = ("int8", "w8a8", "int4-g32", "int4-g64-asym", "int4-g128")
+DECODE_OP = {"int8": "int8_gemv", "w8a8": "int8_dot_gemv"}  # int4: int4_gemv
 NATIVE_ROWS = (1, 3, 8, 20)  # both sides of native.MAX_ROWS["int8"]
 
 
@@ -195,8 +193,8 @@ def test_native_kernel_matches_dequantized_weights(scheme, rows):
     assert layer.use_native
     x = torch.randn(rows, linear.in_features)
     expected = F.linear(_reference_input(x, scheme), layer.dequantize(), linear.bias)
-    is_int8 = scheme == "int8"
-    with _spy("int8_gemv" if is_int8 else "int4_gemv") as calls, _spy("int8_linear") as conversions:
+    is_int8 = scheme in DECODE_OP
+    with _spy(DECODE_OP.get(scheme, "int4_gemv")) as calls, _spy("int8_linear") as conversions:
         out = layer(x)
     # int8: torch's kernel up to 16 rows above native.MAX_ROWS, then the native int8 -> bf16 conversion + F.linear;
     # int4: de-quantise + F.linear above native.MAX_ROWS["int4"]
@@ -204,6 +202,49 @@ def test_native_kernel_matches_dequantized_weights(scheme, rows):
     assert calls.call_count == few
     assert conversions.call_count == (is_int8 and rows > max(native.MAX_ROWS["int8"], kernels.INT8_KERNEL_MAX_ROWS))
     assert (out - expected).norm() / expected.norm() < 1e-2
+
+
+@needs_native
+@pytest.mark.parametrize("rows", NATIVE_ROWS)
+def test_int8_decode_rows_on_dot_products_round_activations_per_block(rows):
+    """``dot_products`` (the kernel choice where the CPU has VNNI): decode rows are rounded per block of 32 and summed
+    in integers, as W8A8's; prefill rows keep bf16 activations."""
+    torch.manual_seed(0)
+    linear = nn.Linear(320, 200)
+    layer = HANDLERS["int8_weight_only"].from_float(linear.weight.detach(), linear.bias, SCHEMES["int8"], native=True,
+                                                    dot_products=True)
+    assert layer.use_dot_products
+    x = torch.randn(rows, 320)
+    decode = rows <= native.MAX_ROWS["int8"]
+    expected = F.linear(_reference_input(x, "w8a8" if decode else "int8"), layer.dequantize(), linear.bias)
+    with _spy("int8_dot_gemv") as calls:
+        out = layer(x)
+    assert calls.call_count == decode
+    assert (out - expected).norm() / expected.norm() < (5e-3 if decode else 1e-2)
+    odd = HANDLERS["int8_weight_only"].from_float(torch.randn(8, 48), None, SCHEMES["int8"], native=True,
+                                                  dot_products=True)
+    assert not odd.use_dot_products  # 48 inputs: not whole blocks of 32
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 2, 40])
+@pytest.mark.parametrize("scheme", ["int4-g32", "int4-g128"])
+def test_int4_decode_rows_on_dot_products_round_activations_per_block(scheme, rows):
+    """``dot_products``: decode rows go to ``int4_dot_gemv`` (rounded per block of 32 where the CPU has VNNI, and
+    below the AMX rows); prefill rows de-quantise as before."""
+    torch.manual_seed(0)
+    linear = nn.Linear(320, 200)
+    layer = HANDLERS["int4_weight_only"].from_float(linear.weight.detach(), linear.bias, SCHEMES[scheme], native=True,
+                                                    dot_products=True)
+    assert layer.use_dot_products
+    x = torch.randn(rows, 320)
+    decode = rows <= native.MAX_ROWS["int4"]
+    rounded = decode and torch.ops.splice_kernels.int8_dot_ready() and not (rows >= 3 and native.amx_ready())
+    expected = F.linear(_reference_input(x, "w8a8" if rounded else scheme), layer.dequantize(), linear.bias)
+    with _spy("int4_dot_gemv") as calls:
+        out = layer(x)
+    assert calls.call_count == decode
+    assert (out - expected).norm() / expected.norm() < (5e-3 if rounded else 1e-2)
 
 
 @needs_native
@@ -254,7 +295,7 @@ def test_native_and_torch_layouts_load_each_other(scheme, out_features, in_featu
 
 
 @needs_native
-@pytest.mark.parametrize("scheme", ["int8", "int4-g32"])
+@pytest.mark.parametrize("scheme", ["int8", "w8a8", "int4-g32"])
 def test_native_layers_compile_in_one_graph(scheme):
     _, layer = _layer(scheme)
     x = torch.randn(2, layer.in_features, dtype=torch.bfloat16)
@@ -281,10 +322,9 @@ def test_native_prefill_buffer_is_not_shared_between_results(scheme):
     """Prefill de-quantises every layer into one kept buffer: layers of the same shape, called in turn (also after a
     larger one grew the buffer), each get their own product."""
     torch.manual_seed(0)
-    with native_kernels(True):
-        layers = [HANDLERS[SCHEMES[scheme].kind].from_float(torch.randn(256, 128), None, SCHEMES[scheme])
-                  for _ in range(2)]
-        bigger = HANDLERS[SCHEMES[scheme].kind].from_float(torch.randn(512, 256), None, SCHEMES[scheme])
+    handler = HANDLERS[SCHEMES[scheme].kind]
+    layers = [handler.from_float(torch.randn(256, 128), None, SCHEMES[scheme], native=True) for _ in range(2)]
+    bigger = handler.from_float(torch.randn(512, 256), None, SCHEMES[scheme], native=True)
     x = torch.randn(80, 128, dtype=torch.bfloat16)
     expected = [F.linear(x.float(), layer.dequantize()) for layer in layers]
     outs = [layers[0](x), layers[1](x), bigger(torch.randn(80, 256, dtype=torch.bfloat16)), layers[0](x)]
@@ -301,9 +341,7 @@ def test_int8_torch_kernels_take_any_in_features(group, rows):
     """torch's CPU ``_weight_int8pack_mm`` needs K a multiple of 16 (wrong sums or a crash otherwise)."""
     torch.manual_seed(0)
     linear = nn.Linear(200, 72)
-    with native_kernels(False):
-        config = QuantConfig(group_size=group)
-        layer = HANDLERS["int8_weight_only"].from_float(linear.weight.detach(), linear.bias, config)
+    layer = HANDLERS["int8_weight_only"].from_float(linear.weight.detach(), linear.bias, QuantConfig(group_size=group))
     x = torch.randn(rows, 200)
     expected = F.linear(_reference_input(x, "int8"), layer.dequantize(), linear.bias)
     assert (layer(x) - expected).norm() / expected.norm() < 1e-2

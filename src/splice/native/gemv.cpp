@@ -8,9 +8,13 @@
 // of x, taken a few at a time against each block of weights (so the weights are read from memory once).
 //   bf16_gemv(x bf16 [M, K], w bf16 [N, K])                       row-major weight, any N and K
 //   int8_gemv(x bf16 [M, K], w int8 [N, K], scales bf16 [N])      per-output-channel scales
+//   int8_dot_gemv(x, w, scales)  the same product with x rounded to int8 per row and block of 32 (W8A8): integer
+//       dot products with AVX512-VNNI, else the rounded x through int8_gemv
 //   int4_gemv(x bf16 [M, K], w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group)
 //       tiles of 16 rows; dword (tile, c, r) holds q[r, 8c .. 8c+7] as nibbles in the order k = 0,2,4,6,1,3,5,7
 //       (so k and k+1 sit 16 bits apart); value = (q - 8) * scale + zero per (row, group).
+//   int4_dot_gemv(x, w, sz, group)  the same with x rounded to int8 per row and block of 32, integer dot products
+//       (AVX512-VNNI, groups of whole blocks); else int4_gemv
 //   int4_dequantize(w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group) -> bf16 [N, K]
 //       the same tiles back as a row-major bf16 weight, (q - 8) * scale + zero in float32 rounded once to bf16
 //       (for prefill: one oneDNN GEMM on it beats the GEMV above once there are more than a few rows).
@@ -30,7 +34,9 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -341,6 +347,102 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return out;
 }
 
+// ---- int8 x int8 dot products (VNNI) ----------------------------------------------------------------------------
+// W8A8 decode: x is rounded once per call to int8, one scale d per row and block of 32 columns (as
+// qmath.round_activations: d = block's absolute max / 127, q = round(x / d) in -127..127), and each weight row is
+// multiplied with integer dot products (vpdpbusd: 64 byte products per instruction, summed in int32), so the weight is
+// never widened to float. vpdpbusd takes one unsigned operand: the weight bytes are flipped to w + 128 as they stream
+// (one xor), and the 128 * sum(q) that adds to each block's sum is taken off once per row of x, since it does not
+// depend on the weight row: y = scale * (sum_b d_b * dot_b - 128 * sum_b d_b * sum(q_b)).
+constexpr int64_t DOT_BLOCK = 32;  // columns per activation scale (qmath.ACTIVATION_BLOCK)
+constexpr int64_t DOT_STEP = 64;   // columns per vpdpbusd (two blocks: 8 int32 lanes each)
+
+struct DotActivations {
+  int64_t padded;               // columns of q, k rounded up to DOT_STEP (zeros past k)
+  std::vector<int8_t> q;        // [m, padded]
+  std::vector<float> d;         // [m, padded / DOT_STEP, 16]: each lane's block scale (8 lanes per block)
+  std::vector<float> offset;    // [m]: 128 * sum_b d_b * sum(q_b)
+};
+
+DotActivations round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
+  DotActivations a;
+  a.padded = (k + DOT_STEP - 1) / DOT_STEP * DOT_STEP;
+  const int64_t steps = a.padded / DOT_STEP;
+  a.q.assign(m * a.padded, 0);
+  a.d.assign(m * steps * 16, 0.f);
+  a.offset.assign(m, 0.f);
+  const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
+  for (int64_t i = 0; i < m; ++i) {
+    double offset = 0;
+    for (int64_t b = 0; b < k / DOT_BLOCK; ++b) {
+      const at::BFloat16* src = x + i * k + b * DOT_BLOCK;
+      const __m512 lo = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+      const __m512 hi = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16)));
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float d = std::max(amax, 1e-12f) / 127.f;
+      const __m512 dv = _mm512_set1_ps(d);
+      const __m512i q_lo = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(lo, dv)), low), high);
+      const __m512i q_hi = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(hi, dv)), low), high);
+      int8_t* dst = a.q.data() + i * a.padded + b * DOT_BLOCK;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q_lo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(q_hi));
+      float* lanes = a.d.data() + (i * steps + b / 2) * 16 + (b % 2) * 8;
+      std::fill(lanes, lanes + 8, d);
+      offset += double(d) * _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
+    }
+    a.offset[i] = static_cast<float>(128.0 * offset);
+  }
+  return a;
+}
+
+template <int M, int R>
+__attribute__((target("avx512vnni")))
+void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k,
+                   int64_t n0, at::BFloat16* out, int64_t n_total) {
+  constexpr int m_rows = M, rows = R;
+  const int64_t steps = a.padded / DOT_STEP;
+  const int8_t* xq = a.q.data() + m0 * a.padded;
+  const float* xd = a.d.data() + m0 * steps * 16;
+  __m512 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  const int8_t* base = w + n0 * k;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t c = 0; c < k; c += DOT_STEP) {
+    const int64_t left = k - c;
+    const __mmask64 mask = left >= DOT_STEP ? ~__mmask64(0) : ((__mmask64(1) << left) - 1);
+    __m512i wv[R];
+    for (int r = 0; r < rows; ++r) {
+      prefetch(base + (R + r) * k + c);  // the next block's rows, one line each per step
+      wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, base + r * k + c), flip);
+    }
+    for (int m = 0; m < m_rows; ++m) {
+      const __m512i xv = _mm512_loadu_si512(xq + m * a.padded + c);
+      const __m512 dv = _mm512_loadu_ps(xd + (m * steps + c / DOT_STEP) * 16);
+      for (int r = 0; r < rows; ++r)
+        acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xv)), dv,
+                                    acc[m][r]);
+    }
+  }
+  for (int m = 0; m < m_rows; ++m)
+    for (int r = 0; r < rows; ++r)
+      out[m * n_total + n0 + r] = at::BFloat16((_mm512_reduce_add_ps(acc[m][r]) - a.offset[m0 + m]) *
+                                               static_cast<float>(scales[n0 + r]));
+}
+
+at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
+  const DotActivations a = round_rows(x.data_ptr<at::BFloat16>(), m, k);
+  auto out = at::empty({m, n}, x.options());
+  const auto* sp = scales.data_ptr<at::BFloat16>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  for_row_blocks<MAX_ROWS>(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
+    int8_dot_rows<decltype(m_c)::value, decltype(r_c)::value>(a, m0, wp, sp, k, n0, op + m0 * n, n);
+  });
+  return out;
+}
+
 // ---- int8 -> bf16 -------------------------------------------------------------------------------------------------
 // The int8 codes as a bf16 [N, K] weight (exact: every int8 value is a bf16), for prefill's one oneDNN GEMM; the
 // per-channel scales are applied to its output (int8_linear below).
@@ -520,6 +622,106 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
     for (int64_t t = begin; t < end; ++t)
       for_x_chunks<MAX_ROWS>(m, [&](auto m_c, int64_t m0) {
         int4_tile<decltype(m_c)::value>(xp + m0 * k, sp + m0 * groups, wp, zp, k, group, t, op + m0 * n, n);
+      });
+  });
+  return out;
+}
+
+// ---- int4 x int8 dot products (VNNI) ----------------------------------------------------------------------------
+// Decode rows of x rounded to int8 per row and block of 32 (as int8_dot_gemv), times the int4 tiles with vpdpbusd:
+// the nibbles are already unsigned, so a tile word masked with 0x0F0F0F0F gives each row's columns 0, 4, 1, 5 of the
+// chunk as bytes and shifted by 4 its columns 2, 6, 3, 7 (the nibble order above), against x's bytes in the same order
+// broadcast to the 16 rows. Per block of 32 the int32 sums get the block's scale d; per group,
+// y += scale * sum_b d_b * dot_b + (zero - 8 * scale) * sum_b d_b * sum(q_b).
+struct Int4DotActivations {
+  std::vector<int32_t> pairs;  // [m, k / 8, 2]: per chunk the bytes of q at columns (0, 4, 1, 5) and (2, 6, 3, 7)
+  std::vector<float> d;        // [m, k / 32]
+  std::vector<float> sums;     // [m, k / group]: sum_b d_b * sum(q_b) over the group's blocks
+};
+
+Int4DotActivations round_rows_for_int4(const at::BFloat16* x, int64_t m, int64_t k, int64_t group) {
+  const DotActivations a = round_rows(x, m, k);
+  const int64_t chunks = k / 8, blocks = k / DOT_BLOCK, steps = a.padded / DOT_STEP;
+  Int4DotActivations out;
+  out.pairs.resize(m * chunks * 2);
+  out.d.resize(m * blocks);
+  out.sums.assign(m * (k / group), 0.f);
+  for (int64_t i = 0; i < m; ++i) {
+    const int8_t* q = a.q.data() + i * a.padded;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int8_t* p = q + c * 8;
+      const int8_t lo[4] = {p[0], p[4], p[1], p[5]}, hi[4] = {p[2], p[6], p[3], p[7]};
+      std::memcpy(&out.pairs[(i * chunks + c) * 2], lo, 4);
+      std::memcpy(&out.pairs[(i * chunks + c) * 2 + 1], hi, 4);
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float d = a.d[(i * steps + b / 2) * 16 + (b % 2) * 8];
+      out.d[i * blocks + b] = d;
+      int32_t total = 0;
+      for (int64_t j = 0; j < DOT_BLOCK; ++j) total += q[b * DOT_BLOCK + j];
+      out.sums[i * (k / group) + b * DOT_BLOCK / group] += d * static_cast<float>(total);
+    }
+  }
+  return out;
+}
+
+template <int M>
+__attribute__((target("avx512vnni")))
+void int4_dot_tile(const Int4DotActivations& a, int64_t m0, const int32_t* w, const at::BFloat16* sz, int64_t k,
+                   int64_t group, int64_t tile, at::BFloat16* out, int64_t n_total) {
+  constexpr int m_rows = M;
+  const int64_t chunks = k / 8, groups = k / group, blocks = k / DOT_BLOCK, blocks_per_group = group / DOT_BLOCK;
+  const int32_t* base = w + tile * chunks * TILE;
+  const at::BFloat16* tile_sz = sz + tile * groups * TILE * 2;
+  const char* stream = reinterpret_cast<const char*>(base);
+  const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 dots[M];
+    for (int m = 0; m < M; ++m) dots[m] = _mm512_setzero_ps();
+    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+      __m512i sums[M][2];  // two independent chains per row of x
+      for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm512_setzero_si512();
+      for (int64_t c = b * 4; c < b * 4 + 4; ++c) {
+        prefetch(stream + c * 64 + PREFETCH_BYTES);
+        const __m512i words = _mm512_loadu_si512(base + c * TILE);
+        const __m512i low = _mm512_and_si512(words, nibbles);
+        const __m512i high = _mm512_and_si512(_mm512_srli_epi32(words, 4), nibbles);
+        for (int m = 0; m < m_rows; ++m) {
+          const int32_t* xp = a.pairs.data() + ((m0 + m) * chunks + c) * 2;
+          sums[m][c & 1] = _mm512_dpbusd_epi32(sums[m][c & 1], low, _mm512_set1_epi32(xp[0]));
+          sums[m][c & 1] = _mm512_dpbusd_epi32(sums[m][c & 1], high, _mm512_set1_epi32(xp[1]));
+        }
+      }
+      for (int m = 0; m < m_rows; ++m)
+        dots[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sums[m][0], sums[m][1])),
+                                  _mm512_set1_ps(a.d[(m0 + m) * blocks + b]), dots[m]);
+    }
+    const __m512i s_z = _mm512_loadu_si512(tile_sz + g * TILE * 2);
+    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(s_z, 16));
+    const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(s_z, _mm512_set1_epi32(0xFFFF0000)));
+    const __m512 offset = _mm512_fnmadd_ps(scale, _mm512_set1_ps(8.0f), zero);
+    for (int m = 0; m < m_rows; ++m) {
+      acc[m] = _mm512_fmadd_ps(dots[m], scale, acc[m]);
+      acc[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.sums[(m0 + m) * groups + g]), acc[m]);
+    }
+  }
+  for (int m = 0; m < m_rows; ++m)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n_total + tile * TILE), (__m256i)_mm512_cvtneps_pbh(acc[m]));
+}
+
+at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+  const int64_t tiles = w.size(0), k = w.size(1) * 8, m = x.size(0), n = tiles * TILE;
+  const Int4DotActivations a = round_rows_for_int4(x.data_ptr<at::BFloat16>(), m, k, group);
+  auto out = at::empty({m, n}, x.options());
+  const int32_t* wp = w.data_ptr<int32_t>();
+  const auto* zp = sz.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for_x_chunks<MAX_ROWS>(m, [&](auto m_c, int64_t m0) {
+        int4_dot_tile<decltype(m_c)::value>(a, m0, wp, zp, k, group, t, op + m0 * n, n);
       });
   });
   return out;
@@ -909,10 +1111,52 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return isa() >= ISA_AVX512 ? avx512::int8_gemv(x, w, scales) : avx2::int8_gemv(x, w, scales);
 }
 
+// Whether int8_dot_gemv runs at the active level: avx512 or amx, on a CPU with AVX512-VNNI.
+bool int8_dot_ready() { return isa() >= ISA_AVX512 && __builtin_cpu_supports("avx512vnni"); }
+
+// x rounded as qmath.round_activations does (per row and block of 32, to q * d in bf16), for levels without VNNI.
+at::Tensor round_activations(const at::Tensor& x) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out = at::empty_like(xf);
+  const float* src = xf.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  for (int64_t start = 0; start < xf.numel(); start += avx512::DOT_BLOCK) {
+    float amax = 0.f;
+    for (int64_t j = 0; j < avx512::DOT_BLOCK; ++j) amax = std::max(amax, std::abs(src[start + j]));
+    const float d = std::max(amax, 1e-12f) / 127.f;
+    for (int64_t j = 0; j < avx512::DOT_BLOCK; ++j)
+      dst[start + j] = std::min(127.f, std::max(-127.f, std::nearbyint(src[start + j] / d))) * d;
+  }
+  return out.to(at::kBFloat16);
+}
+
+// W8A8's decode product: integer dot products where int8_dot_ready(), else the rounded x through int8_gemv (the same
+// arithmetic, in bf16).
+at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  check_isa("int8_dot_gemv");
+  check_int8_weight(w, "int8_dot_gemv");
+  check_rows(x, w.size(1), "int8_dot_gemv");
+  check_int8_scales(scales, w.size(0), "int8_dot_gemv");
+  TORCH_CHECK(w.size(1) % avx512::DOT_BLOCK == 0, "int8_dot_gemv: in_features must be a multiple of ",
+              avx512::DOT_BLOCK, ", got ", w.size(1));
+  return int8_dot_ready() ? avx512::int8_dot_gemv(x, w, scales) : int8_gemv(round_activations(x), w, scales);
+}
+
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
   check_isa("int4_gemv");
   check_int4_tiles(w, sz, group, "int4_gemv");
   check_rows(x, w.size(1) * 8, "int4_gemv");
+  return isa() >= ISA_AVX512 ? avx512::int4_gemv(x, w, sz, group) : avx2::int4_gemv(x, w, sz, group);
+}
+
+// int4 decode rows with x rounded to int8 per block of 32 and integer dot products where int8_dot_ready() and the
+// group is whole blocks; else (and from AMX_MIN_ROWS rows on AMX) int4_gemv on x as it is.
+at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+  check_isa("int4_dot_gemv");
+  check_int4_tiles(w, sz, group, "int4_dot_gemv");
+  check_rows(x, w.size(1) * 8, "int4_dot_gemv");
+  const bool tiles = x.size(0) >= avx512::AMX_MIN_ROWS && group % avx512::AMX_COLUMNS == 0 && amx_ready();
+  if (int8_dot_ready() && group % avx512::DOT_BLOCK == 0 && !tiles) return avx512::int4_dot_gemv(x, w, sz, group);
   return isa() >= ISA_AVX512 ? avx512::int4_gemv(x, w, sz, group) : avx2::int4_gemv(x, w, sz, group);
 }
 
@@ -986,12 +1230,15 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("bf16_gemv(Tensor x, Tensor w) -> Tensor");
   lib.def("int8_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  lib.def("int8_dot_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int4_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
+  lib.def("int4_dot_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("int4_dequantize(Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   // no tensors: one kernel for every backend
   lib.def("amx_ready() -> bool", &amx_ready);
+  lib.def("int8_dot_ready() -> bool", &int8_dot_ready);
   lib.def("isa() -> int", &isa);
   lib.def("best_isa() -> int", &best_isa);
   lib.def("set_isa(int level) -> ()", &set_isa);
@@ -1003,7 +1250,9 @@ TORCH_LIBRARY(splice_kernels, lib) {
 TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("bf16_gemv", &bf16_gemv);
   lib.impl("int8_gemv", &int8_gemv);
+  lib.impl("int8_dot_gemv", &int8_dot_gemv);
   lib.impl("int4_gemv", &int4_gemv);
+  lib.impl("int4_dot_gemv", &int4_dot_gemv);
   lib.impl("int4_dequantize", &int4_dequantize);
   lib.impl("int8_linear", &int8_linear);
   lib.impl("int4_linear", &int4_linear);

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .. import native
+from ..kernel_choice import KernelChoice, quant_kernel
 from ..layers.conv1d import is_conv1d, linear_weight
 from ..native.memory import gather_on_huge_pages
 from . import gptq
@@ -37,7 +38,7 @@ class QuantReport:
     quantized_bytes: int = 0
     calibration: str = "round-to-nearest"
     huge_page_bytes: int = 0  # quantized weights gathered into buffers on 2 MiB pages (CPU)
-    kernels: str = ""  # which kernels the layers call, e.g. "splice native (AVX-512 BF16, AMX tiles for batches)"
+    kernel: KernelChoice | None = None  # which kernels the layers call, and why (None: no layer was replaced)
 
     @property
     def ratio(self) -> float:
@@ -50,11 +51,12 @@ class QuantReport:
                 f"{self.float_bytes / 2**20:.1f} MiB -> {self.quantized_bytes / 2**20:.1f} MiB ({self.ratio:.3f}x); "
                 f"kept in float: {kept or 'none'}{more}"
                 + (f"; on 2 MiB pages: {self.huge_page_bytes / 2**20:.0f} MiB" if self.huge_page_bytes else "")
-                + (f"; kernels: {self.kernels}" if self.kernels else ""))
+                + (f"; kernels: {self.kernel.kernel}" if self.kernel else ""))
 
 
 def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str | None = None,
-             calibration_ids: torch.Tensor | None = None, act_order: bool = True) -> QuantReport:
+             calibration_ids: torch.Tensor | None = None, act_order: bool = True,
+             kernel: KernelChoice | None = None) -> QuantReport:
     """Quantize ``model`` in place. ``device``: where the packed weights go (default: each weight's own device);
     pack on the device the model will run on, since int4 layouts differ between CPU and CUDA.
 
@@ -63,47 +65,39 @@ def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str |
     error on its inputs there. ``None``: round-to-nearest. ``act_order`` (GPTQ only; default on): quantize columns by
     decreasing activation energy with group scales fixed up front; without it GPTQ made SmolLM2-135M int4 g64
     asymmetric worse than round-to-nearest (README). Either way the layers, kernels and saved form are the same.
+
+    ``kernel``: which kernels the layers call (``splice.kernel_choice.quant_kernel``'s choice for ``config`` on the
+    packing device when None; ``report.kernel`` says which, and why).
     """
     if not isinstance(config, QuantConfig):
         raise TypeError(f"quantize expects a splice.quant.QuantConfig, got {type(config).__name__}")
     handler = HANDLERS[config.kind]
     targets, report = plan(model, config)
-    if calibration_ids is None:
-        for name, module in targets:
-            _replace(model, name, module, handler, config, device, report)
-    else:
+    hessians = {}
+    if calibration_ids is not None:
         ids = check_calibration_ids(calibration_ids, config)
         hessians = gptq.run_calibration(model, ids, dict(targets))
-        for name, module in targets:
-            _replace(model, name, module, handler, config, device, report, hessians.pop(name), act_order)
         report.calibration = f"GPTQ on {ids.shape[0]}x{ids.shape[1]} tokens" + (", act-order" if act_order else "")
+    for name, module in targets:
+        _replace(model, name, module, handler, config, device, kernel, report, hessians.pop(name, None), act_order)
     report.huge_page_bytes = gather_on_huge_pages(
         [b for m in model.modules() if isinstance(m, QuantizedLinear) for b in m.buffers() if b.nbytes >= 1 << 16])
-    report.kernels = kernel_names([m for m in model.modules() if isinstance(m, QuantizedLinear)])
     return report
 
 
-def kernel_names(layers: list[QuantizedLinear]) -> str:
-    """Which kernels ``layers`` call: splice's native ones (at the active instruction-set level), else torch's
-    (grouped int8 always uses torch's)."""
-    if not layers:
-        return ""
-    native_count = sum(layer.use_native for layer in layers)
-    if not native_count:
-        return "torch's"
-    name = f"splice native ({native.ISA_DESCRIPTIONS[native.isa()]})"
-    return name if native_count == len(layers) else f"{name} for {native_count} of {len(layers)}, torch's for the rest"
-
-
 def _replace(model: nn.Module, name: str, module: nn.Module, handler: type[QuantizedLinear], config: QuantConfig,
-             device, report: QuantReport, hessian: torch.Tensor | None = None, act_order: bool = False) -> None:
+             device, kernel: KernelChoice | None, report: QuantReport, hessian: torch.Tensor | None = None,
+             act_order: bool = False) -> None:
     weight, bias = float_weight(module)
     if device is not None:
         weight, bias = weight.to(device), None if bias is None else bias.to(device)
+    kernel = kernel or quant_kernel(config, weight.device)
+    report.kernel = report.kernel or kernel
     if hessian is None:
-        layer = handler.from_float(weight, bias, config)
+        layer = handler.from_float(weight, bias, config, native=kernel.native, dot_products=kernel.dot_products)
     else:
-        layer = handler.from_float(weight, bias, config, hessian=hessian, act_order=act_order)
+        layer = handler.from_float(weight, bias, config, native=kernel.native, dot_products=kernel.dot_products,
+                                   hessian=hessian, act_order=act_order)
     report.float_bytes += weight.numel() * 2  # against bf16, the dtype these kernels replace
     report.quantized_bytes += layer.weight_nbytes()
     model.set_submodule(name, layer)

@@ -2,8 +2,9 @@
 own kernels, and splice's native GEMVs (``splice.native``: AVX2, AVX-512, AMX; ``torch.ops.splice_kernels``) on CPUs
 where those build.
 
-Which kernel runs where (M = rows of activations in the call; a layer decides once, when built, whether it may use
-the native kernels at all: ``native_kernels_on``; the row limits are ``native.MAX_ROWS`` of the active level):
+Which kernel runs where (M = rows of activations in the call; whether a layer may use the native kernels at all is
+given to it when built, as ``splice.kernel_choice.quant_kernel`` decided; the row limits are ``native.MAX_ROWS`` of
+the active level):
 
 =============================  ============================================  ========================================
 scheme                         CPU, ``splice.native`` available              CPU without it; CUDA
@@ -15,9 +16,11 @@ int8 weight-only, grouped      torch's path                                  ``_
 int4 weight-only               ``int4_gemv`` up to ``MAX_ROWS["int4"]``,     ``_weight_int4pack_mm[_for_cpu]``, any M
                                above that ``int4_linear`` (de-quantise +
                                one oneDNN GEMM)
-W8A8                           activations rounded to int8 per block of 32   the same, on torch's int8 kernels
-                               (``qmath.round_activations``), then the int8
-                               weight-only kernels above
+W8A8                           ``int8_dot_gemv`` up to ``MAX_ROWS["int8"]``  activations rounded to int8 per block
+                               (activations rounded to int8 per block of 32  of 32 (``qmath.round_activations``),
+                               in the op, integer dot products with          then torch's int8 kernels above
+                               AVX512-VNNI); above, the rounded activations
+                               through the int8 weight-only kernels above
 =============================  ============================================  ========================================
 
 Why the native kernels, and why by rows: they stream weights with software prefetch, faster than torch's GEMVs; the
@@ -61,22 +64,30 @@ CPU_INT4_BLOCK_N = 64  # rows per block of the AVX-512 int4 layout; N is padded 
 CUDA_INNER_K_TILES = 8
 
 
-def native_kernels_on(device: torch.device | str) -> bool:
-    """Whether a layer packed on ``device`` uses splice's native GEMVs (:func:`splice.native.available_on`)."""
-    return native.available_on(device)
-
-
-def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                   use_native: bool = False) -> torch.Tensor:
+def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, use_native: bool = False,
+                   dot_products: bool = False) -> torch.Tensor:
     """``x [M, K] bf16 @ (qweight [N, K] int8 * scales [N] bf16).T``, per output channel. ``use_native``: the layer
-    may use ``splice_kernels.int8_gemv`` (for the rows :func:`splice.native.fits`)."""
+    may use ``splice_kernels.int8_gemv`` (for the rows :func:`splice.native.fits`); ``dot_products``: those rows go to
+    ``int8_dot_gemv`` instead (``x`` rounded to int8 per block of 32, integer sums)."""
     if use_native and native.fits("int8", x):
+        if dot_products:
+            return torch.ops.splice_kernels.int8_dot_gemv(x, qweight, scales)
         return torch.ops.splice_kernels.int8_gemv(x, qweight, scales)
     if _int8pack_runs(x.device, x.shape[0], x.shape[1]):
         return torch._weight_int8pack_mm(x, qweight, scales)
     if use_native and x.dtype == torch.bfloat16:  # prefill: native conversion into a kept buffer, one GEMM
         return torch.ops.splice_kernels.int8_linear(x, qweight, scales)
     return F.linear(x, qweight.to(x.dtype)) * scales
+
+
+def int8_dynamic_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                    use_native: bool = False) -> torch.Tensor:
+    """W8A8: ``x`` rounded to int8 per row and block of ``qmath.ACTIVATION_BLOCK``, times the per-channel int8 weight.
+    Decode rows on the native kernels run ``int8_dot_gemv`` (the rounding and integer dot products in one op, VNNI
+    where the CPU has it); everything else rounds ``x`` first and runs :func:`int8_weight_mm`."""
+    if use_native and native.fits("int8", x) and x.shape[1] % qmath.ACTIVATION_BLOCK == 0:
+        return torch.ops.splice_kernels.int8_dot_gemv(x, qweight, scales)
+    return int8_weight_mm(qmath.round_activations(x), qweight, scales, use_native)
 
 
 def int8_grouped_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -133,13 +144,15 @@ def int4_unpack_scales(packed_scales: torch.Tensor, use_native: bool = False) ->
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor,
-            use_native: bool = False) -> torch.Tensor:
+            use_native: bool = False, dot_products: bool = False) -> torch.Tensor:
     """``x [M, K] bf16`` times the int4 weight packed by :func:`int4_pack` (same ``use_native``), scales and zeros
-    from :func:`int4_pack_scales`. Native tiles: ``int4_gemv`` up to ``native.MAX_ROWS["int4"]`` rows, above that
+    from :func:`int4_pack_scales`. Native tiles: ``int4_gemv`` up to ``native.MAX_ROWS["int4"]`` rows (with
+    ``dot_products``, ``int4_dot_gemv``: x rounded to int8 per block of 32, integer dot products), above that
     ``int4_linear`` (the weight de-quantised into the kept bf16 buffer for one oneDNN/AMX GEMM)."""
     if use_native:
         if x.shape[0] <= native.MAX_ROWS["int4"]:
-            return torch.ops.splice_kernels.int4_gemv(x, packed, scales_and_zeros, group)
+            op = torch.ops.splice_kernels.int4_dot_gemv if dot_products else torch.ops.splice_kernels.int4_gemv
+            return op(x, packed, scales_and_zeros, group)
         return torch.ops.splice_kernels.int4_linear(x, packed, scales_and_zeros, group)
     if x.device.type == "cuda":
         return torch._weight_int4pack_mm(x, packed, group, scales_and_zeros)

@@ -2,9 +2,9 @@
 
 All of them take any float input ``[..., in_features]``, run the kernel with bf16 activations, and return the input's
 dtype. The bias stays in float. ``state_dict()`` holds a device-independent form (``qweight`` plus scales); layers
-whose kernel wants another layout (int4) repack it when loading. On CPUs where ``splice.native`` builds,
-per-channel int8 runs its ``int8_gemv`` for up to 8 rows and int4 keeps splice's tile layout for ``int4_gemv``
-(decided once per layer, when it is built: its ``use_native``).
+whose kernel wants another layout (int4) repack it when loading. Which kernel a layer calls is given to it when it is
+built (``native``: splice's native GEMVs, else torch's kernels), as ``splice.kernel_choice`` decided: per-channel int8
+then runs ``int8_gemv`` for decode rows, and int4 keeps splice's tile layout for ``int4_gemv``.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ class QuantizedLinear(nn.Module):
     Scales are cast to the kernel's dtype on use (a no-op unless someone called ``model.float()`` afterwards)."""
 
     kind: ClassVar[str]
-    use_native: bool = False  # runs splice.native's kernels (decided when built: native.available is not traceable)
+    use_native: bool = False  # calls splice.native's kernels (fixed when built: a traced forward cannot ask)
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -32,13 +32,17 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig) -> QuantizedLinear:
-        """Quantize a float ``weight [out, in]`` (on the device the kernel will run on)."""
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig,
+                   native: bool = False, dot_products: bool = False) -> QuantizedLinear:
+        """Quantize a float ``weight [out, in]`` (on the device the kernel will run on); ``native``: call splice's
+        native kernels (CPU, where ``splice.native`` is available), else torch's; ``dot_products``: int8 decode rows
+        on integer dot products (``splice.kernel_choice.KernelChoice.dot_products``)."""
         raise NotImplementedError
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, bias: bool, config: QuantConfig,
-              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> QuantizedLinear:
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+              native: bool = False, dot_products: bool = False) -> QuantizedLinear:
         """A layer of the right shapes and zero weights, to load a saved state dict into (no quantization runs)."""
         raise NotImplementedError
 
@@ -71,32 +75,38 @@ class Int8WeightOnlyLinear(QuantizedLinear):
     kind = "int8_weight_only"
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, qweight: torch.Tensor,
-                 scales: torch.Tensor) -> None:
+                 scales: torch.Tensor, native: bool = False, dot_products: bool = False) -> None:
         super().__init__(in_features, out_features, bias)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales.to(kernels.COMPUTE_DTYPE))
         # Per channel, same layout either way: the native GEMV runs for the rows it fits, torch's kernels otherwise.
-        self.use_native = qweight.dim() == 2 and kernels.native_kernels_on(qweight.device)
+        self.use_native = native and qweight.dim() == 2
+        # Decode rows rounded to int8 per block and multiplied in integers (whole blocks of input only).
+        self.use_dot_products = self.use_native and dot_products and in_features % qmath.ACTIVATION_BLOCK == 0
+        _check_native(native, qweight.device)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig) -> Int8WeightOnlyLinear:
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig,
+                   native: bool = False, dot_products: bool = False) -> Int8WeightOnlyLinear:
         out_features, in_features = weight.shape
         group = config.group_for(in_features)
         if group is None:
             q, scales = qmath.quantize_int8(weight)
-            return cls(in_features, out_features, bias, q, scales[:, 0])
+            return cls(in_features, out_features, bias, q, scales[:, 0], native, dot_products)
         q, scales = qmath.quantize_int8(qmath.pad_to(weight, 1, group), group)
         grouped = q.reshape(out_features, -1, group).transpose(0, 1).contiguous()
-        return cls(in_features, out_features, bias, grouped, scales.t().contiguous())
+        return cls(in_features, out_features, bias, grouped, scales.t().contiguous(), native, dot_products)
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, bias: bool, config: QuantConfig,
-              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Int8WeightOnlyLinear:
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+              native: bool = False, dot_products: bool = False) -> Int8WeightOnlyLinear:
         group = config.group_for(in_features)
         shape = (out_features,) if group is None else (-(-in_features // group), out_features)
         qshape = (out_features, in_features) if group is None else (*shape, group)
         return cls(in_features, out_features, _zero_bias(bias, out_features, device, dtype),
-                   torch.zeros(qshape, dtype=torch.int8, device=device), torch.ones(shape, device=device))
+                   torch.zeros(qshape, dtype=torch.int8, device=device), torch.ones(shape, device=device), native,
+                   dot_products)
 
     @property
     def grouped(self) -> bool:
@@ -104,7 +114,8 @@ class Int8WeightOnlyLinear(QuantizedLinear):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if not self.grouped:
-            return kernels.int8_weight_mm(x, self.qweight, self.scales.to(x.dtype), self.use_native)
+            return kernels.int8_weight_mm(x, self.qweight, self.scales.to(x.dtype), self.use_native,
+                                          self.use_dot_products)
         return kernels.int8_grouped_mm(qmath.pad_to(x, 1, self.qweight.shape[2]), self.qweight,
                                        self.scales.to(x.dtype))
 
@@ -164,8 +175,8 @@ class _RepackedWeight(QuantizedLinear):
 
 
 class Int4WeightOnlyLinear(_RepackedWeight):
-    """int4 weights in a kernel's layout, ``group`` input elements per bf16 scale and zero: splice's native tiles on
-    CPUs where ``splice.native`` builds (``use_native``), else torch's int4 layout for the device.
+    """int4 weights in a kernel's layout, ``group`` input elements per bf16 scale and zero: splice's native tiles
+    (``native``), else torch's int4 layout for the device.
 
     ``N`` and ``K`` are zero-padded to what torch's kernel needs (the same whichever kernel runs, so checkpoints keep
     their shapes). Saved form: ``qweight [N', K' / 2]`` uint8 (two values per byte, see ``qmath.pack_nibbles``) and
@@ -176,17 +187,21 @@ class Int4WeightOnlyLinear(_RepackedWeight):
     kind = "int4_weight_only"
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, q: torch.Tensor,
-                 scales_and_zeros: torch.Tensor, group: int) -> None:
+                 scales_and_zeros: torch.Tensor, group: int, native: bool = False, dot_products: bool = False) -> None:
         super().__init__(in_features, out_features, bias)
         self.group = group
-        self.use_native = kernels.native_kernels_on(q.device)
+        self.use_native = native
+        # Decode rows rounded to int8 per block and multiplied in integers (groups of whole blocks only).
+        self.use_dot_products = native and dot_products and group % qmath.ACTIVATION_BLOCK == 0
+        _check_native(native, q.device)
         self.register_buffer("packed", torch.empty(0, dtype=torch.uint8), persistent=False)
         self.register_buffer("packed_scales", torch.empty(0, dtype=kernels.COMPUTE_DTYPE), persistent=False)
         self._pack(q, scales_and_zeros)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig,
-                   hessian: torch.Tensor | None = None, act_order: bool = False) -> Int4WeightOnlyLinear:
+                   native: bool = False, dot_products: bool = False, hessian: torch.Tensor | None = None,
+                   act_order: bool = False) -> Int4WeightOnlyLinear:
         """Round-to-nearest, or GPTQ when given the input Hessian ``hessian [in, in]`` (see ``gptq.py``)."""
         out_features, in_features = weight.shape
         group = config.group_for(in_features)
@@ -197,17 +212,18 @@ class Int4WeightOnlyLinear(_RepackedWeight):
         else:
             hessian = qmath.pad_to(qmath.pad_to(hessian.to(weight.device), 0, k_multiple), 1, k_multiple)
             q, scales_and_zeros = gptq.gptq_int4(padded, hessian, group, config.symmetric, act_order=act_order)
-        return cls(in_features, out_features, bias, q, scales_and_zeros, group)
+        return cls(in_features, out_features, bias, q, scales_and_zeros, group, native, dot_products)
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, bias: bool, config: QuantConfig,
-              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> Int4WeightOnlyLinear:
+              device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+              native: bool = False, dot_products: bool = False) -> Int4WeightOnlyLinear:
         group = config.group_for(in_features)
         n_multiple, k_multiple = kernels.int4_padding(torch.device(device), group)
         n, k = -(-out_features // n_multiple) * n_multiple, -(-in_features // k_multiple) * k_multiple
         return cls(in_features, out_features, _zero_bias(bias, out_features, device, dtype),
                    torch.zeros(n, k, dtype=torch.uint8, device=device), torch.zeros(k // group, n, 2, device=device),
-                   group)
+                   group, native, dot_products)
 
     def _pack(self, q: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
         self.packed = kernels.int4_pack(q, self.use_native)
@@ -242,7 +258,7 @@ class Int4WeightOnlyLinear(_RepackedWeight):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         self._check_device(x)
         out = kernels.int4_mm(qmath.pad_to(x, 1, self.padded_shape[1]), self.packed, self.group,
-                              self.packed_scales.to(x.dtype), self.use_native)
+                              self.packed_scales.to(x.dtype), self.use_native, self.use_dot_products)
         return out[:, : self.out_features]
 
     def dequantize(self) -> torch.Tensor:
@@ -255,9 +271,9 @@ class Int4WeightOnlyLinear(_RepackedWeight):
 class Int8DynamicLinear(Int8WeightOnlyLinear):
     """W8A8: int8 weights with one scale per output channel (``qweight [N, K]``, ``scales [N]``), times activations
     rounded to int8 on every call, one symmetric scale per row and block of ``qmath.ACTIVATION_BLOCK`` input elements
-    (as llama.cpp's Q8_0 activations). The products run on the per-channel int8 kernels (splice's native GEMV for
-    decode rows, de-quantise + one GEMM for prefill; torch's kernels elsewhere), so every CPU and CUDA computes the
-    same thing.
+    (as llama.cpp's Q8_0 activations). Decode rows on the native kernels multiply in integers (``int8_dot_gemv``);
+    otherwise the rounded activations go through the per-channel int8 kernels (de-quantise + one GEMM for prefill;
+    torch's kernels elsewhere), so every CPU and CUDA computes the same thing up to the float rounding of the sums.
 
     Why blocks, not one scale per row (torch's and oneDNN's dynamic quantization): one outlier channel sets a row's
     scale and flattens every other value in it, and the model's outputs then swing with tiny numerical differences
@@ -268,12 +284,19 @@ class Int8DynamicLinear(Int8WeightOnlyLinear):
     kind = "int8_dynamic"
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig) -> Int8DynamicLinear:
+    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig,
+                   native: bool = False, dot_products: bool = False) -> Int8DynamicLinear:
         q, scales = qmath.quantize_int8(weight)
-        return cls(weight.shape[1], weight.shape[0], bias, q, scales[:, 0])
+        return cls(weight.shape[1], weight.shape[0], bias, q, scales[:, 0], native, dot_products)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return super()._matmul(qmath.round_activations(x))
+        return kernels.int8_dynamic_mm(x, self.qweight, self.scales.to(x.dtype), self.use_native)
+
+
+def _check_native(native_kernels: bool, device: torch.device) -> None:
+    if native_kernels and not native.available_on(device):
+        raise ValueError(f"native=True asks for splice's native CPU kernels, which do not run for weights on {device} "
+                         "here; allowed: native=False (torch's kernels), or see splice.kernel_choice.quant_kernel")
 
 
 def _zero_bias(bias: bool, out_features: int, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor | None:

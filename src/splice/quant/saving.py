@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..checkpoint import has_meta_tensors, tensor_groups
+from ..kernel_choice import quant_kernel
 from .api import HANDLERS
 from .layers import QuantizedLinear
 from .scheme import QuantConfig
@@ -82,8 +83,9 @@ def _empty_layer(model: nn.Module, name: str, layer: dict, config: QuantConfig,
     current = model.get_submodule(name)
     weight = getattr(current, "weight", None)
     dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.bfloat16
+    kernel = quant_kernel(config, device)
     return HANDLERS[layer["kind"]].empty(layer["in_features"], layer["out_features"], layer["bias"], config, device,
-                                         dtype)
+                                         dtype, native=kernel.native, dot_products=kernel.dot_products)
 
 
 def _dedupe(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

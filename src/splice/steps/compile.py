@@ -1,5 +1,5 @@
-"""compile: a compiled static decode step (``compile_decode``); CUDA graphs are checked in the plan and not captured
-yet.
+"""compile: a compiled static decode step (``compile_decode``). CUDA graph capture (``enable_cuda_graph``) is not
+built; the config refuses it.
 
 Only the decode step is compiled: one token per row at a tensor position, attending over the whole static KV cache
 (the cache's mask hides the empty slots), so its shapes never change and it compiles once per batch size. Prefill and
@@ -23,7 +23,7 @@ class CompileReport(StepReport):
         if self.compiled:
             return ("decode step compiled with torch.compile (static shapes; compiles on the first decode step, cached "
                     "by torch's inductor cache)")
-        return "no graph capture (compile_decode=False, enable_cuda_graph=False)"
+        return "no graph capture (compile_decode=False)"
 
 
 def compile_decode(stage: Stage, plan: Plan) -> tuple[Stage, CompileReport]:

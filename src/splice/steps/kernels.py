@@ -1,10 +1,11 @@
-"""kernels: pick how the float linears of a fused model compute, by the plan's choice (``plan.float_kernel``).
+"""kernels: make each linear of a fused model compute with the kernel the plan chose for its kind, and say which.
 
-Fusing and quantizing produce weights; this step wraps each plain float linear of the fused blocks and the lm_head
-(the ones quantization left in float, or all of them) in its kernel's layer: splice's native bf16 GEMV
-(``layers.native_linear``, plain weights gathered on 2 MiB pages, nothing copied), or a oneDNN-packed weight
-(``layers.packed_linear``, 16-bit weights where the native kernels do not run; a tied lm_head stays as it is).
-Quantized layers carry their own kernels (``splice.quant.kernels``); the report names them too.
+Fusing and quantizing produce weights; ``splice.kernel_choice`` decided (in ``plan.resolve``) how each kind of linear
+computes. This step wraps each plain float linear of the fused blocks and the lm_head (the ones quantization left in
+float, or all of them) in its kernel's layer: splice's native bf16 GEMV (``layers.native_linear``, plain weights
+gathered on 2 MiB pages, nothing copied), or a oneDNN-packed weight (``layers.packed_linear``, 16-bit weights where
+the native kernels do not run; a tied lm_head stays as it is). Quantized layers were built for their kernel by the
+quantize step (``plan.quant_kernel``); the report names both choices and their reasons.
 """
 from __future__ import annotations
 
@@ -18,37 +19,42 @@ from ..layers.packed_linear import PackedLinear
 from ..native.memory import gather_on_huge_pages
 from ..plan import Plan
 from ..quant import QuantizedLinear
-from ..quant.api import kernel_names
 from ..tp.layers import RowParallelLinear, VocabParallelLinear
 from . import Stage, StepReport
 
 WRAPPERS = {"native": NativeLinear, "packed": PackedLinear}
+KERNEL_NAMES = {"native": "splice's native kernels", "packed": "oneDNN-packed weights", "torch": "torch's kernels"}
+
+
+@dataclass(frozen=True)
+class LinearKernels:
+    """How one kind of linear computes: ``linears`` is "float" or a quantization kind ("int4_weight_only", ...)."""
+
+    linears: str
+    count: int  # layers of that kind in the model (float: those wrapped; 0 when none were)
+    kernel: str  # "native", "packed", "torch"
+    reason: str
+
+    def summary(self) -> str:
+        return f"{self.count} {self.linears} linears on {KERNEL_NAMES[self.kernel]} ({self.reason})"
 
 
 @dataclass(frozen=True)
 class KernelsReport(StepReport):
-    float_kernel: str  # "native", "packed", "torch"
-    reason: str
-    wrapped: int  # float linears now on that kernel (0 without fusing)
-    huge_page_bytes: int
-    quantized_kernels: str  # which kernels the quantized layers call ("" without quantization)
+    float_linears: LinearKernels
+    quantized_linears: LinearKernels | None  # None without quantization
+    huge_page_bytes: int  # float weights gathered on 2 MiB pages for the native GEMV
 
     def summary(self) -> str:
-        parts = []
-        if self.wrapped:
-            name = {"native": "splice's native bf16 GEMV", "packed": "oneDNN-packed weights"}[self.float_kernel]
-            pages = f", weights gathered on 2 MiB pages ({self.huge_page_bytes / 2**20:.0f} MiB)" \
-                if self.huge_page_bytes else ""
-            parts.append(f"{self.wrapped} float linears on {name}{pages} ({self.reason})")
-        else:
-            parts.append(f"float linears on torch's own kernels ({self.reason})")
-        if self.quantized_kernels:
-            parts.append(f"quantized linears on {self.quantized_kernels}")
+        pages = f", weights on 2 MiB pages ({self.huge_page_bytes / 2**20:.0f} MiB)" if self.huge_page_bytes else ""
+        parts = [self.float_linears.summary() + pages]
+        if self.quantized_linears is not None:
+            parts.append(self.quantized_linears.summary())
         return "; ".join(parts)
 
 
 def select_kernels(stage: Stage, plan: Plan) -> tuple[Stage, KernelsReport]:
-    quantized = [m for m in stage.model.modules() if isinstance(m, QuantizedLinear)]
+    quantized = sum(isinstance(m, QuantizedLinear) for m in stage.model.modules())
     choice = plan.float_kernel
     wrapper = WRAPPERS.get(choice.kernel)
     wrapped, moved = 0, 0
@@ -56,11 +62,18 @@ def select_kernels(stage: Stage, plan: Plan) -> tuple[Stage, KernelsReport]:
         wrapped = wrap_linears(stage.model, stage.runtime, wrapper)
         if wrapper is NativeLinear:
             moved = gather_on_huge_pages([m.weight for m in stage.model.modules() if isinstance(m, NativeLinear)])
-    kernel = choice.kernel if wrapped else "torch"
-    reason = choice.reason if wrapped or stage.runtime is None else "no plain float linear left to wrap"
     if stage.runtime is None:
-        reason = "not fused (replace_with_kernel_inject=False): the model's own layers"
-    return stage, KernelsReport("kernels", kernel, reason, wrapped, moved, kernel_names(quantized))
+        floats = LinearKernels("float", 0, "torch", "not fused (replace_with_kernel_inject=False): the model's own "
+                                                    "layers")
+    elif wrapped:
+        floats = LinearKernels("float", wrapped, choice.kernel, choice.reason)
+    else:
+        reason = choice.reason if wrapper is None else "no plain float linear left to wrap"
+        floats = LinearKernels("float", 0, "torch", reason)
+    quant = None
+    if plan.quant is not None:
+        quant = LinearKernels(plan.quant.kind, quantized, plan.quant_kernel.kernel, plan.quant_kernel.reason)
+    return stage, KernelsReport("kernels", floats, quant, moved)
 
 
 def wrap_linears(model: nn.Module, runtime: SpliceCausalLM, wrapper: type[nn.Module]) -> int:

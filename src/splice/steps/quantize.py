@@ -26,7 +26,8 @@ class QuantizeReport(StepReport):
 def quantize_weights(stage: Stage, plan: Plan) -> tuple[Stage, QuantizeReport]:
     if plan.quant is None:
         return stage, QuantizeReport("quantize", None)
-    report = quantize(stage.model, plan.quant, device=plan.device, calibration_ids=plan.calibration_ids)
+    report = quantize(stage.model, plan.quant, device=plan.device, calibration_ids=plan.calibration_ids,
+                      kernel=plan.quant_kernel)
     if stage.runtime is not None:  # with quantize_lm_head the head was replaced: the runtime decodes with the new one
         stage.runtime.lm_head = stage.model.get_output_embeddings()
     return stage, QuantizeReport("quantize", report)

@@ -1,0 +1,111 @@
+"""Which kernel each kind of linear computes with, and why: every such decision splice makes, in one place.
+
+``plan.resolve`` asks here once per model (the choices land on the ``Plan``); the steps apply them (the quantize step
+builds its layers for the chosen kernel, the kernels step wraps the float linears), and ``splice info`` prints them.
+``splice.quant.quantize`` called directly asks here too. A choice is a strategy name plus the reason in words:
+
+=========  =============================================================================================================
+kernel     what computes
+=========  =============================================================================================================
+native     splice's own GEMVs (``splice.native``: AVX2, AVX-512, AMX) for decode rows; one oneDNN GEMM above the level's
+           row limit (``native.MAX_ROWS``)
+packed     float linears only: a weight pre-packed for oneDNN (``layers.packed_linear``)
+torch      torch's own kernels for the device (``F.linear``; ``_weight_int8pack_mm``, ``_weight_int4pack_mm``)
+=========  =============================================================================================================
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import native
+from .layers.native_linear import can_use_native
+from .layers.packed_linear import can_pack
+
+if TYPE_CHECKING:
+    from .quant.scheme import QuantConfig
+
+#: The environment variables that change which native kernels run (named in the reasons when set).
+NATIVE_ENV = ("SPLICE_NATIVE_KERNELS", "SPLICE_NATIVE_ISA", "SPLICE_NATIVE_AMX")
+#: Which entry of ``native.MAX_ROWS`` bounds each quantization kind's native GEMV.
+ROW_LIMIT_OF = {"int8_weight_only": "int8", "int8_dynamic": "int8", "int4_weight_only": "int4"}
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """How one kind of linear computes (``kernel``: "native", "packed" or "torch") and why, in words."""
+
+    kernel: str
+    reason: str
+    dot_products: bool = False  # int8 decode rows rounded to int8 per block and summed in integers (VNNI)
+
+    @property
+    def native(self) -> bool:
+        return self.kernel == "native"
+
+
+def float_kernel(dtype: torch.dtype | None, device: torch.device) -> KernelChoice:
+    """How a fused model's float linears (and those quantization leaves in float) compute."""
+    if dtype is not None and can_use_native(dtype, device):
+        return KernelChoice("native", f"bf16 on CPU: splice's bf16 GEMV up to {native.MAX_ROWS['bf16']} rows, one "
+                                      f"oneDNN GEMM above; {native_level()}")
+    if dtype is not None and can_pack(dtype, device):
+        return KernelChoice("packed", f"{dtype} on CPU without splice's native bf16 GEMV ({why_not_native(device)}): "
+                                      "oneDNN-packed weights")
+    return KernelChoice("torch", f"{dtype} on {torch.device(device).type}: torch's own linear")
+
+
+def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoice:
+    """How the linears quantized with ``config`` compute on ``device``."""
+    device, kind = torch.device(device), config.kind
+    if kind == "int8_weight_only" and (config.group_size is not None or config.q_groups != 1):
+        return KernelChoice("torch", "grouped int8 runs on torch's int8 kernel, one call per group (splice's native "
+                                     "int8 GEMV takes one scale per output channel)")
+    if native.available_on(device):
+        limit = native.MAX_ROWS[ROW_LIMIT_OF[kind]]
+        if kind == "int8_dynamic":
+            products = "integer dot products (AVX512-VNNI)" if int8_dot_products() else "bf16 products"
+            return KernelChoice("native", f"activations rounded to int8 per block of 32, splice's int8 GEMV with "
+                                          f"{products} up to {limit} rows, de-quantise + one oneDNN GEMM above; "
+                                          f"{native_level()}")
+        if int8_dot_products():
+            bits = ROW_LIMIT_OF[kind]
+            tiles = " (from 3 rows, AMX tiles on x as it is)" if bits == "int4" and native.amx_ready() else ""
+            return KernelChoice("native", f"splice's {bits} GEMV up to {limit} rows on integer dot products "
+                                          f"(AVX512-VNNI; each row of activations rounded to int8 per block of 32)"
+                                          f"{tiles}, de-quantise + one oneDNN GEMM above; {native_level()}",
+                                dot_products=True)
+        return KernelChoice("native", f"splice's {ROW_LIMIT_OF[kind]} GEMV up to {limit} rows, de-quantise + "
+                                      f"one oneDNN GEMM above; {native_level()}")
+    return KernelChoice("torch", f"torch's {'int4' if kind == 'int4_weight_only' else 'int8'} kernels for "
+                                 f"{device.type} ({why_not_native(device)})")
+
+
+def int8_dot_products() -> bool:
+    """Whether the native decode GEMVs can multiply in integers at the active level (AVX512-VNNI)."""
+    return native.available() and bool(torch.ops.splice_kernels.int8_dot_ready())
+
+
+def native_level() -> str:
+    """The native kernels' level, what it uses, and what set it (the CPU, or an environment variable)."""
+    level = native.isa()
+    source = env_overrides() or "the best this CPU runs"
+    return f"level {level} ({native.ISA_DESCRIPTIONS[level]}), {source}"
+
+
+def why_not_native(device: torch.device | str) -> str:
+    """Why splice's native kernels do not run for tensors on ``device``."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return f"they are CPU kernels and the weights are on {device.type}"
+    if not native.enabled_by_env():
+        return f"SPLICE_NATIVE_KERNELS={os.environ['SPLICE_NATIVE_KERNELS']}"
+    return native.unsupported_reason() or "they did not build here (see the warning above)"
+
+
+def env_overrides() -> str:
+    """The native-kernel environment variables set in this process, as ``NAME=value`` pairs ("" if none)."""
+    return ", ".join(f"{name}={os.environ[name]}" for name in NATIVE_ENV if os.environ.get(name, "").strip())
