@@ -38,7 +38,8 @@ def test_bench_runs_every_mode_and_writes_json(tiny_bench, tmp_path, capsys):
     assert [(r["batch"], r["mode"]) for r in rows] == [(b, m) for b in (1, 2) for m in ("hf", "plain", "inject")]
     for row in rows:
         assert row["prefill_ms"] > 0 and row["decode_tok_s"] > 0 and row["peak_rss_mb"] > 0
-        assert row["roofline_tok_s"] > 0
+        assert row["roofline_tok_s"] == pytest.approx(row["batch"] * 10e9 / row["step_bytes"])
+        assert row["bandwidth_share"] == pytest.approx(row["decode_tok_s"] / row["roofline_tok_s"])
     assert rows[0]["speedup"] == 1.0
     assert report["machine"]["read_bandwidth_gbs"] == 10.0
     assert "decode tok/s" in capsys.readouterr().out
@@ -81,6 +82,30 @@ def test_weight_bytes_count_a_tied_head_once():
 
 def test_bandwidth_is_measured():
     assert bench.read_bandwidth_gbs(gib=0.01, repeats=2) > 0.1
+
+
+def test_native_streaming_read_reads_every_byte():
+    """The bandwidth probe's checksum changes with any byte of the tensor (so every byte was read)."""
+    if not bench.native.available():
+        pytest.skip("splice's native kernels are not available here")
+    data = torch.zeros(4096, dtype=torch.uint8)
+    assert torch.ops.splice_kernels.stream_read(data) == 0
+    for index in (0, 1000, 4095):
+        data.zero_()
+        data[index] = 1
+        assert torch.ops.splice_kernels.stream_read(data) != 0
+
+
+def test_step_bytes_count_the_kv_cache_a_step_reads():
+    """Per sequence, every layer's keys and values over the slots read: the whole static cache for a compiled step,
+    the tokens so far for eager steps."""
+    model = build_family("llama")
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_slot = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    assert bench.kv_bytes_per_step(model, batch=3, slots=10) == 3 * 10 * per_slot
+    args = parse("--prompt", "8", "--new", "4")
+    assert bench.attended_slots(args, "inject+compile") == 12 and bench.attended_slots(args, "inject") == 10
 
 
 def test_quant_rows_are_quantized_and_smaller(tiny_bench, tmp_path):

@@ -2,8 +2,9 @@
 
 For each configuration (dtype x batch) the model is loaded once; each mode generates ``--new`` tokens from the same
 random ``--prompt``-token prompt. Reported: prefill ms, decode tokens/s (after the first new token), ms/token, peak RSS
-during the run, speedup over HF eager, and a roofline: memory read bandwidth (a >= 1 GiB fp32 GEMV, measured at start)
-divided by the weight bytes read per decode step.
+during the run, speedup over HF eager, and a roofline: the machine's read bandwidth (measured at start by streaming
+1 GiB the way the native GEMVs stream weights, on every thread) divided by the bytes a decode step reads (weights as
+stored, quantized or not, the lm_head included; and the KV cache slots attention reads), and each row's share of it.
 """
 from __future__ import annotations
 
@@ -48,6 +49,12 @@ class Row:
     speedup: float
     roofline_tok_s: float
     first_run_s: float = float("nan")  # inject+compile: the first generate call, compiling included
+    step_bytes: int = 0  # bytes one decode step reads (weights, KV cache)
+
+    @property
+    def bandwidth_share(self) -> float:
+        """Decode speed as a share of the roofline: the step's bytes over its time, against the read bandwidth."""
+        return self.decode_tok_s / self.roofline_tok_s if self.roofline_tok_s else math.nan
 
 
 def add_bench_parser(subparsers) -> None:
@@ -93,7 +100,7 @@ def run_bench(args: argparse.Namespace) -> int:
             rows += plain_rows + bench_quantized(args, dtype, batch, schemes, bandwidth, hf_speed)
     print(format_table(rows))
     report = {"machine": machine_info(bandwidth), "settings": {"prompt": args.prompt, "new": args.new,
-              "compile": args.compile}, "results": [asdict(r) for r in rows]}
+              "compile": args.compile}, "results": [{**asdict(r), "bandwidth_share": r.bandwidth_share} for r in rows]}
     Path(args.json).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}")
     if args.plot:
@@ -109,7 +116,7 @@ def bench_configuration(args, dtype: str, batch: int, modes: list[str], bandwidt
     model = load_model(args.model, dtype)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, model.config.vocab_size, (batch, args.prompt), generator=generator)
-    roofline = batch * bandwidth * 1e9 / weight_bytes_per_step(model)
+    weights = weight_bytes_per_step(model)
     rows, hf_speed = [], None
     for mode in modes:
         if mode == "hf":
@@ -130,8 +137,10 @@ def bench_configuration(args, dtype: str, batch: int, modes: list[str], bandwidt
                 with _native_level(level):
                     prefill_ms, tok_s, peak = time_generate(generate, prompt, args.new, args.repeat)
                 hf_speed = tok_s if run == "hf" else hf_speed
+                step = weights + kv_bytes_per_step(model, batch, attended_slots(args, run))
                 rows.append(Row(args.model, dtype, batch, name, prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
-                                tok_s / hf_speed if hf_speed else float("nan"), roofline, first_s))
+                                tok_s / hf_speed if hf_speed else float("nan"), batch * bandwidth * 1e9 / step,
+                                first_s, step))
     del model
     engine = generate = None  # noqa: F841 — the model lives on through these until collected
     gc.collect()
@@ -151,7 +160,7 @@ def bench_quantized(args, dtype: str, batch: int, schemes: list[str], bandwidth:
         prompt = torch.randint(100, model.config.vocab_size, (batch, args.prompt), generator=generator)
         engine = splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=args.prompt + args.new,
                                        **QUANT_SCHEMES[scheme])
-        roofline = batch * bandwidth * 1e9 / stored_weight_bytes(engine.module)
+        weights = stored_weight_bytes(engine.module)
         for run in [f"inject+{scheme}"] + ([f"inject+{scheme}+compile"] if args.compile else []):
             first_s = float("nan")
             if run.endswith("+compile"):
@@ -160,8 +169,9 @@ def bench_quantized(args, dtype: str, batch: int, schemes: list[str], bandwidth:
             for name, level in _runs_at_levels(run, args.isa_levels):
                 with _native_level(level):
                     prefill_ms, tok_s, peak = time_generate(engine.generate, prompt, args.new, args.repeat)
+                step = weights + kv_bytes_per_step(engine.module, batch, attended_slots(args, run))
                 rows.append(Row(args.model, dtype, batch, name, prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
-                                tok_s / hf_speed, roofline, first_s))
+                                tok_s / hf_speed, batch * bandwidth * 1e9 / step, first_s, step))
         del engine, model
         gc.collect()
     return rows
@@ -190,8 +200,28 @@ def _native_level(level: str | None):
 
 
 def stored_weight_bytes(model) -> int:
-    """:func:`weight_bytes_per_step` plus the buffers: quantized layers keep their packed weights and scales there."""
-    return weight_bytes_per_step(model) + sum(b.numel() * b.element_size() for b in model.buffers())
+    """:func:`weight_bytes_per_step` plus the quantized layers' buffers (their packed weights and scales)."""
+    from .quant import QuantizedLinear
+
+    packed = sum(b.numel() * b.element_size() for m in model.modules() if isinstance(m, QuantizedLinear)
+                 for b in m.buffers())
+    return weight_bytes_per_step(model) + packed
+
+
+def attended_slots(args, run: str) -> float:
+    """KV-cache slots one decode step reads, on average over the run: the compiled step attends over every slot of the
+    static cache (``max_out_tokens`` = prompt + new); eager steps and HF's over the tokens so far."""
+    return args.prompt + args.new if run.endswith("compile") else args.prompt + args.new / 2
+
+
+def kv_bytes_per_step(model, batch: int, slots: float) -> int:
+    """Keys and values one decode step reads: every layer's K and V over ``slots`` positions, per sequence."""
+    config = model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    element = 4 if model.dtype == torch.float32 else 2
+    return int(2 * config.num_hidden_layers * kv_heads * head_dim * element * slots * batch)
 
 
 def time_first_run(generate, prompt: torch.Tensor, new: int) -> float:
@@ -261,14 +291,18 @@ def _status_mb(field: str) -> float:
 
 
 def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
-    """Memory read bandwidth: the best of ``repeats`` fp32 GEMVs over a ``gib``-GiB matrix."""
+    """Memory read bandwidth in GB/s, the best of ``repeats`` reads of ``gib`` GiB on every thread: splice's native
+    streaming read (``splice_kernels.stream_read``: sequential streams with prefetch, as its GEMVs read weights), or
+    where the native kernels are not available an fp32 GEMV."""
     cols = 8192
     matrix = torch.ones(int(gib * 2**30) // (4 * cols), cols)
     vector = torch.ones(cols)
+    read = (lambda: torch.ops.splice_kernels.stream_read(matrix)) if native.available() else \
+        (lambda: torch.mv(matrix, vector))
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        torch.mv(matrix, vector)
+        read()
         best = min(best, time.perf_counter() - start)
     return matrix.numel() * 4 / best / 1e9
 
@@ -320,7 +354,7 @@ def format_table(rows: list[Row]) -> str:
     width = max([len("mode")] + [len(r.mode) for r in rows])
     header = (f"{'model':<24} {'dtype':<5} {'batch':>5} {'mode':<{width}} {'prefill ms':>10} {'decode tok/s':>12} "
               f"{'ms/token':>9} {'peak RSS MB':>11} {'speedup':>8} {'vs float':>8} {'roofline tok/s':>14} "
-              f"{'first run s':>11}")
+              f"{'% of bw':>7} {'first run s':>11}")
     float_speed = {(r.model, r.dtype, r.batch, r.mode): r.decode_tok_s for r in rows}
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -328,7 +362,8 @@ def format_table(rows: list[Row]) -> str:
         vs_float = r.decode_tok_s / base if base and _float_mode(r.mode) != r.mode else math.nan
         lines.append(f"{r.model[:24]:<24} {r.dtype:<5} {r.batch:>5} {r.mode:<{width}} {r.prefill_ms:>10.1f} "
                      f"{r.decode_tok_s:>12.2f} {r.ms_per_token:>9.1f} {r.peak_rss_mb:>11.0f} {_ratio(r.speedup):>8} "
-                     f"{_ratio(vs_float):>8} {r.roofline_tok_s:>14.2f} {_number(r.first_run_s):>11}")
+                     f"{_ratio(vs_float):>8} {r.roofline_tok_s:>14.2f} {100 * r.bandwidth_share:>6.0f}% "
+                     f"{_number(r.first_run_s):>11}")
     return "\n".join(lines)
 
 
@@ -374,7 +409,8 @@ def plot(rows: list[Row], path: str) -> None:
 
 def machine_info(bandwidth: float) -> dict:
     return {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__, "read_bandwidth_gbs": round(bandwidth, 2)}
+            "torch": torch.__version__, "read_bandwidth_gbs": round(bandwidth, 2),
+            "bandwidth_probe": "splice native streaming read" if native.available() else "fp32 GEMV (torch.mv)"}
 
 
 def _split(text: str) -> list[str]:

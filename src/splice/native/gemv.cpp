@@ -1086,6 +1086,33 @@ void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t gro
   });
 }
 
+// ---- bandwidth probe -----------------------------------------------------------------------------------------------
+// Reads every byte of p[0, bytes) once, as the GEMVs stream weights: each thread reads its part as STREAMS sequential
+// streams in step (the GEMVs read four weight rows at a time; one stream alone leaves the memory system idle between
+// the hardware prefetcher's requests), with a software prefetch ahead. Returns a checksum so the reads stay.
+constexpr int64_t STREAMS = 4;
+uint64_t stream_read(const uint8_t* p, int64_t bytes) {
+  std::atomic<uint64_t> total{0};
+  const int64_t lines = bytes / 64;
+  at::parallel_for(0, lines / STREAMS, 1 << 10, [&](int64_t begin, int64_t end) {
+    const int64_t part = end - begin;
+    __m256i acc[STREAMS];
+    for (auto& a : acc) a = _mm256_setzero_si256();
+    for (int64_t line = 0; line < part; ++line)
+      for (int64_t s = 0; s < STREAMS; ++s) {
+        const uint8_t* q = p + ((s * (lines / STREAMS)) + begin + line) * 64;
+        prefetch(q + PREFETCH_BYTES);
+        acc[s] = _mm256_xor_si256(acc[s], _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(q)),
+                                                           _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 32))));
+      }
+    alignas(32) uint64_t lanes[4];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
+                       _mm256_xor_si256(_mm256_xor_si256(acc[0], acc[1]), _mm256_xor_si256(acc[2], acc[3])));
+    total ^= lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3];
+  });
+  return total.load();
+}
+
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -1225,6 +1252,15 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return at::linear(x, weight);
 }
 
+// Reads every byte of t once as the GEMVs stream weights (time it for the machine's read bandwidth); a checksum.
+int64_t stream_read(const at::Tensor& t) {
+  check_isa("stream_read");
+  TORCH_CHECK(t.is_contiguous() && t.device().is_cpu() && t.nbytes() % (64 * avx2::STREAMS) == 0 &&
+                  reinterpret_cast<uintptr_t>(t.data_ptr()) % 32 == 0,
+              "stream_read: a contiguous, 32-byte aligned CPU tensor of whole 256-byte blocks, got ", t.sizes());
+  return static_cast<int64_t>(avx2::stream_read(static_cast<const uint8_t*>(t.data_ptr()), t.nbytes()));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(splice_kernels, lib) {
@@ -1233,6 +1269,7 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("int8_dot_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int4_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("int4_dot_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
+  lib.def("stream_read(Tensor t) -> int");
   lib.def("int4_dequantize(Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
@@ -1252,6 +1289,7 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("int8_gemv", &int8_gemv);
   lib.impl("int8_dot_gemv", &int8_dot_gemv);
   lib.impl("int4_gemv", &int4_gemv);
+  lib.impl("stream_read", &stream_read);
   lib.impl("int4_dot_gemv", &int4_dot_gemv);
   lib.impl("int4_dequantize", &int4_dequantize);
   lib.impl("int8_linear", &int8_linear);
