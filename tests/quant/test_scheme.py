@@ -20,7 +20,7 @@ def test_no_quantization_by_default():
 @pytest.mark.parametrize("dtype", [torch.int8, "int8", "torch.int8"])
 def test_int8_dtype_is_int8_weight_only_per_channel(dtype):
     config = _from(dtype=dtype)
-    assert config == QuantConfig(bits=8) and config.kind == "int8_weight_only"
+    assert config == QuantConfig(bits=8, lm_head_int8=True) and config.kind == "int8_weight_only"
     assert config.group_for(576) is None
 
 

@@ -25,11 +25,21 @@ def _run(model, **config):
 def test_quantizes_the_block_linears(tiny_llama, config, layer_type):
     model, report = _run(tiny_llama, **config)
     assert isinstance(model.model.layers[0].mlp.gate_proj, layer_type)
-    assert not isinstance(model.lm_head, QuantizedLinear)
-    assert report.step == "quantize" and len(report.quant.quantized) == 14
+    assert type(model.lm_head) is Int8WeightOnlyLinear and not model.lm_head.grouped  # the default head: int8
+    assert report.step == "quantize" and len(report.quant.quantized) == 14 + 1
     assert report.quant.kind == layer_type.kind
     with torch.no_grad():
         assert torch.isfinite(model(torch.randint(0, 128, (1, 8))).logits).all()
+
+
+@pytest.mark.parametrize("quantize_lm_head, head_type", [(None, Int8WeightOnlyLinear), (True, Int4WeightOnlyLinear),
+                                                         (False, torch.nn.Linear)])
+def test_output_head_is_int8_by_default_the_scheme_or_float(tiny_llama, quantize_lm_head, head_type):
+    model, report = _run(tiny_llama, quant={"enabled": True, "weight": {"num_bits": 4, "group_size": 32},
+                                            "quantize_lm_head": quantize_lm_head})
+    assert type(model.lm_head) is head_type
+    assert ("lm_head" in report.quant.kept_float) == (quantize_lm_head is False)
+    assert ("output head lm_head: int8_weight_only" in report.summary()) == (quantize_lm_head is None)
 
 
 def test_skipped_without_quantization(tiny_llama):

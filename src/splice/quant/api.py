@@ -39,6 +39,7 @@ class QuantReport:
     calibration: str = "round-to-nearest"
     huge_page_bytes: int = 0  # quantized weights gathered into buffers on 2 MiB pages (CPU)
     kernel: KernelChoice | None = None  # which kernels the layers call, and why (None: no layer was replaced)
+    head: str = ""  # the output head, where it has a scheme of its own (int8 per channel)
 
     @property
     def ratio(self) -> float:
@@ -51,7 +52,8 @@ class QuantReport:
                 f"{self.float_bytes / 2**20:.1f} MiB -> {self.quantized_bytes / 2**20:.1f} MiB ({self.ratio:.3f}x); "
                 f"kept in float: {kept or 'none'}{more}"
                 + (f"; on 2 MiB pages: {self.huge_page_bytes / 2**20:.0f} MiB" if self.huge_page_bytes else "")
-                + (f"; kernels: {self.kernel.kernel}" if self.kernel else ""))
+                + (f"; kernels: {self.kernel.kernel}" if self.kernel else "")
+                + (f"; output head {self.head}" if self.head else ""))
 
 
 def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str | None = None,
@@ -71,28 +73,38 @@ def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str |
     """
     if not isinstance(config, QuantConfig):
         raise TypeError(f"quantize expects a splice.quant.QuantConfig, got {type(config).__name__}")
-    handler = HANDLERS[config.kind]
     targets, report = plan(model, config)
     hessians = {}
     if calibration_ids is not None:
         ids = check_calibration_ids(calibration_ids, config)
         hessians = gptq.run_calibration(model, ids, dict(targets))
         report.calibration = f"GPTQ on {ids.shape[0]}x{ids.shape[1]} tokens" + (", act-order" if act_order else "")
+    head = _output_head(model)
     for name, module in targets:
-        _replace(model, name, module, handler, config, device, kernel, report, hessians.pop(name, None), act_order)
+        scheme = config.head_scheme() if _is_head(module, head) else config
+        hessian = hessians.pop(name, None)
+        if scheme is not config:  # the head's own scheme: int8 per channel, round-to-nearest
+            kernel_of_layer, hessian = None, None
+        else:
+            kernel_of_layer = kernel
+        _replace(model, name, module, scheme, device, kernel_of_layer, report, hessian, act_order)
     report.huge_page_bytes = gather_on_huge_pages(
         [b for m in model.modules() if isinstance(m, QuantizedLinear) for b in m.buffers() if b.nbytes >= 1 << 16])
     return report
 
 
-def _replace(model: nn.Module, name: str, module: nn.Module, handler: type[QuantizedLinear], config: QuantConfig,
-             device, kernel: KernelChoice | None, report: QuantReport, hessian: torch.Tensor | None = None,
-             act_order: bool = False) -> None:
+def _replace(model: nn.Module, name: str, module: nn.Module, config: QuantConfig, device, kernel: KernelChoice | None,
+             report: QuantReport, hessian: torch.Tensor | None = None, act_order: bool = False) -> None:
+    """``module`` replaced by its quantized layer in ``config``'s scheme (the output head's own, where that differs)."""
+    handler = HANDLERS[config.kind]
     weight, bias = float_weight(module)
     if device is not None:
         weight, bias = weight.to(device), None if bias is None else bias.to(device)
     kernel = kernel or quant_kernel(config, weight.device)
-    report.kernel = report.kernel or kernel
+    if config.kind == report.kind:
+        report.kernel = report.kernel or kernel
+    else:
+        report.head = f"{name}: {config.kind} per output channel ({kernel.kernel} kernels)"
     if hessian is None:
         layer = handler.from_float(weight, bias, config, native=kernel.native, dot_products=kernel.dot_products)
     else:
@@ -127,12 +139,13 @@ def plan(model: nn.Module, config: QuantConfig) -> tuple[list[tuple[str, nn.Modu
     """The linears ``quantize`` would replace, and a report naming those it keeps in float. Validates the scheme
     against every target's shape (raises ``ValueError``) without changing the model."""
     report = QuantReport(config.kind)
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = _output_head(model)
     targets = []
     for name, module in model.named_modules():
         reason = _reason_to_skip(name, module, head, config)
         if reason == "":
-            config.group_for(float_weight(module)[0].shape[1])  # raises if the scheme cannot fit this layer
+            scheme = config.head_scheme() if _is_head(module, head) else config
+            scheme.group_for(float_weight(module)[0].shape[1])  # raises if the scheme cannot fit this layer
             targets.append((name, module))
         elif reason is not None:
             report.kept_float[name] = reason
@@ -145,12 +158,20 @@ def _reason_to_skip(name: str, module: nn.Module, head: nn.Module | None, config
         return None
     if type(module) is not nn.Linear and not _is_conv1d(module):
         return f"{type(module).__name__} subclasses nn.Linear; wrap a plain nn.Linear to have it quantized"
-    heads = (head, getattr(head, "linear", None))  # a vocab-parallel head wraps its nn.Linear
-    if any(module is h for h in heads if h is not None) and not config.quantize_lm_head:
-        return "output head; set quantize_lm_head=True to quantize it"
+    if _is_head(module, head) and config.head_scheme() is None:
+        return "output head; set quantize_lm_head=True (the scheme) or lm_head_int8=True to quantize it"
     if not config.quantize_qkv and name.rsplit(".", 1)[-1] in QKV_NAMES:
         return "q/k/v projection with quant.qkv.enabled=False"
     return ""
+
+
+def _output_head(model: nn.Module) -> nn.Module | None:
+    return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+
+
+def _is_head(module: nn.Module, head: nn.Module | None) -> bool:
+    """``module`` is the output head, or the plain linear inside a vocab-parallel one."""
+    return head is not None and (module is head or module is getattr(head, "linear", None))
 
 
 def float_weight(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

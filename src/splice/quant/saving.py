@@ -78,6 +78,9 @@ def _describe(module: QuantizedLinear) -> dict:
 
 def _empty_layer(model: nn.Module, name: str, layer: dict, config: QuantConfig,
                  device: torch.device) -> QuantizedLinear:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and model.get_submodule(name) in (head, getattr(head, "linear", None)):
+        config = config.head_scheme() or config
     if layer["kind"] != config.kind:
         raise ValueError(f"layer {name} was saved as {layer['kind']!r} but the scheme says {config.kind!r}")
     current = model.get_submodule(name)

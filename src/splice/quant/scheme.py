@@ -19,7 +19,9 @@ Mapping from the DeepSpeed-style keys (``InferenceConfig``):
 ``quant.qkv.enabled=False``                            q/k/v projections stay in float
 =====================================================  ==========================================================
 
-Embeddings and the output head (lm_head) stay in float unless ``quantize_lm_head=True``.
+Embeddings stay in float. The output head (lm_head): in float by default; ``quantize_lm_head=True`` quantizes it with
+the scheme, ``lm_head_int8=True`` (and ``quantize_lm_head=False``) with int8 per output channel whatever the scheme
+(``init_inference``'s default whenever it quantizes: ``quant.quantize_lm_head`` None).
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ class QuantConfig:
     q_groups: int = 1
     symmetric: bool = True
     activations: bool = False  # dynamic int8 activations (W8A8)
-    quantize_lm_head: bool = False
+    quantize_lm_head: bool = False  # the output head in this scheme
+    lm_head_int8: bool = False  # the output head in int8 per output channel (when quantize_lm_head is False)
     quantize_qkv: bool = True
 
     def __post_init__(self) -> None:
@@ -70,6 +73,12 @@ class QuantConfig:
         if self.activations and (self.group_size is not None or self.q_groups != 1):
             raise ValueError(f"W8A8 needs one scale per output channel; got group_size={self.group_size}, "
                              f"q_groups={self.q_groups}; allowed: group_size=None, q_groups=1")
+
+    def head_scheme(self) -> QuantConfig | None:
+        """The scheme of the output head: this one, int8 per channel, or None (kept in float)."""
+        if self.quantize_lm_head:
+            return self
+        return QuantConfig(bits=8) if self.lm_head_int8 else None
 
     @property
     def kind(self) -> str:
@@ -105,14 +114,15 @@ class QuantConfig:
         """The scheme an ``InferenceConfig`` asks for, or None when it asks for no quantization."""
         quant = config.quant
         int8_dtype = config.dtype == torch.int8
+        head = {"quantize_lm_head": quant.quantize_lm_head is True, "lm_head_int8": quant.quantize_lm_head is None}
         if not quant.enabled:
-            return cls(bits=8) if int8_dtype else None
+            return cls(bits=8, **head) if int8_dtype else None
         weight, act = quant.weight, quant.activation
         if not weight.enabled:
             if act.enabled:
                 raise ValueError("quant.activation.enabled=True with quant.weight.enabled=False is not supported; "
                                  "allowed: quantized weights alone, or weights and activations together")
-            return cls(bits=8) if int8_dtype else None
+            return cls(bits=8, **head) if int8_dtype else None
         if int8_dtype and weight.num_bits != 8:
             raise ValueError(f"dtype=torch.int8 contradicts quant.weight.num_bits={weight.num_bits}; allowed: "
                              "num_bits=8 with dtype=int8, or a float dtype (or None) with num_bits=4")
@@ -122,7 +132,7 @@ class QuantConfig:
                              "allowed: q_groups=1, q_type='symmetric' (activations get one symmetric scale per row)")
         return cls(bits=weight.num_bits, group_size=weight.group_size, q_groups=weight.q_groups,
                    symmetric=_symmetric(weight.q_type, weight.num_bits), activations=act.enabled,
-                   quantize_lm_head=bool(getattr(quant, "quantize_lm_head", False)),
+                   **head,
                    quantize_qkv=quant.qkv.enabled)
 
 
