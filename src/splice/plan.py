@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from . import native
-from .arch import lookup, model_dims, tensor_parallel_plan
+from .arch import check_fits, lookup, model_dims, tensor_parallel_plan
+from .arch.paths import missing_parts
 from .checkpoint import check_checkpoint, has_meta_tensors, load_policy_files
 from .config import InferenceConfig
 from .distributed import ParallelContext
@@ -210,7 +211,14 @@ def check_fusable(model: nn.Module, config: InferenceConfig) -> None:
     model_config = getattr(model, "config", None)
     if model_config is None:
         raise TypeError(f"kernel injection needs a transformers model with a .config, got {type(model).__name__}")
-    dims = model_dims(lookup(model_config), model_config)
+    record = lookup(model_config)
+    check_fits(record, model_config)
+    dims = model_dims(record, model_config)
+    missing = missing_parts(record, dims.parallel, model)
+    if missing:
+        raise ValueError(f"kernel injection cannot fuse this {record.model_type} model: its record names "
+                         f"{', '.join(missing)}, which the model does not have (a layout the fused block does not "
+                         "know); use replace_with_kernel_inject=False for this model")
     activation(dims.activation)
     if config.max_out_tokens > dims.rope.max_positions:
         raise ValueError(f"max_out_tokens={config.max_out_tokens} exceeds {dims.rope.max_positions}, past which "

@@ -161,6 +161,20 @@ def model_dims(record: ArchRecord, config: Any) -> ModelDims:
     )
 
 
+def check_fits(record: ArchRecord, config: Any) -> None:
+    """Raise ``ValueError`` naming the config value the fused block cannot express for this family."""
+    for key, value in record.refuse:
+        if getattr(config, key, None) == value:
+            raise ValueError(f"kernel injection cannot fuse model_type={record.model_type!r} with {key}={value!r}: "
+                             f"the fused block has no such layout; use replace_with_kernel_inject=False for this model")
+    if record.qkv_layout not in ("contiguous", "grouped"):
+        raise ValueError(f"record {record.model_type!r}: qkv_layout={record.qkv_layout!r}; allowed: contiguous, "
+                         "grouped")
+    if record.positions not in ("rotary", "learned", "alibi", "none"):
+        raise ValueError(f"record {record.model_type!r}: positions={record.positions!r}; allowed: rotary, learned, "
+                         "alibi, none")
+
+
 def config_flag(value: bool | str | tuple[str, ...], config: Any) -> bool:
     """A record variant: a fixed bool, or config keys any of which (when true) turns it on."""
     if isinstance(value, bool):

@@ -22,12 +22,15 @@ from torch import nn
 
 from .. import native
 from ..arch import ArchRecord, ModelDims, lookup, model_dims
+from ..arch.paths import get_path, optional_path, set_path
+from ..distributed import SINGLE_PROCESS, ParallelContext
 from ..layers.block import BlockLayout, BlockShape, SpliceBlock, alibi_slopes
 from ..layers.causal_lm import Ends, SpliceCausalLM
 from ..layers.conv1d import in_out_features, is_conv1d, linear_weight
 from ..layers.norm import HeadRMSNorm, RMSNorm
 from ..layers.rotary import interleaved_to_halves
 from ..plan import Plan
+from ..tp.split import Heads, head_share
 from . import Stage, StepReport
 
 
@@ -55,20 +58,25 @@ def fuse(stage: Stage, plan: Plan) -> tuple[Stage, FuseReport]:
     parallel = plan.parallel
     if not plan.fuse:
         return stage, FuseReport("fuse", None, 0, 0, None, parallel.rank, parallel.world_size)
-    runtime = inject(stage.model, plan.max_out_tokens)
+    runtime = inject(stage.model, plan.max_out_tokens, parallel)
     shape = runtime.blocks[0].shape
     heads = (shape.n_heads, shape.n_kv_heads) if parallel.world_size > 1 else None
     return stage.with_(runtime=runtime), FuseReport("fuse", stage.model.config.model_type, len(runtime.blocks),
                                                     plan.max_out_tokens, heads, parallel.rank, parallel.world_size)
 
 
-def inject(model: nn.Module, max_out_tokens: int) -> SpliceCausalLM:
-    """Replace the decoder layers of ``model`` in place; return the native decode runtime over them."""
+def inject(model: nn.Module, max_out_tokens: int, parallel: ParallelContext = SINGLE_PROCESS) -> SpliceCausalLM:
+    """Replace the decoder layers of ``model`` (this rank's shards under ``parallel``) in place; return the native
+    decode runtime over them."""
     record = lookup(model.config)
     dims = model_dims(record, model.config)
     layers = get_path(model, record.layers)
+    first_head = 0
+    if parallel.world_size > 1:  # the model's numbering of this rank's first query head (ALiBi's slopes follow it)
+        heads = Heads(dims.n_heads, dims.n_kv_heads, dims.head_dim)
+        first_head = head_share(heads, parallel.world_size, parallel.rank).q[0]
     for index in range(len(layers)):
-        layers[index] = fused_block(record, dims, index, layers[index])
+        layers[index] = fused_block(record, dims, index, layers[index], first_head)
     if record.norm == "rms" and record.final_norm:
         norm = get_path(model, record.final_norm)
         set_path(model, record.final_norm, RMSNorm(norm.weight, dims.eps, record.norm_offset))
@@ -84,8 +92,9 @@ def inject(model: nn.Module, max_out_tokens: int) -> SpliceCausalLM:
     return runtime
 
 
-def fused_block(record: ArchRecord, dims: ModelDims, index: int, layer: nn.Module) -> SpliceBlock:
-    """Build one :class:`SpliceBlock` from one decoder layer, taking its weights over."""
+def fused_block(record: ArchRecord, dims: ModelDims, index: int, layer: nn.Module, first_head: int = 0) -> SpliceBlock:
+    """Build one :class:`SpliceBlock` from one decoder layer, taking its weights over; ``first_head``: the model's
+    number of the layer's first query head (not 0 on tensor-parallel ranks past the first)."""
     n_q, n_kv = head_counts(record, dims, layer)
     qkv = fused_qkv(record, dims, layer, n_q, n_kv)
     if record.gated:
@@ -100,17 +109,13 @@ def fused_block(record: ArchRecord, dims: ModelDims, index: int, layer: nn.Modul
     attn_norm, mlp_norm, attn_out_norm, mlp_out_norm = (
         block_norm(record, dims, layer, path) for path in (record.attn_norm, record.mlp_norm, record.attn_out_norm,
                                                            record.mlp_out_norm))
-    if attn_norm is None or (mlp_norm is None and not dims.parallel):
-        raise ValueError(f"a {record.model_type} layer has no {record.attn_norm if attn_norm is None else record.mlp_norm}"
-                         f" norm, which its {'parallel' if dims.parallel else 'sequential'} layout needs")
     layout = BlockLayout(parallel=dims.parallel, norm_before=dims.norm_before, gated=record.gated,
                          rotary=dims.positions == "rotary", rope_index=rope_index(dims, index),
                          scale=dims.layer_scale(index), softcap=dims.attn_softcap, hf_args=record.hf_args,
                          hf_returns_tuple=record.hf_returns_tuple, hf_alibi_in_mask=record.hf_alibi_in_mask)
     slopes = None
     if dims.positions == "alibi":
-        first = local_heads(layer, record, n_q, dims.n_heads)
-        slopes = alibi_slopes(dims.n_heads)[first:first + n_q]
+        slopes = alibi_slopes(dims.n_heads)[first_head:first_head + n_q]
         if record.alibi_scaled:
             slopes = slopes * layout.scale
     return SpliceBlock(index, shape, qkv, as_linear(get_path(layer, record.o)), gate_up,
@@ -121,18 +126,6 @@ def fused_block(record: ArchRecord, dims: ModelDims, index: int, layer: nn.Modul
 def rope_index(dims: ModelDims, index: int) -> int:
     """Which of the model's distinct rotary tables layer ``index`` uses."""
     return (dims.layer_ropes or (dims.rope,)).index(dims.layer_rope(index))
-
-
-def local_heads(layer: nn.Module, record: ArchRecord, n_q: int, n_heads: int) -> int:
-    """The first of this rank's query heads in the model's numbering (0 on a single process)."""
-    if n_q == n_heads:
-        return 0
-    attention = get_path(layer, record.o.rpartition(".")[0]) if "." in record.o else layer
-    first = getattr(attention, "splice_first_head", None)
-    if first is None:
-        raise ValueError(f"{record.model_type} with ALiBi under tensor parallelism needs each rank's first head; the "
-                         "sharded attention module does not say it")
-    return first
 
 
 def block_norm(record: ArchRecord, dims: ModelDims, layer: nn.Module, path: str | None) -> nn.Module | None:
@@ -253,25 +246,3 @@ def concat_linears(linears: list[nn.Linear]) -> nn.Linear:
         lin.weight = None
         lin.bias = None
     return fused
-
-
-def optional_path(root: nn.Module, path: str | None) -> Any:
-    """The module at the first of ``path``'s ``|`` alternatives that ``root`` has (and is not None), else None."""
-    for option in (path or "").split("|"):
-        module = get_path(root, option, None) if option else None
-        if module is not None:
-            return module
-    return None
-
-
-def get_path(root: nn.Module, path: str, *default) -> Any:
-    for name in path.split("."):
-        root = getattr(root, name, *default)
-        if root is None:
-            return None
-    return root
-
-
-def set_path(root: nn.Module, path: str, value: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    setattr(get_path(root, parent) if parent else root, name, value)

@@ -1,0 +1,145 @@
+"""Every family record beyond the Llama-like six, in each variant its config switches (see ``tiny_models.VARIANTS``),
+against the unmodified Hugging Face model with the same random weights: fp32 logits within 1e-4 (scaled by the logit
+std) and 48 greedy tokens identical, batch 1 and a left-padded batch of 3; bf16 kernels, int8 / int4 weights and the
+compiled decode step composed with each family; configs the fused block cannot express refused before any change."""
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+
+import splice
+from splice.generation import prefill_positions
+from splice.layers.block import SpliceBlock
+from splice.steps.fuse import inject
+
+from .tiny_models import NEW_FAMILIES, VARIANTS, assert_bf16_injection_close_to_hf, build_family, padded_batch
+
+GREEDY = dict(max_new_tokens=48, do_sample=False, eos_token_id=None)
+
+
+def scaled_error(reference: torch.Tensor, value: torch.Tensor) -> float:
+    return ((reference - value).abs().max() / reference.std()).item()
+
+
+def native_logits(runtime, ids, mask):
+    cache = runtime.new_cache(ids.shape[0])
+    cache.start(mask)
+    return runtime.forward(ids, prefill_positions(mask), torch.arange(ids.shape[1]), cache, ids.shape[1],
+                           last_only=False)
+
+
+def positions_for(model, mask) -> dict:
+    """Left-padded rows need mask-aware positions where the HF forward would count pads (learned positions)."""
+    return {"position_ids": prefill_positions(mask)} if "position_ids" in inspect.signature(model.forward).parameters \
+        else {}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_logits_match_the_reference(name):
+    reference = build_family(name)
+    model = copy.deepcopy(reference)
+    runtime = inject(model, max_out_tokens=64)
+    assert all(isinstance(block, SpliceBlock) for block in runtime.blocks)
+    ids, mask = padded_batch(batch=3, length=12)
+    real, extra = mask.bool(), positions_for(reference, mask)
+    with torch.inference_mode():
+        expected = reference(ids[:1]).logits
+        assert scaled_error(expected, model(ids[:1]).logits) < 1e-4  # HF forward through the fused blocks
+        assert scaled_error(expected, native_logits(runtime, ids[:1], mask[:1])) < 1e-4  # splice's native path
+        expected = reference(ids, attention_mask=mask, **extra).logits[real]
+        assert scaled_error(expected, model(ids, attention_mask=mask, **extra).logits[real]) < 1e-4
+        assert scaled_error(expected, native_logits(runtime, ids, mask)[real]) < 1e-4
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_greedy_tokens_match_the_reference(name):
+    """splice's decode loop and Hugging Face's own generate (HF cache, through the fused blocks) both give the
+    reference's 48 greedy tokens."""
+    reference = build_family(name)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
+    ids, mask = padded_batch(batch=3, length=10)
+    with torch.inference_mode():
+        for prompt, prompt_mask in ((ids[:1], mask[:1]), (ids, mask)):
+            expected = reference.generate(prompt, attention_mask=prompt_mask, **GREEDY)
+            assert torch.equal(engine.generate(prompt, attention_mask=prompt_mask, **GREEDY), expected)
+            assert torch.equal(engine.module.generate(prompt, attention_mask=prompt_mask, **GREEDY), expected)
+
+
+@pytest.mark.parametrize("name", NEW_FAMILIES)
+def test_bf16_kernels_agree_with_the_bf16_reference(name):
+    reference = build_family(name, dtype=torch.bfloat16)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, dtype=torch.bfloat16,
+                                   max_out_tokens=64)
+    assert_bf16_injection_close_to_hf(reference, engine)
+
+
+@pytest.mark.parametrize("name", NEW_FAMILIES)
+@pytest.mark.parametrize("quant", [{"dtype": torch.int8},
+                                   {"quant": {"enabled": True, "weight": {"num_bits": 4, "group_size": 32}}}],
+                         ids=["int8", "int4"])
+def test_quantized_weights_agree_with_the_reference(name, quant):
+    """Integer weights on the fused projections: the next-token argmax mostly agrees with fp32 HF's."""
+    reference = build_family(name)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64,
+                                   **quant)
+    assert engine.step_report("quantize").quant.quantized
+    ids, mask = padded_batch(batch=3, length=12)
+    real, extra = mask.bool(), positions_for(reference, mask)
+    with torch.inference_mode():
+        expected = reference(ids, attention_mask=mask, **extra).logits[real]
+        got = engine(ids, attention_mask=mask, **extra).logits[real]
+    agreement = (expected.argmax(-1) == got.argmax(-1)).float().mean().item()
+    assert agreement > (0.9 if "dtype" in quant else 0.7), agreement
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bloom", "gemma2", "gptj"])
+def test_compiled_decode_gives_the_reference_tokens(name):
+    """compile_decode=True on ALiBi, soft-capped and interleaved-rotary blocks: the compiled one-query attention."""
+    reference = build_family(name)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, compile_decode=True,
+                                   max_out_tokens=64)
+    ids, mask = padded_batch(batch=3, length=10)
+    options = dict(GREEDY, max_new_tokens=16)
+    with torch.inference_mode():
+        expected = reference.generate(ids, attention_mask=mask, **options)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, **options), expected)
+
+
+def test_a_config_the_block_cannot_express_is_refused_before_any_change():
+    model = build_family("bloom")
+    model.config.apply_residual_connection_post_layernorm = True
+    with pytest.raises(ValueError, match="apply_residual_connection_post_layernorm=True"):
+        splice.init_inference(model, replace_with_kernel_inject=True)
+    assert type(model.transformer.h[0]).__name__ == "BloomBlock"
+
+
+def test_a_layer_without_the_parts_its_record_names_is_refused_before_any_change():
+    model = build_family("gpt2")
+    del model.transformer.h[0].ln_2
+    with pytest.raises(ValueError, match=r"transformer\.h\.0\.ln_2"):
+        splice.init_inference(model, replace_with_kernel_inject=True)
+    assert type(model.transformer.h[1]).__name__ == "GPT2Block"
+
+
+def test_variants_are_read_from_the_config():
+    from splice.arch import lookup, model_dims
+
+    def dims(name):
+        config = build_family(name).config
+        return model_dims(lookup(config), config)
+
+    assert dims("gpt_neox").parallel and not dims("gpt_neox:sequential").parallel
+    assert dims("gpt_neox").rotary_dim == 8 and dims("gptj").rotary_dim == 8
+    assert not dims("opt:post_norm").norm_before and dims("opt").norm_before
+    assert (dims("falcon").n_kv_heads, dims("falcon:multi_query").n_kv_heads, dims("falcon:sequential").n_kv_heads) \
+        == (2, 1, 4)
+    assert dims("falcon:alibi").positions == "alibi" and dims("falcon").positions == "rotary"
+    assert dims("gpt2:scaled_by_layer").layer_scale(1) == pytest.approx(16 ** -0.5 / 2)
+    gemma2 = dims("gemma2")
+    assert (gemma2.attn_scale, gemma2.attn_softcap, gemma2.final_softcap) == (24 ** -0.5, 2.0, 3.0)
+    gemma3 = dims("gemma3_text")
+    assert gemma3.windows == (6, None) and gemma3.layer_rope(0).theta != gemma3.layer_rope(1).theta
