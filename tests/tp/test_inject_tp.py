@@ -47,6 +47,33 @@ def test_every_fused_family_matches_single_process_tp3():
     check_fused([r["fused"] for r in suite.tp3()], 3)
 
 
+def check_other_families(results: list[dict], tp: int, variants: tuple) -> None:
+    """The other families' variants: parity, greedy tokens, each rank's heads as the split gives them, two
+    all-reduces a block."""
+    from splice.tp.split import Heads, head_share
+
+    for rank, per_family in enumerate(results):
+        assert sorted(per_family) == sorted(variants), rank
+        for family, r in per_family.items():
+            where = (tp, rank, family, r)
+            assert r["hf_forward"] < 1e-4 and r["native"] < 1e-4, where
+            assert r["tokens_equal"] and r["native_loop"], where
+            n_q, n_kv = r["config_heads"]
+            share = head_share(Heads(n_q, n_kv, 16), tp, rank)
+            assert tuple(r["shape"]) == (share.n_q, share.n_kv), where
+            assert r["all_reduce"] - r["embed_all_reduce"] == 2 * r["layers"], where
+            assert r["modules"] == ["VocabParallelEmbedding", "VocabParallelLinear", "RowParallelLinear",
+                                    "RowParallelLinear"], where
+
+
+def test_other_families_match_single_process_tp2():
+    check_other_families([r["fused_families"] for r in suite.tp2()], 2, workers.TP_VARIANTS)
+
+
+def test_multi_query_and_alibi_match_single_process_tp3():
+    check_other_families([r["fused_families"] for r in suite.tp3()], 3, workers.TP3_VARIANTS)
+
+
 def test_compiled_decode_step_runs_under_tensor_parallelism():
     """compile_decode=True at tp=2: each rank's compiled step (collectives traced in, no graph breaks) gives HF's
     single-process greedy tokens."""
