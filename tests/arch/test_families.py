@@ -135,8 +135,8 @@ def test_variants_are_read_from_the_config():
     assert dims("gpt_neox").parallel and not dims("gpt_neox:sequential").parallel
     assert dims("gpt_neox").rotary_dim == 8 and dims("gptj").rotary_dim == 8
     assert not dims("opt:post_norm").norm_before and dims("opt").norm_before
-    assert (dims("falcon").n_kv_heads, dims("falcon:multi_query").n_kv_heads, dims("falcon:sequential").n_kv_heads) \
-        == (2, 1, 4)
+    falcons = ("falcon", "falcon:new_architecture", "falcon:sequential")
+    assert [dims(name).n_kv_heads for name in falcons] == [1, 2, 4]
     assert dims("falcon:alibi").positions == "alibi" and dims("falcon").positions == "rotary"
     assert dims("gpt2:scaled_by_layer").layer_scale(1) == pytest.approx(16 ** -0.5 / 2)
     gemma2 = dims("gemma2")

@@ -1,21 +1,37 @@
-"""Tiny random-weight models of every family with an architecture record, built from transformers config classes.
+"""The tests' one factory of tiny random-weight models (hidden 64, 2 layers, vocab 128), built from transformers config
+classes: every family with an architecture record, and those AutoTP and tensor parallelism are tested on.
 
 Each config switches on the family's variant (sliding window, qkv bias, qk-norm, fused projections with partial
-rotary, Gemma's norm offset and embedding scale, parallel residuals, post-norm, multi-query, ALiBi, soft-capping),
-and norm weights and biases are randomised so none is trivial. A name ``family:variant`` picks a variant of the
-family (:data:`VARIANTS`); the plain family name is its first config.
+rotary, Gemma's norm offset and embedding scale, parallel residuals, post-norm, multi-query, ALiBi, soft-capping).
+A name ``family:variant`` picks a variant of the family (:data:`VARIANTS`); the plain family name is its first config.
+:func:`build_family` randomises norm weights and biases so none is trivial; :func:`build` builds a config as it is
+(also on the meta device), with overrides.
 """
 from __future__ import annotations
 
 import torch
-
-from ..conftest import build_tiny
 
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
               bos_token_id=1, eos_token_id=2, pad_token_id=0)
 #: the new families: their own size names, larger initial weights (sharper attention, so a wrong position shows)
 IDS = dict(vocab_size=128, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1)
+
+
+def tiny_llama_config(**overrides):
+    """The tiny Llama config, with constructor ``overrides``."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**COMMON, **overrides})
+
+
+def build_tiny(config, seed: int = 0, dtype=torch.float32):
+    """A random-weight causal LM from a transformers config, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
 
 
 def _configs():
@@ -53,11 +69,13 @@ def _configs():
                                    partial_rotary_factor=0.5, tie_word_embeddings=False),
         "gptj": lambda: T.GPTJConfig(**IDS, n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8,
                                      n_inner=128, tie_word_embeddings=False),
-        # new decoder architecture: grouped KV (4 query heads over 2), two norms in parallel
+        # Falcon-7B's layout: one shared K/V head, attention and MLP in parallel from one norm
         "falcon": lambda: T.FalconConfig(**IDS, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                         num_kv_heads=2, new_decoder_architecture=True, bias=True),
-        "falcon:multi_query": lambda: T.FalconConfig(**IDS, hidden_size=64, num_hidden_layers=2,
-                                                     num_attention_heads=4, multi_query=True, parallel_attn=True),
+                                         multi_query=True, parallel_attn=True),
+        # new decoder architecture: grouped KV (4 query heads over 2), two norms in parallel
+        "falcon:new_architecture": lambda: T.FalconConfig(**IDS, hidden_size=64, num_hidden_layers=2,
+                                                          num_attention_heads=4, num_kv_heads=2,
+                                                          new_decoder_architecture=True, bias=True),
         "falcon:sequential": lambda: T.FalconConfig(**IDS, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                                     multi_query=False, parallel_attn=False, bias=True),
         "falcon:alibi": lambda: T.FalconConfig(**IDS, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -73,15 +91,37 @@ def _configs():
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
 NEW_FAMILIES = ("gpt_neox", "gpt2", "opt", "phi", "gptj", "falcon", "bloom", "gemma2", "gemma3_text")
+#: the families AutoTP and tensor parallelism are tested on (tests/tp)
+AUTOTP_FAMILIES = ("llama", "qwen2", "gpt2", "gpt_neox", "bloom", "falcon", "opt", "phi3", "gemma")
 VARIANTS = (
     "gpt_neox", "gpt_neox:sequential", "gpt2", "gpt2:scaled_by_layer", "opt", "opt:post_norm", "phi", "gptj",
-    "falcon", "falcon:multi_query", "falcon:sequential", "falcon:alibi", "bloom", "bloom:six_heads", "gemma2",
+    "falcon", "falcon:new_architecture", "falcon:sequential", "falcon:alibi", "bloom", "bloom:six_heads", "gemma2",
     "gemma3_text")
 
 
 def family_config(name: str):
     """The config of family (or ``family:variant``) ``name``."""
     return _configs()[name]()
+
+
+def tiny_config(name: str, **overrides):
+    """The config of ``name`` with attributes ``overrides`` set on it."""
+    config = family_config(name)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def build(name: str, seed: int = 0, meta: bool = False, **overrides):
+    """The tiny model of ``name`` as its config builds it (on the meta device with ``meta=True``), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(name, **overrides)
+    torch.manual_seed(seed)
+    if meta:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config).eval()
+    return build_tiny(config, seed=seed)
 
 
 def build_family(name: str, seed: int = 0, dtype=torch.float32):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.tp.models import build
+from tests.arch.tiny_models import build
 
 PROMPT = [[5, 17, 33, 9, 90, 41, 7]]
 
@@ -280,8 +280,8 @@ FUSED_NEW_TOKENS = 12
 #: variants of the other fused families run at tp=2: per-head and multi-query fused q/k/v (the shared K/V head
 #: replicated), Conv1D, post-norm with OPT's projections, ALiBi, soft-capping; at tp=3 (uneven heads) the
 #: multi-query and ALiBi ones (each rank's slopes follow its heads)
-TP_VARIANTS = ("gpt_neox", "gpt2", "opt:post_norm", "falcon:multi_query", "bloom", "gemma2")
-TP3_VARIANTS = ("falcon:multi_query", "bloom")
+TP_VARIANTS = ("gpt_neox", "gpt2", "opt:post_norm", "falcon", "bloom", "gemma2")
+TP3_VARIANTS = ("falcon", "bloom")
 
 
 def fused_pipeline(rank: int, world: int, families: tuple | None = None) -> dict:
