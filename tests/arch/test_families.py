@@ -1,7 +1,9 @@
-"""Every family record beyond the Llama-like six, in each variant its config switches (see ``tiny_models.VARIANTS``),
-against the unmodified Hugging Face model with the same random weights: fp32 logits within 1e-4 (scaled by the logit
-std) and 48 greedy tokens identical, batch 1 and a left-padded batch of 3; bf16 kernels, int8 / int4 weights and the
-compiled decode step composed with each family; configs the fused block cannot express refused before any change."""
+"""Every family record beyond the Llama-like six (whose parity tests are in ``tests/steps/test_fuse.py`` and
+``tests/test_generation.py``), in each variant its config switches (see ``tiny_models.VARIANTS``), against the
+unmodified Hugging Face model with the same random weights: fp32 logits within 1e-4 (scaled by the logit std) and 48
+greedy tokens identical, batch 1 and a left-padded batch of 3. For all fifteen families: bf16 native kernels and
+int8 / int4 weights; for some, the compiled decode step. Configs the fused block cannot express are refused before
+any change."""
 from __future__ import annotations
 
 import copy
@@ -15,7 +17,7 @@ from splice.generation import prefill_positions
 from splice.layers.block import SpliceBlock
 from splice.steps.fuse import inject
 
-from .tiny_models import NEW_FAMILIES, VARIANTS, assert_bf16_injection_close_to_hf, build_family, padded_batch
+from .tiny_models import FAMILIES, NEW_FAMILIES, VARIANTS, assert_bf16_injection_close_to_hf, build_family, padded_batch
 
 GREEDY = dict(max_new_tokens=48, do_sample=False, eos_token_id=None)
 
@@ -68,7 +70,7 @@ def test_greedy_tokens_match_the_reference(name):
             assert torch.equal(engine.module.generate(prompt, attention_mask=prompt_mask, **GREEDY), expected)
 
 
-@pytest.mark.parametrize("name", NEW_FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + NEW_FAMILIES)
 def test_bf16_kernels_agree_with_the_bf16_reference(name):
     reference = build_family(name, dtype=torch.bfloat16)
     engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, dtype=torch.bfloat16,
@@ -76,7 +78,7 @@ def test_bf16_kernels_agree_with_the_bf16_reference(name):
     assert_bf16_injection_close_to_hf(reference, engine)
 
 
-@pytest.mark.parametrize("name", NEW_FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + NEW_FAMILIES)
 @pytest.mark.parametrize("quant", [{"dtype": torch.int8},
                                    {"quant": {"enabled": True, "weight": {"num_bits": 4, "group_size": 32}}}],
                          ids=["int8", "int4"])

@@ -50,8 +50,8 @@ class FuseReport(StepReport):
         if self.heads_here is not None:
             parallel = (f"; tensor-parallel rank {self.rank}/{self.world_size}: {self.heads_here[0]} query and "
                         f"{self.heads_here[1]} KV heads here, o/down row-parallel (two all-reduces a block)")
-        return (f"{self.layers} {self.family} decoder layers -> SpliceBlock (fused QKV and gate+up GEMMs, SDPA, static "
-                f"KV cache of {self.kv_cache_tokens} tokens){parallel}")
+        return (f"{self.layers} {self.family} decoder layers -> SpliceBlock (one QKV GEMM, one MLP input GEMM, SDPA, "
+                f"static KV cache of {self.kv_cache_tokens} tokens){parallel}")
 
 
 def fuse(stage: Stage, plan: Plan) -> tuple[Stage, FuseReport]:
