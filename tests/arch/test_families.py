@@ -143,5 +143,6 @@ def test_variants_are_read_from_the_config():
     assert dims("gpt2:scaled_by_layer").layer_scale(1) == pytest.approx(16 ** -0.5 / 2)
     gemma2 = dims("gemma2")
     assert (gemma2.attn_scale, gemma2.attn_softcap, gemma2.final_softcap) == (24 ** -0.5, 2.0, 3.0)
+    assert dims("gpt_neo").windows == (None, 4) and dims("gpt_neo").layer_scale(0) == 1.0
     gemma3 = dims("gemma3_text")
     assert gemma3.windows == (6, None) and gemma3.layer_rope(0).theta != gemma3.layer_rope(1).theta

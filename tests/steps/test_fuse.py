@@ -107,13 +107,13 @@ def test_init_inference_injects(tiny_llama):
 
 
 def test_init_inference_refuses_unsupported_family_before_changing_the_model():
-    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+    from transformers import GPTBigCodeConfig, GPTBigCodeForCausalLM
 
-    model = GPTNeoForCausalLM(GPTNeoConfig(num_layers=1, hidden_size=32, num_heads=2, vocab_size=64,
-                                           max_position_embeddings=32, attention_types=[[["global"], 1]]))
-    with pytest.raises(ValueError, match="model_type='gpt_neo'.*llama"):
+    model = GPTBigCodeForCausalLM(GPTBigCodeConfig(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32,
+                                                   bos_token_id=1, eos_token_id=2))
+    with pytest.raises(ValueError, match="model_type='gpt_bigcode'.*llama"):
         splice.init_inference(model, replace_with_kernel_inject=True)
-    assert type(model.transformer.h[0]).__name__ == "GPTNeoBlock"
+    assert type(model.transformer.h[0]).__name__ == "GPTBigCodeBlock"
 
 
 def test_plain_path_is_untouched(tiny_llama):

@@ -85,5 +85,14 @@ GEMMA3_TEXT = ArchRecord(
     mlp_norm="pre_feedforward_layernorm", attn_out_norm="post_attention_layernorm",
     mlp_out_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
 
+# DS_GPTNEOContainer: learned positions, unscaled scores, global and local (sliding-window) layers
+GPT_NEO = ArchRecord(
+    model_type="gpt_neo", layers="transformer.h", embed="transformer.wte", position_embed="transformer.wpe",
+    final_norm="transformer.ln_f", q="attn.attention.q_proj", k="attn.attention.k_proj", v="attn.attention.v_proj",
+    o="attn.attention.out_proj", gated=False, up="mlp.c_fc", down="mlp.c_proj", norm="layer", attn_norm="ln_1",
+    mlp_norm="ln_2", eps_key="layer_norm_epsilon", positions="learned", activation_key="activation_function",
+    attn_scale=1.0, sliding_window=True, window_key="window_size", layer_types_key="attention_layers",
+    window_layer_type="local", hf_returns_tuple=True, hf_window_in_mask=False)
+
 RECORDS: tuple[ArchRecord, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GPT_NEOX, GPT2, OPT, PHI, GPTJ, FALCON,
-                                   BLOOM, GEMMA2, GEMMA3_TEXT)
+                                   BLOOM, GEMMA2, GEMMA3_TEXT, GPT_NEO)

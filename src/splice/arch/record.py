@@ -79,8 +79,14 @@ class ArchRecord:
     activation: str | None = None
     # multiply token embeddings by sqrt(hidden_size)
     embed_scale: bool = False
-    # honour ``config.sliding_window`` (and ``config.layer_types`` when present)
+    # honour the config's sliding window (``window_key``), on the layers ``layer_types_key`` lists as
+    # ``window_layer_type`` when the config has that list (else on every layer)
     sliding_window: bool = False
+    window_key: str = "sliding_window"
+    layer_types_key: str = "layer_types"
+    window_layer_type: str = "sliding_attention"
+    # a fixed score scale where the family has one its config does not state (GPT-Neo: 1), else read from the config
+    attn_scale: float | None = None
     # config values the fused block cannot express: ``((key, value), ...)`` refused at plan time
     refuse: tuple[tuple[str, Any], ...] = ()
     # how the family's Hugging Face model calls a decoder layer: the names of its positional arguments after the
@@ -88,6 +94,7 @@ class ArchRecord:
     hf_args: tuple[str, ...] = ()
     hf_returns_tuple: bool = False
     hf_alibi_in_mask: bool = False
+    hf_window_in_mask: bool = True  # False: the HF layer applies its sliding window itself (GPT-Neo)
 
 
 @dataclass(frozen=True)
@@ -154,7 +161,7 @@ def model_dims(record: ArchRecord, config: Any) -> ModelDims:
         positions="alibi" if alibi else record.positions,
         parallel=config_flag(record.parallel, config),
         norm_before=config_flag(record.norm_before, config),
-        attn_scale=attention_scale(config),
+        attn_scale=record.attn_scale if record.attn_scale is not None else attention_scale(config),
         scale_by_layer=bool(getattr(config, "scale_attn_by_inverse_layer_idx", False)),
         attn_softcap=getattr(config, "attn_logit_softcapping", None),
         final_softcap=getattr(config, "final_logit_softcapping", None),
@@ -209,11 +216,11 @@ def attention_scale(config: Any) -> float | None:
 def layer_windows(record: ArchRecord, config: Any) -> tuple[int | None, ...]:
     """The sliding window of each layer: ``layer_types`` picks the layers when the config has it."""
     n_layers = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None) if record.sliding_window else None
-    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, record.window_key, None) if record.sliding_window else None
+    layer_types = getattr(config, record.layer_types_key, None)
     if window is None or layer_types is None:
         return (window,) * n_layers
-    return tuple(window if kind == "sliding_attention" else None for kind in layer_types[:n_layers])
+    return tuple(window if kind == record.window_layer_type else None for kind in layer_types[:n_layers])
 
 
 def layer_ropes(config: Any, head_dim: int) -> tuple[RopeSpec, ...]:

@@ -67,6 +67,7 @@ class BlockLayout:
     hf_args: tuple[str, ...] = ()  # the HF layer's positional arguments after the hidden states
     hf_returns_tuple: bool = False
     hf_alibi_in_mask: bool = False  # the HF model folds the ALiBi bias into the mask it passes
+    hf_window_in_mask: bool = True  # False: the HF model passes a full causal mask to sliding-window layers
 
 
 class SpliceBlock(nn.Module):
@@ -111,6 +112,8 @@ class SpliceBlock(nn.Module):
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         if isinstance(mask, dict):  # some models hand every layer a mask per layer type
             mask = mask["sliding_attention" if self.window is not None else "full_attention"]
+        if self.window is not None and not self.layout.hf_window_in_mask:
+            mask = within_window(mask, q.shape[2], k.shape[2], self.window, q.device)
         causal = mask is None and q.shape[2] > 1
         alibi = not self.layout.hf_alibi_in_mask
         out = self.finish(x, h, self.attend(q, k, v, mask, causal, alibi))
@@ -201,6 +204,19 @@ def additive_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, dtype, dev
     if mask.dtype == torch.bool:
         return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
     return mask.to(dtype)
+
+
+def within_window(mask: torch.Tensor | None, q_len: int, kv_len: int, window: int, device) -> torch.Tensor:
+    """``mask`` (boolean, float or None for causal) restricted to the last ``window`` positions of each query, the
+    queries being the last ``q_len`` of ``kv_len`` positions."""
+    rows = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    keys = torch.arange(kv_len, device=device)[None, :]
+    visible = (keys > rows - window) & (keys <= rows)
+    if mask is None:
+        return visible
+    if mask.dtype == torch.bool:
+        return mask & visible
+    return mask.masked_fill(~visible, float("-inf"))
 
 
 def alibi_bias(slopes: torch.Tensor, kv_len: int) -> torch.Tensor:

@@ -112,7 +112,8 @@ def fused_block(record: ArchRecord, dims: ModelDims, index: int, layer: nn.Modul
     layout = BlockLayout(parallel=dims.parallel, norm_before=dims.norm_before, gated=record.gated,
                          rotary=dims.positions == "rotary", rope_index=rope_index(dims, index),
                          scale=dims.layer_scale(index), softcap=dims.attn_softcap, hf_args=record.hf_args,
-                         hf_returns_tuple=record.hf_returns_tuple, hf_alibi_in_mask=record.hf_alibi_in_mask)
+                         hf_returns_tuple=record.hf_returns_tuple, hf_alibi_in_mask=record.hf_alibi_in_mask,
+                         hf_window_in_mask=record.hf_window_in_mask)
     slopes = None
     if dims.positions == "alibi":
         slopes = alibi_slopes(dims.n_heads)[first_head:first_head + n_q]
