@@ -297,7 +297,6 @@ def fused_pipeline(rank: int, world: int, families: tuple | None = None) -> dict
 
     for family in families or INJECT_FAMILIES:
         model = build_family(family)
-        dims = model_dims(lookup(model.config), model.config)
         ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(7))
         prompt, mask = padded_batch(batch=3, length=10)
         options = dict(max_new_tokens=FUSED_NEW_TOKENS, do_sample=False, pad_token_id=0)
@@ -314,6 +313,7 @@ def fused_pipeline(rank: int, world: int, families: tuple | None = None) -> dict
         tokens = engine.generate(prompt, attention_mask=mask, **options)
         scale = ref_logits.std()
         block = runtime.blocks[0]
+        dims = model_dims(lookup(model.config), model.config)  # read after sharding: the config is left as it was
         out[family] = {
             "hf_forward": float((engine(ids).logits - ref_logits).abs().max() / scale),
             "native": float((native - ref_logits).abs().max() / scale),
