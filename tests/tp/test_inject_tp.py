@@ -59,8 +59,9 @@ def test_other_families_match_single_process_tp2():
     check_fused([r["fused_families"] for r in suite.tp2()], 2, workers.TP_VARIANTS)
 
 
-def test_multi_query_and_alibi_match_single_process_tp3():
-    """Uneven heads: the shared K/V head replicated on every rank; each rank's ALiBi slopes follow its heads."""
+def test_multi_query_grouped_and_alibi_match_single_process_tp3():
+    """Uneven heads: the shared K/V head replicated on every rank, a KV group's query heads split over two ranks;
+    each rank's ALiBi slopes follow its heads."""
     check_fused([r["fused_families"] for r in suite.tp3()], 3, workers.TP3_VARIANTS)
 
 

@@ -102,6 +102,9 @@ class SpliceBlock(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         """The Hugging Face decoder-layer call: HF's cos/sin (or position ids), mask (None means causal) and cache."""
+        if len(args) > len(self.layout.hf_args):
+            raise TypeError(f"the fused block got {len(args)} positional arguments after the hidden states; its "
+                            f"record names {len(self.layout.hf_args)} ({', '.join(self.layout.hf_args) or 'none'})")
         kwargs.update(zip(self.layout.hf_args, args))
         cache = next((kwargs.pop(name) for name in CACHE_ARGS if kwargs.get(name) is not None), None)
         mask = kwargs.pop("attention_mask", None)
