@@ -68,7 +68,9 @@ def shares(rule, size: int, tp: int) -> list:
     return [merge(list(layout_ranges(rule.layout, size, tp, rank, rule.heads))) for rank in range(tp)]
 
 
-@pytest.mark.parametrize("name", FAMILIES + VARIANTS)
+#: AutoTP traces a text-only forward, so the multimodal Gemma 3's vision tower never runs and AutoTP cannot place it;
+#: with kernel injection the record's plan serves it (tests/tp/test_inject_tp.py)
+@pytest.mark.parametrize("name", [name for name in FAMILIES + VARIANTS if name != "gemma3"])
 def test_the_record_tensor_parallel_plan_is_autotps(name):
     """Each record carries its family's tensor-parallel plan; AutoTP, analysing the model's data flow, must find the
     same one (what every rank gets of every module at tp=2 and tp=3, attention heads, blocks) for every family and

@@ -146,3 +146,18 @@ def test_variants_are_read_from_the_config():
     assert dims("gpt_neo").windows == (None, 4) and dims("gpt_neo").layer_scale(0) == 1.0
     gemma3 = dims("gemma3_text")
     assert gemma3.windows == (6, None) and gemma3.layer_rope(0).theta != gemma3.layer_rope(1).theta
+
+
+def test_gemma3_with_an_image_runs_hugging_faces_generate_on_the_fused_language_model():
+    """Image inputs are not splice's decode loop's: they go to HF's generate, whose language model runs the fused
+    blocks (with the image tokens' bidirectional mask HF builds), and give the reference's tokens."""
+    reference = build_family("gemma3")
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
+    ids = torch.tensor([[1, 5, 125, 127, 127, 127, 127, 126, 9, 33, 41]])  # <boi> 4 image tokens <eoi>
+    image = dict(pixel_values=torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(0)),
+                 token_type_ids=(ids == 127).long())
+    with torch.inference_mode():
+        expected = reference(ids, **image).logits
+        assert scaled_error(expected, engine(ids, **image).logits) < 1e-4
+        options = dict(GREEDY, max_new_tokens=12)
+        assert torch.equal(engine.generate(ids, **image, **options), reference.generate(ids, **image, **options))

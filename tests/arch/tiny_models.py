@@ -82,6 +82,14 @@ def _configs():
                                                multi_query=True, parallel_attn=True, alibi=True),
         "bloom": lambda: T.BloomConfig(**IDS, hidden_size=64, n_layer=2, n_head=4),
         "bloom:six_heads": lambda: T.BloomConfig(**IDS, hidden_size=48, n_layer=2, n_head=6),  # slopes of 4 + 2 heads
+        # the multimodal model: a tiny vision tower, and the text part above
+        "gemma3": lambda: T.Gemma3Config(
+            text_config=T.Gemma3TextConfig(**{**gemma2, "final_logit_softcapping": None,
+                                              "attn_logit_softcapping": None},
+                                           layer_types=["sliding_attention", "full_attention"]),
+            vision_config=T.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, image_size=28, patch_size=14),
+            mm_tokens_per_image=4, boi_token_index=125, eoi_token_index=126, image_token_index=127),
         # a global then a local (window 4) layer
         "gpt_neo": lambda: T.GPTNeoConfig(**IDS, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
                                           max_position_embeddings=256, window_size=4,
@@ -94,13 +102,14 @@ def _configs():
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
-NEW_FAMILIES = ("gpt_neox", "gpt2", "opt", "phi", "gptj", "falcon", "bloom", "gemma2", "gemma3_text", "gpt_neo")
+NEW_FAMILIES = ("gpt_neox", "gpt2", "opt", "phi", "gptj", "falcon", "bloom", "gemma2", "gemma3_text", "gemma3",
+                "gpt_neo")
 #: the families AutoTP and tensor parallelism are tested on (tests/tp)
 AUTOTP_FAMILIES = ("llama", "qwen2", "gpt2", "gpt_neox", "bloom", "falcon", "opt", "phi3", "gemma")
 VARIANTS = (
     "gpt_neox", "gpt_neox:sequential", "gpt2", "gpt2:scaled_by_layer", "opt", "opt:post_norm", "phi", "gptj",
     "falcon", "falcon:new_architecture", "falcon:sequential", "falcon:alibi", "bloom", "bloom:six_heads", "gemma2",
-    "gemma3_text", "gpt_neo")
+    "gemma3_text", "gemma3", "gpt_neo")
 
 
 def family_config(name: str):

@@ -55,7 +55,7 @@ def test_every_fused_family_matches_single_process_tp3():
 
 def test_other_families_match_single_process_tp2():
     """Per-head and multi-query fused q/k/v (the shared K/V head replicated), Conv1D, post-norm with OPT's
-    projections, ALiBi, soft-capping."""
+    projections, ALiBi, soft-capping, Gemma 3's language model inside its multimodal model."""
     check_fused([r["fused_families"] for r in suite.tp2()], 2, workers.TP_VARIANTS)
 
 

@@ -278,10 +278,11 @@ def pipeline_parity(rank: int, world: int) -> dict:
 #: kernel-injection TP: every family with a fused-block record (tests.arch.tiny_models), new tokens per row
 FUSED_NEW_TOKENS = 12
 #: variants of the other fused families run at tp=2: per-head and multi-query fused q/k/v (the shared K/V head
-#: replicated), Conv1D, post-norm with OPT's projections, ALiBi, soft-capping; at tp=3 (uneven heads) the
+#: replicated), Conv1D, post-norm with OPT's projections, ALiBi, soft-capping, a multimodal model's language part
+#: (its vision tower replicated); at tp=3 (uneven heads) the
 #: multi-query, per-KV-group (a group's query heads split over two ranks) and ALiBi ones (each rank's slopes follow
 #: its heads)
-TP_VARIANTS = ("gpt_neox", "gpt2", "opt:post_norm", "falcon", "bloom", "gemma2")
+TP_VARIANTS = ("gpt_neox", "gpt2", "opt:post_norm", "falcon", "bloom", "gemma2", "gemma3")
 TP3_VARIANTS = ("falcon", "falcon:new_architecture", "bloom")
 
 

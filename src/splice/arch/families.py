@@ -5,6 +5,8 @@ corresponds to, where DeepSpeed has one.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from .record import ArchRecord
 
 LLAMA = ArchRecord(model_type="llama")  # DS_LLAMAContainer
@@ -76,14 +78,19 @@ BLOOM = ArchRecord(
 
 # (no DeepSpeed container) sandwich norms, logit soft-capping, sliding / global layers
 GEMMA2 = ArchRecord(
-    model_type="gemma2", activation_key="hidden_activation", norm_offset=1.0, embed_scale=True, sliding_window=True, mlp_norm="pre_feedforward_layernorm",
-    attn_out_norm="post_attention_layernorm", mlp_out_norm="post_feedforward_layernorm")
+    model_type="gemma2", activation_key="hidden_activation", norm_offset=1.0, embed_scale=True, sliding_window=True,
+    mlp_norm="pre_feedforward_layernorm", attn_out_norm="post_attention_layernorm",
+    mlp_out_norm="post_feedforward_layernorm")
 
 # (no DeepSpeed container) Gemma 2's layout plus qk-norm and a rotary base per layer type
 GEMMA3_TEXT = ArchRecord(
-    model_type="gemma3_text", activation_key="hidden_activation", norm_offset=1.0, embed_scale=True, sliding_window=True,
-    mlp_norm="pre_feedforward_layernorm", attn_out_norm="post_attention_layernorm",
+    model_type="gemma3_text", activation_key="hidden_activation", norm_offset=1.0, embed_scale=True,
+    sliding_window=True, mlp_norm="pre_feedforward_layernorm", attn_out_norm="post_attention_layernorm",
     mlp_out_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+
+# the language model of Gemma 3's multimodal model (images go through Hugging Face's generate on the fused blocks)
+GEMMA3 = replace(GEMMA3_TEXT, model_type="gemma3", layers="model.language_model.layers",
+                 embed="model.language_model.embed_tokens", final_norm="model.language_model.norm")
 
 # DS_GPTNEOContainer: learned positions, unscaled scores, global and local (sliding-window) layers
 GPT_NEO = ArchRecord(
@@ -95,4 +102,4 @@ GPT_NEO = ArchRecord(
     window_layer_type="local", hf_returns_tuple=True, hf_window_in_mask=False)
 
 RECORDS: tuple[ArchRecord, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GPT_NEOX, GPT2, OPT, PHI, GPTJ, FALCON,
-                                   BLOOM, GEMMA2, GEMMA3_TEXT, GPT_NEO)
+                                   BLOOM, GEMMA2, GEMMA3_TEXT, GEMMA3, GPT_NEO)

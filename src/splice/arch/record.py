@@ -142,8 +142,15 @@ class ModelDims:
         return scale / (index + 1) if self.scale_by_layer else scale
 
 
+def text_config(config: Any) -> Any:
+    """The config of the language model: a multimodal config's text part (Gemma 3), else the config itself."""
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
 def model_dims(record: ArchRecord, config: Any) -> ModelDims:
-    """Read :class:`ModelDims` from a transformers config, as the family's modeling code does."""
+    """Read :class:`ModelDims` from a transformers config (its text part), as the family's modeling code does."""
+    config = text_config(config)
     n_heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
     alibi = record.positions == "alibi" or bool(record.alibi_key and getattr(config, record.alibi_key, False))
@@ -170,6 +177,7 @@ def model_dims(record: ArchRecord, config: Any) -> ModelDims:
 
 def check_fits(record: ArchRecord, config: Any) -> None:
     """Raise ``ValueError`` naming the config value the fused block cannot express for this family."""
+    config = text_config(config)
     for key, value in record.refuse:
         if getattr(config, key, None) == value:
             raise ValueError(f"kernel injection cannot fuse model_type={record.model_type!r} with {key}={value!r}: "

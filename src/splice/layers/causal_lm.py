@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..arch.record import ModelDims
-from .block import SpliceBlock
 from .kv_cache import StaticKVCache
 from .rotary import RopeTable, build_table
 

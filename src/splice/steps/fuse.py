@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 import torch
 from torch import nn
@@ -23,6 +22,7 @@ from torch import nn
 from .. import native
 from ..arch import ArchRecord, ModelDims, lookup, model_dims
 from ..arch.paths import get_path, optional_path, set_path
+from ..arch.record import text_config
 from ..distributed import SINGLE_PROCESS, ParallelContext
 from ..layers.block import BlockLayout, BlockShape, SpliceBlock, alibi_slopes
 from ..layers.causal_lm import Ends, SpliceCausalLM
@@ -85,7 +85,7 @@ def inject(model: nn.Module, max_out_tokens: int, parallel: ParallelContext = SI
                 position_embed=optional_path(model, record.position_embed), position_offset=record.position_offset,
                 embed_norm=optional_path(model, record.embed_norm), project_in=optional_path(model, record.project_in),
                 project_out=optional_path(model, record.project_out))
-    runtime = SpliceCausalLM(model.config, dims, ends, layers, record.embed_scale, max_out_tokens)
+    runtime = SpliceCausalLM(text_config(model.config), dims, ends, layers, record.embed_scale, max_out_tokens)
     if record.rotary_interleaved and dims.positions == "rotary":  # HF passes cos/sin in its own layout: use splice's
         for block in layers:
             block.rotary_table = partial(runtime.rotary, block.layout.rope_index)
@@ -227,7 +227,7 @@ def head_counts(record: ArchRecord, dims: ModelDims, layer: nn.Module) -> tuple[
 
 
 def out_features(linear: nn.Module) -> int:
-    return in_out_features(linear)[1] if is_conv1d(linear) else linear.weight.shape[0]
+    return in_out_features(linear)[1]
 
 
 def concat_linears(linears: list[nn.Linear]) -> nn.Linear:
