@@ -16,7 +16,7 @@ from torch import nn
 
 from . import native
 from .arch import check_fits, lookup, model_dims, tensor_parallel_plan
-from .arch.paths import missing_parts
+from .arch.paths import misfits
 from .checkpoint import check_checkpoint, has_meta_tensors, load_policy_files
 from .config import InferenceConfig
 from .distributed import ParallelContext
@@ -214,11 +214,10 @@ def check_fusable(model: nn.Module, config: InferenceConfig) -> None:
     record = lookup(model_config)
     check_fits(record, model_config)
     dims = model_dims(record, model_config)
-    missing = missing_parts(record, dims.parallel, model)
-    if missing:
-        raise ValueError(f"kernel injection cannot fuse this {record.model_type} model: its record names "
-                         f"{', '.join(missing)}, which the model does not have (a layout the fused block does not "
-                         "know); use replace_with_kernel_inject=False for this model")
+    wrong = misfits(record, dims, model)
+    if wrong:
+        raise ValueError(f"kernel injection cannot fuse this {record.model_type} model, whose layout is not the one "
+                         f"its record describes: {'; '.join(wrong)}; use replace_with_kernel_inject=False for it")
     activation(dims.activation)
     if config.max_out_tokens > dims.rope.max_positions:
         raise ValueError(f"max_out_tokens={config.max_out_tokens} exceeds {dims.rope.max_positions}, past which "

@@ -122,9 +122,18 @@ def test_a_config_the_block_cannot_express_is_refused_before_any_change():
 def test_a_layer_without_the_parts_its_record_names_is_refused_before_any_change():
     model = build_family("gpt2")
     del model.transformer.h[0].ln_2
-    with pytest.raises(ValueError, match=r"transformer\.h\.0\.ln_2"):
+    with pytest.raises(ValueError, match=r"no transformer\.h\.0\.ln_2"):
         splice.init_inference(model, replace_with_kernel_inject=True)
     assert type(model.transformer.h[1]).__name__ == "GPT2Block"
+
+
+def test_attention_widths_that_are_not_the_configs_heads_are_refused_before_any_change():
+    model = build_family("falcon:new_architecture")
+    model.config.num_kv_heads = 1  # the checkpoint's fused projection holds 2 KV heads
+    with pytest.raises(ValueError, match=r"query_key_value gives 128 features where 4 query and 1 key/value heads "
+                                         r"of 16 need 96"):
+        splice.init_inference(model, replace_with_kernel_inject=True)
+    assert type(model.transformer.h[0]).__name__ == "FalconDecoderLayer"
 
 
 def test_variants_are_read_from_the_config():
