@@ -2,9 +2,11 @@
 
 Everything family-specific comes from the architecture record (``splice.arch``). Weights are moved, not copied: the
 fused QKV and gate+up weights are concatenated layer by layer and each original layer is released right away, so
-peak memory grows by one layer at most. (With a checkpoint memory-mapped by safetensors, the pages of the released
-q/k/v/gate/up weights are paged out of the process right away; else they would stay resident until the file is
-unmapped.) Which kernel each linear then runs is the kernels step's choice.
+peak memory grows by one layer at most; the same holds for the weights rewritten once into the block's layout (a
+per-KV-group q/k/v reordered to ``[q; k; v]``, GPT-J's q/k rows permuted for its rotation, an HF ``Conv1D``
+transposed). (With a checkpoint memory-mapped by safetensors, the pages of the released weights are paged out of the
+process right away; else they would stay resident until the file is unmapped.) Which kernel each linear then runs is
+the kernels step's choice.
 
 Under tensor parallelism this step runs after the shard step, on each rank's shards: q/k/v (or the checkpoint's fused
 qkv) and gate/up are column-parallel plain linears, so fusing them gives the rank's ``[q; k; v]`` and ``[gate; up]``;
@@ -163,10 +165,11 @@ def grouped_to_contiguous(n_q: int, n_kv: int, head_dim: int) -> torch.Tensor:
 
 def permute_rows_(linear: nn.Linear, order: torch.Tensor) -> None:
     """Reorder the output features of ``linear`` (weight rows and bias) in place of its parameters."""
-    with torch.no_grad():
-        linear.weight = nn.Parameter(linear.weight.detach()[order.to(linear.weight.device)], requires_grad=False)
-        if linear.bias is not None:
-            linear.bias = nn.Parameter(linear.bias.detach()[order.to(linear.bias.device)], requires_grad=False)
+    old = linear.weight.detach()
+    linear.weight = nn.Parameter(old[order.to(old.device)], requires_grad=False)
+    native.page_out(old)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.detach()[order.to(linear.bias.device)], requires_grad=False)
 
 
 def as_linear(module: nn.Module) -> nn.Module:
