@@ -98,9 +98,10 @@ def test_quantized_weights_agree_with_the_reference(name, quant):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["bloom", "gemma2", "gptj"])
+@pytest.mark.parametrize("name", ["bloom", "gemma2", "gptj", "opt:post_norm", "gpt_neo"])
 def test_compiled_decode_gives_the_reference_tokens(name):
-    """compile_decode=True on ALiBi, soft-capped and interleaved-rotary blocks: the compiled one-query attention."""
+    """compile_decode=True on ALiBi, soft-capped, interleaved-rotary, post-norm (with learned positions and OPT's
+    projections in the graph) and local-window blocks."""
     reference = build_family(name)
     engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, compile_decode=True,
                                    max_out_tokens=64)
