@@ -90,6 +90,10 @@ def _configs():
             vision_config=T.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                num_attention_heads=2, image_size=28, patch_size=14),
             mm_tokens_per_image=4, boi_token_index=125, eoi_token_index=126, image_token_index=127),
+        "gpt_bigcode": lambda: T.GPTBigCodeConfig(**IDS, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                                  n_inner=128, multi_query=True),
+        "gpt_bigcode:multi_head": lambda: T.GPTBigCodeConfig(**IDS, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                                             multi_query=False, activation_function="gelu"),
         # a global then a local (window 4) layer
         "gpt_neo": lambda: T.GPTNeoConfig(**IDS, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
                                           max_position_embeddings=256, window_size=4,
@@ -103,13 +107,13 @@ def _configs():
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
 NEW_FAMILIES = ("gpt_neox", "gpt2", "opt", "phi", "gptj", "falcon", "bloom", "gemma2", "gemma3_text", "gemma3",
-                "gpt_neo")
+                "gpt_neo", "gpt_bigcode")
 #: the families AutoTP and tensor parallelism are tested on (tests/tp)
 AUTOTP_FAMILIES = ("llama", "qwen2", "gpt2", "gpt_neox", "bloom", "falcon", "opt", "phi3", "gemma")
 VARIANTS = (
     "gpt_neox", "gpt_neox:sequential", "gpt2", "gpt2:scaled_by_layer", "opt", "opt:post_norm", "phi", "gptj",
     "falcon", "falcon:new_architecture", "falcon:sequential", "falcon:alibi", "bloom", "bloom:six_heads", "gemma2",
-    "gemma3_text", "gemma3", "gpt_neo")
+    "gemma3_text", "gemma3", "gpt_neo", "gpt_bigcode", "gpt_bigcode:multi_head")
 
 
 def family_config(name: str):

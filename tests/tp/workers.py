@@ -282,7 +282,7 @@ FUSED_NEW_TOKENS = 12
 #: (its vision tower replicated); at tp=3 (uneven heads) the
 #: multi-query, per-KV-group (a group's query heads split over two ranks) and ALiBi ones (each rank's slopes follow
 #: its heads)
-TP_VARIANTS = ("gpt_neox", "gpt2", "opt:post_norm", "falcon", "bloom", "gemma2", "gemma3")
+TP_VARIANTS = ("gpt_neox", "gpt2", "opt:post_norm", "falcon", "bloom", "gemma2", "gemma3", "gpt_bigcode")
 TP3_VARIANTS = ("falcon", "falcon:new_architecture", "bloom")
 
 

@@ -101,5 +101,14 @@ GPT_NEO = ArchRecord(
     attn_scale=1.0, sliding_window=True, window_key="window_size", layer_types_key="attention_layers",
     window_layer_type="local", hf_returns_tuple=True, hf_window_in_mask=False)
 
+# (no DeepSpeed container; StarCoder) multi-query [q; k; v] or per-head [q k v] (one KV group either way), learned
+# positions
+GPT_BIGCODE = ArchRecord(
+    model_type="gpt_bigcode", layers="transformer.h", embed="transformer.wte", position_embed="transformer.wpe",
+    final_norm="transformer.ln_f", qkv="attn.c_attn", qkv_layout="grouped", o="attn.c_proj", gated=False,
+    up="mlp.c_fc", down="mlp.c_proj", norm="layer", attn_norm="ln_1", mlp_norm="ln_2", eps_key="layer_norm_epsilon",
+    positions="learned", activation_key="activation_function", refuse=(("add_cross_attention", True),),
+    hf_args=("encoder_hidden_states",))
+
 RECORDS: tuple[ArchRecord, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GPT_NEOX, GPT2, OPT, PHI, GPTJ, FALCON,
-                                   BLOOM, GEMMA2, GEMMA3_TEXT, GEMMA3, GPT_NEO)
+                                   BLOOM, GEMMA2, GEMMA3_TEXT, GEMMA3, GPT_NEO, GPT_BIGCODE)
