@@ -219,6 +219,9 @@ def check_fusable(model: nn.Module, config: InferenceConfig) -> None:
         raise ValueError(f"kernel injection cannot fuse this {record.model_type} model, whose layout is not the one "
                          f"its record describes: {'; '.join(wrong)}; use replace_with_kernel_inject=False for it")
     activation(dims.activation)
+    if dims.position_limit is not None and config.max_out_tokens > dims.position_limit:
+        raise ValueError(f"max_out_tokens={config.max_out_tokens} exceeds the {dims.position_limit} learned positions "
+                         f"of this {record.model_type} model; allowed: max_out_tokens <= {dims.position_limit}")
     if config.max_out_tokens > dims.rope.max_positions:
         raise ValueError(f"max_out_tokens={config.max_out_tokens} exceeds {dims.rope.max_positions}, past which "
                          f"rope_type={dims.rope.rope_type!r} rescales itself; allowed: max_out_tokens <= "

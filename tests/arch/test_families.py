@@ -128,6 +128,11 @@ def test_a_layer_without_the_parts_its_record_names_is_refused_before_any_change
     assert type(model.transformer.h[1]).__name__ == "GPT2Block"
 
 
+def test_max_out_tokens_past_the_learned_positions_is_refused():
+    with pytest.raises(ValueError, match="max_out_tokens=300 exceeds the 256 learned positions"):
+        splice.init_inference(build_family("opt"), replace_with_kernel_inject=True, max_out_tokens=300)
+
+
 def test_attention_widths_that_are_not_the_configs_heads_are_refused_before_any_change():
     model = build_family("falcon:new_architecture")
     model.config.num_kv_heads = 1  # the checkpoint's fused projection holds 2 KV heads

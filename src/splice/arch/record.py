@@ -129,6 +129,7 @@ class ModelDims:
     scale_by_layer: bool = False  # GPT-2's scale_attn_by_inverse_layer_idx: scores / (layer index + 1)
     attn_softcap: float | None = None
     final_softcap: float | None = None
+    position_limit: int | None = None  # learned positions: the table's length
 
     @property
     def rotary_dim(self) -> int:
@@ -172,6 +173,7 @@ def model_dims(record: ArchRecord, config: Any) -> ModelDims:
         scale_by_layer=bool(getattr(config, "scale_attn_by_inverse_layer_idx", False)),
         attn_softcap=getattr(config, "attn_logit_softcapping", None),
         final_softcap=getattr(config, "final_logit_softcapping", None),
+        position_limit=config.max_position_embeddings if record.positions == "learned" else None,
     )
 
 
