@@ -155,7 +155,7 @@ def test_variants_are_read_from_the_config():
     falcons = ("falcon", "falcon:new_architecture", "falcon:sequential")
     assert [dims(name).n_kv_heads for name in falcons] == [1, 2, 4]
     assert dims("falcon:alibi").positions == "alibi" and dims("falcon").positions == "rotary"
-    assert dims("gpt2:scaled_by_layer").layer_scale(1) == pytest.approx(16 ** -0.5 / 2)
+    assert dims("gpt2").layer_scale(1) == 16 ** -0.5 and dims("gpt2:layer_scaled").layer_scale(1) == 1 / 2
     gemma2 = dims("gemma2")
     assert (gemma2.attn_scale, gemma2.attn_softcap, gemma2.final_softcap) == (24 ** -0.5, 2.0, 3.0)
     assert dims("gpt_neo").windows == (None, 4) and dims("gpt_neo").layer_scale(0) == 1.0

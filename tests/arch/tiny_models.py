@@ -56,8 +56,9 @@ def _configs():
                                                        rotary_pct=1.0, attention_bias=False, hidden_act="gelu_new",
                                                        tie_word_embeddings=False),
         "gpt2": lambda: T.GPT2Config(**IDS, n_embd=64, n_layer=2, n_head=4, n_positions=256, n_inner=128),
-        "gpt2:scaled_by_layer": lambda: T.GPT2Config(**IDS, n_embd=64, n_layer=2, n_head=4, n_positions=256,
-                                                     scale_attn_by_inverse_layer_idx=True, activation_function="relu"),
+        "gpt2:layer_scaled": lambda: T.GPT2Config(**IDS, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                                     scale_attn_weights=False, scale_attn_by_inverse_layer_idx=True,
+                                                     activation_function="relu"),
         "opt": lambda: T.OPTConfig(**IDS, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
                                    word_embed_proj_dim=64, max_position_embeddings=256),
         # OPT-350m's layout: post-norm, embeddings projected from a narrower width
@@ -111,7 +112,7 @@ NEW_FAMILIES = ("gpt_neox", "gpt2", "opt", "phi", "gptj", "falcon", "bloom", "ge
 #: the families AutoTP and tensor parallelism are tested on (tests/tp)
 AUTOTP_FAMILIES = ("llama", "qwen2", "gpt2", "gpt_neox", "bloom", "falcon", "opt", "phi3", "gemma")
 VARIANTS = (
-    "gpt_neox", "gpt_neox:sequential", "gpt2", "gpt2:scaled_by_layer", "opt", "opt:post_norm", "phi", "gptj",
+    "gpt_neox", "gpt_neox:sequential", "gpt2", "gpt2:layer_scaled", "opt", "opt:post_norm", "phi", "gptj",
     "falcon", "falcon:new_architecture", "falcon:sequential", "falcon:alibi", "bloom", "bloom:six_heads", "gemma2",
     "gemma3_text", "gemma3", "gpt_neo", "gpt_bigcode", "gpt_bigcode:multi_head")
 
