@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .arch import lookup, model_dims, tensor_parallel_plan
+from .arch import check_fits, lookup, model_dims, tensor_parallel_plan
+from .arch.paths import misfits
 from .checkpoint import check_checkpoint, has_meta_tensors, load_policy_files
 from .config import InferenceConfig
 from .distributed import ParallelContext
@@ -202,8 +203,17 @@ def check_fusable(model: nn.Module, config: InferenceConfig) -> None:
     model_config = getattr(model, "config", None)
     if model_config is None:
         raise TypeError(f"kernel injection needs a transformers model with a .config, got {type(model).__name__}")
-    dims = model_dims(lookup(model_config), model_config)
+    record = lookup(model_config)
+    check_fits(record, model_config)
+    dims = model_dims(record, model_config)
+    wrong = misfits(record, dims, model)
+    if wrong:
+        raise ValueError(f"kernel injection cannot fuse this {record.model_type} model, whose layout is not the one "
+                         f"its record describes: {'; '.join(wrong)}; use replace_with_kernel_inject=False for it")
     activation(dims.activation)
+    if dims.position_limit is not None and config.max_out_tokens > dims.position_limit:
+        raise ValueError(f"max_out_tokens={config.max_out_tokens} exceeds the {dims.position_limit} learned positions "
+                         f"of this {record.model_type} model; allowed: max_out_tokens <= {dims.position_limit}")
     if config.max_out_tokens > dims.rope.max_positions:
         raise ValueError(f"max_out_tokens={config.max_out_tokens} exceeds {dims.rope.max_positions}, past which "
                          f"rope_type={dims.rope.rope_type!r} rescales itself; allowed: max_out_tokens <= "

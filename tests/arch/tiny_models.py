@@ -1,43 +1,154 @@
-"""Tiny random-weight models of every family with an architecture record, built from transformers config classes.
+"""The tests' one factory of tiny random-weight models (hidden 64, 2 layers, vocab 128), built from transformers config
+classes: every family with an architecture record, and those AutoTP and tensor parallelism are tested on.
 
 Each config switches on the family's variant (sliding window, qkv bias, qk-norm, fused projections with partial
-rotary, Gemma's norm offset and embedding scale), and norm weights and biases are randomised so none is trivial.
+rotary, Gemma's norm offset and embedding scale, parallel residuals, post-norm, multi-query, ALiBi, soft-capping).
+A name ``family:variant`` picks a variant of the family (:data:`VARIANTS`); the plain family name is its first config.
+:func:`build_family` randomises norm weights and biases so none is trivial; :func:`build` builds a config as it is
+(also on the meta device), with overrides.
 """
 from __future__ import annotations
 
 import torch
 
-from ..conftest import build_tiny
-
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False,
               bos_token_id=1, eos_token_id=2, pad_token_id=0)
+#: the new families: their own size names, larger initial weights (sharper attention, so a wrong position shows)
+IDS = dict(vocab_size=128, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.1)
 
 
-def family_config(model_type: str):
-    from transformers import GemmaConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config, Qwen3Config
+def tiny_llama_config(**overrides):
+    """The tiny Llama config, with constructor ``overrides``."""
+    from transformers import LlamaConfig
 
-    configs = {
-        "llama": lambda: LlamaConfig(**COMMON),
-        "mistral": lambda: MistralConfig(**COMMON, sliding_window=6),
-        "qwen2": lambda: Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=6, max_window_layers=1),
-        "qwen3": lambda: Qwen3Config(**{**COMMON, "num_hidden_layers": 2}, head_dim=32),
-        "phi3": lambda: Phi3Config(**COMMON, partial_rotary_factor=0.5),
-        "gemma": lambda: GemmaConfig(**{**COMMON, "tie_word_embeddings": True}, head_dim=32),
+    return LlamaConfig(**{**COMMON, **overrides})
+
+
+def build_tiny(config, seed: int = 0, dtype=torch.float32):
+    """A random-weight causal LM from a transformers config, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def _configs():
+    import transformers as T
+
+    gemma2 = dict(COMMON, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
+                  final_logit_softcapping=3.0, sliding_window=6, initializer_range=0.1)
+    return {
+        "llama": lambda: T.LlamaConfig(**COMMON),
+        "mistral": lambda: T.MistralConfig(**COMMON, sliding_window=6),
+        "qwen2": lambda: T.Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=6, max_window_layers=1),
+        "qwen3": lambda: T.Qwen3Config(**{**COMMON, "num_hidden_layers": 2}, head_dim=32),
+        "phi3": lambda: T.Phi3Config(**COMMON, partial_rotary_factor=0.5),
+        "gemma": lambda: T.GemmaConfig(**{**COMMON, "tie_word_embeddings": True}, head_dim=32),
+        # parallel residual from two norms, per-head [q k v], rotary on half of each head
+        "gpt_neox": lambda: T.GPTNeoXConfig(**IDS, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                            num_attention_heads=4, max_position_embeddings=256, rotary_pct=0.5,
+                                            tie_word_embeddings=False),
+        "gpt_neox:sequential": lambda: T.GPTNeoXConfig(**IDS, hidden_size=64, intermediate_size=128,
+                                                       num_hidden_layers=2, num_attention_heads=4,
+                                                       max_position_embeddings=256, use_parallel_residual=False,
+                                                       rotary_pct=1.0, attention_bias=False, hidden_act="gelu_new",
+                                                       tie_word_embeddings=False),
+        "gpt2": lambda: T.GPT2Config(**IDS, n_embd=64, n_layer=2, n_head=4, n_positions=256, n_inner=128),
+        "gpt2:layer_scaled": lambda: T.GPT2Config(**IDS, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                                     scale_attn_weights=False, scale_attn_by_inverse_layer_idx=True,
+                                                     activation_function="relu"),
+        "opt": lambda: T.OPTConfig(**IDS, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=128,
+                                   word_embed_proj_dim=64, max_position_embeddings=256),
+        # OPT-350m's layout: post-norm, embeddings projected from a narrower width
+        "opt:post_norm": lambda: T.OPTConfig(**IDS, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                             ffn_dim=128, word_embed_proj_dim=32, max_position_embeddings=256,
+                                             do_layer_norm_before=False),
+        "phi": lambda: T.PhiConfig(**IDS, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                   partial_rotary_factor=0.5, tie_word_embeddings=False),
+        "gptj": lambda: T.GPTJConfig(**IDS, n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8,
+                                     n_inner=128, tie_word_embeddings=False),
+        # Falcon-7B's layout: one shared K/V head, attention and MLP in parallel from one norm
+        "falcon": lambda: T.FalconConfig(**IDS, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         multi_query=True, parallel_attn=True),
+        # new decoder architecture: grouped KV (4 query heads over 2), two norms in parallel
+        "falcon:new_architecture": lambda: T.FalconConfig(**IDS, hidden_size=64, num_hidden_layers=2,
+                                                          num_attention_heads=4, num_kv_heads=2,
+                                                          new_decoder_architecture=True, bias=True),
+        "falcon:sequential": lambda: T.FalconConfig(**IDS, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                    multi_query=False, parallel_attn=False, bias=True),
+        "falcon:alibi": lambda: T.FalconConfig(**IDS, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                               multi_query=True, parallel_attn=True, alibi=True),
+        "bloom": lambda: T.BloomConfig(**IDS, hidden_size=64, n_layer=2, n_head=4),
+        "bloom:six_heads": lambda: T.BloomConfig(**IDS, hidden_size=48, n_layer=2, n_head=6),  # slopes of 4 + 2 heads
+        # the multimodal model: a tiny vision tower, and the text part above
+        "gemma3": lambda: T.Gemma3Config(
+            text_config=T.Gemma3TextConfig(**{**gemma2, "final_logit_softcapping": None,
+                                              "attn_logit_softcapping": None},
+                                           layer_types=["sliding_attention", "full_attention"]),
+            vision_config=T.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               num_attention_heads=2, image_size=28, patch_size=14),
+            mm_tokens_per_image=4, boi_token_index=125, eoi_token_index=126, image_token_index=127),
+        "gpt_bigcode": lambda: T.GPTBigCodeConfig(**IDS, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                                  n_inner=128, multi_query=True),
+        "gpt_bigcode:multi_head": lambda: T.GPTBigCodeConfig(**IDS, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                                                             multi_query=False, activation_function="gelu"),
+        # a global then a local (window 4) layer
+        "gpt_neo": lambda: T.GPTNeoConfig(**IDS, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+                                          max_position_embeddings=256, window_size=4,
+                                          attention_types=[[["global", "local"], 1]]),
+        "gemma2": lambda: T.Gemma2Config(**gemma2),
+        "gemma3_text": lambda: T.Gemma3TextConfig(**{**gemma2, "final_logit_softcapping": None,
+                                                     "attn_logit_softcapping": None},
+                                                  layer_types=["sliding_attention", "full_attention"]),
     }
-    return configs[model_type]()
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
+NEW_FAMILIES = ("gpt_neox", "gpt2", "opt", "phi", "gptj", "falcon", "bloom", "gemma2", "gemma3_text", "gemma3",
+                "gpt_neo", "gpt_bigcode")
+#: the families AutoTP and tensor parallelism are tested on (tests/tp)
+AUTOTP_FAMILIES = ("llama", "qwen2", "gpt2", "gpt_neox", "bloom", "falcon", "opt", "phi3", "gemma")
+VARIANTS = (
+    "gpt_neox", "gpt_neox:sequential", "gpt2", "gpt2:layer_scaled", "opt", "opt:post_norm", "phi", "gptj",
+    "falcon", "falcon:new_architecture", "falcon:sequential", "falcon:alibi", "bloom", "bloom:six_heads", "gemma2",
+    "gemma3_text", "gemma3", "gpt_neo", "gpt_bigcode", "gpt_bigcode:multi_head")
 
 
-def build_family(model_type: str, seed: int = 0, dtype=torch.float32):
-    """The tiny model of ``model_type`` with its norm weights and biases randomised (deterministic in ``seed``)."""
-    model = build_tiny(family_config(model_type), seed=seed, dtype=dtype)
+def family_config(name: str):
+    """The config of family (or ``family:variant``) ``name``."""
+    return _configs()[name]()
+
+
+def tiny_config(name: str, **overrides):
+    """The config of ``name`` with attributes ``overrides`` set on it."""
+    config = family_config(name)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def build(name: str, seed: int = 0, meta: bool = False, **overrides):
+    """The tiny model of ``name`` as its config builds it (on the meta device with ``meta=True``), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(name, **overrides)
+    torch.manual_seed(seed)
+    if meta:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config).eval()
+    return build_tiny(config, seed=seed)
+
+
+def build_family(name: str, seed: int = 0, dtype=torch.float32):
+    """The tiny model of ``name`` with its norm weights and biases randomised (deterministic in ``seed``)."""
+    model = build_tiny(family_config(name), seed=seed, dtype=dtype)
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+        for _, param in model.named_parameters():
+            if param.dim() == 1:
                 param.add_(0.2 * torch.randn(param.shape, generator=generator).to(param.dtype))
     return model
 

@@ -81,3 +81,57 @@ def test_kv_cache_writes_in_place_and_masks():
     assert mask[1, 0].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
     cache.mark(torch.tensor([3]))
     assert cache.mask(torch.tensor([3]), kv_len=4, window=2)[1, 0].tolist() == [[False, False, True, True]]
+
+
+@pytest.mark.parametrize("heads", [4, 6, 12, 32])
+def test_alibi_slopes_match_bloom(heads):
+    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+
+    from splice.layers.block import alibi_slopes
+
+    torch.testing.assert_close(alibi_slopes(heads), _get_alibi_slopes(heads, "cpu"), rtol=1e-6, atol=0)
+
+
+def test_gptj_every_two_rotation_is_rotate_half_on_permuted_features():
+    """Permuting q and k by ``interleaved_to_halves`` turns GPT-J's rotation into splice's in-place one and keeps
+    every q.k product."""
+    from transformers.models.gptj.modeling_gptj import apply_rotary_pos_emb as gptj_rotary
+    from transformers.models.gptj.modeling_gptj import create_sinusoidal_positions
+
+    from splice.layers.rotary import interleaved_to_halves, signed_sin
+
+    rotary_dim, positions = 8, torch.arange(6)
+    sin, cos = create_sinusoidal_positions(16, rotary_dim)[positions].chunk(2, dim=-1)
+    q, k = torch.randn(2, 1, 6, 3, rotary_dim).unbind(0)  # [batch, seq, heads, dim]
+    expected = (gptj_rotary(q, sin[None], cos[None]) * gptj_rotary(k, sin[None], cos[None])).sum(-1)
+    order = interleaved_to_halves(rotary_dim)
+    table_cos = torch.cat([cos, cos], -1)[None, :, None]
+    table_sin = signed_sin(torch.cat([sin, sin], -1))[None, :, None]
+    q2, k2 = q[..., order].clone(), k[..., order].clone()
+    apply_rotary_(q2, table_cos, table_sin)
+    apply_rotary_(k2, table_cos, table_sin)
+    torch.testing.assert_close((q2 * k2).sum(-1), expected)
+
+
+def test_grouped_qkv_rows_reorder_to_contiguous():
+    """Per KV group ``[q0 q1 k v]`` (Falcon's new architecture; per head ``[q k v]`` when groups have one query head)
+    becomes ``[q0 q1 q2 q3; k0 k1; v0 v1]``."""
+    from splice.steps.fuse import grouped_to_contiguous
+
+    rows = grouped_to_contiguous(n_q=4, n_kv=2, head_dim=1).tolist()
+    assert rows == [0, 1, 4, 5, 2, 6, 3, 7]
+    assert grouped_to_contiguous(n_q=2, n_kv=2, head_dim=2).tolist() == [0, 1, 6, 7, 2, 3, 8, 9, 4, 5, 10, 11]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_rms_norm_with_offset_matches_gemma3(dtype):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from splice.layers.norm import HeadRMSNorm
+
+    q_norm, k_norm = Gemma3RMSNorm(16, eps=1e-6).to(dtype), Gemma3RMSNorm(16, eps=1e-6).to(dtype)
+    torch.nn.init.normal_(q_norm.weight)
+    torch.nn.init.normal_(k_norm.weight)
+    x = torch.randn(2, 5, 3 + 1, 16).to(dtype)
+    ours = HeadRMSNorm(q_norm.weight, k_norm.weight, 3, 1, 1e-6, offset=1.0)(x)
+    torch.testing.assert_close(ours, torch.cat([q_norm(x[:, :, :3]), k_norm(x[:, :, 3:])], dim=2), rtol=0, atol=1e-6)

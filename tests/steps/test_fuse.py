@@ -107,12 +107,13 @@ def test_init_inference_injects(tiny_llama):
 
 
 def test_init_inference_refuses_unsupported_family_before_changing_the_model():
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import CodeGenConfig, CodeGenForCausalLM
 
-    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32))
-    with pytest.raises(ValueError, match="model_type='gpt2'.*llama"):
+    model = CodeGenForCausalLM(CodeGenConfig(n_layer=1, n_embd=32, n_head=2, rotary_dim=8, vocab_size=64,
+                                             n_positions=32, bos_token_id=1, eos_token_id=2))
+    with pytest.raises(ValueError, match="model_type='codegen'.*llama"):
         splice.init_inference(model, replace_with_kernel_inject=True)
-    assert type(model.transformer.h[0]).__name__ == "GPT2Block"
+    assert type(model.transformer.h[0]).__name__ == "CodeGenBlock"
 
 
 def test_plain_path_is_untouched(tiny_llama):

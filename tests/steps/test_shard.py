@@ -10,7 +10,7 @@ import torch
 from splice.distributed import ParallelContext
 from splice.plan import describe_tensor_parallel
 from splice.steps.shard import shard
-from tests.tp.models import build
+from tests.arch.tiny_models import build
 
 from .plans import plan_for, run_step
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tests.tp import workers
 from tests.tp.launch import run_ranks
-from tests.tp.models import FAMILIES, build
+from tests.arch.tiny_models import AUTOTP_FAMILIES as FAMILIES, build
 
 PARITY_CASES = [(family, mode, {}) for family in FAMILIES for mode in ("autotp", "policy")]
 #: at tp=3 also Falcon's new architecture (per-KV-group [q.., k, v] layout, 2 KV heads replicated over 3 ranks)

@@ -9,34 +9,40 @@ from __future__ import annotations
 
 import pytest
 
-from tests.arch.tiny_models import FAMILIES
+from tests.arch.tiny_models import FAMILIES, build_family
 from tests.tp import suite, workers
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-#: per-rank (query heads, KV heads) of the tiny models (4 query / 2 KV heads everywhere)
-SHAPES = {2: [(2, 1), (2, 1)], 3: [(1, 1), (1, 1), (2, 1)]}
 
+def check_fused(results: list[dict], tp: int, families: tuple = FAMILIES) -> None:
+    from splice.arch import lookup, model_dims
+    from splice.tp.split import Heads, head_share
 
-def check_fused(results: list[dict], tp: int) -> None:
     for rank, per_family in enumerate(results):
-        assert sorted(per_family) == sorted(FAMILIES), rank
+        assert sorted(per_family) == sorted(families), rank
         for family, r in per_family.items():
             where = (tp, rank, family, r)
             # logits within 1e-4 (scaled by the logit std), through HF's forward and through splice's native path
             assert r["hf_forward"] < 1e-4 and r["native"] < 1e-4, where
             # greedy tokens of engine.generate (the native loop, left-padded batch of 3) equal HF's single process
             assert r["tokens_equal"] and r["native_loop"], where
-            assert tuple(r["shape"]) == SHAPES[tp][rank], where
-            assert tuple(r["config_heads"]) == (4, 2), where  # per-rank counts live in the blocks only
+            # each rank's heads as the split gives them (4 query / 2 KV heads over 3 ranks: 1, 1, 2 query heads, the
+            # KV heads replicated); the config keeps the model's counts (per-rank counts live in the blocks only)
+            config = build_family(family).config
+            dims = model_dims(lookup(config), config)
+            assert tuple(r["config_heads"]) == (dims.n_heads, dims.n_kv_heads), where
+            share = head_share(Heads(dims.n_heads, dims.n_kv_heads, dims.head_dim), tp, rank)
+            assert tuple(r["shape"]) == (share.n_q, share.n_kv), where
             # exactly two all-reduces per block (after o and after down); the vocab-parallel embedding adds one
             assert r["all_reduce"] - r["embed_all_reduce"] == 2 * r["layers"], where
             assert r["modules"][2:] == ["RowParallelLinear", "RowParallelLinear"], where
             # vocab-parallel embedding and lm_head in every family, Gemma's (which scales by sqrt(hidden) in its own
-            # forward, and is tied to its lm_head) included: one all-reduce in the embedding, one all-gather in the head
+            # forward, and is tied to its lm_head) included: one all-reduce in the embedding, one all-gather in the
+            # head; a tied head (the tiny Gemma's, GPT-2's, ...) still shares the embedding's rows
             assert r["modules"][:2] == ["VocabParallelEmbedding", "VocabParallelLinear"], where
             assert (r["embed_all_reduce"], r["all_gather"]) == (1, 1), where
-            assert r["tied"] == (family == "gemma"), where  # the tiny Gemma ties its lm_head; the others do not
+            assert r["tied"] == config.tie_word_embeddings, where
 
 
 def test_every_fused_family_matches_single_process_tp2():
@@ -45,6 +51,18 @@ def test_every_fused_family_matches_single_process_tp2():
 
 def test_every_fused_family_matches_single_process_tp3():
     check_fused([r["fused"] for r in suite.tp3()], 3)
+
+
+def test_other_families_match_single_process_tp2():
+    """Per-head and multi-query fused q/k/v (the shared K/V head replicated), Conv1D, post-norm with OPT's
+    projections, ALiBi, soft-capping, Gemma 3's language model inside its multimodal model."""
+    check_fused([r["fused_families"] for r in suite.tp2()], 2, workers.TP_VARIANTS)
+
+
+def test_multi_query_grouped_and_alibi_match_single_process_tp3():
+    """Uneven heads: the shared K/V head replicated on every rank, a KV group's query heads split over two ranks;
+    each rank's ALiBi slopes follow its heads."""
+    check_fused([r["fused_families"] for r in suite.tp3()], 3, workers.TP3_VARIANTS)
 
 
 def test_compiled_decode_step_runs_under_tensor_parallelism():

@@ -41,7 +41,7 @@ def test_meta_gemma_shards_load_their_rows_and_get_their_embed_scale_back(tmp_pa
     from splice.tp.apply import apply_plan
     from splice.tp.autotp import autotp_plan
     from splice.tp.loading import load_slices
-    from tests.tp.models import build
+    from tests.arch.tiny_models import build
 
     original = build("gemma")
     original.save_pretrained(tmp_path)

@@ -12,7 +12,7 @@ from splice.tp.loading import slice_in_memory
 from splice.tp.plan import Rule, TPPlan, verify
 from splice.tp.policy import policy_plan
 from splice.tp.split import Heads
-from tests.tp.models import FAMILIES, build
+from tests.arch.tiny_models import AUTOTP_FAMILIES as FAMILIES, build
 
 # family -> (attention output, fused or q layout, MLP output, expected q/kv heads)
 EXPECTED = {

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.tp.models import build
+from tests.arch.tiny_models import build
 
 PROMPT = [[5, 17, 33, 9, 90, 41, 7]]
 
@@ -183,6 +183,7 @@ def tp2_suite(rank: int, world: int, cases: list, models: list, index_files: dic
     return {"distributed": distributed_checks(rank, world), "parity": parity(rank, world, cases),
             "checkpoints": checkpoints(rank, world, models, index_files, root), "bad": bad_inputs(rank, world),
             "fused": fused_pipeline(rank, world),
+            "fused_families": fused_pipeline(rank, world, TP_VARIANTS),
             "fused_extra": {**fused_sampling_and_packing(rank, world),
                             "checkpoint": fused_from_checkpoint(rank, world, root),
                             "compiled": compiled_decode(rank, world)},
@@ -193,6 +194,7 @@ def tp2_suite(rank: int, world: int, cases: list, models: list, index_files: dic
 def tp3_suite(rank: int, world: int, cases: list) -> dict:
     """Everything the tests run at tp=3, in one set of processes."""
     return {"parity": parity(rank, world, cases), "fused": fused_pipeline(rank, world),
+            "fused_families": fused_pipeline(rank, world, TP3_VARIANTS),
             "hf_generate": hf_generate_fallback(rank, world, ("llama",), {"beams": HF_ONLY_OPTIONS["beams"]}),
             "not_divisible": error_of(lambda: shard(build("llama"), 2))}
 
@@ -275,6 +277,13 @@ def pipeline_parity(rank: int, world: int) -> dict:
 
 #: kernel-injection TP: every family with a fused-block record (tests.arch.tiny_models), new tokens per row
 FUSED_NEW_TOKENS = 12
+#: variants of the other fused families run at tp=2: per-head and multi-query fused q/k/v (the shared K/V head
+#: replicated), Conv1D, post-norm with OPT's projections, ALiBi, soft-capping, a multimodal model's language part
+#: (its vision tower replicated); at tp=3 (uneven heads) the
+#: multi-query, per-KV-group (a group's query heads split over two ranks) and ALiBi ones (each rank's slopes follow
+#: its heads)
+TP_VARIANTS = ("gpt_neox", "gpt2", "opt:post_norm", "falcon", "bloom", "gemma2", "gemma3", "gpt_bigcode")
+TP3_VARIANTS = ("falcon", "falcon:new_architecture", "bloom")
 
 
 def fused_pipeline(rank: int, world: int, families: tuple | None = None) -> dict:
@@ -286,6 +295,8 @@ def fused_pipeline(rank: int, world: int, families: tuple | None = None) -> dict
     from tests.arch.tiny_models import FAMILIES as INJECT_FAMILIES, build_family, padded_batch
 
     out = {}
+    from splice.arch import lookup, model_dims
+
     for family in families or INJECT_FAMILIES:
         model = build_family(family)
         ids = torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(7))
@@ -304,6 +315,7 @@ def fused_pipeline(rank: int, world: int, families: tuple | None = None) -> dict
         tokens = engine.generate(prompt, attention_mask=mask, **options)
         scale = ref_logits.std()
         block = runtime.blocks[0]
+        dims = model_dims(lookup(model.config), model.config)  # read after sharding: the config is left as it was
         out[family] = {
             "hf_forward": float((engine(ids).logits - ref_logits).abs().max() / scale),
             "native": float((native - ref_logits).abs().max() / scale),
@@ -312,7 +324,7 @@ def fused_pipeline(rank: int, world: int, families: tuple | None = None) -> dict
             "all_gather": counts["all_gather"], "layers": len(runtime.blocks),
             "shape": (block.shape.n_heads, block.shape.n_kv_heads),
             "modules": [type(m).__name__ for m in (runtime.embed, runtime.lm_head, block.o, block.down)],
-            "config_heads": (model.config.num_attention_heads, model.config.num_key_value_heads),
+            "config_heads": (dims.n_heads, dims.n_kv_heads),
             "tied": runtime.lm_head.linear.weight is runtime.embed.weight}
     return out
 

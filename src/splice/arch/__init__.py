@@ -4,11 +4,11 @@ from __future__ import annotations
 from typing import Any
 
 from .families import RECORDS
-from .record import ArchRecord, ModelDims, RopeSpec, model_dims, tensor_parallel_plan
+from .record import ArchRecord, ModelDims, RopeSpec, check_fits, model_dims, tensor_parallel_plan
 
 REGISTRY: dict[str, ArchRecord] = {record.model_type: record for record in RECORDS}
 
-__all__ = ["ArchRecord", "ModelDims", "RopeSpec", "REGISTRY", "lookup", "model_dims", "supported",
+__all__ = ["ArchRecord", "ModelDims", "RopeSpec", "REGISTRY", "check_fits", "lookup", "model_dims", "supported",
            "tensor_parallel_plan"]
 
 

@@ -1,9 +1,15 @@
-"""One record per architecture family. Adding a family = adding a record here + a parity test."""
+"""One record per architecture family. Adding a family = adding a record here + a parity test.
+
+Each record's comment names the DeepSpeed injection container (``deepspeed/module_inject/containers``) the family
+corresponds to, where DeepSpeed has one.
+"""
 from __future__ import annotations
+
+from dataclasses import replace
 
 from .record import ArchRecord
 
-LLAMA = ArchRecord(model_type="llama")
+LLAMA = ArchRecord(model_type="llama")  # DS_LLAMAContainer
 
 MISTRAL = ArchRecord(model_type="mistral", sliding_window=True)
 
@@ -15,4 +21,94 @@ PHI3 = ArchRecord(model_type="phi3", qkv="self_attn.qkv_proj", gate_up="mlp.gate
 
 GEMMA = ArchRecord(model_type="gemma", norm_offset=1.0, embed_scale=True)
 
-RECORDS: tuple[ArchRecord, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA)
+# DS_GPTNEOXContainer: per-head [q k v], partial rotary, sequential or parallel residual with two norms
+GPT_NEOX = ArchRecord(
+    model_type="gpt_neox", layers="gpt_neox.layers", embed="gpt_neox.embed_in", final_norm="gpt_neox.final_layer_norm",
+    qkv="attention.query_key_value", qkv_layout="grouped", o="attention.dense", gated=False,
+    up="mlp.dense_h_to_4h", down="mlp.dense_4h_to_h", norm="layer", eps_key="layer_norm_eps",
+    parallel=("use_parallel_residual",))
+
+# DS_GPT2Container: HF Conv1D linears, learned absolute positions
+GPT2 = ArchRecord(
+    model_type="gpt2", layers="transformer.h", embed="transformer.wte", position_embed="transformer.wpe",
+    final_norm="transformer.ln_f", qkv="attn.c_attn", o="attn.c_proj", gated=False, up="mlp.c_fc",
+    down="mlp.c_proj", norm="layer", attn_norm="ln_1", mlp_norm="ln_2", eps_key="layer_norm_epsilon",
+    positions="learned", activation_key="activation_function", refuse=(("add_cross_attention", True),),
+    hf_args=("cache", "attention_mask", "encoder_hidden_states"))
+
+# DS_OPTContainer: learned positions at offset 2, pre- or post-norm, word_embed_proj_dim projections
+OPT = ArchRecord(
+    model_type="opt", layers="model.decoder.layers", embed="model.decoder.embed_tokens",
+    position_embed="model.decoder.embed_positions", position_offset=2, final_norm="model.decoder.final_layer_norm",
+    project_in="model.decoder.project_in", project_out="model.decoder.project_out", o="self_attn.out_proj",
+    gated=False, up="fc1", down="fc2", norm="layer", attn_norm="self_attn_layer_norm", mlp_norm="final_layer_norm",
+    norm_before="do_layer_norm_before", positions="learned", activation_key="activation_function")
+
+# (no DeepSpeed container; phi-2) parallel attention and MLP from one LayerNorm, partial rotary
+PHI = ArchRecord(
+    model_type="phi", final_norm="model.final_layernorm", o="self_attn.dense", gated=False, up="mlp.fc1",
+    down="mlp.fc2", norm="layer", mlp_norm=None, parallel=True, eps_key="layer_norm_eps",
+    refuse=(("qk_layernorm", True),))
+
+# DS_GPTJContainer: parallel residual from one norm, interleaved (every-two) partial rotary
+GPTJ = ArchRecord(
+    model_type="gptj", layers="transformer.h", embed="transformer.wte", final_norm="transformer.ln_f",
+    q="attn.q_proj", k="attn.k_proj", v="attn.v_proj", o="attn.out_proj", gated=False, up="mlp.fc_in",
+    down="mlp.fc_out", norm="layer", attn_norm="ln_1", mlp_norm=None, parallel=True, rotary_interleaved=True,
+    eps_key="layer_norm_epsilon", activation_key="activation_function")
+
+# (DeepSpeed injects Falcon through AutoTP only) multi-query, per-head, or grouped (new_decoder_architecture) qkv;
+# one or two norms in parallel, or sequential; rotary or ALiBi
+FALCON = ArchRecord(
+    model_type="falcon", layers="transformer.h", embed="transformer.word_embeddings", final_norm="transformer.ln_f",
+    qkv="self_attention.query_key_value", qkv_layout="grouped", o="self_attention.dense", gated=False,
+    up="mlp.dense_h_to_4h", down="mlp.dense_4h_to_h", norm="layer", attn_norm="ln_attn|input_layernorm",
+    mlp_norm="ln_mlp|post_attention_layernorm", parallel=("parallel_attn", "new_decoder_architecture"),
+    eps_key="layer_norm_epsilon", activation_key="activation", alibi_key="alibi", alibi_scaled=True,
+    hf_returns_tuple=True, hf_alibi_in_mask=True)
+
+# DS_BloomContainer: per-head [q k v], ALiBi, a LayerNorm on the embeddings
+BLOOM = ArchRecord(
+    model_type="bloom", layers="transformer.h", embed="transformer.word_embeddings",
+    embed_norm="transformer.word_embeddings_layernorm", final_norm="transformer.ln_f",
+    qkv="self_attention.query_key_value", qkv_layout="grouped", o="self_attention.dense", gated=False,
+    up="mlp.dense_h_to_4h", down="mlp.dense_4h_to_h", norm="layer", eps_key="layer_norm_epsilon", positions="alibi",
+    activation="gelu_pytorch_tanh", refuse=(("apply_residual_connection_post_layernorm", True),),
+    hf_returns_tuple=True)
+
+# (no DeepSpeed container) sandwich norms, logit soft-capping, sliding / global layers
+GEMMA2 = ArchRecord(
+    model_type="gemma2", activation_key="hidden_activation", norm_offset=1.0, embed_scale=True, sliding_window=True,
+    mlp_norm="pre_feedforward_layernorm", attn_out_norm="post_attention_layernorm",
+    mlp_out_norm="post_feedforward_layernorm")
+
+# (no DeepSpeed container) Gemma 2's layout plus qk-norm and a rotary base per layer type
+GEMMA3_TEXT = ArchRecord(
+    model_type="gemma3_text", activation_key="hidden_activation", norm_offset=1.0, embed_scale=True,
+    sliding_window=True, mlp_norm="pre_feedforward_layernorm", attn_out_norm="post_attention_layernorm",
+    mlp_out_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+
+# the language model of Gemma 3's multimodal model (images go through Hugging Face's generate on the fused blocks)
+GEMMA3 = replace(GEMMA3_TEXT, model_type="gemma3", layers="model.language_model.layers",
+                 embed="model.language_model.embed_tokens", final_norm="model.language_model.norm")
+
+# DS_GPTNEOContainer: learned positions, unscaled scores, global and local (sliding-window) layers
+GPT_NEO = ArchRecord(
+    model_type="gpt_neo", layers="transformer.h", embed="transformer.wte", position_embed="transformer.wpe",
+    final_norm="transformer.ln_f", q="attn.attention.q_proj", k="attn.attention.k_proj", v="attn.attention.v_proj",
+    o="attn.attention.out_proj", gated=False, up="mlp.c_fc", down="mlp.c_proj", norm="layer", attn_norm="ln_1",
+    mlp_norm="ln_2", eps_key="layer_norm_epsilon", positions="learned", activation_key="activation_function",
+    attn_scale=1.0, sliding_window=True, window_key="window_size", layer_types_key="attention_layers",
+    window_layer_type="local", hf_returns_tuple=True, hf_window_in_mask=False)
+
+# (no DeepSpeed container; StarCoder) multi-query [q; k; v] or per-head [q k v] (one KV group either way), learned
+# positions
+GPT_BIGCODE = ArchRecord(
+    model_type="gpt_bigcode", layers="transformer.h", embed="transformer.wte", position_embed="transformer.wpe",
+    final_norm="transformer.ln_f", qkv="attn.c_attn", qkv_layout="grouped", o="attn.c_proj", gated=False,
+    up="mlp.c_fc", down="mlp.c_proj", norm="layer", attn_norm="ln_1", mlp_norm="ln_2", eps_key="layer_norm_epsilon",
+    positions="learned", activation_key="activation_function", refuse=(("add_cross_attention", True),),
+    hf_args=("encoder_hidden_states",))
+
+RECORDS: tuple[ArchRecord, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GPT_NEOX, GPT2, OPT, PHI, GPTJ, FALCON,
+                                   BLOOM, GEMMA2, GEMMA3_TEXT, GEMMA3, GPT_NEO, GPT_BIGCODE)

@@ -6,7 +6,7 @@ tensor-parallel plan off it (as transformers keeps ``base_model_tp_plan`` on its
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..tp.plan import Rule, TPPlan
@@ -17,103 +17,251 @@ from ..tp.split import Heads
 class ArchRecord:
     """One architecture family. Paths are dotted attribute paths; block paths are relative to one decoder layer.
 
-    Biases are taken from the checkpoint's linears (present or not), tied embeddings from the shared lm_head.
+    A block path may list alternatives, ``"ln_attn|input_layernorm"``: the first the layer has is used (Falcon's
+    configs switch between them); an optional path the layer lacks (or holds None) means the part is absent. Fields
+    that name a config key (``parallel``, ``norm_before``, ``alibi``) take the variant from the model's config.
+    Biases are taken from the checkpoint's linears (present or not), tied embeddings from the shared lm_head; HF
+    ``Conv1D`` linears (GPT-2) and ``nn.Linear`` subclasses become plain ``nn.Linear`` when fused.
     """
 
     model_type: str
     # where the model's parts live, from the ``*ForCausalLM`` module
     layers: str = "model.layers"
     embed: str = "model.embed_tokens"
-    final_norm: str = "model.norm"
+    final_norm: str | None = "model.norm"
     lm_head: str = "lm_head"
-    # attention projections: separate q/k/v, or one fused ``qkv`` laid out [q; k; v]
+    # learned absolute positions added to the token embeddings, looked up at ``position + position_offset`` (OPT: 2)
+    position_embed: str | None = None
+    position_offset: int = 0
+    embed_norm: str | None = None  # a norm on the embeddings (BLOOM)
+    project_in: str | None = None  # OPT's word_embed_proj_dim projections around the blocks
+    project_out: str | None = None
+    # attention projections: separate q/k/v, or one fused ``qkv`` laid out ``qkv_layout``: "contiguous" [q; k; v],
+    # or "grouped": per key/value head [its query heads, k, v] (per-head [q k v] when every head has its own k/v)
     q: str = "self_attn.q_proj"
     k: str = "self_attn.k_proj"
     v: str = "self_attn.v_proj"
     qkv: str | None = None
+    qkv_layout: str = "contiguous"
     o: str = "self_attn.o_proj"
-    # MLP projections: separate gate/up, or one fused ``gate_up`` laid out [gate; up]
+    # MLP: gated ``down(act(gate) * up)`` from separate gate/up or one fused ``gate_up`` [gate; up], or plain
+    # ``down(act(up))`` (``gated=False``: ``up`` is fc1 / c_fc / dense_h_to_4h)
+    gated: bool = True
     gate: str = "mlp.gate_proj"
     up: str = "mlp.up_proj"
     gate_up: str | None = None
     down: str = "mlp.down_proj"
-    # norms (RMSNorm); ``norm_offset`` 1.0 means the checkpoint stores ``weight - 1`` (y = norm(x) * (1 + w))
+    # norms: "rms" (``norm_offset`` 1.0 means the checkpoint stores ``weight - 1``: y = norm(x) * (1 + w)) or "layer"
+    # (the model's own LayerNorm modules, with their biases). ``mlp_norm`` absent: a parallel block's MLP reads the
+    # attention norm's output. ``attn_out_norm`` / ``mlp_out_norm``: norms on the branch outputs (Gemma 2/3).
+    norm: str = "rms"
     attn_norm: str = "input_layernorm"
-    mlp_norm: str = "post_attention_layernorm"
+    mlp_norm: str | None = "post_attention_layernorm"
+    attn_out_norm: str | None = None
+    mlp_out_norm: str | None = None
     norm_offset: float = 0.0
     eps_key: str = "rms_norm_eps"
     # per-head RMSNorm on q and k before rotary (qk-norm), or None
     q_norm: str | None = None
     k_norm: str | None = None
-    # the config key naming the MLP activation
+    # residual layout: parallel ``x + attn(n1(x)) + mlp(n2(x))`` (True, or config keys any of which makes it so);
+    # ``norm_before`` False (or a config key that is False) puts each norm after its residual add (post-norm)
+    parallel: bool | tuple[str, ...] = False
+    norm_before: bool | str = True
+    # positions: "rotary", "learned" (``position_embed``), "alibi" or "none"; ``alibi_key``: a config key that
+    # switches a rotary family to ALiBi (Falcon); ``alibi_scaled``: the bias is scaled with the scores (Falcon)
+    positions: str = "rotary"
+    alibi_key: str | None = None
+    alibi_scaled: bool = False
+    rotary_interleaved: bool = False  # GPT-J: rotate every two features instead of the two halves
+    # the config key naming the MLP activation, or the activation itself when the config names none (BLOOM)
     activation_key: str = "hidden_act"
+    activation: str | None = None
     # multiply token embeddings by sqrt(hidden_size)
     embed_scale: bool = False
-    # honour ``config.sliding_window`` (and ``config.layer_types`` when present)
+    # honour the config's sliding window (``window_key``), on the layers ``layer_types_key`` lists as
+    # ``window_layer_type`` when the config has that list (else on every layer)
     sliding_window: bool = False
+    window_key: str = "sliding_window"
+    layer_types_key: str = "layer_types"
+    window_layer_type: str = "sliding_attention"
+    # a fixed score scale where the family has one its config does not state (GPT-Neo: 1), else read from the config
+    attn_scale: float | None = None
+    # config values the fused block cannot express: ``((key, value), ...)`` refused at plan time
+    refuse: tuple[tuple[str, Any], ...] = ()
+    # how the family's Hugging Face model calls a decoder layer: the names of its positional arguments after the
+    # hidden states, whether it expects a tuple back, and whether its ALiBi bias comes folded into the mask (Falcon)
+    hf_args: tuple[str, ...] = ()
+    hf_returns_tuple: bool = False
+    hf_alibi_in_mask: bool = False
+    hf_window_in_mask: bool = True  # False: the HF layer applies its sliding window itself (GPT-Neo)
 
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """Rotary embedding parameters: ``rope_type`` is transformers' name ("default", "linear", "llama3", "yarn", ...)."""
+    """Rotary embedding parameters: ``rope_type`` is transformers' name ("default", "linear", "llama3", "yarn", ...);
+    ``layer_type`` names the entry of a per-layer-type ``rope_parameters`` it came from (Gemma 3), else None."""
 
     theta: float
     rope_type: str
     partial_factor: float
     max_positions: int  # the longest table the rope type can give without a runtime rescale
+    layer_type: str | None = None
 
 
 @dataclass(frozen=True)
 class ModelDims:
-    """The per-model numbers the fused block needs, read from the model's config (never written back)."""
+    """The per-model numbers and variants the fused block needs, read from the model's config (never written back)."""
 
     hidden: int
     n_heads: int
     n_kv_heads: int
     head_dim: int
-    eps: float
+    eps: float | None
     activation: str
     windows: tuple[int | None, ...]  # sliding window per layer (None: full attention)
     rope: RopeSpec
+    layer_ropes: tuple[RopeSpec, ...] = ()  # per layer, when layers differ (Gemma 3's local and global layers)
+    positions: str = "rotary"  # "rotary", "learned", "alibi" or "none"
+    parallel: bool = False
+    norm_before: bool = True
+    attn_scale: float | None = None  # None: 1 / sqrt(head_dim)
+    scale_by_layer: bool = False  # GPT-2's scale_attn_by_inverse_layer_idx: scores / (layer index + 1)
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    position_limit: int | None = None  # learned positions: the table's length
 
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.rope.partial_factor)
 
+    def layer_rope(self, index: int) -> RopeSpec:
+        return self.layer_ropes[index] if self.layer_ropes else self.rope
+
+    def layer_scale(self, index: int) -> float:
+        scale = self.head_dim ** -0.5 if self.attn_scale is None else self.attn_scale
+        return scale / (index + 1) if self.scale_by_layer else scale
+
+
+def text_config(config: Any) -> Any:
+    """The config of the language model: a multimodal config's text part (Gemma 3), else the config itself."""
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
 
 def model_dims(record: ArchRecord, config: Any) -> ModelDims:
-    """Read :class:`ModelDims` from a transformers config, as the family's modeling code does."""
+    """Read :class:`ModelDims` from a transformers config (its text part), as the family's modeling code does."""
+    config = text_config(config)
     n_heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    alibi = record.positions == "alibi" or bool(record.alibi_key and getattr(config, record.alibi_key, False))
+    ropes = layer_ropes(config, head_dim)
     return ModelDims(
         hidden=config.hidden_size,
         n_heads=n_heads,
-        n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
-        head_dim=getattr(config, "head_dim", None) or config.hidden_size // n_heads,
-        eps=getattr(config, record.eps_key),
-        activation=getattr(config, record.activation_key),
+        n_kv_heads=kv_heads(config, n_heads),
+        head_dim=head_dim,
+        eps=getattr(config, record.eps_key, None),
+        activation=record.activation or getattr(config, record.activation_key),
         windows=layer_windows(record, config),
-        rope=rope_spec(config),
+        rope=ropes[0],
+        layer_ropes=ropes if len(set(ropes)) > 1 else (),
+        positions="alibi" if alibi else record.positions,
+        parallel=config_flag(record.parallel, config),
+        norm_before=config_flag(record.norm_before, config),
+        attn_scale=record.attn_scale if record.attn_scale is not None else attention_scale(config),
+        scale_by_layer=bool(getattr(config, "scale_attn_by_inverse_layer_idx", False)),
+        attn_softcap=getattr(config, "attn_logit_softcapping", None),
+        final_softcap=getattr(config, "final_logit_softcapping", None),
+        position_limit=config.max_position_embeddings if record.positions == "learned" else None,
     )
+
+
+def check_fits(record: ArchRecord, config: Any) -> None:
+    """Raise ``ValueError`` naming the config value the fused block cannot express for this family."""
+    config = text_config(config)
+    for key, value in record.refuse:
+        if getattr(config, key, None) == value:
+            raise ValueError(f"kernel injection cannot fuse model_type={record.model_type!r} with {key}={value!r}: "
+                             f"the fused block has no such layout; use replace_with_kernel_inject=False for this model")
+    if record.qkv_layout not in ("contiguous", "grouped"):
+        raise ValueError(f"record {record.model_type!r}: qkv_layout={record.qkv_layout!r}; allowed: contiguous, "
+                         "grouped")
+    if record.positions not in ("rotary", "learned", "alibi", "none"):
+        raise ValueError(f"record {record.model_type!r}: positions={record.positions!r}; allowed: rotary, learned, "
+                         "alibi, none")
+
+
+def config_flag(value: bool | str | tuple[str, ...], config: Any) -> bool:
+    """A record variant: a fixed bool, or config keys any of which (when true) turns it on."""
+    if isinstance(value, bool):
+        return value
+    keys = (value,) if isinstance(value, str) else value
+    return any(bool(getattr(config, key, False)) for key in keys)
+
+
+def kv_heads(config: Any, n_heads: int) -> int:
+    """Key/value heads under transformers' names: ``num_key_value_heads``, Falcon's ``num_kv_heads`` (its new
+    architecture) or ``multi_query`` (one shared head), else one per query head."""
+    if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
+        return 1
+    for key in ("num_key_value_heads", "num_kv_heads"):
+        value = getattr(config, key, None)
+        if value:
+            return value
+    return n_heads
+
+
+def attention_scale(config: Any) -> float | None:
+    """The score scale the config asks for: ``query_pre_attn_scalar ** -0.5`` (Gemma 2/3), 1 when
+    ``scale_attn_weights`` is False (GPT-2), else None (1 / sqrt(head_dim))."""
+    scalar = getattr(config, "query_pre_attn_scalar", None)
+    if scalar:
+        return float(scalar) ** -0.5
+    if getattr(config, "scale_attn_weights", True) is False:
+        return 1.0
+    return None
 
 
 def layer_windows(record: ArchRecord, config: Any) -> tuple[int | None, ...]:
     """The sliding window of each layer: ``layer_types`` picks the layers when the config has it."""
     n_layers = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None) if record.sliding_window else None
-    layer_types = getattr(config, "layer_types", None)
+    window = getattr(config, record.window_key, None) if record.sliding_window else None
+    layer_types = getattr(config, record.layer_types_key, None)
     if window is None or layer_types is None:
         return (window,) * n_layers
-    return tuple(window if kind == "sliding_attention" else None for kind in layer_types[:n_layers])
+    return tuple(window if kind == record.window_layer_type else None for kind in layer_types[:n_layers])
 
 
-def rope_spec(config: Any) -> RopeSpec:
-    """Rotary parameters from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling`` (4.x)."""
+def layer_ropes(config: Any, head_dim: int) -> tuple[RopeSpec, ...]:
+    """The rotary parameters of each layer: one spec for all, or one per layer type when ``rope_parameters`` is keyed
+    by layer type (Gemma 3). A ``rotary_dim`` in the config (GPT-J) gives the partial factor."""
+    params = getattr(config, "rope_parameters", None) or {}
+    layer_types = getattr(config, "layer_types", None)
+    n_layers = config.num_hidden_layers
+    if layer_types and all(isinstance(params.get(kind), dict) for kind in set(layer_types)):
+        specs = {kind: rope_spec(config, kind) for kind in set(layer_types)}
+        ropes = tuple(specs[kind] for kind in layer_types[:n_layers])
+    else:
+        ropes = (rope_spec(config),) * n_layers
+    rotary_dim = getattr(config, "rotary_dim", None)
+    if rotary_dim:
+        ropes = tuple(replace(spec, partial_factor=rotary_dim / head_dim) for spec in ropes)
+    return ropes
+
+
+def rope_spec(config: Any, layer_type: str | None = None) -> RopeSpec:
+    """Rotary parameters from ``rope_parameters`` (transformers 5; ``layer_type`` picks a per-layer-type entry) or
+    ``rope_theta``/``rope_scaling`` (4.x)."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if layer_type is not None:
+        params = dict(params[layer_type])
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
     max_positions = _rescale_limit(rope_type, params, config)
-    return RopeSpec(theta=float(theta), rope_type=rope_type, partial_factor=float(partial), max_positions=max_positions)
+    return RopeSpec(theta=float(theta), rope_type=rope_type, partial_factor=float(partial),
+                    max_positions=max_positions, layer_type=layer_type)
 
 
 def _rescale_limit(rope_type: str, params: dict, config: Any) -> int:
@@ -127,19 +275,22 @@ def _rescale_limit(rope_type: str, params: dict, config: Any) -> int:
 
 
 def tensor_parallel_plan(record: ArchRecord, config: Any) -> TPPlan:
-    """The family's tensor-parallel plan: embedding and lm_head split by vocabulary, q/k/v (or the fused qkv) and
-    gate/up (or gate_up) column-parallel by heads and halves, o and down row-parallel (two all-reduces a block)."""
+    """The family's tensor-parallel plan: embedding and lm_head split by vocabulary, q/k/v (or the fused qkv, by its
+    layout) and the MLP's input projections column-parallel by heads and halves, o and down row-parallel (two
+    all-reduces a block). Everything else (norms, position embeddings, OPT's projections) is replicated."""
     dims = model_dims(record, config)
     heads = Heads(dims.n_heads, dims.n_kv_heads, dims.head_dim)
     block = f"{record.layers}.*"
     rules = {record.embed: Rule("vocab")}
     if record.qkv:
-        rules[f"{block}.{record.qkv}"] = Rule("column", "qkv", heads)
+        rules[f"{block}.{record.qkv}"] = Rule("column", fused_qkv_layout(record, heads), heads)
     else:
         rules[f"{block}.{record.q}"] = Rule("column", "q", heads)
         rules.update({f"{block}.{path}": Rule("column", "kv", heads) for path in (record.k, record.v)})
     rules[f"{block}.{record.o}"] = Rule("row", "q", heads)
-    if record.gate_up:
+    if not record.gated:
+        rules[f"{block}.{record.up}"] = Rule("column")
+    elif record.gate_up:
         rules[f"{block}.{record.gate_up}"] = Rule("column", "halves")
     else:
         rules.update({f"{block}.{path}": Rule("column") for path in (record.gate, record.up)})
@@ -147,3 +298,11 @@ def tensor_parallel_plan(record: ArchRecord, config: Any) -> TPPlan:
     rules[record.lm_head] = Rule("vocab")
     attention = {f"{block}.{record.o.rpartition('.')[0]}": heads}
     return TPPlan(rules, attention, [block], source="record")
+
+
+def fused_qkv_layout(record: ArchRecord, heads: Heads) -> str:
+    """The tensor-parallel layout of a checkpoint-fused q/k/v: ``qkv`` for [q; k; v]; for per-KV-group layouts,
+    ``heads`` when each head has its own k/v, else ``kv_groups`` (one shared K/V head included)."""
+    if record.qkv_layout == "contiguous":
+        return "qkv"
+    return "heads" if heads.n_q == heads.n_kv else "kv_groups"

@@ -1,7 +1,9 @@
-"""The generic fused transformer block (pre-norm attention + gated MLP) that replaces a model's decoder layers.
+"""The generic fused transformer block that replaces a model's decoder layers.
 
-It knows nothing about any family's names: ``splice.steps.fuse`` builds it from an architecture record.
-Two entry points share the same fused code:
+It knows nothing about any family's names: ``splice.steps.fuse`` builds it from an architecture record, and the
+variants are data (:class:`BlockLayout`): pre- or post-norm, sequential or parallel residual (one norm or two), norms
+on the branch outputs, gated or plain MLP, rotary (applied to the first ``rotary_dim`` features), ALiBi or no
+positions inside the block, the score scale and soft-capping. Two entry points share the same fused code:
 
 * ``forward`` has the Hugging Face decoder-layer interface, so the model's own forward and ``generate`` (any
   option, any HF cache) still run on the injected model;
@@ -9,6 +11,7 @@ Two entry points share the same fused code:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -17,16 +20,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from .kv_cache import StaticKVCache
-from .norm import HeadRMSNorm, RMSNorm
+from .norm import HeadRMSNorm
 from .rotary import apply_rotary_, signed_sin
 
 ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,
     "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh"),
+    "gelu_new": partial(F.gelu, approximate="tanh"),
     "gelu": F.gelu,
     "relu": F.relu,
 }
+
+#: the names Hugging Face decoder layers give their cache argument
+CACHE_ARGS = ("cache", "past_key_values", "layer_past", "past_key_value")
 
 
 def activation(name: str):
@@ -46,72 +53,193 @@ class BlockShape:
     activation: str
 
 
-class SpliceBlock(nn.Module):
-    """``x += o(attn(rope(qkv(norm(x)))))``; ``x += down(act(gate) * up)`` with one QKV GEMM and one gate+up GEMM.
+@dataclass(frozen=True)
+class BlockLayout:
+    """How one block computes, beyond its shape (see the module docstring); the defaults are Llama's."""
 
-    ``qkv`` produces ``[q; k; v]``, ``gate_up`` produces ``[gate; up]``; ``o`` and ``down`` are the model's own modules.
+    parallel: bool = False  # x + attn(n1(x)) + mlp(n2(x)), n2 = n1 when there is no MLP norm
+    norm_before: bool = True  # False: x = n1(x + attn(x)); x = n2(x + mlp(x)) (post-norm)
+    gated: bool = True  # down(act(gate) * up), else down(act(up))
+    rotary: bool = True
+    rope_index: int = 0  # which rotary table (Gemma 3: local and global layers differ)
+    scale: float | None = None  # None: 1 / sqrt(head_dim)
+    softcap: float | None = None  # scores = cap * tanh(scores / cap) before the mask
+    hf_args: tuple[str, ...] = ()  # the HF layer's positional arguments after the hidden states
+    hf_returns_tuple: bool = False
+    hf_alibi_in_mask: bool = False  # the HF model folds the ALiBi bias into the mask it passes
+    hf_window_in_mask: bool = True  # False: the HF model passes a full causal mask to sliding-window layers
+
+
+class SpliceBlock(nn.Module):
+    """``x += o(attn(rope(qkv(norm(x)))))``; ``x += down(act(gate) * up)`` (or the layout's variant) with one QKV GEMM
+    and one gate+up GEMM.
+
+    ``qkv`` produces ``[q; k; v]``, ``gate_up`` produces ``[gate; up]`` (a plain MLP: its input projection);
+    ``o`` and ``down`` are the model's own modules. ``alibi_slopes`` (one per local head) add ALiBi's bias.
     """
 
     def __init__(self, layer_idx: int, shape: BlockShape, qkv: nn.Module, o: nn.Module, gate_up: nn.Module,
-                 down: nn.Module, attn_norm: RMSNorm, mlp_norm: RMSNorm, qk_norm: HeadRMSNorm | None = None):
+                 down: nn.Module, attn_norm: nn.Module | None, mlp_norm: nn.Module | None,
+                 qk_norm: HeadRMSNorm | None = None, layout: BlockLayout = BlockLayout(),
+                 attn_out_norm: nn.Module | None = None, mlp_out_norm: nn.Module | None = None,
+                 alibi_slopes: torch.Tensor | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.shape = shape
+        self.layout = layout
         self.window = shape.window
         self.act = activation(shape.activation)
         self.attn_norm, self.qkv, self.qk_norm, self.o = attn_norm, qkv, qk_norm, o
         self.mlp_norm, self.gate_up, self.down = mlp_norm, gate_up, down
+        self.attn_out_norm, self.mlp_out_norm = attn_out_norm, mlp_out_norm
+        self.scale = layout.scale if layout.scale is not None else shape.head_dim ** -0.5
+        if alibi_slopes is not None:
+            self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
+        else:
+            self.alibi_slopes = None
+        self.rotary_table = None  # positions -> (cos, sin), for HF layers that pass no cos/sin (set by the fuse step)
         self.is_causal = True
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, cache=None,
-                past_key_values=None, **kwargs) -> torch.Tensor:
-        """The Hugging Face decoder-layer call: HF's cos/sin, mask (None means causal) and cache object."""
-        cache = cache if cache is not None else past_key_values
-        cos, sin = position_embeddings
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        """The Hugging Face decoder-layer call: HF's cos/sin (or position ids), mask (None means causal) and cache."""
+        if len(args) > len(self.layout.hf_args):
+            raise TypeError(f"the fused block got {len(args)} positional arguments after the hidden states; its "
+                            f"record names {len(self.layout.hf_args)} ({', '.join(self.layout.hf_args) or 'none'})")
+        kwargs.update(zip(self.layout.hf_args, args))
+        cache = next((kwargs.pop(name) for name in CACHE_ARGS if kwargs.get(name) is not None), None)
+        mask = kwargs.pop("attention_mask", None)
+        cos, sin = self.hf_rotary(kwargs)
         x = hidden_states.clone()
-        q, k, v = self.project(x, cos.unsqueeze(2), signed_sin(sin).unsqueeze(2))
+        q, k, v, h = self.project(x, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
-        causal = attention_mask is None and q.shape[2] > 1
-        return self.finish(x, self.attend(q, k, v, attention_mask, causal))
+        if isinstance(mask, dict):  # some models hand every layer a mask per layer type
+            mask = mask["sliding_attention" if self.window is not None else "full_attention"]
+        if self.window is not None and not self.layout.hf_window_in_mask:
+            mask = within_window(mask, q.shape[2], k.shape[2], self.window, q.device)
+        causal = mask is None and q.shape[2] > 1
+        alibi = not self.layout.hf_alibi_in_mask
+        out = self.finish(x, h, self.attend(q, k, v, mask, causal, alibi))
+        return (out, None) if self.layout.hf_returns_tuple else out
 
-    def step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: StaticKVCache, slots: torch.Tensor,
-             mask: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """splice's native path: updates ``x`` in place, keys and values go to ``cache`` at ``slots``.
+    def hf_rotary(self, kwargs: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """cos and signed sin ``[B, S, 1, rotary_dim]`` for the HF path: the model's own (``rotate_half`` layout), or
+        splice's table at ``position_ids`` when the model passes cos/sin of another layout (GPT-J)."""
+        if not self.layout.rotary:
+            return None, None
+        if self.rotary_table is not None:
+            return self.rotary_table(kwargs["position_ids"])
+        cos, sin = kwargs["position_embeddings"]
+        return cos.unsqueeze(2), signed_sin(sin).unsqueeze(2)
+
+    def step(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, cache: StaticKVCache,
+             slots: torch.Tensor, mask: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """splice's native path: updates ``x`` in place (post-norm: returns a new tensor), keys and values go to
+        ``cache`` at ``slots``.
 
         ``mask`` None means plain causal attention over the first ``kv_len`` slots (an unpadded prompt)."""
-        q, k, v = self.project(x, cos, sin)
+        q, k, v, h = self.project(x, cos, sin)
         k, v = cache.update(self.layer_idx, k, v, slots, kv_len)
-        return self.finish(x, self.attend(q, k, v, mask, mask is None))
+        return self.finish(x, h, self.attend(q, k, v, mask, mask is None))
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q ``[B, heads, S, D]``, k and v ``[B, kv_heads, S, D]``, rotary applied in place to q and k together."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
+        """q ``[B, heads, S, D]``, k and v ``[B, kv_heads, S, D]``, rotary applied in place to q and k together; and
+        the attention's (normed) input."""
         batch, seq, _ = x.shape
         n_q, n_kv = self.shape.n_heads, self.shape.n_kv_heads
-        qkv = self.qkv(self.attn_norm(x)).view(batch, seq, n_q + 2 * n_kv, self.shape.head_dim)
+        h = self.attn_norm(x) if self.layout.norm_before else x
+        qkv = self.qkv(h).view(batch, seq, n_q + 2 * n_kv, self.shape.head_dim)
         qk = qkv[:, :, : n_q + n_kv]
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
-        apply_rotary_(qk, cos, sin)
-        return qk[:, :, :n_q].transpose(1, 2), qk[:, :, n_q:].transpose(1, 2), qkv[:, :, n_q + n_kv:].transpose(1, 2)
+        if cos is not None:
+            apply_rotary_(qk, cos, sin)
+        q, k, v = qk[:, :, :n_q], qk[:, :, n_q:], qkv[:, :, n_q + n_kv:]
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), h
 
-    def attend(self, q, k, v, mask, causal: bool) -> torch.Tensor:
+    def attend(self, q, k, v, mask, causal: bool, alibi: bool = True) -> torch.Tensor:
+        bias = self.alibi_slopes if alibi else None
         if mask is not None and q.shape[2] == 1 and torch.compiler.is_compiling():
-            return attend_one_query(q, k, v, mask).transpose(1, 2).flatten(2)
-        gqa = self.shape.n_heads != self.shape.n_kv_heads
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+            return attend_one_query(q, k, v, mask, self.scale, bias, self.layout.softcap).transpose(1, 2).flatten(2)
+        if bias is not None or self.layout.softcap is not None:
+            mask = additive_mask(mask, q.shape[2], k.shape[2], q.dtype, q.device)
+            if bias is not None:
+                mask = mask + alibi_bias(bias, k.shape[2]).to(mask.dtype)
+            causal = False
+        if self.layout.softcap is not None:
+            out = attend_capped(q, k, v, mask, self.scale, self.layout.softcap)
+        else:
+            gqa = self.shape.n_heads != self.shape.n_kv_heads
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa,
+                                                 scale=self.scale)
         return out.transpose(1, 2).flatten(2)
 
-    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The residual adds (in place on ``x``) and the gated MLP."""
-        x.add_(self.o(attn))
-        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
-        x.add_(self.down(self.act(gate).mul_(up)))
-        return x
+    def finish(self, x: torch.Tensor, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual adds (in place on ``x``; post-norm returns the normed sum) around the MLP."""
+        out = self.o(attn)
+        if self.attn_out_norm is not None:
+            out = self.attn_out_norm(out)
+        if self.layout.parallel:
+            mlp = self.mlp(h if self.mlp_norm is None else self.mlp_norm(x))
+            return x.add_(out).add_(mlp)
+        x.add_(out)
+        if not self.layout.norm_before:
+            x = self.attn_norm(x)
+        mlp = self.mlp(self.mlp_norm(x) if self.layout.norm_before else x)
+        x.add_(mlp)
+        return x if self.layout.norm_before else self.mlp_norm(x)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        if self.layout.gated:
+            gate, up = self.gate_up(h).chunk(2, dim=-1)
+            out = self.down(self.act(gate).mul_(up))
+        else:
+            out = self.down(self.act(self.gate_up(h)))
+        return out if self.mlp_out_norm is None else self.mlp_out_norm(out)
 
 
-def attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def additive_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, dtype, device) -> torch.Tensor:
+    """A float mask (0 where visible, -inf elsewhere) from a boolean or float mask, or causal when None (the queries
+    being the last ``q_len`` of ``kv_len`` positions)."""
+    if mask is None:
+        rows = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+        mask = torch.arange(kv_len, device=device)[None, :] <= rows
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill_(~mask, float("-inf"))
+    return mask.to(dtype)
+
+
+def within_window(mask: torch.Tensor | None, q_len: int, kv_len: int, window: int, device) -> torch.Tensor:
+    """``mask`` (boolean, float or None for causal) restricted to the last ``window`` positions of each query, the
+    queries being the last ``q_len`` of ``kv_len`` positions."""
+    rows = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    keys = torch.arange(kv_len, device=device)[None, :]
+    visible = (keys > rows - window) & (keys <= rows)
+    if mask is None:
+        return visible
+    if mask.dtype == torch.bool:
+        return mask & visible
+    return mask.masked_fill(~visible, float("-inf"))
+
+
+def alibi_bias(slopes: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """ALiBi's bias ``[1, heads, 1, kv_len]``: each head's slope times the key's slot. A constant shift per query row
+    leaves the softmax unchanged, so the slot serves as the key's position even in a left-padded row."""
+    return (slopes[:, None, None] * torch.arange(kv_len, device=slopes.device, dtype=torch.float32))[None]
+
+
+def attend_capped(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """Attention with the scores soft-capped (``cap * tanh(s / cap)``) before the mask, softmax in fp32 (Gemma 2)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale
+    scores = torch.tanh(scores / softcap) * softcap + mask
+    probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
+
+def attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None,
+                     alibi_slopes: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """SDPA for one query position (``q [B, H, 1, D]``, ``k, v [B, KV, L, D]``, boolean ``mask [B, 1, 1, L]``) in
     plain ops, float32 throughout, query heads grouped by their KV head (no K/V copies). The products are written as
     broadcast multiplies and sums, not matmuls, so inductor fuses each into one loop of its own.
@@ -120,9 +248,25 @@ def attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     in fixed overhead for a single query, two batched matmuls ~24 us (SmolLM2-135M, 2 cores).
     """
     batch, heads, _, dim = q.shape
-    kv_heads = k.shape[1]
+    kv_heads, length = k.shape[1], k.shape[2]
     grouped = q.reshape(batch, kv_heads, heads // kv_heads, dim).float()
-    scores = (grouped[:, :, :, None, :] * k.float()[:, :, None]).sum(-1) * dim ** -0.5  # [B, KV, G, L]
+    scale = dim ** -0.5 if scale is None else scale
+    scores = (grouped[:, :, :, None, :] * k.float()[:, :, None]).sum(-1) * scale  # [B, KV, G, L]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if alibi_slopes is not None:
+        scores = scores + alibi_bias(alibi_slopes, length).reshape(1, kv_heads, heads // kv_heads, length)
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     out = (probs[..., None] * v.float()[:, :, None]).sum(-2)  # [B, KV, G, D]
     return out.to(q.dtype).reshape(batch, heads, 1, dim)
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """ALiBi's per-head slopes (the geometric series of the paper, interleaved for a head count not a power of 2)."""
+    closest = 2 ** math.floor(math.log2(n_heads))
+    base = 2 ** (-(2 ** -(math.log2(closest) - 3)))
+    slopes = [base ** power for power in range(1, closest + 1)]
+    if closest != n_heads:
+        extra = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra ** power for power in range(1, 1 + 2 * min(closest, n_heads - closest), 2)]
+    return torch.tensor(slopes, dtype=torch.float32)

@@ -6,16 +6,32 @@ call time; it owns only derived tables (rotary) and the KV cache it is asked to 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..arch.record import ModelDims
-from .block import SpliceBlock
 from .kv_cache import StaticKVCache
-from .norm import RMSNorm
 from .rotary import RopeTable, build_table
+
+
+@dataclass
+class Ends:
+    """The model's modules around the blocks, each optional but the embedding and the lm_head: learned positions
+    (looked up at ``position + position_offset``), a norm on the embeddings, OPT's projections in and out, the final
+    norm."""
+
+    embed: nn.Module
+    lm_head: nn.Module
+    norm: nn.Module | None = None
+    position_embed: nn.Module | None = None
+    position_offset: int = 0
+    embed_norm: nn.Module | None = None
+    project_in: nn.Module | None = None
+    project_out: nn.Module | None = None
 
 
 class SpliceCausalLM:
@@ -24,17 +40,19 @@ class SpliceCausalLM:
     The embedding and the lm_head are called as modules: under tensor parallelism they are vocab-parallel (the
     embedding sums its rows over the group, the lm_head all-gathers), so every rank gets the full logits."""
 
-    def __init__(self, config: Any, dims: ModelDims, embed: nn.Embedding, blocks: nn.ModuleList, norm: RMSNorm,
-                 lm_head: nn.Module, embed_scale: bool, max_len: int):
+    def __init__(self, config: Any, dims: ModelDims, ends: Ends, blocks: nn.ModuleList, embed_scale: bool,
+                 max_len: int):
         self.config = config  # read only (rope types that need transformers' own init functions)
         self.dims = dims
-        self.embed, self.blocks, self.norm, self.lm_head = embed, blocks, norm, lm_head
+        self.embed, self.blocks, self.norm, self.lm_head = ends.embed, blocks, ends.norm, ends.lm_head
+        self.ends = ends
         # the family scales its embeddings: here, unless the embedding module does it itself (Gemma in transformers 5)
-        scales_itself = getattr(embed, "embed_scale", None) is not None
+        scales_itself = getattr(ends.embed, "embed_scale", None) is not None
         self.embed_scale = math.sqrt(dims.hidden) if embed_scale and not scales_itself else None
         self.max_len = max_len
         self.windows = sorted({block.window for block in blocks}, key=lambda w: -1 if w is None else w)
-        self._rope: RopeTable | None = None
+        self.ropes = (dims.layer_ropes or (dims.rope,)) if dims.positions == "rotary" else ()
+        self._rope: dict[int, RopeTable] = {}
         self._compiled_step = None
         self._compiled_keys: set[tuple] = set()  # (batch, dtype, device) the compiled step has run with
         self._cache: StaticKVCache | None = None
@@ -47,13 +65,22 @@ class SpliceCausalLM:
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
-    def rope(self) -> RopeTable:
-        """The rotary table for ``max_len`` positions on the model's device and dtype (built once)."""
-        table = self._rope
+    def rope(self, index: int = 0) -> RopeTable:
+        """Rotary table ``index`` for ``max_len`` positions on the model's device and dtype (built once)."""
+        table = self._rope.get(index)
         if table is None or table.cos.device != self.device or table.cos.dtype != self.dtype:
-            table = build_table(self.dims.rope, self.config, self.dims.head_dim, self.max_len, self.dtype, self.device)
-            self._rope = table
+            table = build_table(self.ropes[index], self.config, self.dims.head_dim, self.max_len, self.dtype,
+                                self.device)
+            self._rope[index] = table
         return table
+
+    def rotary(self, index: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin of table ``index`` at ``positions [batch, seq]`` (grown when longer than the table)."""
+        table = self.rope(index)
+        if int(positions.max()) >= table.length:
+            table = build_table(self.ropes[index], self.config, self.dims.head_dim, int(positions.max()) + 1,
+                                self.dtype, self.device)
+        return table.lookup(positions)
 
     def new_cache(self, batch: int) -> StaticKVCache:
         block = self.blocks[0].shape
@@ -76,15 +103,16 @@ class SpliceCausalLM:
         ``dense``: a prompt without padding filling slots ``0 .. kv_len-1``, so full-attention layers need no mask
         (SDPA's causal kernel).
         """
-        x = self.embed_tokens(tokens)
-        cos, sin = self.rope().lookup(positions)
+        x = self.embed_inputs(tokens, positions)
+        rotary = [self.rope(index).lookup(positions) for index in range(len(self.ropes))]
         masks = {window: None if dense and window is None else cache.mask(slots, kv_len, window)
                  for window in self.windows}
         for block in self.blocks:
+            cos, sin = rotary[block.layout.rope_index] if rotary else (None, None)
             x = block.step(x, cos, sin, cache, slots, masks[block.window], kv_len)
         if last_only:
             x = x[:, -1:]
-        logits = self.lm_head(self.norm(x))
+        logits = self.head(x)
         return logits[:, -1] if last_only else logits
 
     __call__ = forward
@@ -115,13 +143,32 @@ class SpliceCausalLM:
         """Compile the decode step with ``torch.compile`` (opt-in: compiling takes tens of seconds on a small CPU).
 
         oneDNN-packed linears run inside the graph as the ``splice::packed_linear`` custom op (``layers.compiled``)."""
-        self.rope()
+        for index in range(len(self.ropes)):
+            self.rope(index)
         self._compiled_step = torch.compile(self.forward, dynamic=False, **options)
         self._compiled_keys = set()
 
-    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Through the embedding module itself: a vocab-parallel one looks up its rows and sums over the group."""
+    def embed_inputs(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Token embeddings (through the embedding module itself: a vocab-parallel one looks up its rows and sums over
+        the group), scaled, projected in, plus learned positions, normed, as the family does."""
+        ends = self.ends
         x = self.embed(tokens)
         if self.embed_scale is not None:
             x.mul_(torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype))
+        if ends.project_in is not None:
+            x = ends.project_in(x)
+        if ends.position_embed is not None:
+            x = x + F.embedding(positions + ends.position_offset, ends.position_embed.weight)
+        if ends.embed_norm is not None:
+            x = ends.embed_norm(x)
         return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm, projection out, lm_head and the final logit soft-cap (Gemma 2), as the family does."""
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.ends.project_out is not None:
+            x = self.ends.project_out(x)
+        logits = self.lm_head(x)
+        cap = self.dims.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap

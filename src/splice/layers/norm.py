@@ -36,14 +36,20 @@ class HeadRMSNorm(nn.Module):
     """Per-head RMSNorm over ``head_dim`` for q and k at once (qk-norm).
 
     ``x`` is ``[..., q_heads + kv_heads, head_dim]``: the first ``q_heads`` rows are scaled by the q weight, the rest by
-    the k weight."""
+    the k weight. ``offset`` as in :class:`RMSNorm` (Gemma 3: the scale is applied in fp32, then rounded once)."""
 
-    def __init__(self, q_weight: torch.Tensor, k_weight: torch.Tensor, q_heads: int, kv_heads: int, eps: float):
+    def __init__(self, q_weight: torch.Tensor, k_weight: torch.Tensor, q_heads: int, kv_heads: int, eps: float,
+                 offset: float = 0.0):
         super().__init__()
         rows = torch.cat([q_weight.detach().expand(q_heads, -1), k_weight.detach().expand(kv_heads, -1)])
+        if offset:
+            rows = rows.float() + offset
         self.weight = nn.Parameter(rows, requires_grad=False)
         self.eps = eps
+        self.offset = offset
         self.shape = (q_weight.shape[-1],)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.offset:
+            return F.rms_norm(x.float(), self.shape, None, self.eps).mul_(self.weight).to(x.dtype)
         return F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype).mul_(self.weight)

@@ -35,6 +35,8 @@ def inverse_frequencies(spec: RopeSpec, config: Any, head_dim: int, device) -> t
     if spec.rope_type not in ROPE_INIT_FUNCTIONS:
         allowed = ", ".join(["default", *ROPE_INIT_FUNCTIONS])
         raise ValueError(f"rope_type={spec.rope_type!r} is not supported; allowed: {allowed}")
+    if spec.layer_type is not None:
+        return ROPE_INIT_FUNCTIONS[spec.rope_type](config, device, layer_type=spec.layer_type)
     return ROPE_INIT_FUNCTIONS[spec.rope_type](config, device)
 
 
@@ -56,6 +58,13 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     """``[s, s]`` -> ``[-s, s]``: folds ``rotate_half``'s negation into the table."""
     half = sin.shape[-1] // 2
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def interleaved_to_halves(rotary_dim: int) -> torch.Tensor:
+    """The feature order that turns GPT-J's every-two rotation (pairs ``2i, 2i+1``) into the ``rotate_half`` one
+    (pairs ``i, i + rotary_dim / 2``): even features first, then odd. Applied to the q and k projections' rows of
+    each head it leaves every q.k product unchanged."""
+    return torch.cat([torch.arange(0, rotary_dim, 2), torch.arange(1, rotary_dim, 2)])
 
 
 def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

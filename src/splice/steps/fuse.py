@@ -2,9 +2,11 @@
 
 Everything family-specific comes from the architecture record (``splice.arch``). Weights are moved, not copied: the
 fused QKV and gate+up weights are concatenated layer by layer and each original layer is released right away, so
-peak memory grows by one layer at most. (With a checkpoint memory-mapped by safetensors, the pages of the released
-q/k/v/gate/up weights are paged out of the process right away; else they would stay resident until the file is
-unmapped.) Which kernel each linear then runs is the kernels step's choice.
+peak memory grows by one layer at most; the same holds for the weights rewritten once into the block's layout (a
+per-KV-group q/k/v reordered to ``[q; k; v]``, GPT-J's q/k rows permuted for its rotation, an HF ``Conv1D``
+transposed). (With a checkpoint memory-mapped by safetensors, the pages of the released weights are paged out of the
+process right away; else they would stay resident until the file is unmapped.) Which kernel each linear then runs is
+the kernels step's choice.
 
 Under tensor parallelism this step runs after the shard step, on each rank's shards: q/k/v (or the checkpoint's fused
 qkv) and gate/up are column-parallel plain linears, so fusing them gives the rank's ``[q; k; v]`` and ``[gate; up]``;
@@ -14,17 +16,23 @@ weights, which may be uneven (4 heads over 3 ranks) or hold replicated KV heads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
 
 import torch
 from torch import nn
 
 from .. import native
 from ..arch import ArchRecord, ModelDims, lookup, model_dims
-from ..layers.block import BlockShape, SpliceBlock
-from ..layers.causal_lm import SpliceCausalLM
+from ..arch.paths import get_path, optional_path, set_path
+from ..arch.record import text_config
+from ..distributed import SINGLE_PROCESS, ParallelContext
+from ..layers.block import BlockLayout, BlockShape, SpliceBlock, alibi_slopes
+from ..layers.causal_lm import Ends, SpliceCausalLM
+from ..layers.conv1d import in_out_features, is_conv1d, linear_weight
 from ..layers.norm import HeadRMSNorm, RMSNorm
+from ..layers.rotary import interleaved_to_halves
 from ..plan import Plan
+from ..tp.split import Heads, head_share
 from . import Stage, StepReport
 
 
@@ -44,55 +52,148 @@ class FuseReport(StepReport):
         if self.heads_here is not None:
             parallel = (f"; tensor-parallel rank {self.rank}/{self.world_size}: {self.heads_here[0]} query and "
                         f"{self.heads_here[1]} KV heads here, o/down row-parallel (two all-reduces a block)")
-        return (f"{self.layers} {self.family} decoder layers -> SpliceBlock (fused QKV and gate+up GEMMs, SDPA, static "
-                f"KV cache of {self.kv_cache_tokens} tokens){parallel}")
+        return (f"{self.layers} {self.family} decoder layers -> SpliceBlock (one QKV GEMM, one MLP input GEMM, SDPA, "
+                f"static KV cache of {self.kv_cache_tokens} tokens){parallel}")
 
 
 def fuse(stage: Stage, plan: Plan) -> tuple[Stage, FuseReport]:
     parallel = plan.parallel
     if not plan.fuse:
         return stage, FuseReport("fuse", None, 0, 0, None, parallel.rank, parallel.world_size)
-    runtime = inject(stage.model, plan.max_out_tokens)
+    runtime = inject(stage.model, plan.max_out_tokens, parallel)
     shape = runtime.blocks[0].shape
     heads = (shape.n_heads, shape.n_kv_heads) if parallel.world_size > 1 else None
     return stage.with_(runtime=runtime), FuseReport("fuse", stage.model.config.model_type, len(runtime.blocks),
                                                     plan.max_out_tokens, heads, parallel.rank, parallel.world_size)
 
 
-def inject(model: nn.Module, max_out_tokens: int) -> SpliceCausalLM:
-    """Replace the decoder layers of ``model`` in place; return the native decode runtime over them."""
+def inject(model: nn.Module, max_out_tokens: int, parallel: ParallelContext = SINGLE_PROCESS) -> SpliceCausalLM:
+    """Replace the decoder layers of ``model`` (this rank's shards under ``parallel``) in place; return the native
+    decode runtime over them."""
     record = lookup(model.config)
     dims = model_dims(record, model.config)
     layers = get_path(model, record.layers)
+    first_head = 0
+    if parallel.world_size > 1:  # the model's numbering of this rank's first query head (ALiBi's slopes follow it)
+        heads = Heads(dims.n_heads, dims.n_kv_heads, dims.head_dim)
+        first_head = head_share(heads, parallel.world_size, parallel.rank).q[0]
     for index in range(len(layers)):
-        layers[index] = fused_block(record, dims, index, layers[index])
-    norm = get_path(model, record.final_norm)
-    set_path(model, record.final_norm, RMSNorm(norm.weight, dims.eps, record.norm_offset))
-    return SpliceCausalLM(model.config, dims, get_path(model, record.embed), layers, get_path(model, record.final_norm),
-                          get_path(model, record.lm_head), record.embed_scale, max_out_tokens)
+        layers[index] = fused_block(record, dims, index, layers[index], first_head)
+    if record.norm == "rms" and record.final_norm:
+        norm = get_path(model, record.final_norm)
+        set_path(model, record.final_norm, RMSNorm(norm.weight, dims.eps, record.norm_offset))
+    ends = Ends(get_path(model, record.embed), get_path(model, record.lm_head),
+                norm=optional_path(model, record.final_norm),
+                position_embed=optional_path(model, record.position_embed), position_offset=record.position_offset,
+                embed_norm=optional_path(model, record.embed_norm), project_in=optional_path(model, record.project_in),
+                project_out=optional_path(model, record.project_out))
+    runtime = SpliceCausalLM(text_config(model.config), dims, ends, layers, record.embed_scale, max_out_tokens)
+    if record.rotary_interleaved and dims.positions == "rotary":  # HF passes cos/sin in its own layout: use splice's
+        for block in layers:
+            block.rotary_table = partial(runtime.rotary, block.layout.rope_index)
+    return runtime
 
 
-def fused_block(record: ArchRecord, dims: ModelDims, index: int, layer: nn.Module) -> SpliceBlock:
-    """Build one :class:`SpliceBlock` from one decoder layer, taking its weights over."""
+def fused_block(record: ArchRecord, dims: ModelDims, index: int, layer: nn.Module, first_head: int = 0) -> SpliceBlock:
+    """Build one :class:`SpliceBlock` from one decoder layer, taking its weights over; ``first_head``: the model's
+    number of the layer's first query head (not 0 on tensor-parallel ranks past the first)."""
     n_q, n_kv = head_counts(record, dims, layer)
-    qkv = fused_linear(layer, record.qkv, (record.q, record.k, record.v))
-    gate_up = fused_linear(layer, record.gate_up, (record.gate, record.up))
+    qkv = fused_qkv(record, dims, layer, n_q, n_kv)
+    if record.gated:
+        gate_up = fused_linear(layer, record.gate_up, (record.gate, record.up))
+    else:
+        gate_up = as_linear(get_path(layer, record.up))
     shape = BlockShape(n_q, n_kv, dims.head_dim, dims.windows[index], dims.activation)
     qk_norm = None
     if record.q_norm:
         qk_norm = HeadRMSNorm(get_path(layer, record.q_norm).weight, get_path(layer, record.k_norm).weight,
-                              shape.n_heads, shape.n_kv_heads, dims.eps)
-    norms = [RMSNorm(get_path(layer, path).weight, dims.eps, record.norm_offset)
-             for path in (record.attn_norm, record.mlp_norm)]
-    return SpliceBlock(index, shape, qkv, get_path(layer, record.o), gate_up, get_path(layer, record.down), *norms,
-                       qk_norm)
+                              shape.n_heads, shape.n_kv_heads, dims.eps, record.norm_offset)
+    attn_norm, mlp_norm, attn_out_norm, mlp_out_norm = (
+        block_norm(record, dims, layer, path) for path in (record.attn_norm, record.mlp_norm, record.attn_out_norm,
+                                                           record.mlp_out_norm))
+    layout = BlockLayout(parallel=dims.parallel, norm_before=dims.norm_before, gated=record.gated,
+                         rotary=dims.positions == "rotary", rope_index=rope_index(dims, index),
+                         scale=dims.layer_scale(index), softcap=dims.attn_softcap, hf_args=record.hf_args,
+                         hf_returns_tuple=record.hf_returns_tuple, hf_alibi_in_mask=record.hf_alibi_in_mask,
+                         hf_window_in_mask=record.hf_window_in_mask)
+    slopes = None
+    if dims.positions == "alibi":
+        slopes = alibi_slopes(dims.n_heads)[first_head:first_head + n_q]
+        if record.alibi_scaled:
+            slopes = slopes * layout.scale
+    return SpliceBlock(index, shape, qkv, as_linear(get_path(layer, record.o)), gate_up,
+                       as_linear(get_path(layer, record.down)), attn_norm, mlp_norm, qk_norm, layout,
+                       attn_out_norm, mlp_out_norm, slopes)
+
+
+def rope_index(dims: ModelDims, index: int) -> int:
+    """Which of the model's distinct rotary tables layer ``index`` uses."""
+    return (dims.layer_ropes or (dims.rope,)).index(dims.layer_rope(index))
+
+
+def block_norm(record: ArchRecord, dims: ModelDims, layer: nn.Module, path: str | None) -> nn.Module | None:
+    """The layer's norm at ``path`` (first of its ``|`` alternatives the layer has), as the fused block runs it: an
+    RMSNorm taken over into splice's, a LayerNorm kept as the model's own module; None when the layer has none."""
+    module = optional_path(layer, path)
+    if module is None or record.norm == "layer":
+        return module
+    return RMSNorm(module.weight, dims.eps, record.norm_offset)
+
+
+def fused_qkv(record: ArchRecord, dims: ModelDims, layer: nn.Module, n_q: int, n_kv: int) -> nn.Module:
+    """One linear giving ``[q; k; v]`` with the rotary features of each q and k head in ``rotate_half`` order."""
+    hd = dims.head_dim
+    if record.qkv:
+        qkv = as_linear(get_path(layer, record.qkv))
+        if record.qkv_layout == "grouped":
+            permute_rows_(qkv, grouped_to_contiguous(n_q, n_kv, hd))
+    else:
+        qkv = concat_linears([as_linear(get_path(layer, path)) for path in (record.q, record.k, record.v)])
+    if record.rotary_interleaved and dims.positions == "rotary":
+        heads = torch.arange((n_q + n_kv) * hd).view(n_q + n_kv, hd)
+        heads[:, : dims.rotary_dim] = heads[:, interleaved_to_halves(dims.rotary_dim)]
+        permute_rows_(qkv, torch.cat([heads.flatten(), torch.arange((n_q + n_kv) * hd, (n_q + 2 * n_kv) * hd)]))
+    return qkv
+
+
+def grouped_to_contiguous(n_q: int, n_kv: int, head_dim: int) -> torch.Tensor:
+    """Row order taking a per-KV-group ``[q x group, k, v]`` output to ``[q; k; v]``."""
+    group = n_q // n_kv
+    rows = torch.arange(n_kv * (group + 2) * head_dim).view(n_kv, group + 2, head_dim)
+    return torch.cat([rows[:, :group].flatten(), rows[:, group].flatten(), rows[:, group + 1].flatten()])
+
+
+def permute_rows_(linear: nn.Linear, order: torch.Tensor) -> None:
+    """Reorder the output features of ``linear`` (weight rows and bias) in place of its parameters."""
+    old = linear.weight.detach()
+    linear.weight = nn.Parameter(old[order.to(old.device)], requires_grad=False)
+    native.page_out(old)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.detach()[order.to(linear.bias.device)], requires_grad=False)
+
+
+def as_linear(module: nn.Module) -> nn.Module:
+    """A plain ``nn.Linear`` for an HF ``Conv1D`` (its weight transposed once) or an ``nn.Linear`` subclass (same
+    parameters), so the kernels and quantization steps see one kind of linear; anything else as it is (the tensor-
+    parallel wrappers, already plain inside)."""
+    if type(module) is nn.Linear or not (isinstance(module, nn.Linear) or is_conv1d(module)):
+        return module
+    weight, bias = linear_weight(module)
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight.contiguous() if is_conv1d(module) else weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    if is_conv1d(module):
+        native.page_out(module.weight.detach())
+        module.weight = None
+    return linear
 
 
 def fused_linear(layer: nn.Module, fused_path: str | None, part_paths: tuple[str, ...]) -> nn.Module:
     """The checkpoint's own fused linear when the family has one, else the parts concatenated into one."""
     if fused_path:
-        return get_path(layer, fused_path)
-    return concat_linears([get_path(layer, path) for path in part_paths])
+        return as_linear(get_path(layer, fused_path))
+    return concat_linears([as_linear(get_path(layer, path)) for path in part_paths])
 
 
 def head_counts(record: ArchRecord, dims: ModelDims, layer: nn.Module) -> tuple[int, int]:
@@ -101,11 +202,16 @@ def head_counts(record: ArchRecord, dims: ModelDims, layer: nn.Module) -> tuple[
 
     Separate projections give both counts by their widths. A checkpoint-fused ``[q; k; v]`` gives their sum only: the
     attention module's (per-rank) ``num_key_value_heads`` or ``num_key_value_groups`` splits it, else the config's
-    ratio (a single process).
+    ratio (a single process). A per-KV-group layout is split by whole groups, so the config's group size splits it.
     """
     hd = dims.head_dim
     if not record.qkv:
         n_q, n_kv = (out_features(get_path(layer, path)) // hd for path in (record.q, record.k))
+    elif record.qkv_layout == "grouped":
+        total = out_features(get_path(layer, record.qkv)) // hd
+        group = dims.n_heads // dims.n_kv_heads
+        n_kv = max(total // (group + 2), 1)
+        n_q = total - 2 * n_kv
     else:
         total = out_features(get_path(layer, record.qkv)) // hd
         attention = get_path(layer, record.qkv.rpartition(".")[0]) if "." in record.qkv else layer
@@ -124,7 +230,7 @@ def head_counts(record: ArchRecord, dims: ModelDims, layer: nn.Module) -> tuple[
 
 
 def out_features(linear: nn.Module) -> int:
-    return linear.weight.shape[0]
+    return in_out_features(linear)[1]
 
 
 def concat_linears(linears: list[nn.Linear]) -> nn.Linear:
@@ -144,14 +250,3 @@ def concat_linears(linears: list[nn.Linear]) -> nn.Linear:
         lin.weight = None
         lin.bias = None
     return fused
-
-
-def get_path(root: nn.Module, path: str) -> Any:
-    for name in path.split("."):
-        root = getattr(root, name)
-    return root
-
-
-def set_path(root: nn.Module, path: str, value: nn.Module) -> None:
-    parent, _, name = path.rpartition(".")
-    setattr(get_path(root, parent) if parent else root, name, value)

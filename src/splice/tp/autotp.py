@@ -33,6 +33,8 @@ _ATTENTION_OPS = ("softmax", "scaled_dot_product_attention", "flex_attention")
 _META_ANSWERS = {"__bool__": True, "__contains__": False}
 _SPLITS = ("split", "chunk", "__getitem__", "narrow", "split_with_sizes", "tensor_split", "unbind")
 _VIEWS = ("view", "reshape", "unflatten")
+#: ops that add a dimension of one, the features staying last: the layout shows in the op after them (GPT-BigCode)
+_SEE_THROUGH = ("unsqueeze",)
 
 
 @dataclass
@@ -79,8 +81,13 @@ class _Tagger(TorchFunctionMode):
     def _note_first_use(self, op: str, inputs, outputs) -> None:
         for tensor in inputs:
             name = self.fresh.pop(tensor, None)
-            if name is not None and name not in self.trace.first_op:
-                self.trace.first_op[name] = (op, tuple(tuple(o.shape) for o in outputs))
+            if name is None or name in self.trace.first_op:
+                continue
+            if op in _SEE_THROUGH and len(outputs) == 1:
+                self.fresh[outputs[0]] = name
+                self.trace.out_ndim[name] = outputs[0].dim()
+                continue
+            self.trace.first_op[name] = (op, tuple(tuple(o.shape) for o in outputs))
 
     def linear_pre(self, name):
         def hook(module, args):

@@ -1,0 +1,178 @@
+"""Every family record beyond the Llama-like six (whose parity tests are in ``tests/steps/test_fuse.py`` and
+``tests/test_generation.py``), in each variant its config switches (see ``tiny_models.VARIANTS``), against the
+unmodified Hugging Face model with the same random weights: fp32 logits within 1e-4 (scaled by the logit std) and 48
+greedy tokens identical, batch 1 and a left-padded batch of 3. For every family: bf16 native kernels and
+int8 / int4 weights; for some, the compiled decode step. Configs the fused block cannot express are refused before
+any change."""
+from __future__ import annotations
+
+import copy
+import inspect
+
+import pytest
+import torch
+
+import splice
+from splice.generation import prefill_positions
+from splice.layers.block import SpliceBlock
+from splice.steps.fuse import inject
+
+from .tiny_models import FAMILIES, NEW_FAMILIES, VARIANTS, assert_bf16_injection_close_to_hf, build_family, padded_batch
+
+GREEDY = dict(max_new_tokens=48, do_sample=False, eos_token_id=None)
+
+
+def scaled_error(reference: torch.Tensor, value: torch.Tensor) -> float:
+    return ((reference - value).abs().max() / reference.std()).item()
+
+
+def native_logits(runtime, ids, mask):
+    cache = runtime.new_cache(ids.shape[0])
+    cache.start(mask)
+    return runtime.forward(ids, prefill_positions(mask), torch.arange(ids.shape[1]), cache, ids.shape[1],
+                           last_only=False)
+
+
+def positions_for(model, mask) -> dict:
+    """Left-padded rows need mask-aware positions where the HF forward would count pads (learned positions)."""
+    return {"position_ids": prefill_positions(mask)} if "position_ids" in inspect.signature(model.forward).parameters \
+        else {}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_logits_match_the_reference(name):
+    reference = build_family(name)
+    model = copy.deepcopy(reference)
+    runtime = inject(model, max_out_tokens=64)
+    assert all(isinstance(block, SpliceBlock) for block in runtime.blocks)
+    ids, mask = padded_batch(batch=3, length=12)
+    real, extra = mask.bool(), positions_for(reference, mask)
+    with torch.inference_mode():
+        expected = reference(ids[:1]).logits
+        assert scaled_error(expected, model(ids[:1]).logits) < 1e-4  # HF forward through the fused blocks
+        assert scaled_error(expected, native_logits(runtime, ids[:1], mask[:1])) < 1e-4  # splice's native path
+        expected = reference(ids, attention_mask=mask, **extra).logits[real]
+        assert scaled_error(expected, model(ids, attention_mask=mask, **extra).logits[real]) < 1e-4
+        assert scaled_error(expected, native_logits(runtime, ids, mask)[real]) < 1e-4
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_greedy_tokens_match_the_reference(name):
+    """splice's decode loop gives the reference's 48 greedy tokens, and so does Hugging Face's own generate (its
+    cache, through the fused blocks) on the padded batch."""
+    reference = build_family(name)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
+    ids, mask = padded_batch(batch=3, length=10)
+    with torch.inference_mode():
+        for prompt, prompt_mask in ((ids[:1], mask[:1]), (ids, mask)):
+            expected = reference.generate(prompt, attention_mask=prompt_mask, **GREEDY)
+            assert torch.equal(engine.generate(prompt, attention_mask=prompt_mask, **GREEDY), expected)
+        assert torch.equal(engine.module.generate(ids, attention_mask=mask, **GREEDY), expected)
+
+
+@pytest.mark.parametrize("name", FAMILIES + NEW_FAMILIES)
+def test_bf16_kernels_agree_with_the_bf16_reference(name):
+    reference = build_family(name, dtype=torch.bfloat16)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, dtype=torch.bfloat16,
+                                   max_out_tokens=64)
+    assert_bf16_injection_close_to_hf(reference, engine)
+
+
+@pytest.mark.parametrize("name", FAMILIES + NEW_FAMILIES)
+@pytest.mark.parametrize("quant", [{"dtype": torch.int8},
+                                   {"quant": {"enabled": True, "weight": {"num_bits": 4, "group_size": 32}}}],
+                         ids=["int8", "int4"])
+def test_quantized_weights_agree_with_the_reference(name, quant):
+    """Integer weights on the fused projections: the next-token argmax mostly agrees with fp32 HF's."""
+    reference = build_family(name)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64,
+                                   **quant)
+    assert engine.step_report("quantize").quant.quantized
+    ids, mask = padded_batch(batch=3, length=12)
+    real, extra = mask.bool(), positions_for(reference, mask)
+    with torch.inference_mode():
+        expected = reference(ids, attention_mask=mask, **extra).logits[real]
+        got = engine(ids, attention_mask=mask, **extra).logits[real]
+    agreement = (expected.argmax(-1) == got.argmax(-1)).float().mean().item()
+    assert agreement > (0.9 if "dtype" in quant else 0.7), agreement
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bloom", "gemma2", "gptj", "opt:post_norm", "gpt_neo"])
+def test_compiled_decode_gives_the_reference_tokens(name):
+    """compile_decode=True on ALiBi, soft-capped, interleaved-rotary, post-norm (with learned positions and OPT's
+    projections in the graph) and local-window blocks."""
+    reference = build_family(name)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, compile_decode=True,
+                                   max_out_tokens=64)
+    ids, mask = padded_batch(batch=3, length=10)
+    options = dict(GREEDY, max_new_tokens=16)
+    with torch.inference_mode():
+        expected = reference.generate(ids, attention_mask=mask, **options)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, **options), expected)
+
+
+def test_a_config_the_block_cannot_express_is_refused_before_any_change():
+    model = build_family("bloom")
+    model.config.apply_residual_connection_post_layernorm = True
+    with pytest.raises(ValueError, match="apply_residual_connection_post_layernorm=True"):
+        splice.init_inference(model, replace_with_kernel_inject=True)
+    assert type(model.transformer.h[0]).__name__ == "BloomBlock"
+
+
+def test_a_layer_without_the_parts_its_record_names_is_refused_before_any_change():
+    model = build_family("gpt2")
+    del model.transformer.h[0].ln_2
+    with pytest.raises(ValueError, match=r"no transformer\.h\.0\.ln_2"):
+        splice.init_inference(model, replace_with_kernel_inject=True)
+    assert type(model.transformer.h[1]).__name__ == "GPT2Block"
+
+
+def test_max_out_tokens_past_the_learned_positions_is_refused():
+    with pytest.raises(ValueError, match="max_out_tokens=300 exceeds the 256 learned positions"):
+        splice.init_inference(build_family("opt"), replace_with_kernel_inject=True, max_out_tokens=300)
+
+
+def test_attention_widths_that_are_not_the_configs_heads_are_refused_before_any_change():
+    model = build_family("falcon:new_architecture")
+    model.config.num_kv_heads = 1  # the checkpoint's fused projection holds 2 KV heads
+    with pytest.raises(ValueError, match=r"query_key_value gives 128 features where 4 query and 1 key/value heads "
+                                         r"of 16 need 96"):
+        splice.init_inference(model, replace_with_kernel_inject=True)
+    assert type(model.transformer.h[0]).__name__ == "FalconDecoderLayer"
+
+
+def test_variants_are_read_from_the_config():
+    from splice.arch import lookup, model_dims
+
+    def dims(name):
+        config = build_family(name).config
+        return model_dims(lookup(config), config)
+
+    assert dims("gpt_neox").parallel and not dims("gpt_neox:sequential").parallel
+    assert dims("gpt_neox").rotary_dim == 8 and dims("gptj").rotary_dim == 8
+    assert not dims("opt:post_norm").norm_before and dims("opt").norm_before
+    falcons = ("falcon", "falcon:new_architecture", "falcon:sequential")
+    assert [dims(name).n_kv_heads for name in falcons] == [1, 2, 4]
+    assert dims("falcon:alibi").positions == "alibi" and dims("falcon").positions == "rotary"
+    assert dims("gpt2").layer_scale(1) == 16 ** -0.5 and dims("gpt2:layer_scaled").layer_scale(1) == 1 / 2
+    gemma2 = dims("gemma2")
+    assert (gemma2.attn_scale, gemma2.attn_softcap, gemma2.final_softcap) == (24 ** -0.5, 2.0, 3.0)
+    assert dims("gpt_neo").windows == (None, 4) and dims("gpt_neo").layer_scale(0) == 1.0
+    gemma3 = dims("gemma3_text")
+    assert gemma3.windows == (6, None) and gemma3.layer_rope(0).theta != gemma3.layer_rope(1).theta
+
+
+def test_gemma3_with_an_image_runs_hugging_faces_generate_on_the_fused_language_model():
+    """Image inputs are not splice's decode loop's: they go to HF's generate, whose language model runs the fused
+    blocks (with the image tokens' bidirectional mask HF builds), and give the reference's tokens."""
+    reference = build_family("gemma3")
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
+    ids = torch.tensor([[1, 5, 125, 127, 127, 127, 127, 126, 9, 33, 41]])  # <boi> 4 image tokens <eoi>
+    image = dict(pixel_values=torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(0)),
+                 token_type_ids=(ids == 127).long())
+    with torch.inference_mode():
+        expected = reference(ids, **image).logits
+        assert scaled_error(expected, engine(ids, **image).logits) < 1e-4
+        options = dict(GREEDY, max_new_tokens=12)
+        assert torch.equal(engine.generate(ids, **image, **options), reference.generate(ids, **image, **options))
