@@ -50,3 +50,31 @@ def generated_ids(pipe, prompts=PROMPTS, max_new_tokens: int = 20) -> list[list[
     out = [pipe(prompt, do_sample=False, max_new_tokens=max_new_tokens, return_tensors=True)[0] for prompt in prompts]
     lengths = [len(pipe.tokenizer(prompt).input_ids) for prompt in prompts]
     return [list(o["generated_token_ids"][n:]) for o, n in zip(out, lengths)]
+
+
+MASKED_WORDS = "[PAD] [UNK] [CLS] [SEP] [MASK] the capital of france is paris a city in europe".split()
+
+
+def wordpiece_tokenizer():
+    """A BERT-style WordPiece tokenizer over :data:`MASKED_WORDS` (``[CLS] text [SEP]``, lower-cased)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word: index for index, word in enumerate(MASKED_WORDS)}
+    tokenizer = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", pad_token="[PAD]",
+                                   cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+
+
+def tiny_bert(seed: int = 0):
+    """A tiny random BERT masked LM over :func:`wordpiece_tokenizer`'s vocabulary."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    config = BertConfig(vocab_size=len(MASKED_WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=64)
+    return BertForMaskedLM(config).eval()

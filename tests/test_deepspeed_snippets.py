@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, pip
 import splice as deepspeed
 from splice import InferenceConfig
 
-from .snippet_models import PROMPTS, byte_tokenizer, generated_ids, snippet_llama
+from .snippet_models import PROMPTS, byte_tokenizer, generated_ids, snippet_llama, tiny_bert, wordpiece_tokenizer
 
 #: A CPU without fp16 arithmetic (AMD Zen 4: AVX-512 BF16, no AVX512-FP16, no AMX), as oneDNN and splice see it.
 ZEN4 = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16", "SPLICE_NATIVE_AMX": "0"}
@@ -118,6 +118,22 @@ def test_engine_of_a_plain_module_has_only_its_attributes():
     with pytest.raises(TypeError, match="Doubler has no generate"):
         engine.generate(torch.ones(1, 2, dtype=torch.long))
     assert copy.deepcopy(engine).scale == 2.0
+
+
+def test_bert_fill_mask_snippet():
+    """Encoders run on the plain path (kernel injection knows decoder families only, and says so before touching the
+    model)."""
+    text = "The capital of France is [MASK]."
+    expected = pipeline("fill-mask", model=tiny_bert(), tokenizer=wordpiece_tokenizer())(text)
+    pipe = pipeline("fill-mask", model=tiny_bert(), tokenizer=wordpiece_tokenizer())
+    pipe.model = deepspeed.init_inference(pipe.model, mp_size=1, dtype=torch.float, replace_with_kernel_inject=False)
+    assert pipe(text) == expected
+    model = tiny_bert()
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(ValueError, match="model_type='bert'.*replace_with_kernel_inject=False"):
+        deepspeed.init_inference(model, mp_size=1, dtype=torch.half, replace_with_kernel_inject=True)
+    after = model.state_dict()
+    assert all(torch.equal(value, after[key]) and value.dtype == after[key].dtype for key, value in before.items())
 
 
 @pytest.mark.parametrize("inject", [False, True], ids=["plain", "inject"])
