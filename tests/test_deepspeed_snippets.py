@@ -55,8 +55,9 @@ def test_text_generation_pipeline_snippet(dtype, inject, reference_ids):
 
 
 def test_fp16_on_a_cpu_without_fp16_math_runs_and_names_bf16(reference_ids):
-    """On a Zen-4-like CPU fp16 with kernel injection computes through torch's conversions (no oneDNN packing, which
-    needs AVX512-FP16) and gives the fp32 tokens; the check phase warns that bf16 is the dtype this CPU computes in."""
+    """On a Zen-4-like CPU fp16 with kernel injection runs (no oneDNN packing, which needs AVX512-FP16: torch's
+    converting GEMV for decode, an fp32 GEMM on widened weights for prompts) and gives the fp32 tokens; the check
+    phase warns that bf16 is the dtype this CPU computes in."""
     script = (
         "import json, sys, warnings, torch; sys.path.insert(0, sys.argv[1])\n"
         "from transformers import pipeline\n"
@@ -76,7 +77,7 @@ def test_fp16_on_a_cpu_without_fp16_math_runs_and_names_bf16(reference_ids):
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["fp16_supported"] is False  # the emulation took: oneDNN sees no fp16 arithmetic
-    assert result["kernel"] == "torch"
+    assert result["kernel"] == "widened"
     assert any("torch.bfloat16" in w and "float16" in w for w in result["warnings"]), result["warnings"]
     assert_agree(result["ids"], reference_ids, torch.half)
 

@@ -24,6 +24,7 @@ from .distributed import ParallelContext
 from .layers.block import activation
 from .layers.native_linear import can_use_native
 from .layers.packed_linear import PACKABLE_DTYPES, can_pack, onednn_computes_in
+from .layers.widened_linear import needs_widening
 from .quant import QuantConfig
 from .quant import plan as quant_targets
 from .quant.api import check_calibration_ids
@@ -118,15 +119,15 @@ def activation_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.d
 
 
 def warn_if_emulated(dtype: torch.dtype | None, device: torch.device) -> None:
-    """Warn when the CPU has no arithmetic for the 16-bit ``dtype``: torch then converts inside every matmul, which is
-    correct but slow for prompts; name the dtype this CPU does compute in."""
+    """Warn when the CPU has no arithmetic for the 16-bit ``dtype``: torch then converts inside its matmuls, which is
+    correct but slower; name the dtype this CPU does compute in."""
     if device.type != "cpu" or dtype not in PACKABLE_DTYPES or onednn_computes_in(dtype):
         return
     faster = "torch.bfloat16" if onednn_computes_in(torch.bfloat16) else "torch.float32"
     features = "AVX512-FP16 or AVX-NE-CONVERT" if dtype == torch.float16 else "AVX-512"
-    warnings.warn(f"dtype={dtype} runs on this CPU (no {features}) through conversions inside torch's matmuls: "
-                  f"correct, but prompts are processed several times slower than with dtype={faster}, which this CPU "
-                  "computes in natively", stacklevel=4)
+    warnings.warn(f"dtype={dtype} runs on this CPU (no {features}) through conversions: correct, but slower than "
+                  f"dtype={faster}, which this CPU computes in natively (without kernel injection, prompts are several "
+                  "times slower)", stacklevel=4)
 
 
 def _model_float_dtype(model: nn.Module) -> torch.dtype | None:
@@ -268,6 +269,9 @@ def float_kernel(dtype: torch.dtype | None, device: torch.device) -> KernelChoic
                                       f"({native.ISA_DESCRIPTIONS[level]})")
     if dtype is not None and can_pack(dtype, device):
         return KernelChoice("packed", f"{dtype} on CPU without splice's native bf16 GEMV: oneDNN-packed weights")
+    if dtype is not None and needs_widening(dtype, device):
+        return KernelChoice("widened", f"{dtype} on a CPU without {dtype} arithmetic: torch's converting GEMV for "
+                                       "decode, an fp32 GEMM on the widened weight for prompts")
     return KernelChoice("torch", f"{dtype} on {device.type}: torch's own linear")
 
 

@@ -3,7 +3,9 @@
 Fusing and quantizing produce weights; this step wraps each plain float linear of the fused blocks and the lm_head
 (the ones quantization left in float, or all of them) in its kernel's layer: splice's native bf16 GEMV
 (``layers.native_linear``, plain weights gathered on 2 MiB pages, nothing copied), or a oneDNN-packed weight
-(``layers.packed_linear``, 16-bit weights where the native kernels do not run; a tied lm_head stays as it is).
+(``layers.packed_linear``, 16-bit weights where the native kernels do not run; a tied lm_head stays as it is), or,
+for fp16 on a CPU without fp16 arithmetic, a layer that widens the weight to fp32 for prompts
+(``layers.widened_linear``).
 Quantized layers carry their own kernels (``splice.quant.kernels``); the report names them too.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch import nn
 from ..layers.causal_lm import SpliceCausalLM
 from ..layers.native_linear import NativeLinear
 from ..layers.packed_linear import PackedLinear
+from ..layers.widened_linear import WidenedLinear
 from ..native.memory import gather_on_huge_pages
 from ..plan import Plan
 from ..quant import QuantizedLinear
@@ -22,7 +25,9 @@ from ..quant.api import kernel_names
 from ..tp.layers import RowParallelLinear, VocabParallelLinear
 from . import Stage, StepReport
 
-WRAPPERS = {"native": NativeLinear, "packed": PackedLinear}
+WRAPPERS = {"native": NativeLinear, "packed": PackedLinear, "widened": WidenedLinear}
+#: The wrappers that keep the plain weight (so a tied lm_head can share the embedding table through them).
+PLAIN_WEIGHT_WRAPPERS = (NativeLinear, WidenedLinear)
 
 
 @dataclass(frozen=True)
@@ -36,7 +41,8 @@ class KernelsReport(StepReport):
     def summary(self) -> str:
         parts = []
         if self.wrapped:
-            name = {"native": "splice's native bf16 GEMV", "packed": "oneDNN-packed weights"}[self.float_kernel]
+            name = {"native": "splice's native bf16 GEMV", "packed": "oneDNN-packed weights",
+                    "widened": "torch's fp16 GEMV, an fp32 GEMM on widened weights for prompts"}[self.float_kernel]
             pages = f", weights gathered on 2 MiB pages ({self.huge_page_bytes / 2**20:.0f} MiB)" \
                 if self.huge_page_bytes else ""
             parts.append(f"{self.wrapped} float linears on {name}{pages} ({self.reason})")
@@ -68,14 +74,14 @@ def wrap_linears(model: nn.Module, runtime: SpliceCausalLM, wrapper: type[nn.Mod
 
     Under tensor parallelism the row- and vocab-parallel wrappers keep their all-reduce / all-gather: only the plain
     linear inside them is wrapped. A tied lm_head shares the embedding table, which a lookup needs in the plain
-    layout: only :class:`NativeLinear` (which keeps that layout) takes it over.
+    layout: only the wrappers that keep that layout (:data:`PLAIN_WEIGHT_WRAPPERS`) take it over.
     """
     count = 0
     for block in runtime.blocks:
         for name in ("qkv", "o", "gate_up", "down"):
             count += wrap_in(block, name, wrapper)
     head = runtime.lm_head
-    tied_ok = wrapper is NativeLinear
+    tied_ok = wrapper in PLAIN_WEIGHT_WRAPPERS
     if isinstance(head, VocabParallelLinear):
         if tied_ok or head.linear.weight is not runtime.embed.weight:
             count += wrap_in(head, "linear", wrapper)
