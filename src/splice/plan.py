@@ -23,7 +23,7 @@ from .config import InferenceConfig
 from .distributed import ParallelContext
 from .layers.block import activation
 from .layers.native_linear import can_use_native
-from .layers.packed_linear import PACKABLE_DTYPES, can_pack, onednn_computes_in
+from .layers.packed_linear import can_pack, onednn_computes_in
 from .layers.widened_linear import needs_widening
 from .quant import QuantConfig
 from .quant import plan as quant_targets
@@ -76,7 +76,7 @@ def resolve(config: InferenceConfig, model: nn.Module, parallel: ParallelContext
     """Decide and check everything; raises ``ValueError`` / ``TypeError`` naming the bad value and what is allowed."""
     tp = tensor_parallel_size(config, parallel)
     dtype = activation_dtype(config.dtype, device)
-    warn_if_emulated(dtype or _model_float_dtype(model), device)
+    warn_without_fp16_arithmetic(dtype or _model_float_dtype(model), device)
     checkpoint = checkpoint_source(config)
     tp_plan = resolve_tensor_parallel(config, model, tp, checkpoint)
     check_weights(model, checkpoint, tp)
@@ -118,16 +118,15 @@ def activation_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.d
     return torch.bfloat16
 
 
-def warn_if_emulated(dtype: torch.dtype | None, device: torch.device) -> None:
-    """Warn when the CPU has no arithmetic for the 16-bit ``dtype``: torch then converts inside its matmuls, which is
-    correct but slower; name the dtype this CPU does compute in."""
-    if device.type != "cpu" or dtype not in PACKABLE_DTYPES or onednn_computes_in(dtype):
+def warn_without_fp16_arithmetic(dtype: torch.dtype | None, device: torch.device) -> None:
+    """Warn when fp16 is asked of a CPU without fp16 arithmetic (no AVX512-FP16 or AVX-NE-CONVERT: AMD Zen 4, Intel
+    before Sapphire Rapids): it runs correctly, through conversions, but slower than the dtype the CPU computes in."""
+    if device.type != "cpu" or dtype != torch.float16 or onednn_computes_in(torch.float16):
         return
     faster = "torch.bfloat16" if onednn_computes_in(torch.bfloat16) else "torch.float32"
-    features = "AVX512-FP16 or AVX-NE-CONVERT" if dtype == torch.float16 else "AVX-512"
-    warnings.warn(f"dtype={dtype} runs on this CPU (no {features}) through conversions: correct, but slower than "
-                  f"dtype={faster}, which this CPU computes in natively (without kernel injection, prompts are several "
-                  "times slower)", stacklevel=4)
+    warnings.warn(f"dtype=torch.float16 runs on this CPU (no AVX512-FP16 or AVX-NE-CONVERT) through conversions: "
+                  f"correct, but slower than dtype={faster}, which this CPU computes in natively (without kernel "
+                  "injection, prompts are several times slower)", stacklevel=4)
 
 
 def _model_float_dtype(model: nn.Module) -> torch.dtype | None:

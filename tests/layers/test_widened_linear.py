@@ -45,7 +45,9 @@ def test_fp16_injection_without_fp16_arithmetic_widens_every_float_linear(monkey
     reference = build_tiny(tiny_llama_config(tie_word_embeddings=tied, initializer_range=0.2))
     monkeypatch.setattr(plan, "can_pack", lambda dtype, device: False)
     monkeypatch.setattr(plan, "needs_widening", lambda dtype, device: dtype == torch.float16)
-    engine = splice.init_inference(copy.deepcopy(reference), dtype=torch.float16, replace_with_kernel_inject=True)
+    monkeypatch.setattr(plan, "onednn_computes_in", lambda dtype: dtype != torch.float16)
+    with pytest.warns(UserWarning, match=r"no AVX512-FP16 .* slower than dtype=torch.bfloat16"):
+        engine = splice.init_inference(copy.deepcopy(reference), dtype=torch.float16, replace_with_kernel_inject=True)
     assert engine.step_report("kernels").float_kernel == "widened"
     block = engine.module.model.layers[0]
     assert all(isinstance(getattr(block, name), WidenedLinear) for name in ("qkv", "o", "gate_up", "down"))
