@@ -81,7 +81,8 @@ def test_a_failing_step_leaves_the_model_as_it_was(monkeypatch, step, options):
     inject_failure(monkeypatch, step)
     with pytest.raises(Injected) as failure:
         splice.init_inference(model, **OPTIONS[options])
-    assert f"failed in its {step} step; the model was put back as it was before the call" in str(failure.value.__notes__)
+    assert failure.value.__notes__ == [f"splice: init_inference failed in its {step} step; the model was put back as "
+                                       "it was before the call"]
     assert_same_state(before, state(model))
     assert torch.equal(logits(model.eval()), logits(reference))
     monkeypatch.undo()  # and it converts as if nothing had happened
