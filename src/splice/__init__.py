@@ -14,11 +14,12 @@ from .config import InferenceConfig, resolve_config
 from .distributed import build_parallel_context
 from .engine import InferenceEngine
 from .models import load
+from .ondevice import OnDevice
 from .pipeline import run_pipeline
 from .plan import resolve, resolve_device
 
 __version__ = "0.1.0"
-__all__ = ["init_inference", "InferenceEngine", "InferenceConfig", "load", "__version__"]
+__all__ = ["init_inference", "InferenceEngine", "InferenceConfig", "OnDevice", "load", "__version__"]
 
 
 def init_inference(model: nn.Module, config: Any = None, **kwargs: Any) -> InferenceEngine:

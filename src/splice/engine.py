@@ -18,20 +18,65 @@ from .steps import StepReport
 class InferenceEngine(nn.Module):
     """Wraps the model the pipeline built: ``forward``, ``generate`` and per-forward profiling.
 
+    Everywhere else the engine stands in for the model it wraps (``engine.module``), as DeepSpeed's engine does, so
+    code written for a Hugging Face model takes it unchanged (``pipe.model = init_inference(pipe.model, ...)``): an
+    attribute the engine does not have itself is read from the model (``config``, ``generation_config``, ``device``,
+    ``dtype``, ``can_generate``, ``main_input_name``, ...), and assigning one the model has sets it on the model.
+
     ``reports`` holds what each pipeline step did, one dataclass per step (``report`` gives them as
     ``(step, sentence)`` pairs); ``parallel`` is the tensor-parallel context the model was sharded for; ``runtime`` is
-    the native decode runtime of a fused (kernel-injected) model, None otherwise.
+    the native decode runtime of a fused (kernel-injected) model, None otherwise; ``inference_config`` is the resolved
+    :class:`~splice.config.InferenceConfig` (``config`` is the model's own).
     """
 
     def __init__(self, module: nn.Module, config: InferenceConfig, reports: list[StepReport] | None = None,
                  parallel: ParallelContext = SINGLE_PROCESS, runtime: SpliceCausalLM | None = None):
         super().__init__()
-        self.module = module.eval()
-        self.config = config
+        self.inference_config = config  # the engine's own attributes first: from here on, the model's are delegated
         self.reports = list(reports or [])
         self.parallel = parallel
         self.runtime = runtime
         self._timer: _ForwardTimer | None = None
+        self.module = module.eval()
+
+    # --- standing in for the wrapped model ----------------------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        """The engine's own parameters, buffers and submodules (``module``), else the wrapped model's attribute."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or _is_dunder(name):
+                raise
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(f"neither {type(self).__name__} nor the model it wraps "
+                                 f"({type(module).__name__}) has an attribute {name!r}") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """An attribute the wrapped model has (and the engine does not) is set on the model, so that what its own
+        ``generate`` and ``forward`` read is what the caller set (``engine.generation_config = ...``)."""
+        if self._delegates(name):
+            setattr(self.__dict__["_modules"]["module"], name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._delegates(name):
+            delattr(self.__dict__["_modules"]["module"], name)
+        else:
+            super().__delattr__(name)
+
+    def _delegates(self, name: str) -> bool:
+        """Whether ``name`` is the wrapped model's, not the engine's own."""
+        modules = self.__dict__.get("_modules")
+        module = modules.get("module") if modules is not None else None
+        if module is None or _is_dunder(name) or name in self.__dict__ or hasattr(type(self), name):
+            return False
+        if name in modules or name in self.__dict__["_parameters"] or name in self.__dict__["_buffers"]:
+            return False
+        return hasattr(module, name)
 
     @property
     def report(self) -> list[tuple[str, str]]:
@@ -47,9 +92,7 @@ class InferenceEngine(nn.Module):
         raise KeyError(f"no step {step!r}; steps: {', '.join(r.step for r in self.reports)}")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        input_ids = request_input_ids(args, kwargs)
-        if input_ids is not None:
-            check_token_ids(input_ids, self.vocab_size)
+        self._checked_input_ids(args, kwargs)
         with torch.inference_mode():
             return self.module(*args, **kwargs)
 
@@ -58,12 +101,21 @@ class InferenceEngine(nn.Module):
         (:func:`splice.generation.check_request`: ids, padding, sampling values, length within ``max_out_tokens``)."""
         if not hasattr(self.module, "generate"):
             raise TypeError(f"{type(self.module).__name__} has no generate(); only forward() is available")
-        check_request(self.module, args, kwargs, self.vocab_size, self.config.max_out_tokens)
+        check_request(self.module, args, kwargs, self.vocab_size, self.inference_config.max_out_tokens)
         self.parallel.sync_rng()  # under TP every rank must sample the same tokens, even if reseeded since init
         with torch.inference_mode():
             if self.runtime is not None:
                 return native_generate(self.module, self.runtime, *args, **kwargs)  # HF's for options it lacks
             return self.module.generate(*args, **kwargs)
+
+    def _checked_input_ids(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
+        """The token ids of a call, checked; None for a model without an input embedding that was not given
+        ``input_ids`` (its first argument is whatever its forward takes)."""
+        input_ids = request_input_ids(args, kwargs)
+        if input_ids is None or (self.vocab_size is None and "input_ids" not in kwargs):
+            return None
+        check_token_ids(input_ids, self.vocab_size)
+        return input_ids
 
     @property
     def vocab_size(self) -> int | None:
@@ -84,6 +136,10 @@ class InferenceEngine(nn.Module):
         if self._timer is None:
             raise RuntimeError("model_times() needs profile_model_time() to be called first")
         return self._timer.take()
+
+
+def _is_dunder(name: str) -> bool:
+    return name.startswith("__") and name.endswith("__")
 
 
 class _ForwardTimer:

@@ -10,6 +10,8 @@ kernel     what computes
 native     splice's own GEMVs (``splice.native``: AVX2, AVX-512, AMX) for decode rows; one oneDNN GEMM above the level's
            row limit (``native.MAX_ROWS``)
 packed     float linears only: a weight pre-packed for oneDNN (``layers.packed_linear``)
+widened    float linears only, fp16 on a CPU without fp16 arithmetic: torch's GEMV for decode, the weight widened
+           to fp32 for one GEMM for prompts (``layers.widened_linear``)
 torch      torch's own kernels for the device (``F.linear``; ``_weight_int8pack_mm``, ``_weight_int4pack_mm``)
 =========  =============================================================================================================
 """
@@ -24,6 +26,7 @@ import torch
 from . import native
 from .layers.native_linear import can_use_native
 from .layers.packed_linear import can_pack
+from .layers.widened_linear import needs_widening
 
 if TYPE_CHECKING:
     from .quant.scheme import QuantConfig
@@ -55,6 +58,9 @@ def float_kernel(dtype: torch.dtype | None, device: torch.device) -> KernelChoic
     if dtype is not None and can_pack(dtype, device):
         return KernelChoice("packed", f"{dtype} on CPU without splice's native bf16 GEMV ({why_not_native(device)}): "
                                       "oneDNN-packed weights")
+    if dtype is not None and needs_widening(dtype, device):
+        return KernelChoice("widened", f"{dtype} on a CPU without {dtype} arithmetic: torch's converting GEMV for "
+                                       "decode, an fp32 GEMM on the widened weight for prompts")
     return KernelChoice("torch", f"{dtype} on {torch.device(device).type}: torch's own linear")
 
 

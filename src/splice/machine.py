@@ -193,10 +193,21 @@ def bf16_torch_rows() -> list[dict[str, Any]]:
 
 
 def other_float_rows() -> list[dict[str, Any]]:
-    fp16 = _packed_or_plain(torch.float16)
-    return [_row("fp16, kernel injection", 1, None, fp16, "splice's native GEMV is bf16 only"),
+    return [*fp16_rows(),
             _row("fp32; any float without kernel injection", 1, None, "F.linear (torch)",
                  "splice wraps float linears only at kernel injection, and only bf16 ones in its native GEMV")]
+
+
+def fp16_rows() -> list[dict[str, Any]]:
+    from .layers.widened_linear import WIDEN_FROM_ROWS, needs_widening
+
+    if not needs_widening(torch.float16, "cpu"):
+        return [_row("fp16, kernel injection", 1, None, _packed_or_plain(torch.float16),
+                     "splice's native GEMV is bf16 only")]
+    why = "no fp16 arithmetic on this CPU (oneDNN cannot pack fp16)"
+    return _ranges("fp16, kernel injection", [
+        (WIDEN_FROM_ROWS - 1, "F.linear (torch's fp16 GEMV)", f"WidenedLinear, decode: {why}; converts as it streams"),
+        (None, "F.linear (fp32 GEMM)", "WidenedLinear, prefill: the weight widened to fp32 once per call")])
 
 
 def _packed_or_plain(dtype: torch.dtype) -> str:

@@ -7,7 +7,9 @@ processes, a compile option without its prerequisite.
 """
 from __future__ import annotations
 
+import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from .config import InferenceConfig
 from .distributed import ParallelContext
 from .kernel_choice import KernelChoice, float_kernel, quant_kernel
 from .layers.block import activation
+from .layers.packed_linear import onednn_computes_in
 from .quant import QuantConfig
 from .quant import plan as quant_targets
 from .quant.api import check_calibration_ids
@@ -65,6 +68,7 @@ def resolve(config: InferenceConfig, model: nn.Module, parallel: ParallelContext
     """Decide and check everything; raises ``ValueError`` / ``TypeError`` naming the bad value and what is allowed."""
     tp = tensor_parallel_size(config, parallel)
     dtype = activation_dtype(config.dtype, device)
+    warn_without_fp16_arithmetic(dtype or _model_float_dtype(model), device)
     checkpoint = checkpoint_source(config)
     tp_plan = resolve_tensor_parallel(config, model, tp, checkpoint)
     check_weights(model, checkpoint, tp)
@@ -107,6 +111,17 @@ def activation_dtype(dtype: torch.dtype | None, device: torch.device) -> torch.d
     return torch.bfloat16
 
 
+def warn_without_fp16_arithmetic(dtype: torch.dtype | None, device: torch.device) -> None:
+    """Warn when fp16 is asked of a CPU without fp16 arithmetic (no AVX512-FP16 or AVX-NE-CONVERT: AMD Zen 4, Intel
+    before Sapphire Rapids): it runs correctly, through conversions, but slower than the dtype the CPU computes in."""
+    if device.type != "cpu" or dtype != torch.float16 or onednn_computes_in(torch.float16):
+        return
+    faster = "torch.bfloat16" if onednn_computes_in(torch.bfloat16) else "torch.float32"
+    warnings.warn(f"dtype=torch.float16 runs on this CPU (no AVX512-FP16 or AVX-NE-CONVERT) through conversions: "
+                  f"correct, but slower than dtype={faster}, which this CPU computes in natively (without kernel "
+                  "injection, prompts are several times slower)", stacklevel=4)
+
+
 def _model_float_dtype(model: nn.Module) -> torch.dtype | None:
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
@@ -115,8 +130,8 @@ def _model_float_dtype(model: nn.Module) -> torch.dtype | None:
 def checkpoint_source(config: InferenceConfig) -> CheckpointSource | None:
     """What to load: ``config.checkpoint``, else ``config.checkpoint_config.checkpoint_dir``; None if neither is set.
 
-    A relative path is resolved against ``config.base_dir``; a DeepSpeed load-policy dict (``{"checkpoints": [...]}``)
-    becomes its list of safetensors files.
+    A relative path is resolved against ``config.base_dir``; a DeepSpeed load-policy dict (``{"checkpoints": [...]}``),
+    or a JSON file holding one while ``base_dir`` is set, becomes its list of safetensors files under ``base_dir``.
     """
     checkpoint = getattr(config, "checkpoint", None)
     checkpoint_config = getattr(config, "checkpoint_config", None)
@@ -132,7 +147,23 @@ def checkpoint_source(config: InferenceConfig) -> CheckpointSource | None:
         raise TypeError(f"checkpoint must be a path or a load-policy dict, got {type(checkpoint).__name__}: "
                         f"{checkpoint!r}")
     path = Path(checkpoint).expanduser()
-    return path if path.is_absolute() or not base_dir else Path(base_dir).expanduser() / path
+    path = path if path.is_absolute() or not base_dir else Path(base_dir).expanduser() / path
+    policy = _policy_in_json(path) if base_dir else None
+    if policy is not None:  # as DeepSpeed: the files a checkpoints JSON lists are relative to base_dir
+        return load_policy_files(policy, policy.get("base_dir") or base_dir)
+    return path
+
+
+def _policy_in_json(path: Path) -> dict | None:
+    """A DeepSpeed checkpoints JSON's content (``{"type": ..., "checkpoints": [...], "version": ...}``), or None for
+    any other file (the checkpoint reader says what is wrong with a bad one)."""
+    if path.suffix != ".json" or not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and "checkpoints" in data and "weight_map" not in data else None
 
 
 def tp_manifest(source: CheckpointSource | None) -> dict | None:

@@ -4,7 +4,8 @@ Fusing and quantizing produce weights; ``splice.kernel_choice`` decided (in ``pl
 computes. This step wraps each plain float linear of the fused blocks and the lm_head (the ones quantization left in
 float, or all of them) in its kernel's layer: splice's native bf16 GEMV (``layers.native_linear``, plain weights
 gathered on 2 MiB pages, nothing copied), or a oneDNN-packed weight (``layers.packed_linear``, 16-bit weights where
-the native kernels do not run; a tied lm_head stays as it is). Quantized layers were built for their kernel by the
+the native kernels do not run; a tied lm_head stays as it is), or for fp16 on a CPU without fp16 arithmetic a
+layer that widens the weight to fp32 for prompts (``layers.widened_linear``). Quantized layers were built for their kernel by the
 quantize step (``plan.quant_kernel``); the report names both choices and their reasons.
 """
 from __future__ import annotations
@@ -16,14 +17,18 @@ from torch import nn
 from ..layers.causal_lm import SpliceCausalLM
 from ..layers.native_linear import NativeLinear
 from ..layers.packed_linear import PackedLinear
+from ..layers.widened_linear import WidenedLinear
 from ..native.memory import gather_on_huge_pages
 from ..plan import Plan
 from ..quant import QuantizedLinear
 from ..tp.layers import RowParallelLinear, VocabParallelLinear
 from . import Stage, StepReport
 
-WRAPPERS = {"native": NativeLinear, "packed": PackedLinear}
-KERNEL_NAMES = {"native": "splice's native kernels", "packed": "oneDNN-packed weights", "torch": "torch's kernels"}
+WRAPPERS = {"native": NativeLinear, "packed": PackedLinear, "widened": WidenedLinear}
+#: The wrappers that keep the plain weight (so a tied lm_head can share the embedding table through them).
+PLAIN_WEIGHT_WRAPPERS = (NativeLinear, WidenedLinear)
+KERNEL_NAMES = {"native": "splice's native kernels", "packed": "oneDNN-packed weights",
+                "widened": "torch's fp16 GEMV, an fp32 GEMM on widened weights for prompts", "torch": "torch's kernels"}
 
 
 @dataclass(frozen=True)
@@ -32,7 +37,7 @@ class LinearKernels:
 
     linears: str
     count: int  # layers of that kind in the model (float: those wrapped; 0 when none were)
-    kernel: str  # "native", "packed", "torch"
+    kernel: str  # "native", "packed", "widened", "torch"
     reason: str
 
     def summary(self) -> str:
@@ -54,7 +59,8 @@ class KernelsReport(StepReport):
 
 
 def select_kernels(stage: Stage, plan: Plan) -> tuple[Stage, KernelsReport]:
-    quantized = sum(isinstance(m, QuantizedLinear) for m in stage.model.modules())
+    kind = plan.quant.kind if plan.quant is not None else None
+    quantized = sum(isinstance(m, QuantizedLinear) and m.kind == kind for m in stage.model.modules())
     choice = plan.float_kernel
     wrapper = WRAPPERS.get(choice.kernel)
     wrapped, moved = 0, 0
@@ -81,14 +87,14 @@ def wrap_linears(model: nn.Module, runtime: SpliceCausalLM, wrapper: type[nn.Mod
 
     Under tensor parallelism the row- and vocab-parallel wrappers keep their all-reduce / all-gather: only the plain
     linear inside them is wrapped. A tied lm_head shares the embedding table, which a lookup needs in the plain
-    layout: only :class:`NativeLinear` (which keeps that layout) takes it over.
+    layout: only the wrappers that keep that layout (:data:`PLAIN_WEIGHT_WRAPPERS`) take it over.
     """
     count = 0
     for block in runtime.blocks:
         for name in ("qkv", "o", "gate_up", "down"):
             count += wrap_in(block, name, wrapper)
     head = runtime.lm_head
-    tied_ok = wrapper is NativeLinear
+    tied_ok = wrapper in PLAIN_WEIGHT_WRAPPERS
     if isinstance(head, VocabParallelLinear):
         if tied_ok or head.linear.weight is not runtime.embed.weight:
             count += wrap_in(head, "linear", wrapper)

@@ -1,0 +1,44 @@
+"""A 16-bit linear layer for a CPU without arithmetic in its dtype (fp16 on AMD Zen 4 or Intel before Sapphire
+Rapids: no AVX512-FP16, no AVX-NE-CONVERT), where oneDNN cannot pack the weight and torch's own fp16 matmul converts
+and multiplies one row of activations at a time.
+
+Decode-sized inputs keep torch's fp16 GEMV (it converts the weight as it streams it and accumulates in fp32); from
+``WIDEN_FROM_ROWS`` rows on (prompts) the weight is widened to fp32 once per call and one fp32 GEMM runs, which costs
+one pass over the weight instead of one per row. The weight stays the plain 16-bit tensor the model had (nothing
+kept in fp32, a tied lm_head keeps sharing the embedding table); the output is in the input's dtype.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .packed_linear import onednn_computes_in
+
+#: Rows of activations from which widening the weight beats torch's per-row conversions (docs/kernels.md).
+WIDEN_FROM_ROWS = 8
+
+
+def needs_widening(dtype: torch.dtype, device: torch.device) -> bool:
+    """fp16 weights on a CPU whose oneDNN has no fp16 arithmetic."""
+    return torch.device(device).type == "cpu" and dtype == torch.float16 and not onednn_computes_in(dtype)
+
+
+class WidenedLinear(nn.Module):
+    """``y = x @ W.T + b``: torch's fp16 GEMV for a few rows, one fp32 GEMM on the widened weight otherwise."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() < WIDEN_FROM_ROWS * self.in_features:
+            return F.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"fp32 GEMM on the widened weight from {WIDEN_FROM_ROWS} rows")

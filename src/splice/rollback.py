@@ -1,0 +1,87 @@
+"""Rollback: the user's model as it was before the pipeline, put back if a step fails.
+
+The steps change the model in place (cast, fill, shard, fuse, quantize, wrap, move). :class:`Rollback` records,
+before the first step, every module's attributes (the containers of submodules, parameters, buffers and hooks copied
+one level deep) and, for every parameter and buffer, the tensor its ``.data`` held. Only references are kept, so
+taking it is free, but the original weights then stay in memory until the pipeline ends, next to what the steps
+build from them: :func:`affordable` says whether memory allows that. :meth:`Rollback.restore` puts every module's
+attributes and every tensor's data back, and names the tensors a step overwrote in place (their old values are gone:
+loading a checkpoint into a model that already had weights does that).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .machine import describe_memory
+
+
+@dataclass(frozen=True)
+class _SavedTensor:
+    tensor: torch.Tensor  # the parameter or buffer object the model holds
+    data: torch.Tensor  # its data before the pipeline (a detached alias: shares the storage and the version counter)
+    version: int
+    requires_grad: bool
+
+
+class Rollback:
+    """The model's state before the pipeline (see the module docstring)."""
+
+    def __init__(self, model: nn.Module):
+        self.modules = [(module, _copy_attributes(module.__dict__)) for module in model.modules()]
+        self.names = {id(t): name for name, t in [*model.named_parameters(remove_duplicate=False),
+                                                  *model.named_buffers(remove_duplicate=False)]}
+        tensors = {id(t): t for module in model.modules()
+                   for t in [*module._parameters.values(), *module._buffers.values()] if t is not None}
+        self.tensors = [_SavedTensor(t, t.detach(), t._version, t.requires_grad) for t in tensors.values()]
+
+    def restore(self) -> list[str]:
+        """Put the model back; returns the names of the tensors whose values were overwritten in place (empty: the
+        model equals its state before the pipeline)."""
+        for module, attributes in self.modules:
+            module.__dict__.clear()
+            module.__dict__.update(_copy_attributes(attributes))
+        overwritten = []
+        for saved in self.tensors:
+            if _overwritten(saved):
+                overwritten.append(self.names.get(id(saved.tensor), "<unnamed tensor>"))
+            saved.tensor.data = saved.data
+            saved.tensor.requires_grad_(saved.requires_grad)
+        return overwritten
+
+
+def affordable(model: nn.Module) -> tuple[bool, str]:
+    """Whether memory allows keeping the model's original weights until the pipeline ends (at worst the steps build a
+    whole converted copy next to them), and why. Weights on the meta device cost nothing to keep."""
+    held: dict[str, int] = {}
+    for tensor in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values():
+        if tensor.device.type != "meta":
+            held[tensor.device.type] = held.get(tensor.device.type, 0) + tensor.numel() * tensor.element_size()
+    for device, size in held.items():
+        free = _free_bytes(device)
+        if free is not None and free < size:
+            return False, (f"keeping its {size / 2**30:.1f} GiB of original weights on {device} during the pipeline "
+                           f"needs more than the {free / 2**30:.1f} GiB free")
+    return True, "its original weights are kept until the pipeline ends"
+
+
+def _free_bytes(device: str) -> int | None:
+    if device == "cpu":
+        return describe_memory()["available_bytes"]
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[0]
+    return None
+
+
+def _copy_attributes(attributes: dict) -> dict:
+    """A copy of a module's ``__dict__`` whose containers (submodules, parameters, buffers, hooks) are new ones."""
+    return {name: value.copy() if isinstance(value, (dict, set)) else value for name, value in attributes.items()}
+
+
+def _overwritten(saved: _SavedTensor) -> bool:
+    """Whether the original values may have been written over: its version moved (the counter is shared with the
+    tensor, so a write after the tensor got new data counts too: the answer errs on the side of "overwritten").
+    Meta tensors have no values to lose."""
+    return not saved.data.is_meta and saved.data._version != saved.version
