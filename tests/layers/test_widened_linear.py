@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import splice
-from splice import plan
+from splice import kernel_choice, plan
 from splice.layers import widened_linear
 from splice.layers.widened_linear import WIDEN_FROM_ROWS, WidenedLinear, needs_widening
 
@@ -43,8 +43,8 @@ def test_needs_widening_only_fp16_on_a_cpu_without_it(monkeypatch):
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_fp16_injection_without_fp16_arithmetic_widens_every_float_linear(monkeypatch, tied):
     reference = build_tiny(tiny_llama_config(tie_word_embeddings=tied, initializer_range=0.2))
-    monkeypatch.setattr(plan, "can_pack", lambda dtype, device: False)
-    monkeypatch.setattr(plan, "needs_widening", lambda dtype, device: dtype == torch.float16)
+    monkeypatch.setattr(kernel_choice, "can_pack", lambda dtype, device: False)
+    monkeypatch.setattr(kernel_choice, "needs_widening", lambda dtype, device: dtype == torch.float16)
     monkeypatch.setattr(plan, "onednn_computes_in", lambda dtype: dtype != torch.float16)
     with pytest.warns(UserWarning, match=r"no AVX512-FP16 .* slower than dtype=torch.bfloat16"):
         engine = splice.init_inference(copy.deepcopy(reference), dtype=torch.float16, replace_with_kernel_inject=True)
