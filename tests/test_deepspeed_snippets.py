@@ -69,7 +69,7 @@ def test_fp16_on_a_cpu_without_fp16_math_runs_and_names_bf16(reference_ids):
         "    pipe.model = deepspeed.init_inference(pipe.model, mp_size=1, dtype=torch.half,\n"
         "                                          replace_with_kernel_inject=True)\n"
         "print(json.dumps({'ids': generated_ids(pipe), 'warnings': [str(w.message) for w in caught],\n"
-        "                  'kernel': pipe.model.step_report('kernels').float_kernel,\n"
+        "                  'kernel': pipe.model.step_report('kernels').float_linears.kernel,\n"
         "                  'fp16_supported': torch.ops.mkldnn._is_mkldnn_fp16_supported()}))\n")
     env = {**os.environ, **ZEN4, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run([sys.executable, "-c", script, str(ROOT)], capture_output=True, text=True, env=env,

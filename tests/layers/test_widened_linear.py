@@ -48,7 +48,7 @@ def test_fp16_injection_without_fp16_arithmetic_widens_every_float_linear(monkey
     monkeypatch.setattr(plan, "onednn_computes_in", lambda dtype: dtype != torch.float16)
     with pytest.warns(UserWarning, match=r"no AVX512-FP16 .* slower than dtype=torch.bfloat16"):
         engine = splice.init_inference(copy.deepcopy(reference), dtype=torch.float16, replace_with_kernel_inject=True)
-    assert engine.step_report("kernels").float_kernel == "widened"
+    assert engine.step_report("kernels").float_linears.kernel == "widened"
     block = engine.module.model.layers[0]
     assert all(isinstance(getattr(block, name), WidenedLinear) for name in ("qkv", "o", "gate_up", "down"))
     head = engine.module.lm_head
