@@ -8,8 +8,8 @@ in its own:
     int8 vs Q8_0       splice int8 (per output channel)       llama.cpp Q8_0 (blocks of 32, one scale each)
     int4 g32 vs Q4_0   splice int4 (groups of 32, asymmetric) llama.cpp Q4_0 (blocks of 32, symmetric)
 
-The output head is not alike: splice keeps it bf16, ``llama-quantize`` makes it Q8_0 in the Q8_0 file and Q6_K in the
-Q4_0 file.
+The output head: splice's quantized models put it in int8 per output channel (``init_inference``'s default);
+``llama-quantize`` makes it Q8_0 in the Q8_0 file and Q6_K in the Q4_0 file.
 
 llama.cpp: ``llama-bench`` runs a ``--prompt``-token prefill from an empty context, and ``--new`` decode steps after
 ``--prompt`` tokens of context (``-d``, not timed), as splice's decode follows its prompt. splice: ``splice bench
