@@ -254,7 +254,7 @@ def run_generate(args: argparse.Namespace) -> int:
             raise ValueError("PROMPT is empty and the model has no BOS token to start from; allowed: a prompt of at "
                              "least one token")
     options["pad_token_id"] = tokenizer.pad_token_id
-    check_request(engine.module, (), {**inputs, **options}, engine.vocab_size, engine.config.max_out_tokens)
+    check_request(engine.module, (), {**inputs, **options}, engine.vocab_size, engine.inference_config.max_out_tokens)
     torch.manual_seed(args.seed)
     speaker = _global_rank() == 0  # under torchrun every rank generates; one prints
     streamer = TimingStreamer(tokenizer, skip_special_tokens=True) if speaker else None
@@ -318,8 +318,8 @@ def describe_engine(engine) -> dict[str, Any]:
         "parameters": sum(p.numel() for p in module.parameters()),
         "parameter_bytes": parameter_bytes(module),
         "buffer_bytes": sum(b.numel() * b.element_size() for b in module.buffers()),
-        "max_out_tokens": engine.config.max_out_tokens,
-        "kv_cache_bytes": kv_cache_bytes(module, engine.config.max_out_tokens),
+        "max_out_tokens": engine.inference_config.max_out_tokens,
+        "kv_cache_bytes": kv_cache_bytes(module, engine.inference_config.max_out_tokens),
         "pipeline": [{"did": report.summary(), **asdict(report)} for report in engine.reports],
     }
 

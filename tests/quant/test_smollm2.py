@@ -125,7 +125,8 @@ CASES = {
     "int8": (lambda: QuantConfig(), 0.02, 0.55),
     "w8a8": (lambda: QuantConfig(activations=True), 0.04, 0.55),
     "int4-g32-asym": (lambda: QuantConfig(bits=4, group_size=32, symmetric=False), 0.10, 0.33),
-    "int4-g32-deepspeed-default": (lambda: _deepspeed({"num_bits": 4, "group_size": 32}), 0.10, 0.33),
+    # through init_inference's config the output head is int8 too (its default when quantizing): more stored bytes
+    "int4-g32-deepspeed-default": (lambda: _deepspeed({"num_bits": 4, "group_size": 32}), 0.10, 0.36),
     "int4-g64-asym": (lambda: QuantConfig(bits=4, group_size=64, symmetric=False), 0.40, 0.33),
 }
 @pytest.mark.parametrize("case, text", [
