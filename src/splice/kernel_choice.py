@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from .quant.scheme import QuantConfig
 
 #: The environment variables that change which native kernels run (named in the reasons when set).
-NATIVE_ENV = ("SPLICE_NATIVE_KERNELS", "SPLICE_NATIVE_ISA", "SPLICE_NATIVE_AMX")
+NATIVE_ENV = ("SPLICE_NATIVE_KERNELS", "SPLICE_NATIVE_ISA", "SPLICE_NATIVE_AMX", "SPLICE_NATIVE_DOT")
 #: Which entry of ``native.MAX_ROWS`` bounds each quantization kind's native GEMV.
 ROW_LIMIT_OF = {"int8_weight_only": "int8", "int8_dynamic": "int8", "int4_weight_only": "int4"}
 
@@ -91,7 +91,10 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
 
 
 def int8_dot_products() -> bool:
-    """Whether the native decode GEMVs can multiply in integers at the active level (AVX512-VNNI)."""
+    """Whether the native decode GEMVs can multiply in integers at the active level (AVX512-VNNI), unless
+    ``SPLICE_NATIVE_DOT=0`` keeps them on float products (to compare the two)."""
+    if os.environ.get("SPLICE_NATIVE_DOT", "1").strip().lower() in ("0", "false", "no", "off"):
+        return False
     return native.available() and bool(torch.ops.splice_kernels.int8_dot_ready())
 
 
