@@ -13,7 +13,8 @@ needs_native = pytest.mark.skipif(not native.available(), reason="splice's nativ
                          ids=["int8", "int4"])
 def test_dot_products_where_the_cpu_has_vnni_unless_switched_off(monkeypatch, config):
     choice = kernel_choice.quant_kernel(config, "cpu")
-    assert choice.native and choice.dot_products == bool(torch.ops.splice_kernels.int8_dot_ready())
+    ready = torch.ops.splice_kernels.int4_dot_ready() if config.bits == 4 else torch.ops.splice_kernels.int8_dot_ready()
+    assert choice.native and choice.dot_products == bool(ready)
     monkeypatch.setenv("SPLICE_NATIVE_DOT", "0")
     off = kernel_choice.quant_kernel(config, "cpu")
     assert off.native and not off.dot_products and "SPLICE_NATIVE_DOT=0" in off.reason

@@ -72,16 +72,17 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
                                      "int8 GEMV takes one scale per output channel)")
     if native.available_on(device):
         limit = native.MAX_ROWS[ROW_LIMIT_OF[kind]]
+        dot = dot_products(kind)
         if kind == "int8_dynamic":
-            products = "integer dot products (AVX512-VNNI)" if int8_dot_products() else "bf16 products"
+            products = f"integer dot products ({dot})" if dot else "bf16 products"
             return KernelChoice("native", f"activations rounded to int8 per block of 32, splice's int8 GEMV with "
                                           f"{products} up to {limit} rows, de-quantise + one oneDNN GEMM above; "
                                           f"{native_level()}")
-        if int8_dot_products():
+        if dot:
             bits = ROW_LIMIT_OF[kind]
             tiles = " (from 3 rows, AMX tiles on x as it is)" if bits == "int4" and native.amx_ready() else ""
             return KernelChoice("native", f"splice's {bits} GEMV up to {limit} rows on integer dot products "
-                                          f"(AVX512-VNNI; each row of activations rounded to int8 per block of 32)"
+                                          f"({dot}; each row of activations rounded to int8 per block of 32)"
                                           f"{tiles}, de-quantise + one oneDNN GEMM above; {native_level()}",
                                 dot_products=True)
         return KernelChoice("native", f"splice's {ROW_LIMIT_OF[kind]} GEMV up to {limit} rows, de-quantise + "
@@ -90,12 +91,19 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
                                  f"{device.type} ({why_not_native(device)})")
 
 
-def int8_dot_products() -> bool:
-    """Whether the native decode GEMVs can multiply in integers at the active level (AVX512-VNNI), unless
-    ``SPLICE_NATIVE_DOT=0`` keeps them on float products (to compare the two)."""
+def dot_products(kind: str) -> str:
+    """The instructions the native decode GEMV of quantization ``kind`` multiplies in integers with at the active
+    level ("AVX512-VNNI", or "AVX2 vpmaddubsw" for int8), or "" where it keeps float products (also with
+    ``SPLICE_NATIVE_DOT=0``, to compare the two)."""
     if os.environ.get("SPLICE_NATIVE_DOT", "1").strip().lower() in ("0", "false", "no", "off"):
-        return False
-    return native.available() and bool(torch.ops.splice_kernels.int8_dot_ready())
+        return ""
+    if not native.available():
+        return ""
+    if torch.ops.splice_kernels.int4_dot_ready():
+        return "AVX512-VNNI"
+    if kind != "int4_weight_only" and torch.ops.splice_kernels.int8_dot_ready():
+        return "AVX2 vpmaddubsw"
+    return ""
 
 
 def native_level() -> str:

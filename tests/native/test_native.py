@@ -64,7 +64,9 @@ def test_int8_dot_gemv_rounds_x_per_block_and_sums_exactly(isa, rows, n, k):
     expected = (qmath.round_activations(x.float()) @ w.float().T) * scales.float()
     got = torch.ops.splice_kernels.int8_dot_gemv(x, w, scales)
     assert relative_error(got, expected) < (4e-3 if torch.ops.splice_kernels.int8_dot_ready() else 1e-2)
-    assert torch.ops.splice_kernels.int8_dot_ready() == (isa != "avx2" and "avx512_vnni" in native._cpu_flags())
+    vnni = isa != "avx2" and "avx512_vnni" in native._cpu_flags()
+    assert torch.ops.splice_kernels.int4_dot_ready() == vnni
+    assert torch.ops.splice_kernels.int8_dot_ready() == (vnni or isa == "avx2")  # vpmaddubsw at avx2
 
 
 @needs_native
@@ -79,7 +81,7 @@ def test_int4_dot_gemv_rounds_x_per_block_where_it_can(isa, rows, n, k, group):
     w, sz = native.int4_tile_pack(q), native.int4_tile_scales(scales_and_zeros)
     got = torch.ops.splice_kernels.int4_dot_gemv(x, w, sz, group)
     amx = rows >= 3 and group % 32 == 0 and native.amx_ready()
-    if torch.ops.splice_kernels.int8_dot_ready() and group % 32 == 0 and not amx:
+    if torch.ops.splice_kernels.int4_dot_ready() and group % 32 == 0 and not amx:
         expected = qmath.round_activations(x.float()) @ qmath.dequantize_int4(q, scales_and_zeros).T
         assert relative_error(got, expected) < 4e-3
     else:

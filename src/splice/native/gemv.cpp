@@ -9,7 +9,7 @@
 //   bf16_gemv(x bf16 [M, K], w bf16 [N, K])                       row-major weight, any N and K
 //   int8_gemv(x bf16 [M, K], w int8 [N, K], scales bf16 [N])      per-output-channel scales
 //   int8_dot_gemv(x, w, scales)  the same product with x rounded to int8 per row and block of 32 (W8A8): integer
-//       dot products with AVX512-VNNI, else the rounded x through int8_gemv
+//       dot products with AVX512-VNNI, or vpmaddubsw at the avx2 level
 //   int4_gemv(x bf16 [M, K], w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group)
 //       tiles of 16 rows; dword (tile, c, r) holds q[r, 8c .. 8c+7] as nibbles in the order k = 0,2,4,6,1,3,5,7
 //       (so k and k+1 sit 16 bits apart); value = (q - 8) * scale + zero per (row, group).
@@ -939,6 +939,81 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return out;
 }
 
+// ---- int8 x int8 dot products (vpmaddubsw) --------------------------------------------------------------------
+// int8_dot_gemv's arithmetic on AVX2 (x rounded to int8 per row and block of 32, integer sums per block). vpmaddubsw
+// multiplies unsigned by signed bytes into saturating 16-bit pair sums, so the weight goes in as |w| (0..128) and x as
+// q with w's sign (-127..127): a pair sums to at most 2 * 128 * 127 < 2^15, no saturation. vpmaddwd with ones then sums
+// the pairs into 8 int32 lanes, one block of 32 columns per step.
+constexpr int64_t DOT_BLOCK = 32;
+
+struct DotRows {
+  std::vector<int8_t> q;  // [m, k]
+  std::vector<float> d;   // [m, k / 32]
+};
+
+DotRows round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
+  DotRows a;
+  a.q.resize(m * k);
+  a.d.resize(m * k / DOT_BLOCK);
+  for (int64_t b = 0; b < m * k / DOT_BLOCK; ++b) {
+    float values[DOT_BLOCK], amax = 0.f;
+    for (int64_t j = 0; j < DOT_BLOCK; ++j) {
+      values[j] = static_cast<float>(x[b * DOT_BLOCK + j]);
+      amax = std::max(amax, std::abs(values[j]));
+    }
+    const float d = std::max(amax, 1e-12f) / 127.f;
+    for (int64_t j = 0; j < DOT_BLOCK; ++j)
+      a.q[b * DOT_BLOCK + j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(values[j] / d))));
+    a.d[b] = d;
+  }
+  return a;
+}
+
+template <int M, int R>
+void int8_dot_rows(const DotRows& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k, int64_t n0,
+                   at::BFloat16* out, int64_t n_total) {
+  constexpr int m_rows = M, rows = R;
+  const int64_t blocks = k / DOT_BLOCK;
+  const int8_t* base = w + n0 * k;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[M][R];
+  for (int m = 0; m < M; ++m)
+    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t c = b * DOT_BLOCK;
+    prefetch_step<R>(base, k, c);
+    __m256i wv[R], magnitude[R];
+    for (int r = 0; r < rows; ++r) {
+      wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + r * k + c));
+      magnitude[r] = _mm256_abs_epi8(wv[r]);
+    }
+    for (int m = 0; m < m_rows; ++m) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (m0 + m) * k + c));
+      const __m256 d = _mm256_set1_ps(a.d[(m0 + m) * blocks + b]);
+      for (int r = 0; r < rows; ++r) {
+        const __m256i pairs = _mm256_maddubs_epi16(magnitude[r], _mm256_sign_epi8(xv, wv[r]));
+        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), d, acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < m_rows; ++m)
+    for (int r = 0; r < rows; ++r)
+      out[m * n_total + n0 + r] = at::BFloat16(horizontal_sum(acc[m][r]) * static_cast<float>(scales[n0 + r]));
+}
+
+at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
+  const DotRows a = round_rows(x.data_ptr<at::BFloat16>(), m, k);
+  auto out = at::empty({m, n}, x.options());
+  const auto* sp = scales.data_ptr<at::BFloat16>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  for_row_blocks<X_ROWS>(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
+    int8_dot_rows<decltype(m_c)::value, decltype(r_c)::value>(a, m0, wp, sp, k, n0, op + m0 * n, n);
+  });
+  return out;
+}
+
 // int4: lanes are weight rows, a 16-row tile is two halves of 8. Nibble slot s of a word (column ORDER[s] of the
 // chunk) is shifted to bits 16-19 and OR-ed into the float 1.0, which gives 1 + q / 128 exactly (no conversion
 // instruction; its product with a bf16 x is exact in float32), multiply-added with the broadcast x column. So the
@@ -1138,8 +1213,11 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return isa() >= ISA_AVX512 ? avx512::int8_gemv(x, w, scales) : avx2::int8_gemv(x, w, scales);
 }
 
-// Whether int8_dot_gemv runs at the active level: avx512 or amx, on a CPU with AVX512-VNNI.
-bool int8_dot_ready() { return isa() >= ISA_AVX512 && __builtin_cpu_supports("avx512vnni"); }
+// Whether int4_dot_gemv multiplies in integers at the active level: avx512 or amx, on a CPU with AVX512-VNNI.
+bool int4_dot_ready() { return isa() >= ISA_AVX512 && __builtin_cpu_supports("avx512vnni"); }
+
+// Whether int8_dot_gemv multiplies in integers at the active level: with AVX512-VNNI, or vpmaddubsw at avx2.
+bool int8_dot_ready() { return int4_dot_ready() || isa() == ISA_AVX2; }
 
 // x rounded as qmath.round_activations does (per row and block of 32, to q * d in bf16), for levels without VNNI.
 at::Tensor round_activations(const at::Tensor& x) {
@@ -1166,7 +1244,8 @@ at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   check_int8_scales(scales, w.size(0), "int8_dot_gemv");
   TORCH_CHECK(w.size(1) % avx512::DOT_BLOCK == 0, "int8_dot_gemv: in_features must be a multiple of ",
               avx512::DOT_BLOCK, ", got ", w.size(1));
-  return int8_dot_ready() ? avx512::int8_dot_gemv(x, w, scales) : int8_gemv(round_activations(x), w, scales);
+  if (int4_dot_ready()) return avx512::int8_dot_gemv(x, w, scales);
+  return isa() == ISA_AVX2 ? avx2::int8_dot_gemv(x, w, scales) : int8_gemv(round_activations(x), w, scales);
 }
 
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
@@ -1183,7 +1262,7 @@ at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   check_int4_tiles(w, sz, group, "int4_dot_gemv");
   check_rows(x, w.size(1) * 8, "int4_dot_gemv");
   const bool tiles = x.size(0) >= avx512::AMX_MIN_ROWS && group % avx512::AMX_COLUMNS == 0 && amx_ready();
-  if (int8_dot_ready() && group % avx512::DOT_BLOCK == 0 && !tiles) return avx512::int4_dot_gemv(x, w, sz, group);
+  if (int4_dot_ready() && group % avx512::DOT_BLOCK == 0 && !tiles) return avx512::int4_dot_gemv(x, w, sz, group);
   return isa() >= ISA_AVX512 ? avx512::int4_gemv(x, w, sz, group) : avx2::int4_gemv(x, w, sz, group);
 }
 
@@ -1276,6 +1355,7 @@ TORCH_LIBRARY(splice_kernels, lib) {
   // no tensors: one kernel for every backend
   lib.def("amx_ready() -> bool", &amx_ready);
   lib.def("int8_dot_ready() -> bool", &int8_dot_ready);
+  lib.def("int4_dot_ready() -> bool", &int4_dot_ready);
   lib.def("isa() -> int", &isa);
   lib.def("best_isa() -> int", &best_isa);
   lib.def("set_isa(int level) -> ()", &set_isa);
