@@ -178,7 +178,7 @@ def profile_decode(engine, prompt: torch.Tensor, new_tokens: int) -> StepProfile
     options = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                    attention_mask=torch.ones_like(prompt))
     synchronize = (torch.cuda.synchronize if runtime.device.type == "cuda" else lambda: None)
-    if runtime._compiled_step is not None:
+    if runtime.compiled:
         return _profile_compiled(engine, prompt, options, synchronize)
     clock = _StageClock(synchronize)
     boundaries = _StepBoundaries(clock, synchronize)
@@ -190,7 +190,7 @@ def profile_decode(engine, prompt: torch.Tensor, new_tokens: int) -> StepProfile
     stages["sampling"] = _mean(boundaries.gaps_ms()[1:])
     stages["other"] = step_ms - sum(v for k, v in stages.items() if k not in ("sampling", "other"))
     notes = ["sampling: the time between forwards (logits processors, argmax, the loop's bookkeeping)",
-             "other: embedding, KV-cache writes, residual adds, the activation, the final norm's caller"]
+             "other: the embedding, KV-cache writes, residual adds, the MLP's activation, Python between the stages"]
     return StepProfile("eager", len(steps), step_ms + stages["sampling"], stages, notes)
 
 
