@@ -41,6 +41,7 @@ def test_eager_step_profile_covers_every_stage_and_leaves_no_hooks():
 def test_compiled_step_profile_attributes_the_gemvs():
     import torch._inductor.config
 
+    torch._dynamo.reset()  # compile afresh, with the kernel names: not a graph an earlier test compiled without them
     engine = splice.init_inference(build_family("llama"), replace_with_kernel_inject=True, compile_decode=True,
                                    max_out_tokens=32)
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
