@@ -184,7 +184,7 @@ def test_isa_names_the_levels_this_machine_runs(tiny_bench, tmp_path):
         args.run(args)
 
 
-def test_profile_breaks_each_injected_run_into_stages(tiny_bench, tmp_path, capsys):
+def test_profile_breaks_each_injected_run_into_stages(tiny_bench, tmp_path, capsys, fresh_compiles):
     out = tmp_path / "bench.json"
     args = parse("--model", "tiny", "--prompt", "8", "--new", "5", "--repeat", "1", "--modes", "hf,inject",
                  "--compile", "--profile", "--json", str(out))

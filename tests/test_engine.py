@@ -103,7 +103,7 @@ def hf_forward_count(model, ids, **kwargs) -> int:
 
 
 @pytest.mark.parametrize("compile_decode", [False, True])
-def test_model_times_native_loop_counts_prefill_and_each_decode_step(pair, compile_decode):
+def test_model_times_native_loop_counts_prefill_and_each_decode_step(pair, compile_decode, fresh_compiles):
     reference, model = pair
     engine = splice.init_inference(model, replace_with_kernel_inject=True, compile_decode=compile_decode,
                                    max_out_tokens=32)

@@ -38,10 +38,9 @@ def test_eager_step_profile_covers_every_stage_and_leaves_no_hooks():
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in engine.module.modules())
 
 
-def test_compiled_step_profile_attributes_the_gemvs():
+def test_compiled_step_profile_attributes_the_gemvs(fresh_compiles):
     import torch._inductor.config
 
-    torch._dynamo.reset()  # compile afresh, with the kernel names: not a graph an earlier test compiled without them
     engine = splice.init_inference(build_family("llama"), replace_with_kernel_inject=True, compile_decode=True,
                                    max_out_tokens=32)
     with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
