@@ -68,8 +68,9 @@ def generate(model, runtime: SpliceCausalLM, inputs: torch.Tensor | None = None,
     """Hugging Face ``generate`` for a kernel-injected ``model`` and its decode ``runtime`` (``engine.runtime``):
     the native loop when it implements the request, else transformers' generate on the fused model.
 
-    ``timer`` (the engine's, when profiling) times the native loop's prefill and each decode step as forwards;
-    transformers' generate calls the model's forward, which the timer's hooks time."""
+    ``timer`` (the engine's :class:`~splice.profiling.ForwardTimer` when profiling, or anything whose ``measure()``
+    context manager times one forward) times the native loop's prefill and each decode step; transformers' generate
+    calls the model's forward, which the engine's timer times through its hooks."""
     if not isinstance(runtime, SpliceCausalLM):
         raise TypeError(f"splice.generation.generate needs the decode runtime of a kernel-injected model "
                         f"(engine.runtime), got {type(runtime).__name__}")
