@@ -25,3 +25,14 @@ def smollm2():
     from splice.models import load
 
     return load("smollm2-135m-instruct")
+
+
+@pytest.fixture
+def fresh_compiles():
+    """torch.compile starts from empty caches and leaves none behind: dynamo may hand one engine's decode step a
+    graph compiled for another engine's (its inductor options, its weights' layout)."""
+    import torch
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

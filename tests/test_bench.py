@@ -182,3 +182,23 @@ def test_isa_names_the_levels_this_machine_runs(tiny_bench, tmp_path):
     args = parse("--isa", "sse2", "--json", str(tmp_path / "b.json"))
     with pytest.raises(ValueError, match="--isa.*allowed values are " + ", ".join(native.supported_isas())):
         args.run(args)
+
+
+def test_profile_breaks_each_injected_run_into_stages(tiny_bench, tmp_path, capsys, fresh_compiles):
+    out = tmp_path / "bench.json"
+    args = parse("--model", "tiny", "--prompt", "8", "--new", "5", "--repeat", "1", "--modes", "hf,inject",
+                 "--compile", "--profile", "--json", str(out))
+    assert args.run(args) == 0
+    profiles = json.loads(out.read_text())["profiles"]
+    assert [(p["mode"], p["step"]) for p in profiles] == [("inject", "eager"), ("inject+compile", "compiled")]
+    for profile in profiles:
+        assert profile["stages"]["qkv"] > 0 and profile["stages"]["lm_head"] > 0
+        assert sum(profile["stages"].values()) == pytest.approx(profile["step_ms"])
+    printed = capsys.readouterr().out
+    assert "decode step by stage" in printed and "gate_up" in printed
+
+
+def test_profile_needs_three_new_tokens(tiny_bench, tmp_path):
+    args = parse("--new", "2", "--profile", "--json", str(tmp_path / "b.json"))
+    with pytest.raises(ValueError, match="--new >= 3"):
+        args.run(args)

@@ -92,6 +92,71 @@ def test_model_times_one_entry_per_forward_and_clears(pair):
     assert len(engine.model_times()) == 5  # one prefill + four decode forwards
 
 
+def hf_forward_count(model, ids, **kwargs) -> int:
+    """How many times Hugging Face's generate calls the model: what DeepSpeed's forward hooks time."""
+    calls = []
+    handle = model.register_forward_hook(lambda *_: calls.append(1))
+    with torch.inference_mode():
+        model.generate(ids, **kwargs)
+    handle.remove()
+    return len(calls)
+
+
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_model_times_native_loop_counts_prefill_and_each_decode_step(pair, compile_decode, fresh_compiles):
+    reference, model = pair
+    engine = splice.init_inference(model, replace_with_kernel_inject=True, compile_decode=compile_decode,
+                                   max_out_tokens=32)
+    engine.profile_model_time(use_cuda_events=False)
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert hf_forward_count(reference, PROMPTS, **kwargs) == 6
+    engine.generate(PROMPTS, **kwargs)
+    times = engine.model_times()
+    assert len(times) == 6 and all(t > 0 for t in times)  # the prefill, then five decode steps
+    assert engine.model_times() == []
+    engine(PROMPTS)  # a plain call is one forward
+    assert len(engine.model_times()) == 1
+
+
+def test_model_times_native_loop_stops_counting_with_the_rows(pair):
+    """A request that ends early at eos gives as many entries as Hugging Face's loop makes forwards."""
+    reference, model = pair
+    engine = splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=32)
+    engine.profile_model_time()
+    first = int(reference.generate(PROMPTS[:1], max_new_tokens=3, do_sample=False)[0, -1])
+    kwargs = dict(max_new_tokens=10, do_sample=False, eos_token_id=first, pad_token_id=0)
+    forwards = hf_forward_count(reference, PROMPTS[:1], **kwargs)
+    assert forwards < 10
+    engine.generate(PROMPTS[:1], **kwargs)
+    assert len(engine.model_times()) == forwards
+
+
+def test_model_times_hf_fallback_counts_its_forwards(pair):
+    reference, model = pair
+    engine = splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=32)
+    engine.profile_model_time()
+    kwargs = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, no_repeat_ngram_size=2)  # not native
+    engine.generate(PROMPTS, **kwargs)
+    assert len(engine.model_times()) == hf_forward_count(reference, PROMPTS, **kwargs) == 5
+
+
+def test_profile_model_time_refuses_a_non_boolean(pair):
+    engine = splice.init_inference(pair[1])
+    with pytest.raises(TypeError, match="use_cuda_events='yes'"):
+        engine.profile_model_time(use_cuda_events="yes")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("use_cuda_events", [True, False])
+def test_model_times_on_cuda(pair, use_cuda_events):
+    _, model = pair
+    engine = splice.init_inference(model.cuda(), replace_with_kernel_inject=True, max_out_tokens=32)
+    engine.profile_model_time(use_cuda_events=use_cuda_events)
+    engine.generate(PROMPTS.cuda(), max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    times = engine.model_times()
+    assert len(times) == 4 and all(t > 0 for t in times)
+
+
 def test_real_model_says_paris(smollm2):
     model, tokenizer = smollm2
     engine = splice.init_inference(model)

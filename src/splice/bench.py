@@ -79,6 +79,10 @@ def add_bench_parser(subparsers) -> None:
     parser.add_argument("--isa", default="", help="comma-separated levels of splice's native kernels (avx2, avx512, "
                         "amx) to time every kernel-injected row at, side by side (rows named mode@level; default: "
                         "the active level only)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also break one decode step of each kernel-injected run into stages (QKV, attention, o, "
+                             "gate+up, down GEMVs, norms, rotary, lm_head, sampling, other), printed and in the JSON; "
+                             "with --compile, inductor names its kernels for the profiler (a check per kernel)")
     parser.add_argument("--json", default="splice-bench.json", help="where to write the results (JSON)")
     parser.add_argument("--plot", help="also draw the decode tokens/s bars to this image file (needs matplotlib)")
     parser.set_defaults(run=run_bench)
@@ -88,19 +92,27 @@ def run_bench(args: argparse.Namespace) -> int:
     modes = _choices(args.modes, MODES, "--modes")
     schemes = _choices(args.quant, tuple(QUANT_SCHEMES), "--quant") if args.quant else []
     args.isa_levels = _isa_levels(args.isa)
+    if args.profile and args.new < 3:
+        raise ValueError(f"--profile with --new {args.new}; allowed: --new >= 3 (the prefill is left out of the "
+                         "decode step's profile)")
     native.available()  # build (once per machine) and load the native kernels before anything is timed
     if args.threads:
         torch.set_num_threads(args.threads)
     bandwidth = read_bandwidth_gbs()
     rows: list[Row] = []
-    for dtype in _split(args.dtype):
-        for batch in args.batch:
-            plain_rows = bench_configuration(args, dtype, batch, modes, bandwidth)
-            hf_speed = next((r.decode_tok_s for r in plain_rows if r.mode == "hf"), float("nan"))
-            rows += plain_rows + bench_quantized(args, dtype, batch, schemes, bandwidth, hf_speed)
+    args.profiles = []  # bench_configuration and bench_quantized add one per kernel-injected run with --profile
+    with _kernel_names(args.profile and args.compile):
+        for dtype in _split(args.dtype):
+            for batch in args.batch:
+                plain_rows = bench_configuration(args, dtype, batch, modes, bandwidth)
+                hf_speed = next((r.decode_tok_s for r in plain_rows if r.mode == "hf"), float("nan"))
+                rows += plain_rows + bench_quantized(args, dtype, batch, schemes, bandwidth, hf_speed)
     print(format_table(rows))
     report = {"machine": machine_info(bandwidth), "settings": {"prompt": args.prompt, "new": args.new,
               "compile": args.compile}, "results": [{**asdict(r), "bandwidth_share": r.bandwidth_share} for r in rows]}
+    if args.profile:
+        print(format_profiles(args.profiles))
+        report["profiles"] = args.profiles
     Path(args.json).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.json}")
     if args.plot:
@@ -141,6 +153,8 @@ def bench_configuration(args, dtype: str, batch: int, modes: list[str], bandwidt
                 rows.append(Row(args.model, dtype, batch, name, prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
                                 tok_s / hf_speed if hf_speed else float("nan"), batch * bandwidth * 1e9 / step,
                                 first_s, step))
+            if run.startswith("inject") and args.profile:
+                args.profiles.append(profile_run(engine, prompt, args, (args.model, dtype, batch, run)))
     del model
     engine = generate = None  # noqa: F841 — the model lives on through these until collected
     gc.collect()
@@ -172,9 +186,52 @@ def bench_quantized(args, dtype: str, batch: int, schemes: list[str], bandwidth:
                 step = weights + kv_bytes_per_step(engine.module, batch, attended_slots(args, run))
                 rows.append(Row(args.model, dtype, batch, name, prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
                                 tok_s / hf_speed, batch * bandwidth * 1e9 / step, first_s, step))
+            if args.profile:
+                args.profiles.append(profile_run(engine, prompt, args, (args.model, dtype, batch, run)))
         del engine, model
         gc.collect()
     return rows
+
+
+def profile_run(engine, prompt: torch.Tensor, args, names: tuple[str, str, int, str]) -> dict:
+    """One decode step of a kernel-injected run broken into stages (:func:`splice.profiling.profile_decode`), as
+    the JSON's ``profiles`` hold it."""
+    from .profiling import profile_decode
+
+    profile = profile_decode(engine, prompt, args.new)
+    model, dtype, batch, mode = names
+    return {"model": model, "dtype": dtype, "batch": batch, "mode": mode, **asdict(profile)}
+
+
+def _kernel_names(on: bool):
+    """Inductor's kernels named for torch.profiler (``cpp.enable_kernel_profile``) while inside, when ``on``."""
+    from contextlib import nullcontext
+
+    if not on:
+        return nullcontext()
+    import torch._inductor.config
+
+    return torch._inductor.config.patch({"cpp.enable_kernel_profile": True})
+
+
+def format_profiles(profiles: list[dict]) -> str:
+    """Each profiled run's decode step, stage by stage: ms and share of the step; then each run's notes."""
+    from .profiling import STAGES
+
+    names = [f"{p['mode']} b{p['batch']} {p['dtype']}" for p in profiles]
+    width = max([18] + [len(n) for n in names])
+    lines = ["decode step by stage (ms per step, share of the step)",
+             f"{'stage':<10} " + " ".join(f"{n:>{width}}" for n in names)]
+    lines.append("-" * len(lines[-1]))
+    for stage in (*STAGES, "step"):
+        cells = []
+        for p in profiles:
+            ms = p["step_ms"] if stage == "step" else p["stages"][stage]
+            cells.append(f"{ms:>{width - 7}.3f} {100 * ms / p['step_ms']:>5.1f}%")
+        lines.append(f"{stage:<10} " + " ".join(cells))
+    for name, p in zip(names, profiles):
+        lines += [f"{name}: {note}" for note in p["notes"]]
+    return "\n".join(lines)
 
 
 def _isa_levels(text: str) -> list[str]:

@@ -1,7 +1,6 @@
 """InferenceEngine: the module ``init_inference`` returns."""
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
@@ -12,6 +11,7 @@ from .distributed import SINGLE_PROCESS, ParallelContext
 from .generation import check_request, check_token_ids, request_input_ids
 from .generation import generate as native_generate
 from .layers.causal_lm import SpliceCausalLM
+from .profiling import ForwardTimer
 from .steps import StepReport
 
 
@@ -36,7 +36,7 @@ class InferenceEngine(nn.Module):
         self.reports = list(reports or [])
         self.parallel = parallel
         self.runtime = runtime
-        self._timer: _ForwardTimer | None = None
+        self._timer: ForwardTimer | None = None
         self.module = module.eval()
 
     # --- standing in for the wrapped model ----------------------------------------------------------------------------
@@ -105,7 +105,7 @@ class InferenceEngine(nn.Module):
         self.parallel.sync_rng()  # under TP every rank must sample the same tokens, even if reseeded since init
         with torch.inference_mode():
             if self.runtime is not None:
-                return native_generate(self.module, self.runtime, *args, **kwargs)  # HF's for options it lacks
+                return native_generate(self.module, self.runtime, *args, timer=self._timer, **kwargs)  # or HF's
             return self.module.generate(*args, **kwargs)
 
     def _checked_input_ids(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
@@ -124,15 +124,21 @@ class InferenceEngine(nn.Module):
 
     # --- profiling, as DeepSpeed's engine offers it ---------------------------------------------------------------
     def profile_model_time(self, use_cuda_events: bool = True) -> None:
-        """Start recording the latency of every forward call of the model (including those inside ``generate``).
+        """Start recording the latency of every forward of the model, as DeepSpeed does: each ``engine(...)`` call,
+        and in ``generate`` the prefill and every decode step (native loop, compiled step or Hugging Face's generate),
+        so N new tokens give N entries.
 
-        CUDA events time a model on a GPU; a model on the CPU is timed with the wall clock.
+        ``use_cuda_events``: a model on a GPU is timed with CUDA events; otherwise (and on the CPU) with the wall
+        clock, the device synchronised before and after. Calling it again changes only this choice.
         """
+        if not isinstance(use_cuda_events, bool):
+            raise TypeError(f"use_cuda_events={use_cuda_events!r}; allowed: True or False")
         if self._timer is None:
-            self._timer = _ForwardTimer(self.module, use_cuda_events)
+            self._timer = ForwardTimer(self.module, use_cuda_events)
+        self._timer.use_cuda_events = use_cuda_events
 
     def model_times(self) -> list[float]:
-        """The per-forward latencies in milliseconds since the last call; clears them."""
+        """The per-forward latencies in milliseconds since the last call, oldest first; clears them."""
         if self._timer is None:
             raise RuntimeError("model_times() needs profile_model_time() to be called first")
         return self._timer.take()
@@ -140,48 +146,3 @@ class InferenceEngine(nn.Module):
 
 def _is_dunder(name: str) -> bool:
     return name.startswith("__") and name.endswith("__")
-
-
-class _ForwardTimer:
-    """Forward hooks that time each call of ``module``."""
-
-    def __init__(self, module: nn.Module, use_cuda_events: bool):
-        self.use_events = use_cuda_events and _on_cuda(module)
-        self.pending: list[Any] = []
-        self.start: Any = None
-        module.register_forward_pre_hook(self._before)
-        module.register_forward_hook(self._after)
-
-    def _before(self, module, args):
-        if self.use_events:
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            _synchronize(module)
-            self.start = time.perf_counter()
-
-    def _after(self, module, args, output):
-        if self.use_events:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.pending.append((self.start, end))
-        else:
-            _synchronize(module)
-            self.pending.append((time.perf_counter() - self.start) * 1e3)
-
-    def take(self) -> list[float]:
-        if self.use_events:
-            torch.cuda.synchronize()
-        times = [p[0].elapsed_time(p[1]) if isinstance(p, tuple) else p for p in self.pending]
-        self.pending = []
-        return times
-
-
-def _on_cuda(module: nn.Module) -> bool:
-    param = next(module.parameters(), None)
-    return param is not None and param.device.type == "cuda"
-
-
-def _synchronize(module: nn.Module) -> None:
-    if _on_cuda(module):
-        torch.cuda.synchronize()

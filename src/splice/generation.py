@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ from transformers.generation import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .layers.causal_lm import SpliceCausalLM
+from .profiling import ForwardTimer
 
 log = logging.getLogger("splice")
 
@@ -61,9 +63,14 @@ class Request:
 
 
 def generate(model, runtime: SpliceCausalLM, inputs: torch.Tensor | None = None,
-             generation_config: GenerationConfig | None = None, streamer=None, **kwargs: Any):
+             generation_config: GenerationConfig | None = None, streamer=None, *, timer: ForwardTimer | None = None,
+             **kwargs: Any):
     """Hugging Face ``generate`` for a kernel-injected ``model`` and its decode ``runtime`` (``engine.runtime``):
-    the native loop when it implements the request, else transformers' generate on the fused model."""
+    the native loop when it implements the request, else transformers' generate on the fused model.
+
+    ``timer`` (the engine's :class:`~splice.profiling.ForwardTimer` when profiling, or anything whose ``measure()``
+    context manager times one forward) times the native loop's prefill and each decode step; transformers' generate
+    calls the model's forward, which the engine's timer times through its hooks."""
     if not isinstance(runtime, SpliceCausalLM):
         raise TypeError(f"splice.generation.generate needs the decode runtime of a kernel-injected model "
                         f"(engine.runtime), got {type(runtime).__name__}")
@@ -72,7 +79,7 @@ def generate(model, runtime: SpliceCausalLM, inputs: torch.Tensor | None = None,
         log.info("splice generate: %s not in the native loop; transformers' generate runs on the fused model", plan)
         return model.generate(inputs, generation_config=generation_config, streamer=streamer, **kwargs)
     with torch.inference_mode():
-        return decode(runtime, plan, streamer)
+        return decode(runtime, plan, streamer, timer)
 
 
 def plan_request(model, inputs, generation_config, kwargs: dict) -> Request | str:
@@ -273,8 +280,10 @@ def requested_total(prompt_length: int, kwargs: dict, config) -> int:
     return max(prompt_length, int(getattr(config, "max_length", None) or 0))
 
 
-def decode(runtime: SpliceCausalLM, req: Request, streamer=None):
-    """Prefill the prompt, then one decode step per new token until every row stops or the length is reached."""
+def decode(runtime: SpliceCausalLM, req: Request, streamer=None, timer: ForwardTimer | None = None):
+    """Prefill the prompt, then one decode step per new token until every row stops or the length is reached; each
+    of these forwards timed by ``timer`` when given."""
+    measure = timer.measure if timer is not None else nullcontext
     ids, mask = req.input_ids, req.attention_mask
     batch, prompt_len = ids.shape
     total = prompt_len + req.max_new_tokens
@@ -289,7 +298,8 @@ def decode(runtime: SpliceCausalLM, req: Request, streamer=None):
     positions = prefill_positions(mask)
     cache.start(mask)
     dense = bool(mask.all())  # no padding: the causal kernel needs no mask
-    logits = runtime.forward(ids, positions, cache.slot_ids[:prompt_len], cache, prompt_len, dense=dense)
+    with measure():
+        logits = runtime.forward(ids, positions, cache.slot_ids[:prompt_len], cache, prompt_len, dense=dense)
     position, slot = positions[:, -1:].clone(), cache.slot_ids[prompt_len - 1:prompt_len].clone()
     length = prompt_len
     while True:
@@ -312,7 +322,8 @@ def decode(runtime: SpliceCausalLM, req: Request, streamer=None):
         position.add_(1)
         slot.add_(1)
         cache.mark(slot)
-        logits = runtime.decode_step(tokens[:, None], position, slot, cache, length)
+        with measure():
+            logits = runtime.decode_step(tokens[:, None], position, slot, cache, length)
     if streamer is not None:
         streamer.end()
     return result(sequences[:, :length].contiguous(), req, scores, raw_logits)

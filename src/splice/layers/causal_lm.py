@@ -139,6 +139,11 @@ class SpliceCausalLM:
                 raise
         return self._compiled_step(tokens, positions, slot, cache, self.max_len)
 
+    @property
+    def compiled(self) -> bool:
+        """Whether decode steps run compiled (:meth:`compile_decode`)."""
+        return self._compiled_step is not None
+
     def compile_decode(self, **options) -> None:
         """Compile the decode step with ``torch.compile`` (opt-in: compiling takes tens of seconds on a small CPU).
 

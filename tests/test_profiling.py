@@ -1,0 +1,61 @@
+"""``splice.profiling``: DeepSpeed's per-forward timer (also tested through the engine in test_engine.py) and the
+stage-by-stage profile of a decode step that ``splice bench --profile`` prints."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import splice
+from splice.profiling import STAGES, ForwardTimer, profile_decode
+
+from .arch.tiny_models import build_family
+
+PROMPT = torch.tensor([[5, 17, 33, 9, 71, 4, 8, 3]])
+
+
+def test_forward_timer_times_hooked_forwards_and_measured_blocks():
+    module = torch.nn.Linear(4, 4)
+    timer = ForwardTimer(module, use_cuda_events=True)  # a CPU module: the wall clock
+    module(torch.ones(1, 4))
+    with timer.measure():
+        torch.ones(64, 64) @ torch.ones(64, 64)
+    times = timer.take()
+    assert len(times) == 2 and all(t > 0 for t in times)
+    assert timer.take() == []
+
+
+def test_eager_step_profile_covers_every_stage_and_leaves_no_hooks():
+    engine = splice.init_inference(build_family("llama"), replace_with_kernel_inject=True, max_out_tokens=32)
+    profile = profile_decode(engine, PROMPT, new_tokens=5)
+    assert profile.step == "eager" and profile.steps == 4
+    assert set(profile.stages) == set(STAGES)
+    timed = [s for s in STAGES if s != "other"]
+    assert all(profile.stages[s] > 0 for s in timed), profile.stages
+    assert sum(profile.stages.values()) == pytest.approx(profile.step_ms)
+    # nothing stays installed: the blocks run their own methods, no module keeps a hook
+    for block in engine.runtime.blocks:
+        assert "attend" not in vars(block) and "project" not in vars(block)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in engine.module.modules())
+
+
+def test_compiled_step_profile_attributes_the_gemvs(fresh_compiles):
+    import torch._inductor.config
+
+    engine = splice.init_inference(build_family("llama"), replace_with_kernel_inject=True, compile_decode=True,
+                                   max_out_tokens=32)
+    with torch._inductor.config.patch({"cpp.enable_kernel_profile": True}):
+        profile = profile_decode(engine, PROMPT, new_tokens=5)
+    assert profile.step == "compiled" and profile.steps == 4
+    for stage in ("qkv", "attention", "o", "gate_up", "down", "norms", "lm_head", "sampling"):
+        assert profile.stages[stage] > 0, (stage, profile.stages)
+    assert profile.stages["rotary"] == 0 and any("cannot be told apart" in note for note in profile.notes)
+    assert sum(profile.stages.values()) == pytest.approx(profile.step_ms)
+
+
+def test_profile_decode_refuses_what_it_cannot_profile():
+    engine = splice.init_inference(build_family("llama"), max_out_tokens=32)
+    with pytest.raises(ValueError, match="kernel-injected"):
+        profile_decode(engine, PROMPT, new_tokens=5)
+    injected = splice.init_inference(build_family("llama"), replace_with_kernel_inject=True, max_out_tokens=32)
+    with pytest.raises(ValueError, match="new_tokens=2"):
+        profile_decode(injected, PROMPT, new_tokens=2)
