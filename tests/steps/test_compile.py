@@ -47,6 +47,8 @@ def test_compiled_decode_switches_batch_sizes_and_back():
 
 
 def unique_graphs() -> int:
+    """Graphs dynamo has compiled in this process (it may reuse another engine's graph of the same shapes: call
+    ``torch._dynamo.reset()`` first to count one engine's)."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
@@ -60,6 +62,7 @@ def test_compiled_decode_across_attended_length_buckets_gives_hf_tokens():
     runtime = engine.runtime
     runtime.min_attended = 8
     ids, mask = padded_batch(batch=2, length=6)  # 20 new tokens: 7 .. 25 filled slots, buckets 8, 16 and 32
+    torch._dynamo.reset()
     before = unique_graphs()
     with torch.inference_mode():
         expected = reference.generate(ids, attention_mask=mask, **GREEDY)
@@ -72,10 +75,9 @@ def test_compiled_decode_across_attended_length_buckets_gives_hf_tokens():
     assert unique_graphs() - before == 3
 
 
-def test_graphs_stay_bounded_by_the_buckets_of_the_cache(monkeypatch):
+def test_graphs_stay_bounded_by_the_buckets_of_the_cache():
     """Filling the whole cache compiles one graph per bucket and batch size, and no more, even past dynamo's limit of
     graphs per function (lowered here to stand for many batch sizes times buckets), without falling back to eager."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 4)
     reference = build_family("llama")
     engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, compile_decode=True,
                                    max_out_tokens=32)
@@ -84,11 +86,13 @@ def test_graphs_stay_bounded_by_the_buckets_of_the_cache(monkeypatch):
     assert [runtime.attended_length(n) for n in (1, 2, 3, 4, 5, 17, 32)] == [2, 2, 4, 4, 8, 32, 32]
     ids, mask = padded_batch(batch=2, length=5)
     options = dict(GREEDY, max_new_tokens=27, min_new_tokens=27)  # fills all 32 slots: buckets 8, 16, 32
+    torch._dynamo.reset()
     before = unique_graphs()
-    for rows in (slice(0, 2), slice(0, 1), slice(1, 2)):  # batch 2, then batch 1 twice
-        with torch.inference_mode():
-            expected = reference.generate(ids[rows], attention_mask=mask[rows], **options)
-        assert torch.equal(engine.generate(ids[rows], attention_mask=mask[rows], **options), expected)
+    with torch._dynamo.config.patch(recompile_limit=4):
+        for rows in (slice(0, 2), slice(0, 1), slice(1, 2)):  # batch 2, then batch 1 twice
+            with torch.inference_mode():
+                expected = reference.generate(ids[rows], attention_mask=mask[rows], **options)
+            assert torch.equal(engine.generate(ids[rows], attention_mask=mask[rows], **options), expected)
     assert {key[:2] for key in runtime._compiled_keys} == {(batch, n) for batch in (1, 2) for n in (8, 16, 32)}
     assert unique_graphs() - before == 6
 

@@ -152,10 +152,12 @@ class SpliceCausalLM:
             return self._compiled_step(tokens, positions, slot, cache, attended)
 
     def _room_for_another_graph(self):
-        """dynamo's limit on graphs per function, raised while compiling so every (batch, length) key gets its own
-        graph rather than silently falling back to eager (batch sizes times buckets may exceed the default)."""
-        limit = torch._dynamo.config.recompile_limit
-        return torch._dynamo.config.patch(recompile_limit=max(limit, len(self._compiled_keys) + 2))
+        """dynamo's limit on graphs per function, raised while a new (batch, length) key compiles so it gets its graph
+        rather than silently falling back to eager: batch sizes times lengths may pass the default limit, and graphs
+        of other runtimes of the same function (other engines in the process) may count towards it. Each runtime's
+        graphs stay bounded by its keys."""
+        graphs = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(type(self).forward))
+        return torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, graphs + 1))
 
     def attended_length(self, kv_len: int) -> int:
         """The slots the compiled step attends over for ``kv_len`` filled ones: the next power of two from
