@@ -38,9 +38,9 @@ def fastest_step_ms(engine, length: int, steps: int = 20) -> float:
     minimum is the figure least disturbed by other processes on a shared machine."""
     runtime = engine.runtime
     cache = runtime.cache_for(1)
-    token, position, slot = torch.tensor([[100]]), torch.tensor([[length - 1]]), torch.tensor([length - 1])
     best = float("inf")
-    with torch.inference_mode():
+    with torch.inference_mode():  # inputs of the kind generate passes: no graph of their own
+        token, position, slot = torch.tensor([[100]]), torch.tensor([[length - 1]]), torch.tensor([length - 1])
         for _ in range(steps):
             start = time.perf_counter()
             runtime.decode_step(token, position, slot, cache, length)
