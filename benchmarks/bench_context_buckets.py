@@ -4,8 +4,8 @@ the context used, not the size of the static KV cache.
     PYTHONPATH=src python benchmarks/bench_context_buckets.py --max-out 1024 4096 8192 --prompt 256 --new 64
 
 One SmolLM2 (bf16) model per ``max_out_tokens``, kernel-injected, decode step compiled; a warm-up generate each (it
-compiles), then ``--repeat`` rounds of one generate per model, the best of each model's runs reported. The ratio to the first ``--max-out`` figure is what to compare on a
-shared machine.
+compiles), then ``--repeat`` rounds of one generate per model, the best of each model's runs reported, and the fastest
+single decode step. The ratio to the first ``--max-out`` figure is what to compare on a shared machine.
 """
 from __future__ import annotations
 

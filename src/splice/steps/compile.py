@@ -2,11 +2,11 @@
 built; the config refuses it.
 
 Only the decode step is compiled: one token per row at a tensor position, attending over the filled slots of the
-static KV cache rounded up to a power of two (at least ``layers.causal_lm.MIN_ATTENDED``; the cache's mask hides the empty ones), so a
-step's cost follows the context in use, not ``max_out_tokens``, and its shapes change only at those lengths: one graph
-per length and batch size, compiled the first time a decode step reaches it. Prefill and everything else stay eager.
-Under tensor parallelism each rank compiles its own step; dynamo traces the row-parallel all-reduces and the
-vocab-parallel all-gather into the graph as functional collectives (no graph breaks).
+static KV cache rounded up to a power of two (at least ``layers.causal_lm.MIN_ATTENDED``; the cache's mask hides the
+empty ones), so a step's cost follows the context in use, not ``max_out_tokens``, and its shapes change only at those
+lengths: one graph per length and batch size, compiled the first time a decode step reaches it. Prefill and everything
+else stay eager. Under tensor parallelism each rank compiles its own step; dynamo traces the row-parallel all-reduces
+and the vocab-parallel all-gather into the graph as functional collectives (no graph breaks).
 """
 from __future__ import annotations
 
