@@ -73,6 +73,16 @@ def test_compiled_decode_across_attended_length_buckets_gives_hf_tokens():
         expected = reference.generate(ids[:, 1:], attention_mask=mask[:, 1:], **GREEDY)
     assert torch.equal(engine.generate(ids[:, 1:], attention_mask=mask[:, 1:], **GREEDY), expected)
     assert unique_graphs() - before == 3
+    with torch.inference_mode():  # each length back on its own graph (the steady-state guard shortcut picks it)
+        cache = runtime.cache_for(2)
+        for length in (25, 7, 12, 25):
+            token, slot = torch.tensor([[5], [9]]), torch.tensor([length - 1])
+            position = torch.full((2, 1), length - 1)
+            cache.start(torch.ones(2, length - 1, dtype=torch.long))
+            cache.mark(slot)
+            compiled = runtime.decode_step(token, position, slot, cache, length)
+            torch.testing.assert_close(compiled, runtime.forward(token, position, slot, cache, length))
+    assert unique_graphs() - before == 3
 
 
 def test_graphs_stay_bounded_by_the_buckets_of_the_cache():
