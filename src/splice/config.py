@@ -308,8 +308,9 @@ class InferenceConfig(_Section):
                                         "compile_decode=True compiles the decode step instead"))
     compile_decode: bool = Field(False, description=(
         "Compile splice's decode step with torch.compile (static shapes; needs replace_with_kernel_inject=True). "
-        "The first generate call compiles (tens of seconds on a small CPU; torch's inductor cache makes later "
-        "processes faster)."), json_schema_extra=_note("splice extra"))
+        "It attends over the filled KV-cache slots rounded up to a power of two (at least 256): one graph per such "
+        "length, compiled when a generate call first reaches it (tens of seconds on a small CPU; torch's inductor "
+        "cache makes later processes faster)."), json_schema_extra=_note("splice extra"))
     use_triton: bool = Field(False, description="Use Triton kernels.", json_schema_extra=_note(
         "splice has no Triton kernels; its fused block uses torch ops"))
     triton_autotune: bool = Field(False, description="Autotune Triton kernels.", json_schema_extra=_note(

@@ -101,15 +101,17 @@ def test_quantized_weights_agree_with_the_reference(name, quant):
 @pytest.mark.parametrize("name", ["bloom", "gemma2", "gptj", "opt:post_norm", "gpt_neo"])
 def test_compiled_decode_gives_the_reference_tokens(name):
     """compile_decode=True on ALiBi, soft-capped, interleaved-rotary, post-norm (with learned positions and OPT's
-    projections in the graph) and local-window blocks."""
+    projections in the graph) and local-window blocks, across a change of the attended length (16, then 32 slots)."""
     reference = build_family(name)
     engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, compile_decode=True,
                                    max_out_tokens=64)
+    engine.runtime.min_attended = 16
     ids, mask = padded_batch(batch=3, length=10)
     options = dict(GREEDY, max_new_tokens=16)
     with torch.inference_mode():
         expected = reference.generate(ids, attention_mask=mask, **options)
     assert torch.equal(engine.generate(ids, attention_mask=mask, **options), expected)
+    assert {key[1] for key in engine.runtime._compiled_keys} == {16, 32}
 
 
 def test_a_config_the_block_cannot_express_is_refused_before_any_change():

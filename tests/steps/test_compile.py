@@ -46,6 +46,67 @@ def test_compiled_decode_switches_batch_sizes_and_back():
     assert {key[0] for key in engine.runtime._compiled_keys} == {1, 2, 3}
 
 
+def unique_graphs() -> int:
+    """Graphs dynamo has compiled in this process (it may reuse another engine's graph of the same shapes: call
+    ``torch._dynamo.reset()`` first to count one engine's)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def test_compiled_decode_across_attended_length_buckets_gives_hf_tokens():
+    """The compiled step attends over the next power of two of the filled slots (from ``min_attended``): a request
+    crossing bucket boundaries compiles one graph per bucket reached, stays exact, and a second request over the same
+    buckets compiles nothing."""
+    reference = build_family("llama")
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, compile_decode=True,
+                                   max_out_tokens=64)
+    runtime = engine.runtime
+    runtime.min_attended = 8
+    ids, mask = padded_batch(batch=2, length=6)  # 20 new tokens: 7 .. 25 filled slots, buckets 8, 16 and 32
+    torch._dynamo.reset()
+    before = unique_graphs()
+    with torch.inference_mode():
+        expected = reference.generate(ids, attention_mask=mask, **GREEDY)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, **GREEDY), expected)
+    assert {key[1] for key in runtime._compiled_keys} == {8, 16, 32}
+    assert unique_graphs() - before == 3
+    with torch.inference_mode():
+        expected = reference.generate(ids[:, 1:], attention_mask=mask[:, 1:], **GREEDY)
+    assert torch.equal(engine.generate(ids[:, 1:], attention_mask=mask[:, 1:], **GREEDY), expected)
+    assert unique_graphs() - before == 3
+    with torch.inference_mode():  # each length back on its own graph (the steady-state guard shortcut picks it)
+        cache = runtime.cache_for(2)
+        for length in (25, 7, 12, 25):
+            token, slot = torch.tensor([[5], [9]]), torch.tensor([length - 1])
+            position = torch.full((2, 1), length - 1)
+            cache.start(torch.ones(2, length - 1, dtype=torch.long))
+            cache.mark(slot)
+            compiled = runtime.decode_step(token, position, slot, cache, length)
+            torch.testing.assert_close(compiled, runtime.forward(token, position, slot, cache, length))
+    assert unique_graphs() - before == 3
+
+
+def test_graphs_stay_bounded_by_the_buckets_of_the_cache():
+    """Filling the whole cache compiles one graph per bucket and batch size, and no more, even past dynamo's limit of
+    graphs per function (lowered here to stand for many batch sizes times buckets), without falling back to eager."""
+    reference = build_family("llama")
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, compile_decode=True,
+                                   max_out_tokens=32)
+    runtime = engine.runtime
+    runtime.min_attended = 2
+    assert [runtime.attended_length(n) for n in (1, 2, 3, 4, 5, 17, 32)] == [2, 2, 4, 4, 8, 32, 32]
+    ids, mask = padded_batch(batch=2, length=5)
+    options = dict(GREEDY, max_new_tokens=27, min_new_tokens=27)  # fills all 32 slots: buckets 8, 16, 32
+    torch._dynamo.reset()
+    before = unique_graphs()
+    with torch._dynamo.config.patch(recompile_limit=4):
+        for rows in (slice(0, 2), slice(0, 1), slice(1, 2)):  # batch 2, then batch 1 twice
+            with torch.inference_mode():
+                expected = reference.generate(ids[rows], attention_mask=mask[rows], **options)
+            assert torch.equal(engine.generate(ids[rows], attention_mask=mask[rows], **options), expected)
+    assert {key[:2] for key in runtime._compiled_keys} == {(batch, n) for batch in (1, 2) for n in (8, 16, 32)}
+    assert unique_graphs() - before == 6
+
+
 def test_compiled_step_takes_inputs_no_graph_fits_yet():
     """After generate (inference-mode inputs), a step called with ordinary tensors is not refused by the steady-state
     guard shortcut: it takes the full guard check (and a graph of its own) and gives the eager step's logits."""

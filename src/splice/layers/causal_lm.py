@@ -17,6 +17,9 @@ from ..arch.record import ModelDims
 from .kv_cache import StaticKVCache
 from .rotary import RopeTable, build_table
 
+#: the compiled decode step attends over at least this many slots (see ``SpliceCausalLM.attended_length``)
+MIN_ATTENDED = 256
+
 
 @dataclass
 class Ends:
@@ -54,7 +57,9 @@ class SpliceCausalLM:
         self.ropes = (dims.layer_ropes or (dims.rope,)) if dims.positions == "rotary" else ()
         self._rope: dict[int, RopeTable] = {}
         self._compiled_step = None
-        self._compiled_keys: set[tuple] = set()  # (batch, dtype, device) the compiled step has run with
+        self._compiled_keys: set[tuple] = set()  # (batch, attended length, dtype, device) the compiled step ran with
+        # the compiled step's smallest attended length: below it, reading the empty slots costs less than a compile
+        self.min_attended = MIN_ATTENDED
         self._cache: StaticKVCache | None = None
 
     @property
@@ -119,25 +124,46 @@ class SpliceCausalLM:
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, cache: StaticKVCache,
                     kv_len: int) -> torch.Tensor:
-        """One new token per row (``tokens, positions [batch, 1]`` at ``slot [1]``): the only step worth compiling."""
+        """One new token per row (``tokens, positions [batch, 1]`` at ``slot [1]``): the only step worth compiling.
+
+        The eager step attends over the ``kv_len`` filled slots; the compiled one over :meth:`attended_length` slots
+        (the mask hides the empty ones), so its shapes change only at a bucket boundary: one graph per bucket and
+        batch size, each compiled when first reached."""
         if self._compiled_step is None:
             return self.forward(tokens, positions, slot, cache, kv_len)
-        # static shapes: attend over the whole cache, the mask hides the rest
-        key = (tokens.shape[0], self.dtype, self.device)
+        attended = self.attended_length(kv_len)
+        key = (tokens.shape[0], attended, self.dtype, self.device)
         if key not in self._compiled_keys or not hasattr(torch.compiler, "set_stance"):
-            logits = self._compiled_step(tokens, positions, slot, cache, self.max_len)
+            with self._room_for_another_graph():
+                logits = self._compiled_step(tokens, positions, slot, cache, attended)
             self._compiled_keys.add(key)
             return logits
-        # a graph for this batch, dtype and device exists: check only the guards that tell graphs apart (evaluating
-        # every guard on every parameter costs ~1 ms a step on SmolLM2-135M, 2 cores). Inputs no graph fits (say,
-        # tensors made outside inference mode) are refused before anything runs; they then take the full check.
+        # a graph for this batch, length, dtype and device exists: check only the guards that tell graphs apart
+        # (evaluating every guard on every parameter costs ~1 ms a step on SmolLM2-135M, 2 cores). Inputs no graph
+        # fits (say, tensors made outside inference mode) are refused before anything runs; they then take the full
+        # check.
         try:
             with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                return self._compiled_step(tokens, positions, slot, cache, self.max_len)
+                return self._compiled_step(tokens, positions, slot, cache, attended)
         except RuntimeError as error:
             if "Recompilation triggered" not in str(error):
                 raise
-        return self._compiled_step(tokens, positions, slot, cache, self.max_len)
+        with self._room_for_another_graph():
+            return self._compiled_step(tokens, positions, slot, cache, attended)
+
+    def _room_for_another_graph(self):
+        """dynamo's limit on graphs per function, raised while a new (batch, length) key compiles so it gets its graph
+        rather than silently falling back to eager: batch sizes times lengths may pass the default limit, and graphs
+        of other runtimes of the same function (other engines in the process) may count towards it. Each runtime's
+        graphs stay bounded by its keys."""
+        graphs = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(type(self).forward))
+        return torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, graphs + 1))
+
+    def attended_length(self, kv_len: int) -> int:
+        """The slots the compiled step attends over for ``kv_len`` filled ones: the next power of two from
+        ``min_attended`` on, at most the cache's ``max_len``. A step then reads at most twice the keys and values in
+        use, and a cache of ``max_len`` slots has at most ``log2(max_len / min_attended) + 1`` lengths to compile."""
+        return min(self.max_len, max(self.min_attended, 1 << (kv_len - 1).bit_length()))
 
     @property
     def compiled(self) -> bool:
