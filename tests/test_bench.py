@@ -97,15 +97,18 @@ def test_native_streaming_read_reads_every_byte():
 
 
 def test_step_bytes_count_the_kv_cache_a_step_reads():
-    """Per sequence, every layer's keys and values over the slots read: the whole static cache for a compiled step,
-    the tokens so far for eager steps."""
+    """Per sequence, every layer's keys and values over the slots read: the tokens so far for eager steps, rounded up to
+    the attended length for compiled ones."""
     model = build_family("llama")
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
     per_slot = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
     assert bench.kv_bytes_per_step(model, batch=3, slots=10) == 3 * 10 * per_slot
     args = parse("--prompt", "8", "--new", "4")
-    assert bench.attended_slots(args, "inject+compile") == 12 and bench.attended_slots(args, "inject") == 10
+    assert bench.attended_slots(args, "inject") == 10  # slots 9, 10, 11 filled by the decode steps
+    assert bench.attended_slots(args, "inject+compile") == 12  # 256 and up, capped at prompt + new
+    long = parse("--prompt", "300", "--new", "4")
+    assert bench.attended_slots(long, "inject+compile") == 304 and bench.attended_slots(long, "inject") == 302
 
 
 def test_quant_rows_are_quantized_and_smaller(tiny_bench, tmp_path):

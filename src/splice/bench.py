@@ -266,9 +266,16 @@ def stored_weight_bytes(model) -> int:
 
 
 def attended_slots(args, run: str) -> float:
-    """KV-cache slots one decode step reads, on average over the run: the compiled step attends over every slot of the
-    static cache (``max_out_tokens`` = prompt + new); eager steps and HF's over the tokens so far."""
-    return args.prompt + args.new if run.endswith("compile") else args.prompt + args.new / 2
+    """KV-cache slots one decode step reads, on average over the run's decode steps: eager steps and HF's attend over
+    the tokens so far; the compiled step over those rounded up to its attended length (a power of two from
+    ``MIN_ATTENDED``, at most ``max_out_tokens`` = prompt + new)."""
+    from .layers.causal_lm import MIN_ATTENDED
+
+    filled = [args.prompt + step for step in range(1, args.new)] or [args.prompt]
+    if run.endswith("compile"):
+        max_len = args.prompt + args.new
+        filled = [min(max_len, max(MIN_ATTENDED, 1 << (length - 1).bit_length())) for length in filled]
+    return sum(filled) / len(filled)
 
 
 def kv_bytes_per_step(model, batch: int, slots: float) -> int:
