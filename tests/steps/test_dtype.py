@@ -1,7 +1,6 @@
 """dtype conversion against Hugging Face models built directly in that dtype."""
 from __future__ import annotations
 
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
