@@ -17,6 +17,7 @@ within that time instead of hanging (under ``torchrun`` the launcher also stops 
 """
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -155,6 +156,15 @@ def init_default_group(device: torch.device, tp: int) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s()))
+    # The group splice made is splice's to close: DeepSpeed-style scripts never destroy it, and a process that exits
+    # with it open can abort in its communication threads' destructors ("terminate called without an active
+    # exception") after its work is done.
+    atexit.register(_destroy_default_group)
+
+
+def _destroy_default_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def local_device(device: torch.device | str) -> torch.device:
