@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'transformers', transformers.__version__)"
 
-timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/quant/test_cuda.py tests/test_init.py \
+timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/quant/test_cuda.py tests/test_init.py tests/test_engine.py \
     tests/steps/test_compile.py 2>&1 | tail -25
 
 timeout 180 python3 - <<'PY'
