@@ -83,18 +83,23 @@ def test_bf16_kernels_agree_with_the_bf16_reference(name):
                                    {"quant": {"enabled": True, "weight": {"num_bits": 4, "group_size": 32}}}],
                          ids=["int8", "int4"])
 def test_quantized_weights_agree_with_the_reference(name, quant):
-    """Integer weights on the fused projections: the next-token argmax mostly agrees with fp32 HF's."""
+    """Integer weights on the fused projections stay close to fp32 HF: logits within the scheme's rounding error and
+    the next-token argmax mostly the same, over enough tokens that one token does not decide it. Tiny random weights
+    round badly at 4 bits, hence int4's looser bounds; a broken kernel misses both by far."""
     reference = build_family(name)
     engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64,
                                    **quant)
     assert engine.step_report("quantize").quant.quantized
-    ids, mask = padded_batch(batch=3, length=12)
+    ids, mask = padded_batch(batch=4, length=40)  # ~140 tokens: one token more or less moves agreement by < 1 %
     real, extra = mask.bool(), positions_for(reference, mask)
     with torch.inference_mode():
         expected = reference(ids, attention_mask=mask, **extra).logits[real]
         got = engine(ids, attention_mask=mask, **extra).logits[real]
+    int8 = "dtype" in quant
+    relative = ((got.float() - expected).norm() / expected.norm()).item()
     agreement = (expected.argmax(-1) == got.argmax(-1)).float().mean().item()
-    assert agreement > (0.9 if "dtype" in quant else 0.7), agreement
+    assert relative < (0.05 if int8 else 0.3), relative
+    assert agreement > (0.9 if int8 else 0.6), agreement
 
 
 @pytest.mark.slow
