@@ -36,3 +36,15 @@ def fresh_compiles():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    """``splice argv`` in this process: (exit code, stdout, stderr)."""
+    from splice.cli import main
+
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -25,9 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import splice
-from splice.cli import main
 
-from .conftest import build_tiny, tiny_llama_config
+from .conftest import build_tiny, run_cli, tiny_llama_config
 
 NAN = float("nan")
 ALLOWED = re.compile(r"allowed|accepted|expected", re.IGNORECASE)
@@ -233,16 +232,6 @@ def test_no_prompt_starts_from_bos_as_hf_does(engines):
 
 
 # ---- the command line -----------------------------------------------------------------------------------------------
-def cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    """``splice argv`` in this process: (exit code, stdout, stderr)."""
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def assert_cli_error(code: int, out: str, err: str, pattern: str) -> None:
     assert code == 2, (out, err)
     assert "Traceback" not in err
@@ -280,7 +269,7 @@ CLI_CORPUS = [
 
 @pytest.mark.parametrize("name, argv, pattern", CLI_CORPUS, ids=[e[0] for e in CLI_CORPUS])
 def test_cli_refuses(capsys, name, argv, pattern):
-    assert_cli_error(*cli(["generate", *argv], capsys), pattern)
+    assert_cli_error(*run_cli(["generate", *argv], capsys), pattern)
 
 
 BENCH_CORPUS = [
@@ -295,23 +284,23 @@ BENCH_CORPUS = [
 
 @pytest.mark.parametrize("name, argv, pattern", BENCH_CORPUS, ids=[e[0] for e in BENCH_CORPUS])
 def test_bench_refuses(capsys, name, argv, pattern):
-    assert_cli_error(*cli(["bench", *argv], capsys), pattern)
+    assert_cli_error(*run_cli(["bench", *argv], capsys), pattern)
 
 
 @pytest.mark.parametrize("name, folder, error, pattern", LOAD_CORPUS, ids=[e[0] for e in LOAD_CORPUS])
 def test_cli_refuses_the_model_folder(files, capsys, name, folder, error, pattern):
-    assert_cli_error(*cli(["generate", str(files[folder]), "hi"], capsys), pattern)
+    assert_cli_error(*run_cli(["generate", str(files[folder]), "hi"], capsys), pattern)
 
 
 @pytest.mark.parametrize("name, file, error, pattern", CONFIG_CORPUS, ids=[e[0] for e in CONFIG_CORPUS])
 def test_cli_refuses_the_config_file_before_loading_a_model(files, capsys, name, file, error, pattern):
-    assert_cli_error(*cli(["generate", "--model", "no-such-model", "--config", str(files[file]), "hi"], capsys),
+    assert_cli_error(*run_cli(["generate", "--model", "no-such-model", "--config", str(files[file]), "hi"], capsys),
                      pattern)
 
 
 def test_cli_refuses_a_prompt_file_that_is_not_utf8(tmp_path, capsys):
     (tmp_path / "prompt.txt").write_bytes(b"caf\xe9")
-    assert_cli_error(*cli(["generate", "--prompt-file", str(tmp_path / "prompt.txt")], capsys),
+    assert_cli_error(*run_cli(["generate", "--prompt-file", str(tmp_path / "prompt.txt")], capsys),
                      r"--prompt-file .*prompt\.txt: byte 0xe9 at offset 3 is not UTF-8; allowed: UTF-8 text")
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import run_cli
+
 SPLICE = str(Path(sys.executable).parent / "splice")
 
 
@@ -134,17 +136,6 @@ def tiny_cli(monkeypatch):
     return loaded
 
 
-def run_main(argv: list[str], capsys) -> tuple[int, str, str]:
-    from splice.cli import main
-
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 @pytest.mark.parametrize("argv, model, prompt", [
     (["generate", "hi"], "smollm2-135m-instruct", "hi"),
     (["generate", "some-model", "hi"], "some-model", "hi"),
@@ -174,11 +165,11 @@ def test_greedy_is_the_default_and_temperature_0_means_greedy(flags, expected):
 
 
 def test_the_default_max_out_tokens_is_the_context_and_info_prints_the_kv_cache(tiny_cli, capsys):
-    code, out, err = run_main(["info", "--model", "tiny"], capsys)
+    code, out, err = run_cli(["info", "--model", "tiny"], capsys)
     assert code == 0, err
     kv = 2 * 2 * 2 * 16 * 256 * 4  # (keys, values) x layers x kv heads x head dim x 256 positions x fp32
     assert "max_out_tokens   256\n" in out and f"kv_cache_bytes   {kv:,} per sequence at max_out_tokens" in out
-    code, out, err = run_main(["info", "--model", "tiny", "--max-out-tokens", "100", "--json"], capsys)
+    code, out, err = run_cli(["info", "--model", "tiny", "--max-out-tokens", "100", "--json"], capsys)
     assert code == 0 and json.loads(out)["kv_cache_bytes"] == kv * 100 // 256
 
 
@@ -191,26 +182,26 @@ def test_an_error_after_streamed_text_gets_its_own_line(tiny_cli, capsys, monkey
         raise ValueError("a failure halfway")
 
     monkeypatch.setattr(InferenceEngine, "generate", fail_midway)
-    code, out, err = run_main(["generate", "Hi", "--max-new-tokens", "3"], capsys)
+    code, out, err = run_cli(["generate", "Hi", "--max-new-tokens", "3"], capsys)
     assert code == 2 and out.startswith("Hi") and out.endswith("\n")
     assert err == "splice: error: a failure halfway\n"
 
 
 def test_a_long_prompt_is_not_echoed_when_refused(tiny_cli, capsys):
     prompt = "word " * 400
-    code, out, err = run_main(["generate", prompt, "--max-out-tokens", "64"], capsys)
+    code, out, err = run_cli(["generate", prompt, "--max-out-tokens", "64"], capsys)
     assert code == 2 and out == "" and "word word" not in err
     assert re.fullmatch(r"splice: error: prompt length \d+ \+ 32 new tokens = \d+ exceeds max_out_tokens=64; .*\n", err)
 
 
 def test_a_long_prompt_taken_for_a_model_is_not_echoed(capsys):
     prompt = "word " * 400
-    code, out, err = run_main(["generate", prompt, "hi"], capsys)
+    code, out, err = run_cli(["generate", prompt, "hi"], capsys)
     assert code == 2 and out == "" and len(err) < 400 and "unknown model 'word word" in err and "(2000 characters)" in err
 
 
 def test_an_empty_prompt_starts_from_bos(tiny_cli, capsys):
-    code, out, err = run_main(["generate", "", "--max-new-tokens", "3", "--kernel-inject"], capsys)
+    code, out, err = run_cli(["generate", "", "--max-new-tokens", "3", "--kernel-inject"], capsys)
     assert code == 0, err
     assert "3 new tokens]" in out
 
@@ -224,6 +215,6 @@ def test_the_native_kernels_are_ready_before_the_clock_starts(tiny_cli, capsys, 
     monkeypatch.setattr(native, "available", lambda: events.append("kernels") or False)
     start = StepClock.start
     monkeypatch.setattr(StepClock, "start", lambda self: events.append("clock") or start(self))
-    code, _, err = run_main(["generate", "Hi", "--max-new-tokens", "2"], capsys)
+    code, _, err = run_cli(["generate", "Hi", "--max-new-tokens", "2"], capsys)
     assert code == 0, err
     assert events[0] == "kernels" and "clock" in events

@@ -269,12 +269,11 @@ def attended_slots(args, run: str) -> float:
     """KV-cache slots one decode step reads, on average over the run's decode steps: eager steps and HF's attend over
     the tokens so far; the compiled step over those rounded up to its attended length (a power of two from
     ``MIN_ATTENDED``, at most ``max_out_tokens`` = prompt + new)."""
-    from .layers.causal_lm import MIN_ATTENDED
+    from .layers.causal_lm import attended_length
 
     filled = [args.prompt + step for step in range(1, args.new)] or [args.prompt]
     if run.endswith("compile"):
-        max_len = args.prompt + args.new
-        filled = [min(max_len, max(MIN_ATTENDED, 1 << (length - 1).bit_length())) for length in filled]
+        filled = [attended_length(length, args.prompt + args.new) for length in filled]
     return sum(filled) / len(filled)
 
 

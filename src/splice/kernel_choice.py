@@ -39,11 +39,11 @@ ROW_LIMIT_OF = {"int8_weight_only": "int8", "int8_dynamic": "int8", "int4_weight
 
 @dataclass(frozen=True)
 class KernelChoice:
-    """How one kind of linear computes (``kernel``: "native", "packed" or "torch") and why, in words."""
+    """How one kind of linear computes (``kernel``: "native", "packed", "widened" or "torch") and why, in words."""
 
     kernel: str
     reason: str
-    dot_products: bool = False  # int8 decode rows rounded to int8 per block and summed in integers (VNNI)
+    dot_products: bool = False  # decode rows rounded to int8 per block and summed in integers
 
     @property
     def native(self) -> bool:
@@ -72,12 +72,11 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
                                      "int8 GEMV takes one scale per output channel)")
     if native.available_on(device):
         limit = native.MAX_ROWS[ROW_LIMIT_OF[kind]]
+        if kind == "int8_dynamic":  # its activations are rounded anyway: always on integer dot products
+            return KernelChoice("native", f"activations rounded to int8 per block of 32, splice's int8 GEMV on "
+                                          f"integer dot products ({dot_instructions(kind)}) up to {limit} rows, "
+                                          f"de-quantise + one oneDNN GEMM above; {native_level()}")
         dot = dot_products(kind)
-        if kind == "int8_dynamic":
-            products = f"integer dot products ({dot})" if dot else "bf16 products"
-            return KernelChoice("native", f"activations rounded to int8 per block of 32, splice's int8 GEMV with "
-                                          f"{products} up to {limit} rows, de-quantise + one oneDNN GEMM above; "
-                                          f"{native_level()}")
         if dot:
             bits = ROW_LIMIT_OF[kind]
             tiles = " (from 3 rows, AMX tiles on x as it is)" if bits == "int4" and native.amx_ready() else ""
@@ -92,11 +91,14 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
 
 
 def dot_products(kind: str) -> str:
-    """The instructions the native decode GEMV of quantization ``kind`` multiplies in integers with at the active
-    level ("AVX512-VNNI", or "AVX2 vpmaddubsw" for int8), or "" where it keeps float products (also with
-    ``SPLICE_NATIVE_DOT=0``, to compare the two)."""
-    if os.environ.get("SPLICE_NATIVE_DOT", "1").strip().lower() in ("0", "false", "no", "off"):
-        return ""
+    """:func:`dot_instructions` for weight-only ``kind``, or "" with ``SPLICE_NATIVE_DOT=0`` (float products, to
+    compare the two)."""
+    return "" if native.switched_off("SPLICE_NATIVE_DOT") else dot_instructions(kind)
+
+
+def dot_instructions(kind: str) -> str:
+    """The instructions the native decode GEMV of quantization ``kind`` can multiply in integers with at the active
+    level ("AVX512-VNNI", or "AVX2 vpmaddubsw" for int8), or "" where it has float products only."""
     if not native.available():
         return ""
     if torch.ops.splice_kernels.int4_dot_ready():

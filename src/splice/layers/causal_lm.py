@@ -21,6 +21,13 @@ from .rotary import RopeTable, build_table
 MIN_ATTENDED = 256
 
 
+def attended_length(kv_len: int, max_len: int, min_attended: int = MIN_ATTENDED) -> int:
+    """The slots the compiled step attends over for ``kv_len`` filled ones: the next power of two from
+    ``min_attended`` on, at most the cache's ``max_len``. A step then reads at most twice the keys and values in use,
+    and a cache of ``max_len`` slots has at most ``log2(max_len / min_attended) + 1`` lengths to compile."""
+    return min(max_len, max(min_attended, 1 << (kv_len - 1).bit_length()))
+
+
 @dataclass
 class Ends:
     """The model's modules around the blocks, each optional but the embedding and the lm_head: learned positions
@@ -160,10 +167,8 @@ class SpliceCausalLM:
         return torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, graphs + 1))
 
     def attended_length(self, kv_len: int) -> int:
-        """The slots the compiled step attends over for ``kv_len`` filled ones: the next power of two from
-        ``min_attended`` on, at most the cache's ``max_len``. A step then reads at most twice the keys and values in
-        use, and a cache of ``max_len`` slots has at most ``log2(max_len / min_attended) + 1`` lengths to compile."""
-        return min(self.max_len, max(self.min_attended, 1 << (kv_len - 1).bit_length()))
+        """:func:`attended_length` for this runtime's cache and ``min_attended``."""
+        return attended_length(kv_len, self.max_len, self.min_attended)
 
     @property
     def compiled(self) -> bool:

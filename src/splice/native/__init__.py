@@ -72,6 +72,11 @@ def enabled_by_env() -> bool:
     return os.environ.get("SPLICE_NATIVE_KERNELS", "1") not in _OFF
 
 
+def switched_off(name: str) -> bool:
+    """Whether the environment variable ``name`` says off (0, false, no, off; any case, spaces ignored)."""
+    return os.environ.get(name, "1").strip().lower() in _OFF
+
+
 @cache
 def available() -> bool:
     """Whether the native kernels are built and loaded here (builds them on the first call). Raises ValueError for a
@@ -108,7 +113,7 @@ def _initial_isa(requested: str | None) -> str:
                          f"({', '.join(f for f in ISA_FLAGS[requested] if f not in _cpu_flags()) or 'AMX tile state'});"
                          f" allowed here: {', '.join(levels)}")
     level = requested or levels[-1]
-    if os.environ.get("SPLICE_NATIVE_AMX", "1").strip().lower() in _OFF and level == "amx":
+    if switched_off("SPLICE_NATIVE_AMX") and level == "amx":
         level = "avx512"
     return level
 

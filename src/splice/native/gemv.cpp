@@ -9,7 +9,7 @@
 //   bf16_gemv(x bf16 [M, K], w bf16 [N, K])                       row-major weight, any N and K
 //   int8_gemv(x bf16 [M, K], w int8 [N, K], scales bf16 [N])      per-output-channel scales
 //   int8_dot_gemv(x, w, scales)  the same product with x rounded to int8 per row and block of 32 (W8A8): integer
-//       dot products with AVX512-VNNI, or vpmaddubsw at the avx2 level
+//       dot products with AVX512-VNNI, else vpmaddubsw
 //   int4_gemv(x bf16 [M, K], w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group)
 //       tiles of 16 rows; dword (tile, c, r) holds q[r, 8c .. 8c+7] as nibbles in the order k = 0,2,4,6,1,3,5,7
 //       (so k and k+1 sit 16 bits apart); value = (q - 8) * scale + zero per (row, group).
@@ -1216,27 +1216,11 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // Whether int4_dot_gemv multiplies in integers at the active level: avx512 or amx, on a CPU with AVX512-VNNI.
 bool int4_dot_ready() { return isa() >= ISA_AVX512 && __builtin_cpu_supports("avx512vnni"); }
 
-// Whether int8_dot_gemv multiplies in integers at the active level: with AVX512-VNNI, or vpmaddubsw at avx2.
-bool int8_dot_ready() { return int4_dot_ready() || isa() == ISA_AVX2; }
+// Whether int8_dot_gemv multiplies in integers at the active level: at every level (AVX512-VNNI, else the AVX2
+// vpmaddubsw kernel, which every level's CPU runs).
+bool int8_dot_ready() { return isa() >= ISA_AVX2; }
 
-// x rounded as qmath.round_activations does (per row and block of 32, to q * d in bf16), for levels without VNNI.
-at::Tensor round_activations(const at::Tensor& x) {
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty_like(xf);
-  const float* src = xf.data_ptr<float>();
-  float* dst = out.data_ptr<float>();
-  for (int64_t start = 0; start < xf.numel(); start += avx512::DOT_BLOCK) {
-    float amax = 0.f;
-    for (int64_t j = 0; j < avx512::DOT_BLOCK; ++j) amax = std::max(amax, std::abs(src[start + j]));
-    const float d = std::max(amax, 1e-12f) / 127.f;
-    for (int64_t j = 0; j < avx512::DOT_BLOCK; ++j)
-      dst[start + j] = std::min(127.f, std::max(-127.f, std::nearbyint(src[start + j] / d))) * d;
-  }
-  return out.to(at::kBFloat16);
-}
-
-// W8A8's decode product: integer dot products where int8_dot_ready(), else the rounded x through int8_gemv (the same
-// arithmetic, in bf16).
+// W8A8's decode product in integers: AVX512-VNNI where the CPU has it at the avx512 or amx level, else vpmaddubsw.
 at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
   check_isa("int8_dot_gemv");
   check_int8_weight(w, "int8_dot_gemv");
@@ -1244,8 +1228,7 @@ at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   check_int8_scales(scales, w.size(0), "int8_dot_gemv");
   TORCH_CHECK(w.size(1) % avx512::DOT_BLOCK == 0, "int8_dot_gemv: in_features must be a multiple of ",
               avx512::DOT_BLOCK, ", got ", w.size(1));
-  if (int4_dot_ready()) return avx512::int8_dot_gemv(x, w, scales);
-  return isa() == ISA_AVX2 ? avx2::int8_dot_gemv(x, w, scales) : int8_gemv(round_activations(x), w, scales);
+  return int4_dot_ready() ? avx512::int8_dot_gemv(x, w, scales) : avx2::int8_dot_gemv(x, w, scales);
 }
 
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
@@ -1255,7 +1238,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return isa() >= ISA_AVX512 ? avx512::int4_gemv(x, w, sz, group) : avx2::int4_gemv(x, w, sz, group);
 }
 
-// int4 decode rows with x rounded to int8 per block of 32 and integer dot products where int8_dot_ready() and the
+// int4 decode rows with x rounded to int8 per block of 32 and integer dot products where int4_dot_ready() and the
 // group is whole blocks; else (and from AMX_MIN_ROWS rows on AMX) int4_gemv on x as it is.
 at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
   check_isa("int4_dot_gemv");
@@ -1263,7 +1246,7 @@ at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   check_rows(x, w.size(1) * 8, "int4_dot_gemv");
   const bool tiles = x.size(0) >= avx512::AMX_MIN_ROWS && group % avx512::AMX_COLUMNS == 0 && amx_ready();
   if (int4_dot_ready() && group % avx512::DOT_BLOCK == 0 && !tiles) return avx512::int4_dot_gemv(x, w, sz, group);
-  return isa() >= ISA_AVX512 ? avx512::int4_gemv(x, w, sz, group) : avx2::int4_gemv(x, w, sz, group);
+  return int4_gemv(x, w, sz, group);
 }
 
 void int8_to_bf16_into(const int8_t* src, int64_t numel, at::BFloat16* dst) {
