@@ -101,6 +101,27 @@ def test_tiny_family_greedy_equals_generate_alone(family):
     assert [tokens(events) for events in results] == [want for want, _ in expected]
 
 
+def test_long_prompts_are_prefilled_in_chunks_while_the_others_step():
+    """``prefill_chunk`` 6: prompts of up to 31 tokens go in chunks of 6 at slots 0, 6, 12, ..., between decode steps
+    of the running requests; greedy tokens still equal generate alone (tie-free references)."""
+    engine = tiny_engine()
+    prompts = [torch.randint(3, 128, (3 + 4 * i,), generator=torch.Generator().manual_seed(i)).tolist()
+               for i in range(8)]
+    expected = [reference(engine, prompt, 8) for prompt in prompts]
+    assert min(gap for _, gap in expected) > 1e-4
+    scheduler = Scheduler(engine, max_batch=3, prefill_chunk=6)
+    plans = []
+    run = scheduler.runner.run
+    scheduler.runner.run = lambda plan: plans.append(plan) or run(plan)
+    scheduler.start()
+    results = run_all(scheduler, [(p, SamplingParams(8, **GREEDY)) for p in prompts])
+    scheduler.shutdown()
+    assert [tokens(events) for events in results] == [want for want, _ in expected]
+    assert all(sum(len(chunk) for _, _, chunk in plan.prefills) <= 6 for plan in plans)
+    assert all(start % 6 == 0 for plan in plans for _, start, _ in plan.prefills)
+    assert any(plan.step_tokens and any(start > 0 for _, start, _ in plan.prefills) for plan in plans)
+
+
 @pytest.mark.slow
 def test_compiled_step_greedy_equals_generate_alone(fresh_compiles):
     engine = tiny_engine("llama", max_out_tokens=32)
