@@ -212,9 +212,23 @@ def test_cancel_frees_the_row_for_a_queued_request():
     assert scheduler.stats() == {"queued": 0, "running": 0, "max_batch": 1, "max_queue": 4}
 
 
+def test_max_queue_0_refuses_while_every_row_is_busy_and_takes_a_request_once_one_finishes():
+    scheduler = Scheduler(tiny_engine(), max_batch=1, max_queue=0)
+    scheduler.start()
+    busy = scheduler.submit([5, 6, 7], SamplingParams(60, **GREEDY))
+    events = iter(busy)
+    next(events)
+    with pytest.raises(QueueFull, match="max_queue=0"):
+        scheduler.submit([8, 9], SamplingParams(3, **GREEDY))
+    busy.cancel()
+    assert list(events)[-1].finish_reason == "cancelled"
+    assert_one_final_event(list(scheduler.submit([8, 9], SamplingParams(3, **GREEDY))), "length")
+    scheduler.shutdown()
+
+
 def test_queue_full_and_shutdown_without_drain_cancels_the_queued():
     scheduler = Scheduler(tiny_engine(), max_batch=1, max_queue=2)  # not started: requests stay queued
-    queued = [scheduler.submit([5, 6], SamplingParams(4, **GREEDY)) for _ in range(2)]
+    queued = [scheduler.submit([5, 6], SamplingParams(4, **GREEDY)) for _ in range(3)]  # one takes the free row
     with pytest.raises(QueueFull, match="max_queue=2"):
         scheduler.submit([5, 6], SamplingParams(4, **GREEDY))
     scheduler.shutdown(drain=False)

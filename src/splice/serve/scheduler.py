@@ -44,7 +44,7 @@ class TokenEvent:
 
 
 class QueueFull(Exception):
-    """``submit`` while ``max_queue`` requests are already waiting."""
+    """``submit`` while ``max_queue`` requests are already waiting for a row."""
 
 
 class RequestHandle:
@@ -148,7 +148,7 @@ class Running:
 
 class Scheduler:
     """Serves requests on ``engine`` (an ``InferenceEngine`` with kernel injection) with continuous batching: at most
-    ``max_batch`` running together, at most ``max_queue`` waiting, at most ``prefill_chunk`` prompt tokens prefilled
+    ``max_batch`` running together, at most ``max_queue`` waiting for a row (beyond those the free rows take), at most ``prefill_chunk`` prompt tokens prefilled
     between two decode steps (a longer prompt is prefilled in chunks, so the running requests keep stepping). See
     the module docstring."""
 
@@ -197,8 +197,9 @@ class Scheduler:
             if not self._accepting:
                 reason = f"it failed: {self.failed}" if self.failed is not None else "it is shutting down"
                 raise RuntimeError(f"the scheduler takes no more requests: {reason}")
-            if len(self._queue) >= self.max_queue:
-                raise QueueFull(f"{len(self._queue)} requests are waiting (max_queue={self.max_queue})")
+            free_rows = self.max_batch - self._busy_rows()
+            if len(self._queue) >= self.max_queue + free_rows:  # the first ones take the free rows: not waiting
+                raise QueueFull(f"{self.max_queue} requests are waiting for a row (max_queue={self.max_queue})")
             self._queue.append(handle)
             self._lock.notify_all()
         return handle
@@ -237,8 +238,12 @@ class Scheduler:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"queued": len(self._queue), "running": len(self._running), "max_batch": self.max_batch,
+            return {"queued": len(self._queue), "running": self._busy_rows(), "max_batch": self.max_batch,
                     "max_queue": self.max_queue}
+
+    def _busy_rows(self) -> int:
+        """Rows held by unfinished requests (a finished one's row is free once its final event is out)."""
+        return sum(not row.done for row in self._running)
 
     # ---- the engine's thread ----------------------------------------------------------------------------------------
     def _cancel(self, handle: RequestHandle) -> None:
