@@ -136,7 +136,7 @@ def test_compiled_step_greedy_equals_generate_alone(fresh_compiles):
     assert batches <= {1, 2}  # padded to the batch buckets
 
 
-# ---- sampling, penalties, logprobs, stop ------------------------------------------------------------------------------
+# ---- sampling, penalties, logprobs, stop -----------------------------------------------------------------------------
 @pytest.mark.slow
 def test_seeded_sampling_is_the_same_alone_and_beside_others(smol):
     engine, prompts, _, _, _ = smol

@@ -148,9 +148,9 @@ class Running:
 
 class Scheduler:
     """Serves requests on ``engine`` (an ``InferenceEngine`` with kernel injection) with continuous batching: at most
-    ``max_batch`` running together, at most ``max_queue`` waiting for a row (beyond those the free rows take), at most ``prefill_chunk`` prompt tokens prefilled
-    between two decode steps (a longer prompt is prefilled in chunks, so the running requests keep stepping). See
-    the module docstring."""
+    ``max_batch`` running together, at most ``max_queue`` waiting for a row (beyond those the free rows take), at
+    most ``prefill_chunk`` prompt tokens prefilled between two decode steps (a longer prompt is prefilled in chunks,
+    so the running requests keep stepping). See the module docstring."""
 
     def __init__(self, engine, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 512):
         runtime = native_runtime(engine)
