@@ -329,6 +329,8 @@ def test_engine_without_native_runtime_and_bad_sizes_are_refused(tiny_llama):
         Scheduler(splice.init_inference(tiny_llama, replace_with_kernel_inject=False))
     with pytest.raises(ValueError, match="max_batch=0"):
         Scheduler(tiny_engine(), max_batch=0)
+    with pytest.raises(ValueError, match="this is rank 0 of 1"):
+        scheduler_module.follow(tiny_engine())
 
 
 def test_handles_iterate_on_an_asyncio_loop_and_from_threads():
@@ -376,4 +378,3 @@ def test_leaving_an_async_iteration_early_cancels_the_request():
     follow_up = list(scheduler.submit([8, 9], SamplingParams(3, **GREEDY)))  # the row was freed
     scheduler.shutdown()
     assert_one_final_event(follow_up, "length")
-    assert scheduler_module.Scheduler is Scheduler
