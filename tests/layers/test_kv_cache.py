@@ -52,11 +52,11 @@ def test_rows_share_storage_with_the_cache():
     assert cache.keys[0, 1:, :, 3].eq(1).all() and not cache.keys[0, 0].any()
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gpt2", "bloom", "gemma2"])
 def test_per_row_decode_step_equals_each_row_alone(family):
     """Three prompts of different lengths, each prefilled on its own row (positions = slots, no padding), then one
     decode step with per-row slots: each row's logits equal that prompt's decode step run alone (mistral: a sliding
-    window shorter than the prompts)."""
+    window shorter than the prompts; bloom: ALiBi; gemma2: soft-capping and alternating windows)."""
     runtime = inject(copy.deepcopy(build_family(family)), max_out_tokens=32)
     prompts = [torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(n)) for n in (4, 11, 7)]
     nexts = torch.tensor([[5], [9], [17]])
