@@ -41,3 +41,24 @@ def test_a_moved_row_decodes_as_it_did_in_its_old_row():
 def test_plans_without_work_are_idle():
     assert StepPlan(max_batch=4).idle
     assert not StepPlan(stop=True).idle and not StepPlan(moves=(Move(1, 0, 3),)).idle
+
+
+def test_padding_rows_of_a_compiled_step_leave_a_partly_prefilled_prompt_alone():
+    """Three rows step, padded to a batch of 4 whose last row holds the first chunk of a prompt: its slots are
+    untouched and the three rows get the logits of the unpadded step. (The runtime's eager forward stands in for
+    the compiled one: the padding is the batch runner's, compiling adds nothing to it.)"""
+    runtime = inject(build_family("llama"), max_out_tokens=16)
+    runner = BatchRunner(runtime, max_batch=4)
+    prompts = ((5, 17, 33), (9, 90), (41, 7, 8, 2))
+    with torch.inference_mode():
+        runner.run(StepPlan(prefills=tuple((row, 0, prompt) for row, prompt in enumerate(prompts))))
+        runner.run(StepPlan(prefills=((3, 0, (11, 12, 13, 14, 15)),)))
+        keys, values = runner.cache.keys.clone(), runner.cache.values.clone()
+        unpadded = runner.step((6, 6, 6), (3, 2, 4))
+        runner.cache.keys.copy_(keys)  # undo the step's writes
+        runner.cache.values.copy_(values)
+        runtime._compiled_step = runtime.forward
+        padded = runner.step((6, 6, 6), (3, 2, 4))
+    assert torch.equal(runner.cache.keys[:, 3, :, :5], keys[:, 3, :, :5])
+    assert torch.equal(runner.cache.values[:, 3, :, :5], values[:, 3, :, :5])
+    torch.testing.assert_close(padded, unpadded, rtol=1e-5, atol=1e-5)

@@ -115,12 +115,14 @@ class BatchRunner:
     def step(self, tokens: tuple[int, ...], slots: tuple[int, ...]) -> torch.Tensor:
         """One decode step of rows ``[:len(tokens)]``, row ``i`` feeding ``tokens[i]`` at its slot ``slots[i]``
         (= its position); fp32 logits ``[n, vocab]``. A compiled runtime runs the batch padded to its bucket: the
-        padding rows are free rows, written at slot 0 and never read."""
+        padding rows (free, or holding a prompt still being prefilled) write at the last slot, which no row of theirs
+        holds yet and which a row writes itself before it reads it, at position 0 (within any position table)."""
         runtime, n = self.runtime, len(tokens)
         batch = batch_bucket(n, self.max_batch) if runtime.compiled else n
         pad = batch - n
         device = runtime.device
         ids = torch.tensor([*tokens, *[0] * pad], dtype=torch.long, device=device)[:, None]
-        at = torch.tensor([*slots, *[0] * pad], dtype=torch.long, device=device)[:, None]
-        logits = runtime.decode_step(ids, at, at, self.view(batch), max(slots) + 1)
+        at = torch.tensor([*slots, *[self.cache.max_len - 1] * pad], dtype=torch.long, device=device)[:, None]
+        positions = torch.tensor([*slots, *[0] * pad], dtype=torch.long, device=device)[:, None]
+        logits = runtime.decode_step(ids, positions, at, self.view(batch), max(slots) + 1)
         return logits[:n].float()
