@@ -164,6 +164,9 @@ class Scheduler:
         self.engine, self.runtime = engine, runtime
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.runner = BatchRunner(runtime, max_batch)
+        cache = self.runner.cache
+        log.info("splice serve: KV cache of %d rows x %d slots (max_out_tokens), %.0f MiB", max_batch, cache.max_len,
+                 2 * cache.keys.numel() * cache.keys.element_size() / 2 ** 20)
         self.failed: BaseException | None = None  # the error that stopped the scheduler (a rank lost), else None
         self._lock = threading.Condition()
         self._queue: deque[RequestHandle] = deque()
