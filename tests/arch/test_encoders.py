@@ -159,3 +159,21 @@ def test_quantized_weights_agree_with_the_reference(name, quant):
     agreement = (expected.argmax(-1) == got.argmax(-1)).float().mean().item()
     assert relative < (0.05 if int8 else 0.3), relative
     assert agreement > (0.9 if int8 else 0.6), agreement
+
+
+@pytest.mark.parametrize("name", ENCODERS)
+def test_hidden_states_of_every_layer_are_recorded_and_attention_weights_refused(name):
+    """``output_hidden_states=True`` gives the reference's embeddings and every layer's output (transformers records
+    them with hooks on its layer class; the fused blocks get the same hook); attention weights, which SDPA never
+    forms, raise instead of coming back empty."""
+    reference = build_encoder(name, "masked_lm")
+    engine = injected(reference)
+    ids, mask = padded_batch(batch=3, length=12, side="right")
+    real = mask.bool()
+    with torch.inference_mode():
+        expected = reference(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        got = engine(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    assert len(got) == len(expected) == 3
+    assert all(scaled_error(want[real], have[real]) < 1e-4 for want, have in zip(expected, got))
+    with pytest.raises(ValueError, match="output_attentions=True needs the attention weights"):
+        engine(ids, attention_mask=mask, output_attentions=True)

@@ -95,9 +95,35 @@ def fuse_layers(model: nn.Module, parallel: ParallelContext = SINGLE_PROCESS) ->
     if parallel.world_size > 1:  # the model's numbering of this rank's first query head (ALiBi's slopes follow it)
         heads = Heads(dims.n_heads, dims.n_kv_heads, dims.head_dim)
         first_head = head_share(heads, parallel.world_size, parallel.rank).q[0]
+    recorder = hidden_states_recorder(model, layers[0])
     for index in range(len(layers)):
         layers[index] = fused_block(record, dims, index, layers[index], first_head)
+        if recorder is not None:
+            recorder(layers[index])
     return layers
+
+
+def hidden_states_recorder(model: nn.Module, layer: nn.Module):
+    """What makes a fused block record ``output_hidden_states`` as ``layer`` does, or None where nothing needs to.
+
+    transformers 5 collects a model's hidden states with forward hooks it installs, on first request, on the layer
+    class its model registers (``_can_record_outputs``), which a fused block is not: the block gets the same hook.
+    Models that collect hidden states in their own loop (Falcon, BLOOM) register none and need none."""
+    try:
+        from transformers.utils.output_capturing import (_CAN_RECORD_REGISTRY, OutputRecorder,
+                                                         install_output_capuring_hook)
+    except ImportError:
+        return None
+    for owner in model.modules():
+        specs = _CAN_RECORD_REGISTRY.get(owner).get("hidden_states")
+        for spec in specs if isinstance(specs, list) else [specs]:
+            if isinstance(spec, type):
+                spec = OutputRecorder(target_class=spec)
+            if isinstance(spec, OutputRecorder) and spec.layer_name is None and spec.target_class is not None \
+                    and isinstance(layer, spec.target_class):
+                return partial(install_output_capuring_hook, key="hidden_states", index=spec.index,
+                               capture_initial_hidden_state=spec.capture_initial_hidden_state)
+    return None
 
 
 def decode_runtime(model: nn.Module, layers: nn.ModuleList, max_out_tokens: int) -> SpliceCausalLM:
