@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-TASKS = {"base": "BertModel", "masked_lm": "BertForMaskedLM", "sequence_classification": "BertForSequenceClassification"}
+TASKS = {"base": "BertModel", "masked_lm": "BertForMaskedLM",
+         "sequence_classification": "BertForSequenceClassification"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 

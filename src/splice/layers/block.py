@@ -1,9 +1,9 @@
 """The generic fused transformer block that replaces a model's decoder layers.
 
 It knows nothing about any family's names: ``splice.steps.fuse`` builds it from an architecture record, and the
-variants are data (:class:`BlockLayout`): causal or bidirectional (encoder) attention, pre- or post-norm, sequential or parallel residual (one norm or two), norms
-on the branch outputs, gated or plain MLP, rotary (applied to the first ``rotary_dim`` features), ALiBi or no
-positions inside the block, the score scale and soft-capping. Two entry points share the same fused code:
+variants are data (:class:`BlockLayout`): causal or bidirectional (encoder) attention, pre- or post-norm, sequential
+or parallel residual (one norm or two), norms on the branch outputs, gated or plain MLP, rotary (applied to the first
+``rotary_dim`` features), ALiBi or no positions inside the block, the score scale and soft-capping. Two entry points share the same fused code:
 
 * ``forward`` has the Hugging Face decoder-layer interface, so the model's own forward and ``generate`` (any
   option, any HF cache) still run on the injected model;

@@ -56,8 +56,8 @@ class FuseReport(StepReport):
             parallel = (f"; tensor-parallel rank {self.rank}/{self.world_size}: {self.heads_here[0]} query and "
                         f"{self.heads_here[1]} KV heads here, o/down row-parallel (two all-reduces a block)")
         if self.encoder:
-            return (f"{self.layers} {self.family} encoder layers -> SpliceBlock (bidirectional attention, one QKV GEMM, "
-                    f"one MLP input GEMM, SDPA; no KV cache, no decode runtime){parallel}")
+            return (f"{self.layers} {self.family} encoder layers -> SpliceBlock (bidirectional attention, one QKV "
+                    f"GEMM, one MLP input GEMM, SDPA; no KV cache, no decode runtime){parallel}")
         return (f"{self.layers} {self.family} decoder layers -> SpliceBlock (one QKV GEMM, one MLP input GEMM, SDPA, "
                 f"static KV cache of {self.kv_cache_tokens} tokens){parallel}")
 

@@ -2,8 +2,8 @@
 
 Fusing and quantizing produce weights; ``splice.kernel_choice`` decided (in ``plan.resolve``) how each kind of linear
 computes. This step wraps each plain float linear of the fused blocks and the lm_head (the ones quantization left in
-float, or all of them; an encoder's task heads stay the model's own) in its kernel's layer: splice's native bf16 GEMV (``layers.native_linear``, plain weights
-gathered on 2 MiB pages, nothing copied), or a oneDNN-packed weight (``layers.packed_linear``, 16-bit weights where
+float, or all of them; an encoder's task heads stay the model's own) in its kernel's layer: splice's native bf16 GEMV
+(``layers.native_linear``, plain weights gathered on 2 MiB pages, nothing copied), or a oneDNN-packed weight (``layers.packed_linear``, 16-bit weights where
 the native kernels do not run; a tied lm_head stays as it is), or for fp16 on a CPU without fp16 arithmetic a
 layer that widens the weight to fp32 for prompts (``layers.widened_linear``). Quantized layers were built for their
 kernel by the quantize step (``plan.quant_kernel``); the report names both choices and their reasons.
