@@ -4,7 +4,7 @@ Random weights of BERT-base's shape (``BertConfig()``'s defaults: 12 layers, hid
 30522), built from the config class (nothing is downloaded), one process, rows side by side: the model as
 transformers runs it (its default attention, SDPA), then the same model with its layers fused by
 ``init_inference(replace_with_kernel_inject=True)``. Each row is the best of ``--repeat`` timings of ``--iters``
-forwards after one warm-up forward; the batch holds full-length rows and, with ``--padded``, rows of decreasing length
+forwards after one warm-up forward, the two models' timings taking turns (so both meet the same machine load); the batch holds full-length rows and, with ``--padded``, rows of decreasing length
 (a tokenizer's right padding), which both paths must mask::
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_encoders.py                      # bf16, batch 8, length 128
@@ -42,18 +42,20 @@ def inputs(batch: int, length: int, vocab: int, padded: bool) -> dict[str, torch
     return {"input_ids": ids.masked_fill(mask == 0, 0), "attention_mask": mask}
 
 
-def sequences_per_s(model, batch: dict[str, torch.Tensor], iters: int, repeat: int) -> float:
-    """The best of ``repeat`` timings of ``iters`` forwards, after a warm-up (a shared machine's best run is the least
-    disturbed)."""
-    best = float("inf")
+def sequences_per_s(models: list, batch: dict[str, torch.Tensor], iters: int, repeat: int) -> list[float]:
+    """Per model, the best of ``repeat`` timings of ``iters`` forwards after a warm-up, the models taking turns (a
+    shared machine's best run is the least disturbed)."""
+    best = [float("inf")] * len(models)
     with torch.inference_mode():
-        model(**batch)
+        for model in models:
+            model(**batch)
         for _ in range(max(1, repeat)):
-            start = time.perf_counter()
-            for _ in range(iters):
-                model(**batch)
-            best = min(best, time.perf_counter() - start)
-    return iters * batch["input_ids"].shape[0] / best
+            for index, model in enumerate(models):
+                start = time.perf_counter()
+                for _ in range(iters):
+                    model(**batch)
+                best[index] = min(best[index], time.perf_counter() - start)
+    return [iters * batch["input_ids"].shape[0] / seconds for seconds in best]
 
 
 def run(task: str, dtype_name: str, batch: int, length: int, padded: bool, iters: int, repeat: int) -> list[dict]:
@@ -67,11 +69,9 @@ def run(task: str, dtype_name: str, batch: int, length: int, padded: bool, iters
         expected, got = model(**data)[0].float(), engine(**data)[0].float()
     real = data["attention_mask"].bool()
     error = float((expected[real] - got[real]).abs().max() / expected[real].std())
-    rows = []
-    for mode, runner in (("hf", model), ("inject", engine)):
-        rate = sequences_per_s(runner, data, iters, repeat)
-        rows.append({"task": task, "dtype": dtype_name, "batch": batch, "length": length, "padded": padded,
-                     "mode": mode, "sequences_s": rate})
+    rates = sequences_per_s([model, engine], data, iters, repeat)
+    rows = [{"task": task, "dtype": dtype_name, "batch": batch, "length": length, "padded": padded, "mode": mode,
+             "sequences_s": rate} for mode, rate in zip(("hf", "inject"), rates)]
     for row in rows:
         row["speedup"] = row["sequences_s"] / rows[0]["sequences_s"]
     rows[-1]["max_error_vs_hf"] = error  # scaled by the std of HF's output, on the real tokens
