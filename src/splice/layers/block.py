@@ -111,7 +111,7 @@ class SpliceBlock(nn.Module):
         cache = next((kwargs.pop(name) for name in CACHE_ARGS if kwargs.get(name) is not None), None)
         mask = kwargs.pop("attention_mask", None)
         cos, sin = self.hf_rotary(kwargs)
-        x = hidden_states.clone()
+        x = hidden_states.clone() if self.updates_in_place else hidden_states
         q, k, v, h = self.project(x, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
@@ -176,20 +176,24 @@ class SpliceBlock(nn.Module):
                                                  scale=self.scale)
         return out.transpose(1, 2).flatten(2)
 
+    @property
+    def updates_in_place(self) -> bool:
+        """Whether :meth:`finish` adds into ``x`` itself (pre-norm, parallel); post-norm leaves ``x`` as it was."""
+        return self.layout.norm_before or self.layout.parallel
+
     def finish(self, x: torch.Tensor, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The residual adds (in place on ``x``; post-norm returns the normed sum) around the MLP."""
+        """The residual adds around the MLP: in place on ``x``, or (post-norm) into the new tensors the norms take."""
         out = self.o(attn)
         if self.attn_out_norm is not None:
             out = self.attn_out_norm(out)
         if self.layout.parallel:
             mlp = self.mlp(h if self.mlp_norm is None else self.mlp_norm(x))
             return x.add_(out).add_(mlp)
-        x.add_(out)
         if not self.layout.norm_before:
-            x = self.attn_norm(x)
-        mlp = self.mlp(self.mlp_norm(x) if self.layout.norm_before else x)
-        x.add_(mlp)
-        return x if self.layout.norm_before else self.mlp_norm(x)
+            x = self.attn_norm(x + out)
+            return self.mlp_norm(x + self.mlp(x))
+        x.add_(out)
+        return x.add_(self.mlp(self.mlp_norm(x)))
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         if self.layout.gated:
