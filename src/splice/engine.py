@@ -97,6 +97,7 @@ class InferenceEngine(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward; with ``enable_cuda_graph``, replayed from a CUDA graph of this call's signature."""
         self._checked_input_ids(args, kwargs)
+        self._check_outputs(kwargs)
         with torch.inference_mode():
             if self._forward_graphs is None:
                 return self.module(*args, **kwargs)
@@ -118,6 +119,21 @@ class InferenceEngine(nn.Module):
             if self.runtime is not None:
                 return native_generate(self.module, self.runtime, *args, timer=self._timer, **kwargs)  # or HF's
             return self.module.generate(*args, **kwargs)
+
+    def _check_outputs(self, kwargs: dict) -> None:
+        """Attention weights are never formed by the fused blocks (SDPA): asking a kernel-injected model for them
+        raises rather than returning none (hidden states are recorded as the model records them)."""
+        config = getattr(self.module, "config", None)
+        asked = kwargs.get("output_attentions", getattr(config, "output_attentions", False))
+        if asked and self.fused:
+            raise ValueError("output_attentions=True needs the attention weights, which splice's fused blocks do not "
+                             "form (they attend with SDPA); allowed: output_attentions=False, or "
+                             "replace_with_kernel_inject=False for a model whose attention weights are wanted")
+
+    @property
+    def fused(self) -> bool:
+        """Whether kernel injection replaced the model's layers by splice's fused blocks."""
+        return any(report.step == "fuse" and getattr(report, "family", None) for report in self.reports)
 
     def _checked_input_ids(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
         """The token ids of a call, checked; None for a model without an input embedding that was not given

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .arch import check_fits, lookup, model_dims, tensor_parallel_plan
+from .arch import check_fits, model_dims, record_for, tensor_parallel_plan
 from .arch.paths import misfits
 from .checkpoint import check_checkpoint, has_meta_tensors, load_policy_files
 from .config import InferenceConfig
@@ -213,7 +213,7 @@ def resolve_tensor_parallel(config: InferenceConfig, model: nn.Module, tp: int,
     elif config.injection_policy:
         plan = policy_plan(model, config.injection_policy, trace_model(model))
     elif config.replace_with_kernel_inject:
-        plan = tensor_parallel_plan(lookup(model.config), model.config)
+        plan = tensor_parallel_plan(record_for(model), model.config)
     else:
         plan = autotp_plan(model, trace_model(model))
     verify(plan, model, tp)
@@ -230,13 +230,17 @@ def describe_tensor_parallel(model: nn.Module, tp_size: int, injection_policy: d
 
 # ---- kernel injection -----------------------------------------------------------------------------------------------
 def check_fusable(model: nn.Module, config: InferenceConfig) -> None:
-    """A known family, an activation and rope the fused block supports (meta weights are fine: they are loaded
-    before fusing)."""
+    """A known family, an activation and rope the fused block supports, no decode-step option for an encoder (meta
+    weights are fine: they are loaded before fusing)."""
     model_config = getattr(model, "config", None)
     if model_config is None:
         raise TypeError(f"kernel injection needs a transformers model with a .config, got {type(model).__name__}")
-    record = lookup(model_config)
+    record = record_for(model)
     check_fits(record, model_config)
+    if record.encoder and config.compile_decode:
+        raise ValueError(f"compile_decode=True compiles the decode step of a generating model, but model_type="
+                         f"{record.model_type!r} is an encoder (no generate, no decode step); allowed: "
+                         "compile_decode=False for it")
     dims = model_dims(record, model_config)
     wrong = misfits(record, dims, model)
     if wrong:
