@@ -80,6 +80,16 @@ def test_encoders_match_single_process_tp2():
             assert int8["relative"] < 0.05 and int8["row_parallel"] == ["RowParallelLinear"] * 4, (where, int8)
 
 
+def test_encoders_split_uneven_heads_at_tp3():
+    """4 heads over 3 ranks (2, 1, 1): each rank's fused bidirectional blocks take its share, the output matches the
+    single-process model."""
+    ranks = [r["encoders"] for r in suite.tp3()]
+    for name, _ in workers.TP_ENCODERS:
+        fused = [results[(name, "inject")] for results in ranks]
+        assert all(f["error"] < 1e-4 and f["all_reduce"] == 2 * f["blocks"] for f in fused), (name, fused)
+        assert [f["shape"] for f in fused] == [[(h, h)] * 2 for h in (2, 1, 1)], (name, fused)
+
+
 def test_compiled_decode_step_runs_under_tensor_parallelism():
     """compile_decode=True at tp=2: each rank's compiled step (collectives traced in, no graph breaks) gives HF's
     single-process greedy tokens."""

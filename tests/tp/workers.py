@@ -187,7 +187,8 @@ def tp2_suite(rank: int, world: int, cases: list, models: list, index_files: dic
             "fused_extra": {**fused_sampling_and_packing(rank, world),
                             "checkpoint": fused_from_checkpoint(rank, world, root),
                             "compiled": compiled_decode(rank, world)},
-            "sampled": sampling(rank, world), "reseeded": reseeded_after_init(rank, world), "quantized": quantized_parity(rank, world),
+            "sampled": sampling(rank, world), "reseeded": reseeded_after_init(rank, world),
+            "quantized": quantized_parity(rank, world),
             "pipeline": pipeline_parity(rank, world), "hf_generate": hf_generate_fallback(rank, world),
             "encoders": encoder_parity(rank, world)}
 
@@ -197,7 +198,8 @@ def tp3_suite(rank: int, world: int, cases: list) -> dict:
     return {"parity": parity(rank, world, cases), "fused": fused_pipeline(rank, world),
             "fused_families": fused_pipeline(rank, world, TP3_VARIANTS),
             "hf_generate": hf_generate_fallback(rank, world, ("llama",), {"beams": HF_ONLY_OPTIONS["beams"]}),
-            "not_divisible": error_of(lambda: shard(build("llama"), 2))}
+            "not_divisible": error_of(lambda: shard(build("llama"), 2)),
+            "encoders": encoder_parity(rank, world, ("inject",))}
 
 
 def error_of(case) -> str:
@@ -334,7 +336,11 @@ def fused_pipeline(rank: int, world: int, families: tuple | None = None) -> dict
 TP_ENCODERS = (("bert", "masked_lm"), ("roberta", "base"), ("distilbert", "sequence_classification"))
 
 
-def encoder_parity(rank: int, world: int) -> dict:
+ENCODER_MODES = {"inject": {"replace_with_kernel_inject": True}, "autotp": {"replace_with_kernel_inject": False},
+                 "inject_int8": {"replace_with_kernel_inject": True, "dtype": torch.int8}}
+
+
+def encoder_parity(rank: int, world: int, modes: tuple[str, ...] = tuple(ENCODER_MODES)) -> dict:
     """Each encoder with a task head, sharded (``replace_with_kernel_inject`` True: the record's plan and fused
     blocks; False: AutoTP's plan on the model's own layers), against the single-process unmodified model on a
     right-padded batch: the task's output (real tokens only), the blocks' per-rank heads and all-reduces per forward,
@@ -348,9 +354,8 @@ def encoder_parity(rank: int, world: int) -> dict:
     for name, task in TP_ENCODERS:
         key = "last_hidden_state" if task == "base" else "logits"
         real = slice(None) if task == "sequence_classification" else mask.bool()
-        for mode, config in (("inject", {"replace_with_kernel_inject": True}),
-                             ("autotp", {"replace_with_kernel_inject": False}),
-                             ("inject_int8", {"replace_with_kernel_inject": True, "dtype": torch.int8})):
+        for mode in modes:
+            config = ENCODER_MODES[mode]
             model = build_encoder(name, task)
             with torch.no_grad():
                 expected = model(ids, attention_mask=mask)[key][real]
