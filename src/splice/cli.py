@@ -1,4 +1,4 @@
-"""Command line: ``splice generate | info | bench``."""
+"""Command line: ``splice generate | serve | info | bench``."""
 from __future__ import annotations
 
 import argparse
@@ -6,6 +6,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="splice", description="Fast inference for PyTorch / Hugging Face models.")
     commands = parser.add_subparsers(title="commands")
     add_generate_parser(commands)
+    add_serve_parser(commands)
     add_info_parser(commands)
     add_bench_parser(commands)
     return parser
@@ -288,6 +290,99 @@ def print_tp_plan(args: argparse.Namespace) -> int:
     print(f"tensor-parallel plan for tp_size={args.tp} (run under `torchrun --nproc-per-node {args.tp}` to apply it):")
     print(describe_tensor_parallel(model, args.tp))
     return 0
+
+
+# --- splice serve ---------------------------------------------------------------------------------------------------
+def add_serve_parser(commands) -> None:
+    parser = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                                 description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, "
+                                             "/v1/chat/completions, /v1/models, /health, /metrics) with continuous "
+                                             "batching. Under torchrun with --tp N, rank 0 serves HTTP and every rank "
+                                             "steps the same batch. docs/serving.md describes it.")
+    parser.add_argument("words", nargs="*", metavar="MODEL", help="the model (as --model)")
+    add_model_options(parser)
+    parser.set_defaults(kernel_inject=True)  # the scheduler steps the fused model's native decode runtime
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=checked(int, lambda v: 0 <= v <= 65535, "an integer in [0, 65535]"),
+                        default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument("--max-batch", type=POSITIVE_INT, default=8,
+                        help="requests stepped together in one batch (default: 8)")
+    parser.add_argument("--max-queue", type=checked(int, lambda v: v >= 0, "an integer >= 0"), default=64,
+                        help="requests waiting for a batch slot before new ones get HTTP 429 (default: 64)")
+    parser.add_argument("--served-model-name", help="the name clients pass as `model` (default: MODEL as given)")
+    parser.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
+                        help="server log level (default: info; info logs one line per request)")
+    parser.epilog = "Kernel injection is always on: the scheduler steps splice's fused decode runtime."
+    parser.set_defaults(run=run_serve)
+
+
+def serve_model(args: argparse.Namespace) -> str:
+    """``MODEL`` (positional) and ``--model``: the model to serve."""
+    if len(args.words) > 1:
+        raise ValueError(f"expected at most one MODEL, got {len(args.words)} positional arguments; allowed: "
+                         "splice serve [MODEL] [options]")
+    model = args.words[0] if args.words else None
+    if model is not None and args.model is not None and model != args.model:
+        raise ValueError(f"the model is given twice, {shorten(model, 80)!r} and --model {shorten(args.model, 80)!r}; "
+                         "allowed: one of them")
+    return model or args.model or DEFAULT_MODEL
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from .serve import app
+        from .serve.scheduler import follow
+    except ImportError as error:
+        raise ValueError(f"splice serve needs the serve extra ({error.name} is missing); allowed: after "
+                         "pip install 'splice[serve]'") from None
+    args.model = serve_model(args)
+    engine, tokenizer = build_engine(args)
+    if _global_rank() != 0:
+        return follow_rank_zero(follow, engine)
+    configure_serve_logging(args.log_level)
+    api = app(engine, tokenizer, model_name=args.served_model_name or args.model, max_batch=args.max_batch,
+              max_queue=args.max_queue)
+    server = uvicorn.Server(uvicorn.Config(api, host=args.host, port=args.port, log_level=args.log_level))
+    scheduler = api.state.service.scheduler
+    watcher = threading.Thread(target=stop_when_failed, args=(scheduler, server), daemon=True)
+    watcher.start()
+    server.run()
+    if scheduler.failed is not None:
+        print(f"splice: error: the server stopped because the scheduler failed: {scheduler.failed}", file=sys.stderr,
+              flush=True)
+        return 1
+    return 0
+
+
+def follow_rank_zero(follow: Callable, engine) -> int:
+    """A rank other than 0 steps the batches rank 0 decides until it shuts down; a failure ends it non-zero."""
+    try:
+        follow(engine)
+    except Exception as error:  # a lost rank 0 or a collective that timed out: one line, no traceback
+        print(f"splice: error: rank {_global_rank()} stopped following rank 0: {error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def stop_when_failed(scheduler, server, period_s: float = 0.5) -> None:
+    """Ends ``server`` once ``scheduler`` failed (a tensor-parallel rank died): requests cannot be served any more."""
+    while scheduler.failed is None:
+        time.sleep(period_s)
+    server.should_exit = True
+
+
+def configure_serve_logging(level: str) -> None:
+    """splice's log lines (one per request at info) on stderr beside uvicorn's."""
+    import logging
+
+    logger = logging.getLogger("splice")
+    logger.setLevel(level.upper())
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
+        logger.addHandler(handler)
 
 
 # --- splice info ----------------------------------------------------------------------------------------------------
