@@ -64,7 +64,7 @@ class SpliceCausalLM:
         self.ropes = (dims.layer_ropes or (dims.rope,)) if dims.positions == "rotary" else ()
         self._rope: dict[int, RopeTable] = {}
         self._compiled_step = None
-        self._compiled_keys: set[tuple] = set()  # (batch, attended length, dtype, device) the compiled step ran with
+        self._compiled_keys: set[tuple] = set()  # (batch, attended length, dtype, device, slot dims, cache id) seen
         # the compiled step's smallest attended length: below it, reading the empty slots costs less than a compile
         self.min_attended = MIN_ATTENDED
         self._cache: StaticKVCache | None = None
@@ -110,7 +110,8 @@ class SpliceCausalLM:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: StaticKVCache,
                 kv_len: int, last_only: bool = True, dense: bool = False) -> torch.Tensor:
-        """``tokens, positions [batch, seq]`` at cache ``slots [seq]``; attends to the first ``kv_len`` slots.
+        """``tokens, positions [batch, seq]`` at cache ``slots [seq]`` (or per row ``[batch, seq]``); attends to the
+        first ``kv_len`` slots.
 
         ``dense``: a prompt without padding filling slots ``0 .. kv_len-1``, so full-attention layers need no mask
         (SDPA's causal kernel).
@@ -131,7 +132,8 @@ class SpliceCausalLM:
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, cache: StaticKVCache,
                     kv_len: int) -> torch.Tensor:
-        """One new token per row (``tokens, positions [batch, 1]`` at ``slot [1]``): the only step worth compiling.
+        """One new token per row (``tokens, positions [batch, 1]`` at ``slot [1]``, or per row ``[batch, 1]``): the
+        only step worth compiling.
 
         The eager step attends over the ``kv_len`` filled slots; the compiled one over :meth:`attended_length` slots
         (the mask hides the empty ones), so its shapes change only at a bucket boundary: one graph per bucket and
@@ -139,7 +141,9 @@ class SpliceCausalLM:
         if self._compiled_step is None:
             return self.forward(tokens, positions, slot, cache, kv_len)
         attended = self.attended_length(kv_len)
-        key = (tokens.shape[0], attended, self.dtype, self.device)
+        # per-row slots ([batch, 1]) and each cache object get graphs of their own: the unsafe guard skip below must
+        # never hand one a graph traced for the other
+        key = (tokens.shape[0], attended, self.dtype, self.device, slot.dim(), id(cache))
         if key not in self._compiled_keys or not hasattr(torch.compiler, "set_stance"):
             with self._room_for_another_graph():
                 logits = self._compiled_step(tokens, positions, slot, cache, attended)

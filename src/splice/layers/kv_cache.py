@@ -10,6 +10,10 @@ class StaticKVCache(nn.Module):
 
     A slot is a column of the (left-padded) batch: the prompt fills slots ``0 .. L-1`` and each new token the next
     one. Nothing is concatenated or reallocated while generating.
+
+    Slots given as ``[batch, seq]`` (rather than ``[seq]``) are per row: each row writes and attends at its own
+    slots, so rows of different lengths step together (the serving scheduler's continuous batch). :meth:`rows` views
+    a range of rows as a cache of its own, sharing the storage.
     """
 
     def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
@@ -29,6 +33,17 @@ class StaticKVCache(nn.Module):
         self._per_layer()
         return self
 
+    def rows(self, start: int, stop: int) -> "StaticKVCache":
+        """Rows ``start .. stop-1`` as a cache sharing this one's storage (writes through it land here)."""
+        view = StaticKVCache.__new__(StaticKVCache)
+        nn.Module.__init__(view)
+        for name in ("keys", "values"):
+            view.register_buffer(name, getattr(self, name)[:, start:stop], persistent=False)
+        view.register_buffer("valid", self.valid[start:stop], persistent=False)
+        view.register_buffer("slot_ids", self.slot_ids, persistent=False)
+        view._per_layer()
+        return view
+
     @property
     def batch(self) -> int:
         return self.valid.shape[0]
@@ -47,18 +62,26 @@ class StaticKVCache(nn.Module):
         self.valid.index_fill_(1, slots, True)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv_len: int):
-        """Write ``k, v [batch, kv_heads, len(slots), head_dim]`` at ``slots``; return the first ``kv_len`` slots."""
+        """Write ``k, v [batch, kv_heads, seq, head_dim]`` at ``slots`` (``[seq]``, or ``[batch, seq]`` per row); return
+        the first ``kv_len`` slots."""
         keys, values = self._keys[layer], self._values[layer]
-        keys.index_copy_(2, slots, k)
-        values.index_copy_(2, slots, v)
+        if slots.dim() == 2:
+            index = slots[:, None, :, None].expand_as(k)
+            keys.scatter_(2, index, k)
+            values.scatter_(2, index, v)
+        else:
+            keys.index_copy_(2, slots, k)
+            values.index_copy_(2, slots, v)
         return keys[:, :, :kv_len], values[:, :, :kv_len]
 
     def mask(self, q_slots: torch.Tensor, kv_len: int, window: int | None = None) -> torch.Tensor:
-        """Boolean attention mask ``[batch, 1, len(q_slots), kv_len]``: causal, real tokens only, within ``window``.
+        """Boolean attention mask ``[batch, 1, seq, kv_len]`` for queries at ``q_slots`` (``[seq]``, or ``[batch, seq]``
+        per row): causal, real tokens only, within ``window``.
 
         A query always sees its own slot, so a pad query never has an empty row (no NaN in the cache).
         """
-        k_slots, q = self.slot_ids[:kv_len], q_slots[:, None]
+        k_slots = self.slot_ids[:kv_len]
+        q = q_slots[:, None, :, None] if q_slots.dim() == 2 else q_slots[:, None]
         visible = (k_slots <= q) & self.valid[:, None, None, :kv_len]
         if window is not None:
             visible &= k_slots > q - window

@@ -1,0 +1,125 @@
+"""The model side of continuous batching: one KV cache of ``max_batch`` rows, one row per running request.
+
+A request's prompt fills slots ``0 .. L-1`` of its row (no left padding) and each new token the next slot, so a row's
+position equals its slot. Running requests keep rows ``0 .. n-1``: a request that leaves hands its row to the last
+running one (its filled slots are copied), and the batched decode step runs on the contiguous rows ``[:n]`` with
+per-row slots. The operations are plain data in, logits out, so under tensor parallelism every rank replays rank 0's
+:class:`StepPlan` and runs the same collectives in the same order.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..layers.causal_lm import SpliceCausalLM
+from ..layers.kv_cache import StaticKVCache
+
+
+@dataclass(frozen=True)
+class Move:
+    """Copy the first ``filled`` slots of row ``source`` into row ``target`` (every layer)."""
+
+    source: int
+    target: int
+    filled: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What one scheduler iteration does to the cache, in this order: ``moves`` (compacting the running rows), one
+    decode step feeding ``step_tokens[i]`` at slot ``step_slots[i]`` of row ``i``, then each prompt of ``prefills``
+    ``(row, token ids)`` on its row; ``stop`` ends a following rank. Plain data, so it crosses ranks by
+    ``broadcast_object``."""
+
+    moves: tuple[Move, ...] = ()
+    step_tokens: tuple[int, ...] = ()
+    step_slots: tuple[int, ...] = ()
+    prefills: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    stop: bool = False
+    max_batch: int = 0  # the scheduler's, so a following rank builds the same cache
+
+    @property
+    def idle(self) -> bool:
+        return not (self.moves or self.step_tokens or self.prefills or self.stop)
+
+
+@dataclass
+class StepLogits:
+    """fp32 logits a plan produced: ``step [n, vocab]`` for the decode step's rows, ``prefills[i] [vocab]`` for each
+    prompt (``None`` where a prompt's prefill raised; ``prefill_errors[i]`` holds the exception)."""
+
+    step: torch.Tensor | None = None
+    prefills: list = field(default_factory=list)
+    prefill_errors: list = field(default_factory=list)
+
+
+def batch_bucket(n: int, max_batch: int) -> int:
+    """The batch the compiled step runs ``n`` rows as: the next power of two, at most ``max_batch`` (so the graphs
+    are at most ``log2(max_batch) + 2`` batch sizes times the attended-length buckets)."""
+    return min(max_batch, 1 << (n - 1).bit_length())
+
+
+class BatchRunner:
+    """Runs :class:`StepPlan` s on ``runtime`` (the engine's :class:`SpliceCausalLM`) over its own cache."""
+
+    def __init__(self, runtime: SpliceCausalLM, max_batch: int):
+        self.runtime = runtime
+        self.max_batch = max_batch
+        self.cache = runtime.new_cache(max_batch)
+        # every slot counts as a real token: a row's causal mask (key slot <= its own slot) hides what lies beyond
+        # its length, including what an earlier request left there
+        self.cache.valid.fill_(True)
+        self._views: dict[int, StaticKVCache] = {}  # rows [:n], kept so a compiled step sees the same cache object
+
+    def view(self, n: int) -> StaticKVCache:
+        """Rows ``[:n]`` as a cache (one object per ``n``)."""
+        view = self._views.get(n)
+        if view is None:
+            view = self._views[n] = self.cache.rows(0, n)
+        return view
+
+    def run(self, plan: StepPlan) -> StepLogits:
+        """Apply ``plan``; the prefill errors are caught per prompt, a failing decode step raises."""
+        out = StepLogits()
+        for move in plan.moves:
+            self.move(move)
+        if plan.step_tokens:
+            out.step = self.step(plan.step_tokens, plan.step_slots)
+        for row, prompt in plan.prefills:
+            try:
+                out.prefills.append(self.prefill(row, prompt))
+                out.prefill_errors.append(None)
+            except Exception as error:  # noqa: BLE001 - reported as that request's error
+                out.prefills.append(None)
+                out.prefill_errors.append(error)
+        return out
+
+    def move(self, move: Move) -> None:
+        cache, filled = self.cache, move.filled
+        for buffer in (cache.keys, cache.values):
+            buffer[:, move.target, :, :filled].copy_(buffer[:, move.source, :, :filled])
+
+    def prefill(self, row: int, prompt: tuple[int, ...]) -> torch.Tensor:
+        """The prompt through the model on its own row (batch 1, unpadded: the dense causal path ``generate`` takes);
+        the fp32 logits of its last position ``[vocab]``."""
+        runtime, length = self.runtime, len(prompt)
+        device = runtime.device
+        ids = torch.tensor([prompt], dtype=torch.long, device=device)
+        positions = torch.arange(length, device=device)[None]
+        cache = self.cache.rows(row, row + 1)
+        logits = runtime.forward(ids, positions, cache.slot_ids[:length], cache, length, dense=True)
+        return logits[0].float()
+
+    def step(self, tokens: tuple[int, ...], slots: tuple[int, ...]) -> torch.Tensor:
+        """One decode step of rows ``[:len(tokens)]``, row ``i`` feeding ``tokens[i]`` at its slot ``slots[i]``
+        (= its position); fp32 logits ``[n, vocab]``. A compiled runtime runs the batch padded to its bucket: the
+        padding rows are free rows, written at slot 0 and never read."""
+        runtime, n = self.runtime, len(tokens)
+        batch = batch_bucket(n, self.max_batch) if runtime.compiled else n
+        pad = batch - n
+        device = runtime.device
+        ids = torch.tensor([*tokens, *[0] * pad], dtype=torch.long, device=device)[:, None]
+        at = torch.tensor([*slots, *[0] * pad], dtype=torch.long, device=device)[:, None]
+        logits = runtime.decode_step(ids, at, at, self.view(batch), max(slots) + 1)
+        return logits[:n].float()
