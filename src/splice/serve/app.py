@@ -143,11 +143,14 @@ class Service:
                                 f"completion); allowed: max_tokens <= {limit - prompt_len}", param="max_tokens",
                            code="context_length_exceeded")
         temperature = 1.0 if body.temperature is None else body.temperature
-        return SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
-                              top_p=1.0 if body.top_p is None else body.top_p, seed=seed,
-                              stop_token_ids=() if body.ignore_eos else self.stop_ids,
-                              presence_penalty=body.presence_penalty or 0.0,
-                              frequency_penalty=body.frequency_penalty or 0.0, logprobs=logprobs)
+        try:
+            return SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
+                                  top_p=1.0 if body.top_p is None else body.top_p, seed=seed,
+                                  stop_token_ids=() if body.ignore_eos else self.stop_ids,
+                                  presence_penalty=body.presence_penalty or 0.0,
+                                  frequency_penalty=body.frequency_penalty or 0.0, logprobs=logprobs)
+        except (ValueError, TypeError) as error:
+            raise bad_request(str(error)) from None
 
     def submit(self, jobs: Sequence[Job]) -> list[Any]:
         """Every job to the scheduler, or none: a full queue (429) or a refused prompt (400) cancels those already

@@ -72,7 +72,7 @@ class SamplingFields(BaseModel):
     stop: StopString | Annotated[list[StopString], Field(max_length=4)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
-    seed: StrictInt | None = None
+    seed: Annotated[StrictInt, Field(ge=-2**63, lt=2**63)] | None = None
     logit_bias: dict[str, Any] | None = None
     #: not OpenAI's: generate past the model's end-of-sequence tokens (as vLLM's ``ignore_eos``), for benchmarks
     ignore_eos: StrictBool = False
@@ -249,7 +249,7 @@ ALLOWED = {
     "stop": "a non-empty string or a list of at most 4 non-empty strings",
     "presence_penalty": "a number in [-2, 2]",
     "frequency_penalty": "a number in [-2, 2]",
-    "seed": "an integer",
+    "seed": "an integer in [-2**63, 2**63)",
     "logprobs": "an integer in [0, 5] for completions, true or false for chat completions",
     "top_logprobs": "an integer in [0, 20]",
     "echo": "true or false",
