@@ -219,10 +219,11 @@ class Piece:
 class ChoiceRun:
     """The events of one scheduler request as :class:`Piece` s, timing its tokens into the metrics."""
 
-    def __init__(self, job: Job, handle, service: Service, stops: Sequence[str], arrived: float):
+    def __init__(self, job: Job, handle, service: Service, body: SamplingFields, arrived: float):
         self.job, self.handle, self.service = job, handle, service
+        self.tokens_as_ids = body.return_tokens_as_token_ids
         self.decoder = IncrementalDecoder(service.tokenizer, job.prompt_ids)
-        self.stops = StopStrings(stops)
+        self.stops = StopStrings(body.stop_strings())
         self.arrived = arrived
         self.first_token_s: float | None = None
         self.completion_tokens = 0
@@ -246,8 +247,8 @@ class ChoiceRun:
                 metrics.generated_tokens.inc()
                 delta = self.decoder.push(event.token_id)
                 if self.job.params.logprobs is not None:
-                    self._entries.append(self.service.token_text.entry(event.token_id, event.logprob,
-                                                                       event.top_logprobs or ()))
+                    self._entries.append(self.service.token_text.entry(
+                        event.token_id, event.logprob, event.top_logprobs or (), self.tokens_as_ids))
             reason = event.finish_reason
             if reason in ("cancelled", "error"):
                 raise GenerationFailed(event.error or f"the request was {reason}")
@@ -480,7 +481,7 @@ def model_card(service: Service) -> dict[str, Any]:
 async def generate(service: Service, request: Request, kind: str, call_id: str, body: SamplingFields,
                    jobs: list[Job], started: float):
     handles = service.submit(jobs)
-    runs = [ChoiceRun(job, handle, service, body.stop_strings(), started) for job, handle in zip(jobs, handles)]
+    runs = [ChoiceRun(job, handle, service, body, started) for job, handle in zip(jobs, handles)]
     call = Call(kind, body, jobs, runs, call_id, int(time.time()), service.model_name)
     if body.stream:
         return StreamingResponse(stream(call, started), media_type="text/event-stream",

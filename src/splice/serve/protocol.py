@@ -76,6 +76,8 @@ class SamplingFields(BaseModel):
     logit_bias: dict[str, Any] | None = None
     #: not OpenAI's: generate past the model's end-of-sequence tokens (as vLLM's ``ignore_eos``), for benchmarks
     ignore_eos: StrictBool = False
+    #: not OpenAI's: logprobs name each token "token_id:ID" instead of its text (as vLLM's option of that name)
+    return_tokens_as_token_ids: StrictBool = False
     user: Any = None
     metadata: Any = None
     store: Any = None
@@ -257,5 +259,6 @@ ALLOWED = {
     "suffix": "null or a string",
     "logit_bias": "null or {}",
     "ignore_eos": "true or false",
+    "return_tokens_as_token_ids": "true or false",
     "response_format": "{\"type\": \"text\"}",
 }

@@ -118,9 +118,11 @@ class TokenText:
                 return list(raw)
         return list(text.encode("utf-8"))
 
-    def entry(self, token_id: int, logprob: float, top: Sequence[tuple[int, float]]) -> TokenLogprob:
-        return TokenLogprob(token_id, self.string(token_id), logprob,
-                            tuple((tid, self.string(tid), value) for tid, value in top))
+    def entry(self, token_id: int, logprob: float, top: Sequence[tuple[int, float]],
+              as_ids: bool = False) -> TokenLogprob:
+        """A token's logprob entry; ``as_ids`` names the tokens "token_id:ID" instead of by their text."""
+        name = (lambda tid: f"token_id:{tid}") if as_ids else self.string
+        return TokenLogprob(token_id, name(token_id), logprob, tuple((tid, name(tid), value) for tid, value in top))
 
 
 def byte_level_bytes(token: str | None) -> bytes | None:
@@ -136,7 +138,10 @@ def byte_level_bytes(token: str | None) -> bytes | None:
 
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict[str, int]:
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    try:
+        from transformers.convert_slow_tokenizer import bytes_to_unicode
+    except ImportError:  # older transformers
+        from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
 
     return {char: byte for byte, char in bytes_to_unicode().items()}
 
