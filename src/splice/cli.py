@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -348,12 +350,26 @@ def run_serve(args: argparse.Namespace) -> int:
     scheduler = api.state.service.scheduler
     watcher = threading.Thread(target=stop_when_failed, args=(scheduler, server), daemon=True)
     watcher.start()
-    server.run()
+    with signals_end_quietly():
+        server.run()
     if scheduler.failed is not None:
         print(f"splice: error: the server stopped because the scheduler failed: {scheduler.failed}", file=sys.stderr,
               flush=True)
         return 1
     return 0
+
+
+@contextlib.contextmanager
+def signals_end_quietly():
+    """uvicorn re-raises the SIGTERM / SIGINT it shut down for once it is done, under the handlers that were in place
+    before it: a drained server then exits 0 rather than dying of the signal it already honoured."""
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in handled}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def follow_rank_zero(follow: Callable, engine) -> int:
