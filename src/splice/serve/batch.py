@@ -28,14 +28,14 @@ class Move:
 @dataclass(frozen=True)
 class StepPlan:
     """What one scheduler iteration does to the cache, in this order: ``moves`` (compacting the running rows), one
-    decode step feeding ``step_tokens[i]`` at slot ``step_slots[i]`` of row ``i``, then each prompt of ``prefills``
-    ``(row, token ids)`` on its row; ``stop`` ends a following rank. Plain data, so it crosses ranks by
-    ``broadcast_object``."""
+    decode step feeding ``step_tokens[i]`` at slot ``step_slots[i]`` of row ``i``, then each prompt chunk of
+    ``prefills`` ``(row, first slot, token ids)`` on its row; ``stop`` ends a following rank. Plain data, so it
+    crosses ranks by ``broadcast_object``."""
 
     moves: tuple[Move, ...] = ()
     step_tokens: tuple[int, ...] = ()
     step_slots: tuple[int, ...] = ()
-    prefills: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    prefills: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
     stop: bool = False
     max_batch: int = 0  # the scheduler's, so a following rank builds the same cache
 
@@ -46,8 +46,8 @@ class StepPlan:
 
 @dataclass
 class StepLogits:
-    """fp32 logits a plan produced: ``step [n, vocab]`` for the decode step's rows, ``prefills[i] [vocab]`` for each
-    prompt (``None`` where a prompt's prefill raised; ``prefill_errors[i]`` holds the exception)."""
+    """fp32 logits a plan produced: ``step [n, vocab]`` for the decode step's rows, ``prefills[i] [vocab]`` at the
+    last token of each prompt chunk (``None`` where it raised; ``prefill_errors[i]`` holds the exception)."""
 
     step: torch.Tensor | None = None
     prefills: list = field(default_factory=list)
@@ -86,9 +86,9 @@ class BatchRunner:
             self.move(move)
         if plan.step_tokens:
             out.step = self.step(plan.step_tokens, plan.step_slots)
-        for row, prompt in plan.prefills:
+        for row, start, chunk in plan.prefills:
             try:
-                out.prefills.append(self.prefill(row, prompt))
+                out.prefills.append(self.prefill(row, start, chunk))
                 out.prefill_errors.append(None)
             except Exception as error:  # noqa: BLE001 - reported as that request's error
                 out.prefills.append(None)
@@ -100,26 +100,29 @@ class BatchRunner:
         for buffer in (cache.keys, cache.values):
             buffer[:, move.target, :, :filled].copy_(buffer[:, move.source, :, :filled])
 
-    def prefill(self, row: int, prompt: tuple[int, ...]) -> torch.Tensor:
-        """The prompt through the model on its own row (batch 1, unpadded: the dense causal path ``generate`` takes);
-        the fp32 logits of its last position ``[vocab]``."""
-        runtime, length = self.runtime, len(prompt)
+    def prefill(self, row: int, start: int, chunk: tuple[int, ...]) -> torch.Tensor:
+        """Prompt tokens ``chunk`` at slots ``start ..`` of ``row`` (batch 1); the fp32 logits of the chunk's last
+        position ``[vocab]``. A chunk from slot 0 takes the dense causal path ``generate`` takes for an unpadded
+        prompt; a later chunk attends to the row's earlier slots through the causal mask."""
+        runtime, end = self.runtime, start + len(chunk)
         device = runtime.device
-        ids = torch.tensor([prompt], dtype=torch.long, device=device)
-        positions = torch.arange(length, device=device)[None]
+        ids = torch.tensor([chunk], dtype=torch.long, device=device)
         cache = self.cache.rows(row, row + 1)
-        logits = runtime.forward(ids, positions, cache.slot_ids[:length], cache, length, dense=True)
+        slots = cache.slot_ids[start:end]
+        logits = runtime.forward(ids, slots[None], slots, cache, end, dense=start == 0)
         return logits[0].float()
 
     def step(self, tokens: tuple[int, ...], slots: tuple[int, ...]) -> torch.Tensor:
         """One decode step of rows ``[:len(tokens)]``, row ``i`` feeding ``tokens[i]`` at its slot ``slots[i]``
         (= its position); fp32 logits ``[n, vocab]``. A compiled runtime runs the batch padded to its bucket: the
-        padding rows are free rows, written at slot 0 and never read."""
+        padding rows (free, or holding a prompt still being prefilled) write at the last slot, which no row of theirs
+        holds yet and which a row writes itself before it reads it, at position 0 (within any position table)."""
         runtime, n = self.runtime, len(tokens)
         batch = batch_bucket(n, self.max_batch) if runtime.compiled else n
         pad = batch - n
         device = runtime.device
         ids = torch.tensor([*tokens, *[0] * pad], dtype=torch.long, device=device)[:, None]
-        at = torch.tensor([*slots, *[0] * pad], dtype=torch.long, device=device)[:, None]
-        logits = runtime.decode_step(ids, at, at, self.view(batch), max(slots) + 1)
+        at = torch.tensor([*slots, *[self.cache.max_len - 1] * pad], dtype=torch.long, device=device)[:, None]
+        positions = torch.tensor([*slots, *[0] * pad], dtype=torch.long, device=device)[:, None]
+        logits = runtime.decode_step(ids, positions, at, self.view(batch), max(slots) + 1)
         return logits[:n].float()

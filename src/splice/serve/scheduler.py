@@ -44,7 +44,7 @@ class TokenEvent:
 
 
 class QueueFull(Exception):
-    """``submit`` while ``max_queue`` requests are already waiting."""
+    """``submit`` while ``max_queue`` requests are already waiting for a row."""
 
 
 class RequestHandle:
@@ -132,7 +132,13 @@ class Running:
     handle: RequestHandle
     picker: TokenPicker
     generated: list[int] = field(default_factory=list)
+    prefilled: int = 0  # prompt tokens in the cache
     done: bool = False
+
+    @property
+    def prefilling(self) -> bool:
+        """Part of the prompt is in the cache, the rest waits for a later iteration."""
+        return 0 < self.prefilled < self.handle.prompt_tokens and not self.done
 
     @property
     def next_slot(self) -> int:
@@ -142,19 +148,25 @@ class Running:
 
 class Scheduler:
     """Serves requests on ``engine`` (an ``InferenceEngine`` with kernel injection) with continuous batching: at most
-    ``max_batch`` running together, at most ``max_queue`` waiting. See the module docstring."""
+    ``max_batch`` running together, at most ``max_queue`` waiting for a row (beyond those the free rows take), at
+    most ``prefill_chunk`` prompt tokens prefilled between two decode steps (a longer prompt is prefilled in chunks,
+    so the running requests keep stepping). See the module docstring."""
 
-    def __init__(self, engine, *, max_batch: int = 8, max_queue: int = 64):
+    def __init__(self, engine, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 512):
         runtime = native_runtime(engine)
         check_integer("max_batch", max_batch, 1, None, "an integer >= 1")
         check_integer("max_queue", max_queue, 0, None, "an integer >= 0")
+        check_integer("prefill_chunk", prefill_chunk, 1, None, "an integer >= 1")
         self.parallel = getattr(engine, "parallel", SINGLE_PROCESS)
         if self.parallel.rank != 0:
             raise ValueError(f"Scheduler runs on rank 0 of the tensor-parallel group; rank {self.parallel.rank} "
                              "calls splice.serve.scheduler.follow(engine)")
         self.engine, self.runtime = engine, runtime
-        self.max_batch, self.max_queue = max_batch, max_queue
+        self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.runner = BatchRunner(runtime, max_batch)
+        cache = self.runner.cache
+        log.info("splice serve: KV cache of %d rows x %d slots (max_out_tokens), %.0f MiB", max_batch, cache.max_len,
+                 2 * cache.keys.numel() * cache.keys.element_size() / 2 ** 20)
         self.failed: BaseException | None = None  # the error that stopped the scheduler (a rank lost), else None
         self._lock = threading.Condition()
         self._queue: deque[RequestHandle] = deque()
@@ -188,8 +200,9 @@ class Scheduler:
             if not self._accepting:
                 reason = f"it failed: {self.failed}" if self.failed is not None else "it is shutting down"
                 raise RuntimeError(f"the scheduler takes no more requests: {reason}")
-            if len(self._queue) >= self.max_queue:
-                raise QueueFull(f"{len(self._queue)} requests are waiting (max_queue={self.max_queue})")
+            free_rows = self.max_batch - self._busy_rows()
+            if len(self._queue) >= self.max_queue + free_rows:  # the first ones take the free rows: not waiting
+                raise QueueFull(f"{self.max_queue} requests are waiting for a row (max_queue={self.max_queue})")
             self._queue.append(handle)
             self._lock.notify_all()
         return handle
@@ -228,8 +241,12 @@ class Scheduler:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"queued": len(self._queue), "running": len(self._running), "max_batch": self.max_batch,
+            return {"queued": len(self._queue), "running": self._busy_rows(), "max_batch": self.max_batch,
                     "max_queue": self.max_queue}
+
+    def _busy_rows(self) -> int:
+        """Rows held by unfinished requests (a finished one's row is free once its final event is out)."""
+        return sum(not row.done for row in self._running)
 
     # ---- the engine's thread ----------------------------------------------------------------------------------------
     def _cancel(self, handle: RequestHandle) -> None:
@@ -253,16 +270,16 @@ class Scheduler:
             self._fail(error)
 
     def _iterate(self) -> bool:
-        """One step boundary and step: release finished rows, admit queued requests, run the plan, pick tokens.
-        False when shut down with nothing left to do."""
+        """One step boundary and step: release finished rows, take the next prompt chunks (queued requests admitted
+        into free rows), run the plan, pick tokens. False when shut down with nothing left to do."""
         moves = self._release()
-        prefills = self._admit()
-        stepping = self._running[: len(self._running) - len(prefills)]
-        if not (moves or prefills or stepping):
+        stepping = [row for row in self._running if row.generated]  # rows 0 .. n-1: each has a token to feed
+        chunks = self._prefill_chunks()
+        if not (moves or chunks or stepping):
             return self._wait()
         plan = StepPlan(moves=tuple(moves), step_tokens=tuple(row.generated[-1] for row in stepping),
                         step_slots=tuple(row.next_slot for row in stepping),
-                        prefills=tuple((len(stepping) + i, row.handle.prompt) for i, row in enumerate(prefills)),
+                        prefills=tuple((index, start, chunk) for index, _, start, chunk in chunks),
                         max_batch=self.max_batch)
         self._broadcast(plan)
         try:
@@ -275,25 +292,29 @@ class Scheduler:
                 self._finish(row, final("error", f"the batched step failed: {error!r}"))
             return True
         for i, row in enumerate(stepping):
-            self._emit(row, lambda i=i: row.picker.pick(logits.step[i]))
-        for row, row_logits, error in zip(prefills, logits.prefills, logits.prefill_errors):
+            self._emit(row, lambda i=i, row=row: row.picker.pick(logits.step[i]))
+        for (_, row, start, chunk), row_logits, error in zip(chunks, logits.prefills, logits.prefill_errors):
             if error is not None and self.parallel.enabled:
                 raise error  # the other ranks stop at it too
             if error is not None:
                 self._finish(row, final("error", f"the prefill failed: {error!r}"))
-            else:
+                continue
+            row.prefilled = start + len(chunk)
+            if row.prefilled == row.handle.prompt_tokens:
                 self._emit(row, lambda row_logits=row_logits, row=row: row.picker.pick(row_logits))
         return True
 
     def _release(self) -> list[Move]:
         """Free the rows of finished and cancelled requests, moving the last running row into each freed one so the
-        running rows stay ``0 .. n-1``; the moves to apply to the cache."""
+        running rows stay ``0 .. n-1`` (a partly prefilled prompt stays last); the moves to apply to the cache."""
         running = self._running
         for row in running:
             if row.handle.cancel_requested and not row.done:
                 self._finish(row, final("cancelled"))
         moves = []
         with self._lock:
+            partial = running.pop() if running and running[-1].prefilling else None
+            partial_row = len(running)
             for index in reversed(range(len(running))):
                 if not running[index].done:
                     continue
@@ -301,18 +322,35 @@ class Scheduler:
                 if index < len(running):
                     running[index] = last
                     moves.append(Move(len(running), index, last.next_slot))
+            if partial is not None:
+                if partial_row != len(running):
+                    moves.append(Move(partial_row, len(running), partial.prefilled))
+                running.append(partial)
         return moves
 
-    def _admit(self) -> list[Running]:
-        """Queued requests, first come first served, into the free rows."""
-        admitted = []
+    def _prefill_chunks(self) -> list[tuple[int, Running, int, tuple[int, ...]]]:
+        """This iteration's prompt work, ``(row, request, first slot, tokens)``, at most ``prefill_chunk`` tokens:
+        the next chunk of a partly prefilled prompt, then queued requests first come first served into free rows
+        while their first chunk fits. Chunks start at multiples of ``prefill_chunk`` whatever runs beside them, and a
+        prompt within one chunk is prefilled whole, as ``generate`` does."""
+        budget, chunks, running = self.prefill_chunk, [], self._running
+        if running and running[-1].prefilling:
+            row = running[-1]
+            chunk = row.handle.prompt[row.prefilled: row.prefilled + self.prefill_chunk]
+            chunks.append((len(running) - 1, row, row.prefilled, chunk))
+            budget -= len(chunk)
         with self._lock:
-            while self._queue and len(self._running) < self.max_batch:
-                handle = self._queue.popleft()
+            while self._queue and len(running) < self.max_batch:
+                handle = self._queue[0]
+                chunk = handle.prompt[: self.prefill_chunk]
+                if len(chunk) > budget:
+                    break
+                self._queue.popleft()
                 row = Running(handle, TokenPicker(handle.params))
-                self._running.append(row)
-                admitted.append(row)
-        return admitted
+                running.append(row)
+                chunks.append((len(running) - 1, row, 0, chunk))
+                budget -= len(chunk)
+        return chunks
 
     def _wait(self) -> bool:
         """Nothing runs: wait for a request or shutdown (under tensor parallelism, tell the other ranks so within
@@ -351,7 +389,7 @@ class Scheduler:
     def _finish(self, row: Running, event: TokenEvent) -> None:
         row.done = True
         row.handle.push(event)
-        log.info("splice serve: request %s %s (%d prompt + %d generated tokens)", row.handle.id, event.finish_reason,
+        log.debug("splice serve: request %s %s (%d prompt + %d generated tokens)", row.handle.id, event.finish_reason,
                  row.handle.prompt_tokens, len(row.generated))
 
     def _broadcast(self, plan: StepPlan) -> None:
