@@ -244,3 +244,14 @@ def test_serve_builds_an_injected_engine_and_serves_it(tiny_cli, capsys, monkeyp
 def test_serve_bad_options_are_one_line_errors(tiny_cli, capsys, argv, named):
     code, _, err = run_cli(argv, capsys)
     assert code == 2 and named in err and "Traceback" not in err
+
+
+def test_serve_exits_1_when_the_scheduler_failed(tiny_cli, capsys, monkeypatch):
+    import uvicorn
+
+    def run(self):
+        self.config.app.state.service.scheduler.failed = RuntimeError("rank 1 is gone")
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    code, _, err = run_cli(["serve"], capsys)
+    assert code == 1 and "rank 1 is gone" in err and "Traceback" not in err

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
+import logging.config
 import math
 import os
 import signal
@@ -340,13 +342,14 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"splice serve needs the serve extra ({error.name} is missing); allowed: after "
                          "pip install 'splice[serve]'") from None
     args.model = serve_model(args)
+    logging.config.dictConfig(serve_log_config(args.log_level))  # before the engine: its steps log too
     engine, tokenizer = build_engine(args)
     if _global_rank() != 0:
         return follow_rank_zero(follow, engine)
-    configure_serve_logging(args.log_level)
     api = app(engine, tokenizer, model_name=args.served_model_name or args.model, max_batch=args.max_batch,
               max_queue=args.max_queue)
-    server = uvicorn.Server(uvicorn.Config(api, host=args.host, port=args.port, log_level=args.log_level))
+    server = uvicorn.Server(uvicorn.Config(api, host=args.host, port=args.port, log_level=args.log_level,
+                                           log_config=None))  # configured above
     scheduler = api.state.service.scheduler
     watcher = threading.Thread(target=stop_when_failed, args=(scheduler, server), daemon=True)
     watcher.start()
@@ -389,16 +392,13 @@ def stop_when_failed(scheduler, server, period_s: float = 0.5) -> None:
     server.should_exit = True
 
 
-def configure_serve_logging(level: str) -> None:
-    """splice's log lines (one per request at info) on stderr beside uvicorn's."""
-    import logging
+def serve_log_config(level: str) -> dict:
+    """uvicorn's logging configuration with splice's loggers added (one line per request at info), on its handler."""
+    from uvicorn.config import LOGGING_CONFIG
 
-    logger = logging.getLogger("splice")
-    logger.setLevel(level.upper())
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s:     %(name)s: %(message)s"))
-        logger.addHandler(handler)
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["splice"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return config
 
 
 # --- splice info ----------------------------------------------------------------------------------------------------

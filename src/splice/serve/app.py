@@ -417,6 +417,22 @@ async def stream(call: Call, started: float) -> AsyncIterator[str]:
         call.log(started, outcome)
 
 
+class EventStream(StreamingResponse):
+    """The event stream of ``runs``; however the response ends (a client gone before the first chunk included), the
+    runs still going are cancelled, freeing their rows."""
+
+    def __init__(self, events: AsyncIterator[str], runs: Sequence[ChoiceRun]):
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.runs = runs
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for run in self.runs:
+                run.cancel_if_running()
+
+
 def chunk(call: Call, name: str, run: ChoiceRun, content: dict, logprobs: dict | None = None,
           finish_reason: str | None = None) -> dict[str, Any]:
     return {**call.header(name), "choices": [{"index": run.job.index, **content, "logprobs": logprobs,
@@ -484,8 +500,7 @@ async def generate(service: Service, request: Request, kind: str, call_id: str, 
     runs = [ChoiceRun(job, handle, service, body, started) for job, handle in zip(jobs, handles)]
     call = Call(kind, body, jobs, runs, call_id, int(time.time()), service.model_name)
     if body.stream:
-        return StreamingResponse(stream(call, started), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return EventStream(stream(call, started), call.runs)
     return await respond(call, request, started)
 
 

@@ -168,8 +168,10 @@ class ChatCompletionRequest(SamplingFields):
                               "disagree; allowed: one of them", "max_completion_tokens")
 
     def chat(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them (``developer`` is OpenAI's newer name for ``system``)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        """The messages as the chat template takes them (``developer`` is OpenAI's newer name for ``system``; a
+        ``name`` goes to the template, which uses it or not)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
+                 **({"name": m.name} if m.name is not None else {})} for m in self.messages]
 
 
 Request = TypeVar("Request", CompletionRequest, ChatCompletionRequest)
