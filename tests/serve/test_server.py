@@ -263,6 +263,16 @@ def test_full_queue_429_then_a_disconnect_frees_the_row(small_server):
     assert "splice_running_batch_size 0.0" in metrics and 'status="429"} 1.0' in metrics
 
 
+def test_a_client_that_leaves_a_plain_request_frees_its_row(small_server):
+    body = {**LONG, "stream": False, "max_tokens": MAX_LEN - 16}  # many seconds of decoding if nobody cancelled it
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{small_server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=1.5))
+    wait_for(small_server, lambda s: s["running"] == 0 and s["queued"] == 0, timeout=8)
+    served = httpx.post(f"{small_server.url}/v1/completions", json={"model": "smol", "prompt": "Hi", "max_tokens": 2},
+                        timeout=60)
+    assert served.status_code == 200
+
+
 def test_sigterm_finishes_the_running_request_then_exits_0(small_server):
     body = {**LONG, "max_tokens": 24}
     with httpx.stream("POST", f"{small_server.url}/v1/completions", json=body, timeout=120) as response:

@@ -332,15 +332,17 @@ class Call:
 async def respond(call: Call, request: Request, started: float) -> dict[str, Any]:
     """The whole response once every choice finished; a client that goes away cancels its choices."""
     watcher = asyncio.create_task(cancel_on_disconnect(request, call.runs))
+    outcome = ""
     try:
         results = await asyncio.gather(*(collect(run) for run in call.runs))
     except GenerationFailed as error:
+        outcome = "disconnected" if watcher.done() else f"failed: {error}"
         raise APIError(500, f"generation failed: {error}", type="server_error", code="generation_failed") from None
     finally:
         watcher.cancel()
         for run in call.runs:
             run.cancel_if_running()
-        call.log(started)
+        call.log(started, outcome)
     choices = []
     for run, (text, entries) in zip(call.runs, results):
         choice: dict[str, Any] = {"index": run.job.index}
