@@ -17,7 +17,36 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda'
 'transformers', transformers.__version__)"
 
 timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/quant/test_cuda.py tests/test_init.py tests/test_engine.py \
-    tests/steps/test_compile.py 2>&1 | tail -25
+    tests/steps/test_compile.py tests/layers/test_cuda_graphs.py 2>&1 | tail -25
+
+timeout 120 python3 - <<'PY'
+"""Decode tokens/s of a SmolLM2-shaped random Llama (bf16, batch 1, kernel-injected): eager steps vs CUDA graph
+replay (enable_cuda_graph=True), same prompt, greedy; the tokens must agree."""
+import time
+import torch
+import splice
+from transformers import LlamaConfig, LlamaForCausalLM
+
+config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True)
+prompt = torch.randint(100, config.vocab_size, (1, 128), device="cuda")
+results = {}
+for graphs in (False, True):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    engine = splice.init_inference(model, replace_with_kernel_inject=True, enable_cuda_graph=graphs,
+                                   max_out_tokens=512)
+    run = lambda: engine.generate(prompt, max_new_tokens=128, min_new_tokens=128, do_sample=False)
+    run()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    out = run()
+    torch.cuda.synchronize()
+    results[graphs] = (out, 128 / (time.perf_counter() - start))
+same = torch.equal(results[False][0], results[True][0])
+print(f"decode tok/s, batch 1 bf16: eager {results[False][1]:.0f}, CUDA graphs {results[True][1]:.0f} "
+      f"({results[True][1] / results[False][1]:.2f}x); tokens identical: {same}")
+PY
 
 timeout 180 python3 - <<'PY'
 """Batch-1 and batch-8 time of one TinyLlama-shaped block's fused projections (x22 layers), bf16 vs quantized."""

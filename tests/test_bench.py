@@ -145,7 +145,7 @@ def test_table_puts_quantized_rows_beside_the_float_row_of_their_mode():
 
     table = bench.format_table([row("inject", 10.0), row("inject+compile", 20.0), row("inject+int4", 25.0),
                                 row("inject+int4+compile", 52.0), row("inject+int8", 16.0, speedup=1.6)])
-    cells = {line.split()[3]: line.split()[8:10] for line in table.splitlines()[2:]}
+    cells = {line.split()[4]: line.split()[9:11] for line in table.splitlines()[2:]}
     assert cells["inject+int4"] == ["-", "2.50x"]  # no HF row: no speedup over it
     assert cells["inject+int4+compile"] == ["-", "2.60x"]  # against inject+compile, not inject
     assert cells["inject+int8"] == ["1.60x", "1.60x"]
@@ -205,3 +205,17 @@ def test_profile_needs_three_new_tokens(tiny_bench, tmp_path):
     args = parse("--new", "2", "--profile", "--json", str(tmp_path / "b.json"))
     with pytest.raises(ValueError, match="--new >= 3"):
         args.run(args)
+
+
+def test_bench_context_rows_run_each_length(tiny_bench, tmp_path):
+    out = tmp_path / "bench.json"
+    args = parse("--model", "tiny", "--context", "8,20", "--new", "4", "--repeat", "1", "--modes", "hf,inject",
+                 "--json", str(out))
+    assert args.run(args) == 0
+    report = json.loads(out.read_text())
+    rows = report["results"]
+    assert [(r["prompt"], r["mode"]) for r in rows] == [(8, "hf"), (8, "inject"), (20, "hf"), (20, "inject")]
+    assert report["settings"]["prompt"] == [8, 20]
+    assert rows[2]["speedup"] == 1.0  # each context's rows against HF at that context
+    longer, shorter = rows[3], rows[1]
+    assert longer["step_bytes"] > shorter["step_bytes"]  # the KV cache read grows with the context

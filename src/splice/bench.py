@@ -50,6 +50,7 @@ class Row:
     roofline_tok_s: float
     first_run_s: float = float("nan")  # inject+compile: the first generate call, compiling included
     step_bytes: int = 0  # bytes one decode step reads (weights, KV cache)
+    prompt: int = 0  # prompt tokens (the context the decode steps start from)
 
     @property
     def bandwidth_share(self) -> float:
@@ -67,6 +68,9 @@ def add_bench_parser(subparsers) -> None:
     parser.add_argument("--dtype", default="fp32", help="comma-separated: fp32,bf16 (default fp32)")
     parser.add_argument("--batch", type=batches, default=[1], help="comma-separated batch sizes (default 1)")
     parser.add_argument("--prompt", type=POSITIVE_INT, default=128, help="prompt tokens (default 128)")
+    parser.add_argument("--context", type=batches, help="comma-separated prompt lengths to run each configuration at, "
+                        "e.g. 128,1024,4096,8192 (long-context rows; default: --prompt); max_out_tokens is each "
+                        "length plus --new")
     parser.add_argument("--new", type=POSITIVE_INT, default=64, help="new tokens (default 64)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--repeat", type=POSITIVE_INT, default=2, help="timed runs per mode, best kept (default 2)")
@@ -102,14 +106,17 @@ def run_bench(args: argparse.Namespace) -> int:
     rows: list[Row] = []
     args.profiles = []  # bench_configuration and bench_quantized add one per kernel-injected run with --profile
     with _kernel_names(args.profile and args.compile):
-        for dtype in _split(args.dtype):
-            for batch in args.batch:
-                plain_rows = bench_configuration(args, dtype, batch, modes, bandwidth)
-                hf_speed = next((r.decode_tok_s for r in plain_rows if r.mode == "hf"), float("nan"))
-                rows += plain_rows + bench_quantized(args, dtype, batch, schemes, bandwidth, hf_speed)
+        for context in args.context or [args.prompt]:
+            at_context = argparse.Namespace(**{**vars(args), "prompt": context})
+            for dtype in _split(args.dtype):
+                for batch in args.batch:
+                    plain_rows = bench_configuration(at_context, dtype, batch, modes, bandwidth)
+                    hf_speed = next((r.decode_tok_s for r in plain_rows if r.mode == "hf"), float("nan"))
+                    rows += plain_rows + bench_quantized(at_context, dtype, batch, schemes, bandwidth, hf_speed)
     print(format_table(rows))
-    report = {"machine": machine_info(bandwidth), "settings": {"prompt": args.prompt, "new": args.new,
-              "compile": args.compile}, "results": [{**asdict(r), "bandwidth_share": r.bandwidth_share} for r in rows]}
+    settings = {"prompt": args.context or args.prompt, "new": args.new, "compile": args.compile}
+    report = {"machine": machine_info(bandwidth), "settings": settings,
+              "results": [{**asdict(r), "bandwidth_share": r.bandwidth_share} for r in rows]}
     if args.profile:
         print(format_profiles(args.profiles))
         report["profiles"] = args.profiles
@@ -152,7 +159,7 @@ def bench_configuration(args, dtype: str, batch: int, modes: list[str], bandwidt
                 step = weights + kv_bytes_per_step(model, batch, attended_slots(args, run))
                 rows.append(Row(args.model, dtype, batch, name, prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
                                 tok_s / hf_speed if hf_speed else float("nan"), batch * bandwidth * 1e9 / step,
-                                first_s, step))
+                                first_s, step, args.prompt))
             if run.startswith("inject") and args.profile:
                 args.profiles.append(profile_run(engine, prompt, args, (args.model, dtype, batch, run)))
     del model
@@ -185,7 +192,7 @@ def bench_quantized(args, dtype: str, batch: int, schemes: list[str], bandwidth:
                     prefill_ms, tok_s, peak = time_generate(engine.generate, prompt, args.new, args.repeat)
                 step = weights + kv_bytes_per_step(engine.module, batch, attended_slots(args, run))
                 rows.append(Row(args.model, dtype, batch, name, prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
-                                tok_s / hf_speed, batch * bandwidth * 1e9 / step, first_s, step))
+                                tok_s / hf_speed, batch * bandwidth * 1e9 / step, first_s, step, args.prompt))
             if args.profile:
                 args.profiles.append(profile_run(engine, prompt, args, (args.model, dtype, batch, run)))
         del engine, model
@@ -415,18 +422,20 @@ def format_table(rows: list[Row]) -> str:
     """The rows as a text table. "vs float" puts each quantized row beside the same run's float row of the same mode
     (``inject+int4+compile`` against ``inject+compile``); "-" where a figure was not measured."""
     width = max([len("mode")] + [len(r.mode) for r in rows])
-    header = (f"{'model':<24} {'dtype':<5} {'batch':>5} {'mode':<{width}} {'prefill ms':>10} {'decode tok/s':>12} "
+    header = (f"{'model':<24} {'dtype':<5} {'batch':>5} {'prompt':>6} {'mode':<{width}} {'prefill ms':>10} "
+              f"{'decode tok/s':>12} "
               f"{'ms/token':>9} {'peak RSS MB':>11} {'speedup':>8} {'vs float':>8} {'roofline tok/s':>14} "
               f"{'% of bw':>7} {'first run s':>11}")
-    float_speed = {(r.model, r.dtype, r.batch, r.mode): r.decode_tok_s for r in rows}
+    float_speed = {(r.model, r.dtype, r.batch, r.prompt, r.mode): r.decode_tok_s for r in rows}
     lines = [header, "-" * len(header)]
     for r in rows:
-        base = float_speed.get((r.model, r.dtype, r.batch, _float_mode(r.mode)))
+        base = float_speed.get((r.model, r.dtype, r.batch, r.prompt, _float_mode(r.mode)))
         vs_float = r.decode_tok_s / base if base and _float_mode(r.mode) != r.mode else math.nan
-        lines.append(f"{r.model[:24]:<24} {r.dtype:<5} {r.batch:>5} {r.mode:<{width}} {r.prefill_ms:>10.1f} "
-                     f"{r.decode_tok_s:>12.2f} {r.ms_per_token:>9.1f} {r.peak_rss_mb:>11.0f} {_ratio(r.speedup):>8} "
-                     f"{_ratio(vs_float):>8} {r.roofline_tok_s:>14.2f} {100 * r.bandwidth_share:>6.0f}% "
-                     f"{_number(r.first_run_s):>11}")
+        lines.append(f"{r.model[:24]:<24} {r.dtype:<5} {r.batch:>5} {r.prompt:>6} {r.mode:<{width}} "
+                     f"{r.prefill_ms:>10.1f} {r.decode_tok_s:>12.2f} {r.ms_per_token:>9.1f} "
+                     f"{r.peak_rss_mb:>11.0f} "
+                     f"{_ratio(r.speedup):>8} {_ratio(vs_float):>8} {r.roofline_tok_s:>14.2f} "
+                     f"{100 * r.bandwidth_share:>6.0f}% {_number(r.first_run_s):>11}")
     return "\n".join(lines)
 
 
@@ -451,18 +460,20 @@ def plot(rows: list[Row], path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as error:
         raise ValueError("--plot needs matplotlib: pip install 'splice[plot]'") from error
-    configs = sorted({(r.model, r.dtype, r.batch) for r in rows}, key=str)
+    def config(r: Row) -> tuple:
+        return r.model, r.dtype, r.batch, r.prompt
+
+    configs = sorted({config(r) for r in rows}, key=str)
     modes = list(dict.fromkeys(r.mode for r in rows))
     width = 0.8 / (len(modes) + 1)
     fig, ax = plt.subplots(figsize=(max(6, 2.5 * len(configs)) + 2, 4))
     for i, mode in enumerate(modes):
-        values = [next((r.decode_tok_s for r in rows if (r.model, r.dtype, r.batch) == c and r.mode == mode), 0)
-                  for c in configs]
+        values = [next((r.decode_tok_s for r in rows if config(r) == c and r.mode == mode), 0) for c in configs]
         ax.bar([k + i * width for k in range(len(configs))], values, width, label=mode)
-    roof = [next(r.roofline_tok_s for r in rows if (r.model, r.dtype, r.batch) == c) for c in configs]
+    roof = [next(r.roofline_tok_s for r in rows if config(r) == c) for c in configs]
     ax.bar([k + len(modes) * width for k in range(len(configs))], roof, width, label="roofline", color="lightgray")
     ax.set_xticks([k + width * len(modes) / 2 for k in range(len(configs))])
-    ax.set_xticklabels([f"{m}\n{d} batch {b}" for m, d, b in configs])
+    ax.set_xticklabels([f"{m}\n{d} batch {b}, prompt {p}" for m, d, b, p in configs])
     ax.set_ylabel("decode tokens/s")
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, not over them
     fig.tight_layout()

@@ -40,7 +40,7 @@ FIELD_SUPPORT: dict[str, str] = {
     "replace_with_kernel_inject": HONOURED,
     "dtype": HONOURED,
     "tensor_parallel": HONOURED,
-    "enable_cuda_graph": UNSUPPORTED,
+    "enable_cuda_graph": HONOURED,
     "compile_decode": HONOURED,
     "use_triton": IGNORED,
     "triton_autotune": IGNORED,
@@ -302,10 +302,12 @@ class InferenceConfig(_Section):
                                 "defaults to None (keep the model's dtype)."))
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig, alias="tp",
                                                   description="Tensor parallelism: split the model across ranks.")
-    enable_cuda_graph: bool = Field(False, description="Capture the decode step in a CUDA graph (GPU only).",
-                                    json_schema_extra=_note(
-                                        "CUDA graph capture is not built yet: True raises ValueError; "
-                                        "compile_decode=True compiles the decode step instead"))
+    enable_cuda_graph: bool = Field(False, description=(
+        "Replay CUDA graphs (CUDA, tp_size 1): generate's decode step (kernel-injected models; one graph per batch "
+        "size and attended length) and engine(...) calls (one graph per argument signature), each captured when "
+        "first called; what cannot be captured runs eagerly and the log says so."),
+        json_schema_extra=_note("written, not yet run on a GPU; DeepSpeed replays one graph of the first "
+                                "engine(...) call's shapes and hands back its static output, splice a copy"))
     compile_decode: bool = Field(False, description=(
         "Compile splice's decode step with torch.compile (static shapes; needs replace_with_kernel_inject=True). "
         "It attends over the filled KV-cache slots rounded up to a power of two (at least 256): one graph per such "

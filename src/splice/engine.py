@@ -1,6 +1,7 @@
 """InferenceEngine: the module ``init_inference`` returns."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ from .distributed import SINGLE_PROCESS, ParallelContext
 from .generation import check_request, check_token_ids, request_input_ids
 from .generation import generate as native_generate
 from .layers.causal_lm import SpliceCausalLM
+from .layers.cuda_graphs import GraphReplayer
 from .profiling import ForwardTimer
 from .steps import StepReport
 
@@ -37,6 +39,7 @@ class InferenceEngine(nn.Module):
         self.parallel = parallel
         self.runtime = runtime
         self._timer: ForwardTimer | None = None
+        self._forward_graphs = GraphReplayer(self._call_module, "engine(...)") if config.enable_cuda_graph else None
         self.module = module.eval()
 
     # --- standing in for the wrapped model ----------------------------------------------------------------------------
@@ -92,9 +95,18 @@ class InferenceEngine(nn.Module):
         raise KeyError(f"no step {step!r}; steps: {', '.join(r.step for r in self.reports)}")
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward; with ``enable_cuda_graph``, replayed from a CUDA graph of this call's signature."""
         self._checked_input_ids(args, kwargs)
+        self._check_outputs(kwargs)
         with torch.inference_mode():
-            return self.module(*args, **kwargs)
+            if self._forward_graphs is None:
+                return self.module(*args, **kwargs)
+            with self._timer.measure_as_one() if self._timer is not None else nullcontext():
+                return self._forward_graphs(len(args), tuple(kwargs), *args, *kwargs.values())
+
+    def _call_module(self, positional: int, names: tuple[str, ...], *values: Any) -> Any:
+        """``module(*args, **kwargs)`` from the flat form a graph replayer keys its signatures by."""
+        return self.module(*values[:positional], **dict(zip(names, values[positional:])))
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """Hugging Face ``generate`` with every option it has, after checking the request
@@ -107,6 +119,21 @@ class InferenceEngine(nn.Module):
             if self.runtime is not None:
                 return native_generate(self.module, self.runtime, *args, timer=self._timer, **kwargs)  # or HF's
             return self.module.generate(*args, **kwargs)
+
+    def _check_outputs(self, kwargs: dict) -> None:
+        """Attention weights are never formed by the fused blocks (SDPA): asking a kernel-injected model for them
+        raises rather than returning none (hidden states are recorded as the model records them)."""
+        config = getattr(self.module, "config", None)
+        asked = kwargs.get("output_attentions", getattr(config, "output_attentions", False))
+        if asked and self.fused:
+            raise ValueError("output_attentions=True needs the attention weights, which splice's fused blocks do not "
+                             "form (they attend with SDPA); allowed: output_attentions=False, or "
+                             "replace_with_kernel_inject=False for a model whose attention weights are wanted")
+
+    @property
+    def fused(self) -> bool:
+        """Whether kernel injection replaced the model's layers by splice's fused blocks."""
+        return any(report.step == "fuse" and getattr(report, "family", None) for report in self.reports)
 
     def _checked_input_ids(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
         """The token ids of a call, checked; None for a model without an input embedding that was not given

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .arch import check_fits, lookup, model_dims, tensor_parallel_plan
+from .arch import check_fits, model_dims, record_for, tensor_parallel_plan
 from .arch.paths import misfits
 from .checkpoint import check_checkpoint, has_meta_tensors, load_policy_files
 from .config import InferenceConfig
@@ -58,6 +58,7 @@ class Plan:
     float_kernel: KernelChoice  # the float linears of a fused model
     quant_kernel: KernelChoice | None  # the quantized linears (None without quantization)
     compile_decode: bool
+    cuda_graph: bool = False
 
     @property
     def tp_size(self) -> int:
@@ -76,7 +77,7 @@ def resolve(config: InferenceConfig, model: nn.Module, parallel: ParallelContext
         check_fusable(model, config)
     quant = QuantConfig.from_inference_config(config)
     calibration_ids = resolve_quantization(model, quant, config)
-    check_graphs(config)
+    check_graphs(config, device, tp)
     compute_dtype = dtype or _model_float_dtype(model)
     return Plan(
         config=config, device=device, home=torch.device("cpu") if config.keep_module_on_host else device,
@@ -87,7 +88,7 @@ def resolve(config: InferenceConfig, model: nn.Module, parallel: ParallelContext
         fuse=bool(config.replace_with_kernel_inject), max_out_tokens=config.max_out_tokens, quant=quant,
         calibration_ids=calibration_ids, float_kernel=float_kernel(compute_dtype, device),
         quant_kernel=None if quant is None else quant_kernel(quant, device),
-        compile_decode=bool(config.compile_decode))
+        compile_decode=bool(config.compile_decode), cuda_graph=bool(config.enable_cuda_graph))
 
 
 def resolve_device(config: InferenceConfig) -> torch.device:
@@ -212,7 +213,7 @@ def resolve_tensor_parallel(config: InferenceConfig, model: nn.Module, tp: int,
     elif config.injection_policy:
         plan = policy_plan(model, config.injection_policy, trace_model(model))
     elif config.replace_with_kernel_inject:
-        plan = tensor_parallel_plan(lookup(model.config), model.config)
+        plan = tensor_parallel_plan(record_for(model), model.config)
     else:
         plan = autotp_plan(model, trace_model(model))
     verify(plan, model, tp)
@@ -229,13 +230,17 @@ def describe_tensor_parallel(model: nn.Module, tp_size: int, injection_policy: d
 
 # ---- kernel injection -----------------------------------------------------------------------------------------------
 def check_fusable(model: nn.Module, config: InferenceConfig) -> None:
-    """A known family, an activation and rope the fused block supports (meta weights are fine: they are loaded
-    before fusing)."""
+    """A known family, an activation and rope the fused block supports, no decode-step option for an encoder (meta
+    weights are fine: they are loaded before fusing)."""
     model_config = getattr(model, "config", None)
     if model_config is None:
         raise TypeError(f"kernel injection needs a transformers model with a .config, got {type(model).__name__}")
-    record = lookup(model_config)
+    record = record_for(model)
     check_fits(record, model_config)
+    if record.encoder and config.compile_decode:
+        raise ValueError(f"compile_decode=True compiles the decode step of a generating model, but model_type="
+                         f"{record.model_type!r} is an encoder (no generate, no decode step); allowed: "
+                         "compile_decode=False for it")
     dims = model_dims(record, model_config)
     wrong = misfits(record, dims, model)
     if wrong:
@@ -262,8 +267,20 @@ def resolve_quantization(model: nn.Module, quant: QuantConfig | None, config: In
 
 
 # ---- graphs ---------------------------------------------------------------------------------------------------------
-def check_graphs(config: InferenceConfig) -> None:
-    """compile_decode compiles splice's own decode step, so it needs kernel injection."""
+def check_graphs(config: InferenceConfig, device: torch.device, tp: int) -> None:
+    """compile_decode compiles splice's own decode step, so it needs kernel injection; CUDA graphs need the model on
+    a CUDA device, one rank (a graph would capture one rank's collectives) and its weights there."""
+    if config.enable_cuda_graph:
+        if device.type != "cuda":
+            raise ValueError(f"enable_cuda_graph=True on device {str(device)!r}: CUDA graphs need a CUDA device; "
+                             "allowed: enable_cuda_graph=False (on the CPU compile_decode=True compiles the decode "
+                             "step instead), or device='cuda'")
+        if tp > 1:
+            raise ValueError(f"enable_cuda_graph=True with tensor_parallel.tp_size={tp}: CUDA graphs are not "
+                             "supported with tensor parallelism; allowed: tp_size=1, or enable_cuda_graph=False")
+        if config.keep_module_on_host:
+            raise ValueError("enable_cuda_graph=True with keep_module_on_host=True: a graph replays on weights "
+                             "that stay on the GPU; allowed: one of the two")
     if config.compile_decode and not config.replace_with_kernel_inject:
         raise ValueError("compile_decode=True compiles splice's own decode step, which needs "
                          "replace_with_kernel_inject=True; allowed: replace_with_kernel_inject=True, or "

@@ -32,8 +32,17 @@ class ForwardTimer:
         self.use_cuda_events = use_cuda_events
         self.pending: list[Any] = []  # milliseconds, or (start, end) CUDA events not read yet
         self._start: Any = None
-        module.register_forward_pre_hook(lambda _module, _args: self.start())
-        module.register_forward_hook(lambda _module, _args, _output: self.stop())
+        self._hooks_on = True
+        module.register_forward_pre_hook(self._before_forward)
+        module.register_forward_hook(self._after_forward)
+
+    def _before_forward(self, _module, _args) -> None:
+        if self._hooks_on:
+            self.start()
+
+    def _after_forward(self, _module, _args, _output) -> None:
+        if self._hooks_on:
+            self.stop()
 
     def start(self) -> None:
         if self._events():
@@ -58,6 +67,17 @@ class ForwardTimer:
         self.start()
         yield
         self.stop()
+
+    @contextmanager
+    def measure_as_one(self) -> Iterator[None]:
+        """Time the block as one forward, however many times the model's forward runs inside it (a CUDA graph's
+        warm-up and capture, then its replay)."""
+        self._hooks_on = False
+        try:
+            with self.measure():
+                yield
+        finally:
+            self._hooks_on = True
 
     def take(self) -> list[float]:
         """The latencies (ms) recorded since the last call, oldest first; clears them."""

@@ -183,3 +183,18 @@ def test_gemma3_with_an_image_runs_hugging_faces_generate_on_the_fused_language_
         assert scaled_error(expected, engine(ids, **image).logits) < 1e-4
         options = dict(GREEDY, max_new_tokens=12)
         assert torch.equal(engine.generate(ids, **image, **options), reference.generate(ids, **image, **options))
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "falcon", "gemma3"])
+def test_forward_records_every_layers_hidden_states(name):
+    """``engine(ids, output_hidden_states=True)``: the fused blocks' outputs, as the reference records its layers'
+    (through transformers' hooks on the layer class, or the model's own loop: Falcon)."""
+    reference = build_family(name)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
+    ids, mask = padded_batch(batch=3, length=10)
+    real = mask.bool()
+    with torch.inference_mode():
+        expected = reference(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        got = engine(ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    assert len(got) == len(expected) == 3
+    assert all(scaled_error(want[real], have[real]) < 1e-4 for want, have in zip(expected, got))

@@ -1,5 +1,6 @@
 """The tests' one factory of tiny random-weight models (hidden 64, 2 layers, vocab 128), built from transformers config
-classes: every family with an architecture record, and those AutoTP and tensor parallelism are tested on.
+classes: every family with an architecture record, and those AutoTP and tensor parallelism are tested on. The encoders
+(:data:`ENCODERS`) are built with a task head (:func:`build_encoder`).
 
 Each config switches on the family's variant (sliding window, qkv bias, qk-norm, fused projections with partial
 rotary, Gemma's norm offset and embedding scale, parallel residuals, post-norm, multi-query, ALiBi, soft-capping).
@@ -37,6 +38,7 @@ def build_tiny(config, seed: int = 0, dtype=torch.float32):
 def _configs():
     import transformers as T
 
+    encoder = dict(vocab_size=128, pad_token_id=0, max_position_embeddings=72, initializer_range=0.1)
     gemma2 = dict(COMMON, head_dim=16, query_pre_attn_scalar=24, attn_logit_softcapping=2.0,
                   final_logit_softcapping=3.0, sliding_window=6, initializer_range=0.1)
     return {
@@ -100,6 +102,13 @@ def _configs():
                                           max_position_embeddings=256, window_size=4,
                                           attention_types=[[["global", "local"], 1]]),
         "gemma2": lambda: T.Gemma2Config(**gemma2),
+        # encoders: pad id 0 (RoBERTa counts positions from it), 8 positions past the padding index
+        "bert": lambda: T.BertConfig(**encoder, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, type_vocab_size=2),
+        "roberta": lambda: T.RobertaConfig(**encoder, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                           intermediate_size=128, type_vocab_size=1, bos_token_id=2,
+                                           eos_token_id=3),
+        "distilbert": lambda: T.DistilBertConfig(**encoder, dim=64, n_layers=2, n_heads=4, hidden_dim=128),
         "gemma3_text": lambda: T.Gemma3TextConfig(**{**gemma2, "final_logit_softcapping": None,
                                                      "attn_logit_softcapping": None},
                                                   layer_types=["sliding_attention", "full_attention"]),
@@ -111,6 +120,11 @@ NEW_FAMILIES = ("gpt_neox", "gpt2", "opt", "phi", "gptj", "falcon", "bloom", "ge
                 "gpt_neo", "gpt_bigcode")
 #: the families AutoTP and tensor parallelism are tested on (tests/tp)
 AUTOTP_FAMILIES = ("llama", "qwen2", "gpt2", "gpt_neox", "bloom", "falcon", "opt", "phi3", "gemma")
+#: the encoders kernel injection fuses (bidirectional, post-norm; no decode runtime)
+ENCODERS = ("bert", "roberta", "distilbert")
+#: the task heads :func:`build_encoder` puts on an encoder: transformers' auto class for each
+ENCODER_TASKS = {"base": "AutoModel", "masked_lm": "AutoModelForMaskedLM",
+                 "sequence_classification": "AutoModelForSequenceClassification"}
 VARIANTS = (
     "gpt_neox", "gpt_neox:sequential", "gpt2", "gpt2:layer_scaled", "opt", "opt:post_norm", "phi", "gptj",
     "falcon", "falcon:new_architecture", "falcon:sequential", "falcon:alibi", "bloom", "bloom:six_heads", "gemma2",
@@ -144,7 +158,22 @@ def build(name: str, seed: int = 0, meta: bool = False, **overrides):
 
 def build_family(name: str, seed: int = 0, dtype=torch.float32):
     """The tiny model of ``name`` with its norm weights and biases randomised (deterministic in ``seed``)."""
-    model = build_tiny(family_config(name), seed=seed, dtype=dtype)
+    return randomised_vectors(build_tiny(family_config(name), seed=seed, dtype=dtype), seed)
+
+
+def build_encoder(name: str, task: str = "base", seed: int = 0, dtype=torch.float32, **overrides):
+    """The tiny encoder ``name`` with the ``task`` head (:data:`ENCODER_TASKS`), its norm weights and biases
+    randomised; config attributes ``overrides`` set first (``_attn_implementation="eager"``: float masks)."""
+    import transformers
+
+    auto = getattr(transformers, ENCODER_TASKS[task])
+    torch.manual_seed(seed)
+    model = auto.from_config(tiny_config(name, **overrides), dtype=dtype).eval()
+    return randomised_vectors(model, seed)
+
+
+def randomised_vectors(model, seed: int):
+    """``model`` with 0.2-scaled noise added to every vector parameter (norm weights, biases), in place."""
     generator = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for _, param in model.named_parameters():
@@ -153,13 +182,17 @@ def build_family(name: str, seed: int = 0, dtype=torch.float32):
     return model
 
 
-def padded_batch(batch: int = 3, length: int = 10, vocab: int = 128, seed: int = 0):
-    """Left-padded ``input_ids`` and ``attention_mask``: row i has ``3 * i`` pads (pad id 0)."""
+def padded_batch(batch: int = 3, length: int = 10, vocab: int = 128, seed: int = 0, side: str = "left"):
+    """Padded ``input_ids`` and ``attention_mask``: row i has ``3 * i`` pads (pad id 0), on the left (a generation
+    batch) or the right (``side="right"``: a tokenizer's padding for an encoder)."""
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (batch, length), generator=generator)
     mask = torch.ones_like(ids)
     for row in range(batch):
-        mask[row, : 3 * row] = 0
+        if side == "left":
+            mask[row, : 3 * row] = 0
+        else:
+            mask[row, length - 3 * row:] = 0
     return ids.masked_fill(mask == 0, 0), mask
 
 

@@ -94,3 +94,74 @@ def test_native_and_torch_kernels_load_each_others_checkpoints(tmp_path, monkeyp
 
 def _uses_native(model) -> set[bool]:
     return {m.use_native for m in model.modules() if isinstance(m, QuantizedLinear)}
+
+
+FAMILY_SCHEMES = {"int8": ({"dtype": torch.int8}, QuantConfig(bits=8)),
+                  "int4": ({"quant": {"enabled": True, "weight": {"num_bits": 4, "group_size": 32}}},
+                           QuantConfig(bits=4, group_size=32, symmetric=False))}
+#: other families' layouts: Conv1D (gpt2), per-head fused q/k/v (gpt_neox, bloom), one shared K/V head (falcon), an
+#: encoder with a task head (bert)
+SAVED_FAMILIES = ("gpt2", "gpt_neox", "falcon", "bloom", "bert")
+
+
+def _family(name: str, seed: int = 0):
+    from tests.arch.tiny_models import build_encoder, build_family
+
+    return build_encoder(name, "masked_lm", seed=seed) if name == "bert" else build_family(name, seed=seed)
+
+
+@pytest.mark.parametrize("scheme", sorted(FAMILY_SCHEMES))
+@pytest.mark.parametrize("name", SAVED_FAMILIES)
+def test_other_families_round_trip(tmp_path, name, scheme):
+    """``quantize`` + ``save_quantized`` + ``load_quantized`` into a skeleton of other random weights: the same logits
+    on a padded batch, bit for bit."""
+    from tests.arch.tiny_models import padded_batch
+
+    config = FAMILY_SCHEMES[scheme][1]
+    model = _family(name)
+    quantize(model, config)
+    save_quantized(model, tmp_path, config)
+    loaded = load_quantized(_family(name, seed=1), tmp_path, config)
+    ids, mask = padded_batch(batch=3, length=10, side="right" if name == "bert" else "left")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits,
+                                   rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scheme", sorted(FAMILY_SCHEMES))
+@pytest.mark.parametrize("name", SAVED_FAMILIES)
+def test_a_quantized_engine_reloads_into_a_float_engine(tmp_path, name, scheme):
+    """A kernel-injected engine quantized by ``init_inference`` saves under its own scheme; a float engine built the
+    same way (int8: bf16 activations) loads it: the same logits, and for decoders the same greedy tokens from the
+    native decode loop (which must decode with the loaded head, not the skeleton's)."""
+    import splice
+    from tests.arch.tiny_models import padded_batch
+
+    options, config = FAMILY_SCHEMES[scheme]
+    engine = splice.init_inference(_family(name), replace_with_kernel_inject=True, max_out_tokens=64, **options)
+    save_quantized(engine, tmp_path)
+    assert read_scheme(tmp_path) == QuantConfig.from_inference_config(engine.inference_config)
+    skeleton = splice.init_inference(_family(name, seed=1), replace_with_kernel_inject=True, max_out_tokens=64,
+                                     dtype=torch.bfloat16 if scheme == "int8" else None)
+    assert load_quantized(skeleton, tmp_path) is skeleton
+    ids, mask = padded_batch(batch=3, length=10, side="right" if name == "bert" else "left")
+    torch.testing.assert_close(skeleton(ids, attention_mask=mask).logits, engine(ids, attention_mask=mask).logits,
+                               rtol=0, atol=0)
+    if engine.runtime is not None:
+        greedy = dict(max_new_tokens=8, do_sample=False)
+        assert torch.equal(skeleton.generate(ids, attention_mask=mask, **greedy),
+                           engine.generate(ids, attention_mask=mask, **greedy))
+
+
+def test_a_kernel_injected_checkpoint_into_a_plain_model_is_refused_before_any_change(tmp_path):
+    import splice
+
+    engine = splice.init_inference(_family("gpt2"), replace_with_kernel_inject=True, dtype=torch.int8,
+                                   max_out_tokens=64)
+    save_quantized(engine, tmp_path)
+    plain = _family("gpt2")
+    with pytest.raises(ValueError, match=r"no module for: transformer\.h\.0\.qkv"):
+        load_quantized(plain, tmp_path)
+    assert type(plain.transformer.h[0].attn.c_attn).__name__ == "Conv1D"
+    with pytest.raises(ValueError, match="was not quantized"):
+        save_quantized(splice.init_inference(_family("gpt2")), tmp_path)

@@ -156,7 +156,10 @@ def test_compile_decode_needs_kernel_injection():
         splice.init_inference(build_family("llama"), compile_decode=True)
 
 
-def test_cuda_graph_capture_is_refused_until_it_is_built():
-    with pytest.raises(ValueError, match="enable_cuda_graph=True is not supported.*compile_decode=True"):
-        splice.init_inference(build_family("llama"), replace_with_kernel_inject=True, compile_decode=True,
-                              enable_cuda_graph=True)
+def test_cuda_graphs_on_the_cpu_are_refused_before_anything_changes():
+    model = build_family("llama")
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(ValueError, match="enable_cuda_graph=True on device 'cpu'.*compile_decode=True"):
+        splice.init_inference(model, replace_with_kernel_inject=True, enable_cuda_graph=True, device="cpu")
+    assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
+    assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"

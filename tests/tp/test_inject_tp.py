@@ -65,6 +65,21 @@ def test_multi_query_grouped_and_alibi_match_single_process_tp3():
     check_fused([r["fused_families"] for r in suite.tp3()], 3, workers.TP3_VARIANTS)
 
 
+def test_encoders_match_single_process_tp2():
+    """BERT, RoBERTa and DistilBERT with a task head at tp=2, kernel-injected (the record's plan: fused bidirectional
+    blocks, 2 of 4 heads a rank, o/down row-parallel: two all-reduces a block, embeddings and heads replicated; no
+    decode runtime) and through AutoTP, against the single-process model; int8 weights on the fused shards agree."""
+    for rank, results in enumerate(r["encoders"] for r in suite.tp2()):
+        for name, _ in workers.TP_ENCODERS:
+            where = (rank, name)
+            fused, autotp, int8 = (results[(name, mode)] for mode in ("inject", "autotp", "inject_int8"))
+            assert fused["error"] < 1e-4 and autotp["error"] < 1e-4, (where, fused, autotp)
+            assert fused["shape"] == [(2, 2)] * 2 and fused["all_reduce"] == 2 * fused["blocks"], (where, fused)
+            assert fused["row_parallel"] == ["RowParallelLinear"] * 4 and not fused["runtime"], (where, fused)
+            assert autotp["blocks"] == 0, (where, autotp)
+            assert int8["relative"] < 0.05 and int8["row_parallel"] == ["RowParallelLinear"] * 4, (where, int8)
+
+
 def test_compiled_decode_step_runs_under_tensor_parallelism():
     """compile_decode=True at tp=2: each rank's compiled step (collectives traced in, no graph breaks) gives HF's
     single-process greedy tokens."""

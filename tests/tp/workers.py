@@ -188,7 +188,8 @@ def tp2_suite(rank: int, world: int, cases: list, models: list, index_files: dic
                             "checkpoint": fused_from_checkpoint(rank, world, root),
                             "compiled": compiled_decode(rank, world)},
             "sampled": sampling(rank, world), "reseeded": reseeded_after_init(rank, world), "quantized": quantized_parity(rank, world),
-            "pipeline": pipeline_parity(rank, world), "hf_generate": hf_generate_fallback(rank, world)}
+            "pipeline": pipeline_parity(rank, world), "hf_generate": hf_generate_fallback(rank, world),
+            "encoders": encoder_parity(rank, world)}
 
 
 def tp3_suite(rank: int, world: int, cases: list) -> dict:
@@ -326,6 +327,43 @@ def fused_pipeline(rank: int, world: int, families: tuple | None = None) -> dict
             "modules": [type(m).__name__ for m in (runtime.embed, runtime.lm_head, block.o, block.down)],
             "config_heads": (dims.n_heads, dims.n_kv_heads),
             "tied": runtime.lm_head.linear.weight is runtime.embed.weight}
+    return out
+
+
+#: (encoder, task head) run at tp=2, kernel-injected and through AutoTP
+TP_ENCODERS = (("bert", "masked_lm"), ("roberta", "base"), ("distilbert", "sequence_classification"))
+
+
+def encoder_parity(rank: int, world: int) -> dict:
+    """Each encoder with a task head, sharded (``replace_with_kernel_inject`` True: the record's plan and fused
+    blocks; False: AutoTP's plan on the model's own layers), against the single-process unmodified model on a
+    right-padded batch: the task's output (real tokens only), the blocks' per-rank heads and all-reduces per forward,
+    and an int8 engine's agreement."""
+    import splice
+    from splice.layers.block import SpliceBlock
+    from tests.arch.tiny_models import build_encoder, padded_batch
+
+    ids, mask = padded_batch(batch=3, length=12, side="right")
+    out = {}
+    for name, task in TP_ENCODERS:
+        key = "last_hidden_state" if task == "base" else "logits"
+        real = slice(None) if task == "sequence_classification" else mask.bool()
+        for mode, config in (("inject", {"replace_with_kernel_inject": True}),
+                             ("autotp", {"replace_with_kernel_inject": False}),
+                             ("inject_int8", {"replace_with_kernel_inject": True, "dtype": torch.int8})):
+            model = build_encoder(name, task)
+            with torch.no_grad():
+                expected = model(ids, attention_mask=mask)[key][real]
+            engine = splice.init_inference(model, tensor_parallel={"tp_size": world}, **config)
+            with count_collectives() as counts, torch.no_grad():
+                got = engine(ids, attention_mask=mask)[key][real].float()
+            blocks = [m for m in engine.module.modules() if isinstance(m, SpliceBlock)]
+            out[(name, mode)] = {
+                "error": float((got - expected).abs().max() / expected.std()),
+                "relative": float((got - expected).norm() / expected.norm()),
+                "blocks": len(blocks), "shape": [(b.shape.n_heads, b.shape.n_kv_heads) for b in blocks],
+                "row_parallel": [type(m).__name__ for b in blocks for m in (b.o, b.down)],
+                "all_reduce": counts["all_reduce"], "runtime": engine.runtime is not None}
     return out
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 from typing import Any
 
 from .families import RECORDS
-from .record import ArchRecord, ModelDims, RopeSpec, check_fits, model_dims, tensor_parallel_plan
+from .record import ArchRecord, ModelDims, RopeSpec, check_fits, model_dims, rooted, tensor_parallel_plan
 
 REGISTRY: dict[str, ArchRecord] = {record.model_type: record for record in RECORDS}
 
-__all__ = ["ArchRecord", "ModelDims", "RopeSpec", "REGISTRY", "check_fits", "lookup", "model_dims", "supported",
-           "tensor_parallel_plan"]
+__all__ = ["ArchRecord", "ModelDims", "RopeSpec", "REGISTRY", "check_fits", "lookup", "model_dims", "record_for",
+           "rooted", "supported", "tensor_parallel_plan"]
 
 
 def supported() -> list[str]:
@@ -26,3 +26,8 @@ def lookup(config: Any) -> ArchRecord:
             f"supported: {', '.join(supported())} (use replace_with_kernel_inject=False for other models)"
         )
     return record
+
+
+def record_for(model: Any) -> ArchRecord:
+    """The record for ``model`` (by its config's ``model_type``), its paths rooted at ``model`` itself."""
+    return rooted(lookup(model.config), model)

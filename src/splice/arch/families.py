@@ -110,5 +110,26 @@ GPT_BIGCODE = ArchRecord(
     positions="learned", activation_key="activation_function", refuse=(("add_cross_attention", True),),
     hf_args=("encoder_hidden_states",))
 
+# HFBertLayerPolicy: an encoder (bidirectional, post-norm, plain GELU MLP); embeddings (learned positions and token
+# types), pooler and heads stay the model's own. A decoder BERT (causal, cross-attention) is refused.
+BERT = ArchRecord(
+    model_type="bert", encoder=True, layers="encoder.layer", embed="embeddings.word_embeddings", final_norm=None,
+    lm_head=None, q="attention.self.query", k="attention.self.key", v="attention.self.value",
+    o="attention.output.dense", gated=False, up="intermediate.dense", down="output.dense", norm="layer",
+    attn_norm="attention.output.LayerNorm", mlp_norm="output.LayerNorm", eps_key="layer_norm_eps", norm_before=False,
+    positions="none", refuse=(("is_decoder", True), ("add_cross_attention", True)),
+    hf_args=("attention_mask", "encoder_hidden_states"))
+
+# HFBertLayerPolicy (RoBERTa's layers are BERT's; its embeddings count positions from the padding index)
+ROBERTA = replace(BERT, model_type="roberta")
+
+# HFDistilBertLayerPolicy: BERT's layout under other names
+DISTILBERT = ArchRecord(
+    model_type="distilbert", encoder=True, layers="transformer.layer", embed="embeddings.word_embeddings",
+    final_norm=None, lm_head=None, q="attention.q_lin", k="attention.k_lin", v="attention.v_lin",
+    o="attention.out_lin", gated=False, up="ffn.lin1", down="ffn.lin2", norm="layer", attn_norm="sa_layer_norm",
+    mlp_norm="output_layer_norm", norm_before=False, positions="none", activation_key="activation",
+    hf_args=("attention_mask",))
+
 RECORDS: tuple[ArchRecord, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GPT_NEOX, GPT2, OPT, PHI, GPTJ, FALCON,
-                                   BLOOM, GEMMA2, GEMMA3_TEXT, GEMMA3, GPT_NEO, GPT_BIGCODE)
+                                   BLOOM, GEMMA2, GEMMA3_TEXT, GEMMA3, GPT_NEO, GPT_BIGCODE, BERT, ROBERTA, DISTILBERT)

@@ -49,7 +49,8 @@ def misfits(record, dims, model: nn.Module) -> list[str]:
 
 def missing_parts(record, parallel: bool, model: nn.Module) -> list[str]:
     """The parts ``record`` needs that ``model`` (its first decoder layer for block parts) does not have."""
-    missing = [path for path in (record.layers, record.embed, record.lm_head) if optional_path(model, path) is None]
+    roots = (record.layers, record.embed, record.lm_head) if record.lm_head else (record.layers, record.embed)
+    missing = [path for path in roots if optional_path(model, path) is None]
     if missing:
         return missing
     layer = get_path(model, record.layers)[0]

@@ -22,14 +22,19 @@ class ArchRecord:
     that name a config key (``parallel``, ``norm_before``, ``alibi``) take the variant from the model's config.
     Biases are taken from the checkpoint's linears (present or not), tied embeddings from the shared lm_head; HF
     ``Conv1D`` linears (GPT-2) and ``nn.Linear`` subclasses become plain ``nn.Linear`` when fused.
+
+    An ``encoder`` (BERT) attends bidirectionally, keeps no KV cache and gets no decode runtime: only its layers are
+    fused, its embeddings, pooler and task heads stay the model's own. Its model paths are relative to the base model
+    (``model.base_model``), so one record serves the bare model and every task model around it (:func:`rooted`).
     """
 
     model_type: str
-    # where the model's parts live, from the ``*ForCausalLM`` module
+    encoder: bool = False
+    # where the model's parts live, from the ``*ForCausalLM`` module (an encoder: from its base model)
     layers: str = "model.layers"
     embed: str = "model.embed_tokens"
     final_norm: str | None = "model.norm"
-    lm_head: str = "lm_head"
+    lm_head: str | None = "lm_head"  # None: no output head the runtime decodes with (encoders)
     # learned absolute positions added to the token embeddings, looked up at ``position + position_offset`` (OPT: 2)
     position_embed: str | None = None
     position_offset: int = 0
@@ -141,6 +146,21 @@ class ModelDims:
     def layer_scale(self, index: int) -> float:
         scale = self.head_dim ** -0.5 if self.attn_scale is None else self.attn_scale
         return scale / (index + 1) if self.scale_by_layer else scale
+
+
+#: the record fields that are paths from the model's root (the others are relative to one layer)
+MODEL_PATHS = ("layers", "embed", "final_norm", "lm_head", "position_embed", "embed_norm", "project_in", "project_out")
+
+
+def rooted(record: ArchRecord, model: Any) -> ArchRecord:
+    """``record`` with its model paths from ``model``'s root: an encoder's paths are relative to the base model, which
+    a task model (``BertForMaskedLM``) holds under ``base_model_prefix``; a decoder record is returned as it is."""
+    base = getattr(model, "base_model", model)
+    if not record.encoder or base is model:
+        return record
+    prefix = model.base_model_prefix
+    return replace(record, **{name: f"{prefix}.{getattr(record, name)}" for name in MODEL_PATHS
+                              if getattr(record, name) is not None})
 
 
 def text_config(config: Any) -> Any:
@@ -275,13 +295,14 @@ def _rescale_limit(rope_type: str, params: dict, config: Any) -> int:
 
 
 def tensor_parallel_plan(record: ArchRecord, config: Any) -> TPPlan:
-    """The family's tensor-parallel plan: embedding and lm_head split by vocabulary, q/k/v (or the fused qkv, by its
-    layout) and the MLP's input projections column-parallel by heads and halves, o and down row-parallel (two
-    all-reduces a block). Everything else (norms, position embeddings, OPT's projections) is replicated."""
+    """The family's tensor-parallel plan: a decoder's embedding and lm_head split by vocabulary, q/k/v (or the fused
+    qkv, by its layout) and the MLP's input projections column-parallel by heads and halves, o and down row-parallel
+    (two all-reduces a block). Everything else (norms, position embeddings, OPT's projections; an encoder's embeddings,
+    pooler and task heads) is replicated. ``record``'s paths must be rooted at the model (:func:`rooted`)."""
     dims = model_dims(record, config)
     heads = Heads(dims.n_heads, dims.n_kv_heads, dims.head_dim)
     block = f"{record.layers}.*"
-    rules = {record.embed: Rule("vocab")}
+    rules = {} if record.encoder else {record.embed: Rule("vocab")}
     if record.qkv:
         rules[f"{block}.{record.qkv}"] = Rule("column", fused_qkv_layout(record, heads), heads)
     else:
@@ -295,8 +316,9 @@ def tensor_parallel_plan(record: ArchRecord, config: Any) -> TPPlan:
     else:
         rules.update({f"{block}.{path}": Rule("column") for path in (record.gate, record.up)})
     rules[f"{block}.{record.down}"] = Rule("row")
-    rules[record.lm_head] = Rule("vocab")
-    attention = {f"{block}.{record.o.rpartition('.')[0]}": heads}
+    if not record.encoder:
+        rules[record.lm_head] = Rule("vocab")
+    attention = {f"{block}.{(record.qkv or record.q).rpartition('.')[0]}": heads}
     return TPPlan(rules, attention, [block], source="record")
 
 

@@ -1,13 +1,13 @@
 """The generic fused transformer block that replaces a model's decoder layers.
 
 It knows nothing about any family's names: ``splice.steps.fuse`` builds it from an architecture record, and the
-variants are data (:class:`BlockLayout`): pre- or post-norm, sequential or parallel residual (one norm or two), norms
-on the branch outputs, gated or plain MLP, rotary (applied to the first ``rotary_dim`` features), ALiBi or no
-positions inside the block, the score scale and soft-capping. Two entry points share the same fused code:
+variants are data (:class:`BlockLayout`): causal or bidirectional (encoder) attention, pre- or post-norm, sequential
+or parallel residual (one norm or two), norms on the branch outputs, gated or plain MLP, rotary (applied to the first
+``rotary_dim`` features), ALiBi or no positions inside the block, the score scale and soft-capping. Two entry points share the same fused code:
 
 * ``forward`` has the Hugging Face decoder-layer interface, so the model's own forward and ``generate`` (any
   option, any HF cache) still run on the injected model;
-* ``step`` is splice's native path over a :class:`~splice.layers.kv_cache.StaticKVCache`.
+* ``step`` is splice's native path over a :class:`~splice.layers.kv_cache.StaticKVCache` (decoders only).
 """
 from __future__ import annotations
 
@@ -57,6 +57,7 @@ class BlockShape:
 class BlockLayout:
     """How one block computes, beyond its shape (see the module docstring); the defaults are Llama's."""
 
+    causal: bool = True  # False: every position sees every other one the mask leaves visible (encoders)
     parallel: bool = False  # x + attn(n1(x)) + mlp(n2(x)), n2 = n1 when there is no MLP norm
     norm_before: bool = True  # False: x = n1(x + attn(x)); x = n2(x + mlp(x)) (post-norm)
     gated: bool = True  # down(act(gate) * up), else down(act(up))
@@ -98,10 +99,11 @@ class SpliceBlock(nn.Module):
         else:
             self.alibi_slopes = None
         self.rotary_table = None  # positions -> (cos, sin), for HF layers that pass no cos/sin (set by the fuse step)
-        self.is_causal = True
+        self.is_causal = layout.causal
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        """The Hugging Face decoder-layer call: HF's cos/sin (or position ids), mask (None means causal) and cache."""
+        """The Hugging Face layer call: HF's cos/sin (or position ids), mask (None: causal, or no mask for an
+        encoder) and cache."""
         if len(args) > len(self.layout.hf_args):
             raise TypeError(f"the fused block got {len(args)} positional arguments after the hidden states; its "
                             f"record names {len(self.layout.hf_args)} ({', '.join(self.layout.hf_args) or 'none'})")
@@ -109,7 +111,7 @@ class SpliceBlock(nn.Module):
         cache = next((kwargs.pop(name) for name in CACHE_ARGS if kwargs.get(name) is not None), None)
         mask = kwargs.pop("attention_mask", None)
         cos, sin = self.hf_rotary(kwargs)
-        x = hidden_states.clone()
+        x = hidden_states.clone() if self.updates_in_place else hidden_states
         q, k, v, h = self.project(x, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
@@ -117,7 +119,7 @@ class SpliceBlock(nn.Module):
             mask = mask["sliding_attention" if self.window is not None else "full_attention"]
         if self.window is not None and not self.layout.hf_window_in_mask:
             mask = within_window(mask, q.shape[2], k.shape[2], self.window, q.device)
-        causal = mask is None and q.shape[2] > 1
+        causal = mask is None and q.shape[2] > 1 and self.layout.causal
         alibi = not self.layout.hf_alibi_in_mask
         out = self.finish(x, h, self.attend(q, k, v, mask, causal, alibi))
         return (out, None) if self.layout.hf_returns_tuple else out
@@ -162,7 +164,7 @@ class SpliceBlock(nn.Module):
         if mask is not None and q.shape[2] == 1 and torch.compiler.is_compiling():
             return attend_one_query(q, k, v, mask, self.scale, bias, self.layout.softcap).transpose(1, 2).flatten(2)
         if bias is not None or self.layout.softcap is not None:
-            mask = additive_mask(mask, q.shape[2], k.shape[2], q.dtype, q.device)
+            mask = additive_mask(mask, q.shape[2], k.shape[2], q.dtype, q.device, causal)
             if bias is not None:
                 mask = mask + alibi_bias(bias, k.shape[2]).to(mask.dtype)
             causal = False
@@ -174,20 +176,24 @@ class SpliceBlock(nn.Module):
                                                  scale=self.scale)
         return out.transpose(1, 2).flatten(2)
 
+    @property
+    def updates_in_place(self) -> bool:
+        """Whether :meth:`finish` adds into ``x`` itself (pre-norm, parallel); post-norm leaves ``x`` as it was."""
+        return self.layout.norm_before or self.layout.parallel
+
     def finish(self, x: torch.Tensor, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """The residual adds (in place on ``x``; post-norm returns the normed sum) around the MLP."""
+        """The residual adds around the MLP: in place on ``x``, or (post-norm) into the new tensors the norms take."""
         out = self.o(attn)
         if self.attn_out_norm is not None:
             out = self.attn_out_norm(out)
         if self.layout.parallel:
             mlp = self.mlp(h if self.mlp_norm is None else self.mlp_norm(x))
             return x.add_(out).add_(mlp)
-        x.add_(out)
         if not self.layout.norm_before:
-            x = self.attn_norm(x)
-        mlp = self.mlp(self.mlp_norm(x) if self.layout.norm_before else x)
-        x.add_(mlp)
-        return x if self.layout.norm_before else self.mlp_norm(x)
+            x = self.attn_norm(x + out)
+            return self.mlp_norm(x + self.mlp(x))
+        x.add_(out)
+        return x.add_(self.mlp(self.mlp_norm(x)))
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         if self.layout.gated:
@@ -198,9 +204,12 @@ class SpliceBlock(nn.Module):
         return out if self.mlp_out_norm is None else self.mlp_out_norm(out)
 
 
-def additive_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, dtype, device) -> torch.Tensor:
-    """A float mask (0 where visible, -inf elsewhere) from a boolean or float mask, or causal when None (the queries
-    being the last ``q_len`` of ``kv_len`` positions)."""
+def additive_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, dtype, device,
+                  causal: bool = True) -> torch.Tensor:
+    """A float mask (0 where visible, -inf elsewhere) from a boolean or float mask; when None, causal (the queries
+    being the last ``q_len`` of ``kv_len`` positions) or, with ``causal`` False, all visible."""
+    if mask is None and not causal:
+        return torch.zeros(1, 1, q_len, kv_len, dtype=dtype, device=device)
     if mask is None:
         rows = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
         mask = torch.arange(kv_len, device=device)[None, :] <= rows

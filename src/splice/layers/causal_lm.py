@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..arch.record import ModelDims
+from .cuda_graphs import GraphReplayer
 from .kv_cache import StaticKVCache
 from .rotary import RopeTable, build_table
 
@@ -68,6 +69,7 @@ class SpliceCausalLM:
         # the compiled step's smallest attended length: below it, reading the empty slots costs less than a compile
         self.min_attended = MIN_ATTENDED
         self._cache: StaticKVCache | None = None
+        self.graphs: GraphReplayer | None = None  # the decode step's CUDA graphs (capture_graphs)
 
     @property
     def device(self) -> torch.device:
@@ -105,6 +107,8 @@ class SpliceCausalLM:
         cache = self._cache
         if cache is None or cache.batch != batch or cache.keys.device != self.device or cache.keys.dtype != self.dtype:
             self._cache = None  # release the old buffers before allocating the new ones
+            if self.graphs is not None:  # and the graphs that write into them
+                self.graphs.drop(lambda captured: False)
             cache = self._cache = self.new_cache(batch)
         return cache
 
@@ -138,6 +142,8 @@ class SpliceCausalLM:
         The eager step attends over the ``kv_len`` filled slots; the compiled one over :meth:`attended_length` slots
         (the mask hides the empty ones), so its shapes change only at a bucket boundary: one graph per bucket and
         batch size, each compiled when first reached."""
+        if self.graphs is not None:
+            return self.graphs(tokens, positions, slot, cache, self.attended_length(kv_len), keep_alive=(cache,))
         if self._compiled_step is None:
             return self.forward(tokens, positions, slot, cache, kv_len)
         attended = self.attended_length(kv_len)
@@ -187,6 +193,16 @@ class SpliceCausalLM:
             self.rope(index)
         self._compiled_step = torch.compile(self.forward, dynamic=False, **options)
         self._compiled_keys = set()
+
+    def capture_graphs(self) -> None:
+        """Replay decode steps from CUDA graphs (``enable_cuda_graph``): one per batch size and attended length, each
+        captured when first reached, over the static KV cache (the graph writes its keys and values in place and
+        reads which slots are filled from the cache's mask buffers). The step captured is the compiled one when
+        :meth:`compile_decode` ran first, else the eager one."""
+        for index in range(len(self.ropes)):
+            self.rope(index)  # the tables the graphs read, built before any capture
+        step = self._compiled_step if self._compiled_step is not None else self.forward
+        self.graphs = GraphReplayer(step, "the decode step")
 
     def embed_inputs(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Token embeddings (through the embedding module itself: a vocab-parallel one looks up its rows and sums over

@@ -7,6 +7,10 @@ Folder layout::
 
 Loading takes the float model skeleton (real or on the meta device), swaps the listed linears for empty quantized
 layers and loads the state dict strictly; the kernels' packed layouts are rebuilt on the target device.
+
+Both also take an :class:`~splice.InferenceEngine`: a quantized engine (kernel-injected or not) saves its model under
+the scheme it was quantized with, and a float engine built the same way (same family, ``replace_with_kernel_inject``
+and activation dtype) loads it back, its decode runtime then reading the loaded output head.
 """
 from __future__ import annotations
 
@@ -29,8 +33,10 @@ SCHEME_NAME = "splice_quant.json"
 FORMAT = 1
 
 
-def save_quantized(model: nn.Module, directory: str | os.PathLike, config: QuantConfig) -> Path:
-    """Write ``model`` (already quantized with ``config``) to ``directory``; returns the folder."""
+def save_quantized(model: nn.Module, directory: str | os.PathLike, config: QuantConfig | None = None) -> Path:
+    """Write ``model`` (already quantized with ``config``; for an engine, None means the scheme it was quantized
+    with) to ``directory``; returns the folder."""
+    model, config = _module_and_scheme(model, config)
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     state, tied = _dedupe(model.state_dict())
@@ -49,16 +55,22 @@ def read_scheme(directory: str | os.PathLike) -> QuantConfig:
 
 def load_quantized(model: nn.Module, directory: str | os.PathLike, config: QuantConfig | None = None,
                    device: torch.device | str = "cpu") -> nn.Module:
-    """Load a folder written by :func:`save_quantized` into the float skeleton ``model`` (changed in place).
+    """Load a folder written by :func:`save_quantized` into the float skeleton ``model`` (changed in place, and
+    returned).
 
-    ``config``, when given, must equal the saved scheme (``ValueError`` otherwise).
+    ``config``, when given, must equal the saved scheme (``ValueError`` otherwise). ``model`` may be an
+    :class:`~splice.InferenceEngine` (see the module docstring): its model is loaded, and its decode runtime, if any,
+    decodes with the loaded output head. Nothing is changed when the folder holds a layer ``model`` does not have.
     """
+    engine = model if _is_engine(model) else None
+    model = engine.module if engine is not None else model
     folder = Path(directory)
     record = _read_record(folder)
     saved = QuantConfig.from_dict(record["scheme"])
     if config is not None and config != saved:
         raise ValueError(f"{folder} holds weights quantized as {saved}, but {config} was asked for; re-quantize "
                          "from the float model, or load with the saved scheme (splice.quant.read_scheme)")
+    _check_layers_exist(model, folder, record["layers"])
     for name, layer in record["layers"].items():
         model.set_submodule(name, _empty_layer(model, name, layer, saved, torch.device(device)))
     state = load_file(folder / WEIGHTS_NAME, device=str(device))
@@ -68,7 +80,43 @@ def load_quantized(model: nn.Module, directory: str | os.PathLike, config: Quant
     for alias, kept in record["tied"].items():  # assign=True gives each name its own Parameter: tie them again
         owner, _, leaf = alias.rpartition(".")
         setattr(model.get_submodule(owner), leaf, model.get_parameter(kept))
-    return model
+    if engine is None:
+        return model
+    if engine.runtime is not None:  # the runtime decodes with the loaded output head from now on
+        engine.runtime.lm_head = model.get_output_embeddings()
+    return engine
+
+
+def _is_engine(model: nn.Module) -> bool:
+    from ..engine import InferenceEngine
+
+    return isinstance(model, InferenceEngine)
+
+
+def _module_and_scheme(model: nn.Module, config: QuantConfig | None) -> tuple[nn.Module, QuantConfig]:
+    """The model to save and its scheme: an engine's model and (unless ``config`` is given) its own scheme."""
+    if not _is_engine(model):
+        if config is None:
+            raise ValueError("save_quantized needs the QuantConfig the model was quantized with; config=None is "
+                             "allowed for an InferenceEngine only (it knows its scheme)")
+        return model, config
+    config = config or QuantConfig.from_inference_config(model.inference_config)
+    if config is None:
+        raise ValueError("save_quantized was given an engine that was not quantized; allowed: an engine made with "
+                         "dtype=torch.int8 or quant={...}")
+    return model.module, config
+
+
+def _check_layers_exist(model: nn.Module, folder: Path, layers: dict) -> None:
+    """A ``ValueError`` naming the saved quantized layers ``model`` has no module for (a checkpoint of a
+    kernel-injected engine needs a kernel-injected skeleton, and the other way round)."""
+    modules = dict(model.named_modules())
+    missing = [name for name in layers if name not in modules]
+    if missing:
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ValueError(f"{folder} holds quantized layers the model has no module for: {shown}; load it into a "
+                         "model built as the saved one was (a kernel-injected engine's checkpoint into an engine "
+                         "made with replace_with_kernel_inject=True, a plain model's into a plain model)")
 
 
 def _describe(module: QuantizedLinear) -> dict:

@@ -1,5 +1,5 @@
-"""compile: a compiled static decode step (``compile_decode``). CUDA graph capture (``enable_cuda_graph``) is not
-built; the config refuses it.
+"""compile: a compiled static decode step (``compile_decode``) and CUDA graph replay (``enable_cuda_graph``: the
+decode step's graphs here; ``engine(...)`` calls' graphs are the engine's).
 
 Only the decode step is compiled: one token per row at a tensor position, attending over the filled slots of the
 static KV cache rounded up to a power of two (at least ``layers.causal_lm.MIN_ATTENDED``; the cache's mask hides the
@@ -19,16 +19,23 @@ from . import Stage, StepReport
 @dataclass(frozen=True)
 class CompileReport(StepReport):
     compiled: bool
+    cuda_graphs: bool = False
 
     def summary(self) -> str:
+        said = []
         if self.compiled:
-            return ("decode step compiled with torch.compile (static shapes, one graph per attended length: the filled "
-                    "slots rounded up to a power of two; each compiles when first reached, cached by torch's inductor "
-                    "cache)")
-        return "no graph capture (compile_decode=False)"
+            said.append("decode step compiled with torch.compile (static shapes, one graph per attended length: the "
+                        "filled slots rounded up to a power of two; each compiles when first reached, cached by "
+                        "torch's inductor cache)")
+        if self.cuda_graphs:
+            said.append("CUDA graphs replay the decode step (one per batch size and attended length) and engine(...) "
+                        "calls (one per argument signature), each captured when first called")
+        return "; ".join(said) or "no graph capture (compile_decode=False, enable_cuda_graph=False)"
 
 
 def compile_decode(stage: Stage, plan: Plan) -> tuple[Stage, CompileReport]:
     if plan.compile_decode:
         stage.runtime.compile_decode()
-    return stage, CompileReport("compile", plan.compile_decode)
+    if plan.cuda_graph and stage.runtime is not None:
+        stage.runtime.capture_graphs()
+    return stage, CompileReport("compile", plan.compile_decode, plan.cuda_graph)

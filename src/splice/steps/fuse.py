@@ -1,4 +1,6 @@
-"""fuse (kernel injection): swap each decoder layer for splice's fused block and build the native decode runtime.
+"""fuse (kernel injection): swap each decoder layer for splice's fused block and build the native decode runtime; an
+encoder's (BERT's) layers are swapped the same way, with bidirectional attention, and get no decode runtime (an encoder
+has no ``generate``, and no KV cache is kept).
 
 Everything family-specific comes from the architecture record (``splice.arch``). Weights are moved, not copied: the
 fused QKV and gate+up weights are concatenated layer by layer and each original layer is released right away, so
@@ -22,7 +24,7 @@ import torch
 from torch import nn
 
 from .. import native
-from ..arch import ArchRecord, ModelDims, lookup, model_dims
+from ..arch import ArchRecord, ModelDims, model_dims, record_for
 from ..arch.paths import get_path, optional_path, set_path
 from ..arch.record import text_config
 from ..distributed import SINGLE_PROCESS, ParallelContext
@@ -44,6 +46,7 @@ class FuseReport(StepReport):
     heads_here: tuple[int, int] | None  # (query, key/value) heads on this rank, under tensor parallelism
     rank: int
     world_size: int
+    encoder: bool = False  # bidirectional layers, no KV cache, no decode runtime
 
     def summary(self) -> str:
         if self.family is None:
@@ -52,6 +55,9 @@ class FuseReport(StepReport):
         if self.heads_here is not None:
             parallel = (f"; tensor-parallel rank {self.rank}/{self.world_size}: {self.heads_here[0]} query and "
                         f"{self.heads_here[1]} KV heads here, o/down row-parallel (two all-reduces a block)")
+        if self.encoder:
+            return (f"{self.layers} {self.family} encoder layers -> SpliceBlock (bidirectional attention, one QKV "
+                    f"GEMM, one MLP input GEMM, SDPA; no KV cache, no decode runtime){parallel}")
         return (f"{self.layers} {self.family} decoder layers -> SpliceBlock (one QKV GEMM, one MLP input GEMM, SDPA, "
                 f"static KV cache of {self.kv_cache_tokens} tokens){parallel}")
 
@@ -60,25 +66,70 @@ def fuse(stage: Stage, plan: Plan) -> tuple[Stage, FuseReport]:
     parallel = plan.parallel
     if not plan.fuse:
         return stage, FuseReport("fuse", None, 0, 0, None, parallel.rank, parallel.world_size)
-    runtime = inject(stage.model, plan.max_out_tokens, parallel)
-    shape = runtime.blocks[0].shape
+    record = record_for(stage.model)
+    blocks = fuse_layers(stage.model, parallel)
+    runtime = None if record.encoder else decode_runtime(stage.model, blocks, plan.max_out_tokens)
+    shape = blocks[0].shape
     heads = (shape.n_heads, shape.n_kv_heads) if parallel.world_size > 1 else None
-    return stage.with_(runtime=runtime), FuseReport("fuse", stage.model.config.model_type, len(runtime.blocks),
-                                                    plan.max_out_tokens, heads, parallel.rank, parallel.world_size)
+    cache_tokens = 0 if record.encoder else plan.max_out_tokens
+    return stage.with_(runtime=runtime), FuseReport("fuse", stage.model.config.model_type, len(blocks), cache_tokens,
+                                                    heads, parallel.rank, parallel.world_size, record.encoder)
 
 
 def inject(model: nn.Module, max_out_tokens: int, parallel: ParallelContext = SINGLE_PROCESS) -> SpliceCausalLM:
     """Replace the decoder layers of ``model`` (this rank's shards under ``parallel``) in place; return the native
     decode runtime over them."""
-    record = lookup(model.config)
+    record = record_for(model)
+    if record.encoder:
+        raise ValueError(f"model_type={record.model_type!r} is an encoder, which has no decode runtime; fuse its "
+                         "layers with fuse_layers")
+    return decode_runtime(model, fuse_layers(model, parallel), max_out_tokens)
+
+
+def fuse_layers(model: nn.Module, parallel: ParallelContext = SINGLE_PROCESS) -> nn.ModuleList:
+    """Replace the layers of ``model`` (this rank's shards under ``parallel``) by fused blocks in place; return them."""
+    record = record_for(model)
     dims = model_dims(record, model.config)
     layers = get_path(model, record.layers)
     first_head = 0
     if parallel.world_size > 1:  # the model's numbering of this rank's first query head (ALiBi's slopes follow it)
         heads = Heads(dims.n_heads, dims.n_kv_heads, dims.head_dim)
         first_head = head_share(heads, parallel.world_size, parallel.rank).q[0]
+    recorder = hidden_states_recorder(model, layers[0])
     for index in range(len(layers)):
         layers[index] = fused_block(record, dims, index, layers[index], first_head)
+        if recorder is not None:
+            recorder(layers[index])
+    return layers
+
+
+def hidden_states_recorder(model: nn.Module, layer: nn.Module):
+    """What makes a fused block record ``output_hidden_states`` as ``layer`` does, or None where nothing needs to.
+
+    transformers 5 collects a model's hidden states with forward hooks it installs, on first request, on the layer
+    class its model registers (``_can_record_outputs``), which a fused block is not: the block gets the same hook.
+    Models that collect hidden states in their own loop (Falcon, BLOOM) register none and need none."""
+    try:
+        from transformers.utils.output_capturing import (_CAN_RECORD_REGISTRY, OutputRecorder,
+                                                         install_output_capuring_hook)
+    except ImportError:
+        return None
+    for owner in model.modules():
+        specs = _CAN_RECORD_REGISTRY.get(owner).get("hidden_states")
+        for spec in specs if isinstance(specs, list) else [specs]:
+            if isinstance(spec, type):
+                spec = OutputRecorder(target_class=spec)
+            if isinstance(spec, OutputRecorder) and spec.layer_name is None and spec.target_class is not None \
+                    and isinstance(layer, spec.target_class):
+                return partial(install_output_capuring_hook, key="hidden_states", index=spec.index,
+                               capture_initial_hidden_state=spec.capture_initial_hidden_state)
+    return None
+
+
+def decode_runtime(model: nn.Module, layers: nn.ModuleList, max_out_tokens: int) -> SpliceCausalLM:
+    """The native decode runtime over a decoder's fused ``layers``: splice's own final norm and the model's ends."""
+    record = record_for(model)
+    dims = model_dims(record, model.config)
     if record.norm == "rms" and record.final_norm:
         norm = get_path(model, record.final_norm)
         set_path(model, record.final_norm, RMSNorm(norm.weight, dims.eps, record.norm_offset))
@@ -111,8 +162,8 @@ def fused_block(record: ArchRecord, dims: ModelDims, index: int, layer: nn.Modul
     attn_norm, mlp_norm, attn_out_norm, mlp_out_norm = (
         block_norm(record, dims, layer, path) for path in (record.attn_norm, record.mlp_norm, record.attn_out_norm,
                                                            record.mlp_out_norm))
-    layout = BlockLayout(parallel=dims.parallel, norm_before=dims.norm_before, gated=record.gated,
-                         rotary=dims.positions == "rotary", rope_index=rope_index(dims, index),
+    layout = BlockLayout(causal=not record.encoder, parallel=dims.parallel, norm_before=dims.norm_before,
+                         gated=record.gated, rotary=dims.positions == "rotary", rope_index=rope_index(dims, index),
                          scale=dims.layer_scale(index), softcap=dims.attn_softcap, hf_args=record.hf_args,
                          hf_returns_tuple=record.hf_returns_tuple, hf_alibi_in_mask=record.hf_alibi_in_mask,
                          hf_window_in_mask=record.hf_window_in_mask)

@@ -2,8 +2,8 @@
 
 Fusing and quantizing produce weights; ``splice.kernel_choice`` decided (in ``plan.resolve``) how each kind of linear
 computes. This step wraps each plain float linear of the fused blocks and the lm_head (the ones quantization left in
-float, or all of them) in its kernel's layer: splice's native bf16 GEMV (``layers.native_linear``, plain weights
-gathered on 2 MiB pages, nothing copied), or a oneDNN-packed weight (``layers.packed_linear``, 16-bit weights where
+float, or all of them; an encoder's task heads stay the model's own) in its kernel's layer: splice's native bf16 GEMV
+(``layers.native_linear``, plain weights gathered on 2 MiB pages, nothing copied), or a oneDNN-packed weight (``layers.packed_linear``, 16-bit weights where
 the native kernels do not run; a tied lm_head stays as it is), or for fp16 on a CPU without fp16 arithmetic a
 layer that widens the weight to fp32 for prompts (``layers.widened_linear``). Quantized layers were built for their
 kernel by the quantize step (``plan.quant_kernel``); the report names both choices and their reasons.
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..layers.block import SpliceBlock
 from ..layers.causal_lm import SpliceCausalLM
 from ..layers.native_linear import NativeLinear
 from ..layers.packed_linear import PackedLinear
@@ -64,11 +65,12 @@ def select_kernels(stage: Stage, plan: Plan) -> tuple[Stage, KernelsReport]:
     choice = plan.float_kernel
     wrapper = WRAPPERS.get(choice.kernel)
     wrapped, moved = 0, 0
-    if stage.runtime is not None and wrapper is not None:
+    fused = plan.fuse
+    if fused and wrapper is not None:
         wrapped = wrap_linears(stage.model, stage.runtime, wrapper)
         if wrapper is NativeLinear:
             moved = gather_on_huge_pages([m.weight for m in stage.model.modules() if isinstance(m, NativeLinear)])
-    if stage.runtime is None:
+    if not fused:
         floats = LinearKernels("float", 0, "torch", "not fused (replace_with_kernel_inject=False): the model's own "
                                                     "layers")
     elif wrapped:
@@ -82,17 +84,21 @@ def select_kernels(stage: Stage, plan: Plan) -> tuple[Stage, KernelsReport]:
     return stage, KernelsReport("kernels", floats, quant, moved)
 
 
-def wrap_linears(model: nn.Module, runtime: SpliceCausalLM, wrapper: type[nn.Module]) -> int:
-    """Swap the blocks' plain ``nn.Linear`` layers and the lm_head for ``wrapper(linear)``; returns how many.
+def wrap_linears(model: nn.Module, runtime: SpliceCausalLM | None, wrapper: type[nn.Module]) -> int:
+    """Swap the fused blocks' plain ``nn.Linear`` layers and the runtime's lm_head for ``wrapper(linear)``; returns
+    how many. Without a runtime (an encoder) only the blocks' linears are wrapped.
 
     Under tensor parallelism the row- and vocab-parallel wrappers keep their all-reduce / all-gather: only the plain
     linear inside them is wrapped. A tied lm_head shares the embedding table, which a lookup needs in the plain
     layout: only the wrappers that keep that layout (:data:`PLAIN_WEIGHT_WRAPPERS`) take it over.
     """
     count = 0
-    for block in runtime.blocks:
+    blocks = runtime.blocks if runtime is not None else [m for m in model.modules() if isinstance(m, SpliceBlock)]
+    for block in blocks:
         for name in ("qkv", "o", "gate_up", "down"):
             count += wrap_in(block, name, wrapper)
+    if runtime is None:
+        return count
     head = runtime.lm_head
     tied_ok = wrapper in PLAIN_WEIGHT_WRAPPERS
     if isinstance(head, VocabParallelLinear):
