@@ -163,8 +163,7 @@ class Service:
             for handle in handles:
                 handle.cancel()
             raise submit_error(error) from None
-        for job in {id(job.prompt_ids): job for job in jobs}.values():
-            self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        self.metrics.prompt_tokens.inc(sum(len(ids) for ids in distinct_prompts(jobs)))
         return handles
 
 
@@ -189,6 +188,11 @@ class Job:
     echo: str = ""
 
 
+def distinct_prompts(jobs: Sequence[Job]) -> list[list[int]]:
+    """Each prompt once, however many choices it has (the choices of one prompt share its list)."""
+    return list({id(job.prompt_ids): job.prompt_ids for job in jobs}.values())
+
+
 def jobs_for(service: Service, body: SamplingFields, prompts: list[list[int]], max_tokens: int | None, param: str,
              logprobs: int | None, echo: Sequence[str] = ()) -> list[Job]:
     """``n`` jobs per prompt, indexed as OpenAI indexes choices (prompt-major); a seed gives each choice its own
@@ -205,7 +209,7 @@ def jobs_for(service: Service, body: SamplingFields, prompts: list[list[int]], m
 
 # --- one choice: scheduler events to text ---------------------------------------------------------------------------
 class GenerationFailed(Exception):
-    pass
+    """A choice ended with the scheduler's "error" or "cancelled" event."""
 
 
 @dataclass
@@ -232,41 +236,52 @@ class ChoiceRun:
         self._entry_offset = 0  # characters of the token strings of the entries already handed out
 
     async def pieces(self) -> AsyncIterator[Piece]:
-        metrics, last = self.service.metrics, None
+        last = None  # when the previous token arrived
         async for event in self.handle:
-            now = time.perf_counter()
-            delta = ""
-            if event.token_id is not None:
-                if last is None:
-                    self.first_token_s = now - self.arrived
-                    metrics.ttft.observe(self.first_token_s)
-                else:
-                    metrics.itl.observe(now - last)
-                last = now
-                self.completion_tokens += 1
-                metrics.generated_tokens.inc()
-                delta = self.decoder.push(event.token_id)
-                if self.job.params.logprobs is not None:
-                    self._entries.append(self.service.token_text.entry(
-                        event.token_id, event.logprob, event.top_logprobs or (), self.tokens_as_ids))
             reason = event.finish_reason
             if reason in ("cancelled", "error"):
                 raise GenerationFailed(event.error or f"the request was {reason}")
+            delta = ""
+            if event.token_id is not None:
+                last = self._count_token(last)
+                delta = self._take_token(event)
             if reason is not None:
                 delta += self.decoder.flush()
             text = self.stops.feed(delta)
             if self.stops.stopped:
                 reason = "stop"
-                self.handle.cancel()  # its slot is free at the next step
+                self.handle.cancel()  # its row is free at the next step
             elif reason is not None:
                 text += self.stops.flush()
             if text or reason is not None:
                 yield self._piece(text, reason)
             if reason is not None:
-                self.finish_reason = reason
-                metrics.finished.labels(reason).inc()
-                metrics.duration.observe(time.perf_counter() - self.arrived)
+                self._finish(reason)
                 return
+
+    def _count_token(self, last: float | None) -> float:
+        """Time to first token or the gap since the previous one, into the metrics; the arrival time."""
+        now, metrics = time.perf_counter(), self.service.metrics
+        if last is None:
+            self.first_token_s = now - self.arrived
+            metrics.ttft.observe(self.first_token_s)
+        else:
+            metrics.itl.observe(now - last)
+        self.completion_tokens += 1
+        metrics.generated_tokens.inc()
+        return now
+
+    def _take_token(self, event) -> str:
+        """The token's new text (its logprob entry kept when asked for)."""
+        if self.job.params.logprobs is not None:
+            self._entries.append(self.service.token_text.entry(event.token_id, event.logprob,
+                                                               event.top_logprobs or (), self.tokens_as_ids))
+        return self.decoder.push(event.token_id)
+
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self.service.metrics.finished.labels(reason).inc()
+        self.service.metrics.duration.observe(time.perf_counter() - self.arrived)
 
     def _piece(self, text: str, reason: str | None) -> Piece:
         entries = self._entries
@@ -291,7 +306,7 @@ async def collect(run: ChoiceRun) -> tuple[str, list[TokenLogprob]]:
 
 # --- responses ------------------------------------------------------------------------------------------------------
 def usage(jobs: Sequence[Job], runs: Sequence[ChoiceRun]) -> dict[str, int]:
-    prompt = sum(len(job.prompt_ids) for job in {id(job.prompt_ids): job for job in jobs}.values())
+    prompt = sum(len(ids) for ids in distinct_prompts(jobs))
     completion = sum(run.completion_tokens for run in runs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
