@@ -1,6 +1,7 @@
 """A scheduler double for the HTTP layer's unit tests: each request replays a script of token ids, repeated up to its
-length limit and ending early at a stop id, through the real :class:`~splice.serve.scheduler.RequestHandle`, so the app's parsing, text,
-streaming and error paths are tested without a model. The end-to-end tests (``test_server.py``) use the real one."""
+length limit and ending early at a stop id, through the real :class:`~splice.serve.scheduler.RequestHandle`, so the
+app's parsing, text, streaming and error paths are tested without a model. The end-to-end tests
+(``test_server.py``) use the real scheduler."""
 from __future__ import annotations
 
 from splice.serve.scheduler import QueueFull, RequestHandle, SamplingParams, TokenEvent

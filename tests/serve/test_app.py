@@ -227,3 +227,14 @@ def test_models_health_and_echo(tokenizer):
     assert models["data"][0]["id"] == "smol" and models["data"][0]["max_model_len"] == 64
     assert health.status_code == 200
     assert [(c["index"], c["text"]) for c in echo["choices"]] == [(0, "A Hello"), (1, "B Hello")]
+
+
+def test_a_failed_or_closed_scheduler_is_503(tokenizer):
+    scheduler = ScriptedScheduler(HELLO)
+    scheduler.submit = lambda *args: (_ for _ in ()).throw(RuntimeError("the scheduler takes no more requests"))
+    with client_for(tokenizer, scheduler) as client:
+        closed = client.post("/v1/completions", json={"prompt": "x"})
+        scheduler.failed = RuntimeError("rank 1 lost")
+        health = client.get("/health")
+    assert closed.status_code == 503 and closed.headers["Retry-After"] == "1"
+    assert health.status_code == 503 and "rank 1 lost" in health.json()["error"]["message"]

@@ -326,6 +326,10 @@ class Call:
     def object(self) -> str:
         return "chat.completion" if self.kind == "chat" else "text_completion"
 
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+
     def header(self, object_name: str | None = None) -> dict[str, Any]:
         return {"id": self.id, "object": object_name or self.object, "created": self.created, "model": self.model}
 
@@ -383,55 +387,70 @@ async def cancel_on_disconnect(request: Request, runs: Sequence[ChoiceRun]) -> N
 async def stream(call: Call, started: float) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``. The choices run side by side; a
     client that disconnects cancels this generator, which cancels them."""
-    events: asyncio.Queue = asyncio.Queue()
-
-    async def pump(run: ChoiceRun) -> None:
-        try:
-            async for piece in run.pieces():
-                await events.put((run, piece))
-        except GenerationFailed as error:
-            await events.put((run, error))
-        await events.put((run, None))
-
-    tasks = [asyncio.create_task(pump(run)) for run in call.runs]
     include_usage = bool(call.body.stream_options and call.body.stream_options.include_usage)
-    chunk_name = "chat.completion.chunk" if call.kind == "chat" else "text_completion"
-    sent = {id(run): len(run.job.echo) for run in call.runs}
+    sent = {id(run): len(run.job.echo) for run in call.runs}  # characters each choice has sent
     outcome = "disconnected"
     try:
         for run in call.runs:
             if call.kind == "chat":
-                yield sse(chunk(call, chunk_name, run, {"delta": {"role": "assistant", "content": ""}}))
+                yield sse(chunk(call, run, {"delta": {"role": "assistant", "content": ""}}))
             elif run.job.echo:
-                yield sse(chunk(call, chunk_name, run, {"text": run.job.echo}))
-        open_runs = len(tasks)
-        while open_runs:
-            run, piece = await events.get()
-            if piece is None:
-                open_runs -= 1
-                continue
+                yield sse(chunk(call, run, {"text": run.job.echo}))
+        async for run, piece in side_by_side(call.runs):
             if isinstance(piece, GenerationFailed):
                 yield sse(error_body(f"generation failed: {piece}", "server_error", None, "generation_failed"))
+                outcome = f"failed: {piece}"
                 break
-            if piece.text or piece.entries:
-                content = {"delta": {"content": piece.text}} if call.kind == "chat" else {"text": piece.text}
-                logprobs = call.logprobs(run, piece.entries, sent[id(run)])
-                sent[id(run)] += len(piece.text)
-                yield sse(chunk(call, chunk_name, run, content, logprobs=logprobs))
-            if piece.finish_reason is not None:
-                content = {"delta": {}} if call.kind == "chat" else {"text": ""}
-                yield sse(chunk(call, chunk_name, run, content, finish_reason=piece.finish_reason))
+            for data in piece_chunks(call, run, piece, sent[id(run)]):
+                yield sse(data)
+            sent[id(run)] += len(piece.text)
         else:
             if include_usage:
-                yield sse({**call.header(chunk_name), "choices": [], "usage": usage(call.jobs, call.runs)})
+                yield sse({**call.header(call.chunk_object), "choices": [], "usage": usage(call.jobs, call.runs)})
+            outcome = ""
         yield "data: [DONE]\n\n"
-        outcome = ""
     finally:
-        for task in tasks:
-            task.cancel()
         for run in call.runs:
             run.cancel_if_running()
         call.log(started, outcome)
+
+
+async def side_by_side(runs: Sequence[ChoiceRun]) -> AsyncIterator[tuple[ChoiceRun, Piece | GenerationFailed]]:
+    """The pieces of all ``runs`` as they come, each with its run; a failed run gives its error as its last item."""
+    pieces: asyncio.Queue = asyncio.Queue()
+
+    async def pump(run: ChoiceRun) -> None:
+        try:
+            async for piece in run.pieces():
+                await pieces.put((run, piece))
+        except GenerationFailed as error:
+            await pieces.put((run, error))
+        await pieces.put((run, None))
+
+    tasks = [asyncio.create_task(pump(run)) for run in runs]
+    try:
+        running = len(tasks)
+        while running:
+            run, piece = await pieces.get()
+            if piece is None:
+                running -= 1
+            else:
+                yield run, piece
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def piece_chunks(call: Call, run: ChoiceRun, piece: Piece, sent: int) -> list[dict[str, Any]]:
+    """The chunks of one piece: its text (and logprobs), then a chunk with the finish reason when it is the last."""
+    chat = call.kind == "chat"
+    chunks = []
+    if piece.text or piece.entries:
+        content = {"delta": {"content": piece.text}} if chat else {"text": piece.text}
+        chunks.append(chunk(call, run, content, logprobs=call.logprobs(run, piece.entries, sent)))
+    if piece.finish_reason is not None:
+        chunks.append(chunk(call, run, {"delta": {}} if chat else {"text": ""}, finish_reason=piece.finish_reason))
+    return chunks
 
 
 class EventStream(StreamingResponse):
@@ -450,9 +469,9 @@ class EventStream(StreamingResponse):
                 run.cancel_if_running()
 
 
-def chunk(call: Call, name: str, run: ChoiceRun, content: dict, logprobs: dict | None = None,
+def chunk(call: Call, run: ChoiceRun, content: dict, logprobs: dict | None = None,
           finish_reason: str | None = None) -> dict[str, Any]:
-    return {**call.header(name), "choices": [{"index": run.job.index, **content, "logprobs": logprobs,
+    return {**call.header(call.chunk_object), "choices": [{"index": run.job.index, **content, "logprobs": logprobs,
                                                "finish_reason": finish_reason}]}
 
 
