@@ -255,3 +255,13 @@ def test_serve_exits_1_when_the_scheduler_failed(tiny_cli, capsys, monkeypatch):
     monkeypatch.setattr(uvicorn.Server, "run", run)
     code, _, err = run_cli(["serve"], capsys)
     assert code == 1 and "rank 1 is gone" in err and "Traceback" not in err
+
+
+def test_serve_on_a_busy_port_is_a_one_line_error(tiny_cli, capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        code, _, err = run_cli(["serve", "--port", str(busy.getsockname()[1])], capsys)
+    assert code == 2 and "could not start" in err and "Traceback" not in err

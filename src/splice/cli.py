@@ -353,8 +353,14 @@ def run_serve(args: argparse.Namespace) -> int:
     scheduler = api.state.service.scheduler
     watcher = threading.Thread(target=stop_when_failed, args=(scheduler, server), daemon=True)
     watcher.start()
-    with signals_end_quietly():
-        server.run()
+    try:
+        with signals_end_quietly():
+            server.run()
+    except SystemExit as exit_:  # uvicorn exits when it cannot start (a port in use, an unknown host), after logging
+        if exit_.code:
+            print(f"splice: error: the server could not start on {args.host}:{args.port} (the reason is logged "
+                  "above); allowed: a free port on an address of this machine", file=sys.stderr, flush=True)
+            return 2
     if scheduler.failed is not None:
         print(f"splice: error: the server stopped because the scheduler failed: {scheduler.failed}", file=sys.stderr,
               flush=True)
