@@ -26,18 +26,20 @@ MAX_LEN = 256
 class Server:
     """``splice serve`` (or ``torchrun ... splice serve``) in its own process group, its log in ``log``."""
 
-    def __init__(self, tmp: Path, *options: str, launcher: tuple[str, ...] = ()):
+    def __init__(self, tmp: Path, *options: str, launcher: tuple[str, ...] = (), env: dict | None = None,
+                 wait: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"serve-{self.port}.log"
         command = [*(launcher or (sys.executable,)), "-m", "splice.cli", "serve", "--dtype", "fp32",
                    "--max-out-tokens", str(MAX_LEN), "--served-model-name", "smol", "--port", str(self.port), *options]
         env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               "OMP_NUM_THREADS": "1"}
+               "OMP_NUM_THREADS": "1", **(env or {})}
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             start_new_session=True)
-        self.wait_ready()
+        if wait:
+            self.wait_ready()
 
     def wait_ready(self, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
@@ -299,3 +301,27 @@ def test_tp2_server_on_gloo(tmp_path, client):
         assert response.json()["choices"][0]["text"] == single
     finally:
         server.stop()
+
+
+def test_a_rank_that_dies_ends_the_tp_server_non_zero(tmp_path):
+    """The ranks started by hand (torchrun would end the server itself when a worker dies): rank 0's scheduler
+    fails on its next collective, and the server logs it and exits 1."""
+    world = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2",
+             "LOCAL_WORLD_SIZE": "2", "SPLICE_DIST_TIMEOUT_S": "20"}
+    follower = Server(tmp_path, "--tp", "2", env={**world, "RANK": "1", "LOCAL_RANK": "1"}, wait=False)
+    server = Server(tmp_path, "--tp", "2", env={**world, "RANK": "0", "LOCAL_RANK": "0"})
+    try:
+        follower.stop()  # SIGKILL: the rank is gone without a word
+        started = time.monotonic()
+        body = {"model": "smol", "prompt": "Hi", "max_tokens": 4, "temperature": 0}
+        try:
+            response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            assert response.status_code >= 500
+        except httpx.HTTPError:
+            pass  # the server may already be going down
+        assert server.process.wait(60) == 1
+        assert time.monotonic() - started < 60
+        assert "scheduler failed" in server.log.read_text()
+    finally:
+        server.stop()
+        follower.stop()
