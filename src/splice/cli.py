@@ -299,6 +299,8 @@ def print_tp_plan(args: argparse.Namespace) -> int:
 # --- splice serve ---------------------------------------------------------------------------------------------------
 def add_serve_parser(commands) -> None:
     parser = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                                 usage="splice serve [MODEL] [engine options] [--host HOST] [--port PORT] "
+                                       "[--max-batch N] [--max-queue N] [--served-model-name NAME]",
                                  description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, "
                                              "/v1/chat/completions, /v1/models, /health, /metrics) with continuous "
                                              "batching. Under torchrun with --tp N, rank 0 serves HTTP and every rank "
