@@ -19,7 +19,7 @@ def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([SPLICE, *args], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("command", [[], ["generate"], ["info"]])
+@pytest.mark.parametrize("command", [[], ["generate"], ["serve"], ["info"]])
 def test_help_everywhere(command):
     result = run(*command, "--help")
     assert result.returncode == 0 and "usage: splice" in result.stdout
@@ -218,3 +218,50 @@ def test_the_native_kernels_are_ready_before_the_clock_starts(tiny_cli, capsys, 
     code, _, err = run_cli(["generate", "Hi", "--max-new-tokens", "2"], capsys)
     assert code == 0, err
     assert events[0] == "kernels" and "clock" in events
+
+
+# ---- splice serve: its options and wiring (the server itself: tests/serve/test_server.py) -------------------------
+def test_serve_builds_an_injected_engine_and_serves_it(tiny_cli, capsys, monkeypatch):
+    import uvicorn
+
+    served = {}
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: served.update(config=self.config))
+    code, _, err = run_cli(["serve", "some-model", "--port", "9123", "--max-batch", "3", "--max-queue", "5",
+                            "--served-model-name", "mine"], capsys)
+    assert code == 0, err
+    assert tiny_cli == ["some-model"] and served["config"].port == 9123
+    service = served["config"].app.state.service
+    assert service.model_name == "mine" and service.scheduler.runtime is not None  # kernel injection is on
+    assert (service.scheduler.max_batch, service.scheduler.max_queue) == (3, 5)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["serve", "a", "b"], "at most one MODEL"),
+    (["serve", "a", "--model", "b"], "given twice"),
+    (["serve", "--port", "70000"], "70000"),
+    (["serve", "--max-batch", "0"], "0 is not allowed"),
+])
+def test_serve_bad_options_are_one_line_errors(tiny_cli, capsys, argv, named):
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2 and named in err and "Traceback" not in err
+
+
+def test_serve_exits_1_when_the_scheduler_failed(tiny_cli, capsys, monkeypatch):
+    import uvicorn
+
+    def run(self):
+        self.config.app.state.service.scheduler.failed = RuntimeError("rank 1 is gone")
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
+    code, _, err = run_cli(["serve"], capsys)
+    assert code == 1 and "rank 1 is gone" in err and "Traceback" not in err
+
+
+def test_serve_on_a_busy_port_is_a_one_line_error(tiny_cli, capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        code, _, err = run_cli(["serve", "--port", str(busy.getsockname()[1])], capsys)
+    assert code == 2 and "could not start" in err and "Traceback" not in err

@@ -1,11 +1,16 @@
-"""Command line: ``splice generate | info | bench``."""
+"""Command line: ``splice generate | serve | info | bench``."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import copy
 import json
+import logging.config
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -63,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="splice", description="Fast inference for PyTorch / Hugging Face models.")
     commands = parser.add_subparsers(title="commands")
     add_generate_parser(commands)
+    add_serve_parser(commands)
     add_info_parser(commands)
     add_bench_parser(commands)
     return parser
@@ -288,6 +294,119 @@ def print_tp_plan(args: argparse.Namespace) -> int:
     print(f"tensor-parallel plan for tp_size={args.tp} (run under `torchrun --nproc-per-node {args.tp}` to apply it):")
     print(describe_tensor_parallel(model, args.tp))
     return 0
+
+
+# --- splice serve ---------------------------------------------------------------------------------------------------
+def add_serve_parser(commands) -> None:
+    parser = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
+                                 usage="splice serve [MODEL] [engine options] [--host HOST] [--port PORT] "
+                                       "[--max-batch N] [--max-queue N] [--served-model-name NAME]",
+                                 description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, "
+                                             "/v1/chat/completions, /v1/models, /health, /metrics) with continuous "
+                                             "batching. Under torchrun with --tp N, rank 0 serves HTTP and every rank "
+                                             "steps the same batch. docs/serving.md describes it.")
+    parser.add_argument("words", nargs="*", metavar="MODEL", help="the model (as --model)")
+    add_model_options(parser)
+    parser.set_defaults(kernel_inject=True)  # the scheduler steps the fused model's native decode runtime
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=checked(int, lambda v: 0 <= v <= 65535, "an integer in [0, 65535]"),
+                        default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument("--max-batch", type=POSITIVE_INT, default=8,
+                        help="requests stepped together in one batch (default: 8)")
+    parser.add_argument("--max-queue", type=checked(int, lambda v: v >= 0, "an integer >= 0"), default=64,
+                        help="requests waiting for a batch slot before new ones get HTTP 429 (default: 64)")
+    parser.add_argument("--served-model-name", help="the name clients pass as `model` (default: MODEL as given)")
+    parser.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
+                        help="server log level (default: info; info logs one line per request)")
+    parser.epilog = "Kernel injection is always on: the scheduler steps splice's fused decode runtime."
+    parser.set_defaults(run=run_serve)
+
+
+def serve_model(args: argparse.Namespace) -> str:
+    """``MODEL`` (positional) and ``--model``: the model to serve."""
+    if len(args.words) > 1:
+        raise ValueError(f"expected at most one MODEL, got {len(args.words)} positional arguments; allowed: "
+                         "splice serve [MODEL] [options]")
+    model = args.words[0] if args.words else None
+    if model is not None and args.model is not None and model != args.model:
+        raise ValueError(f"the model is given twice, {shorten(model, 80)!r} and --model {shorten(args.model, 80)!r}; "
+                         "allowed: one of them")
+    return model or args.model or DEFAULT_MODEL
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from .serve import app
+        from .serve.scheduler import follow
+    except ImportError as error:
+        raise ValueError(f"splice serve needs the serve extra ({error.name} is missing); allowed: after "
+                         "pip install 'splice[serve]'") from None
+    args.model = serve_model(args)
+    logging.config.dictConfig(serve_log_config(args.log_level))  # before the engine: its steps log too
+    engine, tokenizer = build_engine(args)
+    if _global_rank() != 0:
+        return follow_rank_zero(follow, engine)
+    api = app(engine, tokenizer, model_name=args.served_model_name or args.model, max_batch=args.max_batch,
+              max_queue=args.max_queue)
+    server = uvicorn.Server(uvicorn.Config(api, host=args.host, port=args.port, log_level=args.log_level,
+                                           log_config=None))  # configured above
+    scheduler = api.state.service.scheduler
+    watcher = threading.Thread(target=stop_when_failed, args=(scheduler, server), daemon=True)
+    watcher.start()
+    try:
+        with signals_end_quietly():
+            server.run()
+    except SystemExit as exit_:  # uvicorn exits when it cannot start (a port in use, an unknown host), after logging
+        if exit_.code:
+            print(f"splice: error: the server could not start on {args.host}:{args.port} (the reason is logged "
+                  "above); allowed: a free port on an address of this machine", file=sys.stderr, flush=True)
+            return 2
+    if scheduler.failed is not None:
+        print(f"splice: error: the server stopped because the scheduler failed: {scheduler.failed}", file=sys.stderr,
+              flush=True)
+        return 1
+    return 0
+
+
+@contextlib.contextmanager
+def signals_end_quietly():
+    """uvicorn re-raises the SIGTERM / SIGINT it shut down for once it is done, under the handlers that were in place
+    before it: a drained server then exits 0 rather than dying of the signal it already honoured."""
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in handled}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def follow_rank_zero(follow: Callable, engine) -> int:
+    """A rank other than 0 steps the batches rank 0 decides until it shuts down; a failure ends it non-zero."""
+    try:
+        follow(engine)
+    except Exception as error:  # a lost rank 0 or a collective that timed out: one line, no traceback
+        print(f"splice: error: rank {_global_rank()} stopped following rank 0: {error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def stop_when_failed(scheduler, server, period_s: float = 0.5) -> None:
+    """Ends ``server`` once ``scheduler`` failed (a tensor-parallel rank died): requests cannot be served any more."""
+    while scheduler.failed is None:
+        time.sleep(period_s)
+    server.should_exit = True
+
+
+def serve_log_config(level: str) -> dict:
+    """uvicorn's logging configuration with splice's loggers added (one line per request at info), on its handler."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["loggers"]["splice"] = {"handlers": ["default"], "level": level.upper(), "propagate": False}
+    return config
 
 
 # --- splice info ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,240 @@
+"""The HTTP layer in process (Starlette's TestClient) over a scripted scheduler double: request parsing, OpenAI's
+response and chunk shapes, stop strings, streaming, error bodies, metrics. ``test_server.py`` runs the real server."""
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+from starlette.testclient import TestClient
+
+from splice.serve import app
+from tests.serve.doubles import ScriptedScheduler
+
+HELLO = [38699, 905, 30, 1428, 85, 1209]  # " Hello world. Bye now"
+JAPANESE = [17097, 241, 115, 40993, 4636, 246, 237]  # " 日本 ✓": characters split across tokens
+EOS = 2
+ENGINE = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=EOS), config=SimpleNamespace(name_or_path="m"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from splice.models import resolve_checkpoint
+
+    return AutoTokenizer.from_pretrained(resolve_checkpoint("smollm2-135m-instruct")[0], local_files_only=True)
+
+
+def client_for(tokenizer, scheduler: ScriptedScheduler) -> TestClient:
+    return TestClient(app(ENGINE, tokenizer, model_name="smol", scheduler=scheduler), raise_server_exceptions=False)
+
+
+def events(response) -> list:
+    lines = [line for line in response.text.split("\n\n") if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def test_completion_text_usage_and_sampling_values(tokenizer):
+    scheduler = ScriptedScheduler(HELLO)
+    with client_for(tokenizer, scheduler) as client:
+        body = client.post("/v1/completions", json={"model": "smol", "prompt": "Hi there", "max_tokens": 4,
+                                                    "temperature": 0, "presence_penalty": 0.5}).json()
+        assert body["object"] == "text_completion" and body["model"] == "smol" and body["id"].startswith("cmpl-")
+        assert body["choices"] == [{"index": 0, "text": " Hello world. By", "logprobs": None,
+                                    "finish_reason": "length"}]
+        assert body["usage"] == {"prompt_tokens": 2, "completion_tokens": 4, "total_tokens": 6}
+        prompt, params = scheduler.submitted[0]
+        assert prompt == tokenizer("Hi there").input_ids
+        assert (params.max_new_tokens, params.temperature, params.presence_penalty, params.stop_token_ids) == \
+            (4, 0.0, 0.5, (EOS,))
+        client.post("/v1/completions", json={"prompt": [5, 6, 7], "ignore_eos": True})  # OpenAI's defaults
+        _, params = scheduler.submitted[1]
+        assert (params.max_new_tokens, params.temperature, params.top_p, params.stop_token_ids) == (61, 1.0, 1.0, ())
+
+
+def test_eos_ends_with_stop_and_no_text(tokenizer):
+    with client_for(tokenizer, ScriptedScheduler([7042, 30, EOS, 905])) as client:
+        choice = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 8}).json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (" Paris.", "stop")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_cut_exactly_and_never_streamed(tokenizer, stream):
+    scheduler = ScriptedScheduler(HELLO)
+    with client_for(tokenizer, scheduler) as client:
+        response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 6, "stop": ["world.", "zz"],
+                                                        "stream": stream})
+    if stream:
+        chunks = events(response)
+        texts = [c["choices"][0]["text"] for c in chunks]
+        assert "".join(texts) == " Hello " and not any("w" in text for text in texts)
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    else:
+        assert response.json()["choices"][0]["text"] == " Hello "
+        assert response.json()["choices"][0]["finish_reason"] == "stop"
+
+
+def test_held_back_text_is_released_when_no_stop_string_completes(tokenizer):
+    with client_for(tokenizer, ScriptedScheduler(HELLO)) as client:
+        chunks = events(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 6, "stream": True,
+                                                             "stop": "Bye now!"}))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == " Hello world. Bye now"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_streamed_characters_are_never_split(tokenizer):
+    with client_for(tokenizer, ScriptedScheduler(JAPANESE)) as client:
+        chunks = events(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 7, "stream": True}))
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert "".join(texts) == " 日本 ✓" and not any("\ufffd" in text for text in texts)
+
+
+def test_chat_stream_role_first_usage_last_and_n_choices(tokenizer):
+    scheduler = ScriptedScheduler(HELLO)
+    with client_for(tokenizer, scheduler) as client:
+        chunks = events(client.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "stream": True, "n": 2, "seed": 5,
+            "stream_options": {"include_usage": True}}))
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert [c["choices"][0]["delta"] for c in chunks[:2]] == [{"role": "assistant", "content": ""}] * 2
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert "".join(c["delta"].get("content", "") for c in mine) == " Hello world"
+        assert mine[-1]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 4
+    assert [params.seed for _, params in scheduler.submitted] == [5, 6]  # each choice its own reproducible stream
+    prompt = scheduler.submitted[0][0]
+    assert prompt == list(tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                                        tokenize=True, return_dict=True)["input_ids"])
+
+
+def test_logprobs_shapes(tokenizer):
+    with client_for(tokenizer, ScriptedScheduler(HELLO)) as client:
+        completion = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "logprobs": 2}).json()
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                         "max_tokens": 2, "logprobs": True, "top_logprobs": 1}).json()
+        ids = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "logprobs": 0,
+                                                   "return_tokens_as_token_ids": True}).json()
+    logprobs = completion["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [" Hello", " world"] and logprobs["token_logprobs"] == [-0.5, -0.5]
+    assert logprobs["text_offset"] == [0, 6] and len(logprobs["top_logprobs"][0]) == 2
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert content[0]["token"] == " Hello" and content[0]["bytes"] == list(b" Hello")
+    assert [len(item["top_logprobs"]) for item in content] == [1, 1]
+    assert ids["choices"][0]["logprobs"]["tokens"] == ["token_id:38699", "token_id:905"]
+
+
+def test_partial_character_token_bytes(tokenizer):
+    with client_for(tokenizer, ScriptedScheduler(JAPANESE)) as client:
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                         "max_tokens": 3, "logprobs": True}).json()
+    raw = b"".join(bytes(item["bytes"]) for item in chat["choices"][0]["logprobs"]["content"])
+    assert raw.decode("utf-8") == " 日"
+
+
+BAD_REQUESTS = [
+    (b"{not json", "not valid JSON"),
+    (b'["a"]', "JSON list"),
+    ({"prompt": "x", "model": "gpt-4"}, "'gpt-4'"),
+    ({"prompt": ""}, "prompt=''"),
+    ({"prompt": []}, "prompt=[]"),
+    ({"prompt": [1, 49152]}, "49152"),
+    ({"prompt": "x", "max_tokens": 100}, "max_tokens <= 63"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens=0"),
+    ({"prompt": "x", "temperature": 2.5}, "temperature=2.5"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature='hot'"),
+    ({"prompt": "x", "top_p": 0}, "top_p=0"),
+    ({"prompt": "x", "n": 0}, "n=0"),
+    ({"prompt": "x", "logprobs": 6}, "logprobs=6"),
+    ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "at most 4"),
+    ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty=-3"),
+    ({"prompt": "x", "seed": 2**64}, "seed="),
+    ({"prompt": "x", "best_of": 3}, "best_of=3"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+    ({"prompt": "x", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"prompt": "x", "top_k": 5}, "top_k"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+]
+
+
+@pytest.mark.parametrize("body, named", BAD_REQUESTS)
+def test_bad_completion_requests_are_400_naming_the_value(tokenizer, body, named):
+    with client_for(tokenizer, ScriptedScheduler(HELLO)) as client:
+        kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+        response = client.post("/v1/completions", **kwargs)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and named in error["message"], error
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("body, named", [
+    ({"messages": []}, "messages=[]"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "'robot'"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "file:///etc/x"}}]}]},
+     "'image_url'"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "max_completion_tokens": 6}, "disagree"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "json_object"),
+])
+def test_bad_chat_requests_are_400_naming_the_value(tokenizer, body, named):
+    with client_for(tokenizer, ScriptedScheduler(HELLO)) as client:
+        response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and named in response.json()["error"]["message"], response.text
+
+
+def test_full_queue_is_429_with_retry_after_and_unknown_routes_404(tokenizer):
+    with client_for(tokenizer, ScriptedScheduler(HELLO, full=True)) as client:
+        busy = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        missing = client.get("/v1/engines")
+        wrong_method = client.get("/v1/completions")
+        metrics = client.get("/metrics").text
+    assert busy.status_code == 429 and busy.headers["Retry-After"] == "1"
+    assert busy.json()["error"]["code"] == "queue_full"
+    assert missing.status_code == 404 and "/v1/engines" in missing.json()["error"]["message"]
+    assert wrong_method.status_code == 405 and wrong_method.json()["error"]["code"] == "method_not_allowed"
+    assert 'splice_requests_total{endpoint="/v1/completions",status="429"} 1.0' in metrics
+    assert 'splice_requests_total{endpoint="other",status="404"} 1.0' in metrics
+
+
+def test_a_failed_request_is_500_without_traceback(tokenizer):
+    with client_for(tokenizer, ScriptedScheduler(HELLO, fail_with="the batched step failed: boom")) as client:
+        plain = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        streamed = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "stream": True})
+    assert plain.status_code == 500 and "boom" in plain.json()["error"]["message"]
+    assert "Traceback" not in plain.text
+    assert events(streamed)[-1]["error"]["code"] == "generation_failed"
+
+
+def test_unexpected_errors_are_500_in_the_error_shape(tokenizer):
+    scheduler = ScriptedScheduler(HELLO)
+    scheduler.submit = lambda *args: (_ for _ in ()).throw(KeyError("internal detail"))
+    with client_for(tokenizer, scheduler) as client:
+        response = client.post("/v1/completions", json={"prompt": "x"})
+    assert response.status_code == 500 and response.json()["error"]["type"] == "server_error"
+    assert "internal detail" not in response.text and "Traceback" not in response.text
+
+
+def test_models_health_and_echo(tokenizer):
+    with client_for(tokenizer, ScriptedScheduler(HELLO)) as client:
+        models = client.get("/v1/models").json()
+        health = client.get("/health")
+        echo = client.post("/v1/completions", json={"prompt": ["A", "B"], "max_tokens": 1, "echo": True}).json()
+    assert models["data"][0]["id"] == "smol" and models["data"][0]["max_model_len"] == 64
+    assert health.status_code == 200
+    assert [(c["index"], c["text"]) for c in echo["choices"]] == [(0, "A Hello"), (1, "B Hello")]
+
+
+def test_a_failed_or_closed_scheduler_is_503(tokenizer):
+    scheduler = ScriptedScheduler(HELLO)
+    scheduler.submit = lambda *args: (_ for _ in ()).throw(RuntimeError("the scheduler takes no more requests"))
+    with client_for(tokenizer, scheduler) as client:
+        closed = client.post("/v1/completions", json={"prompt": "x"})
+        scheduler.failed = RuntimeError("rank 1 lost")
+        health = client.get("/health")
+    assert closed.status_code == 503 and closed.headers["Retry-After"] == "1"
+    assert health.status_code == 503 and "rank 1 lost" in health.json()["error"]["message"]
