@@ -72,6 +72,16 @@ def describe_memory() -> dict[str, int | None]:
     return {"total_bytes": _meminfo_bytes("MemTotal"), "available_bytes": _meminfo_bytes("MemAvailable")}
 
 
+def free_bytes(device: str) -> int | None:
+    """Memory a new allocation can take on ``device`` ("cpu": the kernel's MemAvailable; "cuda": the current GPU's
+    free memory); None where it cannot be told."""
+    if device == "cpu":
+        return describe_memory()["available_bytes"]
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[0]
+    return None
+
+
 def _meminfo_bytes(name: str) -> int | None:
     value = _first_field(Path("/proc/meminfo"), name)  # "<number> kB"
     if value is None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .machine import describe_memory
+from .machine import free_bytes
 
 
 @dataclass(frozen=True)
@@ -60,19 +60,11 @@ def affordable(model: nn.Module) -> tuple[bool, str]:
         if tensor.device.type != "meta":
             held[tensor.device.type] = held.get(tensor.device.type, 0) + tensor.numel() * tensor.element_size()
     for device, size in held.items():
-        free = _free_bytes(device)
+        free = free_bytes(device)
         if free is not None and free < size:
             return False, (f"keeping its {size / 2**30:.1f} GiB of original weights on {device} during the pipeline "
                            f"needs more than the {free / 2**30:.1f} GiB free")
     return True, "its original weights are kept until the pipeline ends"
-
-
-def _free_bytes(device: str) -> int | None:
-    if device == "cpu":
-        return describe_memory()["available_bytes"]
-    if device == "cuda" and torch.cuda.is_available():
-        return torch.cuda.mem_get_info()[0]
-    return None
 
 
 def _copy_attributes(attributes: dict) -> dict:

@@ -153,8 +153,8 @@ def test_int4_symmetric_scale_search_holds(evaluate, text):
     assert result.increase[text] <= 0.30, f"int4 g32 symmetric on {text}: perplexity {result.increase[text]:+.2%}"
 
 
-# GPTQ with act-order on 16 x 512 calibration tokens (~35-75 s each on the shared 2-core machine), evaluated on the
-# first text only. Issue 5's +10 % budget.
+# GPTQ with act-order on 16 x 512 calibration tokens, evaluated on the first text only, within a +10 % perplexity
+# budget. Its time is printed, not asserted: a timing says nothing about correctness on a shared machine.
 GPTQ_CASES = [
     pytest.param(QuantConfig(bits=4, group_size=64, symmetric=False), id="int4-g64-asym-gptq"),
     pytest.param(QuantConfig(bits=4, group_size=64, symmetric=True), id="int4-g64-sym-gptq"),
@@ -174,5 +174,4 @@ def test_gptq_int4_g64_within_issue_budget(bf16_model, config):
     print(f"{report.summary()}: perplexity on {text} {increase:+.2%} vs bf16 {base_ppl:.3f}, quantize {seconds:.0f} s")
     assert report.ratio <= 0.33
     assert increase <= 0.10
-    assert seconds < 300  # a bound on runaway cost, not the target (< 60 s on an idle 2-core machine)
     assert _continuation(model, bf16_model.tokenizer, "The capital of France is").strip().startswith("Paris")

@@ -1,6 +1,7 @@
 """The model side of continuous batching: row moves, batch buckets, plans."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from splice.serve.batch import BatchRunner, Move, StepPlan, batch_bucket
@@ -62,3 +63,17 @@ def test_padding_rows_of_a_compiled_step_leave_a_partly_prefilled_prompt_alone()
     assert torch.equal(runner.cache.keys[:, 3, :, :5], keys[:, 3, :, :5])
     assert torch.equal(runner.cache.values[:, 3, :, :5], values[:, 3, :, :5])
     torch.testing.assert_close(padded, unpadded, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cache_larger_than_the_memory_available_is_refused_before_it_is_allocated(monkeypatch):
+    from splice.serve import batch
+
+    runtime = inject(build_family("llama"), max_out_tokens=16)
+    needed = batch.cache_bytes(runtime, 4)
+    assert needed == 4 * 16 * 2 * len(runtime.blocks) * runtime.blocks[0].shape.n_kv_heads * \
+        runtime.blocks[0].shape.head_dim * 4
+    monkeypatch.setattr(batch, "free_bytes", lambda device: needed - 1)
+    with pytest.raises(ValueError, match=r"max_batch=4 rows x max_out_tokens=16 slots .* \(--max-batch\)"):
+        BatchRunner(runtime, max_batch=4)
+    monkeypatch.setattr(batch, "free_bytes", lambda device: needed)
+    assert BatchRunner(runtime, max_batch=4).cache.batch == 4

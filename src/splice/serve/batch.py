@@ -14,6 +14,7 @@ import torch
 
 from ..layers.causal_lm import SpliceCausalLM
 from ..layers.kv_cache import StaticKVCache
+from ..machine import free_bytes
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,31 @@ def batch_bucket(n: int, max_batch: int) -> int:
     return min(max_batch, 1 << (n - 1).bit_length())
 
 
+def cache_bytes(runtime: SpliceCausalLM, rows: int) -> int:
+    """Bytes of a KV cache of ``rows`` rows of ``max_len`` slots (keys and values, every layer)."""
+    shape = runtime.blocks[0].shape
+    per_slot = 2 * len(runtime.blocks) * shape.n_kv_heads * shape.head_dim * runtime.dtype.itemsize
+    return rows * runtime.max_len * per_slot
+
+
+def check_cache_fits(runtime: SpliceCausalLM, rows: int) -> None:
+    """Raise before allocating a KV cache the device has no memory for: the serving cache is allocated whole, for
+    ``max_batch`` rows of ``max_out_tokens`` slots, and a model's full context times a batch can need far more than
+    the machine has."""
+    size, free = cache_bytes(runtime, rows), free_bytes(runtime.device.type)
+    if free is not None and size > free:
+        raise ValueError(f"a KV cache of max_batch={rows} rows x max_out_tokens={runtime.max_len} slots needs "
+                         f"{size / 2**30:.1f} GiB, and {runtime.device.type} has {free / 2**30:.1f} GiB available; "
+                         "allowed: a smaller max_batch (--max-batch) or max_out_tokens (--max-out-tokens)")
+
+
 class BatchRunner:
     """Runs :class:`StepPlan` s on ``runtime`` (the engine's :class:`SpliceCausalLM`) over its own cache."""
 
     def __init__(self, runtime: SpliceCausalLM, max_batch: int):
         self.runtime = runtime
         self.max_batch = max_batch
+        check_cache_fits(runtime, max_batch)
         self.cache = runtime.new_cache(max_batch)
         # every slot counts as a real token: a row's causal mask (key slot <= its own slot) hides what lies beyond
         # its length, including what an earlier request left there
