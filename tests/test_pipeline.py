@@ -122,7 +122,7 @@ def test_values_overwritten_in_place_are_named(monkeypatch, tmp_path):
 
 def test_without_memory_for_a_rollback_the_error_says_the_model_changed(monkeypatch):
     model = build_tiny(tiny_llama_config())
-    monkeypatch.setattr(rollback, "describe_memory", lambda: {"total_bytes": 2**30, "available_bytes": 1024})
+    monkeypatch.setattr(rollback, "free_bytes", lambda device: 1024)
     inject_failure(monkeypatch, "fuse")
     with pytest.raises(Injected) as failure:
         splice.init_inference(model, dtype=torch.bfloat16, replace_with_kernel_inject=True)
