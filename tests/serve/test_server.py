@@ -59,9 +59,32 @@ class Server:
         return httpx.get(f"{self.url}/health", timeout=10).json()
 
     def stop(self) -> None:
+        """SIGKILL to the server and every process under it: torchrun's workers run in sessions of their own, so
+        killing its process group alone would leave them serving."""
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            for pid in [*descendants(self.process.pid), self.process.pid]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         self.process.wait(30)
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` (children, their children, ...), read from /proc."""
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        children = parents.get(todo.pop(), [])
+        found += children
+        todo += children
+    return found
 
 
 @pytest.fixture(scope="module")
