@@ -1192,7 +1192,7 @@ at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   auto* op = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
-      for_x_chunks<X_ROWS>(m, [&](auto m_c, int64_t m0) {
+      for_x_chunks<MAX_ROWS>(m, [&](auto m_c, int64_t m0) {  // 4 rows fit the 16 registers (8 sums)
         int4_dot_tile<decltype(m_c)::value>(a, m0, wp, zp, k, group, t, op + m0 * n, n);
       });
   });
