@@ -1048,6 +1048,24 @@ std::vector<float> group_sums(const float* x, int64_t m, int64_t k, int64_t grou
   return sums;
 }
 
+// A tile half's (scale, zero) in one group, from its 8 rows' bf16 (scale, zero) pairs (scale in each dword's low half).
+inline void half_scale_zero(const at::BFloat16* s_z_pairs, __m256& scale, __m256& zero) {
+  const __m256i s_z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s_z_pairs));
+  scale = _mm256_castsi256_ps(_mm256_slli_epi32(s_z, 16));
+  zero = _mm256_castsi256_ps(_mm256_and_si256(s_z, _mm256_set1_epi32(0xFFFF0000)));
+}
+
+// M rows of a tile's 16 outputs (two halves of 8), rounded to bf16.
+template <int M>
+inline void store_tile(const __m256 acc[M][2], at::BFloat16* out, int64_t n_total, int64_t tile) {
+  for (int m = 0; m < M; ++m) {
+    alignas(32) float values[TILE];
+    _mm256_store_ps(values, acc[m][0]);
+    _mm256_store_ps(values + 8, acc[m][1]);
+    for (int r = 0; r < TILE; ++r) out[m * n_total + tile * TILE + r] = at::BFloat16(values[r]);
+  }
+}
+
 template <int M>
 void int4_tile(const float* x, const float* xsum, const int32_t* w, const at::BFloat16* sz, int64_t k, int64_t group,
                int64_t tile, at::BFloat16* out, int64_t n_total) {
@@ -1079,10 +1097,9 @@ void int4_tile(const float* x, const float* xsum, const int32_t* w, const at::BF
         }
       }
     }
-    for (int h = 0; h < 2; ++h) {  // 8 rows x (scale, zero) bf16 pairs: scale in the low half of each dword
-      const __m256i s_z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile_sz + (g * TILE + 8 * h) * 2));
-      const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(s_z, 16));
-      const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(s_z, _mm256_set1_epi32(0xFFFF0000)));
+    for (int h = 0; h < 2; ++h) {
+      __m256 scale, zero;
+      half_scale_zero(tile_sz + (g * TILE + 8 * h) * 2, scale, zero);
       const __m256 offset = _mm256_fnmadd_ps(scale, _mm256_set1_ps(136.0f), zero);
       const __m256 dot_scale = _mm256_mul_ps(scale, _mm256_set1_ps(128.0f));
       for (int m = 0; m < M; ++m) {
@@ -1091,12 +1108,7 @@ void int4_tile(const float* x, const float* xsum, const int32_t* w, const at::BF
       }
     }
   }
-  for (int m = 0; m < M; ++m) {
-    alignas(32) float values[TILE];
-    _mm256_store_ps(values, acc[m][0]);
-    _mm256_store_ps(values + 8, acc[m][1]);
-    for (int r = 0; r < TILE; ++r) out[m * n_total + tile * TILE + r] = at::BFloat16(values[r]);
-  }
+  store_tile<M>(acc, out, n_total, tile);
 }
 
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
@@ -1163,10 +1175,9 @@ void int4_dot_tile(const Int4DotActivations& a, int64_t m0, const int32_t* w, co
           dots[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums[m][h], ones)), d, dots[m][h]);
       }
     }
-    for (int h = 0; h < 2; ++h) {  // 8 rows x (scale, zero) bf16 pairs: scale in the low half of each dword
-      const __m256i s_z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile_sz + (g * TILE + 8 * h) * 2));
-      const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(s_z, 16));
-      const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(s_z, _mm256_set1_epi32(0xFFFF0000)));
+    for (int h = 0; h < 2; ++h) {
+      __m256 scale, zero;
+      half_scale_zero(tile_sz + (g * TILE + 8 * h) * 2, scale, zero);
       const __m256 offset = _mm256_fnmadd_ps(scale, _mm256_set1_ps(8.0f), zero);
       for (int m = 0; m < M; ++m) {
         acc[m][h] = _mm256_fmadd_ps(dots[m][h], scale, acc[m][h]);
@@ -1174,12 +1185,7 @@ void int4_dot_tile(const Int4DotActivations& a, int64_t m0, const int32_t* w, co
       }
     }
   }
-  for (int m = 0; m < M; ++m) {
-    alignas(32) float values[TILE];
-    _mm256_store_ps(values, acc[m][0]);
-    _mm256_store_ps(values + 8, acc[m][1]);
-    for (int r = 0; r < TILE; ++r) out[m * n_total + tile * TILE + r] = at::BFloat16(values[r]);
-  }
+  store_tile<M>(acc, out, n_total, tile);
 }
 
 at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
