@@ -171,7 +171,7 @@ void for_row_blocks(int64_t m, int64_t n, F&& f) {
     with_rows(tail, [&](auto r_c) { for_x_chunks<X>(m, [&](auto m_c, int64_t m0) { f(m_c, r_c, n - tail, m0); }); });
 }
 
-// ---- int8 activations for the int4 integer dot products (AVX-512 and AVX2 alike) --------------------------------------
+// ---- int8 activations for the int4 integer dot products (AVX-512 and AVX2 alike) ------------------------------------
 // Both int4_dot_gemv kernels take x rounded to int8 per row and block of DOT_BLOCK columns (each level's round_rows,
 // the same arithmetic: d = block's absolute max / 127, q = round(x / d) in -127..127), rearranged here once per call
 // into the nibble order of the int4 tiles, so every level sums exactly the same integers.
@@ -831,7 +831,8 @@ void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t gro
 // ---- AVX2 + FMA ------------------------------------------------------------------------------------------------------
 // The same kernels for CPUs without AVX-512 BF16: weights are widened to float32 (bf16 by a shift, int8 by sign
 // extension and conversion, int4 nibbles by shift and mask) and multiply-added 8 lanes at a time; x is converted to
-// float32 once per call. The integer dot products (int8_dot_gemv, int4_dot_gemv) use vpmaddubsw instead. AVX2 has 16 vector registers, so x is taken two rows at a time against four weight rows.
+// float32 once per call. AVX2 has 16 vector registers, so x is taken two rows at a time against four weight rows. The
+// integer dot products (int8_dot_gemv, int4_dot_gemv) multiply bytes with vpmaddubsw instead.
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
