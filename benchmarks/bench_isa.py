@@ -5,7 +5,9 @@ blocks, random weights on 2 MiB pages), one decode step = every projection once 
 at batch 1 it reads every weight once. Rows, interleaved round by round (median kept):
 
 * ``native <level> <format>``: ``splice_kernels.bf16_gemv`` / ``int8_gemv`` / ``int4_gemv`` (g32) at each level of
-  ``native.supported_isas()`` (``native.use_isa``);
+  ``native.supported_isas()`` (``native.use_isa``, or those of ``--levels``);
+* ``native <level> <format> dot``: ``int8_dot_gemv`` / ``int4_dot_gemv``, the same weights times x rounded to int8
+  per block of 32 with integer dot products (AVX512-VNNI where the level has it, else AVX2's vpmaddubsw);
 * ``torch <format>``: ``F.linear`` (oneDNN), ``torch._weight_int8pack_mm``, ``torch._weight_int4pack_mm_for_cpu``.
 
 torch's kernels pick their instruction set when torch starts, so the script runs twice, in two child processes: once
@@ -14,6 +16,7 @@ AVX2-only CPU gets), each beside every native level, and prints one table. GB/s 
 
     .venv/bin/python benchmarks/bench_isa.py                      # 22 layers, batch 1, both torch settings
     .venv/bin/python benchmarks/bench_isa.py --layers 8 --batch 1 8 --rounds 5
+    .venv/bin/python benchmarks/bench_isa.py --levels avx2 --batch 1 4 --threads 1   # an AVX2 laptop's kernels
 """
 from __future__ import annotations
 
@@ -65,18 +68,23 @@ def kernels(weights: dict[str, list[tuple]], levels: tuple[str, ...]) -> dict[st
         rows[f"native {level} bf16"] = (lambda x, w: ops.bf16_gemv(x, w[0]), "bf16", level)
         rows[f"native {level} int8"] = (lambda x, w: ops.int8_gemv(x, w[0], w[1]), "int8", level)
         rows[f"native {level} int4"] = (lambda x, w: ops.int4_gemv(x, w[0], w[1], GROUP), "int4", level)
+        rows[f"native {level} int8 dot"] = (lambda x, w: ops.int8_dot_gemv(x, w[0], w[1]), "int8", level)
+        rows[f"native {level} int4 dot"] = (lambda x, w: ops.int4_dot_gemv(x, w[0], w[1], GROUP), "int4", level)
     rows["torch bf16"] = (lambda x, w: F.linear(x, w[0]), "bf16", None)
     rows["torch int8"] = (lambda x, w: torch._weight_int8pack_mm(x, w[0], w[1]), "int8", None)
     rows["torch int4"] = (lambda x, w: torch._weight_int4pack_mm_for_cpu(x, w[0], GROUP, w[1]), "torch int4", None)
     return {name: (fn, fmt, nbytes[fmt], level) for name, (fn, fmt, level) in rows.items()}
 
 
-def measure(layers: int, batches: list[int], rounds: int) -> dict:
+def measure(layers: int, batches: list[int], rounds: int, levels: list[str] | None = None) -> dict:
     from splice import native
 
     if not native.available():
         raise SystemExit("splice's native kernels are not available here")
-    levels = native.supported_isas()
+    unknown = sorted(set(levels or ()) - set(native.supported_isas()))
+    if unknown:
+        raise SystemExit(f"--levels {', '.join(unknown)}: not run here; allowed: {', '.join(native.supported_isas())}")
+    levels = tuple(levels or native.supported_isas())
     weights = build(layers)
     rows = kernels(weights, levels)
     in_features = [k for _ in range(layers) for _, k in FUSED]
@@ -116,18 +124,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--levels", nargs="+", default=None, help="native levels to time (default: all run here)")
     parser.add_argument("--out", type=Path, default=Path("bench_out/isa.json"))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.child:
-        print(json.dumps(measure(args.layers, args.batch, args.rounds)))
+        print(json.dumps(measure(args.layers, args.batch, args.rounds, args.levels)))
         return
     report = {"cpu": cpu_model(), "layers": args.layers, "runs": {}}
     for setting, env in TORCH_SETTINGS.items():
         command = [sys.executable, __file__, "--child", "--layers", str(args.layers), "--rounds", str(args.rounds),
                    "--batch", *map(str, args.batch)] + (["--threads", str(args.threads)] if args.threads else [])
+        command += ["--levels", *args.levels] if args.levels else []
         done = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True, check=True)
         report["runs"][setting] = json.loads(done.stdout.strip().splitlines()[-1])
     print_table(report)

@@ -11,13 +11,25 @@ needs_native = pytest.mark.skipif(not native.available(), reason="splice's nativ
 @needs_native
 @pytest.mark.parametrize("config", [QuantConfig(), QuantConfig(bits=4, group_size=32, symmetric=False)],
                          ids=["int8", "int4"])
-def test_dot_products_where_the_cpu_has_vnni_unless_switched_off(monkeypatch, config):
-    choice = kernel_choice.quant_kernel(config, "cpu")
-    ready = torch.ops.splice_kernels.int4_dot_ready() if config.bits == 4 else torch.ops.splice_kernels.int8_dot_ready()
-    assert choice.native and choice.dot_products == bool(ready)
-    monkeypatch.setenv("SPLICE_NATIVE_DOT", "0")
-    off = kernel_choice.quant_kernel(config, "cpu")
-    assert off.native and not off.dot_products and "SPLICE_NATIVE_DOT=0" in off.reason
+@pytest.mark.parametrize("level", native.ISA_LEVELS)
+def test_dot_products_at_every_level_unless_switched_off(monkeypatch, config, level):
+    """int8 and int4 weight-only decode on integer dot products at every level, the reason naming the instructions:
+    vpdpbusd where the level and CPU have AVX512-VNNI, else AVX2's vpmaddubsw; SPLICE_NATIVE_DOT=0 keeps float
+    products and says so."""
+    if level not in native.supported_isas():
+        pytest.skip(f"this CPU cannot run the {level} kernels")
+    with native.use_isa(level):
+        choice = kernel_choice.quant_kernel(config, "cpu")
+        vnni = level != "avx2" and "avx512_vnni" in native._cpu_flags()
+        instructions = "AVX512-VNNI vpdpbusd" if vnni else "AVX2 vpmaddubsw"
+        assert choice.native and choice.dot_products and kernel_choice.dot_instructions() == instructions
+        assert f"integer dot products ({instructions}" in choice.reason and f"level {level}" in choice.reason
+        monkeypatch.setenv("SPLICE_NATIVE_DOT", "0")
+        off = kernel_choice.quant_kernel(config, "cpu")
+        assert off.native and not off.dot_products and "SPLICE_NATIVE_DOT=0" in off.reason
+        assert "dot products" not in off.reason
+        w8a8 = kernel_choice.quant_kernel(QuantConfig(activations=True), "cpu")  # always rounds its activations
+        assert w8a8.native and f"integer dot products ({instructions})" in w8a8.reason
 
 
 def test_grouped_int8_and_cuda_run_torch_kernels_and_say_why():

@@ -74,9 +74,9 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
         limit = native.MAX_ROWS[ROW_LIMIT_OF[kind]]
         if kind == "int8_dynamic":  # its activations are rounded anyway: always on integer dot products
             return KernelChoice("native", f"activations rounded to int8 per block of 32, splice's int8 GEMV on "
-                                          f"integer dot products ({dot_instructions(kind)}) up to {limit} rows, "
+                                          f"integer dot products ({dot_instructions()}) up to {limit} rows, "
                                           f"de-quantise + one oneDNN GEMM above; {native_level()}")
-        dot = dot_products(kind)
+        dot = dot_products()
         if dot:
             bits = ROW_LIMIT_OF[kind]
             tiles = " (from 3 rows, AMX tiles on x as it is)" if bits == "int4" and native.amx_ready() else ""
@@ -90,22 +90,19 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
                                  f"{device.type} ({why_not_native(device)})")
 
 
-def dot_products(kind: str) -> str:
-    """:func:`dot_instructions` for weight-only ``kind``, or "" with ``SPLICE_NATIVE_DOT=0`` (float products, to
+def dot_products() -> str:
+    """:func:`dot_instructions`, or "" with ``SPLICE_NATIVE_DOT=0`` (float products for int8 and int4 weight-only, to
     compare the two)."""
-    return "" if native.switched_off("SPLICE_NATIVE_DOT") else dot_instructions(kind)
+    return "" if native.switched_off("SPLICE_NATIVE_DOT") else dot_instructions()
 
 
-def dot_instructions(kind: str) -> str:
-    """The instructions the native decode GEMV of quantization ``kind`` can multiply in integers with at the active
-    level ("AVX512-VNNI", or "AVX2 vpmaddubsw" for int8), or "" where it has float products only."""
+def dot_instructions() -> str:
+    """The instructions the native int8 and int4 decode GEMVs multiply in integers with at the active level:
+    "AVX512-VNNI vpdpbusd" (the avx512 and amx levels, on a CPU with AVX512-VNNI), else "AVX2 vpmaddubsw" (every
+    level runs it); "" where the native kernels are not available."""
     if not native.available():
         return ""
-    if torch.ops.splice_kernels.int4_dot_ready():
-        return "AVX512-VNNI"
-    if kind != "int4_weight_only" and torch.ops.splice_kernels.int8_dot_ready():
-        return "AVX2 vpmaddubsw"
-    return ""
+    return "AVX512-VNNI vpdpbusd" if torch.ops.splice_kernels.vnni_ready() else "AVX2 vpmaddubsw"
 
 
 def native_level() -> str:

@@ -58,34 +58,70 @@ def test_int8_gemv_matches_the_float_product(isa, rows, n, k):
 @pytest.mark.parametrize("n, k", [(64, 128), (37, 96), (5, 32), (130, 576)])  # K: whole steps of 64 and a half step
 def test_int8_dot_gemv_rounds_x_per_block_and_sums_exactly(isa, rows, n, k):
     """W8A8's decode op: x rounded as ``qmath.round_activations`` does, then the int8 product; the integer sums are
-    exact, so the only difference left is the output's rounding to bf16 (and, without VNNI, the rounded x in bf16)."""
+    exact, so the only difference left is the output's rounding to bf16."""
     x = torch.randn(rows, k).bfloat16() * torch.linspace(0.1, 10, k).bfloat16()  # blocks of different scales
     w, scales = torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16()
     expected = (qmath.round_activations(x.float()) @ w.float().T) * scales.float()
     got = torch.ops.splice_kernels.int8_dot_gemv(x, w, scales)
-    assert relative_error(got, expected) < (4e-3 if torch.ops.splice_kernels.int8_dot_ready() else 1e-2)
-    vnni = isa != "avx2" and "avx512_vnni" in native._cpu_flags()
-    assert torch.ops.splice_kernels.int4_dot_ready() == vnni
-    assert torch.ops.splice_kernels.int8_dot_ready() == (vnni or isa == "avx2")  # vpmaddubsw at avx2
+    assert relative_error(got, expected) < 4e-3
+    # integer products at every level: AVX512-VNNI where the level and CPU have it, else vpmaddubsw
+    assert torch.ops.splice_kernels.int8_dot_ready() and torch.ops.splice_kernels.int4_dot_ready()
+    assert torch.ops.splice_kernels.vnni_ready() == (isa != "avx2" and "avx512_vnni" in native._cpu_flags())
+
+
+def _int4_operands(rows: int, n: int, k: int, group: int, symmetric: bool, seed: int = 0):
+    """x whose blocks of 32 each start with a large value (a coarse int8 step for the rest of the block: rounding x
+    visibly changes the product) that meets the code 8 (weight = the zero, so it does not swamp the rest), random
+    codes elsewhere, and scales and zeros (zeros 0 when ``symmetric``) in the kernel's tiles."""
+    torch.manual_seed(seed)
+    x = torch.randn(rows, k) * torch.linspace(0.1, 5, k)
+    x[:, ::32] *= 40
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    q[:, ::32] = 8
+    scales_and_zeros = torch.randn(k // group, n, 2)
+    if symmetric:
+        scales_and_zeros[..., 1] = 0
+    scales_and_zeros = scales_and_zeros.bfloat16()
+    return x.bfloat16(), q, scales_and_zeros, native.int4_tile_pack(q), native.int4_tile_scales(scales_and_zeros)
+
+
+INT4_DOT_SHAPES = [(64, 128, 32), (32, 576, 64), (16, 256, 128), (48, 2048, 128), (32, 120, 24)]
 
 
 @needs_native
-@pytest.mark.parametrize("rows", (1, 2, 3, 5))
-@pytest.mark.parametrize("n, k, group", [(64, 128, 32), (32, 576, 64), (16, 256, 128), (32, 120, 24)])
-def test_int4_dot_gemv_rounds_x_per_block_where_it_can(isa, rows, n, k, group):
-    """Integer dot products where the CPU has VNNI, the group is whole blocks of 32 and AMX does not take the rows;
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("rows", (1, 2, 3, 4, 5, 8, 40))
+@pytest.mark.parametrize("n, k, group", INT4_DOT_SHAPES)
+def test_int4_dot_gemv_rounds_x_per_block_where_it_can(isa, rows, n, k, group, symmetric):
+    """Integer dot products (AVX512-VNNI, or vpmaddubsw at the avx2 level) where the group is whole blocks of 32 and
+    AMX does not take the rows: the product of x rounded as ``qmath.round_activations`` does, not of x itself;
     otherwise exactly ``int4_gemv``."""
-    x = torch.randn(rows, k).bfloat16() * torch.linspace(0.1, 5, k).bfloat16()
-    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-    scales_and_zeros = torch.randn(k // group, n, 2).bfloat16()
-    w, sz = native.int4_tile_pack(q), native.int4_tile_scales(scales_and_zeros)
+    x, q, scales_and_zeros, w, sz = _int4_operands(rows, n, k, group, symmetric)
     got = torch.ops.splice_kernels.int4_dot_gemv(x, w, sz, group)
     amx = rows >= 3 and group % 32 == 0 and native.amx_ready()
     if torch.ops.splice_kernels.int4_dot_ready() and group % 32 == 0 and not amx:
-        expected = qmath.round_activations(x.float()) @ qmath.dequantize_int4(q, scales_and_zeros).T
-        assert relative_error(got, expected) < 4e-3
+        weight = qmath.dequantize_int4(q, scales_and_zeros).double()
+        expected = qmath.round_activations(x.float()).double() @ weight.T
+        error = relative_error(got, expected)
+        assert error < 4e-3 and relative_error(x.double() @ weight.T, expected) > 4 * error  # not x's own product
     else:
         torch.testing.assert_close(got, torch.ops.splice_kernels.int4_gemv(x, w, sz, group), rtol=0, atol=0)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", (1, 2, 4, 8))
+@pytest.mark.parametrize("n, k, group", INT4_DOT_SHAPES[:4])
+def test_int4_dot_gemv_gives_the_same_result_at_every_level(rows, n, k, group):
+    """The avx2 kernel (vpmaddubsw) and the AVX512-VNNI one sum the same int8 rows in exact integers and apply the
+    scales in the same float steps: bit for bit the same output."""
+    if "avx512" not in native.supported_isas() or "avx512_vnni" not in native._cpu_flags():
+        pytest.skip("this CPU has no AVX512-VNNI kernel to compare the avx2 one with")
+    x, _, _, w, sz = _int4_operands(rows, n, k, group, symmetric=False, seed=rows)
+    results = {}
+    for level in ("avx2", "avx512"):
+        with native.use_isa(level):
+            results[level] = torch.ops.splice_kernels.int4_dot_gemv(x, w, sz, group)
+    assert torch.equal(results["avx2"], results["avx512"])
 
 
 @needs_native

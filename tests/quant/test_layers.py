@@ -248,6 +248,25 @@ def test_int4_decode_rows_on_dot_products_round_activations_per_block(scheme, ro
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("scheme", ["int4-g32", "int4-g64-asym", "int4-g128"])
+def test_int4_decode_rows_on_dot_products_at_the_avx2_level(scheme, rows):
+    """On an AVX2-only CPU too (the avx2 level, vpmaddubsw) int4 decode rows are rounded per block of 32 and summed in
+    integers; out_features odd and in_features off the group (both padded)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(328, 37)
+    with native.use_isa("avx2"):
+        layer = HANDLERS["int4_weight_only"].from_float(linear.weight.detach(), linear.bias, SCHEMES[scheme],
+                                                        native=True, dot_products=True)
+        x = torch.randn(rows, 328)
+        expected = F.linear(_reference_input(x, "w8a8"), layer.dequantize(), linear.bias)
+        with _spy("int4_dot_gemv") as calls:
+            out = layer(x)
+    assert calls.call_count == 1 and out.shape == (rows, 37)
+    assert (out - expected).norm() / expected.norm() < 5e-3
+
+
+@needs_native
 @pytest.mark.parametrize("rows", [1, 8, 40, 130])
 @pytest.mark.parametrize("scheme", ["int4-g32", "int4-g64-asym", "int4-g128"])
 def test_native_int4_runs_the_gemv_for_few_rows_and_dequantizes_for_more(scheme, rows):

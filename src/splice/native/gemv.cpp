@@ -14,14 +14,15 @@
 //       tiles of 16 rows; dword (tile, c, r) holds q[r, 8c .. 8c+7] as nibbles in the order k = 0,2,4,6,1,3,5,7
 //       (so k and k+1 sit 16 bits apart); value = (q - 8) * scale + zero per (row, group).
 //   int4_dot_gemv(x, w, sz, group)  the same with x rounded to int8 per row and block of 32, integer dot products
-//       (AVX512-VNNI, groups of whole blocks); else int4_gemv
+//       (AVX512-VNNI, else vpmaddubsw; groups of whole blocks); else int4_gemv
 //   int4_dequantize(w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group) -> bf16 [N, K]
 //       the same tiles back as a row-major bf16 weight, (q - 8) * scale + zero in float32 rounded once to bf16
 //       (for prefill: one oneDNN GEMM on it beats the GEMV above once there are more than a few rows).
 //
 // Instruction sets: the file is compiled for baseline x86-64; each kernel exists once per ISA level, in a region
 // compiled for that level (#pragma GCC target), and the ops dispatch at run time on the active level:
-//   ISA_AVX2    AVX2 + FMA: weights widened to float32 and multiply-added (8 lanes)
+//   ISA_AVX2    AVX2 + FMA: weights widened to float32 and multiply-added (8 lanes); int8 x int8 and int4 x int8
+//               dot products with vpmaddubsw
 //   ISA_AVX512  AVX-512 F/BW/VL/DQ + BF16: bf16 dot products (16 lanes, two products per lane and instruction)
 //   ISA_AMX     ISA_AVX512, and AMX tiles for int4 (from 3 rows) and int8 (5-16 rows) GEMVs
 // The active level starts at the best the CPU (and Linux, for AMX tile state) allows; set_isa lowers it, so every
@@ -168,6 +169,43 @@ void for_row_blocks(int64_t m, int64_t n, F&& f) {
   const int64_t tail = n % 4;
   if (tail)
     with_rows(tail, [&](auto r_c) { for_x_chunks<X>(m, [&](auto m_c, int64_t m0) { f(m_c, r_c, n - tail, m0); }); });
+}
+
+// ---- int8 activations for the int4 integer dot products (AVX-512 and AVX2 alike) ------------------------------------
+// Both int4_dot_gemv kernels take x rounded to int8 per row and block of DOT_BLOCK columns (each level's round_rows,
+// the same arithmetic: d = block's absolute max / 127, q = round(x / d) in -127..127), rearranged here once per call
+// into the nibble order of the int4 tiles, so every level sums exactly the same integers.
+constexpr int64_t DOT_BLOCK = 32;  // columns per activation scale (qmath.ACTIVATION_BLOCK)
+
+struct Int4DotActivations {
+  std::vector<int32_t> pairs;  // [m, k / 8, 2]: per chunk the bytes of q at columns (0, 4, 1, 5) and (2, 6, 3, 7)
+  std::vector<float> d;        // [m, k / 32]
+  std::vector<float> sums;     // [m, k / group]: sum_b d_b * sum(q_b) over the group's blocks
+};
+
+// q: [m, stride] int8 (k columns used), d: [m, k / 32] block scales.
+Int4DotActivations int4_dot_activations(const int8_t* q_rows, int64_t stride, std::vector<float> d, int64_t m,
+                                        int64_t k, int64_t group) {
+  const int64_t chunks = k / 8, blocks = k / DOT_BLOCK;
+  Int4DotActivations out;
+  out.pairs.resize(m * chunks * 2);
+  out.d = std::move(d);
+  out.sums.assign(m * (k / group), 0.f);
+  for (int64_t i = 0; i < m; ++i) {
+    const int8_t* q = q_rows + i * stride;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int8_t* p = q + c * 8;
+      const int8_t lo[4] = {p[0], p[4], p[1], p[5]}, hi[4] = {p[2], p[6], p[3], p[7]};
+      std::memcpy(&out.pairs[(i * chunks + c) * 2], lo, 4);
+      std::memcpy(&out.pairs[(i * chunks + c) * 2 + 1], hi, 4);
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      int32_t total = 0;
+      for (int64_t j = 0; j < DOT_BLOCK; ++j) total += q[b * DOT_BLOCK + j];
+      out.sums[i * (k / group) + b * DOT_BLOCK / group] += out.d[i * blocks + b] * static_cast<float>(total);
+    }
+  }
+  return out;
 }
 
 struct TileConfig {  // LDTILECFG's 64-byte operand, palette 1
@@ -354,7 +392,6 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // never widened to float. vpdpbusd takes one unsigned operand: the weight bytes are flipped to w + 128 as they stream
 // (one xor), and the 128 * sum(q) that adds to each block's sum is taken off once per row of x, since it does not
 // depend on the weight row: y = scale * (sum_b d_b * dot_b - 128 * sum_b d_b * sum(q_b)).
-constexpr int64_t DOT_BLOCK = 32;  // columns per activation scale (qmath.ACTIVATION_BLOCK)
 constexpr int64_t DOT_STEP = 64;   // columns per vpdpbusd (two blocks: 8 int32 lanes each)
 
 struct DotActivations {
@@ -633,36 +670,13 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // chunk as bytes and shifted by 4 its columns 2, 6, 3, 7 (the nibble order above), against x's bytes in the same order
 // broadcast to the 16 rows. Per block of 32 the int32 sums get the block's scale d; per group,
 // y += scale * sum_b d_b * dot_b + (zero - 8 * scale) * sum_b d_b * sum(q_b).
-struct Int4DotActivations {
-  std::vector<int32_t> pairs;  // [m, k / 8, 2]: per chunk the bytes of q at columns (0, 4, 1, 5) and (2, 6, 3, 7)
-  std::vector<float> d;        // [m, k / 32]
-  std::vector<float> sums;     // [m, k / group]: sum_b d_b * sum(q_b) over the group's blocks
-};
-
 Int4DotActivations round_rows_for_int4(const at::BFloat16* x, int64_t m, int64_t k, int64_t group) {
   const DotActivations a = round_rows(x, m, k);
-  const int64_t chunks = k / 8, blocks = k / DOT_BLOCK, steps = a.padded / DOT_STEP;
-  Int4DotActivations out;
-  out.pairs.resize(m * chunks * 2);
-  out.d.resize(m * blocks);
-  out.sums.assign(m * (k / group), 0.f);
-  for (int64_t i = 0; i < m; ++i) {
-    const int8_t* q = a.q.data() + i * a.padded;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int8_t* p = q + c * 8;
-      const int8_t lo[4] = {p[0], p[4], p[1], p[5]}, hi[4] = {p[2], p[6], p[3], p[7]};
-      std::memcpy(&out.pairs[(i * chunks + c) * 2], lo, 4);
-      std::memcpy(&out.pairs[(i * chunks + c) * 2 + 1], hi, 4);
-    }
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float d = a.d[(i * steps + b / 2) * 16 + (b % 2) * 8];
-      out.d[i * blocks + b] = d;
-      int32_t total = 0;
-      for (int64_t j = 0; j < DOT_BLOCK; ++j) total += q[b * DOT_BLOCK + j];
-      out.sums[i * (k / group) + b * DOT_BLOCK / group] += d * static_cast<float>(total);
-    }
-  }
-  return out;
+  const int64_t blocks = k / DOT_BLOCK, steps = a.padded / DOT_STEP;
+  std::vector<float> d(m * blocks);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t b = 0; b < blocks; ++b) d[i * blocks + b] = a.d[(i * steps + b / 2) * 16 + (b % 2) * 8];
+  return int4_dot_activations(a.q.data(), a.padded, std::move(d), m, k, group);
 }
 
 template <int M>
@@ -817,7 +831,8 @@ void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t gro
 // ---- AVX2 + FMA ------------------------------------------------------------------------------------------------------
 // The same kernels for CPUs without AVX-512 BF16: weights are widened to float32 (bf16 by a shift, int8 by sign
 // extension and conversion, int4 nibbles by shift and mask) and multiply-added 8 lanes at a time; x is converted to
-// float32 once per call. AVX2 has 16 vector registers, so x is taken two rows at a time against four weight rows.
+// float32 once per call. AVX2 has 16 vector registers, so x is taken two rows at a time against four weight rows. The
+// integer dot products (int8_dot_gemv, int4_dot_gemv) multiply bytes with vpmaddubsw instead.
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
@@ -944,8 +959,6 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // multiplies unsigned by signed bytes into saturating 16-bit pair sums, so the weight goes in as |w| (0..128) and x as
 // q with w's sign (-127..127): a pair sums to at most 2 * 128 * 127 < 2^15, no saturation. vpmaddwd with ones then sums
 // the pairs into 8 int32 lanes, one block of 32 columns per step.
-constexpr int64_t DOT_BLOCK = 32;
-
 struct DotRows {
   std::vector<int8_t> q;  // [m, k]
   std::vector<float> d;   // [m, k / 32]
@@ -1036,6 +1049,24 @@ std::vector<float> group_sums(const float* x, int64_t m, int64_t k, int64_t grou
   return sums;
 }
 
+// A tile half's (scale, zero) in one group, from its 8 rows' bf16 (scale, zero) pairs (scale in each dword's low half).
+inline void half_scale_zero(const at::BFloat16* s_z_pairs, __m256& scale, __m256& zero) {
+  const __m256i s_z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s_z_pairs));
+  scale = _mm256_castsi256_ps(_mm256_slli_epi32(s_z, 16));
+  zero = _mm256_castsi256_ps(_mm256_and_si256(s_z, _mm256_set1_epi32(0xFFFF0000)));
+}
+
+// M rows of a tile's 16 outputs (two halves of 8), rounded to bf16.
+template <int M>
+inline void store_tile(const __m256 acc[M][2], at::BFloat16* out, int64_t n_total, int64_t tile) {
+  for (int m = 0; m < M; ++m) {
+    alignas(32) float values[TILE];
+    _mm256_store_ps(values, acc[m][0]);
+    _mm256_store_ps(values + 8, acc[m][1]);
+    for (int r = 0; r < TILE; ++r) out[m * n_total + tile * TILE + r] = at::BFloat16(values[r]);
+  }
+}
+
 template <int M>
 void int4_tile(const float* x, const float* xsum, const int32_t* w, const at::BFloat16* sz, int64_t k, int64_t group,
                int64_t tile, at::BFloat16* out, int64_t n_total) {
@@ -1067,10 +1098,9 @@ void int4_tile(const float* x, const float* xsum, const int32_t* w, const at::BF
         }
       }
     }
-    for (int h = 0; h < 2; ++h) {  // 8 rows x (scale, zero) bf16 pairs: scale in the low half of each dword
-      const __m256i s_z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile_sz + (g * TILE + 8 * h) * 2));
-      const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(s_z, 16));
-      const __m256 zero = _mm256_castsi256_ps(_mm256_and_si256(s_z, _mm256_set1_epi32(0xFFFF0000)));
+    for (int h = 0; h < 2; ++h) {
+      __m256 scale, zero;
+      half_scale_zero(tile_sz + (g * TILE + 8 * h) * 2, scale, zero);
       const __m256 offset = _mm256_fnmadd_ps(scale, _mm256_set1_ps(136.0f), zero);
       const __m256 dot_scale = _mm256_mul_ps(scale, _mm256_set1_ps(128.0f));
       for (int m = 0; m < M; ++m) {
@@ -1079,12 +1109,7 @@ void int4_tile(const float* x, const float* xsum, const int32_t* w, const at::BF
       }
     }
   }
-  for (int m = 0; m < M; ++m) {
-    alignas(32) float values[TILE];
-    _mm256_store_ps(values, acc[m][0]);
-    _mm256_store_ps(values + 8, acc[m][1]);
-    for (int r = 0; r < TILE; ++r) out[m * n_total + tile * TILE + r] = at::BFloat16(values[r]);
-  }
+  store_tile<M>(acc, out, n_total, tile);
 }
 
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
@@ -1102,6 +1127,80 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
     for (int64_t t = begin; t < end; ++t)
       for_x_chunks<X_ROWS>(m, [&](auto m_c, int64_t m0) {
         int4_tile<decltype(m_c)::value>(xp + m0 * k, sp + m0 * groups, wp, zp, k, group, t, op + m0 * n, n);
+      });
+  });
+  return out;
+}
+
+// ---- int4 x int8 dot products (vpmaddubsw) --------------------------------------------------------------------
+// int4_dot_gemv's arithmetic on AVX2: the same int8 rows (int4_dot_activations) and, per block and group, the same
+// float steps in the same order as the AVX-512 kernel, so both levels give the same result. A tile is two halves of 8
+// rows, one dword lane per row. A tile word masked with 0x0F gives a row's columns 0, 4, 1, 5 of its chunk as unsigned
+// bytes, shifted by 4 its columns 2, 6, 3, 7; vpmaddubsw multiplies them with x's signed bytes in the same order
+// (broadcast to the 8 rows) into 16-bit pair sums. No step saturates: a pair is at most 2 * 15 * 127 = 3810 in
+// magnitude (nibbles 0..15, x in -127..127), and a block's 8 pair sums per 16-bit lane (4 chunks, low and high
+// nibbles) at most 8 * 3810 = 30480 < 2^15, so they add in 16 bits and one vpmaddwd with ones per block widens each
+// row's two 16-bit lanes to its int32 block sum.
+template <int M>
+void int4_dot_tile(const Int4DotActivations& a, int64_t m0, const int32_t* w, const at::BFloat16* sz, int64_t k,
+                   int64_t group, int64_t tile, at::BFloat16* out, int64_t n_total) {
+  const int64_t chunks = k / 8, groups = k / group, blocks = k / DOT_BLOCK, blocks_per_group = group / DOT_BLOCK;
+  const int32_t* base = w + tile * chunks * TILE;
+  const at::BFloat16* tile_sz = sz + tile * groups * TILE * 2;
+  const char* stream = reinterpret_cast<const char*>(base);
+  const __m256i nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    __m256 dots[M][2];
+    for (int m = 0; m < M; ++m) dots[m][0] = dots[m][1] = _mm256_setzero_ps();
+    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+      __m256i sums[M][2];  // [x row][half]: 16-bit pair sums of the block
+      for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
+      for (int64_t c = b * 4; c < b * 4 + 4; ++c) {
+        prefetch(stream + c * 64 + PREFETCH_BYTES);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + c * TILE + 8 * h));
+          const __m256i low = _mm256_and_si256(words, nibbles);
+          const __m256i high = _mm256_and_si256(_mm256_srli_epi32(words, 4), nibbles);
+          for (int m = 0; m < M; ++m) {
+            const int32_t* xp = a.pairs.data() + ((m0 + m) * chunks + c) * 2;
+            sums[m][h] = _mm256_add_epi16(sums[m][h], _mm256_maddubs_epi16(low, _mm256_set1_epi32(xp[0])));
+            sums[m][h] = _mm256_add_epi16(sums[m][h], _mm256_maddubs_epi16(high, _mm256_set1_epi32(xp[1])));
+          }
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m256 d = _mm256_set1_ps(a.d[(m0 + m) * blocks + b]);
+        for (int h = 0; h < 2; ++h)
+          dots[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums[m][h], ones)), d, dots[m][h]);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      __m256 scale, zero;
+      half_scale_zero(tile_sz + (g * TILE + 8 * h) * 2, scale, zero);
+      const __m256 offset = _mm256_fnmadd_ps(scale, _mm256_set1_ps(8.0f), zero);
+      for (int m = 0; m < M; ++m) {
+        acc[m][h] = _mm256_fmadd_ps(dots[m][h], scale, acc[m][h]);
+        acc[m][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.sums[(m0 + m) * groups + g]), acc[m][h]);
+      }
+    }
+  }
+  store_tile<M>(acc, out, n_total, tile);
+}
+
+at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+  const int64_t tiles = w.size(0), k = w.size(1) * 8, m = x.size(0), n = tiles * TILE;
+  DotRows rows = round_rows(x.data_ptr<at::BFloat16>(), m, k);
+  const Int4DotActivations a = int4_dot_activations(rows.q.data(), k, std::move(rows.d), m, k, group);
+  auto out = at::empty({m, n}, x.options());
+  const int32_t* wp = w.data_ptr<int32_t>();
+  const auto* zp = sz.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for_x_chunks<MAX_ROWS>(m, [&](auto m_c, int64_t m0) {  // 4 rows fit the 16 registers (8 sums)
+        int4_dot_tile<decltype(m_c)::value>(a, m0, wp, zp, k, group, t, op + m0 * n, n);
       });
   });
   return out;
@@ -1213,22 +1312,24 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return isa() >= ISA_AVX512 ? avx512::int8_gemv(x, w, scales) : avx2::int8_gemv(x, w, scales);
 }
 
-// Whether int4_dot_gemv multiplies in integers at the active level: avx512 or amx, on a CPU with AVX512-VNNI.
-bool int4_dot_ready() { return isa() >= ISA_AVX512 && __builtin_cpu_supports("avx512vnni"); }
+// Whether the integer dot products run on AVX512-VNNI (vpdpbusd): the avx512 or amx level, on a CPU with it; else
+// they run on the AVX2 kernels (vpmaddubsw), which every level's CPU executes.
+bool vnni_ready() { return isa() >= ISA_AVX512 && __builtin_cpu_supports("avx512vnni"); }
 
-// Whether int8_dot_gemv multiplies in integers at the active level: at every level (AVX512-VNNI, else the AVX2
-// vpmaddubsw kernel, which every level's CPU runs).
+// Whether int8_dot_gemv / int4_dot_gemv multiply in integers at the active level: at every level (AVX512-VNNI, else
+// vpmaddubsw).
 bool int8_dot_ready() { return isa() >= ISA_AVX2; }
+bool int4_dot_ready() { return isa() >= ISA_AVX2; }
 
-// W8A8's decode product in integers: AVX512-VNNI where the CPU has it at the avx512 or amx level, else vpmaddubsw.
+// W8A8's decode product in integers: AVX512-VNNI where vnni_ready(), else vpmaddubsw.
 at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
   check_isa("int8_dot_gemv");
   check_int8_weight(w, "int8_dot_gemv");
   check_rows(x, w.size(1), "int8_dot_gemv");
   check_int8_scales(scales, w.size(0), "int8_dot_gemv");
-  TORCH_CHECK(w.size(1) % avx512::DOT_BLOCK == 0, "int8_dot_gemv: in_features must be a multiple of ",
-              avx512::DOT_BLOCK, ", got ", w.size(1));
-  return int4_dot_ready() ? avx512::int8_dot_gemv(x, w, scales) : avx2::int8_dot_gemv(x, w, scales);
+  TORCH_CHECK(w.size(1) % DOT_BLOCK == 0, "int8_dot_gemv: in_features must be a multiple of ",
+              DOT_BLOCK, ", got ", w.size(1));
+  return vnni_ready() ? avx512::int8_dot_gemv(x, w, scales) : avx2::int8_dot_gemv(x, w, scales);
 }
 
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
@@ -1238,14 +1339,15 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return isa() >= ISA_AVX512 ? avx512::int4_gemv(x, w, sz, group) : avx2::int4_gemv(x, w, sz, group);
 }
 
-// int4 decode rows with x rounded to int8 per block of 32 and integer dot products where int4_dot_ready() and the
-// group is whole blocks; else (and from AMX_MIN_ROWS rows on AMX) int4_gemv on x as it is.
+// int4 decode rows with x rounded to int8 per block of 32 and integer dot products (AVX512-VNNI where vnni_ready(),
+// else vpmaddubsw) where the group is whole blocks; else (and from AMX_MIN_ROWS rows on AMX) int4_gemv on x as it is.
 at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
   check_isa("int4_dot_gemv");
   check_int4_tiles(w, sz, group, "int4_dot_gemv");
   check_rows(x, w.size(1) * 8, "int4_dot_gemv");
   const bool tiles = x.size(0) >= avx512::AMX_MIN_ROWS && group % avx512::AMX_COLUMNS == 0 && amx_ready();
-  if (int4_dot_ready() && group % avx512::DOT_BLOCK == 0 && !tiles) return avx512::int4_dot_gemv(x, w, sz, group);
+  if (int4_dot_ready() && group % DOT_BLOCK == 0 && !tiles)
+    return vnni_ready() ? avx512::int4_dot_gemv(x, w, sz, group) : avx2::int4_dot_gemv(x, w, sz, group);
   return int4_gemv(x, w, sz, group);
 }
 
@@ -1339,6 +1441,7 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("amx_ready() -> bool", &amx_ready);
   lib.def("int8_dot_ready() -> bool", &int8_dot_ready);
   lib.def("int4_dot_ready() -> bool", &int4_dot_ready);
+  lib.def("vnni_ready() -> bool", &vnni_ready);
   lib.def("isa() -> int", &isa);
   lib.def("best_isa() -> int", &best_isa);
   lib.def("set_isa(int level) -> ()", &set_isa);

@@ -19,8 +19,9 @@ int4 weight-only               ``int4_gemv`` up to ``MAX_ROWS["int4"]``,     ``_
 W8A8                           ``int8_dot_gemv`` up to ``MAX_ROWS["int8"]``  activations rounded to int8 per block
                                (activations rounded to int8 per block of 32  of 32 (``qmath.round_activations``),
                                in the op, integer dot products with          then torch's int8 kernels above
-                               AVX512-VNNI); above, the rounded activations
-                               through the int8 weight-only kernels above
+                               AVX512-VNNI or AVX2); above, the rounded
+                               activations through the int8 weight-only
+                               kernels above
 =============================  ============================================  ========================================
 
 Why the native kernels, and why by rows: they stream weights with software prefetch, faster than torch's GEMVs; the

@@ -35,8 +35,8 @@ class QuantizedLinear(nn.Module):
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig,
                    native: bool = False, dot_products: bool = False) -> QuantizedLinear:
         """Quantize a float ``weight [out, in]`` (on the device the kernel will run on); ``native``: call splice's
-        native kernels (CPU, where ``splice.native`` is available), else torch's; ``dot_products``: int8 decode rows
-        on integer dot products (``splice.kernel_choice.KernelChoice.dot_products``)."""
+        native kernels (CPU, where ``splice.native`` is available), else torch's; ``dot_products``: decode rows on
+        integer dot products (``splice.kernel_choice.KernelChoice.dot_products``)."""
         raise NotImplementedError
 
     @classmethod
