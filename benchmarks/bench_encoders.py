@@ -4,8 +4,9 @@ Random weights of BERT-base's shape (``BertConfig()``'s defaults: 12 layers, hid
 30522), built from the config class (nothing is downloaded), one process, rows side by side: the model as
 transformers runs it (its default attention, SDPA), then the same model with its layers fused by
 ``init_inference(replace_with_kernel_inject=True)``. Each row is the best of ``--repeat`` timings of ``--iters``
-forwards after one warm-up forward, the two models' timings taking turns (so both meet the same machine load); the batch holds full-length rows and, with ``--padded``, rows of decreasing length
-(a tokenizer's right padding), which both paths must mask::
+forwards after one warm-up forward, the two models' timings taking turns (so both meet the same machine load); the
+batch holds full-length rows and, with ``--padded``, rows of decreasing length (a tokenizer's right padding), which
+both paths must mask::
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_encoders.py                      # bf16, batch 8, length 128
     PYTHONPATH=src .venv/bin/python benchmarks/bench_encoders.py --dtype fp32,bf16 --task masked_lm --threads 1

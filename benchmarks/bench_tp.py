@@ -115,7 +115,7 @@ def worker(args) -> None:
 
 
 def launch(args, tp: int, threads: int) -> list[dict]:
-    base = [f"--worker", f"--tp={tp}", f"--threads={threads}", f"--folder={args.folder}", f"--layers={args.layers}",
+    base = ["--worker", f"--tp={tp}", f"--threads={threads}", f"--folder={args.folder}", f"--layers={args.layers}",
             f"--dtype={args.dtype}", f"--prompt={args.prompt}", f"--new-tokens={args.new_tokens}"]
     script = str(Path(__file__).resolve())
     cmd = [sys.executable, script, *base] if tp == 1 else \
