@@ -119,6 +119,26 @@ def test_compiled_decode_gives_the_reference_tokens(name):
     assert {key[1] for key in engine.runtime._compiled_keys} == {16, 32}
 
 
+#: every other decoder family and variant: one attended length each (the length change is covered above)
+COMPILED_ONCE = ["mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt_neox", "gpt_neox:sequential", "gpt2", "opt", "phi",
+                 "falcon", "falcon:new_architecture", "gemma3_text", "gemma3", "gpt_bigcode"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", COMPILED_ONCE)
+def test_compiled_decode_gives_the_reference_tokens_on_every_family(name):
+    reference = build_family(name)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, compile_decode=True,
+                                   max_out_tokens=32)
+    engine.runtime.min_attended = 32
+    ids, mask = padded_batch(batch=3, length=10)
+    options = dict(GREEDY, max_new_tokens=12)
+    with torch.inference_mode():
+        expected = reference.generate(ids, attention_mask=mask, **options)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, **options), expected)
+    assert {key[1] for key in engine.runtime._compiled_keys} == {32}
+
+
 def test_a_config_the_block_cannot_express_is_refused_before_any_change():
     model = build_family("bloom")
     model.config.apply_residual_connection_post_layernorm = True

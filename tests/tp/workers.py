@@ -285,8 +285,10 @@ FUSED_NEW_TOKENS = 12
 #: (its vision tower replicated); at tp=3 (uneven heads) the
 #: multi-query, per-KV-group (a group's query heads split over two ranks) and ALiBi ones (each rank's slopes follow
 #: its heads)
-TP_VARIANTS = ("gpt_neox", "gpt2", "opt:post_norm", "falcon", "bloom", "gemma2", "gemma3", "gpt_bigcode")
-TP3_VARIANTS = ("falcon", "falcon:new_architecture", "bloom")
+TP_VARIANTS = ("gpt_neox", "gpt2", "opt:post_norm", "falcon", "bloom", "gemma2", "gemma3", "gpt_bigcode", "phi", "gptj",
+               "gemma3_text", "gpt_neo")
+TP3_VARIANTS = ("falcon", "falcon:new_architecture", "bloom", "gpt_neox", "gpt2", "opt:post_norm", "gemma2", "gemma3",
+                "gpt_bigcode", "phi", "gptj", "gemma3_text", "gpt_neo")
 
 
 def fused_pipeline(rank: int, world: int, families: tuple | None = None) -> dict:
