@@ -218,3 +218,16 @@ def test_forward_records_every_layers_hidden_states(name):
         got = engine(ids, attention_mask=mask, output_hidden_states=True).hidden_states
     assert len(got) == len(expected) == 3
     assert all(scaled_error(want[real], have[real]) < 1e-4 for want, have in zip(expected, got))
+
+
+@pytest.mark.parametrize("name", [*FAMILIES, *VARIANTS])
+def test_options_outside_the_native_loop_run_hf_generate_on_the_fused_blocks(name):
+    """Beam search is not in the native loop: Hugging Face's generate runs on the fused model (each block through its
+    HF decoder-layer interface, HF's own KV cache) and gives the unmodified model's beams."""
+    reference = build_family(name)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
+    ids, mask = padded_batch(batch=2, length=8)
+    options = dict(max_new_tokens=6, num_beams=3, do_sample=False, eos_token_id=None)
+    with torch.inference_mode():
+        expected = reference.generate(ids, attention_mask=mask, **options)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, **options), expected)

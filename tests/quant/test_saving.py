@@ -11,6 +11,7 @@ from splice import native
 from splice.quant import QuantConfig, QuantizedLinear, load_quantized, quantize, read_scheme, save_quantized
 from splice.quant import api as quant_api
 from tests.conftest import build_tiny, tiny_llama_config
+from tests.arch.tiny_models import ENCODERS, FAMILIES, NEW_FAMILIES
 
 CONFIGS = [QuantConfig(), QuantConfig(group_size=32), QuantConfig(bits=4, group_size=32, symmetric=False),
            QuantConfig(activations=True)]
@@ -101,13 +102,14 @@ FAMILY_SCHEMES = {"int8": ({"dtype": torch.int8}, QuantConfig(bits=8)),
                            QuantConfig(bits=4, group_size=32, symmetric=False))}
 #: other families' layouts: Conv1D (gpt2), per-head fused q/k/v (gpt_neox, bloom), one shared K/V head (falcon), an
 #: encoder with a task head (bert)
-SAVED_FAMILIES = ("gpt2", "gpt_neox", "falcon", "bloom", "bert")
+#: every family kernel injection fuses, decoders and encoders
+SAVED_FAMILIES = (*FAMILIES, *NEW_FAMILIES, *ENCODERS)
 
 
 def _family(name: str, seed: int = 0):
     from tests.arch.tiny_models import build_encoder, build_family
 
-    return build_encoder(name, "masked_lm", seed=seed) if name == "bert" else build_family(name, seed=seed)
+    return build_encoder(name, "masked_lm", seed=seed) if name in ENCODERS else build_family(name, seed=seed)
 
 
 @pytest.mark.parametrize("scheme", sorted(FAMILY_SCHEMES))
@@ -122,7 +124,7 @@ def test_other_families_round_trip(tmp_path, name, scheme):
     quantize(model, config)
     save_quantized(model, tmp_path, config)
     loaded = load_quantized(_family(name, seed=1), tmp_path, config)
-    ids, mask = padded_batch(batch=3, length=10, side="right" if name == "bert" else "left")
+    ids, mask = padded_batch(batch=3, length=10, side="right" if name in ENCODERS else "left")
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits,
                                    rtol=0, atol=0)
@@ -144,7 +146,7 @@ def test_a_quantized_engine_reloads_into_a_float_engine(tmp_path, name, scheme):
     skeleton = splice.init_inference(_family(name, seed=1), replace_with_kernel_inject=True, max_out_tokens=64,
                                      dtype=torch.bfloat16 if scheme == "int8" else None)
     assert load_quantized(skeleton, tmp_path) is skeleton
-    ids, mask = padded_batch(batch=3, length=10, side="right" if name == "bert" else "left")
+    ids, mask = padded_batch(batch=3, length=10, side="right" if name in ENCODERS else "left")
     torch.testing.assert_close(skeleton(ids, attention_mask=mask).logits, engine(ids, attention_mask=mask).logits,
                                rtol=0, atol=0)
     if engine.runtime is not None:
