@@ -102,41 +102,32 @@ def test_quantized_weights_agree_with_the_reference(name, quant):
     assert agreement > (0.9 if int8 else 0.6), agreement
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["bloom", "gemma2", "gptj", "opt:post_norm", "gpt_neo"])
-def test_compiled_decode_gives_the_reference_tokens(name):
-    """compile_decode=True on ALiBi, soft-capped, interleaved-rotary, post-norm (with learned positions and OPT's
-    projections in the graph) and local-window blocks, across a change of the attended length (16, then 32 slots)."""
-    reference = build_family(name)
-    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, compile_decode=True,
-                                   max_out_tokens=64)
-    engine.runtime.min_attended = 16
-    ids, mask = padded_batch(batch=3, length=10)
-    options = dict(GREEDY, max_new_tokens=16)
-    with torch.inference_mode():
-        expected = reference.generate(ids, attention_mask=mask, **options)
-    assert torch.equal(engine.generate(ids, attention_mask=mask, **options), expected)
-    assert {key[1] for key in engine.runtime._compiled_keys} == {16, 32}
-
-
-#: every other decoder family and variant: one attended length each (the length change is covered above)
-COMPILED_ONCE = ["mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt_neox", "gpt_neox:sequential", "gpt2", "opt", "phi",
-                 "falcon", "falcon:new_architecture", "gemma3_text", "gemma3", "gpt_bigcode"]
+#: (family, smallest attended length, max_out_tokens, new tokens, the attended lengths compiled). ALiBi,
+#: soft-capped, interleaved-rotary, post-norm (learned positions and OPT's projections in the graph) and local-window
+#: blocks cross a change of the attended length (16, then 32 slots); every other family and variant compiles one.
+COMPILED_CASES = [
+    *[(name, 16, 64, 16, {16, 32}) for name in ("bloom", "gemma2", "gptj", "opt:post_norm", "gpt_neo")],
+    *[(name, 32, 32, 12, {32}) for name in (
+        "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt_neox", "gpt_neox:sequential", "gpt2", "opt", "phi",
+        "falcon", "falcon:new_architecture", "gemma3_text", "gemma3", "gpt_bigcode")],
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", COMPILED_ONCE)
-def test_compiled_decode_gives_the_reference_tokens_on_every_family(name):
+@pytest.mark.parametrize("name, min_attended, max_out_tokens, new_tokens, lengths", COMPILED_CASES,
+                         ids=[case[0] for case in COMPILED_CASES])
+def test_compiled_decode_gives_the_reference_tokens(name, min_attended, max_out_tokens, new_tokens, lengths):
+    """compile_decode=True gives the unmodified model's greedy tokens on every decoder family."""
     reference = build_family(name)
     engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, compile_decode=True,
-                                   max_out_tokens=32)
-    engine.runtime.min_attended = 32
+                                   max_out_tokens=max_out_tokens)
+    engine.runtime.min_attended = min_attended
     ids, mask = padded_batch(batch=3, length=10)
-    options = dict(GREEDY, max_new_tokens=12)
+    options = dict(GREEDY, max_new_tokens=new_tokens)
     with torch.inference_mode():
         expected = reference.generate(ids, attention_mask=mask, **options)
     assert torch.equal(engine.generate(ids, attention_mask=mask, **options), expected)
-    assert {key[1] for key in engine.runtime._compiled_keys} == {32}
+    assert {key[1] for key in engine.runtime._compiled_keys} == lengths
 
 
 def test_a_config_the_block_cannot_express_is_refused_before_any_change():
