@@ -222,16 +222,20 @@ def check_request(model, args: tuple, kwargs: dict, vocab_size: int | None, max_
 def check_generation_values(options: dict) -> None:
     """Each set sampling or length option is a finite real number its rule allows."""
     for name, (allowed, description) in VALUE_RULES.items():
-        value = options.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"{name}={value!r} ({type(value).__name__}); allowed: {description}")
-        if not math.isfinite(value) or not allowed(value):
-            raise ValueError(f"{name}={value!r}; allowed: {description}")
+        if options.get(name) is not None:
+            check_real(name, options[name], allowed, description)
     if options.get("do_sample") and options.get("temperature") == 0:
         raise ValueError("temperature=0 with do_sample=True; allowed: temperature > 0 to sample, or "
                          "do_sample=False (greedy decoding, which temperature 0 means)")
+
+
+def check_real(name: str, value, allowed, description: str) -> None:
+    """Raise ``TypeError`` unless ``value`` is a real number (not a bool), ``ValueError`` unless it is finite and
+    ``allowed(value)``; both name the value and say what is allowed (``description``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}={value!r} ({type(value).__name__}); allowed: {description}")
+    if not math.isfinite(value) or not allowed(value):
+        raise ValueError(f"{name}={value!r}; allowed: {description}")
 
 
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int | None) -> None:

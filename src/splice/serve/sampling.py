@@ -3,13 +3,14 @@
 generator, and the log-probabilities of the raw logits."""
 from __future__ import annotations
 
-import math
 import numbers
 import random
 from dataclasses import dataclass
 
 import torch
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+from ..generation import check_real
 
 #: the most alternatives ``logprobs`` may ask for (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20
@@ -67,13 +68,6 @@ def check_integer(name: str, value, low: int, high: int | None, allowed: str) ->
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}={value!r} ({type(value).__name__}); allowed: {allowed}")
     if value < low or (high is not None and value > high):
-        raise ValueError(f"{name}={value!r}; allowed: {allowed}")
-
-
-def check_real(name: str, value, rule, allowed: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name}={value!r} ({type(value).__name__}); allowed: {allowed}")
-    if not math.isfinite(value) or not rule(value):
         raise ValueError(f"{name}={value!r}; allowed: {allowed}")
 
 
