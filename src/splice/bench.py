@@ -61,16 +61,16 @@ class Row:
 def add_bench_parser(subparsers) -> None:
     from .cli import POSITIVE_INT, checked
 
-    batches = checked(_positive_ints, bool, "comma-separated integers >= 1")
+    positive_ints = checked(_positive_ints, bool, "comma-separated integers >= 1")
     parser = subparsers.add_parser("bench", help="time HF eager vs splice (plain, kernel-injected) side by side")
     parser.add_argument("--model", default=DEFAULT_MODEL,
                         help="a name or folder splice.load accepts, or 'llama-1b' (random TinyLlama-shaped weights)")
     parser.add_argument("--dtype", default="fp32", help="comma-separated: fp32,bf16 (default fp32)")
-    parser.add_argument("--batch", type=batches, default=[1], help="comma-separated batch sizes (default 1)")
+    parser.add_argument("--batch", type=positive_ints, default=[1], help="comma-separated batch sizes (default 1)")
     parser.add_argument("--prompt", type=POSITIVE_INT, default=128, help="prompt tokens (default 128)")
-    parser.add_argument("--context", type=batches, help="comma-separated prompt lengths to run each configuration at, "
-                        "e.g. 128,1024,4096,8192 (long-context rows; default: --prompt); max_out_tokens is each "
-                        "length plus --new")
+    parser.add_argument("--context", type=positive_ints,
+                        help="comma-separated prompt lengths to run each configuration at, e.g. 128,1024,4096,8192 "
+                             "(long-context rows; default: --prompt); max_out_tokens is each length plus --new")
     parser.add_argument("--new", type=POSITIVE_INT, default=64, help="new tokens (default 64)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--repeat", type=POSITIVE_INT, default=2, help="timed runs per mode, best kept (default 2)")

@@ -108,7 +108,7 @@ class SpliceCausalLM:
         if cache is None or cache.batch != batch or cache.keys.device != self.device or cache.keys.dtype != self.dtype:
             self._cache = None  # release the old buffers before allocating the new ones
             if self.graphs is not None:  # and the graphs that write into them
-                self.graphs.drop(lambda captured: False)
+                self.graphs.clear()
             cache = self._cache = self.new_cache(batch)
         return cache
 

@@ -45,6 +45,7 @@ class GraphReplayer:
         self.max_graphs = max_graphs
         self.graphs: dict[tuple, Captured] = {}
         self.eager: set[tuple] = set()  # signatures that run eagerly (said once in the log)
+        self.said_unhashable = False
         self.pool = None
 
     def __call__(self, *args: Any, keep_alive: tuple = ()) -> Any:
@@ -52,9 +53,9 @@ class GraphReplayer:
         try:
             hash(key)
         except TypeError:  # an argument that cannot tell graphs apart (a list, a cache object): never captured
-            if not self.eager:
+            if not self.said_unhashable:
                 log.info("splice: %s with an unhashable argument runs eagerly, not from a CUDA graph", self.name)
-            self.eager.add(())
+                self.said_unhashable = True
             return self.fn(*args)
         captured = self.graphs.get(key)
         if captured is None and key not in self.eager:
@@ -62,8 +63,7 @@ class GraphReplayer:
         if captured is None:
             return self.fn(*args)
         for static, value in zip(captured.inputs, tensors_in(args)):
-            if static.data_ptr() != value.data_ptr():
-                static.copy_(value)
+            static.copy_(value)  # the static buffers are the graph's own: every call's inputs are copied in
         captured.graph.replay()
         return copy_out(captured.output)
 
@@ -100,9 +100,9 @@ class GraphReplayer:
         log.info("splice: %s for %s runs eagerly, not from a CUDA graph: %s", self.name, describe(key), why)
         return None
 
-    def drop(self, keep: Callable[[Captured], bool]) -> None:
-        """Forget the graphs ``keep`` refuses (their memory goes back once nothing else holds it)."""
-        self.graphs = {key: captured for key, captured in self.graphs.items() if keep(captured)}
+    def clear(self) -> None:
+        """Forget every graph (their memory, and what they kept alive, goes back once nothing else holds it)."""
+        self.graphs = {}
 
 
 def signature(args: tuple) -> tuple:
