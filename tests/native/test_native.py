@@ -125,6 +125,28 @@ def test_int4_dot_gemv_gives_the_same_result_at_every_level(rows, n, k, group):
 
 
 @needs_native
+@pytest.mark.parametrize("rows", (1, 2, 4, 5))
+def test_avx2_dot_products_are_the_same_with_and_without_avx_vnni(rows):
+    """At the avx2 level AVX-VNNI's vpdpbusd replaces vpmaddubsw + vpmaddwd: the same integer sums, bit for bit the
+    same outputs (int4 and int8, one row and batches, a tail of weight rows)."""
+    if "avx2" not in native.supported_isas() or "avx_vnni" not in native._cpu_flags():
+        pytest.skip("this CPU lacks AVX-VNNI (flag avx_vnni), so the avx2 kernels have one path only")
+    x, _, _, w, sz = _int4_operands(rows, 64, 256, 64, symmetric=False, seed=rows)
+    x8 = torch.randn(rows, 256).bfloat16()
+    w8, scales = torch.randint(-127, 128, (37, 256), dtype=torch.int8), torch.rand(37).bfloat16()
+    results = {}
+    with native.use_isa("avx2"):
+        for on in (True, False):
+            with native.use_avx_vnni(on):
+                assert native.avx_vnni_ready() is on
+                results[on] = (torch.ops.splice_kernels.int4_dot_gemv(x, w, sz, 64),
+                               torch.ops.splice_kernels.int8_dot_gemv(x8, w8, scales))
+    assert native.avx_vnni_ready()  # restored
+    for with_vnni, without in zip(results[True], results[False]):
+        assert torch.equal(with_vnni, without)
+
+
+@needs_native
 def test_int8_dot_gemv_refuses_in_features_off_the_block():
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.splice_kernels.int8_dot_gemv(torch.randn(1, 48).bfloat16(), torch.zeros(4, 48, dtype=torch.int8),

@@ -6,10 +6,12 @@ call time; it owns only derived tables (rotary) and the KV cache it is asked to 
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch._inductor.config
 import torch.nn.functional as F
 from torch import nn
 
@@ -20,6 +22,16 @@ from .rotary import RopeTable, build_table
 
 #: the compiled decode step attends over at least this many slots (see ``SpliceCausalLM.attended_length``)
 MIN_ATTENDED = 256
+
+
+def inductor_options(device: torch.device, cpp_wrapper: bool = True) -> dict:
+    """Inductor's options for a decode step's graph, read when it compiles. On CPU the graph's wrapper is C++
+    (``cpp_wrapper``, unless the caller says no): a step calls a hundred or so kernels and custom ops, each costing
+    less from C++ than from the Python wrapper (compiling takes longer, once per graph). A graph compiled for
+    ``torch.profiler``'s kernel names (``cpp.enable_kernel_profile``) keeps the Python wrapper, whose operator calls
+    the profiler sees."""
+    profiled = torch._inductor.config.cpp.enable_kernel_profile
+    return {"cpp_wrapper": cpp_wrapper and torch.device(device).type == "cpu" and not profiled}
 
 
 def attended_length(kv_len: int, max_len: int, min_attended: int = MIN_ATTENDED) -> int:
@@ -65,6 +77,7 @@ class SpliceCausalLM:
         self.ropes = (dims.layer_ropes or (dims.rope,)) if dims.positions == "rotary" else ()
         self._rope: dict[int, RopeTable] = {}
         self._compiled_step = None
+        self._cpp_wrapper = True  # compile_decode's choice
         self._compiled_keys: set[tuple] = set()  # (batch, attended length, dtype, device, slot dims, cache id) seen
         # the compiled step's smallest attended length: below it, reading the empty slots costs less than a compile
         self.min_attended = MIN_ATTENDED
@@ -151,7 +164,7 @@ class SpliceCausalLM:
         # never hand one a graph traced for the other
         key = (tokens.shape[0], attended, self.dtype, self.device, slot.dim(), id(cache))
         if key not in self._compiled_keys or not hasattr(torch.compiler, "set_stance"):
-            with self._room_for_another_graph():
+            with self._compiling():
                 logits = self._compiled_step(tokens, positions, slot, cache, attended)
             self._compiled_keys.add(key)
             return logits
@@ -165,16 +178,21 @@ class SpliceCausalLM:
         except RuntimeError as error:
             if "Recompilation triggered" not in str(error):
                 raise
-        with self._room_for_another_graph():
+        with self._compiling():
             return self._compiled_step(tokens, positions, slot, cache, attended)
 
-    def _room_for_another_graph(self):
-        """dynamo's limit on graphs per function, raised while a new (batch, length) key compiles so it gets its graph
-        rather than silently falling back to eager: batch sizes times lengths may pass the default limit, and graphs
+    def _compiling(self):
+        """The settings a call that may compile a graph runs under: :func:`inductor_options`, and dynamo's limit on
+        graphs per function raised so a new (batch, length) key gets its graph rather than silently falling back to
+        eager: batch sizes times lengths may pass the default limit, and graphs
         of other runtimes of the same function (other engines in the process) may count towards it. Each runtime's
         graphs stay bounded by its keys."""
         graphs = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(type(self).forward))
-        return torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit, graphs + 1))
+        stack = ExitStack()
+        stack.enter_context(torch._dynamo.config.patch(recompile_limit=max(torch._dynamo.config.recompile_limit,
+                                                                           graphs + 1)))
+        stack.enter_context(torch._inductor.config.patch(inductor_options(self.device, self._cpp_wrapper)))
+        return stack
 
     def attended_length(self, kv_len: int) -> int:
         """:func:`attended_length` for this runtime's cache and ``min_attended``."""
@@ -185,13 +203,16 @@ class SpliceCausalLM:
         """Whether decode steps run compiled (:meth:`compile_decode`)."""
         return self._compiled_step is not None
 
-    def compile_decode(self, **options) -> None:
+    def compile_decode(self, cpp_wrapper: bool = True, **options) -> None:
         """Compile the decode step with ``torch.compile`` (opt-in: compiling takes tens of seconds on a small CPU).
+        ``cpp_wrapper``: the graphs' wrapper in C++ on CPU (:func:`inductor_options`); tensor parallelism turns it off,
+        since inductor's C++ wrapper cannot call the functional collectives dynamo traces the all-reduces into.
 
         oneDNN-packed linears run inside the graph as the ``splice::packed_linear`` custom op (``layers.compiled``)."""
         for index in range(len(self.ropes)):
             self.rope(index)
         self._compiled_step = torch.compile(self.forward, dynamic=False, **options)
+        self._cpp_wrapper = cpp_wrapper
         self._compiled_keys = set()
 
     def capture_graphs(self) -> None:

@@ -13,7 +13,8 @@ use torch's own kernels (a warning says why, once, unless the variable turned th
 
 The level defaults to the best the CPU runs; ``SPLICE_NATIVE_ISA=avx2|avx512|amx`` caps it (so the AVX2 path runs and
 is tested on an AVX-512 machine), as does ``SPLICE_NATIVE_AMX=0`` (at most ``avx512``); :func:`use_isa` switches it
-inside one process.
+inside one process. At the ``avx2`` level the integer dot products use AVX-VNNI where the CPU has it (most AVX2-only
+Intel laptops since 2021), unless ``SPLICE_NATIVE_AVX_VNNI=0`` (:func:`avx_vnni_ready`, :func:`use_avx_vnni`).
 
 Why not only torch's kernels: see ``gemv.cpp`` and ``docs/benchmarks.md``.
 """
@@ -92,6 +93,8 @@ def available() -> bool:
             reason = f"building them failed ({type(error).__name__}: {str(error).strip().splitlines()[-1][:200]})"
     if reason is None:
         set_isa(_initial_isa(requested))
+        if switched_off("SPLICE_NATIVE_AVX_VNNI"):
+            torch.ops.splice_kernels.set_avx_vnni(False)
         return True
     warnings.warn(f"splice's native CPU kernels are not used: {reason}; torch's kernels run instead "
                   "(set SPLICE_NATIVE_KERNELS=0 to silence this)", RuntimeWarning, stacklevel=2)
@@ -151,6 +154,25 @@ def use_isa(level: str) -> Iterator[None]:
         yield
     finally:
         set_isa(before)
+
+
+def avx_vnni_ready() -> bool:
+    """Whether the ``avx2`` level's integer dot products (``int8_dot_gemv``, ``int4_dot_gemv``) use AVX-VNNI's 256-bit
+    ``vpdpbusd`` (CPUs with AVX-VNNI, unless ``SPLICE_NATIVE_AVX_VNNI=0`` or :func:`use_avx_vnni`); else they use
+    ``vpmaddubsw``, as on AVX2 CPUs without it. Both give the same integers."""
+    return available() and torch.ops.splice_kernels.avx_vnni_ready()
+
+
+@contextlib.contextmanager
+def use_avx_vnni(on: bool) -> Iterator[None]:
+    """AVX-VNNI on or off for the ``avx2`` level's dot products inside the block (tests, benchmarks), then as before.
+    Turning it on where the CPU lacks it raises."""
+    before = avx_vnni_ready()
+    torch.ops.splice_kernels.set_avx_vnni(on)
+    try:
+        yield
+    finally:
+        torch.ops.splice_kernels.set_avx_vnni(before)
 
 
 def amx_ready() -> bool:

@@ -9,12 +9,12 @@
 //   bf16_gemv(x bf16 [M, K], w bf16 [N, K])                       row-major weight, any N and K
 //   int8_gemv(x bf16 [M, K], w int8 [N, K], scales bf16 [N])      per-output-channel scales
 //   int8_dot_gemv(x, w, scales)  the same product with x rounded to int8 per row and block of 32 (W8A8): integer
-//       dot products with AVX512-VNNI, else vpmaddubsw
+//       dot products with AVX512-VNNI, else AVX-VNNI, else vpmaddubsw
 //   int4_gemv(x bf16 [M, K], w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group)
 //       tiles of 16 rows; dword (tile, c, r) holds q[r, 8c .. 8c+7] as nibbles in the order k = 0,2,4,6,1,3,5,7
 //       (so k and k+1 sit 16 bits apart); value = (q - 8) * scale + zero per (row, group).
 //   int4_dot_gemv(x, w, sz, group)  the same with x rounded to int8 per row and block of 32, integer dot products
-//       (AVX512-VNNI, else vpmaddubsw; groups of whole blocks); else int4_gemv
+//       (AVX512-VNNI, else AVX-VNNI, else vpmaddubsw; groups of whole blocks); else int4_gemv
 //   int4_dequantize(w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group) -> bf16 [N, K]
 //       the same tiles back as a row-major bf16 weight, (q - 8) * scale + zero in float32 rounded once to bf16
 //       (for prefill: one oneDNN GEMM on it beats the GEMV above once there are more than a few rows).
@@ -22,7 +22,7 @@
 // Instruction sets: the file is compiled for baseline x86-64; each kernel exists once per ISA level, in a region
 // compiled for that level (#pragma GCC target), and the ops dispatch at run time on the active level:
 //   ISA_AVX2    AVX2 + FMA: weights widened to float32 and multiply-added (8 lanes); int8 x int8 and int4 x int8
-//               dot products with vpmaddubsw
+//               dot products with vpmaddubsw, or AVX-VNNI's 256-bit vpdpbusd where the CPU has it
 //   ISA_AVX512  AVX-512 F/BW/VL/DQ + BF16: bf16 dot products (16 lanes, two products per lane and instruction)
 //   ISA_AMX     ISA_AVX512, and AMX tiles for int4 (from 3 rows) and int8 (5-16 rows) GEMVs
 // The active level starts at the best the CPU (and Linux, for AMX tile state) allows; set_isa lowers it, so every
@@ -954,7 +954,15 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return out;
 }
 
-// ---- int8 x int8 dot products (vpmaddubsw) --------------------------------------------------------------------
+// vpdpbusd on 256-bit registers (AVX-VNNI): acc's int32 lanes plus the sums of their four products of u8's unsigned
+// and s8's signed bytes: vpmaddubsw, vpmaddwd with ones and an add in one instruction, the same integers. Written in
+// assembly so the AVX2 kernels that use it need no target of their own; they run it only where avx_vnni_ready().
+inline __m256i dpbusd_avx(__m256i acc, __m256i u8, __m256i s8) {
+  asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u8), "x"(s8));
+  return acc;
+}
+
+// ---- int8 x int8 dot products (vpmaddubsw, or AVX-VNNI's vpdpbusd) ----------------------------------------------
 // int8_dot_gemv's arithmetic on AVX2 (x rounded to int8 per row and block of 32, integer sums per block). vpmaddubsw
 // multiplies unsigned by signed bytes into saturating 16-bit pair sums, so the weight goes in as |w| (0..128) and x as
 // q with w's sign (-127..127): a pair sums to at most 2 * 128 * 127 < 2^15, no saturation. vpmaddwd with ones then sums
@@ -982,7 +990,7 @@ DotRows round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
   return a;
 }
 
-template <int M, int R>
+template <bool VNNI, int M, int R>
 void int8_dot_rows(const DotRows& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k, int64_t n0,
                    at::BFloat16* out, int64_t n_total) {
   constexpr int m_rows = M, rows = R;
@@ -1004,8 +1012,10 @@ void int8_dot_rows(const DotRows& a, int64_t m0, const int8_t* w, const at::BFlo
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (m0 + m) * k + c));
       const __m256 d = _mm256_set1_ps(a.d[(m0 + m) * blocks + b]);
       for (int r = 0; r < rows; ++r) {
-        const __m256i pairs = _mm256_maddubs_epi16(magnitude[r], _mm256_sign_epi8(xv, wv[r]));
-        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), d, acc[m][r]);
+        const __m256i signed_x = _mm256_sign_epi8(xv, wv[r]);
+        const __m256i block = VNNI ? dpbusd_avx(_mm256_setzero_si256(), magnitude[r], signed_x)
+                                   : _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[r], signed_x), ones);
+        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block), d, acc[m][r]);
       }
     }
   }
@@ -1014,6 +1024,7 @@ void int8_dot_rows(const DotRows& a, int64_t m0, const int8_t* w, const at::BFlo
       out[m * n_total + n0 + r] = at::BFloat16(horizontal_sum(acc[m][r]) * static_cast<float>(scales[n0 + r]));
 }
 
+template <bool VNNI>
 at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
   const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
   const DotRows a = round_rows(x.data_ptr<at::BFloat16>(), m, k);
@@ -1022,7 +1033,7 @@ at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const int8_t* wp = w.data_ptr<int8_t>();
   auto* op = out.data_ptr<at::BFloat16>();
   for_row_blocks<X_ROWS>(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
-    int8_dot_rows<decltype(m_c)::value, decltype(r_c)::value>(a, m0, wp, sp, k, n0, op + m0 * n, n);
+    int8_dot_rows<VNNI, decltype(m_c)::value, decltype(r_c)::value>(a, m0, wp, sp, k, n0, op + m0 * n, n);
   });
   return out;
 }
@@ -1141,7 +1152,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // magnitude (nibbles 0..15, x in -127..127), and a block's 8 pair sums per 16-bit lane (4 chunks, low and high
 // nibbles) at most 8 * 3810 = 30480 < 2^15, so they add in 16 bits and one vpmaddwd with ones per block widens each
 // row's two 16-bit lanes to its int32 block sum.
-template <int M>
+template <bool VNNI, int M>
 void int4_dot_tile(const Int4DotActivations& a, int64_t m0, const int32_t* w, const at::BFloat16* sz, int64_t k,
                    int64_t group, int64_t tile, at::BFloat16* out, int64_t n_total) {
   const int64_t chunks = k / 8, groups = k / group, blocks = k / DOT_BLOCK, blocks_per_group = group / DOT_BLOCK;
@@ -1155,7 +1166,7 @@ void int4_dot_tile(const Int4DotActivations& a, int64_t m0, const int32_t* w, co
     __m256 dots[M][2];
     for (int m = 0; m < M; ++m) dots[m][0] = dots[m][1] = _mm256_setzero_ps();
     for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
-      __m256i sums[M][2];  // [x row][half]: 16-bit pair sums of the block
+      __m256i sums[M][2];  // [x row][half]: the block's 16-bit pair sums (with VNNI its int32 sums)
       for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
       for (int64_t c = b * 4; c < b * 4 + 4; ++c) {
         prefetch(stream + c * 64 + PREFETCH_BYTES);
@@ -1165,15 +1176,22 @@ void int4_dot_tile(const Int4DotActivations& a, int64_t m0, const int32_t* w, co
           const __m256i high = _mm256_and_si256(_mm256_srli_epi32(words, 4), nibbles);
           for (int m = 0; m < M; ++m) {
             const int32_t* xp = a.pairs.data() + ((m0 + m) * chunks + c) * 2;
-            sums[m][h] = _mm256_add_epi16(sums[m][h], _mm256_maddubs_epi16(low, _mm256_set1_epi32(xp[0])));
-            sums[m][h] = _mm256_add_epi16(sums[m][h], _mm256_maddubs_epi16(high, _mm256_set1_epi32(xp[1])));
+            const __m256i x_low = _mm256_set1_epi32(xp[0]), x_high = _mm256_set1_epi32(xp[1]);
+            if constexpr (VNNI) {
+              sums[m][h] = dpbusd_avx(dpbusd_avx(sums[m][h], low, x_low), high, x_high);
+            } else {
+              sums[m][h] = _mm256_add_epi16(sums[m][h], _mm256_maddubs_epi16(low, x_low));
+              sums[m][h] = _mm256_add_epi16(sums[m][h], _mm256_maddubs_epi16(high, x_high));
+            }
           }
         }
       }
       for (int m = 0; m < M; ++m) {
         const __m256 d = _mm256_set1_ps(a.d[(m0 + m) * blocks + b]);
-        for (int h = 0; h < 2; ++h)
-          dots[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sums[m][h], ones)), d, dots[m][h]);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i block = VNNI ? sums[m][h] : _mm256_madd_epi16(sums[m][h], ones);
+          dots[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block), d, dots[m][h]);
+        }
       }
     }
     for (int h = 0; h < 2; ++h) {
@@ -1189,6 +1207,7 @@ void int4_dot_tile(const Int4DotActivations& a, int64_t m0, const int32_t* w, co
   store_tile<M>(acc, out, n_total, tile);
 }
 
+template <bool VNNI>
 at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
   const int64_t tiles = w.size(0), k = w.size(1) * 8, m = x.size(0), n = tiles * TILE;
   DotRows rows = round_rows(x.data_ptr<at::BFloat16>(), m, k);
@@ -1200,7 +1219,7 @@ at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for_x_chunks<MAX_ROWS>(m, [&](auto m_c, int64_t m0) {  // 4 rows fit the 16 registers (8 sums)
-        int4_dot_tile<decltype(m_c)::value>(a, m0, wp, zp, k, group, t, op + m0 * n, n);
+        int4_dot_tile<VNNI, decltype(m_c)::value>(a, m0, wp, zp, k, group, t, op + m0 * n, n);
       });
   });
   return out;
@@ -1316,6 +1335,25 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // they run on the AVX2 kernels (vpmaddubsw), which every level's CPU executes.
 bool vnni_ready() { return isa() >= ISA_AVX512 && __builtin_cpu_supports("avx512vnni"); }
 
+bool cpu_has_avx_vnni() {
+  unsigned eax, ebx, ecx, edx;
+  return __get_cpuid_count(7, 1, &eax, &ebx, &ecx, &edx) && (eax >> 4 & 1);
+}
+
+std::atomic<bool> avx_vnni_allowed{true};
+
+// Whether the AVX2 kernels' integer dot products use AVX-VNNI's 256-bit vpdpbusd: on a CPU with it, unless
+// set_avx_vnni(false) (to time or test the vpmaddubsw path, which AVX2 CPUs without AVX-VNNI run).
+bool avx_vnni_ready() {
+  static const bool here = cpu_has_avx_vnni();
+  return here && avx_vnni_allowed.load(std::memory_order_relaxed);
+}
+
+void set_avx_vnni(bool on) {
+  TORCH_CHECK(!on || cpu_has_avx_vnni(), "set_avx_vnni: this CPU lacks AVX-VNNI; allowed: false");
+  avx_vnni_allowed.store(on, std::memory_order_relaxed);
+}
+
 // Whether int8_dot_gemv / int4_dot_gemv multiply in integers at the active level: at every level (AVX512-VNNI, else
 // vpmaddubsw).
 bool int8_dot_ready() { return isa() >= ISA_AVX2; }
@@ -1329,7 +1367,8 @@ at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   check_int8_scales(scales, w.size(0), "int8_dot_gemv");
   TORCH_CHECK(w.size(1) % DOT_BLOCK == 0, "int8_dot_gemv: in_features must be a multiple of ",
               DOT_BLOCK, ", got ", w.size(1));
-  return vnni_ready() ? avx512::int8_dot_gemv(x, w, scales) : avx2::int8_dot_gemv(x, w, scales);
+  if (vnni_ready()) return avx512::int8_dot_gemv(x, w, scales);
+  return avx_vnni_ready() ? avx2::int8_dot_gemv<true>(x, w, scales) : avx2::int8_dot_gemv<false>(x, w, scales);
 }
 
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
@@ -1346,9 +1385,9 @@ at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   check_int4_tiles(w, sz, group, "int4_dot_gemv");
   check_rows(x, w.size(1) * 8, "int4_dot_gemv");
   const bool tiles = x.size(0) >= avx512::AMX_MIN_ROWS && group % avx512::AMX_COLUMNS == 0 && amx_ready();
-  if (int4_dot_ready() && group % DOT_BLOCK == 0 && !tiles)
-    return vnni_ready() ? avx512::int4_dot_gemv(x, w, sz, group) : avx2::int4_dot_gemv(x, w, sz, group);
-  return int4_gemv(x, w, sz, group);
+  if (!int4_dot_ready() || group % DOT_BLOCK != 0 || tiles) return int4_gemv(x, w, sz, group);
+  if (vnni_ready()) return avx512::int4_dot_gemv(x, w, sz, group);
+  return avx_vnni_ready() ? avx2::int4_dot_gemv<true>(x, w, sz, group) : avx2::int4_dot_gemv<false>(x, w, sz, group);
 }
 
 void int8_to_bf16_into(const int8_t* src, int64_t numel, at::BFloat16* dst) {
@@ -1442,6 +1481,8 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("int8_dot_ready() -> bool", &int8_dot_ready);
   lib.def("int4_dot_ready() -> bool", &int4_dot_ready);
   lib.def("vnni_ready() -> bool", &vnni_ready);
+  lib.def("avx_vnni_ready() -> bool", &avx_vnni_ready);
+  lib.def("set_avx_vnni(bool on) -> ()", &set_avx_vnni);
   lib.def("isa() -> int", &isa);
   lib.def("best_isa() -> int", &best_isa);
   lib.def("set_isa(int level) -> ()", &set_isa);

@@ -35,7 +35,7 @@ class CompileReport(StepReport):
 
 def compile_decode(stage: Stage, plan: Plan) -> tuple[Stage, CompileReport]:
     if plan.compile_decode:
-        stage.runtime.compile_decode()
+        stage.runtime.compile_decode(cpp_wrapper=plan.tp_size == 1)
     if plan.cuda_graph and stage.runtime is not None:
         stage.runtime.capture_graphs()
     return stage, CompileReport("compile", plan.compile_decode, plan.cuda_graph)
