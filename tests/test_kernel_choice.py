@@ -14,14 +14,15 @@ needs_native = pytest.mark.skipif(not native.available(), reason="splice's nativ
 @pytest.mark.parametrize("level", native.ISA_LEVELS)
 def test_dot_products_at_every_level_unless_switched_off(monkeypatch, config, level):
     """int8 and int4 weight-only decode on integer dot products at every level, the reason naming the instructions:
-    vpdpbusd where the level and CPU have AVX512-VNNI, else AVX2's vpmaddubsw; SPLICE_NATIVE_DOT=0 keeps float
-    products and says so."""
+    vpdpbusd where the level and CPU have AVX512-VNNI, else AVX-VNNI's where the CPU has it, else AVX2's vpmaddubsw;
+    SPLICE_NATIVE_DOT=0 keeps float products and says so."""
     if level not in native.supported_isas():
         pytest.skip(f"this CPU cannot run the {level} kernels")
     with native.use_isa(level):
         choice = kernel_choice.quant_kernel(config, "cpu")
         vnni = level != "avx2" and "avx512_vnni" in native._cpu_flags()
-        instructions = "AVX512-VNNI vpdpbusd" if vnni else "AVX2 vpmaddubsw"
+        avx_vnni = "AVX-VNNI vpdpbusd, 256-bit" if "avx_vnni" in native._cpu_flags() else "AVX2 vpmaddubsw"
+        instructions = "AVX512-VNNI vpdpbusd" if vnni else avx_vnni
         assert choice.native and choice.dot_products and kernel_choice.dot_instructions() == instructions
         assert f"integer dot products ({instructions}" in choice.reason and f"level {level}" in choice.reason
         monkeypatch.setenv("SPLICE_NATIVE_DOT", "0")
@@ -47,3 +48,13 @@ def test_float_kernel_names_the_level_and_any_override(monkeypatch):
     choice = kernel_choice.float_kernel(torch.bfloat16, torch.device("cpu"))
     assert choice.kernel == "native" and native.isa() in choice.reason and "SPLICE_NATIVE_AMX=0" in choice.reason
     assert kernel_choice.float_kernel(torch.float32, torch.device("cpu")).kernel == "torch"
+
+
+def test_attention_kernel_is_native_for_float32_and_bfloat16_on_cpu_only():
+    for dtype in (torch.float32, torch.bfloat16):
+        choice = kernel_choice.attention_kernel(dtype, torch.device("cpu"))
+        assert choice.native == native.available() and ("attention kernel" in choice.reason)
+    fp16 = kernel_choice.attention_kernel(torch.float16, torch.device("cpu"))
+    assert fp16.kernel == "torch" and ("float16" in fp16.reason or not native.available())
+    cuda = kernel_choice.attention_kernel(torch.bfloat16, torch.device("cuda"))
+    assert cuda.kernel == "torch" and "cuda" in cuda.reason

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from .quant.scheme import QuantConfig
 
 #: The environment variables that change which native kernels run (named in the reasons when set).
-NATIVE_ENV = ("SPLICE_NATIVE_KERNELS", "SPLICE_NATIVE_ISA", "SPLICE_NATIVE_AMX", "SPLICE_NATIVE_DOT")
+NATIVE_ENV = ("SPLICE_NATIVE_KERNELS", "SPLICE_NATIVE_ISA", "SPLICE_NATIVE_AMX", "SPLICE_NATIVE_DOT",
+              "SPLICE_NATIVE_AVX_VNNI")
 #: Which entry of ``native.MAX_ROWS`` bounds each quantization kind's native GEMV.
 ROW_LIMIT_OF = {"int8_weight_only": "int8", "int8_dynamic": "int8", "int4_weight_only": "int4"}
 
@@ -62,6 +63,17 @@ def float_kernel(dtype: torch.dtype | None, device: torch.device) -> KernelChoic
         return KernelChoice("widened", f"{dtype} on a CPU without {dtype} arithmetic: torch's converting GEMV for "
                                        "decode, an fp32 GEMM on the widened weight for prompts")
     return KernelChoice("torch", f"{dtype} on {torch.device(device).type}: torch's own linear")
+
+
+def attention_kernel(dtype: torch.dtype | None, device: torch.device | str) -> KernelChoice:
+    """How a fused decoder's decode steps (one query per row) attend; prompts always take SDPA."""
+    if dtype in (torch.float32, torch.bfloat16) and native.available_on(device):
+        return KernelChoice("native", "decode steps: splice's attention kernel for one query (each row's keys split "
+                                      "over the threads, float32 sums; head_dim a multiple of 16 up to 256, no ALiBi "
+                                      f"or soft-capping, else as below); prompts: SDPA; {native_level()}")
+    why = f"it takes float32 and bfloat16, not {dtype}" if native.available_on(device) else why_not_native(device)
+    return KernelChoice("torch", f"SDPA (a compiled step: inductor's fused loops), not splice's attention kernel "
+                                 f"({why})")
 
 
 def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoice:
@@ -98,11 +110,14 @@ def dot_products() -> str:
 
 def dot_instructions() -> str:
     """The instructions the native int8 and int4 decode GEMVs multiply in integers with at the active level:
-    "AVX512-VNNI vpdpbusd" (the avx512 and amx levels, on a CPU with AVX512-VNNI), else "AVX2 vpmaddubsw" (every
-    level runs it); "" where the native kernels are not available."""
+    "AVX512-VNNI vpdpbusd" (the avx512 and amx levels, on a CPU with AVX512-VNNI), else the avx2 kernels' "AVX-VNNI
+    vpdpbusd, 256-bit" (a CPU with AVX-VNNI, unless turned off) or "AVX2 vpmaddubsw"; "" where the native kernels
+    are not available."""
     if not native.available():
         return ""
-    return "AVX512-VNNI vpdpbusd" if torch.ops.splice_kernels.vnni_ready() else "AVX2 vpmaddubsw"
+    if torch.ops.splice_kernels.vnni_ready():
+        return "AVX512-VNNI vpdpbusd"
+    return "AVX-VNNI vpdpbusd, 256-bit" if native.avx_vnni_ready() else "AVX2 vpmaddubsw"
 
 
 def native_level() -> str:

@@ -21,7 +21,7 @@ from .arch.paths import misfits
 from .checkpoint import check_checkpoint, has_meta_tensors, load_policy_files
 from .config import InferenceConfig
 from .distributed import ParallelContext
-from .kernel_choice import KernelChoice, float_kernel, quant_kernel
+from .kernel_choice import KernelChoice, attention_kernel, float_kernel, quant_kernel
 from .layers.block import activation
 from .layers.packed_linear import onednn_computes_in
 from .quant import QuantConfig
@@ -57,6 +57,7 @@ class Plan:
     calibration_ids: torch.Tensor | None
     float_kernel: KernelChoice  # the float linears of a fused model
     quant_kernel: KernelChoice | None  # the quantized linears (None without quantization)
+    attention_kernel: KernelChoice  # a fused decoder's decode-step attention
     compile_decode: bool
     cuda_graph: bool = False
 
@@ -88,6 +89,7 @@ def resolve(config: InferenceConfig, model: nn.Module, parallel: ParallelContext
         fuse=bool(config.replace_with_kernel_inject), max_out_tokens=config.max_out_tokens, quant=quant,
         calibration_ids=calibration_ids, float_kernel=float_kernel(compute_dtype, device),
         quant_kernel=None if quant is None else quant_kernel(quant, device),
+        attention_kernel=attention_kernel(compute_dtype, device),
         compile_decode=bool(config.compile_decode), cuda_graph=bool(config.enable_cuda_graph))
 
 

@@ -146,6 +146,58 @@ def test_avx2_dot_products_are_the_same_with_and_without_avx_vnni(rows):
         assert torch.equal(with_vnni, without)
 
 
+ATTENTION_SHAPES = (  # (rows, query heads, KV heads, keys, head_dim): GQA, MHA, one KV head, parts, tails
+    (1, 8, 2, 300, 64), (3, 6, 3, 1100, 32), (2, 4, 4, 17, 128), (1, 4, 1, 2600, 80), (2, 2, 1, 1, 16))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("rows, heads, kv_heads, keys, dim", ATTENTION_SHAPES)
+def test_decode_attention_matches_float64_softmax_attention(isa, dtype, rows, heads, kv_heads, keys, dim):
+    """One query per row over strided slices of a cache (as the KV cache hands them), a random mask with each row's
+    first key visible, and no mask: against softmax attention in float64. Keys split into parts past 512, so the
+    long cases check the merge; a fully masked part checks it adds nothing."""
+    generator = torch.Generator().manual_seed(keys)
+    cache = torch.randn(2, rows, kv_heads, keys + 40, dim, generator=generator).to(dtype)
+    k, v = cache[0, :, :, :keys], cache[1, :, :, :keys]
+    q = torch.randn(rows, 1, heads, dim, generator=generator).to(dtype).transpose(1, 2)  # [B, H, 1, D], strided
+    mask = torch.rand(rows, 1, 1, keys, generator=generator) > 0.4
+    mask[..., 0] = True
+    mask[..., keys // 2:] &= keys < 1000  # long cases: the later parts fully masked
+    for visible in (mask, None):
+        got = torch.ops.splice_kernels.decode_attention(q, k, v, visible, 0.3)
+        assert got.shape == (rows, heads, 1, dim) and got.dtype == dtype
+        expected = _reference_attention(q, k, v, visible, 0.3)
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+def _reference_attention(q, k, v, mask, scale):
+    group = q.shape[1] // k.shape[1]
+    k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
+    scores = (q.double() @ k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+@needs_native
+def test_decode_attention_refuses_what_it_cannot_compute():
+    q, k = torch.randn(1, 4, 1, 64), torch.randn(1, 2, 10, 64)
+    with pytest.raises(RuntimeError, match="q must be"):
+        torch.ops.splice_kernels.decode_attention(torch.randn(1, 4, 2, 64), k, k, None, 1.0)
+    with pytest.raises(RuntimeError, match="multiple of KV"):
+        torch.ops.splice_kernels.decode_attention(torch.randn(1, 3, 1, 64), k, k, None, 1.0)
+    with pytest.raises(RuntimeError, match="must all be float32 or all bfloat16"):
+        torch.ops.splice_kernels.decode_attention(q, k.bfloat16(), k, None, 1.0)
+    with pytest.raises(RuntimeError, match="head_dim 24 is not a multiple of 16"):
+        torch.ops.splice_kernels.decode_attention(torch.randn(1, 4, 1, 24), torch.randn(1, 2, 10, 24),
+                                                  torch.randn(1, 2, 10, 24), None, 1.0)
+    with pytest.raises(RuntimeError, match="mask must be bool"):
+        torch.ops.splice_kernels.decode_attention(q, k, k, torch.ones(1, 1, 1, 10), 1.0)
+    assert not native.attention_fits(torch.randn(1, 4, 2, 64), k) and native.attention_fits(q, k)
+
+
 @needs_native
 def test_int8_dot_gemv_refuses_in_features_off_the_block():
     with pytest.raises(RuntimeError, match="multiple of 32"):

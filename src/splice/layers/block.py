@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import native
 from .kv_cache import StaticKVCache
 from .norm import HeadRMSNorm
 from .rotary import apply_rotary_, signed_sin
@@ -94,6 +95,7 @@ class SpliceBlock(nn.Module):
         self.mlp_norm, self.gate_up, self.down = mlp_norm, gate_up, down
         self.attn_out_norm, self.mlp_out_norm = attn_out_norm, mlp_out_norm
         self.scale = layout.scale if layout.scale is not None else shape.head_dim ** -0.5
+        self.native_attention = False  # decode steps on splice's attention kernel (the kernels step's choice)
         if alibi_slopes is not None:
             self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
         else:
@@ -161,6 +163,8 @@ class SpliceBlock(nn.Module):
 
     def attend(self, q, k, v, mask, causal: bool, alibi: bool = True) -> torch.Tensor:
         bias = self.alibi_slopes if alibi else None
+        if self.native_attention and self.takes_native_attention(q, k, mask, bias):
+            return torch.ops.splice_kernels.decode_attention(q, k, v, mask, self.scale).transpose(1, 2).flatten(2)
         if mask is not None and q.shape[2] == 1 and torch.compiler.is_compiling():
             return attend_one_query(q, k, v, mask, self.scale, bias, self.layout.softcap).transpose(1, 2).flatten(2)
         if bias is not None or self.layout.softcap is not None:
@@ -175,6 +179,12 @@ class SpliceBlock(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa,
                                                  scale=self.scale)
         return out.transpose(1, 2).flatten(2)
+
+    def takes_native_attention(self, q, k, mask, bias) -> bool:
+        """Whether splice's attention kernel computes this call: one query per row, a boolean mask or none, no ALiBi
+        bias or soft-capping, and shapes and dtypes it takes (``native.attention_fits``)."""
+        return (bias is None and self.layout.softcap is None and (mask is None or mask.dtype == torch.bool)
+                and native.attention_fits(q, k))
 
     @property
     def updates_in_place(self) -> bool:

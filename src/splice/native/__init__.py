@@ -341,6 +341,15 @@ def _register_fakes() -> None:
     torch.library.register_fake("splice_kernels::int4_dequantize")(
         lambda w, scales_and_zeros, group: w.new_empty((w.shape[0] * INT4_TILE, w.shape[1] * INT4_CHUNK),
                                                        dtype=torch.bfloat16))
+    torch.library.register_fake("splice_kernels::decode_attention")(
+        lambda q, k, v, mask, scale: q.new_empty((q.shape[0], q.shape[1], 1, q.shape[3])))
+
+
+def attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether ``decode_attention`` takes these shapes and dtypes: one query per row, fp32 or bf16 on CPU, a head_dim
+    that is a multiple of 16 up to 256. Shapes only, so ``torch.compile`` traces it."""
+    return (q.device.type == "cpu" and q.shape[2] == 1 and q.dtype in (torch.float32, torch.bfloat16)
+            and k.dtype == q.dtype and q.shape[3] % 16 == 0 and q.shape[3] <= 256)
 
 
 def fits(kind: str, x: torch.Tensor) -> bool:

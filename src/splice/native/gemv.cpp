@@ -41,6 +41,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -206,6 +207,68 @@ Int4DotActivations int4_dot_activations(const int8_t* q_rows, int64_t stride, st
     }
   }
   return out;
+}
+
+// ---- attention for one query per row (decode) ------------------------------------------------------------------
+// decode_attention splits each row's keys into parts; one part of one row, for the query heads that share a KV head,
+// is an AttentionPart, which each level's attend_part computes: the scores q . k * scale of the visible keys, their
+// max m, p = e^(score - m), l = sum p and the unnormalised sum of p * v. The parts then merge exactly (flash
+// decoding). Scores, exponentials and sums are float32 whatever T is.
+template <typename T>
+struct AttentionPart {
+  const T* q;  // the group's first query head
+  int64_t q_head_stride;
+  const T* k;  // the part's first key and value
+  const T* v;
+  int64_t k_stride, v_stride;  // from one key (value) to the next
+  const bool* visible;         // nullptr: every key is visible
+  int64_t visible_stride;
+  int64_t keys, dim, heads;    // keys in the part, head_dim, query heads in the group
+  float scale;
+  float* out;                  // [heads][dim + 2]: sum of p * v, then m, then l
+};
+
+constexpr int64_t MAX_HEAD_DIM = 256;
+constexpr float EXP_FLOOR = -87.3f;  // e^x of lower scores is taken as e^EXP_FLOOR (float's normal range ends there)
+
+struct AttentionScratch {  // one thread's buffers, reused across parts
+  std::vector<float> scores, q, keys, values;  // [heads][keys]; [heads][dim]; bf16 keys and values as float
+  std::vector<uint32_t> seen;                  // per block of 16 keys, a bit per visible key
+};
+
+// The part's keys (or values) as float rows: fp32 ones where they are, bf16 ones widened into buffer (every head of
+// the group reads each row, so it is widened once). Returns the first row; stride becomes the distance between rows.
+template <typename T, typename Widen>
+const float* rows_as_float(const T* rows, int64_t& stride, int64_t n, int64_t d, std::vector<float>& buffer,
+                           Widen widen) {
+  if constexpr (std::is_same_v<T, float>) {
+    return rows;
+  } else {
+    buffer.resize(n * d);
+    for (int64_t j = 0; j < n; ++j) widen(rows + j * stride, buffer.data() + j * d, d);
+    stride = d;
+    return buffer.data();
+  }
+}
+
+// Visibility bits of the part's keys, 16 to a block (bit i: key 16 * block + i is visible and exists).
+inline void visible_bits(const bool* visible, int64_t stride, int64_t n,
+                         std::vector<uint32_t>& seen) {
+  seen.assign((n + 15) / 16, 0);
+  for (int64_t j = 0; j < n; ++j)
+    if (visible == nullptr || visible[j * stride]) seen[j / 16] |= 1u << (j % 16);
+}
+
+template <typename F>
+void with_vectors(int64_t vectors, F&& f) {  // f(Int<vectors>) for the head sizes models use, else f(Int<0>) (a loop)
+  switch (vectors) {
+    case 4: f(Int<4>{}); break;
+    case 5: f(Int<5>{}); break;
+    case 6: f(Int<6>{}); break;
+    case 8: f(Int<8>{}); break;
+    case 16: f(Int<16>{}); break;
+    default: f(Int<0>{}); break;
+  }
 }
 
 struct TileConfig {  // LDTILECFG's 64-byte operand, palette 1
@@ -825,6 +888,113 @@ void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t gro
 }
 
 
+// ---- attention for one query per row (decode) ------------------------------------------------------------------
+inline __m512 load_f32x16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_f32x16(const at::BFloat16* p) {
+  return bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// e^x for softmax's shifted scores (x <= 0, -inf gives 0): 2^n e^r with |r| <= ln 2 / 2 and Cephes' degree-6
+// polynomial for e^r (within 2 ulp of e^x).
+inline __m512 exp_scores(__m512 x) {
+  const __m512 clamped = _mm512_max_ps(x, _mm512_set1_ps(EXP_FLOOR));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), clamped);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(c));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i two_n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  const __mmask16 masked = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_EQ_OQ);
+  return _mm512_maskz_mul_ps(~masked, y, _mm512_castsi512_ps(two_n));
+}
+
+// 16 scores from s (fewer at the end: the rest read as -inf), for the max and the exponentials.
+inline __mmask16 score_lanes(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
+
+// Lane i: the sum of v[i]'s lanes (a transposing tree of unpacks and shuffles: 45 instructions for 16 sums).
+inline __m512 sum16(const __m512 (&v)[16]) {
+  __m512 x[8], y[4], z[2];
+  for (int i = 0; i < 8; ++i)
+    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(x[2 * i]), b = _mm512_castps_pd(x[2 * i + 1]);
+    y[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)
+    z[i] = _mm512_add_ps(_mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(y[2 * i], y[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], 0x88), _mm512_shuffle_f32x4(z[0], z[1], 0xDD));
+}
+
+inline void widen_row(const at::BFloat16* src, float* dst, int64_t d) {
+  for (int64_t i = 0; i < d; i += 16) _mm512_storeu_ps(dst + i, load_f32x16(src + i));
+}
+
+// out[:d] = sum_j p[j] * values[j] (V vectors of 16 per row; V = 0: vectors given at run time).
+template <int64_t V>
+void weighted_values(const float* p, const float* values, int64_t stride, int64_t n, int64_t vectors, float* out) {
+  const int64_t count = V > 0 ? V : vectors;
+  __m512 acc[V > 0 ? V : MAX_HEAD_DIM / 16];
+  for (int64_t c = 0; c < count; ++c) acc[c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    if (p[j] == 0.f) continue;
+    const __m512 w = _mm512_set1_ps(p[j]);
+    for (int64_t c = 0; c < count; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(values + j * stride + 16 * c), acc[c]);
+  }
+  for (int64_t c = 0; c < count; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
+}
+
+template <typename T>
+void attend_part(const AttentionPart<T>& a, AttentionScratch& scratch) {
+  const int64_t d = a.dim, n = a.keys, vectors = d / 16;
+  scratch.scores.resize(a.heads * n);
+  scratch.q.resize(a.heads * d);
+  float* q32 = scratch.q.data();
+  for (int64_t h = 0; h < a.heads; ++h)
+    for (int64_t i = 0; i < d; ++i) q32[h * d + i] = static_cast<float>(a.q[h * a.q_head_stride + i]);
+  int64_t k_stride = a.k_stride, v_stride = a.v_stride;
+  const float* keys = rows_as_float(a.k, k_stride, n, d, scratch.keys, widen_row);
+  const float* values = rows_as_float(a.v, v_stride, n, d, scratch.values, widen_row);
+  visible_bits(a.visible, a.visible_stride, n, scratch.seen);
+  for (int64_t h = 0; h < a.heads; ++h) {
+    float* s = scratch.scores.data() + h * n;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < n; j0 += 16) {  // scores of 16 keys at a time
+      const __mmask16 seen = static_cast<__mmask16>(scratch.seen[j0 / 16]);
+      __m512 scores = _mm512_set1_ps(-INFINITY);
+      if (seen) {
+        __m512 dots[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          dots[i] = _mm512_setzero_ps();
+          for (int64_t c = 0; j0 + i < n && c < vectors; ++c)
+            dots[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q32 + h * d + 16 * c),
+                                      _mm512_loadu_ps(keys + (j0 + i) * k_stride + 16 * c), dots[i]);
+        }
+        scores = _mm512_mask_mul_ps(scores, seen, sum16(dots), _mm512_set1_ps(a.scale));
+      }
+      _mm512_mask_storeu_ps(s + j0, score_lanes(n - j0), scores);
+      top = _mm512_max_ps(top, scores);
+    }
+    const float m = _mm512_reduce_max_ps(top);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t j = 0; m != -INFINITY && j < n; j += 16) {
+      const __mmask16 lanes = score_lanes(n - j);
+      const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes, s + j);
+      const __m512 p = exp_scores(_mm512_sub_ps(x, _mm512_set1_ps(m)));
+      _mm512_mask_storeu_ps(s + j, lanes, p);
+      total = _mm512_add_ps(total, p);
+    }
+    float* out = a.out + h * (d + 2);
+    if (m == -INFINITY) std::fill(s, s + n, 0.f);  // no visible key in this part: it adds nothing
+    with_vectors(vectors, [&](auto v) { weighted_values<decltype(v)::value>(s, values, v_stride, n, vectors, out); });
+    out[d] = m;
+    out[d + 1] = _mm512_reduce_add_ps(total);
+  }
+}
+
 }  // namespace avx512
 #pragma GCC pop_options
 
@@ -1306,6 +1476,117 @@ uint64_t stream_read(const uint8_t* p, int64_t bytes) {
   return total.load();
 }
 
+// ---- attention for one query per row (decode): avx512::attend_part's steps, 8 lanes ------------------------------
+inline __m256 load_f32x8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_f32x8(const at::BFloat16* p) { return bf16x8_to_f32(p); }
+
+inline __m256 exp_scores(__m256 x) {  // as avx512::exp_scores
+  const __m256 clamped = _mm256_max_ps(x, _mm256_set1_ps(EXP_FLOOR));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(clamped, _mm256_set1_ps(1.44269504f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), clamped);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(c));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+  return _mm256_andnot_ps(masked, _mm256_mul_ps(y, _mm256_castsi256_ps(two_n)));
+}
+
+inline float horizontal_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+// 8 scores from s, the lanes past the end read as -inf.
+inline __m256 load_scores(const float* s, int64_t left) {
+  if (left >= 8) return _mm256_loadu_ps(s);
+  alignas(32) float tail[8];
+  for (int64_t i = 0; i < 8; ++i) tail[i] = i < left ? s[i] : -INFINITY;
+  return _mm256_load_ps(tail);
+}
+
+// Lane i: the sum of v[i]'s lanes (avx512::sum16's tree for 8).
+inline __m256 sum8(const __m256 (&v)[8]) {
+  __m256 x[4], y[2];
+  for (int i = 0; i < 4; ++i)
+    x[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 2; ++i) {
+    const __m256d a = _mm256_castps_pd(x[2 * i]), b = _mm256_castps_pd(x[2 * i + 1]);
+    y[i] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(a, b)), _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)));
+  }
+  return _mm256_add_ps(_mm256_permute2f128_ps(y[0], y[1], 0x20), _mm256_permute2f128_ps(y[0], y[1], 0x31));
+}
+
+inline void widen_row(const at::BFloat16* src, float* dst, int64_t d) {
+  for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load_f32x8(src + i));
+}
+
+// out[:d] = sum_j p[j] * values[j] (V vectors of 16 per row, as two of 8 here; V = 0: given at run time).
+template <int64_t V>
+void weighted_values(const float* p, const float* values, int64_t stride, int64_t n, int64_t vectors, float* out) {
+  const int64_t count = 2 * (V > 0 ? V : vectors);
+  __m256 acc[V > 0 ? 2 * V : MAX_HEAD_DIM / 8];
+  for (int64_t c = 0; c < count; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; ++j) {
+    if (p[j] == 0.f) continue;
+    const __m256 w = _mm256_set1_ps(p[j]);
+    for (int64_t c = 0; c < count; ++c) acc[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(values + j * stride + 8 * c), acc[c]);
+  }
+  for (int64_t c = 0; c < count; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
+}
+
+template <typename T>
+void attend_part(const AttentionPart<T>& a, AttentionScratch& scratch) {
+  const int64_t d = a.dim, n = a.keys, halves = d / 8;
+  scratch.scores.resize(a.heads * n);
+  scratch.q.resize(a.heads * d);
+  float* q32 = scratch.q.data();
+  for (int64_t h = 0; h < a.heads; ++h)
+    for (int64_t i = 0; i < d; ++i) q32[h * d + i] = static_cast<float>(a.q[h * a.q_head_stride + i]);
+  int64_t k_stride = a.k_stride, v_stride = a.v_stride;
+  const float* keys = rows_as_float(a.k, k_stride, n, d, scratch.keys, widen_row);
+  const float* values = rows_as_float(a.v, v_stride, n, d, scratch.values, widen_row);
+  visible_bits(a.visible, a.visible_stride, n, scratch.seen);
+  for (int64_t h = 0; h < a.heads; ++h) {
+    float* s = scratch.scores.data() + h * n;
+    __m256 top = _mm256_set1_ps(-INFINITY);
+    for (int64_t j0 = 0; j0 < n; j0 += 8) {  // scores of 8 keys at a time
+      const uint32_t seen = scratch.seen[j0 / 16] >> (j0 % 16) & 0xFF;
+      alignas(32) float block[8];
+      if (seen) {
+        __m256 dots[8];
+        for (int64_t i = 0; i < 8; ++i) {
+          dots[i] = _mm256_setzero_ps();
+          for (int64_t c = 0; j0 + i < n && c < halves; ++c)
+            dots[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q32 + h * d + 8 * c),
+                                      _mm256_loadu_ps(keys + (j0 + i) * k_stride + 8 * c), dots[i]);
+        }
+        _mm256_store_ps(block, _mm256_mul_ps(sum8(dots), _mm256_set1_ps(a.scale)));
+      }
+      for (int64_t i = 0; i < 8; ++i) block[i] = seen >> i & 1 ? block[i] : -INFINITY;
+      for (int64_t i = 0; i < 8 && j0 + i < n; ++i) s[j0 + i] = block[i];
+      top = _mm256_max_ps(top, _mm256_load_ps(block));
+    }
+    const float m = horizontal_max(top);
+    __m256 total = _mm256_setzero_ps();
+    for (int64_t j = 0; m != -INFINITY && j < n; j += 8) {
+      alignas(32) float p[8];
+      _mm256_store_ps(p, exp_scores(_mm256_sub_ps(load_scores(s + j, n - j), _mm256_set1_ps(m))));
+      total = _mm256_add_ps(total, _mm256_load_ps(p));
+      for (int64_t i = 0; i < 8 && j + i < n; ++i) s[j + i] = p[i];
+    }
+    float* out = a.out + h * (d + 2);
+    if (m == -INFINITY) std::fill(s, s + n, 0.f);  // no visible key in this part: it adds nothing
+    with_vectors(d / 16, [&](auto v) { weighted_values<decltype(v)::value>(s, values, v_stride, n, d / 16, out); });
+    out[d] = m;
+    out[d + 1] = horizontal_sum(total);
+  }
+}
+
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -1316,6 +1597,99 @@ std::vector<int64_t> amx_thresholds() {
 }
 
 // ---- the ops: checks, then the active level's kernel -----------------------------------------------------------------
+// Attention of one query per row (q [B, H, 1, D]) over keys and values [B, KV, L, D] (any strides but the last; the
+// H query heads in KV groups share their KV head), where mask [B or 1, 1, 1, L] (bool) is true; the output is
+// [B, H, 1, D] in q's dtype. The keys split into parts so every thread has work even at one row and few KV heads;
+// each part's max, sum and weighted values merge exactly.
+constexpr int64_t MIN_PART_KEYS = 256;  // fewer keys than this per part cost more to merge than they save
+constexpr int64_t MAX_PART_KEYS = 512;  // a part's widened keys and values stay in the core's L2 cache
+
+void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const std::optional<at::Tensor>& mask) {
+  TORCH_CHECK(q.dim() == 4 && q.size(2) == 1, "decode_attention: q must be [B, H, 1, D], got ", q.sizes());
+  TORCH_CHECK(k.dim() == 4 && k.sizes() == v.sizes(), "decode_attention: k and v must be [B, KV, L, D] of one shape, "
+              "got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(k.size(0) == q.size(0) && k.size(3) == q.size(3) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "decode_attention: q ", q.sizes(), " does not fit k ", k.sizes(), " (same B and D, H a multiple of KV)");
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+              k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "decode_attention: q, k and v must all be float32 or all bfloat16, got ", q.scalar_type(), ", ",
+              k.scalar_type(), ", ", v.scalar_type());
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "decode_attention: CPU tensors only");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "decode_attention: q, k and v must be contiguous in their last dimension");
+  TORCH_CHECK(q.size(3) % 16 == 0 && q.size(3) <= MAX_HEAD_DIM, "decode_attention: head_dim ", q.size(3),
+              " is not a multiple of 16 up to ", MAX_HEAD_DIM);
+  if (mask) {
+    const at::Tensor& m = *mask;
+    TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && m.size(1) == 1 && m.size(2) == 1 &&
+                m.size(3) == k.size(2) && (m.size(0) == 1 || m.size(0) == q.size(0)),
+                "decode_attention: mask must be bool [B or 1, 1, 1, ", k.size(2), "], got ", m.scalar_type(), " ",
+                m.sizes());
+  }
+}
+
+template <typename T>
+at::Tensor decode_attention_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const std::optional<at::Tensor>& mask, double scale) {
+  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(3), kv = k.size(1), keys = k.size(2);
+  const int64_t group = heads / kv, threads = at::get_num_threads();
+  const int64_t parts = std::max((keys + MAX_PART_KEYS - 1) / MAX_PART_KEYS,
+                                 std::clamp<int64_t>((2 * threads + batch * kv - 1) / (batch * kv), 1,
+                                                     std::max<int64_t>(1, keys / MIN_PART_KEYS)));
+  const int64_t part_keys = (keys + parts - 1) / parts, units = batch * kv * parts, row = dim + 2;
+  std::vector<float> partial(units * group * row);
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const bool* mp = mask ? mask->data_ptr<bool>() : nullptr;
+  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+    AttentionScratch scratch;
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u / (kv * parts), h = u / parts % kv, first = u % parts * part_keys;
+      AttentionPart<T> a{qp + b * q.stride(0) + h * group * q.stride(1), q.stride(1),
+                         kp + b * k.stride(0) + h * k.stride(1) + first * k.stride(2),
+                         vp + b * v.stride(0) + h * v.stride(1) + first * v.stride(2), k.stride(2), v.stride(2),
+                         nullptr, 0, std::max<int64_t>(0, std::min(part_keys, keys - first)), dim, group,
+                         static_cast<float>(scale), partial.data() + u * group * row};
+      if (mp) {
+        a.visible = mp + (mask->size(0) == 1 ? 0 : b * mask->stride(0)) + first * mask->stride(3);
+        a.visible_stride = mask->stride(3);
+      }
+      if (isa() >= ISA_AVX512) avx512::attend_part(a, scratch);
+      else avx2::attend_part(a, scratch);
+    }
+  });
+  auto out = at::empty({batch, heads, 1, dim}, q.options());
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> sum(dim);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / heads, h = bh % heads;
+      const float* first = partial.data() + ((b * kv + h / group) * parts * group + h % group) * row;
+      float top = -INFINITY, total = 0.f;
+      for (int64_t p = 0; p < parts; ++p) top = std::max(top, first[p * group * row + dim]);
+      std::fill(sum.begin(), sum.end(), 0.f);
+      for (int64_t p = 0; p < parts; ++p) {
+        const float* part = first + p * group * row;
+        if (part[dim] == -INFINITY) continue;
+        const float weight = std::exp(part[dim] - top);
+        total += weight * part[dim + 1];
+        for (int64_t i = 0; i < dim; ++i) sum[i] += weight * part[i];
+      }
+      for (int64_t i = 0; i < dim; ++i) op[bh * dim + i] = static_cast<T>(sum[i] / total);
+    }
+  });
+  return out;
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& mask, double scale) {
+  check_isa("decode_attention");
+  check_attention(q, k, v, mask);
+  return q.scalar_type() == at::kFloat ? decode_attention_of<float>(q, k, v, mask, scale)
+                                       : decode_attention_of<at::BFloat16>(q, k, v, mask, scale);
+}
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   check_isa("bf16_gemv");
   check_bf16_weight(w, "bf16_gemv");
@@ -1476,6 +1850,7 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("int4_dequantize(Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
+  lib.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
   // no tensors: one kernel for every backend
   lib.def("amx_ready() -> bool", &amx_ready);
   lib.def("int8_dot_ready() -> bool", &int8_dot_ready);
@@ -1501,4 +1876,5 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("int4_dequantize", &int4_dequantize);
   lib.impl("int8_linear", &int8_linear);
   lib.impl("int4_linear", &int4_linear);
+  lib.impl("decode_attention", &decode_attention);
 }

@@ -1,4 +1,5 @@
-"""kernels: make each linear of a fused model compute with the kernel the plan chose for its kind, and say which.
+"""kernels: make each linear of a fused model compute with the kernel the plan chose for its kind, and say which;
+the same for the fused decoder blocks' decode-step attention (``plan.attention_kernel``).
 
 Fusing and quantizing produce weights; ``splice.kernel_choice`` decided (in ``plan.resolve``) how each kind of linear
 computes. This step wraps each plain float linear of the fused blocks and the lm_head (the ones quantization left in
@@ -50,12 +51,15 @@ class KernelsReport(StepReport):
     float_linears: LinearKernels
     quantized_linears: LinearKernels | None  # None without quantization
     huge_page_bytes: int  # float weights gathered on 2 MiB pages for the native GEMV
+    attention: str | None = None  # the decode steps' attention and why (None: no fused decoder blocks)
 
     def summary(self) -> str:
         pages = f", weights on 2 MiB pages ({self.huge_page_bytes / 2**20:.0f} MiB)" if self.huge_page_bytes else ""
         parts = [self.float_linears.summary() + pages]
         if self.quantized_linears is not None:
             parts.append(self.quantized_linears.summary())
+        if self.attention is not None:
+            parts.append(f"attention: {self.attention}")
         return "; ".join(parts)
 
 
@@ -81,7 +85,12 @@ def select_kernels(stage: Stage, plan: Plan) -> tuple[Stage, KernelsReport]:
     quant = None
     if plan.quant is not None:
         quant = LinearKernels(plan.quant.kind, quantized, plan.quant_kernel.kernel, plan.quant_kernel.reason)
-    return stage, KernelsReport("kernels", floats, quant, moved)
+    attention = None
+    if fused and stage.runtime is not None:
+        for block in stage.runtime.blocks:
+            block.native_attention = plan.attention_kernel.native
+        attention = plan.attention_kernel.reason
+    return stage, KernelsReport("kernels", floats, quant, moved, attention)
 
 
 def wrap_linears(model: nn.Module, runtime: SpliceCausalLM | None, wrapper: type[nn.Module]) -> int:

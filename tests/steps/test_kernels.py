@@ -1,0 +1,34 @@
+"""The kernels step: the fused blocks' decode-step attention as the plan chose it, and said so."""
+import pytest
+import torch
+
+import splice
+from splice import native
+
+from ..arch.tiny_models import build_family
+
+PROMPT = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
+
+
+def attention_calls(engine, new_tokens: int) -> int:
+    with torch.profiler.profile() as profile:
+        engine.generate(PROMPT, max_new_tokens=new_tokens, do_sample=False)
+    return sum(event.name == "splice_kernels::decode_attention" for event in profile.events())
+
+
+@pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
+def test_decode_steps_attend_on_the_native_kernel_and_prompts_do_not():
+    engine = splice.init_inference(build_family("llama"), replace_with_kernel_inject=True, max_out_tokens=32)
+    assert all(block.native_attention for block in engine.runtime.blocks)
+    assert "attention: decode steps: splice's attention kernel" in engine.step_report("kernels").summary()
+    layers = len(engine.runtime.blocks)
+    assert attention_calls(engine, 4) == 3 * layers  # the 3 decode steps; the prefill is SDPA's
+
+
+def test_float16_and_alibi_attend_as_before():
+    fp16 = splice.init_inference(build_family("llama"), dtype=torch.float16, replace_with_kernel_inject=True,
+                                 max_out_tokens=32)
+    assert not any(block.native_attention for block in fp16.runtime.blocks)
+    assert "not splice's attention kernel" in fp16.step_report("kernels").summary()
+    bloom = splice.init_inference(build_family("bloom"), replace_with_kernel_inject=True, max_out_tokens=32)
+    assert attention_calls(bloom, 3) == 0  # ALiBi's bias: the block's own path
