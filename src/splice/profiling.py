@@ -114,6 +114,8 @@ FORWARD_RANGE = "splice.forward"
 #: operators of a compiled step that are GEMVs (the custom ops inductor calls as they are)
 GEMV_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "splice::packed_linear", "mkldnn::_linear_pointwise",
             "splice_kernels::")
+#: operators of a compiled step that attend (splice's decode-step kernel, SDPA), counted to attention
+ATTENTION_OPS = ("splice_kernels::decode_attention", "aten::_scaled_dot_product")
 #: words in the name of one of inductor's fused kernels -> the stage it is counted to, first match wins
 FUSED_KERNEL_WORDS = (("softmax", "attention"), ("rsqrt", "norms"))
 
@@ -255,9 +257,10 @@ def _timed(method, stage: str, clock: _StageClock):
 def _profile_compiled(engine, prompt: torch.Tensor, options: dict, synchronize) -> StepProfile:
     """A compiled step under ``torch.profiler``: inductor calls the GEMVs as separate operators, in the order the
     blocks run them (QKV, o, gate+up, down per layer, then the lm_head), so they are attributed by position; the
-    rest is inductor's fused kernels, named after the operators they fuse when the step was compiled with
-    ``torch._inductor.config.cpp.enable_kernel_profile`` (attention fused with the rotary embedding, the mask and the
-    KV-cache write; norms fused with the residual adds and the activation), else one unnamed remainder."""
+    rest is splice's attention kernel (or SDPA) and inductor's fused kernels, named after the operators they fuse when
+    the step was compiled with ``torch._inductor.config.cpp.enable_kernel_profile`` (without splice's attention
+    kernel, attention fused with the rotary embedding, the mask and the KV-cache write; norms fused with the residual
+    adds and the activation), else one unnamed remainder."""
     from torch.profiler import ProfilerActivity, profile
 
     from .generation import generate as native_generate
@@ -276,7 +279,8 @@ def _profile_compiled(engine, prompt: torch.Tensor, options: dict, synchronize) 
     for step in ranges:
         inside = [e for e in events if e.name != FORWARD_RANGE and step.start <= e.time_range.start
                   and e.time_range.end <= step.end]
-        gemvs = [e for e in inside if e.name.startswith(GEMV_OPS) and not _under(e, GEMV_OPS)]
+        gemvs = [e for e in inside if e.name.startswith(GEMV_OPS) and not e.name.startswith(ATTENTION_OPS)
+                 and not _under(e, GEMV_OPS)]
         order = ["qkv", "o", "gate_up", "down"] * layers + ["lm_head"]
         if len(gemvs) == len(order):
             for stage, event in zip(order, gemvs):
@@ -284,7 +288,9 @@ def _profile_compiled(engine, prompt: torch.Tensor, options: dict, synchronize) 
         else:
             unmatched += 1
         for event in inside:
-            if "cpp_fused" in event.name or "triton_" in event.name:
+            if event.name.startswith(ATTENTION_OPS) and not _under(event, ATTENTION_OPS):
+                stages["attention"] += event.time_range.elapsed_us() * 1e-3
+            elif "cpp_fused" in event.name or "triton_" in event.name:
                 kernel_names = True
                 stage = next((s for word, s in FUSED_KERNEL_WORDS if word in event.name), None)
                 if stage is not None:
@@ -293,8 +299,9 @@ def _profile_compiled(engine, prompt: torch.Tensor, options: dict, synchronize) 
     step_ms = sum((end - start) * 1e3 for start, end, _ in steps) / len(steps)
     stages["sampling"] = _mean(boundaries.gaps_ms()[1:])
     stages["other"] = step_ms - sum(v for k, v in stages.items() if k not in ("sampling", "other"))
-    notes = ["compiled: inductor fuses the rotary embedding, the mask and the KV-cache write into the attention "
-             "kernel, and the residual adds into the norms; they cannot be told apart (rotary 0 here)",
+    notes = ["compiled: inductor fuses the rotary embedding and the KV-cache write with the work around them (into "
+             "its attention kernel where splice's does not run), and the residual adds into the norms; they cannot "
+             "be told apart (rotary 0 here)",
              "times include torch.profiler's cost per operator"]
     if not kernel_names:
         notes.append("inductor's kernels were not named (compile with torch._inductor.config.cpp."
