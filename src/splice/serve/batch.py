@@ -99,20 +99,29 @@ class BatchRunner:
             view = self._views[n] = self.cache.rows(0, n)
         return view
 
-    def run(self, plan: StepPlan) -> StepLogits:
-        """Apply ``plan``; the prefill errors are caught per prompt, a failing decode step raises."""
+    def run(self, plan: StepPlan, on_step=None, on_prefill=None) -> StepLogits:
+        """Apply ``plan``; the prefill errors are caught per prompt, a failing decode step raises.
+
+        ``on_step(logits)`` runs as soon as the decode step is done and ``on_prefill(index, logits, error)`` as soon
+        as prompt chunk ``plan.prefills[index]`` is, before the rest of the plan runs (so a token can go out while
+        the next prompt is prefilled); what they raise propagates."""
         out = StepLogits()
         for move in plan.moves:
             self.move(move)
         if plan.step_tokens:
             out.step = self.step(plan.step_tokens, plan.step_slots)
-        for row, start, chunk in plan.prefills:
+            if on_step is not None:
+                on_step(out.step)
+        for index, (row, start, chunk) in enumerate(plan.prefills):
+            logits = error = None
             try:
-                out.prefills.append(self.prefill(row, start, chunk))
-                out.prefill_errors.append(None)
-            except Exception as error:  # noqa: BLE001 - reported as that request's error
-                out.prefills.append(None)
-                out.prefill_errors.append(error)
+                logits = self.prefill(row, start, chunk)
+            except Exception as caught:  # noqa: BLE001 - reported as that request's error
+                error = caught
+            out.prefills.append(logits)
+            out.prefill_errors.append(error)
+            if on_prefill is not None:
+                on_prefill(index, logits, error)
         return out
 
     def move(self, move: Move) -> None:
