@@ -12,6 +12,7 @@ import torch
 
 import splice
 from splice.serve import scheduler as scheduler_module
+from splice.serve.batch import prefill_groups
 from splice.serve.sampling import TokenPicker
 from splice.serve.scheduler import QueueFull, SamplingParams, Scheduler, TokenEvent
 from tests.arch.tiny_models import build_family
@@ -128,6 +129,24 @@ def test_long_prompts_are_prefilled_in_chunks_while_the_others_step():
     assert any(plan.step_tokens and any(start > 0 for _, start, _ in plan.prefills) for plan in plans)
 
 
+def test_prompts_prefilled_together_give_what_generate_gives_each_alone():
+    """Ten prompts of 2..29 tokens queued at once, up to 3 prefilled in one right-padded forward (4 rows): greedy
+    tokens equal generate alone (tie-free references)."""
+    engine = tiny_engine()
+    prompts = [torch.randint(3, 128, (2 + 3 * i,), generator=torch.Generator().manual_seed(50 + i)).tolist()
+               for i in range(10)]
+    expected = [reference(engine, prompt, 6) for prompt in prompts]
+    assert min(gap for _, gap in expected) > 1e-4
+    scheduler = Scheduler(engine, max_batch=4, prefill_batch=3)
+    plans = record_plans(scheduler)
+    handles = [scheduler.submit(prompt, SamplingParams(6, **GREEDY)) for prompt in prompts]
+    scheduler.start()
+    results = [list(handle) for handle in handles]
+    scheduler.shutdown()
+    assert [tokens(events) for events in results] == [want for want, _ in expected]
+    assert max(len(group) for plan in plans for group in prefill_groups(plan.prefills, plan.prefill_batch)) == 3
+
+
 # ---- admission order ------------------------------------------------------------------------------------------------
 def first_token_order(scheduler: Scheduler, requests: list[tuple[list[int], SamplingParams]]) -> list[int]:
     """Queue ``requests`` before the scheduler starts, run them all; the request indices in the order their first
@@ -158,7 +177,7 @@ def test_a_short_prompt_queued_behind_a_long_one_gets_its_first_token_first():
     prompt's prefill runs."""
     engine = tiny_engine()
     long, short = list(range(3, 40)), [5, 6, 7]
-    scheduler = Scheduler(engine, max_batch=2, prefill_chunk=64)
+    scheduler = Scheduler(engine, max_batch=2, prefill_chunk=64, prefill_batch=1)
     plans = record_plans(scheduler)
     assert first_token_order(scheduler, [(long, SamplingParams(3, **GREEDY)), (short, SamplingParams(3, **GREEDY))]
                              ) == [1, 0]
@@ -411,6 +430,8 @@ def test_engine_without_native_runtime_and_bad_sizes_are_refused(tiny_llama):
         Scheduler(tiny_engine(), max_batch=0)
     with pytest.raises(ValueError, match="max_overtaken=-1"):
         Scheduler(tiny_engine(), max_overtaken=-1)
+    with pytest.raises(ValueError, match="prefill_batch=0"):
+        Scheduler(tiny_engine(), prefill_batch=0)
     with pytest.raises(ValueError, match="this is rank 0 of 1"):
         scheduler_module.follow(tiny_engine())
 
