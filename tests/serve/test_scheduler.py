@@ -130,14 +130,14 @@ def test_long_prompts_are_prefilled_in_chunks_while_the_others_step():
 
 
 def test_prompts_prefilled_together_give_what_generate_gives_each_alone():
-    """Ten prompts of 2..29 tokens queued at once, up to 3 prefilled in one right-padded forward (4 rows): greedy
-    tokens equal generate alone (tie-free references)."""
+    """Ten prompts of 2..29 tokens queued at once, 4 admitted per iteration, up to 3 prefilled in one right-padded
+    forward (4 rows): greedy tokens equal generate alone (tie-free references)."""
     engine = tiny_engine()
     prompts = [torch.randint(3, 128, (2 + 3 * i,), generator=torch.Generator().manual_seed(50 + i)).tolist()
                for i in range(10)]
     expected = [reference(engine, prompt, 6) for prompt in prompts]
     assert min(gap for _, gap in expected) > 1e-4
-    scheduler = Scheduler(engine, max_batch=4, prefill_batch=3)
+    scheduler = Scheduler(engine, max_batch=4, max_prefills=4, prefill_batch=3)
     plans = record_plans(scheduler)
     handles = [scheduler.submit(prompt, SamplingParams(6, **GREEDY)) for prompt in prompts]
     scheduler.start()
@@ -172,16 +172,18 @@ def first_token_order(scheduler: Scheduler, requests: list[tuple[list[int], Samp
     return order
 
 
-def test_a_short_prompt_queued_behind_a_long_one_gets_its_first_token_first():
-    """Both are prefilled in the same iteration: the short one first, and its token goes out before the long
-    prompt's prefill runs."""
+@pytest.mark.parametrize("max_prefills, first_plan", [(1, [3]), (2, [3, 37])])
+def test_a_short_prompt_queued_behind_a_long_one_gets_its_first_token_first(max_prefills, first_plan):
+    """One prompt per iteration (the default): the short one in the first; two per iteration: both in the first,
+    the short one first, and its token goes out before the long prompt's prefill runs."""
     engine = tiny_engine()
     long, short = list(range(3, 40)), [5, 6, 7]
-    scheduler = Scheduler(engine, max_batch=2, prefill_chunk=64, prefill_batch=1)
+    scheduler = Scheduler(engine, max_batch=2, prefill_chunk=64, max_prefills=max_prefills)
     plans = record_plans(scheduler)
     assert first_token_order(scheduler, [(long, SamplingParams(3, **GREEDY)), (short, SamplingParams(3, **GREEDY))]
                              ) == [1, 0]
-    assert [len(chunk) for _, _, chunk in plans[0].prefills] == [3, 37]
+    assert [len(chunk) for _, _, chunk in plans[0].prefills] == first_plan
+    assert all(len(plan.prefills) <= max_prefills for plan in plans)
 
 
 @pytest.mark.parametrize("max_overtaken, expected", [(2, [1, 2, 0, 3, 4, 5]), (100, [1, 2, 3, 4, 5, 0])])
@@ -201,7 +203,7 @@ def test_decode_steps_go_on_under_a_continuous_stream_of_arrivals():
     engine = tiny_engine()
     prompt = [5, 9, 33, 7]
     expected = reference(engine, prompt, 40)[0]
-    scheduler = Scheduler(engine, max_batch=8, prefill_chunk=8)
+    scheduler = Scheduler(engine, max_batch=8, prefill_chunk=8, max_prefills=8)
     plans = record_plans(scheduler)
     scheduler.start()
     running = scheduler.submit(prompt, SamplingParams(40, **GREEDY))
@@ -432,6 +434,8 @@ def test_engine_without_native_runtime_and_bad_sizes_are_refused(tiny_llama):
         Scheduler(tiny_engine(), max_overtaken=-1)
     with pytest.raises(ValueError, match="prefill_batch=0"):
         Scheduler(tiny_engine(), prefill_batch=0)
+    with pytest.raises(ValueError, match="max_prefills=0"):
+        Scheduler(tiny_engine(), max_prefills=0)
     with pytest.raises(ValueError, match="this is rank 0 of 1"):
         scheduler_module.follow(tiny_engine())
 

@@ -28,11 +28,12 @@ class Move:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What one scheduler iteration does to the cache, in this order: ``moves`` (compacting the running rows), one
-    decode step feeding ``step_tokens[i]`` at slot ``step_slots[i]`` of row ``i``, then each prompt chunk of
-    ``prefills`` ``(row, first slot, token ids)`` on its row, up to ``prefill_batch`` consecutive chunks from slot 0
-    on consecutive rows in one forward (:func:`prefill_groups`); ``stop`` ends a following rank. Plain data, so it
-    crosses ranks by ``broadcast_object``."""
+    """What one scheduler iteration does to the cache, in this order: ``moves`` (compacting the running rows), each
+    prompt chunk of ``prefills`` ``(row, first slot, token ids)`` on its row (up to ``prefill_batch`` consecutive
+    chunks from slot 0 on consecutive rows in one forward, :func:`prefill_groups`), then one decode step feeding
+    ``step_tokens[i]`` at slot ``step_slots[i]`` of row ``i``; ``stop`` ends a following rank. The prompts' rows lie
+    past the stepping rows, so the order is free: prompts go first so that a new request's first token does not wait
+    for a decode step. Plain data, so it crosses ranks by ``broadcast_object``."""
 
     moves: tuple[Move, ...] = ()
     step_tokens: tuple[int, ...] = ()
@@ -118,16 +119,12 @@ class BatchRunner:
     def run(self, plan: StepPlan, on_step=None, on_prefill=None) -> StepLogits:
         """Apply ``plan``; the prefill errors are caught per prompt, a failing decode step raises.
 
-        ``on_step(logits)`` runs as soon as the decode step is done and ``on_prefill(index, logits, error)`` as soon
-        as prompt chunk ``plan.prefills[index]`` is, before the rest of the plan runs (so a token can go out while
-        the next prompt is prefilled); what they raise propagates."""
+        ``on_prefill(index, logits, error)`` runs as soon as prompt chunk ``plan.prefills[index]`` is done and
+        ``on_step(logits)`` as soon as the decode step is, before the rest of the plan runs (so a token goes out
+        while the next forward runs); what they raise propagates."""
         out = StepLogits()
         for move in plan.moves:
             self.move(move)
-        if plan.step_tokens:
-            out.step = self.step(plan.step_tokens, plan.step_slots)
-            if on_step is not None:
-                on_step(out.step)
         for group in prefill_groups(plan.prefills, plan.prefill_batch):
             first_row, start, _ = plan.prefills[group.start]
             chunks = [plan.prefills[index][2] for index in group]
@@ -143,6 +140,10 @@ class BatchRunner:
                 out.prefill_errors.append(error)
                 if on_prefill is not None:
                     on_prefill(index, row_logits, error)
+        if plan.step_tokens:
+            out.step = self.step(plan.step_tokens, plan.step_slots)
+            if on_step is not None:
+                on_step(out.step)
         return out
 
     def move(self, move: Move) -> None:

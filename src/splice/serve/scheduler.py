@@ -152,36 +152,39 @@ class Scheduler:
     ``max_batch`` running together, at most ``max_queue`` waiting for a row (beyond those the free rows take). See the
     module docstring.
 
-    Admission order: while prompts wait and rows are free, they are prefilled before the next decode step, up to
-    ``prefill_chunk`` prompt tokens between two decode steps (a longer prompt is prefilled in chunks). The budget is
-    counted in tokens because a prefill's cost is; it bounds how long the running requests wait for their next token
-    (on a CPU one prefill of a few hundred tokens costs as much as several decode steps), while a burst of short
-    prompts still gets prefilled in one go. Among the waiting prompts the shortest goes first (it reaches its first
-    token soonest and holds the others up least); one that ``max_overtaken`` later requests have overtaken goes before
-    any other, so no request waits forever. Aging counts admissions rather than seconds, so the order is a function of
-    the arrivals alone and bounds a long prompt's extra wait to ``max_overtaken`` other prefills.
+    Admission order: while prompts wait and rows are free, each iteration prefills waiting prompts first and then
+    runs the decode step, at most ``max_prefills`` prompts and ``prefill_chunk`` prompt tokens per iteration (a longer
+    prompt is prefilled in chunks), so the running requests get a token at least once per that much prefill work (on
+    a CPU one prefill of a hundred tokens costs several decode steps). One prompt per iteration is the default: a
+    burst's later prompts wait one decode step more each, but requests admitted in the same iteration step in
+    lockstep, so with equal output lengths they finish in the same step and their clients' next requests arrive as a
+    burst again; admitted one per iteration, they finish one per step and the next requests arrive spread out, each
+    reaching its first token after about one prefill. Among the waiting prompts the shortest goes first (it reaches
+    its first token soonest and holds the others up least); one that ``max_overtaken`` later requests have overtaken
+    goes before any other, so no request waits forever. Aging counts admissions rather than seconds, so the order is
+    a function of the arrivals alone and bounds a long prompt's extra wait to ``max_overtaken`` other prefills.
 
-    Up to ``prefill_batch`` prompts admitted together are prefilled in one forward (each on its own row): that costs
-    less than one forward each, most for a quantized model, which de-quantises its weights once per prefill forward,
-    but none of them gets its first token before all of them are done. Two halves the per-forward cost and keeps the
-    wait of the earlier prompt in a pair short; larger groups save a little more prefill time at the cost of a
-    burst's first tokens, which the median first-token latency is made of."""
+    Up to ``prefill_batch`` prompts admitted in one iteration (``max_prefills`` > 1) are prefilled in one forward,
+    each on its own row: that costs less than one forward each, most for a quantized model, which de-quantises its
+    weights once per prefill forward, but none of them gets its first token before all of them are done, and they
+    then step in lockstep. It trades first-token latency for prefill throughput, so it is off (1) by default."""
 
     def __init__(self, engine, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 512,
-                 max_overtaken: int = 8, prefill_batch: int = 2):
+                 max_prefills: int = 1, max_overtaken: int = 8, prefill_batch: int = 1):
         runtime = native_runtime(engine)
         check_integer("max_batch", max_batch, 1, None, "an integer >= 1")
         check_integer("max_queue", max_queue, 0, None, "an integer >= 0")
         check_integer("prefill_chunk", prefill_chunk, 1, None, "an integer >= 1")
         check_integer("max_overtaken", max_overtaken, 0, None, "an integer >= 0")
         check_integer("prefill_batch", prefill_batch, 1, None, "an integer >= 1")
+        check_integer("max_prefills", max_prefills, 1, None, "an integer >= 1")
         self.parallel = getattr(engine, "parallel", SINGLE_PROCESS)
         if self.parallel.rank != 0:
             raise ValueError(f"Scheduler runs on rank 0 of the tensor-parallel group; rank {self.parallel.rank} "
                              "calls splice.serve.scheduler.follow(engine)")
         self.engine, self.runtime = engine, runtime
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
-        self.max_overtaken, self.prefill_batch = max_overtaken, prefill_batch
+        self.max_overtaken, self.prefill_batch, self.max_prefills = max_overtaken, prefill_batch, max_prefills
         self.runner = BatchRunner(runtime, max_batch)
         cache = self.runner.cache
         log.info("splice serve: KV cache of %d rows x %d slots (max_out_tokens), %.0f MiB", max_batch, cache.max_len,
@@ -316,14 +319,14 @@ class Scheduler:
         return True
 
     def _stepped(self, stepping: list[Running], logits: torch.Tensor) -> None:
-        """The decode step's tokens go out at once, before the iteration's prefills run."""
+        """The decode step's tokens go out at once."""
         for i, row in enumerate(stepping):
             self._emit(row, lambda i=i, row=row: row.picker.pick(logits[i]))
 
     def _prefilled(self, chunk: tuple[int, Running, int, tuple[int, ...]], logits: torch.Tensor | None,
                    error: Exception | None) -> None:
         """A prompt chunk is in the cache: a prompt now whole sends its first token at once, before the iteration's
-        next prefill runs."""
+        next forward runs."""
         _, row, start, tokens = chunk
         if error is not None and self.parallel.enabled:
             raise error  # the other ranks stop at it too
@@ -370,12 +373,14 @@ class Scheduler:
             chunks.append((len(running) - 1, row, row.prefilled, chunk))
             budget -= len(chunk)
         with self._lock:
-            while self._queue and len(running) < self.max_batch:
+            admitted = 0
+            while self._queue and len(running) < self.max_batch and admitted < self.max_prefills:
                 handle = self._next_waiting()
                 chunk = handle.prompt[: self.prefill_chunk]
                 if len(chunk) > budget:
                     break  # nothing overtakes the request that is next: it goes first in the next iteration
                 self._admit(handle)
+                admitted += 1
                 row = Running(handle, TokenPicker(handle.params))
                 running.append(row)
                 chunks.append((len(running) - 1, row, 0, chunk))
