@@ -71,6 +71,8 @@ class Level:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from splice.cli import POSITIVE_INT
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="benchmark this running server instead of starting one")
     parser.add_argument("--model", default="llama-1b",
@@ -83,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-out-tokens", type=int, default=512, help="passed to splice serve (default: 512)")
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for the server (default: torch's choice)")
     parser.add_argument("--concurrency", default="1,4,8,16,64", help="comma-separated client counts")
-    parser.add_argument("--requests-per-client", type=int, default=2,
+    parser.add_argument("--requests-per-client", type=POSITIVE_INT, default=2,
                         help="requests each client sends one after the other (default: 2, so each level has a first "
                              "wave arriving together and later requests arriving as earlier ones end)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
