@@ -4,7 +4,10 @@ Starts the server (a subprocess) and, for each concurrency level, runs that many
 ``--requests-per-client`` streaming completions one after the other (prompt ``--prompt-tokens`` ± ``--prompt-spread``
 random token ids, ``--new-tokens`` new, end-of-sequence ignored). Reports per level: aggregate generated tokens/s
 (all clients' tokens over the level's wall time), time to first token p50/p99, inter-token latency p50/p99, 429
-answers (retried after their Retry-After) and failed requests (anything else that did not complete).
+answers (retried after their Retry-After) and failed requests (anything else that did not complete). Time to first
+token is also split into the first wave (each client's first request: all of them arrive together) and the later
+requests (which arrive one at a time, as requests end), and set against a lone request's (the p50 at 1 client; that
+level is added when ``--concurrency`` lacks it).
 
     python benchmarks/bench_serve.py                                   # llama-1b (random weights) bf16
     python benchmarks/bench_serve.py --quant int4 --json out.json      # int4; the figures also as JSON
@@ -59,6 +62,8 @@ class Level:
     tok_s: float
     ttft_p50_ms: float
     ttft_p99_ms: float
+    ttft_first_wave_p50_ms: float  # each client's first request
+    ttft_later_p50_ms: float  # the requests after it
     itl_p50_ms: float
     itl_p99_ms: float
     rejected_429: int
@@ -66,6 +71,8 @@ class Level:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from splice.cli import POSITIVE_INT
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", help="benchmark this running server instead of starting one")
     parser.add_argument("--model", default="llama-1b",
@@ -78,7 +85,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-out-tokens", type=int, default=512, help="passed to splice serve (default: 512)")
     parser.add_argument("--threads", type=int, help="OMP_NUM_THREADS for the server (default: torch's choice)")
     parser.add_argument("--concurrency", default="1,4,8,16,64", help="comma-separated client counts")
-    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--requests-per-client", type=POSITIVE_INT, default=2,
+                        help="requests each client sends one after the other (default: 2, so each level has a first "
+                             "wave arriving together and later requests arriving as earlier ones end)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--prompt-spread", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
@@ -205,12 +214,15 @@ async def run_level(url: str, concurrency: int, args: argparse.Namespace, vocab:
     outcomes = [outcome for batch in results for outcome in batch]
     done = [o for o in outcomes if o.error is None]
     ttfts = [o.first for o in done if o.first is not None]
+    first_wave = [o.first for o in (batch[0] for batch in results if batch) if o.error is None and o.first is not None]
+    later = [o.first for batch in results for o in batch[1:] if o.error is None and o.first is not None]
     gaps = [gap for o in done for gap in o.gaps]
     tokens = sum(o.tokens for o in outcomes)
     for failure in (o for o in outcomes if o.error is not None):
         print(f"  failed: {failure.error}", file=sys.stderr)
     return Level(concurrency, len(outcomes), tokens, round(wall, 3), round(tokens / wall, 2),
-                 ms(percentile(ttfts, 50)), ms(percentile(ttfts, 99)), ms(percentile(gaps, 50)),
+                 ms(percentile(ttfts, 50)), ms(percentile(ttfts, 99)), ms(percentile(first_wave, 50)),
+                 ms(percentile(later, 50)), ms(percentile(gaps, 50)),
                  ms(percentile(gaps, 99)), sum(o.rejected for o in outcomes), len(outcomes) - len(done))
 
 
@@ -226,17 +238,24 @@ def ms(seconds: float) -> float:
     return round(seconds * 1e3, 2)
 
 
-def table(levels: list[Level]) -> str:
-    header = (f"{'clients':>7} {'requests':>8} {'tok/s':>9} {'TTFT p50 ms':>11} {'TTFT p99 ms':>11} "
-              f"{'ITL p50 ms':>10} {'ITL p99 ms':>10} {'429s':>5} {'failed':>6}")
-    rows = [f"{l.concurrency:>7} {l.requests:>8} {l.tok_s:>9.1f} {l.ttft_p50_ms:>11.1f} {l.ttft_p99_ms:>11.1f} "
-            f"{l.itl_p50_ms:>10.1f} {l.itl_p99_ms:>10.1f} {l.rejected_429:>5} {l.failed:>6}" for l in levels]
-    return "\n".join([header, "-" * len(header), *rows])
+def table(levels: list[Level], lone: Level) -> str:
+    """One row per level; "x 1 client" columns are that level's figure over the 1-client level's (throughput, and
+    time to first token p50 over a lone request's)."""
+    header = (f"{'clients':>7} {'requests':>8} {'tok/s':>7} {'x 1 client':>10} {'TTFT p50 ms':>11} {'x lone':>6} "
+              f"{'TTFT p99 ms':>11} {'1st wave p50':>12} {'later p50':>9} {'ITL p50 ms':>10} {'ITL p99 ms':>10} "
+              f"{'429s':>5} {'failed':>6}")
+    rows = [f"{l.concurrency:>7} {l.requests:>8} {l.tok_s:>7.1f} {l.tok_s / lone.tok_s:>9.2f}x "
+            f"{l.ttft_p50_ms:>11.1f} {l.ttft_p50_ms / lone.ttft_p50_ms:>5.2f}x {l.ttft_p99_ms:>11.1f} "
+            f"{l.ttft_first_wave_p50_ms:>12.1f} {l.ttft_later_p50_ms:>9.1f} {l.itl_p50_ms:>10.1f} "
+            f"{l.itl_p99_ms:>10.1f} {l.rejected_429:>5} {l.failed:>6}" for l in levels]
+    return "\n".join([f"lone request: time to first token p50 {lone.ttft_p50_ms:.1f} ms (1 client)", header,
+                      "-" * len(header), *rows])
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     levels = [int(value) for value in args.concurrency.split(",")]
+    levels = levels if 1 in levels else [1, *levels]  # the lone request every level is compared with
     with tempfile.TemporaryDirectory(prefix="splice-bench-serve-") as scratch:
         process = None
         url = args.url
@@ -253,7 +272,8 @@ def main(argv=None) -> int:
         finally:
             if process is not None:
                 stop_server(process)
-    print(table(results))
+    lone = next(level for level in results if level.concurrency == 1)
+    print(table(results, lone))
     if args.json:
         report = {"model": args.model, "dtype": args.dtype, "quant": args.quant, "compile": args.compile,
                   "max_batch": args.max_batch, "prompt_tokens": f"{args.prompt_tokens}±{args.prompt_spread}",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splice.serve.batch import BatchRunner, Move, StepPlan, batch_bucket
+from splice.serve.batch import BatchRunner, Move, StepPlan, batch_bucket, prefill_groups
 from splice.steps.fuse import inject
 from tests.arch.tiny_models import build_family
 
@@ -37,6 +37,45 @@ def test_a_moved_row_decodes_as_it_did_in_its_old_row():
         runner.move(Move(source=1, target=0, filled=4))
         moved = runner.step((7,), (4,))[0]
     torch.testing.assert_close(moved, in_place, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_groups_join_consecutive_rows_from_slot_0_up_to_the_limit():
+    prefills = ((2, 12, (1,)), (3, 0, (1, 2)), (4, 0, (3,)), (5, 0, (4,)), (7, 0, (5,)), (8, 0, (6,)))
+    assert prefill_groups(prefills, 2) == [range(0, 1), range(1, 3), range(3, 4), range(4, 6)]
+    assert prefill_groups(prefills, 4) == [range(0, 1), range(1, 4), range(4, 6)]
+    assert prefill_groups(prefills, 1) == [range(i, i + 1) for i in range(6)]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_prompts_prefilled_together_fill_the_cache_and_give_the_logits_of_each_alone(family):
+    """Three prompts of different lengths in one right-padded forward (rows 1..3): each row's filled slots and its
+    last token's logits are those of its own forward; the rows around them are untouched."""
+    runner = BatchRunner(inject(build_family(family), max_out_tokens=16), max_batch=5)
+    prompts = ((5, 17, 33), (9, 90, 4, 61, 7, 2), (41, 7))
+    with torch.inference_mode():
+        alone = [runner.prefill(1 + i, 0, prompt) for i, prompt in enumerate(prompts)]
+        keys = [runner.cache.keys[:, 1 + i, :, :len(p)].clone() for i, p in enumerate(prompts)]
+        runner.cache.keys.zero_()
+        logits = runner.run(StepPlan(prefills=tuple((1 + i, 0, p) for i, p in enumerate(prompts)), prefill_batch=3))
+    for i, prompt in enumerate(prompts):
+        torch.testing.assert_close(logits.prefills[i], alone[i], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(runner.cache.keys[:, 1 + i, :, :len(prompt)], keys[i], rtol=1e-4, atol=1e-4)
+    assert not runner.cache.keys[:, 0].any() and not runner.cache.keys[:, 4].any()
+
+
+def test_a_failing_group_reports_its_error_to_each_of_its_prompts(monkeypatch):
+    runner = BatchRunner(inject(build_family("llama"), max_out_tokens=16), max_batch=3)
+
+    def failing(first_row, chunks):
+        raise RuntimeError("group fault")
+
+    monkeypatch.setattr(runner, "prefill_together", failing)
+    seen = []
+    with torch.inference_mode():
+        out = runner.run(StepPlan(prefills=((0, 0, (5, 6)), (1, 0, (7,)), (2, 0, (8, 9))), prefill_batch=2),
+                         on_prefill=lambda index, logits, error: seen.append((index, logits is None, str(error))))
+    assert seen[:2] == [(0, True, "group fault"), (1, True, "group fault")]
+    assert seen[2][:2] == (2, False) and out.prefills[2].shape == (runner.runtime.config.vocab_size,)
 
 
 def test_plans_without_work_are_idle():

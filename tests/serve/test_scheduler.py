@@ -12,6 +12,7 @@ import torch
 
 import splice
 from splice.serve import scheduler as scheduler_module
+from splice.serve.batch import prefill_groups
 from splice.serve.sampling import TokenPicker
 from splice.serve.scheduler import QueueFull, SamplingParams, Scheduler, TokenEvent
 from tests.arch.tiny_models import build_family
@@ -51,6 +52,14 @@ def serve(engine, requests, max_batch: int, **options) -> list[list[TokenEvent]]
         return run_all(scheduler, requests)
     finally:
         scheduler.shutdown()
+
+
+def record_plans(scheduler: Scheduler) -> list:
+    """The plans ``scheduler`` runs, in order."""
+    plans = []
+    run = scheduler.runner.run
+    scheduler.runner.run = lambda plan, **callbacks: plans.append(plan) or run(plan, **callbacks)
+    return plans
 
 
 def assert_one_final_event(events: list[TokenEvent], reason: str) -> None:
@@ -110,9 +119,7 @@ def test_long_prompts_are_prefilled_in_chunks_while_the_others_step():
     expected = [reference(engine, prompt, 8) for prompt in prompts]
     assert min(gap for _, gap in expected) > 1e-4
     scheduler = Scheduler(engine, max_batch=3, prefill_chunk=6)
-    plans = []
-    run = scheduler.runner.run
-    scheduler.runner.run = lambda plan: plans.append(plan) or run(plan)
+    plans = record_plans(scheduler)
     scheduler.start()
     results = run_all(scheduler, [(p, SamplingParams(8, **GREEDY)) for p in prompts])
     scheduler.shutdown()
@@ -120,6 +127,100 @@ def test_long_prompts_are_prefilled_in_chunks_while_the_others_step():
     assert all(sum(len(chunk) for _, _, chunk in plan.prefills) <= 6 for plan in plans)
     assert all(start % 6 == 0 for plan in plans for _, start, _ in plan.prefills)
     assert any(plan.step_tokens and any(start > 0 for _, start, _ in plan.prefills) for plan in plans)
+
+
+def test_prompts_prefilled_together_give_what_generate_gives_each_alone():
+    """Ten prompts of 2..29 tokens queued at once, 4 admitted per iteration, up to 3 prefilled in one right-padded
+    forward (4 rows): greedy tokens equal generate alone (tie-free references)."""
+    engine = tiny_engine()
+    prompts = [torch.randint(3, 128, (2 + 3 * i,), generator=torch.Generator().manual_seed(50 + i)).tolist()
+               for i in range(10)]
+    expected = [reference(engine, prompt, 6) for prompt in prompts]
+    assert min(gap for _, gap in expected) > 1e-4
+    scheduler = Scheduler(engine, max_batch=4, max_prefills=4, prefill_batch=3)
+    plans = record_plans(scheduler)
+    handles = [scheduler.submit(prompt, SamplingParams(6, **GREEDY)) for prompt in prompts]
+    scheduler.start()
+    results = [list(handle) for handle in handles]
+    scheduler.shutdown()
+    assert [tokens(events) for events in results] == [want for want, _ in expected]
+    assert max(len(group) for plan in plans for group in prefill_groups(plan.prefills, plan.prefill_batch)) == 3
+
+
+# ---- admission order ------------------------------------------------------------------------------------------------
+def first_token_order(scheduler: Scheduler, requests: list[tuple[list[int], SamplingParams]]) -> list[int]:
+    """Queue ``requests`` before the scheduler starts, run them all; the request indices in the order their first
+    tokens were sent."""
+    handles = [scheduler.submit(prompt, params) for prompt, params in requests]
+    index = {handle: i for i, handle in enumerate(handles)}
+    order = []
+    push = scheduler_module.RequestHandle.push
+
+    def recording(handle, event):
+        if event.token_id is not None and handle in index and not handle.finished and index[handle] not in order:
+            order.append(index[handle])
+        push(handle, event)
+
+    scheduler_module.RequestHandle.push = recording
+    try:
+        scheduler.start()
+        for handle in handles:
+            assert_one_final_event(list(handle), "length")
+    finally:
+        scheduler_module.RequestHandle.push = push
+        scheduler.shutdown()
+    return order
+
+
+@pytest.mark.parametrize("max_prefills, first_plan", [(1, [3]), (2, [3, 37])])
+def test_a_short_prompt_queued_behind_a_long_one_gets_its_first_token_first(max_prefills, first_plan):
+    """One prompt per iteration (the default): the short one in the first; two per iteration: both in the first,
+    the short one first, and its token goes out before the long prompt's prefill runs."""
+    engine = tiny_engine()
+    long, short = list(range(3, 40)), [5, 6, 7]
+    scheduler = Scheduler(engine, max_batch=2, prefill_chunk=64, max_prefills=max_prefills)
+    plans = record_plans(scheduler)
+    assert first_token_order(scheduler, [(long, SamplingParams(3, **GREEDY)), (short, SamplingParams(3, **GREEDY))]
+                             ) == [1, 0]
+    assert [len(chunk) for _, _, chunk in plans[0].prefills] == first_plan
+    assert all(len(plan.prefills) <= max_prefills for plan in plans)
+
+
+@pytest.mark.parametrize("max_overtaken, expected", [(2, [1, 2, 0, 3, 4, 5]), (100, [1, 2, 3, 4, 5, 0])])
+def test_an_old_request_is_not_starved_by_a_stream_of_short_ones(max_overtaken, expected):
+    """One row, a long prompt queued before five short ones: the short ones overtake it until ``max_overtaken``
+    of them have, then it goes next."""
+    engine = tiny_engine()
+    requests = [(list(range(3, 13)), SamplingParams(2, **GREEDY))] + \
+        [([20 + i, 7], SamplingParams(2, **GREEDY)) for i in range(5)]
+    scheduler = Scheduler(engine, max_batch=1, max_overtaken=max_overtaken)
+    assert first_token_order(scheduler, requests) == expected
+
+
+def test_decode_steps_go_on_under_a_continuous_stream_of_arrivals():
+    """A running request keeps getting a token every iteration while short prompts keep arriving: at most
+    ``prefill_chunk`` prompt tokens go between two of its steps, and its tokens equal generate alone."""
+    engine = tiny_engine()
+    prompt = [5, 9, 33, 7]
+    expected = reference(engine, prompt, 40)[0]
+    scheduler = Scheduler(engine, max_batch=8, prefill_chunk=8, max_prefills=8)
+    plans = record_plans(scheduler)
+    scheduler.start()
+    running = scheduler.submit(prompt, SamplingParams(40, **GREEDY))
+    events = iter(running)
+    got = [next(events).token_id]
+    arrivals = []
+    for i in range(12):  # three short prompts per token: more prompt work than one iteration's budget takes
+        arrivals += [scheduler.submit([10 + i, 11, 12, 13], SamplingParams(2, **GREEDY)) for _ in range(3)]
+        got.append(next(events).token_id)
+    got += tokens(list(events))
+    for handle in arrivals:
+        assert_one_final_event(list(handle), "length")
+    scheduler.shutdown()
+    assert got == expected
+    admitted = [plan for plan in plans if plan.prefills]
+    assert len(admitted) > 4 and all(sum(len(chunk) for _, _, chunk in plan.prefills) <= 8 for plan in plans)
+    assert all(plan.step_tokens for plan in admitted[1:])  # from the running request's first token on, a step each
 
 
 @pytest.mark.slow
@@ -201,7 +302,7 @@ def test_cancel_frees_the_row_for_a_queued_request():
     scheduler = Scheduler(engine, max_batch=1, max_queue=4)
     scheduler.start()
     long = scheduler.submit([5, 6, 7], SamplingParams(60, **GREEDY))
-    waiting = scheduler.submit([8, 9], SamplingParams(4, **GREEDY))
+    waiting = scheduler.submit([8, 9, 10, 11], SamplingParams(4, **GREEDY))  # longer: it cannot go first
     events = iter(long)
     first = next(events)
     assert first.token_id is not None and scheduler.stats()["queued"] == 1
@@ -329,6 +430,12 @@ def test_engine_without_native_runtime_and_bad_sizes_are_refused(tiny_llama):
         Scheduler(splice.init_inference(tiny_llama, replace_with_kernel_inject=False))
     with pytest.raises(ValueError, match="max_batch=0"):
         Scheduler(tiny_engine(), max_batch=0)
+    with pytest.raises(ValueError, match="max_overtaken=-1"):
+        Scheduler(tiny_engine(), max_overtaken=-1)
+    with pytest.raises(ValueError, match="prefill_batch=0"):
+        Scheduler(tiny_engine(), prefill_batch=0)
+    with pytest.raises(ValueError, match="max_prefills=0"):
+        Scheduler(tiny_engine(), max_prefills=0)
     with pytest.raises(ValueError, match="this is rank 0 of 1"):
         scheduler_module.follow(tiny_engine())
 

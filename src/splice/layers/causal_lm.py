@@ -126,12 +126,14 @@ class SpliceCausalLM:
         return cache
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, cache: StaticKVCache,
-                kv_len: int, last_only: bool = True, dense: bool = False) -> torch.Tensor:
+                kv_len: int, last_only: bool = True, dense: bool = False,
+                last: torch.Tensor | None = None) -> torch.Tensor:
         """``tokens, positions [batch, seq]`` at cache ``slots [seq]`` (or per row ``[batch, seq]``); attends to the
-        first ``kv_len`` slots.
+        first ``kv_len`` slots. The logits ``[batch, vocab]`` of the last position (``last_only``) or of position
+        ``last[i]`` of row ``i`` (``last [batch]``: right-padded rows), else ``[batch, seq, vocab]``.
 
         ``dense``: a prompt without padding filling slots ``0 .. kv_len-1``, so full-attention layers need no mask
-        (SDPA's causal kernel).
+        (SDPA's causal kernel); a right-padded row's real tokens attend to nothing after them either.
         """
         x = self.embed_inputs(tokens, positions)
         rotary = [self.rope(index).lookup(positions) for index in range(len(self.ropes))]
@@ -140,6 +142,8 @@ class SpliceCausalLM:
         for block in self.blocks:
             cos, sin = rotary[block.layout.rope_index] if rotary else (None, None)
             x = block.step(x, cos, sin, cache, slots, masks[block.window], kv_len)
+        if last is not None:
+            return self.head(x[torch.arange(x.shape[0], device=x.device), last])
         if last_only:
             x = x[:, -1:]
         logits = self.head(x)

@@ -28,15 +28,18 @@ class Move:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """What one scheduler iteration does to the cache, in this order: ``moves`` (compacting the running rows), one
-    decode step feeding ``step_tokens[i]`` at slot ``step_slots[i]`` of row ``i``, then each prompt chunk of
-    ``prefills`` ``(row, first slot, token ids)`` on its row; ``stop`` ends a following rank. Plain data, so it
-    crosses ranks by ``broadcast_object``."""
+    """What one scheduler iteration does to the cache, in this order: ``moves`` (compacting the running rows), each
+    prompt chunk of ``prefills`` ``(row, first slot, token ids)`` on its row (up to ``prefill_batch`` consecutive
+    chunks from slot 0 on consecutive rows in one forward, :func:`prefill_groups`), then one decode step feeding
+    ``step_tokens[i]`` at slot ``step_slots[i]`` of row ``i``; ``stop`` ends a following rank. The prompts' rows lie
+    past the stepping rows, so the order is free: prompts go first so that a new request's first token does not wait
+    for a decode step. Plain data, so it crosses ranks by ``broadcast_object``."""
 
     moves: tuple[Move, ...] = ()
     step_tokens: tuple[int, ...] = ()
     step_slots: tuple[int, ...] = ()
     prefills: tuple[tuple[int, int, tuple[int, ...]], ...] = ()
+    prefill_batch: int = 1
     stop: bool = False
     max_batch: int = 0  # the scheduler's, so a following rank builds the same cache
 
@@ -53,6 +56,20 @@ class StepLogits:
     step: torch.Tensor | None = None
     prefills: list = field(default_factory=list)
     prefill_errors: list = field(default_factory=list)
+
+
+def prefill_groups(prefills: tuple[tuple[int, int, tuple[int, ...]], ...], most: int) -> list[range]:
+    """The indices of ``prefills`` that run in one forward each: consecutive chunks from slot 0 on consecutive rows,
+    at most ``most`` together; any other chunk alone."""
+    groups: list[range] = []
+    for index, (row, start, _) in enumerate(prefills):
+        if groups and start == 0 and len(groups[-1]) < most:
+            last_row, last_start, _ = prefills[groups[-1][-1]]
+            if last_start == 0 and row == last_row + 1:
+                groups[-1] = range(groups[-1].start, index + 1)
+                continue
+        groups.append(range(index, index + 1))
+    return groups
 
 
 def batch_bucket(n: int, max_batch: int) -> int:
@@ -99,20 +116,34 @@ class BatchRunner:
             view = self._views[n] = self.cache.rows(0, n)
         return view
 
-    def run(self, plan: StepPlan) -> StepLogits:
-        """Apply ``plan``; the prefill errors are caught per prompt, a failing decode step raises."""
+    def run(self, plan: StepPlan, on_step=None, on_prefill=None) -> StepLogits:
+        """Apply ``plan``; the prefill errors are caught per prompt, a failing decode step raises.
+
+        ``on_prefill(index, logits, error)`` runs as soon as prompt chunk ``plan.prefills[index]`` is done and
+        ``on_step(logits)`` as soon as the decode step is, before the rest of the plan runs (so a token goes out
+        while the next forward runs); what they raise propagates."""
         out = StepLogits()
         for move in plan.moves:
             self.move(move)
+        for group in prefill_groups(plan.prefills, plan.prefill_batch):
+            first_row, start, _ = plan.prefills[group.start]
+            chunks = [plan.prefills[index][2] for index in group]
+            logits = error = None
+            try:
+                logits = self.prefill(first_row, start, chunks[0]) if len(chunks) == 1 else \
+                    self.prefill_together(first_row, chunks)
+            except Exception as caught:  # noqa: BLE001 - reported as the error of the group's requests
+                error = caught
+            for i, index in enumerate(group):
+                row_logits = None if logits is None else logits if len(chunks) == 1 else logits[i]
+                out.prefills.append(row_logits)
+                out.prefill_errors.append(error)
+                if on_prefill is not None:
+                    on_prefill(index, row_logits, error)
         if plan.step_tokens:
             out.step = self.step(plan.step_tokens, plan.step_slots)
-        for row, start, chunk in plan.prefills:
-            try:
-                out.prefills.append(self.prefill(row, start, chunk))
-                out.prefill_errors.append(None)
-            except Exception as error:  # noqa: BLE001 - reported as that request's error
-                out.prefills.append(None)
-                out.prefill_errors.append(error)
+            if on_step is not None:
+                on_step(out.step)
         return out
 
     def move(self, move: Move) -> None:
@@ -131,6 +162,21 @@ class BatchRunner:
         slots = cache.slot_ids[start:end]
         logits = runtime.forward(ids, slots[None], slots, cache, end, dense=start == 0)
         return logits[0].float()
+
+    def prefill_together(self, first_row: int, chunks: list[tuple[int, ...]]) -> torch.Tensor:
+        """Prompts (or first chunks) ``chunks[i]`` at slots ``0 ..`` of rows ``first_row + i``, in one forward: fp32
+        logits ``[len(chunks), vocab]`` of each one's last token. The rows are right-padded to the longest; a row's
+        padding fills slots past its prompt, which its causal mask hides and its own tokens overwrite (as a freed
+        row's old contents are). One forward pays once for what every forward costs whatever its rows (a quantized
+        layer de-quantises its weight once per forward on the prefill path)."""
+        runtime, rows, longest = self.runtime, len(chunks), max(map(len, chunks))
+        device = runtime.device
+        ids = torch.tensor([[*chunk, *[0] * (longest - len(chunk))] for chunk in chunks], dtype=torch.long,
+                           device=device)
+        cache = self.cache.rows(first_row, first_row + rows)
+        slots = cache.slot_ids[:longest]
+        last = torch.tensor([len(chunk) - 1 for chunk in chunks], dtype=torch.long, device=device)
+        return runtime.forward(ids, slots[None].expand(rows, -1), slots, cache, longest, dense=True, last=last).float()
 
     def step(self, tokens: tuple[int, ...], slots: tuple[int, ...]) -> torch.Tensor:
         """One decode step of rows ``[:len(tokens)]``, row ``i`` feeding ``tokens[i]`` at its slot ``slots[i]``

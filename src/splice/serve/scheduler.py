@@ -63,6 +63,7 @@ class RequestHandle:
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
         self.cancel_requested = False
         self.finished = False
+        self.overtaken = 0  # later requests the scheduler admitted while this one waited
 
     def cancel(self) -> None:
         """Ask for the request to end: a queued one ends now, a running one at the next step boundary; either way
@@ -148,21 +149,42 @@ class Running:
 
 class Scheduler:
     """Serves requests on ``engine`` (an ``InferenceEngine`` with kernel injection) with continuous batching: at most
-    ``max_batch`` running together, at most ``max_queue`` waiting for a row (beyond those the free rows take), at
-    most ``prefill_chunk`` prompt tokens prefilled between two decode steps (a longer prompt is prefilled in chunks,
-    so the running requests keep stepping). See the module docstring."""
+    ``max_batch`` running together, at most ``max_queue`` waiting for a row (beyond those the free rows take). See the
+    module docstring.
 
-    def __init__(self, engine, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 512):
+    Admission order: while prompts wait and rows are free, each iteration prefills waiting prompts first and then
+    runs the decode step, at most ``max_prefills`` prompts and ``prefill_chunk`` prompt tokens per iteration (a longer
+    prompt is prefilled in chunks), so the running requests get a token at least once per that much prefill work (on
+    a CPU one prefill of a hundred tokens costs several decode steps). One prompt per iteration is the default: a
+    burst's later prompts wait one decode step more each, but requests admitted in the same iteration step in
+    lockstep, so with equal output lengths they finish in the same step and their clients' next requests arrive as a
+    burst again; admitted one per iteration, they finish one per step and the next requests arrive spread out, each
+    reaching its first token after about one prefill. Among the waiting prompts the shortest goes first (it reaches
+    its first token soonest and holds the others up least); one that ``max_overtaken`` later requests have overtaken
+    goes before any other, so no request waits forever. Aging counts admissions rather than seconds, so the order is
+    a function of the arrivals alone and bounds a long prompt's extra wait to ``max_overtaken`` other prefills.
+
+    Up to ``prefill_batch`` prompts admitted in one iteration (``max_prefills`` > 1) are prefilled in one forward,
+    each on its own row: that costs less than one forward each, most for a quantized model, which de-quantises its
+    weights once per prefill forward, but none of them gets its first token before all of them are done, and they
+    then step in lockstep. It trades first-token latency for prefill throughput, so it is off (1) by default."""
+
+    def __init__(self, engine, *, max_batch: int = 8, max_queue: int = 64, prefill_chunk: int = 512,
+                 max_prefills: int = 1, max_overtaken: int = 8, prefill_batch: int = 1):
         runtime = native_runtime(engine)
         check_integer("max_batch", max_batch, 1, None, "an integer >= 1")
         check_integer("max_queue", max_queue, 0, None, "an integer >= 0")
         check_integer("prefill_chunk", prefill_chunk, 1, None, "an integer >= 1")
+        check_integer("max_overtaken", max_overtaken, 0, None, "an integer >= 0")
+        check_integer("prefill_batch", prefill_batch, 1, None, "an integer >= 1")
+        check_integer("max_prefills", max_prefills, 1, None, "an integer >= 1")
         self.parallel = getattr(engine, "parallel", SINGLE_PROCESS)
         if self.parallel.rank != 0:
             raise ValueError(f"Scheduler runs on rank 0 of the tensor-parallel group; rank {self.parallel.rank} "
                              "calls splice.serve.scheduler.follow(engine)")
         self.engine, self.runtime = engine, runtime
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.max_overtaken, self.prefill_batch, self.max_prefills = max_overtaken, prefill_batch, max_prefills
         self.runner = BatchRunner(runtime, max_batch)
         cache = self.runner.cache
         log.info("splice serve: KV cache of %d rows x %d slots (max_out_tokens), %.0f MiB", max_batch, cache.max_len,
@@ -280,29 +302,40 @@ class Scheduler:
         plan = StepPlan(moves=tuple(moves), step_tokens=tuple(row.generated[-1] for row in stepping),
                         step_slots=tuple(row.next_slot for row in stepping),
                         prefills=tuple((index, start, chunk) for index, _, start, chunk in chunks),
+                        prefill_batch=self.prefill_batch,
                         max_batch=self.max_batch)
         self._broadcast(plan)
         try:
-            logits = self.runner.run(plan)
+            self.runner.run(plan, on_step=lambda logits: self._stepped(stepping, logits),
+                            on_prefill=lambda index, logits, error: self._prefilled(chunks[index], logits, error))
         except Exception as error:
             if self.parallel.enabled:
                 raise  # the ranks may now disagree: fatal
             log.exception("splice serve: the batched step failed; its %d requests end with an error", len(stepping))
             for row in self._running:
-                self._finish(row, final("error", f"the batched step failed: {error!r}"))
+                if not row.done:
+                    self._finish(row, final("error", f"the batched step failed: {error!r}"))
             return True
-        for i, row in enumerate(stepping):
-            self._emit(row, lambda i=i, row=row: row.picker.pick(logits.step[i]))
-        for (_, row, start, chunk), row_logits, error in zip(chunks, logits.prefills, logits.prefill_errors):
-            if error is not None and self.parallel.enabled:
-                raise error  # the other ranks stop at it too
-            if error is not None:
-                self._finish(row, final("error", f"the prefill failed: {error!r}"))
-                continue
-            row.prefilled = start + len(chunk)
-            if row.prefilled == row.handle.prompt_tokens:
-                self._emit(row, lambda row_logits=row_logits, row=row: row.picker.pick(row_logits))
         return True
+
+    def _stepped(self, stepping: list[Running], logits: torch.Tensor) -> None:
+        """The decode step's tokens go out at once."""
+        for i, row in enumerate(stepping):
+            self._emit(row, lambda i=i, row=row: row.picker.pick(logits[i]))
+
+    def _prefilled(self, chunk: tuple[int, Running, int, tuple[int, ...]], logits: torch.Tensor | None,
+                   error: Exception | None) -> None:
+        """A prompt chunk is in the cache: a prompt now whole sends its first token at once, before the iteration's
+        next forward runs."""
+        _, row, start, tokens = chunk
+        if error is not None and self.parallel.enabled:
+            raise error  # the other ranks stop at it too
+        if error is not None:
+            self._finish(row, final("error", f"the prefill failed: {error!r}"))
+            return
+        row.prefilled = start + len(tokens)
+        if row.prefilled == row.handle.prompt_tokens:
+            self._emit(row, lambda: row.picker.pick(logits))
 
     def _release(self) -> list[Move]:
         """Free the rows of finished and cancelled requests, moving the last running row into each freed one so the
@@ -330,9 +363,9 @@ class Scheduler:
 
     def _prefill_chunks(self) -> list[tuple[int, Running, int, tuple[int, ...]]]:
         """This iteration's prompt work, ``(row, request, first slot, tokens)``, at most ``prefill_chunk`` tokens:
-        the next chunk of a partly prefilled prompt, then queued requests first come first served into free rows
-        while their first chunk fits. Chunks start at multiples of ``prefill_chunk`` whatever runs beside them, and a
-        prompt within one chunk is prefilled whole, as ``generate`` does."""
+        the next chunk of a partly prefilled prompt, then queued requests in admission order (:meth:`_next_waiting`)
+        into free rows while their first chunk fits. Chunks start at multiples of ``prefill_chunk`` whatever runs
+        beside them, and a prompt within one chunk is prefilled whole, as ``generate`` does."""
         budget, chunks, running = self.prefill_chunk, [], self._running
         if running and running[-1].prefilling:
             row = running[-1]
@@ -340,17 +373,33 @@ class Scheduler:
             chunks.append((len(running) - 1, row, row.prefilled, chunk))
             budget -= len(chunk)
         with self._lock:
-            while self._queue and len(running) < self.max_batch:
-                handle = self._queue[0]
+            admitted = 0
+            while self._queue and len(running) < self.max_batch and admitted < self.max_prefills:
+                handle = self._next_waiting()
                 chunk = handle.prompt[: self.prefill_chunk]
                 if len(chunk) > budget:
-                    break
-                self._queue.popleft()
+                    break  # nothing overtakes the request that is next: it goes first in the next iteration
+                self._admit(handle)
+                admitted += 1
                 row = Running(handle, TokenPicker(handle.params))
                 running.append(row)
                 chunks.append((len(running) - 1, row, 0, chunk))
                 budget -= len(chunk)
         return chunks
+
+    def _next_waiting(self) -> RequestHandle:
+        """The waiting request to admit next: the oldest that ``max_overtaken`` later ones have overtaken, else the
+        one with the shortest prompt (the oldest of equals)."""
+        aged = next((handle for handle in self._queue if handle.overtaken >= self.max_overtaken), None)
+        return aged if aged is not None else min(self._queue, key=lambda handle: handle.prompt_tokens)
+
+    def _admit(self, handle: RequestHandle) -> None:
+        """Take ``handle`` off the queue; each older request still waiting has been overtaken once more."""
+        for older in self._queue:
+            if older is handle:
+                break
+            older.overtaken += 1
+        self._queue.remove(handle)
 
     def _wait(self) -> bool:
         """Nothing runs: wait for a request or shutdown (under tensor parallelism, tell the other ranks so within
