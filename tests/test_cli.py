@@ -227,12 +227,13 @@ def test_serve_builds_an_injected_engine_and_serves_it(tiny_cli, capsys, monkeyp
     served = {}
     monkeypatch.setattr(uvicorn.Server, "run", lambda self: served.update(config=self.config))
     code, _, err = run_cli(["serve", "some-model", "--port", "9123", "--max-batch", "3", "--max-queue", "5",
-                            "--served-model-name", "mine"], capsys)
+                            "--max-prefills", "2", "--prefill-batch", "2", "--served-model-name", "mine"], capsys)
     assert code == 0, err
     assert tiny_cli == ["some-model"] and served["config"].port == 9123
     service = served["config"].app.state.service
     assert service.model_name == "mine" and service.scheduler.runtime is not None  # kernel injection is on
     assert (service.scheduler.max_batch, service.scheduler.max_queue) == (3, 5)
+    assert (service.scheduler.max_prefills, service.scheduler.prefill_batch) == (2, 2)
 
 
 @pytest.mark.parametrize("argv, named", [
@@ -240,6 +241,7 @@ def test_serve_builds_an_injected_engine_and_serves_it(tiny_cli, capsys, monkeyp
     (["serve", "a", "--model", "b"], "given twice"),
     (["serve", "--port", "70000"], "70000"),
     (["serve", "--max-batch", "0"], "0 is not allowed"),
+    (["serve", "--prefill-batch", "0"], "0 is not allowed"),
 ])
 def test_serve_bad_options_are_one_line_errors(tiny_cli, capsys, argv, named):
     code, _, err = run_cli(argv, capsys)

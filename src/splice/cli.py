@@ -300,7 +300,8 @@ def print_tp_plan(args: argparse.Namespace) -> int:
 def add_serve_parser(commands) -> None:
     parser = commands.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                                  usage="splice serve [MODEL] [engine options] [--host HOST] [--port PORT] "
-                                       "[--max-batch N] [--max-queue N] [--served-model-name NAME]",
+                                       "[--max-batch N] [--max-queue N] [--max-prefills N] [--prefill-batch N] "
+                                       "[--served-model-name NAME]",
                                  description="Serve MODEL over an OpenAI-compatible HTTP API (/v1/completions, "
                                              "/v1/chat/completions, /v1/models, /health, /metrics) with continuous "
                                              "batching. Under torchrun with --tp N, rank 0 serves HTTP and every rank "
@@ -315,6 +316,12 @@ def add_serve_parser(commands) -> None:
                         help="requests stepped together in one batch (default: 8)")
     parser.add_argument("--max-queue", type=checked(int, lambda v: v >= 0, "an integer >= 0"), default=64,
                         help="requests waiting for a batch slot before new ones get HTTP 429 (default: 64)")
+    parser.add_argument("--max-prefills", type=POSITIVE_INT, default=1,
+                        help="waiting prompts admitted per scheduler iteration, before its decode step (default: 1; "
+                             "more lets a burst in sooner, at the cost of the running requests' next tokens)")
+    parser.add_argument("--prefill-batch", type=POSITIVE_INT, default=1,
+                        help="of the prompts admitted together, how many are prefilled in one forward (default: 1; "
+                             "cheaper in total, but none gets its first token before the group is done)")
     parser.add_argument("--served-model-name", help="the name clients pass as `model` (default: MODEL as given)")
     parser.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
                         help="server log level (default: info; info logs one line per request)")
@@ -349,7 +356,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if _global_rank() != 0:
         return follow_rank_zero(follow, engine)
     api = app(engine, tokenizer, model_name=args.served_model_name or args.model, max_batch=args.max_batch,
-              max_queue=args.max_queue)
+              max_queue=args.max_queue, max_prefills=args.max_prefills, prefill_batch=args.prefill_batch)
     server = uvicorn.Server(uvicorn.Config(api, host=args.host, port=args.port, log_level=args.log_level,
                                            log_config=None))  # configured above
     scheduler = api.state.service.scheduler

@@ -34,17 +34,20 @@ RETRY_AFTER_S = 1
 
 
 def app(engine, tokenizer, *, model_name: str | None = None, max_batch: int = 8, max_queue: int = 64,
-        scheduler: Scheduler | None = None) -> FastAPI:
+        max_prefills: int = 1, prefill_batch: int = 1, scheduler: Scheduler | None = None) -> FastAPI:
     """The ASGI app serving ``engine`` (from ``init_inference`` with kernel injection) and ``tokenizer``.
 
     ``model_name``: the name clients give as ``model`` (default: the model's ``name_or_path``). Without
-    ``scheduler`` the app builds one (``max_batch`` rows stepped together, ``max_queue`` requests waiting beyond them),
-    starts it when the app starts and drains it when the app shuts down (running and queued requests finish). A
-    ``scheduler`` passed in is the caller's to start and shut down; ``max_batch`` and ``max_queue`` are then its own.
+    ``scheduler`` the app builds one (``max_batch`` rows stepped together, ``max_queue`` requests waiting beyond them,
+    ``max_prefills`` prompts admitted per iteration, ``prefill_batch`` of them prefilled in one forward: see
+    :class:`~splice.serve.scheduler.Scheduler`), starts it when the app starts and drains it when the app shuts down
+    (running and queued requests finish). A ``scheduler`` passed in is the caller's to start and shut down; these
+    parameters are then its own.
     """
     owned = scheduler is None
     if owned:
-        scheduler = Scheduler(engine, max_batch=max_batch, max_queue=max_queue)  # refuses an engine it cannot step
+        scheduler = Scheduler(engine, max_batch=max_batch, max_queue=max_queue, max_prefills=max_prefills,
+                              prefill_batch=prefill_batch)  # refuses an engine it cannot step
     service = Service(scheduler, tokenizer, model_name or default_model_name(engine), stop_token_ids(engine,
                                                                                                      tokenizer))
 
