@@ -259,6 +259,29 @@ inline void visible_bits(const bool* visible, int64_t stride, int64_t n,
     if (visible == nullptr || visible[j * stride]) seen[j / 16] |= 1u << (j % 16);
 }
 
+// The float operands both levels' attend_part compute on: the query heads, the keys and values (widened by the
+// level's widen_row where bf16) and the visibility bits, in scratch; the scores buffer sized.
+struct FloatPart {
+  const float* q;  // [heads][dim]
+  const float* keys;
+  const float* values;
+  int64_t k_stride, v_stride;
+};
+
+template <typename T, typename Widen>
+FloatPart part_as_float(const AttentionPart<T>& a, AttentionScratch& scratch, Widen widen) {
+  const int64_t d = a.dim, n = a.keys;
+  scratch.scores.resize(a.heads * n);
+  scratch.q.resize(a.heads * d);
+  for (int64_t h = 0; h < a.heads; ++h)
+    for (int64_t i = 0; i < d; ++i) scratch.q[h * d + i] = static_cast<float>(a.q[h * a.q_head_stride + i]);
+  FloatPart f{scratch.q.data(), nullptr, nullptr, a.k_stride, a.v_stride};
+  f.keys = rows_as_float(a.k, f.k_stride, n, d, scratch.keys, widen);
+  f.values = rows_as_float(a.v, f.v_stride, n, d, scratch.values, widen);
+  visible_bits(a.visible, a.visible_stride, n, scratch.seen);
+  return f;
+}
+
 template <typename F>
 void with_vectors(int64_t vectors, F&& f) {  // f(Int<vectors>) for the head sizes models use, else f(Int<0>) (a loop)
   switch (vectors) {
@@ -950,15 +973,9 @@ void weighted_values(const float* p, const float* values, int64_t stride, int64_
 template <typename T>
 void attend_part(const AttentionPart<T>& a, AttentionScratch& scratch) {
   const int64_t d = a.dim, n = a.keys, vectors = d / 16;
-  scratch.scores.resize(a.heads * n);
-  scratch.q.resize(a.heads * d);
-  float* q32 = scratch.q.data();
-  for (int64_t h = 0; h < a.heads; ++h)
-    for (int64_t i = 0; i < d; ++i) q32[h * d + i] = static_cast<float>(a.q[h * a.q_head_stride + i]);
-  int64_t k_stride = a.k_stride, v_stride = a.v_stride;
-  const float* keys = rows_as_float(a.k, k_stride, n, d, scratch.keys, widen_row);
-  const float* values = rows_as_float(a.v, v_stride, n, d, scratch.values, widen_row);
-  visible_bits(a.visible, a.visible_stride, n, scratch.seen);
+  const FloatPart f = part_as_float(a, scratch, widen_row);
+  const float *q32 = f.q, *keys = f.keys, *values = f.values;
+  const int64_t k_stride = f.k_stride, v_stride = f.v_stride;
   for (int64_t h = 0; h < a.heads; ++h) {
     float* s = scratch.scores.data() + h * n;
     __m512 top = _mm512_set1_ps(-INFINITY);
@@ -1542,15 +1559,9 @@ void weighted_values(const float* p, const float* values, int64_t stride, int64_
 template <typename T>
 void attend_part(const AttentionPart<T>& a, AttentionScratch& scratch) {
   const int64_t d = a.dim, n = a.keys, halves = d / 8;
-  scratch.scores.resize(a.heads * n);
-  scratch.q.resize(a.heads * d);
-  float* q32 = scratch.q.data();
-  for (int64_t h = 0; h < a.heads; ++h)
-    for (int64_t i = 0; i < d; ++i) q32[h * d + i] = static_cast<float>(a.q[h * a.q_head_stride + i]);
-  int64_t k_stride = a.k_stride, v_stride = a.v_stride;
-  const float* keys = rows_as_float(a.k, k_stride, n, d, scratch.keys, widen_row);
-  const float* values = rows_as_float(a.v, v_stride, n, d, scratch.values, widen_row);
-  visible_bits(a.visible, a.visible_stride, n, scratch.seen);
+  const FloatPart f = part_as_float(a, scratch, widen_row);
+  const float *q32 = f.q, *keys = f.keys, *values = f.values;
+  const int64_t k_stride = f.k_stride, v_stride = f.v_stride;
   for (int64_t h = 0; h < a.heads; ++h) {
     float* s = scratch.scores.data() + h * n;
     __m256 top = _mm256_set1_ps(-INFINITY);
