@@ -1,15 +1,18 @@
 """llama.cpp beside splice on the same model, the same CPU and the same thread count: decode and prefill tokens/s.
 
 The model is the random-weight TinyLlama-shaped Llama that ``splice bench --model llama-1b`` uses (22 layers, hidden
-2048, 32 heads / 4 KV heads, vocab 32000; built once by ``splice.bench.llama_1b_folder``). Three formats, each engine
-in its own:
+2048, 32 heads / 4 KV heads, vocab 32000; built once by ``splice.bench.llama_1b_folder``). Four formats, each engine
+in its own, paired so both read the same bytes per weight with the same scheme:
 
-    bf16               splice bf16 (kernel-injected)          llama.cpp BF16 GGUF
-    int8 vs Q8_0       splice int8 (per output channel)       llama.cpp Q8_0 (blocks of 32, one scale each)
-    int4 g32 vs Q4_0   splice int4 (groups of 32, asymmetric) llama.cpp Q4_0 (blocks of 32, symmetric)
+    bf16                   splice bf16 (kernel-injected)          llama.cpp BF16 GGUF
+    int8 vs Q8_0           splice int8 (per output channel)       llama.cpp Q8_0 (blocks of 32, one scale each)
+    int4 g32 sym vs Q4_0   splice int4 (groups of 32, symmetric:  llama.cpp Q4_0 (blocks of 32, one scale each;
+                           one scale each; 4.5 bits a weight)     4.5 bits a weight)
+    int4 g32 vs Q4_1       splice int4 (groups of 32, asymmetric, llama.cpp Q4_1 (blocks of 32, a scale and a
+                           its default: scale and zero; 5 bits)   minimum; 5 bits)
 
 The output head: splice's quantized models put it in int8 per output channel (``init_inference``'s default);
-``llama-quantize`` makes it Q8_0 in the Q8_0 file and Q6_K in the Q4_0 file.
+``llama-quantize`` makes it Q8_0 in the Q8_0 file and Q6_K in the Q4_0 and Q4_1 files.
 
 llama.cpp: ``llama-bench`` runs a ``--prompt``-token prefill from an empty context, and ``--new`` decode steps after
 ``--prompt`` tokens of context (``-d``, not timed), as splice's decode follows its prompt. splice: ``splice bench
@@ -20,7 +23,7 @@ processes hits both. The ratio is splice / llama.cpp (above 1: splice is faster)
 
 The first run downloads the ``llama-cpp-python`` source distribution (pinned below) from PyPI, builds ``llama-bench``
 and ``llama-quantize`` from the llama.cpp it vendors, converts the checkpoint to a BF16 GGUF with the vendored
-``convert_hf_to_gguf.py`` and quantizes it to Q8_0 and Q4_0; all of it is cached under
+``convert_hf_to_gguf.py`` and quantizes it to Q8_0, Q4_0 and Q4_1; all of it is cached under
 ``$SPLICE_CACHE/llamacpp/<version>`` (delete that folder to rebuild; the build takes minutes on 2 cores). Writes JSON
 (default ``bench_out/llamacpp.json``)::
 
@@ -66,7 +69,8 @@ class Format:
 FORMATS = {
     "bf16": Format("bf16", "BF16", "inject+compile", None),
     "int8": Format("int8 vs Q8_0", "Q8_0", "inject+int8+compile", "int8"),
-    "int4": Format("int4 g32 vs Q4_0", "Q4_0", "inject+int4+compile", "int4"),
+    "int4-sym": Format("int4 g32 sym vs Q4_0", "Q4_0", "inject+int4-sym+compile", "int4-sym"),
+    "int4": Format("int4 g32 vs Q4_1", "Q4_1", "inject+int4+compile", "int4"),
 }
 PHASES = ("decode", "prefill")
 

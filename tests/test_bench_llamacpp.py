@@ -37,7 +37,10 @@ def record(path: str, prompt: int, new: int, samples: list[float], depth: int = 
 def test_defaults_and_formats():
     args = bl.parse_args([])
     assert (args.threads, args.new, args.prompt, args.sittings) == (2, 64, 128, 2)
-    assert args.formats == ["bf16", "int8", "int4"] and args.json == "bench_out/llamacpp.json"
+    assert args.formats == ["bf16", "int8", "int4-sym", "int4"] and args.json == "bench_out/llamacpp.json"
+    # each pair reads the same bits per weight with the same scheme
+    assert {name: f.gguf_type for name, f in bl.FORMATS.items()} == {"bf16": "BF16", "int8": "Q8_0", "int4-sym": "Q4_0",
+                                                                  "int4": "Q4_1"}
     assert bl.parse_args(["--formats", " int4, bf16"]).formats == ["int4", "bf16"]
 
 
@@ -55,7 +58,7 @@ def test_bad_arguments_name_the_value(argv, named):
     with pytest.raises(ValueError, match=named.replace("+", r"\+")) as error:
         bl.parse_args(argv)
     if "--formats" in argv:
-        assert "bf16, int8, int4" in str(error.value)  # and the allowed ones
+        assert "bf16, int8, int4-sym, int4" in str(error.value)  # and the allowed ones
 
 
 def test_llama_bench_records_become_best_rates_per_format_and_phase():
@@ -147,4 +150,4 @@ def test_end_to_end(tmp_path):
     argv = ["--sittings", "1", "--new", "4", "--prompt", "16", "--reps", "1", "--formats", "int4", "--json", str(out)]
     assert bl.main(argv) == 0
     [row] = json.loads(out.read_text())["rows"]
-    assert row["format"] == "int4 g32 vs Q4_0" and row["llamacpp_decode"] > 0 and row["splice_decode"] > 0
+    assert row["format"] == "int4 g32 vs Q4_1" and row["llamacpp_decode"] > 0 and row["splice_decode"] > 0

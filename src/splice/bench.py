@@ -30,6 +30,7 @@ QUANT_SCHEMES = {
     "int8": {"dtype": "int8"},
     "w8a8": {"quant": {"enabled": True, "activation": {"enabled": True}}},
     "int4": {"quant": {"enabled": True, "weight": {"num_bits": 4, "group_size": 32, "q_type": "asymmetric"}}},
+    "int4-sym": {"quant": {"enabled": True, "weight": {"num_bits": 4, "group_size": 32, "q_type": "symmetric"}}},
     "int4-g128": {"quant": {"enabled": True, "weight": {"num_bits": 4, "group_size": 128}}},
 }
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,

@@ -99,8 +99,8 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", help="fp32 | bf16 | fp16 | int8 (default: the model's own)")
     parser.add_argument("--kernel-inject", action="store_true", help="replace_with_kernel_inject=True")
     parser.add_argument("--quant", choices=tuple(QUANT_SCHEMES),
-                        help="quantize: int8 (= --dtype int8), w8a8, int4 (g32 asymmetric), int4-g128 (as splice bench "
-                             "--quant; other schemes through --config)")
+                        help="quantize: int8 (= --dtype int8), w8a8, int4 (g32 asymmetric), int4-sym (g32 symmetric), "
+                             "int4-g128 (as splice bench --quant; other schemes through --config)")
     parser.add_argument("--compile", action="store_true",
                         help="compile_decode=True: torch.compile the decode step (needs --kernel-inject)")
     parser.add_argument("--tp", type=POSITIVE_INT, help="tensor_parallel.tp_size (run under torchrun)")

@@ -111,12 +111,13 @@ def test_int4_dot_gemv_rounds_x_per_block_where_it_can(isa, rows, n, k, group, s
 @needs_native
 @pytest.mark.parametrize("rows", (1, 2, 4, 8))
 @pytest.mark.parametrize("n, k, group", INT4_DOT_SHAPES[:4])
-def test_int4_dot_gemv_gives_the_same_result_at_every_level(rows, n, k, group):
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_int4_dot_gemv_gives_the_same_result_at_every_level(rows, n, k, group, symmetric):
     """The avx2 kernel (vpmaddubsw) and the AVX512-VNNI one sum the same int8 rows in exact integers and apply the
     scales in the same float steps: bit for bit the same output."""
     if "avx512" not in native.supported_isas() or "avx512_vnni" not in native._cpu_flags():
         pytest.skip("this CPU has no AVX512-VNNI kernel to compare the avx2 one with")
-    x, _, _, w, sz = _int4_operands(rows, n, k, group, symmetric=False, seed=rows)
+    x, _, _, w, sz = _int4_operands(rows, n, k, group, symmetric, seed=rows)
     results = {}
     for level in ("avx2", "avx512"):
         with native.use_isa(level):
@@ -208,10 +209,14 @@ def test_int8_dot_gemv_refuses_in_features_off_the_block():
 @needs_native
 @pytest.mark.parametrize("rows", ROWS + (16, 17, 40))  # AMX (where present): from 3 rows; over 16 rows x is padded
 @pytest.mark.parametrize("n, k, group", [(64, 128, 32), (32, 576, 64), (16, 256, 128), (48, 64, 64), (32, 120, 24)])
-def test_int4_gemv_matches_the_dequantized_product(isa, rows, n, k, group):
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_int4_gemv_matches_the_dequantized_product(isa, rows, n, k, group, symmetric):
+    """Symmetric weights (every zero 0) pass their scales alone, asymmetric ones (scale, zero) pairs."""
     x = torch.randn(rows, k).bfloat16()
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     scales_and_zeros = torch.randn(k // group, n, 2).bfloat16()
+    if symmetric:
+        scales_and_zeros[..., 1] = 0
     expected = x.float() @ qmath.dequantize_int4(q, scales_and_zeros).T
     got = torch.ops.splice_kernels.int4_gemv(x, native.int4_tile_pack(q), native.int4_tile_scales(scales_and_zeros),
                                              group)
@@ -231,7 +236,8 @@ def test_int8_linear_converts_the_codes_exactly(isa, shape):
 @needs_native
 @pytest.mark.parametrize("n, k, group", [(48, 96, 32), (80, 160, 32), (112, 192, 64), (16, 384, 128), (208, 640, 128),
                                          (32, 120, 24), (48, 40, 8)])
-def test_int4_dequantize_equals_the_reference_rounded_to_bf16(isa, n, k, group):
+@pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
+def test_int4_dequantize_equals_the_reference_rounded_to_bf16(isa, n, k, group, symmetric):
     """Bit for bit: (q - 8) has at most 4 significant bits and a bf16 scale 8, so (q - 8) * scale is exact in float32
     and both sides round once there (the kernel's FMA, torch's add) and once to bf16 (round to nearest even: the
     kernel's cvtne2ps, torch's cast). Shapes: N and K not multiples of 64, and groups of 24 and 8 columns (not
@@ -239,6 +245,8 @@ def test_int4_dequantize_equals_the_reference_rounded_to_bf16(isa, n, k, group):
     torch.manual_seed(n + k + group)
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     scales_and_zeros = torch.randn(k // group, n, 2).bfloat16()
+    if symmetric:
+        scales_and_zeros[..., 1] = 0
     got = torch.ops.splice_kernels.int4_dequantize(native.int4_tile_pack(q), native.int4_tile_scales(scales_and_zeros),
                                                    group)
     assert got.dtype == torch.bfloat16 and got.shape == (n, k)
@@ -262,6 +270,16 @@ def test_int4_tile_layout_round_trips():
     assert tiles.shape == (3, 12, 16) and tiles.dtype == torch.int32
     assert torch.equal(native.int4_tile_unpack(tiles), q)
     assert torch.equal(native.int4_untile_scales(native.int4_tile_scales(scales_and_zeros)), scales_and_zeros)
+    assert native.int4_tile_scales(scales_and_zeros).shape == (3, 3, 16, 2)
+
+
+def test_int4_symmetric_scales_tile_alone_and_round_trip():
+    """Every zero 0: the tiles hold the scales alone (half the bytes), and untiling gives the zeros back."""
+    scales_and_zeros = torch.randn(3, 48, 2).bfloat16()
+    scales_and_zeros[..., 1] = 0
+    tiled = native.int4_tile_scales(scales_and_zeros)
+    assert tiled.shape == (3, 3, 16) and tiled.nbytes * 2 == scales_and_zeros.nbytes
+    assert torch.equal(native.int4_untile_scales(tiled), scales_and_zeros)
 
 
 @needs_native

@@ -14,7 +14,7 @@ from tests.conftest import build_tiny, tiny_llama_config
 from tests.arch.tiny_models import ENCODERS, FAMILIES, NEW_FAMILIES
 
 CONFIGS = [QuantConfig(), QuantConfig(group_size=32), QuantConfig(bits=4, group_size=32, symmetric=False),
-           QuantConfig(activations=True)]
+           QuantConfig(bits=4, group_size=32, symmetric=True), QuantConfig(activations=True)]
 
 
 def _logits(model, ids):
@@ -22,7 +22,7 @@ def _logits(model, ids):
         return model(ids).logits
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.kind}-{c.group_size}")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.kind}-{c.group_size}{'' if c.symmetric else '-asym'}")
 def test_round_trip_without_requantizing(tmp_path, monkeypatch, config):
     model_config = tiny_llama_config(tie_word_embeddings=True)
     model = build_tiny(model_config)

@@ -383,13 +383,20 @@ def int4_tile_unpack(words: torch.Tensor) -> torch.Tensor:
 
 
 def int4_tile_scales(scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """``[K/group, N, 2]`` -> the kernel's ``[N/16, K/group, 16, 2]`` bf16 (one 64-byte line per tile and group)."""
+    """``[K/group, N, 2]`` -> the kernel's bf16 lines, one per tile and group: ``[N/16, K/group, 16]`` scales alone
+    when every zero is 0 (a symmetric weight: the kernels stream a tenth fewer bytes), else ``[N/16, K/group, 16, 2]``
+    (scale, zero) pairs."""
     groups, n, _ = scales_and_zeros.shape
     tiled = scales_and_zeros.to(torch.bfloat16).reshape(groups, n // INT4_TILE, INT4_TILE, 2).transpose(0, 1)
+    if not tiled[..., 1].any():
+        tiled = tiled[..., 0]
     return tiled.contiguous()
 
 
 def int4_untile_scales(tiled: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`int4_tile_scales`: ``[K/group, N, 2]`` (zeros 0 for scales alone)."""
+    if tiled.dim() == 3:
+        tiled = torch.stack([tiled, torch.zeros_like(tiled)], dim=-1)
     tiles, groups, _, _ = tiled.shape
     return tiled.transpose(0, 1).reshape(groups, tiles * INT4_TILE, 2).contiguous()
 

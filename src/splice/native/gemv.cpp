@@ -12,10 +12,11 @@
 //       dot products with AVX512-VNNI, else AVX-VNNI, else vpmaddubsw
 //   int4_gemv(x bf16 [M, K], w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group)
 //       tiles of 16 rows; dword (tile, c, r) holds q[r, 8c .. 8c+7] as nibbles in the order k = 0,2,4,6,1,3,5,7
-//       (so k and k+1 sit 16 bits apart); value = (q - 8) * scale + zero per (row, group).
+//       (so k and k+1 sit 16 bits apart); value = (q - 8) * scale + zero per (row, group). A symmetric weight (every
+//       zero 0) may pass its scales alone, sz bf16 [N/16, K/group, 16]: a tenth fewer bytes to stream than the pairs.
 //   int4_dot_gemv(x, w, sz, group)  the same with x rounded to int8 per row and block of 32, integer dot products
 //       (AVX512-VNNI, else AVX-VNNI, else vpmaddubsw; groups of whole blocks); else int4_gemv
-//   int4_dequantize(w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group) -> bf16 [N, K]
+//   int4_dequantize(w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16(, 2)], group) -> bf16 [N, K]
 //       the same tiles back as a row-major bf16 weight, (q - 8) * scale + zero in float32 rounded once to bf16
 //       (for prefill: one oneDNN GEMM on it beats the GEMV above once there are more than a few rows).
 //
@@ -134,10 +135,30 @@ void check_int4_tiles(const at::Tensor& w, const at::Tensor& sz, int64_t group, 
   TORCH_CHECK(group > 0 && group % 8 == 0 && k % group == 0, name, ": group ", group, " must divide K=", k,
               " in steps of 8");
   TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.device().is_cpu() &&
-              sz.sizes() == at::IntArrayRef({tiles, k / group, TILE, 2}),
-              name, ": scales_and_zeros must be contiguous bf16 [", tiles, ", ", k / group, ", 16, 2], got ",
+              (sz.sizes() == at::IntArrayRef({tiles, k / group, TILE, 2}) ||
+               sz.sizes() == at::IntArrayRef({tiles, k / group, TILE})),
+              name, ": scales_and_zeros must be contiguous bf16 [", tiles, ", ", k / group, ", 16, 2] (scale and "
+              "zero) or [", tiles, ", ", k / group, ", 16] (scales alone, zero 0), got ", sz.scalar_type(), " ",
               sz.sizes());
 }
+
+// The group scales of int4 tiles: one 16-row line per (tile, group) of bf16 (scale, zero) pairs, or of scales alone
+// for a symmetric weight (every zero 0; half the bytes). Each level widens a line into its scale and zero vectors.
+struct Int4Scales {
+  const at::BFloat16* p;
+  int64_t groups;  // per tile
+  bool pairs;
+
+  explicit Int4Scales(const at::Tensor& sz)
+      : p(sz.data_ptr<at::BFloat16>()), groups(sz.size(1)), pairs(sz.dim() == 4) {}
+  const at::BFloat16* line(int64_t tile, int64_t g) const { return p + (tile * groups + g) * TILE * (pairs ? 2 : 1); }
+  float scale(int64_t tile, int64_t g, int r) const {
+    return static_cast<float>(line(tile, g)[pairs ? 2 * r : r]);
+  }
+  float zero(int64_t tile, int64_t g, int r) const {
+    return pairs ? static_cast<float>(line(tile, g)[2 * r + 1]) : 0.f;
+  }
+};
 
 // ---- loops shared by every level ------------------------------------------------------------------------------------
 template <int V>
@@ -616,21 +637,34 @@ std::vector<float> group_sums(const at::BFloat16* x, int64_t m, int64_t k, int64
   return sums;
 }
 
-// (scale, zero - 136 * scale) of a tile's 16 rows in one group, from the bf16 (scale, zero) pairs.
-inline void int4_scale_offset(const at::BFloat16* s_z_pairs, __m512& scale, __m512& offset) {
-  const __m512i s_z = _mm512_loadu_si512(s_z_pairs);
+// (scale, zero) of a tile's 16 rows in one group, from its bf16 (scale, zero) pairs or scales alone.
+inline void int4_scale_zero(const Int4Scales& sz, int64_t tile, int64_t g, __m512& scale, __m512& zero) {
+  const at::BFloat16* line = sz.line(tile, g);
+  if (!sz.pairs) {
+    scale = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(line)));
+    zero = _mm512_setzero_ps();
+    return;
+  }
+  const __m512i s_z = _mm512_loadu_si512(line);
   scale = _mm512_castsi512_ps(_mm512_slli_epi32(s_z, 16));
-  const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(s_z, _mm512_set1_epi32(0xFFFF0000)));
-  offset = _mm512_fnmadd_ps(scale, _mm512_set1_ps(136.0f), zero);
+  zero = _mm512_castsi512_ps(_mm512_and_si512(s_z, _mm512_set1_epi32(0xFFFF0000)));
+}
+
+// (scale, zero - bias * scale) of a tile's 16 rows in one group: the factor of a dot product of codes offset by
+// bias, and of the sum of x.
+inline void int4_scale_offset(const Int4Scales& sz, int64_t tile, int64_t g, float bias, __m512& scale,
+                              __m512& offset) {
+  __m512 zero;
+  int4_scale_zero(sz, tile, g, scale, zero);
+  offset = _mm512_fnmadd_ps(scale, _mm512_set1_ps(bias), zero);
 }
 
 template <int M>
-void int4_tile(const at::BFloat16* x, const float* xsum, const int32_t* w, const at::BFloat16* sz, int64_t k,
+void int4_tile(const at::BFloat16* x, const float* xsum, const int32_t* w, const Int4Scales& sz, int64_t k,
                int64_t group, int64_t tile, at::BFloat16* out, int64_t n_total) {
   constexpr int m_rows = M;
   const int64_t chunks = k / 8, groups = k / group, chunks_per_group = group / 8;
   const int32_t* base = w + tile * chunks * TILE;
-  const at::BFloat16* tile_sz = sz + tile * groups * TILE * 2;
   const char* stream = reinterpret_cast<const char*>(base);
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
@@ -649,7 +683,7 @@ void int4_tile(const at::BFloat16* x, const float* xsum, const int32_t* w, const
       }
     }
     __m512 scale, offset;
-    int4_scale_offset(tile_sz + g * TILE * 2, scale, offset);
+    int4_scale_offset(sz, tile, g, 136.0f, scale, offset);
     for (int64_t m = 0; m < m_rows; ++m) {
       const __m512 dot_m = _mm512_add_ps(_mm512_add_ps(dot[m][0], dot[m][1]), _mm512_add_ps(dot[m][2], dot[m][3]));
       acc[m] = _mm512_fmadd_ps(dot_m, scale, acc[m]);
@@ -669,7 +703,7 @@ void int4_tile(const at::BFloat16* x, const float* xsum, const int32_t* w, const
 // trip of the decoded tiles through L1 makes it slower (docs/kernels.md has the measurements).
 // Tiles [t_begin, t_end) for all m rows of x (x holds whole AMX_ROWS chunks of rows when m > AMX_ROWS: padded).
 __attribute__((target("amx-tile,amx-bf16")))
-void int4_amx_tiles(const at::BFloat16* x, int64_t m, const float* xsum, const int32_t* w, const at::BFloat16* sz,
+void int4_amx_tiles(const at::BFloat16* x, int64_t m, const float* xsum, const int32_t* w, const Int4Scales& sz,
                     int64_t k, int64_t group, int64_t t_begin, int64_t t_end, at::BFloat16* out, int64_t n_total) {
   TileConfig config;
   config.rows[0] = config.rows[1] = static_cast<uint8_t>(std::min(m, AMX_ROWS));
@@ -692,7 +726,7 @@ void int4_amx_tiles(const at::BFloat16* x, int64_t m, const float* xsum, const i
         int4_pairs(_mm512_loadu_si512(base + c * TILE), &decoded[4 * i]);
       }
       __m512 scale, offset;
-      int4_scale_offset(sz + (tile * groups + g) * TILE * 2, scale, offset);
+      int4_scale_offset(sz, tile, g, 136.0f, scale, offset);
       for (int64_t m0 = 0; m0 < m; m0 += AMX_ROWS) {
         _tile_zero(0);
         for (int64_t s = 0; s < slices; ++s) {
@@ -722,7 +756,7 @@ at::Tensor int4_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   const std::vector<float> xsum = group_sums(xp, m, k, group);
   auto out = at::empty({m, n}, x.options());
   const int32_t* wp = w.data_ptr<int32_t>();
-  const auto* zp = sz.data_ptr<at::BFloat16>();
+  const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     int4_amx_tiles(xp, m, xsum.data(), wp, zp, k, group, begin, end, op, n);
@@ -738,7 +772,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   auto out = at::empty({m, n}, x.options());
   const float* sp = xsum.data();
   const int32_t* wp = w.data_ptr<int32_t>();
-  const auto* zp = sz.data_ptr<at::BFloat16>();
+  const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
   const int64_t groups = k / group;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -767,12 +801,11 @@ Int4DotActivations round_rows_for_int4(const at::BFloat16* x, int64_t m, int64_t
 
 template <int M>
 __attribute__((target("avx512vnni")))
-void int4_dot_tile(const Int4DotActivations& a, int64_t m0, const int32_t* w, const at::BFloat16* sz, int64_t k,
+void int4_dot_tile(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
                    int64_t group, int64_t tile, at::BFloat16* out, int64_t n_total) {
   constexpr int m_rows = M;
   const int64_t chunks = k / 8, groups = k / group, blocks = k / DOT_BLOCK, blocks_per_group = group / DOT_BLOCK;
   const int32_t* base = w + tile * chunks * TILE;
-  const at::BFloat16* tile_sz = sz + tile * groups * TILE * 2;
   const char* stream = reinterpret_cast<const char*>(base);
   const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
   __m512 acc[M];
@@ -798,10 +831,8 @@ void int4_dot_tile(const Int4DotActivations& a, int64_t m0, const int32_t* w, co
         dots[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sums[m][0], sums[m][1])),
                                   _mm512_set1_ps(a.d[(m0 + m) * blocks + b]), dots[m]);
     }
-    const __m512i s_z = _mm512_loadu_si512(tile_sz + g * TILE * 2);
-    const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(s_z, 16));
-    const __m512 zero = _mm512_castsi512_ps(_mm512_and_si512(s_z, _mm512_set1_epi32(0xFFFF0000)));
-    const __m512 offset = _mm512_fnmadd_ps(scale, _mm512_set1_ps(8.0f), zero);
+    __m512 scale, offset;
+    int4_scale_offset(sz, tile, g, 8.0f, scale, offset);
     for (int m = 0; m < m_rows; ++m) {
       acc[m] = _mm512_fmadd_ps(dots[m], scale, acc[m]);
       acc[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.sums[(m0 + m) * groups + g]), acc[m]);
@@ -816,7 +847,7 @@ at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const Int4DotActivations a = round_rows_for_int4(x.data_ptr<at::BFloat16>(), m, k, group);
   auto out = at::empty({m, n}, x.options());
   const int32_t* wp = w.data_ptr<int32_t>();
-  const auto* zp = sz.data_ptr<at::BFloat16>();
+  const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
@@ -846,11 +877,10 @@ inline __m512 int4_column_pair(const int32_t* words, int64_t c, int64_t r, __m51
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), scale, zero);
 }
 
-void int4_dequantize_tile(const int32_t* w, const at::BFloat16* sz, int64_t k, int64_t group, int64_t tile,
+void int4_dequantize_tile(const int32_t* w, const Int4Scales& sz, int64_t k, int64_t group, int64_t tile,
                           at::BFloat16* out) {
   const int64_t chunks = k / 8, groups = k / group, chunks_per_group = group / 8;
   const int32_t* words = w + tile * chunks * TILE;
-  const at::BFloat16* tile_sz = sz + tile * groups * TILE * 2;
   const __m512 q_minus_8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
   __m512i spread[4];  // row 4l + i of a transposed block: its words sit in dwords 4l .. 4l + 3 of T_i
   for (int l = 0; l < 4; ++l) {
@@ -862,10 +892,11 @@ void int4_dequantize_tile(const int32_t* w, const at::BFloat16* sz, int64_t k, i
   for (int j = 0; j < 32; ++j) shift_values[j] = static_cast<int16_t>(4 * ((j & 7) >> 1));
   const __m512i shifts = _mm512_load_si512(shift_values);
   for (int64_t g = 0; g < groups; ++g) {
-    const __m512i s_z = _mm512_loadu_si512(tile_sz + g * TILE * 2);  // 16 rows x (scale, zero) bf16
+    __m512 scale_v, zero_v;
+    int4_scale_zero(sz, tile, g, scale_v, zero_v);
     alignas(64) float scales[TILE], zeros[TILE];
-    _mm512_store_ps(scales, _mm512_castsi512_ps(_mm512_slli_epi32(s_z, 16)));
-    _mm512_store_ps(zeros, _mm512_castsi512_ps(_mm512_and_si512(s_z, _mm512_set1_epi32(0xFFFF0000))));
+    _mm512_store_ps(scales, scale_v);
+    _mm512_store_ps(zeros, zero_v);
     __m512i table[TILE];
     for (int r = 0; r < TILE; ++r) {
       const __m512 values = _mm512_fmadd_ps(q_minus_8, _mm512_set1_ps(scales[r]), _mm512_set1_ps(zeros[r]));
@@ -904,7 +935,7 @@ void int4_dequantize_tile(const int32_t* w, const at::BFloat16* sz, int64_t k, i
 void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t group, at::BFloat16* out) {
   const int64_t k = w.size(1) * 8;
   const int32_t* wp = w.data_ptr<int32_t>();
-  const auto* zp = sz.data_ptr<at::BFloat16>();
+  const Int4Scales zp(sz);
   at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) int4_dequantize_tile(wp, zp, k, group, t, out);
   });
@@ -1247,9 +1278,16 @@ std::vector<float> group_sums(const float* x, int64_t m, int64_t k, int64_t grou
   return sums;
 }
 
-// A tile half's (scale, zero) in one group, from its 8 rows' bf16 (scale, zero) pairs (scale in each dword's low half).
-inline void half_scale_zero(const at::BFloat16* s_z_pairs, __m256& scale, __m256& zero) {
-  const __m256i s_z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s_z_pairs));
+// Tile half h's (scale, zero) in group g, from its 8 rows' bf16 (scale, zero) pairs (scale in each dword's low half)
+// or scales alone.
+inline void half_scale_zero(const Int4Scales& sz, int64_t tile, int64_t g, int h, __m256& scale, __m256& zero) {
+  if (!sz.pairs) {
+    const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sz.line(tile, g) + 8 * h));
+    scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(s), 16));
+    zero = _mm256_setzero_ps();
+    return;
+  }
+  const __m256i s_z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz.line(tile, g) + 16 * h));
   scale = _mm256_castsi256_ps(_mm256_slli_epi32(s_z, 16));
   zero = _mm256_castsi256_ps(_mm256_and_si256(s_z, _mm256_set1_epi32(0xFFFF0000)));
 }
@@ -1266,11 +1304,10 @@ inline void store_tile(const __m256 acc[M][2], at::BFloat16* out, int64_t n_tota
 }
 
 template <int M>
-void int4_tile(const float* x, const float* xsum, const int32_t* w, const at::BFloat16* sz, int64_t k, int64_t group,
+void int4_tile(const float* x, const float* xsum, const int32_t* w, const Int4Scales& sz, int64_t k, int64_t group,
                int64_t tile, at::BFloat16* out, int64_t n_total) {
   const int64_t chunks = k / 8, groups = k / group, chunks_per_group = group / 8;
   const int32_t* base = w + tile * chunks * TILE;
-  const at::BFloat16* tile_sz = sz + tile * groups * TILE * 2;
   const char* stream = reinterpret_cast<const char*>(base);
   const __m256i nibble = _mm256_set1_epi32(0x000F0000), one = _mm256_set1_epi32(0x3F800000);
   __m256 acc[M][2];
@@ -1298,7 +1335,7 @@ void int4_tile(const float* x, const float* xsum, const int32_t* w, const at::BF
     }
     for (int h = 0; h < 2; ++h) {
       __m256 scale, zero;
-      half_scale_zero(tile_sz + (g * TILE + 8 * h) * 2, scale, zero);
+      half_scale_zero(sz, tile, g, h, scale, zero);
       const __m256 offset = _mm256_fnmadd_ps(scale, _mm256_set1_ps(136.0f), zero);
       const __m256 dot_scale = _mm256_mul_ps(scale, _mm256_set1_ps(128.0f));
       for (int m = 0; m < M; ++m) {
@@ -1318,7 +1355,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   auto out = at::empty({m, n}, x.options());
   const float* sp = xsum.data();
   const int32_t* wp = w.data_ptr<int32_t>();
-  const auto* zp = sz.data_ptr<at::BFloat16>();
+  const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
   const int64_t groups = k / group;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -1340,11 +1377,10 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // nibbles) at most 8 * 3810 = 30480 < 2^15, so they add in 16 bits and one vpmaddwd with ones per block widens each
 // row's two 16-bit lanes to its int32 block sum.
 template <bool VNNI, int M>
-void int4_dot_tile(const Int4DotActivations& a, int64_t m0, const int32_t* w, const at::BFloat16* sz, int64_t k,
+void int4_dot_tile(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
                    int64_t group, int64_t tile, at::BFloat16* out, int64_t n_total) {
   const int64_t chunks = k / 8, groups = k / group, blocks = k / DOT_BLOCK, blocks_per_group = group / DOT_BLOCK;
   const int32_t* base = w + tile * chunks * TILE;
-  const at::BFloat16* tile_sz = sz + tile * groups * TILE * 2;
   const char* stream = reinterpret_cast<const char*>(base);
   const __m256i nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[M][2];
@@ -1383,7 +1419,7 @@ void int4_dot_tile(const Int4DotActivations& a, int64_t m0, const int32_t* w, co
     }
     for (int h = 0; h < 2; ++h) {
       __m256 scale, zero;
-      half_scale_zero(tile_sz + (g * TILE + 8 * h) * 2, scale, zero);
+      half_scale_zero(sz, tile, g, h, scale, zero);
       const __m256 offset = _mm256_fnmadd_ps(scale, _mm256_set1_ps(8.0f), zero);
       for (int m = 0; m < M; ++m) {
         acc[m][h] = _mm256_fmadd_ps(dots[m][h], scale, acc[m][h]);
@@ -1401,7 +1437,7 @@ at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const Int4DotActivations a = int4_dot_activations(rows.q.data(), k, std::move(rows.d), m, k, group);
   auto out = at::empty({m, n}, x.options());
   const int32_t* wp = w.data_ptr<int32_t>();
-  const auto* zp = sz.data_ptr<at::BFloat16>();
+  const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
@@ -1437,17 +1473,15 @@ inline __m128i f32x8_to_bf16(__m256 v) {
 
 // One tile row's chunk (8 columns) at a time: the word broadcast to 8 lanes, each lane shifted to its column's
 // nibble (column j sits in slot ORDER^-1[j]), then (q - 8) * scale + zero in float32 and rounded to bf16.
-void int4_dequantize_tile(const int32_t* w, const at::BFloat16* sz, int64_t k, int64_t group, int64_t tile,
+void int4_dequantize_tile(const int32_t* w, const Int4Scales& sz, int64_t k, int64_t group, int64_t tile,
                           at::BFloat16* out) {
   const int64_t chunks = k / 8, groups = k / group, chunks_per_group = group / 8;
   const int32_t* words = w + tile * chunks * TILE;
-  const at::BFloat16* tile_sz = sz + tile * groups * TILE * 2;
   const __m256i shifts = _mm256_setr_epi32(0, 16, 4, 20, 8, 24, 12, 28), nibble = _mm256_set1_epi32(15);
   const __m256i eight = _mm256_set1_epi32(8);
   for (int64_t g = 0; g < groups; ++g)
     for (int r = 0; r < TILE; ++r) {
-      const __m256 scale = _mm256_set1_ps(static_cast<float>(tile_sz[(g * TILE + r) * 2]));
-      const __m256 zero = _mm256_set1_ps(static_cast<float>(tile_sz[(g * TILE + r) * 2 + 1]));
+      const __m256 scale = _mm256_set1_ps(sz.scale(tile, g, r)), zero = _mm256_set1_ps(sz.zero(tile, g, r));
       at::BFloat16* row = out + (tile * TILE + r) * k;
       for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
         const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(words[c * TILE + r]), shifts), nibble);
@@ -1460,7 +1494,7 @@ void int4_dequantize_tile(const int32_t* w, const at::BFloat16* sz, int64_t k, i
 void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t group, at::BFloat16* out) {
   const int64_t k = w.size(1) * 8;
   const int32_t* wp = w.data_ptr<int32_t>();
-  const auto* zp = sz.data_ptr<at::BFloat16>();
+  const Int4Scales zp(sz);
   at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) int4_dequantize_tile(wp, zp, k, group, t, out);
   });
