@@ -1,6 +1,7 @@
 """splice's native CPU GEMV kernels against float32 products, their int4 layout, huge pages and the fallback."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -123,6 +124,50 @@ def test_int4_dot_gemv_gives_the_same_result_at_every_level(rows, n, k, group, s
         with native.use_isa(level):
             results[level] = torch.ops.splice_kernels.int4_dot_gemv(x, w, sz, group)
     assert torch.equal(results["avx2"], results["avx512"])
+
+
+@contextlib.contextmanager
+def _threads(count: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_native
+@pytest.mark.parametrize("rows", (1, 2, 3, 5))
+@pytest.mark.parametrize("n", (16 * 7, 16 * 8 + 4 * 3 + 2))  # int4: 7 tiles (odd: one left over); int8: a row tail
+def test_two_weight_streams_give_the_same_output_as_one(isa, rows, n):
+    """Walking two parts of each thread's weights side by side changes the order of the reads, not the arithmetic:
+    bit for bit the same outputs (int4 and int8 on integer dot products, int8 and bf16 on float ones), at every level,
+    with an odd number of tiles or row blocks and a tail of rows, one thread and two."""
+    k = 256
+    x, _, _, w4, sz = _int4_operands(rows, n // 16 * 16, k, 64, symmetric=rows % 2 == 1, seed=rows)
+    x8, w8, s8 = torch.randn(rows, k).bfloat16(), torch.randint(-127, 128, (n, k), dtype=torch.int8), \
+        torch.rand(n).bfloat16()
+    wb = torch.randn(n, k).bfloat16()
+    assert native.weight_streams() == 2  # the default
+    for threads in (1, 2):
+        with _threads(threads):
+            results = {}
+            for streams in (1, 2):
+                with native.use_weight_streams(streams):
+                    results[streams] = (torch.ops.splice_kernels.int4_dot_gemv(x, w4, sz, 64),
+                                        torch.ops.splice_kernels.int8_dot_gemv(x8, w8, s8),
+                                        torch.ops.splice_kernels.int8_gemv(x8, w8, s8),
+                                        torch.ops.splice_kernels.bf16_gemv(x8, wb))
+            assert all(torch.equal(a, b) for a, b in zip(results[1], results[2]))
+
+
+def test_weight_streams_refuse_other_counts():
+    if not native.available():
+        pytest.skip("splice's native kernels are not available here")
+    with pytest.raises(RuntimeError, match="3 streams; allowed: 1 or 2"):
+        with native.use_weight_streams(3):
+            pass
+    assert native.weight_streams() == 2
 
 
 @needs_native

@@ -34,7 +34,7 @@ import tempfile
 import warnings
 from functools import cache
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -163,16 +163,35 @@ def avx_vnni_ready() -> bool:
     return available() and torch.ops.splice_kernels.avx_vnni_ready()
 
 
-@contextlib.contextmanager
-def use_avx_vnni(on: bool) -> Iterator[None]:
+def use_avx_vnni(on: bool) -> contextlib.AbstractContextManager[None]:
     """AVX-VNNI on or off for the ``avx2`` level's dot products inside the block (tests, benchmarks), then as before.
     Turning it on where the CPU lacks it raises."""
-    before = avx_vnni_ready()
-    torch.ops.splice_kernels.set_avx_vnni(on)
+    return _kernel_setting(avx_vnni_ready, torch.ops.splice_kernels.set_avx_vnni, on)
+
+
+def weight_streams() -> int:
+    """Weight streams per thread of the decode GEMVs (``bf16_gemv``, ``int8_gemv``, ``int8_dot_gemv``,
+    ``int4_dot_gemv``) for one or two rows of x: 2 (two parts of each thread's share of the weight walked side by
+    side, so more reads are in flight; the default) or 1."""
+    return torch.ops.splice_kernels.weight_streams()
+
+
+def use_weight_streams(streams: int) -> contextlib.AbstractContextManager[None]:
+    """``streams`` (1 or 2) weight streams per thread inside the block (tests, benchmarks), then as before."""
+    if not available():
+        raise RuntimeError("splice's native kernels are not available here")
+    return _kernel_setting(weight_streams, torch.ops.splice_kernels.set_weight_streams, streams)
+
+
+@contextlib.contextmanager
+def _kernel_setting(read: Callable[[], Any], write: Callable[[Any], None], value: Any) -> Iterator[None]:
+    """``write(value)`` inside the block, then the setting ``read()`` gave before it."""
+    before = read()
+    write(value)
     try:
         yield
     finally:
-        torch.ops.splice_kernels.set_avx_vnni(before)
+        write(before)
 
 
 def amx_ready() -> bool:

@@ -164,33 +164,85 @@ struct Int4Scales {
 template <int V>
 using Int = std::integral_constant<int, V>;
 
+// Weight streams per thread in the int4 GEMVs. A core reading one sequential stream leaves the memory system idle
+// between the hardware prefetcher's requests (software prefetch does not change that); two streams far apart, each
+// followed by the prefetcher on its own, keep more reads in flight. set_weight_streams(1) walks one (to compare).
+std::atomic<int64_t> weight_streams_setting{2};
+
+int64_t weight_streams() { return weight_streams_setting.load(std::memory_order_relaxed); }
+
+void set_weight_streams(int64_t streams) {
+  TORCH_CHECK(streams == 1 || streams == 2, "set_weight_streams: ", streams, " streams; allowed: 1 or 2");
+  weight_streams_setting.store(streams, std::memory_order_relaxed);
+}
+
+// A thread's tiles [begin, end) as weight_streams() spans walked side by side: f(Int<2>{}, t, span) computes tiles t
+// and t + span together, f(Int<1>{}, t, 0) tile t alone (one stream, and the tile left over by an odd count). Two
+// streams for at most TWO_STREAM_ROWS rows of x: with more, the product is bound by arithmetic, not by the reads.
+constexpr int64_t TWO_STREAM_ROWS = 2;
+
 template <typename F>
-void with_rows(int64_t m, F&& f) {  // calls f(Int<m>) for m in 1 .. 4
-  switch (m) {
-    case 1: f(Int<1>{}); break;
-    case 2: f(Int<2>{}); break;
-    case 3: f(Int<3>{}); break;
-    default: f(Int<4>{}); break;
+void for_tile_streams(int64_t begin, int64_t end, int64_t rows, F&& f) {
+  int64_t t = begin;
+  if (weight_streams() == 2 && rows <= TWO_STREAM_ROWS) {
+    const int64_t span = (end - begin) / 2;
+    for (int64_t i = 0; i < span; ++i) f(Int<2>{}, begin + i, span);
+    t = begin + 2 * span;
   }
+  for (; t < end; ++t) f(Int<1>{}, t, int64_t{0});
+}
+
+template <int64_t X = 4, typename F>
+void with_rows(int64_t m, F&& f) {  // calls f(Int<m>) for m in 1 .. X (only those are instantiated)
+  if constexpr (X > 1) {
+    if (m < X) return with_rows<X - 1>(m, f);
+  }
+  f(Int<X>{});
 }
 
 // Calls f(Int<rows of x>, first row of x) for chunks of up to X rows of x (the weights they share stay in cache
 // between chunks).
 template <int64_t X, typename F>
 void for_x_chunks(int64_t m, F&& f) {
-  for (int64_t m0 = 0; m0 < m; m0 += X) with_rows(std::min(X, m - m0), [&](auto m_c) { f(m_c, m0); });
+  for (int64_t m0 = 0; m0 < m; m0 += X) with_rows<X>(std::min(X, m - m0), [&](auto m_c) { f(m_c, m0); });
 }
 
-// Blocks of four weight rows split over the threads; f(Int<x rows>, Int<weight rows>, first weight row, first x row).
+// The weight rows of one pass of a row-major GEMV: R / 4 blocks of four rows (or R < 4 rows), block i from row
+// n0 + i * step.
+struct RowBlock {
+  int64_t n0, step;
+  int64_t row(int r) const { return n0 + r / 4 * step + r % 4; }
+};
+
+// The first element of each row of a RowBlock of a row-major weight w [N, K].
+template <int R, typename T>
+void row_pointers(const T* w, int64_t k, RowBlock block, const T* row_at[R]) {
+  for (int r = 0; r < R; ++r) row_at[r] = w + block.row(r) * k;
+}
+
+// Blocks of four weight rows split over the threads, f(Int<x rows>, Int<weight rows>, RowBlock, first x row) in chunks
+// of X rows of x: with two weight streams (as for_tile_streams: weight_streams() == 2 and at most TWO_STREAM_ROWS
+// rows of x) f(m, Int<8>{}, RowBlock{4b, 4 span}, m0) computes the thread's blocks b and b + span together; the
+// others (and every block otherwise) go four rows at a time, then the tail of n % 4 rows.
 template <int64_t X, typename F>
 void for_row_blocks(int64_t m, int64_t n, F&& f) {
   at::parallel_for(0, n / 4, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      for_x_chunks<X>(m, [&](auto m_c, int64_t m0) { f(m_c, Int<4>{}, b * 4, m0); });
+    int64_t b = begin;
+    if (weight_streams() == 2 && m <= TWO_STREAM_ROWS) {
+      const int64_t span = (end - begin) / 2;
+      for (int64_t i = 0; i < span; ++i)
+        for_x_chunks<TWO_STREAM_ROWS>(m, [&](auto m_c, int64_t m0) {
+          f(m_c, Int<8>{}, RowBlock{(begin + i) * 4, span * 4}, m0);
+        });
+      b = begin + 2 * span;
+    }
+    for (; b < end; ++b) for_x_chunks<X>(m, [&](auto m_c, int64_t m0) { f(m_c, Int<4>{}, RowBlock{b * 4, 0}, m0); });
   });
   const int64_t tail = n % 4;
   if (tail)
-    with_rows(tail, [&](auto r_c) { for_x_chunks<X>(m, [&](auto m_c, int64_t m0) { f(m_c, r_c, n - tail, m0); }); });
+    with_rows(tail, [&](auto r_c) {
+      for_x_chunks<X>(m, [&](auto m_c, int64_t m0) { f(m_c, r_c, RowBlock{n - tail, 0}, m0); });
+    });
 }
 
 // ---- int8 activations for the int4 integer dot products (AVX-512 and AVX2 alike) ------------------------------------
@@ -347,26 +399,27 @@ constexpr int64_t AMX_MIN_ROWS = 3, AMX_ROWS = 16, AMX_COLUMNS = 32;
 // ---- bf16 --------------------------------------------------------------------------------------------------------
 // Four weight rows at a time; every 32 columns one 64-byte load per row and one dot-product instruction per x row.
 template <int M, int R>
-void bf16_rows(const at::BFloat16* x, const at::BFloat16* w, int64_t k, int64_t n0, at::BFloat16* out,
+void bf16_rows(const at::BFloat16* x, const at::BFloat16* w, int64_t k, RowBlock block, at::BFloat16* out,
                int64_t n_total) {
-  constexpr int m_rows = M, rows = R;
+  constexpr int m_rows = M, rows = R, per_block = R < 4 ? R : 4;
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  const at::BFloat16* base = w + n0 * k;
-  const char* stream = reinterpret_cast<const char*>(base);
+  const at::BFloat16* row_at[R];
+  row_pointers<R>(w, k, block, row_at);
   for (int64_t c = 0; c < k; c += 32) {
     const int64_t left = k - c;
-    for (int r = 0; r < rows; ++r) prefetch(stream + rows * c * 2 + PREFETCH_BYTES + 64 * r);
+    for (int r = 0; r < rows; ++r)  // a block's rows are contiguous: its lines in order, one per row and step
+      prefetch(reinterpret_cast<const char*>(row_at[r / 4 * 4]) + per_block * c * 2 + PREFETCH_BYTES + 64 * (r % 4));
     __m512i wv[R];
-    for (int r = 0; r < rows; ++r) wv[r] = load_bf16_pairs(base + r * k + c, left);
+    for (int r = 0; r < rows; ++r) wv[r] = load_bf16_pairs(row_at[r] + c, left);
     for (int64_t m = 0; m < m_rows; ++m) {
       __m512bh xv = (__m512bh)load_bf16_pairs(x + m * k + c, left);
       for (int r = 0; r < rows; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, (__m512bh)wv[r]);
     }
   }
   for (int64_t m = 0; m < m_rows; ++m)
-    for (int r = 0; r < rows; ++r) out[m * n_total + n0 + r] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]));
+    for (int r = 0; r < rows; ++r) out[m * n_total + block.row(r)] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]));
 }
 
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
@@ -375,31 +428,32 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   const auto* xp = x.data_ptr<at::BFloat16>();
   const auto* wp = w.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
-  for_row_blocks<MAX_ROWS>(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
-    bf16_rows<decltype(m_c)::value, decltype(r_c)::value>(xp + m0 * k, wp, k, n0, op + m0 * n, n);
+  for_row_blocks<MAX_ROWS>(m, n, [&](auto m_c, auto r_c, RowBlock rows, int64_t m0) {
+    bf16_rows<decltype(m_c)::value, decltype(r_c)::value>(xp + m0 * k, wp, k, rows, op + m0 * n, n);
   });
   return out;
 }
 
 // ---- int8 ---------------------------------------------------------------------------------------------------------
-// x is widened to float once; four weight rows at a time, 16 columns per step (sign-extend, convert, multiply-add).
-// The prefetch walks the next block's four rows in the order they will be read (faster than a linear prefetch over
-// the block, as bf16 uses: an int8 row is short, so the four row streams sit within a few pages).
+// x is widened to float once; four weight rows at a time (eight: two blocks), 16 columns per step (sign-extend,
+// convert, multiply-add). The prefetch walks the next block's rows in the order they will be read (faster than a
+// linear prefetch over the block, as bf16 uses: an int8 row is short, so a block's row streams sit within a few pages).
 template <int M, int R>
-void int8_rows(const float* x, const int8_t* w, const at::BFloat16* scales, int64_t k, int64_t n0, at::BFloat16* out,
-               int64_t n_total) {
-  constexpr int m_rows = M, rows = R;
+void int8_rows(const float* x, const int8_t* w, const at::BFloat16* scales, int64_t k, RowBlock block,
+               at::BFloat16* out, int64_t n_total) {
+  constexpr int m_rows = M, rows = R, lines = R < 8 ? 1 : R / 4;  // prefetches a step: a line per row every 4 steps
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  const int8_t* base = w + n0 * k;
+  const int8_t* row_at[R];
+  row_pointers<R>(w, k, block, row_at);
   for (int64_t c = 0; c < k; c += 16) {
     const int64_t left = k - c;
     const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    prefetch(base + (R + (c / 16) % R) * k + c);  // the next block's rows, in the order they will be read
+    for (int i = 0; i < lines; ++i) prefetch(row_at[(lines * (c / 16) + i) % R] + 4 * k + c);
     __m512 wv[R];
     for (int r = 0; r < rows; ++r)
-      wv[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, base + r * k + c)));
+      wv[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, row_at[r] + c)));
     for (int64_t m = 0; m < m_rows; ++m) {
       __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * k + c);
       for (int r = 0; r < rows; ++r) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
@@ -407,7 +461,8 @@ void int8_rows(const float* x, const int8_t* w, const at::BFloat16* scales, int6
   }
   for (int64_t m = 0; m < m_rows; ++m)
     for (int r = 0; r < rows; ++r)
-      out[m * n_total + n0 + r] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]) * static_cast<float>(scales[n0 + r]));
+      out[m * n_total + block.row(r)] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]) *
+                                                     static_cast<float>(scales[block.row(r)]));
 }
 
 // int8 on AMX, roles swapped: the weight is the a operand (16 weight rows x 32 columns: row-major int8 converted to
@@ -486,8 +541,8 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const auto* sp = scales.data_ptr<at::BFloat16>();
   const int8_t* wp = w.data_ptr<int8_t>();
   auto* op = out.data_ptr<at::BFloat16>();
-  for_row_blocks<MAX_ROWS>(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
-    int8_rows<decltype(m_c)::value, decltype(r_c)::value>(xp + m0 * k, wp, sp, k, n0, op + m0 * n, n);
+  for_row_blocks<MAX_ROWS>(m, n, [&](auto m_c, auto r_c, RowBlock rows, int64_t m0) {
+    int8_rows<decltype(m_c)::value, decltype(r_c)::value>(xp + m0 * k, wp, sp, k, rows, op + m0 * n, n);
   });
   return out;
 }
@@ -542,7 +597,7 @@ DotActivations round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
 template <int M, int R>
 __attribute__((target("avx512vnni")))
 void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k,
-                   int64_t n0, at::BFloat16* out, int64_t n_total) {
+                   RowBlock block, at::BFloat16* out, int64_t n_total) {
   constexpr int m_rows = M, rows = R;
   const int64_t steps = a.padded / DOT_STEP;
   const int8_t* xq = a.q.data() + m0 * a.padded;
@@ -550,15 +605,16 @@ void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const a
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
-  const int8_t* base = w + n0 * k;
+  const int8_t* row_at[R];
+  row_pointers<R>(w, k, block, row_at);
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for (int64_t c = 0; c < k; c += DOT_STEP) {
     const int64_t left = k - c;
     const __mmask64 mask = left >= DOT_STEP ? ~__mmask64(0) : ((__mmask64(1) << left) - 1);
     __m512i wv[R];
     for (int r = 0; r < rows; ++r) {
-      prefetch(base + (R + r) * k + c);  // the next block's rows, one line each per step
-      wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, base + r * k + c), flip);
+      prefetch(row_at[r] + 4 * k + c);  // the row four on (the next block's), one line per step
+      wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, row_at[r] + c), flip);
     }
     for (int m = 0; m < m_rows; ++m) {
       const __m512i xv = _mm512_loadu_si512(xq + m * a.padded + c);
@@ -570,8 +626,8 @@ void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const a
   }
   for (int m = 0; m < m_rows; ++m)
     for (int r = 0; r < rows; ++r)
-      out[m * n_total + n0 + r] = at::BFloat16((_mm512_reduce_add_ps(acc[m][r]) - a.offset[m0 + m]) *
-                                               static_cast<float>(scales[n0 + r]));
+      out[m * n_total + block.row(r)] = at::BFloat16((_mm512_reduce_add_ps(acc[m][r]) - a.offset[m0 + m]) *
+                                                     static_cast<float>(scales[block.row(r)]));
 }
 
 at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
@@ -581,8 +637,8 @@ at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const auto* sp = scales.data_ptr<at::BFloat16>();
   const int8_t* wp = w.data_ptr<int8_t>();
   auto* op = out.data_ptr<at::BFloat16>();
-  for_row_blocks<MAX_ROWS>(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
-    int8_dot_rows<decltype(m_c)::value, decltype(r_c)::value>(a, m0, wp, sp, k, n0, op + m0 * n, n);
+  for_row_blocks<MAX_ROWS>(m, n, [&](auto m_c, auto r_c, RowBlock rows, int64_t m0) {
+    int8_dot_rows<decltype(m_c)::value, decltype(r_c)::value>(a, m0, wp, sp, k, rows, op + m0 * n, n);
   });
   return out;
 }
@@ -799,47 +855,62 @@ Int4DotActivations round_rows_for_int4(const at::BFloat16* x, int64_t m, int64_t
   return int4_dot_activations(a.q.data(), a.padded, std::move(d), m, k, group);
 }
 
-template <int M>
+// T tiles at once (T weight streams, for_tile_streams): tile first + i * step for i < T.
+template <int M, int T>
 __attribute__((target("avx512vnni")))
-void int4_dot_tile(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
-                   int64_t group, int64_t tile, at::BFloat16* out, int64_t n_total) {
-  constexpr int m_rows = M;
+void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
+                    int64_t group, int64_t first, int64_t step, at::BFloat16* out, int64_t n_total) {
   const int64_t chunks = k / 8, groups = k / group, blocks = k / DOT_BLOCK, blocks_per_group = group / DOT_BLOCK;
-  const int32_t* base = w + tile * chunks * TILE;
-  const char* stream = reinterpret_cast<const char*>(base);
+  constexpr int CHAINS = T == 1 ? 2 : 1;  // independent dependency chains per row of x: two per tile at least
+  const int32_t* base[T];
+  for (int t = 0; t < T; ++t) base[t] = w + (first + t * step) * chunks * TILE;
   const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
-  __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  __m512 acc[M][T];
+  for (int m = 0; m < M; ++m)
+    for (int t = 0; t < T; ++t) acc[m][t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m512 dots[M];
-    for (int m = 0; m < M; ++m) dots[m] = _mm512_setzero_ps();
+    __m512 dots[M][T];
+    for (int m = 0; m < M; ++m)
+      for (int t = 0; t < T; ++t) dots[m][t] = _mm512_setzero_ps();
     for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
-      __m512i sums[M][2];  // two independent chains per row of x
-      for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm512_setzero_si512();
-      for (int64_t c = b * 4; c < b * 4 + 4; ++c) {
-        prefetch(stream + c * 64 + PREFETCH_BYTES);
-        const __m512i words = _mm512_loadu_si512(base + c * TILE);
-        const __m512i low = _mm512_and_si512(words, nibbles);
-        const __m512i high = _mm512_and_si512(_mm512_srli_epi32(words, 4), nibbles);
-        for (int m = 0; m < m_rows; ++m) {
-          const int32_t* xp = a.pairs.data() + ((m0 + m) * chunks + c) * 2;
-          sums[m][c & 1] = _mm512_dpbusd_epi32(sums[m][c & 1], low, _mm512_set1_epi32(xp[0]));
-          sums[m][c & 1] = _mm512_dpbusd_epi32(sums[m][c & 1], high, _mm512_set1_epi32(xp[1]));
+      __m512i sums[M][T][CHAINS];
+      for (int m = 0; m < M; ++m)
+        for (int t = 0; t < T; ++t)
+          for (int h = 0; h < CHAINS; ++h) sums[m][t][h] = _mm512_setzero_si512();
+      for (int64_t c = b * 4; c < b * 4 + 4; ++c)
+        for (int t = 0; t < T; ++t) {
+          prefetch(reinterpret_cast<const char*>(base[t] + c * TILE) + PREFETCH_BYTES);
+          const __m512i words = _mm512_loadu_si512(base[t] + c * TILE);
+          const __m512i low = _mm512_and_si512(words, nibbles);
+          const __m512i high = _mm512_and_si512(_mm512_srli_epi32(words, 4), nibbles);
+          for (int m = 0; m < M; ++m) {
+            const int32_t* xp = a.pairs.data() + ((m0 + m) * chunks + c) * 2;
+            __m512i& sum = sums[m][t][c % CHAINS];
+            sum = _mm512_dpbusd_epi32(sum, low, _mm512_set1_epi32(xp[0]));
+            sum = _mm512_dpbusd_epi32(sum, high, _mm512_set1_epi32(xp[1]));
+          }
+        }
+      for (int m = 0; m < M; ++m) {
+        const __m512 d = _mm512_set1_ps(a.d[(m0 + m) * blocks + b]);
+        for (int t = 0; t < T; ++t) {
+          const __m512i block = CHAINS == 2 ? _mm512_add_epi32(sums[m][t][0], sums[m][t][CHAINS - 1]) : sums[m][t][0];
+          dots[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block), d, dots[m][t]);
         }
       }
-      for (int m = 0; m < m_rows; ++m)
-        dots[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(sums[m][0], sums[m][1])),
-                                  _mm512_set1_ps(a.d[(m0 + m) * blocks + b]), dots[m]);
     }
-    __m512 scale, offset;
-    int4_scale_offset(sz, tile, g, 8.0f, scale, offset);
-    for (int m = 0; m < m_rows; ++m) {
-      acc[m] = _mm512_fmadd_ps(dots[m], scale, acc[m]);
-      acc[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.sums[(m0 + m) * groups + g]), acc[m]);
+    for (int t = 0; t < T; ++t) {
+      __m512 scale, offset;
+      int4_scale_offset(sz, first + t * step, g, 8.0f, scale, offset);
+      for (int m = 0; m < M; ++m) {
+        acc[m][t] = _mm512_fmadd_ps(dots[m][t], scale, acc[m][t]);
+        acc[m][t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.sums[(m0 + m) * groups + g]), acc[m][t]);
+      }
     }
   }
-  for (int m = 0; m < m_rows; ++m)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n_total + tile * TILE), (__m256i)_mm512_cvtneps_pbh(acc[m]));
+  for (int m = 0; m < M; ++m)
+    for (int t = 0; t < T; ++t)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n_total + (first + t * step) * TILE),
+                          (__m256i)_mm512_cvtneps_pbh(acc[m][t]));
 }
 
 at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
@@ -850,10 +921,12 @@ at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for_x_chunks<MAX_ROWS>(m, [&](auto m_c, int64_t m0) {
-        int4_dot_tile<decltype(m_c)::value>(a, m0, wp, zp, k, group, t, op + m0 * n, n);
+    for_tile_streams(begin, end, m, [&](auto t_c, int64_t first, int64_t step) {
+      constexpr int T = decltype(t_c)::value;
+      for_x_chunks<MAX_ROWS / T>(m, [&](auto m_c, int64_t m0) {  // the tiles stay in cache from pass to pass
+        int4_dot_tiles<decltype(m_c)::value, T>(a, m0, wp, zp, k, group, first, step, op + m0 * n, n);
       });
+    });
   });
   return out;
 }
@@ -1076,35 +1149,35 @@ at::Tensor to_float(const at::Tensor& x) { return x.to(at::kFloat).contiguous();
 inline __m256 widen(const at::BFloat16* p) { return bf16x8_to_f32(p); }
 inline __m256 widen(const int8_t* p) { return int8x8_to_f32(p); }
 
-// The software prefetch of one 32-column step. bf16: a block's R rows are contiguous, so R lines a step walk it in
-// order. int8: a row's step is half a line, so two lines a step walk the next block's rows in the order they will be
-// read (each row's next line every other step).
+// The software prefetch of one 32-column step over the rows of a RowBlock. bf16: a block's (up to four) rows are
+// contiguous, so a line per row and step walks it in order. int8: a row's step is half a line, so half the rows a
+// step (two at least) get the line of the row four on (the next block's), in the order they will be read.
 template <int R>
-inline void prefetch_step(const at::BFloat16* base, int64_t k, int64_t c) {
-  const char* stream = reinterpret_cast<const char*>(base);
-  for (int r = 0; r < R; ++r) prefetch(stream + R * c * 2 + PREFETCH_BYTES + 64 * r);
+inline void prefetch_step(const at::BFloat16* const row_at[R], int64_t k, int64_t c) {
+  constexpr int per_block = R < 4 ? R : 4;
+  for (int r = 0; r < R; ++r)
+    prefetch(reinterpret_cast<const char*>(row_at[r / 4 * 4]) + per_block * c * 2 + PREFETCH_BYTES + 64 * (r % 4));
 }
 
 template <int R>
-inline void prefetch_step(const int8_t* base, int64_t k, int64_t c) {
-  const int64_t step = c / 32;
-  prefetch(base + (R + (2 * step) % R) * k + c);
-  prefetch(base + (R + (2 * step + 1) % R) * k + c);
+inline void prefetch_step(const int8_t* const row_at[R], int64_t k, int64_t c) {
+  constexpr int lines = R / 2 > 2 ? R / 2 : 2;
+  for (int i = 0; i < lines; ++i) prefetch(row_at[(lines * (c / 32) + i) % R] + 4 * k + c);
 }
 
 // Four weight rows (R) against M rows of x; 32 columns per step, then 8 at a time, then one: sums[m][r] in float32.
 template <int M, int R, typename T>
-void rows_dot(const float* x, const T* base, int64_t k, float sums[M][R]) {
+void rows_dot(const float* x, const T* const row_at[R], int64_t k, float sums[M][R]) {
   __m256 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
   const int64_t k32 = k / 32 * 32, k8 = k / 8 * 8;
   int64_t c = 0;
   for (; c < k32; c += 32) {
-    prefetch_step<R>(base, k, c);
+    prefetch_step<R>(row_at, k, c);
     for (int64_t j = 0; j < 32; j += 8) {
       __m256 wv[R];
-      for (int r = 0; r < R; ++r) wv[r] = widen(base + r * k + c + j);
+      for (int r = 0; r < R; ++r) wv[r] = widen(row_at[r] + c + j);
       for (int m = 0; m < M; ++m) {
         const __m256 xv = _mm256_loadu_ps(x + m * k + c + j);
         for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
@@ -1113,7 +1186,7 @@ void rows_dot(const float* x, const T* base, int64_t k, float sums[M][R]) {
   }
   for (; c < k8; c += 8) {
     __m256 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = widen(base + r * k + c);
+    for (int r = 0; r < R; ++r) wv[r] = widen(row_at[r] + c);
     for (int m = 0; m < M; ++m) {
       const __m256 xv = _mm256_loadu_ps(x + m * k + c);
       for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
@@ -1122,17 +1195,20 @@ void rows_dot(const float* x, const T* base, int64_t k, float sums[M][R]) {
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) {
       float total = horizontal_sum(acc[m][r]);
-      for (int64_t t = k8; t < k; ++t) total += x[m * k + t] * static_cast<float>(base[r * k + t]);
+      for (int64_t t = k8; t < k; ++t) total += x[m * k + t] * static_cast<float>(row_at[r][t]);
       sums[m][r] = total;
     }
 }
 
 template <int M, int R>
-void bf16_rows(const float* x, const at::BFloat16* w, int64_t k, int64_t n0, at::BFloat16* out, int64_t n_total) {
+void bf16_rows(const float* x, const at::BFloat16* w, int64_t k, RowBlock block, at::BFloat16* out,
+               int64_t n_total) {
+  const at::BFloat16* row_at[R];
+  row_pointers<R>(w, k, block, row_at);
   float sums[M][R];
-  rows_dot<M, R>(x, w + n0 * k, k, sums);
+  rows_dot<M, R>(x, row_at, k, sums);
   for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) out[m * n_total + n0 + r] = at::BFloat16(sums[m][r]);
+    for (int r = 0; r < R; ++r) out[m * n_total + block.row(r)] = at::BFloat16(sums[m][r]);
 }
 
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
@@ -1142,20 +1218,22 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   const float* xp = xf.data_ptr<float>();
   const auto* wp = w.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
-  for_row_blocks<X_ROWS>(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
-    bf16_rows<decltype(m_c)::value, decltype(r_c)::value>(xp + m0 * k, wp, k, n0, op + m0 * n, n);
+  for_row_blocks<X_ROWS>(m, n, [&](auto m_c, auto r_c, RowBlock rows, int64_t m0) {
+    bf16_rows<decltype(m_c)::value, decltype(r_c)::value>(xp + m0 * k, wp, k, rows, op + m0 * n, n);
   });
   return out;
 }
 
 template <int M, int R>
-void int8_rows(const float* x, const int8_t* w, const at::BFloat16* scales, int64_t k, int64_t n0, at::BFloat16* out,
-               int64_t n_total) {
+void int8_rows(const float* x, const int8_t* w, const at::BFloat16* scales, int64_t k, RowBlock block,
+               at::BFloat16* out, int64_t n_total) {
+  const int8_t* row_at[R];
+  row_pointers<R>(w, k, block, row_at);
   float sums[M][R];
-  rows_dot<M, R>(x, w + n0 * k, k, sums);
+  rows_dot<M, R>(x, row_at, k, sums);
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r)
-      out[m * n_total + n0 + r] = at::BFloat16(sums[m][r] * static_cast<float>(scales[n0 + r]));
+      out[m * n_total + block.row(r)] = at::BFloat16(sums[m][r] * static_cast<float>(scales[block.row(r)]));
 }
 
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
@@ -1166,8 +1244,8 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const auto* sp = scales.data_ptr<at::BFloat16>();
   const int8_t* wp = w.data_ptr<int8_t>();
   auto* op = out.data_ptr<at::BFloat16>();
-  for_row_blocks<X_ROWS>(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
-    int8_rows<decltype(m_c)::value, decltype(r_c)::value>(xp + m0 * k, wp, sp, k, n0, op + m0 * n, n);
+  for_row_blocks<X_ROWS>(m, n, [&](auto m_c, auto r_c, RowBlock rows, int64_t m0) {
+    int8_rows<decltype(m_c)::value, decltype(r_c)::value>(xp + m0 * k, wp, sp, k, rows, op + m0 * n, n);
   });
   return out;
 }
@@ -1209,21 +1287,22 @@ DotRows round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
 }
 
 template <bool VNNI, int M, int R>
-void int8_dot_rows(const DotRows& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k, int64_t n0,
-                   at::BFloat16* out, int64_t n_total) {
+void int8_dot_rows(const DotRows& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k,
+                   RowBlock block, at::BFloat16* out, int64_t n_total) {
   constexpr int m_rows = M, rows = R;
   const int64_t blocks = k / DOT_BLOCK;
-  const int8_t* base = w + n0 * k;
+  const int8_t* row_at[R];
+  row_pointers<R>(w, k, block, row_at);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t c = b * DOT_BLOCK;
-    prefetch_step<R>(base, k, c);
+    prefetch_step<R>(row_at, k, c);
     __m256i wv[R], magnitude[R];
     for (int r = 0; r < rows; ++r) {
-      wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + r * k + c));
+      wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_at[r] + c));
       magnitude[r] = _mm256_abs_epi8(wv[r]);
     }
     for (int m = 0; m < m_rows; ++m) {
@@ -1239,7 +1318,8 @@ void int8_dot_rows(const DotRows& a, int64_t m0, const int8_t* w, const at::BFlo
   }
   for (int m = 0; m < m_rows; ++m)
     for (int r = 0; r < rows; ++r)
-      out[m * n_total + n0 + r] = at::BFloat16(horizontal_sum(acc[m][r]) * static_cast<float>(scales[n0 + r]));
+      out[m * n_total + block.row(r)] = at::BFloat16(horizontal_sum(acc[m][r]) *
+                                                     static_cast<float>(scales[block.row(r)]));
 }
 
 template <bool VNNI>
@@ -1250,8 +1330,8 @@ at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const auto* sp = scales.data_ptr<at::BFloat16>();
   const int8_t* wp = w.data_ptr<int8_t>();
   auto* op = out.data_ptr<at::BFloat16>();
-  for_row_blocks<X_ROWS>(m, n, [&](auto m_c, auto r_c, int64_t n0, int64_t m0) {
-    int8_dot_rows<VNNI, decltype(m_c)::value, decltype(r_c)::value>(a, m0, wp, sp, k, n0, op + m0 * n, n);
+  for_row_blocks<X_ROWS>(m, n, [&](auto m_c, auto r_c, RowBlock rows, int64_t m0) {
+    int8_dot_rows<VNNI, decltype(m_c)::value, decltype(r_c)::value>(a, m0, wp, sp, k, rows, op + m0 * n, n);
   });
   return out;
 }
@@ -1376,58 +1456,69 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // magnitude (nibbles 0..15, x in -127..127), and a block's 8 pair sums per 16-bit lane (4 chunks, low and high
 // nibbles) at most 8 * 3810 = 30480 < 2^15, so they add in 16 bits and one vpmaddwd with ones per block widens each
 // row's two 16-bit lanes to its int32 block sum.
-template <bool VNNI, int M>
-void int4_dot_tile(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
-                   int64_t group, int64_t tile, at::BFloat16* out, int64_t n_total) {
+template <bool VNNI, int M, int T>  // T tiles at once: first + i * step (for_tile_streams)
+void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
+                    int64_t group, int64_t first, int64_t step, at::BFloat16* out, int64_t n_total) {
   const int64_t chunks = k / 8, groups = k / group, blocks = k / DOT_BLOCK, blocks_per_group = group / DOT_BLOCK;
-  const int32_t* base = w + tile * chunks * TILE;
-  const char* stream = reinterpret_cast<const char*>(base);
+  const int32_t* base[T];
+  for (int t = 0; t < T; ++t) base[t] = w + (first + t * step) * chunks * TILE;
   const __m256i nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 acc[M][2];
-  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  __m256 acc[M][T][2];
+  for (int m = 0; m < M; ++m)
+    for (int t = 0; t < T; ++t) acc[m][t][0] = acc[m][t][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
-    __m256 dots[M][2];
-    for (int m = 0; m < M; ++m) dots[m][0] = dots[m][1] = _mm256_setzero_ps();
+    __m256 dots[M][T][2];
+    for (int m = 0; m < M; ++m)
+      for (int t = 0; t < T; ++t) dots[m][t][0] = dots[m][t][1] = _mm256_setzero_ps();
     for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
-      __m256i sums[M][2];  // [x row][half]: the block's 16-bit pair sums (with VNNI its int32 sums)
-      for (int m = 0; m < M; ++m) sums[m][0] = sums[m][1] = _mm256_setzero_si256();
-      for (int64_t c = b * 4; c < b * 4 + 4; ++c) {
-        prefetch(stream + c * 64 + PREFETCH_BYTES);
-        for (int h = 0; h < 2; ++h) {
-          const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + c * TILE + 8 * h));
-          const __m256i low = _mm256_and_si256(words, nibbles);
-          const __m256i high = _mm256_and_si256(_mm256_srli_epi32(words, 4), nibbles);
-          for (int m = 0; m < M; ++m) {
-            const int32_t* xp = a.pairs.data() + ((m0 + m) * chunks + c) * 2;
-            const __m256i x_low = _mm256_set1_epi32(xp[0]), x_high = _mm256_set1_epi32(xp[1]);
-            if constexpr (VNNI) {
-              sums[m][h] = dpbusd_avx(dpbusd_avx(sums[m][h], low, x_low), high, x_high);
-            } else {
-              sums[m][h] = _mm256_add_epi16(sums[m][h], _mm256_maddubs_epi16(low, x_low));
-              sums[m][h] = _mm256_add_epi16(sums[m][h], _mm256_maddubs_epi16(high, x_high));
+      __m256i sums[M][T][2];  // [x row][tile][half]: the block's 16-bit pair sums (with VNNI its int32 sums)
+      for (int m = 0; m < M; ++m)
+        for (int t = 0; t < T; ++t) sums[m][t][0] = sums[m][t][1] = _mm256_setzero_si256();
+      for (int64_t c = b * 4; c < b * 4 + 4; ++c)
+        for (int t = 0; t < T; ++t) {
+          prefetch(reinterpret_cast<const char*>(base[t] + c * TILE) + PREFETCH_BYTES);
+          for (int h = 0; h < 2; ++h) {
+            const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base[t] + c * TILE + 8 * h));
+            const __m256i low = _mm256_and_si256(words, nibbles);
+            const __m256i high = _mm256_and_si256(_mm256_srli_epi32(words, 4), nibbles);
+            for (int m = 0; m < M; ++m) {
+              const int32_t* xp = a.pairs.data() + ((m0 + m) * chunks + c) * 2;
+              const __m256i x_low = _mm256_set1_epi32(xp[0]), x_high = _mm256_set1_epi32(xp[1]);
+              __m256i& sum = sums[m][t][h];
+              if constexpr (VNNI) {
+                sum = dpbusd_avx(dpbusd_avx(sum, low, x_low), high, x_high);
+              } else {
+                sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(low, x_low));
+                sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(high, x_high));
+              }
             }
           }
         }
-      }
       for (int m = 0; m < M; ++m) {
         const __m256 d = _mm256_set1_ps(a.d[(m0 + m) * blocks + b]);
-        for (int h = 0; h < 2; ++h) {
-          const __m256i block = VNNI ? sums[m][h] : _mm256_madd_epi16(sums[m][h], ones);
-          dots[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block), d, dots[m][h]);
+        for (int t = 0; t < T; ++t)
+          for (int h = 0; h < 2; ++h) {
+            const __m256i block = VNNI ? sums[m][t][h] : _mm256_madd_epi16(sums[m][t][h], ones);
+            dots[m][t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block), d, dots[m][t][h]);
+          }
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int h = 0; h < 2; ++h) {
+        __m256 scale, zero;
+        half_scale_zero(sz, first + t * step, g, h, scale, zero);
+        const __m256 offset = _mm256_fnmadd_ps(scale, _mm256_set1_ps(8.0f), zero);
+        for (int m = 0; m < M; ++m) {
+          acc[m][t][h] = _mm256_fmadd_ps(dots[m][t][h], scale, acc[m][t][h]);
+          acc[m][t][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.sums[(m0 + m) * groups + g]), acc[m][t][h]);
         }
       }
-    }
-    for (int h = 0; h < 2; ++h) {
-      __m256 scale, zero;
-      half_scale_zero(sz, tile, g, h, scale, zero);
-      const __m256 offset = _mm256_fnmadd_ps(scale, _mm256_set1_ps(8.0f), zero);
-      for (int m = 0; m < M; ++m) {
-        acc[m][h] = _mm256_fmadd_ps(dots[m][h], scale, acc[m][h]);
-        acc[m][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.sums[(m0 + m) * groups + g]), acc[m][h]);
-      }
-    }
   }
-  store_tile<M>(acc, out, n_total, tile);
+  for (int t = 0; t < T; ++t) {
+    __m256 tile_acc[M][2];
+    for (int m = 0; m < M; ++m) tile_acc[m][0] = acc[m][t][0], tile_acc[m][1] = acc[m][t][1];
+    store_tile<M>(tile_acc, out, n_total, first + t * step);
+  }
 }
 
 template <bool VNNI>
@@ -1440,10 +1531,12 @@ at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for_x_chunks<MAX_ROWS>(m, [&](auto m_c, int64_t m0) {  // 4 rows fit the 16 registers (8 sums)
-        int4_dot_tile<VNNI, decltype(m_c)::value>(a, m0, wp, zp, k, group, t, op + m0 * n, n);
+    for_tile_streams(begin, end, m, [&](auto t_c, int64_t first, int64_t step) {
+      constexpr int T = decltype(t_c)::value;
+      for_x_chunks<MAX_ROWS / T>(m, [&](auto m_c, int64_t m0) {  // 4 rows x 1 tile: 8 sums in the 16 registers
+        int4_dot_tiles<VNNI, decltype(m_c)::value, T>(a, m0, wp, zp, k, group, first, step, op + m0 * n, n);
       });
+    });
   });
   return out;
 }
@@ -1909,6 +2002,8 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("amx_thresholds() -> int[]", &amx_thresholds);
   lib.def("prefill_buffer_bytes() -> int", &prefill_buffer_bytes);
   lib.def("release_prefill_buffer() -> ()", &release_prefill_buffer);
+  lib.def("weight_streams() -> int", &weight_streams);
+  lib.def("set_weight_streams(int streams) -> ()", &set_weight_streams);
 }
 
 TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {

@@ -1,0 +1,109 @@
+"""Decode GEMVs reading one weight stream per thread against two (splice's default): the kernels alone at one and two
+threads and one and two rows (GB/s of weights read), then one llama-1b-shaped engine per format, its decode step
+compiled; the two settings (``native.use_weight_streams``) take turns within each round; decode tok/s per round.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_weight_streams.py --quant int4-sym,int4,int8
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+
+import splice
+from splice import native
+from splice.bench import QUANT_SCHEMES, load_model
+
+from bench_decode_attention import time_contexts  # the same turn-taking timing
+
+#: llama-1b's decode GEMV shapes (out, in): fused q/k/v, o, fused gate/up, down.
+LAYER_SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
+
+
+class WithStreams:
+    """An engine whose ``generate`` runs with ``streams`` weight streams per thread."""
+
+    def __init__(self, engine, streams: int):
+        self.engine, self.streams = engine, streams
+
+    def generate(self, *args, **kwargs):
+        with native.use_weight_streams(self.streams):
+            return self.engine.generate(*args, **kwargs)
+
+
+def model_rounds(schemes: list[str], new: int, rounds: int) -> None:
+    model = load_model("llama-1b", "bf16")
+    for scheme in schemes:
+        options = dict(QUANT_SCHEMES.get(scheme, {}))
+        options.setdefault("dtype", torch.bfloat16)
+        engine = splice.init_inference(copy.deepcopy(model), replace_with_kernel_inject=True,
+                                       max_out_tokens=128 + new + 8, compile_decode=True, **options)
+        engines = {f"{streams} stream(s)": WithStreams(engine, streams) for streams in (1, 2)}
+        with torch.inference_mode():
+            speeds = time_contexts(engines, torch.randint(0, 32000, (1, 128)), new, rounds)
+        one, two = (max(values) for values in speeds.values())
+        print(f"{scheme}: " + "; ".join(f"{name} " + ", ".join(f"{v:.2f}" for v in values) + " tok/s"
+                                      for name, values in speeds.items()) + f"; best {two / one:.2f}x", flush=True)
+        del engine, engines
+
+
+def kernel_rounds(rows: int, rounds: int = 6) -> None:
+    """int4 (symmetric g32), int8 and bf16 decode GEMVs over 11, 6 and 3 layers' worth of llama-1b weights."""
+    torch.manual_seed(0)
+    int4, int8 = [], []
+    for n, k in LAYER_SHAPES * 11:
+        q, scales = torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.randn(k // 32, n, 2).bfloat16()
+        scales[..., 1] = 0
+        int4.append((k, native.int4_tile_pack(q), native.int4_tile_scales(scales)))
+    for n, k in LAYER_SHAPES * 6:
+        int8.append((k, torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16()))
+    bf16 = [(k, torch.randn(n, k).bfloat16()) for n, k in LAYER_SHAPES * 3]
+    x = {k: torch.randn(rows, k).bfloat16() for k in (2048, 5632)}
+    kernels = {
+        "int4_dot_gemv": (lambda: [torch.ops.splice_kernels.int4_dot_gemv(x[k], w, s, 32) for k, w, s in int4],
+                          sum(w.nbytes + s.nbytes for _, w, s in int4)),
+        "int8_dot_gemv": (lambda: [torch.ops.splice_kernels.int8_dot_gemv(x[k], w, s) for k, w, s in int8],
+                          sum(w.nbytes + s.nbytes for _, w, s in int8)),
+        "bf16_gemv": (lambda: [torch.ops.splice_kernels.bf16_gemv(x[k], w) for k, w in bf16],
+                      sum(w.nbytes for _, w in bf16)),
+    }
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for name, (call, nbytes) in kernels.items():
+            best = {1: float("inf"), 2: float("inf")}
+            for round_ in range(rounds):
+                for streams in ((1, 2) if round_ % 2 else (2, 1)):
+                    with native.use_weight_streams(streams):
+                        start = time.perf_counter()
+                        call()
+                        best[streams] = min(best[streams], time.perf_counter() - start)
+            print(f"{name}, {rows} row(s), {threads} thread(s): 1 stream {nbytes / best[1] / 1e9:.1f} GB/s, "
+                  f"2 streams {nbytes / best[2] / 1e9:.1f} GB/s, {best[1] / best[2]:.2f}x", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quant", default="int4-sym,int4,int8",
+                        help=f"comma-separated splice bench --quant schemes, or bf16 ({', '.join(QUANT_SCHEMES)})")
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kernels-only", action="store_true", help="skip the whole-model rounds")
+    args = parser.parse_args()
+    if not native.available():
+        raise SystemExit("needs splice's native kernels")
+    schemes = [s.strip() for s in args.quant.split(",") if s.strip()]
+    bad = [s for s in schemes if s != "bf16" and s not in QUANT_SCHEMES]
+    if bad:
+        raise SystemExit(f"--quant {','.join(bad)}: allowed bf16, {', '.join(QUANT_SCHEMES)}")
+    for rows in (1, 2):
+        kernel_rounds(rows)
+    if not args.kernels_only:
+        torch.set_num_threads(args.threads)
+        model_rounds(schemes, args.new, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
