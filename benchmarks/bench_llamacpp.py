@@ -361,11 +361,12 @@ def make_rows(llamacpp: list[dict], splice: list[dict], formats: list[str]) -> l
 
 
 def format_table(rows: list[Row], cpu: str, threads: int) -> str:
-    header = (f"{'format':<18} {'llama.cpp decode':>16} {'prefill':>9} {'splice decode':>14} {'prefill':>9} "
+    width = max([len("format")] + [len(r.format) for r in rows])
+    header = (f"{'format':<{width}} {'llama.cpp decode':>16} {'prefill':>9} {'splice decode':>14} {'prefill':>9} "
               f"{'decode x':>9} {'prefill x':>9}")
     lines = [f"CPU: {cpu}, {threads} threads (tokens/s; x = splice / llama.cpp)", header, "-" * len(header)]
     for r in rows:
-        lines.append(f"{r.format:<18} {r.llamacpp_decode:>16.2f} {r.llamacpp_prefill:>9.1f} {r.splice_decode:>14.2f} "
+        lines.append(f"{r.format:<{width}} {r.llamacpp_decode:>16.2f} {r.llamacpp_prefill:>9.1f} {r.splice_decode:>14.2f} "
                      f"{r.splice_prefill:>9.1f} {r.decode_ratio:>8.2f}x {r.prefill_ratio:>8.2f}x")
     return "\n".join(lines)
 
