@@ -1,6 +1,6 @@
 """Decode GEMVs reading one weight stream per thread against two (splice's default): the kernels alone at one and two
-threads and one and two rows (GB/s of weights read), then one llama-1b-shaped engine per format, its decode step
-compiled; the two settings (``native.use_weight_streams``) take turns within each round; decode tok/s per round.
+threads and one and two rows (GB/s of weights read), then one engine per format (``--model``, llama-1b by default),
+its decode step compiled; the two settings (``native.use_weight_streams``) take turns within each round; decode tok/s per round.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_weight_streams.py --quant int4-sym,int4,int8
 """
@@ -33,8 +33,9 @@ class WithStreams:
             return self.engine.generate(*args, **kwargs)
 
 
-def model_rounds(schemes: list[str], new: int, rounds: int) -> None:
-    model = load_model("llama-1b", "bf16")
+def model_rounds(name: str, schemes: list[str], new: int, rounds: int) -> None:
+    model = load_model(name, "bf16")
+    vocab = model.config.vocab_size
     for scheme in schemes:
         options = dict(QUANT_SCHEMES.get(scheme, {}))
         options.setdefault("dtype", torch.bfloat16)
@@ -42,7 +43,7 @@ def model_rounds(schemes: list[str], new: int, rounds: int) -> None:
                                        max_out_tokens=128 + new + 8, compile_decode=True, **options)
         engines = {f"{streams} stream(s)": WithStreams(engine, streams) for streams in (1, 2)}
         with torch.inference_mode():
-            speeds = time_contexts(engines, torch.randint(0, 32000, (1, 128)), new, rounds)
+            speeds = time_contexts(engines, torch.randint(0, vocab, (1, 128)), new, rounds)
         one, two = (max(values) for values in speeds.values())
         print(f"{scheme}: " + "; ".join(f"{name} " + ", ".join(f"{v:.2f}" for v in values) + " tok/s"
                                       for name, values in speeds.items()) + f"; best {two / one:.2f}x", flush=True)
@@ -87,6 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quant", default="int4-sym,int4,int8",
                         help=f"comma-separated splice bench --quant schemes, or bf16 ({', '.join(QUANT_SCHEMES)})")
+    parser.add_argument("--model", default="llama-1b", help="as splice bench --model (default llama-1b)")
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
@@ -102,7 +104,7 @@ def main() -> None:
         kernel_rounds(rows)
     if not args.kernels_only:
         torch.set_num_threads(args.threads)
-        model_rounds(schemes, args.new, args.rounds)
+        model_rounds(args.model, schemes, args.new, args.rounds)
 
 
 if __name__ == "__main__":

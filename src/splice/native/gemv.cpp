@@ -2,7 +2,8 @@
 //
 // Why they exist: torch's bf16 / int8 / int4 GEMVs stream each weight matrix without software prefetch (the hardware
 // prefetcher stops at every 4 KiB page), so they read weights well below memory speed. These kernels read the weight
-// as one sequential stream per thread with a software prefetch a few KiB ahead, so decode runs at memory speed.
+// with a software prefetch a few KiB ahead, and for one or two rows of x as two streams per thread (two far-apart
+// parts of each thread's share side by side: for_tile_streams, for_row_blocks), so decode runs at memory speed.
 //
 // All kernels: y[m, n] = sum_k x[m, k] * w[n, k] in float32, rounded once to bf16, for any number of rows
 // of x, taken a few at a time against each block of weights (so the weights are read from memory once).
