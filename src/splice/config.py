@@ -210,7 +210,9 @@ class WeightQuantConfig(_Section):
         "(the int4 kernels take a zero point), 'symmetric' for 8 (the int8 kernels take none)."),
         json_schema_extra=_note("DeepSpeed defaults to 'symmetric'; splice defaults to None, i.e. 'asymmetric' for "
                                 "int4, which reproduces weights more closely (see docs/quantization.md). "
-                                "An explicit 'symmetric' is honoured."))
+                                "An explicit 'symmetric' is honoured; on the native CPU kernels a symmetric int4 "
+                                "weight keeps its scales alone (4.5 bits a weight at group 32 against 5), so its "
+                                "decode reads a tenth fewer bytes."))
     q_groups: int = Field(1, ge=1, description="Number of quantization groups per weight matrix.")
     group_size: int | None = Field(None, ge=1, description=(
         "Input elements per quantization group (e.g. 32, 64, 128); overrides q_groups. None uses q_groups."),
