@@ -1783,7 +1783,8 @@ at::Tensor decode_attention_of(const at::Tensor& q, const at::Tensor& k, const a
   const T* vp = v.data_ptr<T>();
   const bool* mp = mask ? mask->data_ptr<bool>() : nullptr;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-    AttentionScratch scratch;
+    // kept per thread between calls: fresh buffers would be allocated and zero-filled for every layer of every step
+    thread_local AttentionScratch scratch;
     for (int64_t u = begin; u < end; ++u) {
       const int64_t b = u / (kv * parts), h = u / parts % kv, first = u % parts * part_keys;
       AttentionPart<T> a{qp + b * q.stride(0) + h * group * q.stride(1), q.stride(1),
