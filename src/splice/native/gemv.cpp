@@ -165,7 +165,7 @@ struct Int4Scales {
 template <int V>
 using Int = std::integral_constant<int, V>;
 
-// Weight streams per thread in the int4 GEMVs. A core reading one sequential stream leaves the memory system idle
+// Weight streams per thread in the decode GEMVs. A core reading one sequential stream leaves the memory system idle
 // between the hardware prefetcher's requests (software prefetch does not change that); two streams far apart, each
 // followed by the prefetcher on its own, keep more reads in flight. set_weight_streams(1) walks one (to compare).
 std::atomic<int64_t> weight_streams_setting{2};
@@ -177,9 +177,10 @@ void set_weight_streams(int64_t streams) {
   weight_streams_setting.store(streams, std::memory_order_relaxed);
 }
 
-// A thread's tiles [begin, end) as weight_streams() spans walked side by side: f(Int<2>{}, t, span) computes tiles t
-// and t + span together, f(Int<1>{}, t, 0) tile t alone (one stream, and the tile left over by an odd count). Two
-// streams for at most TWO_STREAM_ROWS rows of x: with more, the product is bound by arithmetic, not by the reads.
+// A thread's tiles (or blocks of rows) [begin, end) as weight_streams() spans walked side by side: f(Int<2>{}, t,
+// span) computes tiles t and t + span together, f(Int<1>{}, t, 0) tile t alone (one stream, and the tile left over
+// by an odd count). Two streams for at most TWO_STREAM_ROWS rows of x: with more, the product is bound by arithmetic,
+// not by the reads.
 constexpr int64_t TWO_STREAM_ROWS = 2;
 
 template <typename F>
@@ -228,16 +229,15 @@ void row_pointers(const T* w, int64_t k, RowBlock block, const T* row_at[R]) {
 template <int64_t X, typename F>
 void for_row_blocks(int64_t m, int64_t n, F&& f) {
   at::parallel_for(0, n / 4, 1, [&](int64_t begin, int64_t end) {
-    int64_t b = begin;
-    if (weight_streams() == 2 && m <= TWO_STREAM_ROWS) {
-      const int64_t span = (end - begin) / 2;
-      for (int64_t i = 0; i < span; ++i)
+    for_tile_streams(begin, end, m, [&](auto streams, int64_t b, int64_t span) {
+      if constexpr (decltype(streams)::value == 2) {
         for_x_chunks<TWO_STREAM_ROWS>(m, [&](auto m_c, int64_t m0) {
-          f(m_c, Int<8>{}, RowBlock{(begin + i) * 4, span * 4}, m0);
+          f(m_c, Int<8>{}, RowBlock{b * 4, span * 4}, m0);
         });
-      b = begin + 2 * span;
-    }
-    for (; b < end; ++b) for_x_chunks<X>(m, [&](auto m_c, int64_t m0) { f(m_c, Int<4>{}, RowBlock{b * 4, 0}, m0); });
+      } else {
+        for_x_chunks<X>(m, [&](auto m_c, int64_t m0) { f(m_c, Int<4>{}, RowBlock{b * 4, 0}, m0); });
+      }
+    });
   });
   const int64_t tail = n % 4;
   if (tail)
