@@ -14,7 +14,7 @@ from splice import machine, native
 from splice.quant import kernels
 
 REPORT_KEYS = {"cpu", "isa_features", "native", "kernels", "huge_pages", "memory"}
-GEMV_KINDS = {"bf16": "bf16_gemv", "int8": "int8_gemv", "int4": "int4_gemv"}
+GEMV_KINDS = {"bf16": "bf16_gemv", "int8": "int8_dot_gemv", "int4": "int4_dot_gemv"}  # the decode ops by default
 NATIVE_MISSING = None if native.available() else machine.native_unavailable_reason()
 needs_native = pytest.mark.skipif(NATIVE_MISSING is not None,
                                   reason=f"splice's native kernels are not available here: {NATIVE_MISSING}")
@@ -127,6 +127,18 @@ def test_amx_level_puts_batches_on_tiles_where_the_kernels_do():
         report = machine.describe_machine()
     tiles = [entry for entry in report["kernels"] if "AMX tiles" in entry["why"]]
     thresholds = native.amx_thresholds()
+    # with integer dot products (the default): int4 from its own threshold, int8 never on tiles
+    assert [(entry["kernel"], entry["min_rows"]) for entry in tiles] == [
+        ("splice_kernels.int4_dot_gemv", thresholds["int4_dot_min_rows"])]
+    assert tiles[0]["max_rows"] == native.ROW_LIMITS["amx"]["int4"]
+
+
+def test_amx_level_without_dot_products_puts_both_gemvs_on_tiles():
+    _skip_unless_level_runs("amx")
+    report = _report_in_subprocess(SPLICE_NATIVE_DOT="0", SPLICE_NATIVE_ISA="amx")
+    tiles = [entry for entry in report["kernels"] if "AMX tiles" in entry["why"]]
+    with native.use_isa("amx"):
+        thresholds = native.amx_thresholds()
     assert {entry["min_rows"] for entry in tiles} == {thresholds["int8_min_rows"], thresholds["int4_min_rows"]}
     amx_limits = native.ROW_LIMITS["amx"]
     assert {entry["max_rows"] for entry in tiles} == {amx_limits["int8"], amx_limits["int4"]}

@@ -91,7 +91,8 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
         dot = dot_products()
         if dot:
             bits = ROW_LIMIT_OF[kind]
-            tiles = " (from 3 rows, AMX tiles on x as it is)" if bits == "int4" and native.amx_ready() else ""
+            tiles = (f" (from {native.amx_thresholds()['int4_dot_min_rows']} rows, AMX tiles on x as it is)"
+                     if bits == "int4" and native.amx_ready() else "")
             return KernelChoice("native", f"splice's {bits} GEMV up to {limit} rows on integer dot products "
                                           f"({dot}; each row of activations rounded to int8 per block of 32)"
                                           f"{tiles}, de-quantise + one oneDNN GEMM above; {native_level()}",

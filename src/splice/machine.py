@@ -226,9 +226,17 @@ def _packed_or_plain(dtype: torch.dtype) -> str:
     return "PackedLinear (weight packed once for oneDNN)" if can_pack(dtype, "cpu") else "F.linear (torch)"
 
 
+def _decode_op(bits: str) -> str:
+    """The native decode GEMV the quantized layers call: the integer dot-product one where the kernel choice takes
+    them (``kernel_choice.dot_products``), else the float one."""
+    from .kernel_choice import dot_products
+
+    return f"{bits}_dot_gemv" if dot_products() else f"{bits}_gemv"
+
+
 def int8_native_rows() -> list[dict[str, Any]]:
     native_max, torch_max = native.MAX_ROWS["int8"], kernels.INT8_KERNEL_MAX_ROWS
-    steps = _amx_split(native_max, "int8_gemv") + [
+    steps = _amx_split(native_max, _decode_op("int8")) + [
         (torch_max, "torch._weight_int8pack_mm",
          f"torch's int8 GEMV (K a multiple of {kernels.INT8PACK_CPU_K_MULTIPLE}; other K: int8_linear)"),
         (None, "splice_kernels.int8_linear", PREFILL_WHY)]
@@ -236,24 +244,28 @@ def int8_native_rows() -> list[dict[str, Any]]:
 
 
 def int4_native_rows() -> list[dict[str, Any]]:
-    steps = _amx_split(native.MAX_ROWS["int4"], "int4_gemv") + [
+    steps = _amx_split(native.MAX_ROWS["int4"], _decode_op("int4")) + [
         (None, "splice_kernels.int4_linear", PREFILL_WHY)]
     return _ranges("int4 weight-only", steps)
 
 
 def _amx_split(native_max: int, op: str) -> list[tuple[int | None, str, str]]:
     """The native GEMV's steps up to ``native_max`` rows: vector dot products, and at the amx level AMX tiles where
-    ``native.amx_thresholds()`` puts them (int8: up to one tile of rows)."""
+    ``native.amx_thresholds()`` puts them (int8: up to one tile of rows; int8_dot_gemv: never)."""
     kernel = f"splice_kernels.{op}"
     vector = f"native GEMV ({_vector_description()} vector code)"
-    if not native.amx_ready():
+    if op.endswith("_dot_gemv"):
+        vector += ", x rounded to int8 per block of 32, integer dot products"
+    if not native.amx_ready() or op == "int8_dot_gemv":
         return [(native_max, kernel, vector)]
     amx = native.amx_thresholds()
-    amx_min = amx["int4_min_rows"] if op == "int4_gemv" else amx["int8_min_rows"]
+    amx_min = {"int4_gemv": amx["int4_min_rows"], "int4_dot_gemv": amx["int4_dot_min_rows"],
+               "int8_gemv": amx["int8_min_rows"]}[op]
     tiles = f"native GEMV on AMX tiles (from {amx_min} rows)"
-    if op == "int4_gemv":
-        tiles += f"; groups not a multiple of {amx['int4_group_multiple']} stay on dot products"
-    amx_max = native_max if op == "int4_gemv" else min(native_max, amx["int8_max_rows"])
+    int4 = op.startswith("int4")
+    if int4:
+        tiles += f"; groups not a multiple of {amx['int4_group_multiple']} stay on vector code"
+    amx_max = native_max if int4 else min(native_max, amx["int8_max_rows"])
     return [(min(amx_min - 1, native_max), kernel, vector), (amx_max, kernel, tiles), (native_max, kernel, vector)]
 
 

@@ -99,7 +99,7 @@ def test_int4_dot_gemv_rounds_x_per_block_where_it_can(isa, rows, n, k, group, s
     otherwise exactly ``int4_gemv``."""
     x, q, scales_and_zeros, w, sz = _int4_operands(rows, n, k, group, symmetric)
     got = torch.ops.splice_kernels.int4_dot_gemv(x, w, sz, group)
-    amx = rows >= 3 and group % 32 == 0 and native.amx_ready()
+    amx = native.amx_ready() and rows >= native.amx_thresholds()["int4_dot_min_rows"] and group % 32 == 0
     if torch.ops.splice_kernels.int4_dot_ready() and group % 32 == 0 and not amx:
         weight = qmath.dequantize_int4(q, scales_and_zeros).double()
         expected = qmath.round_activations(x.float()).double() @ weight.T

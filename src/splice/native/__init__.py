@@ -195,20 +195,22 @@ def _kernel_setting(read: Callable[[], Any], write: Callable[[Any], None], value
 
 
 def amx_ready() -> bool:
-    """Whether ``int4_gemv`` (from 3 rows) and ``int8_gemv`` (from 5) run on AMX tiles: the active level is ``amx``
+    """Whether ``int4_gemv`` (from 3 rows), ``int4_dot_gemv`` (from 7) and ``int8_gemv`` (from 5) run on AMX tiles:
+    the active level is ``amx``
     (the CPU has AMX-BF16, Linux lets this process use the tile state, and nothing capped the level)."""
     return available() and torch.ops.splice_kernels.amx_ready()
 
 
 def amx_thresholds() -> dict[str, int]:
     """Where the AMX paths of the GEMVs start and stop (rows of activations), as ``gemv.cpp`` decides them:
-    ``int4_min_rows``, ``int8_min_rows``, ``int8_max_rows``, and ``int4_group_multiple`` (other int4 groups stay on
-    dot products)."""
+    ``int4_min_rows`` (``int4_gemv``), ``int4_dot_min_rows`` (``int4_dot_gemv``), ``int8_min_rows``,
+    ``int8_max_rows`` (``int8_gemv``; ``int8_dot_gemv`` never uses tiles), and ``int4_group_multiple`` (other int4
+    groups stay on vector code)."""
     if not available():
         raise RuntimeError("splice's native kernels are not available here")
-    int4_min, int8_min, int8_max, columns = torch.ops.splice_kernels.amx_thresholds()
-    return {"int4_min_rows": int4_min, "int8_min_rows": int8_min, "int8_max_rows": int8_max,
-            "int4_group_multiple": columns}
+    int4_min, int8_min, int8_max, columns, int4_dot_min = torch.ops.splice_kernels.amx_thresholds()
+    return {"int4_min_rows": int4_min, "int4_dot_min_rows": int4_dot_min, "int8_min_rows": int8_min,
+            "int8_max_rows": int8_max, "int4_group_multiple": columns}
 
 
 def release_prefill_buffer() -> int:

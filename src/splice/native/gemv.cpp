@@ -393,6 +393,9 @@ inline __m512i load_bf16_pairs(const at::BFloat16* p, int64_t n) {  // n <= 32 b
 // it beats one AVX-512 dot product per row (their sections measure it); at fewer rows the round trip of each
 // converted weight slice through L1 costs more than it saves.
 constexpr int64_t AMX_MIN_ROWS = 3, AMX_ROWS = 16, AMX_COLUMNS = 32;
+// int4_dot_gemv's integer dot products stream a tile once per 2 or 4 rows of x and still beat the tiles up to 6 rows
+// (docs/kernels.md has the measurements); from INT4_DOT_AMX_MIN_ROWS rows the tiles win.
+constexpr int64_t INT4_DOT_AMX_MIN_ROWS = 7;
 
 // Tile registers (GCC's _tile_* macros take them as literals): 0 = sums [rows x 16 float], 1 = x slice [rows x 32 bf16],
 // 2 = weight slice [16 column pairs x 16 weight rows].
@@ -1729,10 +1732,12 @@ void attend_part(const AttentionPart<T>& a, AttentionScratch& scratch) {
 }  // namespace avx2
 #pragma GCC pop_options
 
-// Where the AMX paths start and stop, for reports: int4 from AMX_MIN_ROWS rows (groups a multiple of AMX_COLUMNS),
-// int8 from INT8_AMX_MIN_ROWS to AMX_ROWS rows.
+// Where the AMX paths start and stop, for reports: int4_gemv from AMX_MIN_ROWS rows and int4_dot_gemv from
+// INT4_DOT_AMX_MIN_ROWS (groups a multiple of AMX_COLUMNS), int8_gemv from INT8_AMX_MIN_ROWS to AMX_ROWS rows
+// (int8_dot_gemv never).
 std::vector<int64_t> amx_thresholds() {
-  return {avx512::AMX_MIN_ROWS, avx512::INT8_AMX_MIN_ROWS, avx512::AMX_ROWS, avx512::AMX_COLUMNS};
+  return {avx512::AMX_MIN_ROWS, avx512::INT8_AMX_MIN_ROWS, avx512::AMX_ROWS, avx512::AMX_COLUMNS,
+          avx512::INT4_DOT_AMX_MIN_ROWS};
 }
 
 // ---- the ops: checks, then the active level's kernel -----------------------------------------------------------------
@@ -1898,7 +1903,7 @@ at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   check_isa("int4_dot_gemv");
   check_int4_tiles(w, sz, group, "int4_dot_gemv");
   check_rows(x, w.size(1) * 8, "int4_dot_gemv");
-  const bool tiles = x.size(0) >= avx512::AMX_MIN_ROWS && group % avx512::AMX_COLUMNS == 0 && amx_ready();
+  const bool tiles = x.size(0) >= avx512::INT4_DOT_AMX_MIN_ROWS && group % avx512::AMX_COLUMNS == 0 && amx_ready();
   if (!int4_dot_ready() || group % DOT_BLOCK != 0 || tiles) return int4_gemv(x, w, sz, group);
   if (vnni_ready()) return avx512::int4_dot_gemv(x, w, sz, group);
   return avx_vnni_ready() ? avx2::int4_dot_gemv<true>(x, w, sz, group) : avx2::int4_dot_gemv<false>(x, w, sz, group);
