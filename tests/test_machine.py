@@ -14,7 +14,7 @@ from splice import machine, native
 from splice.quant import kernels
 
 REPORT_KEYS = {"cpu", "isa_features", "native", "kernels", "huge_pages", "memory"}
-GEMV_KINDS = {"bf16": "bf16_gemv", "int8": "int8_dot_gemv", "int4": "int4_dot_gemv"}  # the decode ops by default
+GEMV_KINDS = {"bf16": ("bf16_gemv",), "int8": ("int8_dot_gemv", "int8_gemv"), "int4": ("int4_dot_gemv",)}  # decode
 NATIVE_MISSING = None if native.available() else machine.native_unavailable_reason()
 needs_native = pytest.mark.skipif(NATIVE_MISSING is not None,
                                   reason=f"splice's native kernels are not available here: {NATIVE_MISSING}")
@@ -92,13 +92,13 @@ def test_kernel_table_row_ranges_run_from_one_row_to_no_limit():
 @needs_native
 def test_kernel_table_row_limits_are_native_max_rows():
     report = machine.describe_machine()
-    for kind, op in GEMV_KINDS.items():
-        gemv = _entries(report, f"splice_kernels.{op}")
+    for kind, ops in GEMV_KINDS.items():
+        gemv = [entry for op in ops for entry in _entries(report, f"splice_kernels.{op}")]
         assert gemv, kind
         assert gemv[0]["min_rows"] == 1 and gemv[-1]["max_rows"] == native.MAX_ROWS[kind]
         after = [entry for entry in report["kernels"]
                  if entry["linear"] == gemv[-1]["linear"] and entry["min_rows"] == native.MAX_ROWS[kind] + 1]
-        assert len(after) == 1 and op not in after[0]["kernel"], kind
+        assert len(after) == 1 and not any(op in after[0]["kernel"] for op in ops), kind
 
 
 @needs_native
@@ -127,10 +127,13 @@ def test_amx_level_puts_batches_on_tiles_where_the_kernels_do():
         report = machine.describe_machine()
     tiles = [entry for entry in report["kernels"] if "AMX tiles" in entry["why"]]
     thresholds = native.amx_thresholds()
-    # with integer dot products (the default): int4 from its own threshold, int8 never on tiles
-    assert [(entry["kernel"], entry["min_rows"]) for entry in tiles] == [
-        ("splice_kernels.int4_dot_gemv", thresholds["int4_dot_min_rows"])]
-    assert tiles[0]["max_rows"] == native.ROW_LIMITS["amx"]["int4"]
+    # with integer dot products (the default): int4 from its own threshold; int8 past the dot products' rows, on
+    # int8_gemv (int8_dot_gemv itself never uses tiles)
+    limits = native.ROW_LIMITS["amx"]
+    assert [(entry["kernel"], entry["min_rows"], entry["max_rows"]) for entry in tiles] == [
+        ("splice_kernels.int8_gemv", limits["int8_dot"] + 1, limits["int8"]),
+        ("splice_kernels.int4_dot_gemv", thresholds["int4_dot_min_rows"], limits["int4"])]
+    assert limits["int8_dot"] + 1 >= thresholds["int8_min_rows"]  # int8_gemv is on its tiles there
 
 
 def test_amx_level_without_dot_products_puts_both_gemvs_on_tiles():

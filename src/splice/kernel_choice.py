@@ -91,8 +91,11 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
         dot = dot_products()
         if dot:
             bits = ROW_LIMIT_OF[kind]
-            tiles = (f" (from {native.amx_thresholds()['int4_dot_min_rows']} rows, AMX tiles on x as it is)"
-                     if bits == "int4" and native.amx_ready() else "")
+            tiles = ""
+            if native.amx_ready():  # batches past the dot products' rows go to AMX tiles, on x as it is
+                first = (native.amx_thresholds()["int4_dot_min_rows"] if bits == "int4"
+                         else native.MAX_ROWS["int8_dot"] + 1)
+                tiles = f" (from {first} rows, AMX tiles on x as it is)"
             return KernelChoice("native", f"splice's {bits} GEMV up to {limit} rows on integer dot products "
                                           f"({dot}; each row of activations rounded to int8 per block of 32)"
                                           f"{tiles}, de-quantise + one oneDNN GEMM above; {native_level()}",

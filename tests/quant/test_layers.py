@@ -174,7 +174,7 @@ def test_conv1d_is_quantized_like_a_linear():
 # ---- splice's native kernels (splice.native) ------------------------------------------------------------------------
 NATIVE_SCHEMES = ("int8", "w8a8", "int4-g32", "int4-g64-asym", "int4-g128")
 DECODE_OP = {"int8": "int8_gemv", "w8a8": "int8_dot_gemv"}  # int4: int4_gemv
-NATIVE_ROWS = (1, 3, 8, 20)  # both sides of native.MAX_ROWS["int8"]
+NATIVE_ROWS = (1, 3, 8, 12, 20)  # both sides of native.MAX_ROWS["int8_dot"] (8) and, with AMX, ["int8"] (16)
 
 
 @contextmanager
@@ -215,11 +215,12 @@ def test_int8_decode_rows_on_dot_products_round_activations_per_block(rows):
                                                     dot_products=True)
     assert layer.use_dot_products
     x = torch.randn(rows, 320)
-    decode = rows <= native.MAX_ROWS["int8"]
+    decode = rows <= native.MAX_ROWS["int8_dot"]  # more rows: int8_gemv (AMX tiles where present), or prefill
     expected = F.linear(_reference_input(x, "w8a8" if decode else "int8"), layer.dequantize(), linear.bias)
-    with _spy("int8_dot_gemv") as calls:
+    with _spy("int8_dot_gemv") as calls, _spy("int8_gemv") as float_calls:
         out = layer(x)
     assert calls.call_count == decode
+    assert float_calls.call_count == (native.MAX_ROWS["int8_dot"] < rows <= native.MAX_ROWS["int8"])
     assert (out - expected).norm() / expected.norm() < (5e-3 if decode else 1e-2)
     odd = HANDLERS["int8_weight_only"].from_float(torch.randn(8, 48), None, SCHEMES["int8"], native=True,
                                                   dot_products=True)

@@ -54,11 +54,13 @@ ISA_FLAGS = {
 #: Most rows of activations each native GEMV serves, per level; more rows (prefill) go to one oneDNN GEMM (bf16), torch's
 #: int8 kernel and then de-quantise + GEMM (int8), or de-quantise + GEMM (int4). Measured crossovers, TinyLlama-shaped
 #: layers (``docs/kernels.md`` has the tables): with AMX the int8 GEMV runs 5-16 rows and the int4 GEMV 3 rows and more
-#: on tiles, so they serve more rows there.
+#: on tiles, so they serve more rows there. "int8_dot": the most rows int8 weight-only sends to the integer dot
+#: products (``int8_dot_gemv``); more, up to "int8", go to ``int8_gemv`` (on AMX, its tiles overtake the dot products
+#: from 9 rows: ``docs/kernels.md``).
 ROW_LIMITS = {
-    "amx": {"bf16": 4, "int8": 16, "int4": 64},
-    "avx512": {"bf16": 4, "int8": 8, "int4": 15},
-    "avx2": {"bf16": 4, "int8": 8, "int4": 15},
+    "amx": {"bf16": 4, "int8": 16, "int8_dot": 8, "int4": 64},
+    "avx512": {"bf16": 4, "int8": 8, "int8_dot": 8, "int4": 15},
+    "avx2": {"bf16": 4, "int8": 8, "int8_dot": 8, "int4": 15},
 }
 #: The active level's limits (updated by :func:`set_isa`); read by :func:`fits` and the quantized layers.
 MAX_ROWS = dict(ROW_LIMITS["avx512"])

@@ -68,10 +68,11 @@ CUDA_INNER_K_TILES = 8
 def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, use_native: bool = False,
                    dot_products: bool = False) -> torch.Tensor:
     """``x [M, K] bf16 @ (qweight [N, K] int8 * scales [N] bf16).T``, per output channel. ``use_native``: the layer
-    may use ``splice_kernels.int8_gemv`` (for the rows :func:`splice.native.fits`); ``dot_products``: those rows go to
-    ``int8_dot_gemv`` instead (``x`` rounded to int8 per block of 32, integer sums)."""
+    may use ``splice_kernels.int8_gemv`` (for the rows :func:`splice.native.fits`); ``dot_products``: up to
+    ``native.MAX_ROWS["int8_dot"]`` of those rows go to ``int8_dot_gemv`` instead (``x`` rounded to int8 per block of
+    32, integer sums), more (AMX tiles) to ``int8_gemv``."""
     if use_native and native.fits("int8", x):
-        if dot_products:
+        if dot_products and x.shape[0] <= native.MAX_ROWS["int8_dot"]:
             return torch.ops.splice_kernels.int8_dot_gemv(x, qweight, scales)
         return torch.ops.splice_kernels.int8_gemv(x, qweight, scales)
     if _int8pack_runs(x.device, x.shape[0], x.shape[1]):
