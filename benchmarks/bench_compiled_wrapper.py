@@ -13,7 +13,7 @@ import torch
 import splice
 from splice.bench import QUANT_SCHEMES, load_model
 
-from bench_decode_attention import time_contexts  # the same turn-taking timing
+from bench_decode_attention import engine_options, time_contexts  # the same engines and turn-taking timing
 
 
 def main() -> None:
@@ -25,8 +25,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = load_model("llama-1b", "bf16")
-    options = dict(QUANT_SCHEMES.get(args.quant, {}))
-    options.setdefault("dtype", torch.bfloat16)
+    options = engine_options(args.quant)
     engines = {}
     for wrapper in ("C++", "Python"):
         engine = splice.init_inference(copy.deepcopy(model), replace_with_kernel_inject=True,

@@ -28,8 +28,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
     model = load_model("llama-1b", "bf16")
-    options = dict(QUANT_SCHEMES.get(args.quant, {}))
-    options.setdefault("dtype", torch.bfloat16)
+    options = engine_options(args.quant)
     engines = {}
     for name in ("native", "other"):
         engine = splice.init_inference(copy.deepcopy(model), replace_with_kernel_inject=True,
@@ -45,6 +44,13 @@ def main() -> None:
             native, other = max(speeds["native"]), max(speeds["other"])
             print(f"context {context}: splice's attention kernel {native:.2f} tok/s, the block's other path "
                   f"{other:.2f} tok/s, {native / other:.2f}x", flush=True)
+
+
+def engine_options(scheme: str | None) -> dict:
+    """``init_inference`` options for a ``splice bench --quant`` scheme (None or "bf16": none), the activations bf16."""
+    options = dict(QUANT_SCHEMES.get(scheme, {}))
+    options.setdefault("dtype", torch.bfloat16)
+    return options
 
 
 def time_contexts(engines: dict, prompt: torch.Tensor, new: int, rounds: int) -> dict[str, list[float]]:

@@ -16,7 +16,7 @@ import splice
 from splice import native
 from splice.bench import QUANT_SCHEMES, load_model
 
-from bench_decode_attention import time_contexts  # the same turn-taking timing
+from bench_decode_attention import engine_options, time_contexts  # the same engines and turn-taking timing
 
 #: llama-1b's decode GEMV shapes (out, in): fused q/k/v, o, fused gate/up, down.
 LAYER_SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
@@ -37,10 +37,8 @@ def model_rounds(name: str, schemes: list[str], new: int, rounds: int) -> None:
     model = load_model(name, "bf16")
     vocab = model.config.vocab_size
     for scheme in schemes:
-        options = dict(QUANT_SCHEMES.get(scheme, {}))
-        options.setdefault("dtype", torch.bfloat16)
         engine = splice.init_inference(copy.deepcopy(model), replace_with_kernel_inject=True,
-                                       max_out_tokens=128 + new + 8, compile_decode=True, **options)
+                                       max_out_tokens=128 + new + 8, compile_decode=True, **engine_options(scheme))
         engines = {f"{streams} stream(s)": WithStreams(engine, streams) for streams in (1, 2)}
         with torch.inference_mode():
             speeds = time_contexts(engines, torch.randint(0, vocab, (1, 128)), new, rounds)

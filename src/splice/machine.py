@@ -236,12 +236,13 @@ def _decode_op(bits: str) -> str:
 
 def int8_native_rows() -> list[dict[str, Any]]:
     native_max, torch_max = native.MAX_ROWS["int8"], kernels.INT8_KERNEL_MAX_ROWS
-    steps = _amx_split(native_max, "int8_gemv")
     if _decode_op("int8") == "int8_dot_gemv":  # the dot products up to their limit, then AMX tiles where present
         steps = _amx_split(native.MAX_ROWS["int8_dot"], "int8_dot_gemv")
         if native.amx_ready():
             steps.append((native_max, "splice_kernels.int8_gemv", "native GEMV on AMX tiles, x as it is (past the "
                                                                   "rows the dot products take)"))
+    else:
+        steps = _amx_split(native_max, "int8_gemv")
     steps = steps + [
         (torch_max, "torch._weight_int8pack_mm",
          f"torch's int8 GEMV (K a multiple of {kernels.INT8PACK_CPU_K_MULTIPLE}; other K: int8_linear)"),

@@ -222,6 +222,26 @@ void row_pointers(const T* w, int64_t k, RowBlock block, const T* row_at[R]) {
   for (int r = 0; r < R; ++r) row_at[r] = w + block.row(r) * k;
 }
 
+// The software prefetch of one STEP-column step of a row-major GEMV over the rows of a RowBlock, at column c (every
+// level's kernels call these: prefetch is baseline SSE). bf16, 32 columns a step: a block's (up to four) rows are
+// contiguous, so a line per row and step walks it in order. int8: a row's step is STEP / 64 of a line, so
+// R * STEP / 64 rows a step (one at least) get the line of the row four on (the next block's), in the order they
+// will be read (faster than the linear walk bf16 uses: an int8 row is short, so a block's rows sit within a few
+// pages).
+template <int R, int STEP>
+inline void prefetch_step(const at::BFloat16* const row_at[R], int64_t k, int64_t c) {
+  static_assert(STEP == 32, "a bf16 step is one line per row");
+  constexpr int per_block = R < 4 ? R : 4;
+  for (int r = 0; r < R; ++r)
+    prefetch(reinterpret_cast<const char*>(row_at[r / 4 * 4]) + per_block * c * 2 + PREFETCH_BYTES + 64 * (r % 4));
+}
+
+template <int R, int STEP>
+inline void prefetch_step(const int8_t* const row_at[R], int64_t k, int64_t c) {
+  constexpr int lines = R * STEP / 64 > 1 ? R * STEP / 64 : 1;
+  for (int i = 0; i < lines; ++i) prefetch(row_at[(lines * (c / STEP) + i) % R] + 4 * k + c);
+}
+
 // Blocks of four weight rows split over the threads, f(Int<x rows>, Int<weight rows>, RowBlock, first x row) in chunks
 // of X rows of x: with two weight streams (as for_tile_streams: weight_streams() == 2 and at most TWO_STREAM_ROWS
 // rows of x) f(m, Int<8>{}, RowBlock{4b, 4 span}, m0) computes the thread's blocks b and b + span together; the
@@ -405,7 +425,7 @@ constexpr int64_t INT4_DOT_AMX_MIN_ROWS = 7;
 template <int M, int R>
 void bf16_rows(const at::BFloat16* x, const at::BFloat16* w, int64_t k, RowBlock block, at::BFloat16* out,
                int64_t n_total) {
-  constexpr int m_rows = M, rows = R, per_block = R < 4 ? R : 4;
+  constexpr int m_rows = M, rows = R;
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
@@ -413,8 +433,7 @@ void bf16_rows(const at::BFloat16* x, const at::BFloat16* w, int64_t k, RowBlock
   row_pointers<R>(w, k, block, row_at);
   for (int64_t c = 0; c < k; c += 32) {
     const int64_t left = k - c;
-    for (int r = 0; r < rows; ++r)  // a block's rows are contiguous: its lines in order, one per row and step
-      prefetch(reinterpret_cast<const char*>(row_at[r / 4 * 4]) + per_block * c * 2 + PREFETCH_BYTES + 64 * (r % 4));
+    prefetch_step<R, 32>(row_at, k, c);
     __m512i wv[R];
     for (int r = 0; r < rows; ++r) wv[r] = load_bf16_pairs(row_at[r] + c, left);
     for (int64_t m = 0; m < m_rows; ++m) {
@@ -440,12 +459,11 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
 
 // ---- int8 ---------------------------------------------------------------------------------------------------------
 // x is widened to float once; four weight rows at a time (eight: two blocks), 16 columns per step (sign-extend,
-// convert, multiply-add). The prefetch walks the next block's rows in the order they will be read (faster than a
-// linear prefetch over the block, as bf16 uses: an int8 row is short, so a block's row streams sit within a few pages).
+// convert, multiply-add).
 template <int M, int R>
 void int8_rows(const float* x, const int8_t* w, const at::BFloat16* scales, int64_t k, RowBlock block,
                at::BFloat16* out, int64_t n_total) {
-  constexpr int m_rows = M, rows = R, lines = R < 8 ? 1 : R / 4;  // prefetches a step: a line per row every 4 steps
+  constexpr int m_rows = M, rows = R;
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
@@ -454,7 +472,7 @@ void int8_rows(const float* x, const int8_t* w, const at::BFloat16* scales, int6
   for (int64_t c = 0; c < k; c += 16) {
     const int64_t left = k - c;
     const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    for (int i = 0; i < lines; ++i) prefetch(row_at[(lines * (c / 16) + i) % R] + 4 * k + c);
+    prefetch_step<R, 16>(row_at, k, c);
     __m512 wv[R];
     for (int r = 0; r < rows; ++r)
       wv[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, row_at[r] + c)));
@@ -615,11 +633,9 @@ void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const a
   for (int64_t c = 0; c < k; c += DOT_STEP) {
     const int64_t left = k - c;
     const __mmask64 mask = left >= DOT_STEP ? ~__mmask64(0) : ((__mmask64(1) << left) - 1);
+    prefetch_step<R, DOT_STEP>(row_at, k, c);
     __m512i wv[R];
-    for (int r = 0; r < rows; ++r) {
-      prefetch(row_at[r] + 4 * k + c);  // the row four on (the next block's), one line per step
-      wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, row_at[r] + c), flip);
-    }
+    for (int r = 0; r < rows; ++r) wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, row_at[r] + c), flip);
     for (int m = 0; m < m_rows; ++m) {
       const __m512i xv = _mm512_loadu_si512(xq + m * a.padded + c);
       const __m512 dv = _mm512_loadu_ps(xd + (m * steps + c / DOT_STEP) * 16);
@@ -1153,22 +1169,6 @@ at::Tensor to_float(const at::Tensor& x) { return x.to(at::kFloat).contiguous();
 inline __m256 widen(const at::BFloat16* p) { return bf16x8_to_f32(p); }
 inline __m256 widen(const int8_t* p) { return int8x8_to_f32(p); }
 
-// The software prefetch of one 32-column step over the rows of a RowBlock. bf16: a block's (up to four) rows are
-// contiguous, so a line per row and step walks it in order. int8: a row's step is half a line, so half the rows a
-// step (two at least) get the line of the row four on (the next block's), in the order they will be read.
-template <int R>
-inline void prefetch_step(const at::BFloat16* const row_at[R], int64_t k, int64_t c) {
-  constexpr int per_block = R < 4 ? R : 4;
-  for (int r = 0; r < R; ++r)
-    prefetch(reinterpret_cast<const char*>(row_at[r / 4 * 4]) + per_block * c * 2 + PREFETCH_BYTES + 64 * (r % 4));
-}
-
-template <int R>
-inline void prefetch_step(const int8_t* const row_at[R], int64_t k, int64_t c) {
-  constexpr int lines = R / 2 > 2 ? R / 2 : 2;
-  for (int i = 0; i < lines; ++i) prefetch(row_at[(lines * (c / 32) + i) % R] + 4 * k + c);
-}
-
 // Four weight rows (R) against M rows of x; 32 columns per step, then 8 at a time, then one: sums[m][r] in float32.
 template <int M, int R, typename T>
 void rows_dot(const float* x, const T* const row_at[R], int64_t k, float sums[M][R]) {
@@ -1178,7 +1178,7 @@ void rows_dot(const float* x, const T* const row_at[R], int64_t k, float sums[M]
   const int64_t k32 = k / 32 * 32, k8 = k / 8 * 8;
   int64_t c = 0;
   for (; c < k32; c += 32) {
-    prefetch_step<R>(row_at, k, c);
+    prefetch_step<R, 32>(row_at, k, c);
     for (int64_t j = 0; j < 32; j += 8) {
       __m256 wv[R];
       for (int r = 0; r < R; ++r) wv[r] = widen(row_at[r] + c + j);
@@ -1303,7 +1303,7 @@ void int8_dot_rows(const DotRows& a, int64_t m0, const int8_t* w, const at::BFlo
     for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t c = b * DOT_BLOCK;
-    prefetch_step<R>(row_at, k, c);
+    prefetch_step<R, DOT_BLOCK>(row_at, k, c);
     __m256i wv[R], magnitude[R];
     for (int r = 0; r < rows; ++r) {
       wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_at[r] + c));
