@@ -42,7 +42,9 @@ def test_bench_runs_every_mode_and_writes_json(tiny_bench, tmp_path, capsys):
         assert row["bandwidth_share"] == pytest.approx(row["decode_tok_s"] / row["roofline_tok_s"])
     assert rows[0]["speedup"] == 1.0
     assert report["machine"]["read_bandwidth_gbs"] == 10.0
-    assert "decode tok/s" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "decode tok/s" in printed
+    assert "read bandwidth 10.0 GB/s" in printed and report["machine"]["bandwidth_probe_pages"] in printed
 
 
 def test_bench_plot(tiny_bench, tmp_path):
@@ -82,6 +84,17 @@ def test_weight_bytes_count_a_tied_head_once():
 
 def test_bandwidth_is_measured():
     assert bench.read_bandwidth_gbs(gib=0.01, repeats=2) > 0.1
+
+
+def test_bandwidth_probe_reads_from_huge_pages_as_the_weights_do(monkeypatch):
+    """The probe's buffer goes where a kernel-injected model's weights go (one buffer on 2 MiB pages), so the roofline
+    is the bandwidth those weights can be read at."""
+    gathered = []
+    monkeypatch.setattr(bench, "gather_on_huge_pages", lambda tensors: gathered.extend(tensors) or 0)
+    bench.read_bandwidth_gbs(gib=0.01, repeats=1)
+    assert len(gathered) == 1 and gathered[0].numel() * gathered[0].element_size() >= 0.0099 * 2**30
+    pages = bench.machine_info(1.0)["bandwidth_probe_pages"]
+    assert pages == ("2 MiB" if bench.native.huge_pages_supported() else "4 KiB")
 
 
 def test_native_streaming_read_reads_every_byte():

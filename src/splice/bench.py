@@ -3,8 +3,9 @@
 For each configuration (dtype x batch) the model is loaded once; each mode generates ``--new`` tokens from the same
 random ``--prompt``-token prompt. Reported: prefill ms, decode tokens/s (after the first new token), ms/token, peak RSS
 during the run, speedup over HF eager, and a roofline: the machine's read bandwidth (measured at start by streaming
-1 GiB the way the native GEMVs stream weights, on every thread) divided by the bytes a decode step reads (weights as
-stored, quantized or not, the lm_head included; and the KV cache slots attention reads), and each row's share of it.
+1 GiB on 2 MiB pages, the way the native GEMVs stream weights, on every thread) divided by the bytes a decode step
+reads (weights as stored, quantized or not, the lm_head included; and the KV cache slots attention reads), and each
+row's share of it.
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import argparse
 import gc
 import json
 import math
-import platform
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 
 from . import native
+from .machine import describe_cpu
+from .native.memory import gather_on_huge_pages
 from .models import DEFAULT_MODEL
 from .streaming import StepClock
 
@@ -114,9 +116,11 @@ def run_bench(args: argparse.Namespace) -> int:
                     plain_rows = bench_configuration(at_context, dtype, batch, modes, bandwidth)
                     hf_speed = next((r.decode_tok_s for r in plain_rows if r.mode == "hf"), float("nan"))
                     rows += plain_rows + bench_quantized(at_context, dtype, batch, schemes, bandwidth, hf_speed)
+    machine = machine_info(bandwidth)
+    print(describe_machine(machine))
     print(format_table(rows))
     settings = {"prompt": args.context or args.prompt, "new": args.new, "compile": args.compile}
-    report = {"machine": machine_info(bandwidth), "settings": settings,
+    report = {"machine": machine, "settings": settings,
               "results": [{**asdict(r), "bandwidth_share": r.bandwidth_share} for r in rows]}
     if args.profile:
         print(format_profiles(args.profiles))
@@ -364,9 +368,12 @@ def _status_mb(field: str) -> float:
 def read_bandwidth_gbs(gib: float = 1.0, repeats: int = 5) -> float:
     """Memory read bandwidth in GB/s, the best of ``repeats`` reads of ``gib`` GiB on every thread: splice's native
     streaming read (``splice_kernels.stream_read``: sequential streams with prefetch, as its GEMVs read weights), or
-    where the native kernels are not available an fp32 GEMV."""
+    where the native kernels are not available an fp32 GEMV. The buffer sits on 2 MiB pages where Linux grants them,
+    as the weights of a kernel-injected model do (``native.memory``): on 4 KiB pages the same read is slower (a TLB
+    miss every 4 KiB), which would understate the bandwidth and overstate each row's share of it."""
     cols = 8192
     matrix = torch.ones(int(gib * 2**30) // (4 * cols), cols)
+    gather_on_huge_pages([matrix])
     vector = torch.ones(cols)
     read = (lambda: torch.ops.splice_kernels.stream_read(matrix)) if native.available() else \
         (lambda: torch.mv(matrix, vector))
@@ -483,9 +490,16 @@ def plot(rows: list[Row], path: str) -> None:
 
 
 def machine_info(bandwidth: float) -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+    return {"cpu": describe_cpu()["model"], "threads": torch.get_num_threads(),
             "torch": torch.__version__, "read_bandwidth_gbs": round(bandwidth, 2),
-            "bandwidth_probe": "splice native streaming read" if native.available() else "fp32 GEMV (torch.mv)"}
+            "bandwidth_probe": "splice native streaming read" if native.available() else "fp32 GEMV (torch.mv)",
+            "bandwidth_probe_pages": "2 MiB" if native.huge_pages_supported() else "4 KiB"}
+
+
+def describe_machine(info: dict) -> str:
+    """One line for the table's head: threads and the measured read bandwidth the roofline column divides."""
+    return (f"{info['cpu']}, {info['threads']} threads, torch {info['torch']}; read bandwidth "
+            f"{info['read_bandwidth_gbs']:.1f} GB/s ({info['bandwidth_probe']}, {info['bandwidth_probe_pages']} pages)")
 
 
 def _split(text: str) -> list[str]:

@@ -1062,6 +1062,25 @@ inline __m512 exp_scores(__m512 x) {
 inline __mmask16 score_lanes(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 
 // Lane i: the sum of v[i]'s lanes (a transposing tree of unpacks and shuffles: 45 instructions for 16 sums).
+// dots[i] = q . keys[i] lane-wise (vectors of 16 floats summed in order; keys past `keys` are 0): the keys are the
+// inner loop, so the KEYS multiply-add chains run side by side rather than one after another.
+template <int KEYS>
+inline void key_dots(const float* q, const float* keys, int64_t stride, int64_t keys_here, int64_t vectors,
+                     __m512 (&dots)[KEYS]) {
+  for (int i = 0; i < KEYS; ++i) dots[i] = _mm512_setzero_ps();
+  if (keys_here == KEYS) {
+    for (int64_t c = 0; c < vectors; ++c) {
+      const __m512 qv = _mm512_loadu_ps(q + 16 * c);
+      for (int i = 0; i < KEYS; ++i)
+        dots[i] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(keys + i * stride + 16 * c), dots[i]);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < keys_here; ++i)  // the last, partial block
+    for (int64_t c = 0; c < vectors; ++c)
+      dots[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(keys + i * stride + 16 * c), dots[i]);
+}
+
 inline __m512 sum16(const __m512 (&v)[16]) {
   __m512 x[8], y[4], z[2];
   for (int i = 0; i < 8; ++i)
@@ -1108,12 +1127,7 @@ void attend_part(const AttentionPart<T>& a, AttentionScratch& scratch) {
       __m512 scores = _mm512_set1_ps(-INFINITY);
       if (seen) {
         __m512 dots[16];
-        for (int64_t i = 0; i < 16; ++i) {
-          dots[i] = _mm512_setzero_ps();
-          for (int64_t c = 0; j0 + i < n && c < vectors; ++c)
-            dots[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q32 + h * d + 16 * c),
-                                      _mm512_loadu_ps(keys + (j0 + i) * k_stride + 16 * c), dots[i]);
-        }
+        key_dots<16>(q32 + h * d, keys + j0 * k_stride, k_stride, std::min<int64_t>(16, n - j0), vectors, dots);
         scores = _mm512_mask_mul_ps(scores, seen, sum16(dots), _mm512_set1_ps(a.scale));
       }
       _mm512_mask_storeu_ps(s + j0, score_lanes(n - j0), scores);
@@ -1657,6 +1671,24 @@ inline __m256 load_scores(const float* s, int64_t left) {
   return _mm256_load_ps(tail);
 }
 
+// avx512::key_dots with vectors of 8 floats.
+template <int KEYS>
+inline void key_dots(const float* q, const float* keys, int64_t stride, int64_t keys_here, int64_t vectors,
+                     __m256 (&dots)[KEYS]) {
+  for (int i = 0; i < KEYS; ++i) dots[i] = _mm256_setzero_ps();
+  if (keys_here == KEYS) {
+    for (int64_t c = 0; c < vectors; ++c) {
+      const __m256 qv = _mm256_loadu_ps(q + 8 * c);
+      for (int i = 0; i < KEYS; ++i)
+        dots[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(keys + i * stride + 8 * c), dots[i]);
+    }
+    return;
+  }
+  for (int64_t i = 0; i < keys_here; ++i)  // the last, partial block
+    for (int64_t c = 0; c < vectors; ++c)
+      dots[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(keys + i * stride + 8 * c), dots[i]);
+}
+
 // Lane i: the sum of v[i]'s lanes (avx512::sum16's tree for 8).
 inline __m256 sum8(const __m256 (&v)[8]) {
   __m256 x[4], y[2];
@@ -1701,12 +1733,7 @@ void attend_part(const AttentionPart<T>& a, AttentionScratch& scratch) {
       alignas(32) float block[8];
       if (seen) {
         __m256 dots[8];
-        for (int64_t i = 0; i < 8; ++i) {
-          dots[i] = _mm256_setzero_ps();
-          for (int64_t c = 0; j0 + i < n && c < halves; ++c)
-            dots[i] = _mm256_fmadd_ps(_mm256_loadu_ps(q32 + h * d + 8 * c),
-                                      _mm256_loadu_ps(keys + (j0 + i) * k_stride + 8 * c), dots[i]);
-        }
+        key_dots<8>(q32 + h * d, keys + j0 * k_stride, k_stride, std::min<int64_t>(8, n - j0), halves, dots);
         _mm256_store_ps(block, _mm256_mul_ps(sum8(dots), _mm256_set1_ps(a.scale)));
       }
       for (int64_t i = 0; i < 8; ++i) block[i] = seen >> i & 1 ? block[i] : -INFINITY;

@@ -1,0 +1,66 @@
+"""What one call reading a weight can reach: splice's streaming read (``splice_kernels.stream_read``, the bandwidth
+probe ``splice bench`` divides by) on reads the size of a decode step's matrices, against the probe's own 1 GiB.
+
+A decode step reads each weight matrix in one call (llama-1b int8: 4-23 MB each, ~90 calls a token); each call starts
+its streams from cold and ends when its slowest thread does. Each size is read from a ``--region-mb`` region (768 by
+default: more than the cache), one call per slice; on 2 MiB pages (one 2 MiB-aligned buffer, as ``native.memory``
+places a kernel-injected model's weights; "n/a" without transparent huge pages) and as separate tensors the way torch
+allocates them (4 KiB pages, unless Linux's THP mode is ``always``). GB/s, best of ``--rounds``::
+
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_read_sizes.py --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from splice import native
+from splice.native.memory import gather_on_huge_pages
+
+
+
+def slices(region_mb: int, size_mb: int, huge: bool) -> list[torch.Tensor] | None:
+    """``region_mb`` of bytes as consecutive ``size_mb`` reads: views of one buffer on 2 MiB pages (None where Linux
+    has no huge pages to give), or separate tensors."""
+    count = max(1, region_mb // size_mb)
+    if not huge:
+        return [torch.ones(size_mb << 20, dtype=torch.uint8) for _ in range(count)]
+    region = torch.ones(count * (size_mb << 20), dtype=torch.uint8)
+    if not gather_on_huge_pages([region]):
+        return None
+    return list(region.split(size_mb << 20))
+
+
+def best_gbs(parts: list[torch.Tensor] | None, rounds: int) -> float:
+    if parts is None:
+        return float("nan")
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for part in parts:
+            torch.ops.splice_kernels.stream_read(part)
+        best = min(best, time.perf_counter() - start)
+    return sum(p.numel() for p in parts) / best / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--sizes", default="2,4,8,16,64,256,768", help="comma-separated MB per call")
+    parser.add_argument("--region-mb", type=int, default=768, help="MB read per round (default 768)")
+    args = parser.parse_args()
+    if not native.available():
+        raise SystemExit("needs splice's native kernels")
+    torch.set_num_threads(args.threads)
+    print(f"{args.threads} threads; GB/s, best of {args.rounds} reads of {args.region_mb} MiB in calls of each size")
+    print(f"{'MB a call':>10} {'2 MiB pages':>12} {'separate':>12}")
+    for size in (int(s) for s in args.sizes.split(",")):
+        huge, separate = (best_gbs(slices(args.region_mb, size, flag), args.rounds) for flag in (True, False))
+        print(f"{size:>10} {'n/a' if huge != huge else f'{huge:.1f}':>12} {separate:>12.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
