@@ -5,9 +5,13 @@ A decode step reads each weight matrix in one call (llama-1b int8: 4-23 MB each,
 its streams from cold and ends when its slowest thread does. Each size is read from a ``--region-mb`` region (768 by
 default: more than the cache), one call per slice; on 2 MiB pages (one 2 MiB-aligned buffer, as ``native.memory``
 places a kernel-injected model's weights; "n/a" without transparent huge pages) and as separate tensors the way torch
-allocates them (4 KiB pages, unless Linux's THP mode is ``always``). GB/s, best of ``--rounds``::
+allocates them (4 KiB pages, unless Linux's THP mode is ``always``). GB/s, best of ``--rounds``.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/bench_read_sizes.py --threads 2
+``--kernels`` also reads 12 llama-1b layers' worth of int8 and int4 (symmetric g32) weights on 2 MiB pages with the
+decode GEMVs (one row of x) and with the probe, call for call, taking turns: how close each kernel comes to a plain
+read of the same bytes::
+
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_read_sizes.py --threads 2 --kernels
 """
 from __future__ import annotations
 
@@ -45,12 +49,48 @@ def best_gbs(parts: list[torch.Tensor] | None, rounds: int) -> float:
     return sum(p.numel() for p in parts) / best / 1e9
 
 
+#: llama-1b's decode GEMV shapes (out, in): fused q/k/v, o, fused gate/up, down.
+LAYER_SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
+
+
+def kernels_against_probe(rounds: int, layers: int = 12) -> None:
+    """Each quantized GEMV over ``layers`` layers' weights, and the probe over the same weight tensors."""
+    torch.manual_seed(0)
+    shapes = LAYER_SHAPES * layers
+    int4 = [(native.int4_tile_pack(torch.randint(0, 16, (n, k), dtype=torch.uint8)),
+             native.int4_tile_scales(torch.randn(k // 32, n, 2).bfloat16() * torch.tensor([1.0, 0.0]).bfloat16()))
+            for n, k in shapes]
+    int8 = [(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16()) for n, k in shapes]
+    for group in (int4, int8):
+        for part in zip(*group):
+            gather_on_huge_pages(list(part))
+    x = {k: torch.randn(1, k).bfloat16() for k in (2048, 5632)}
+    runs = {
+        "int4_dot_gemv": (lambda: [torch.ops.splice_kernels.int4_dot_gemv(x[k], w, s, 32)
+                                   for (_, k), (w, s) in zip(shapes, int4)], int4),
+        "int8_dot_gemv": (lambda: [torch.ops.splice_kernels.int8_dot_gemv(x[k], w, s)
+                                   for (_, k), (w, s) in zip(shapes, int8)], int8),
+    }
+    for name, (call, weights) in runs.items():
+        weight_bytes = sum(w.nbytes + s.nbytes for w, s in weights)
+        probe = [w.view(torch.uint8).flatten() for w, _ in weights]
+        kernel_best, probe_best = 0.0, 0.0
+        for _ in range(rounds):
+            start = time.perf_counter()
+            call()
+            kernel_best = max(kernel_best, weight_bytes / (time.perf_counter() - start) / 1e9)
+            probe_best = max(probe_best, best_gbs(probe, 1))
+        print(f"{name}: {kernel_best:.1f} GB/s, the probe on its weights {probe_best:.1f} GB/s "
+              f"({100 * kernel_best / probe_best:.0f} %)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--sizes", default="2,4,8,16,64,256,768", help="comma-separated MB per call")
     parser.add_argument("--region-mb", type=int, default=768, help="MB read per round (default 768)")
+    parser.add_argument("--kernels", action="store_true", help="also the int8 and int4 GEMVs against the probe")
     args = parser.parse_args()
     if not native.available():
         raise SystemExit("needs splice's native kernels")
@@ -60,6 +100,8 @@ def main() -> None:
     for size in (int(s) for s in args.sizes.split(",")):
         huge, separate = (best_gbs(slices(args.region_mb, size, flag), args.rounds) for flag in (True, False))
         print(f"{size:>10} {'n/a' if huge != huge else f'{huge:.1f}':>12} {separate:>12.1f}", flush=True)
+    if args.kernels:
+        kernels_against_probe(args.rounds)
 
 
 if __name__ == "__main__":

@@ -45,3 +45,11 @@ def test_script_prints_a_row_per_size():
     rows = [line.split() for line in run.stdout.splitlines()[2:]]
     assert [row[0] for row in rows] == ["1", "2"]
     assert all(float(row[2]) > 0 for row in rows)
+
+
+@needs_native
+def test_kernels_are_timed_against_the_probe_on_their_own_weights(capsys):
+    load_script().kernels_against_probe(rounds=1, layers=1)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["int4_dot_gemv", "int8_dot_gemv"]
+    assert all("the probe on its weights" in line and line.endswith("%)") for line in lines)
