@@ -1061,9 +1061,8 @@ inline __m512 exp_scores(__m512 x) {
 // 16 scores from s (fewer at the end: the rest read as -inf), for the max and the exponentials.
 inline __mmask16 score_lanes(int64_t left) { return left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1); }
 
-// Lane i: the sum of v[i]'s lanes (a transposing tree of unpacks and shuffles: 45 instructions for 16 sums).
-// dots[i] = q . keys[i] lane-wise (vectors of 16 floats summed in order; keys past `keys` are 0): the keys are the
-// inner loop, so the KEYS multiply-add chains run side by side rather than one after another.
+// dots[i] = q . keys[i] lane-wise (the vectors of 16 floats summed in order; dots past keys_here stay 0): the keys
+// are the inner loop, so the KEYS multiply-add chains run side by side rather than one after another.
 template <int KEYS>
 inline void key_dots(const float* q, const float* keys, int64_t stride, int64_t keys_here, int64_t vectors,
                      __m512 (&dots)[KEYS]) {
@@ -1081,6 +1080,7 @@ inline void key_dots(const float* q, const float* keys, int64_t stride, int64_t 
       dots[i] = _mm512_fmadd_ps(_mm512_loadu_ps(q + 16 * c), _mm512_loadu_ps(keys + i * stride + 16 * c), dots[i]);
 }
 
+// Lane i: the sum of v[i]'s lanes (a transposing tree of unpacks and shuffles: 45 instructions for 16 sums).
 inline __m512 sum16(const __m512 (&v)[16]) {
   __m512 x[8], y[4], z[2];
   for (int i = 0; i < 8; ++i)
