@@ -126,6 +126,37 @@ def test_compiled_step_takes_inputs_no_graph_fits_yet():
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
 
 
+def test_steady_state_steps_call_their_graph_with_no_guard_check():
+    """Once a key (batch, attended length, ...) has passed the steady-state guard shortcut, its steps call the
+    compiled code of the graph its inputs passed the full guards of (``direct_step``), nothing checked: each length's
+    own graph, the eager step's logits, HF's tokens; inputs no graph has passed get None."""
+    reference = build_family("llama")
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, compile_decode=True,
+                                   max_out_tokens=64)
+    runtime = engine.runtime
+    runtime.min_attended = 8
+    ids, mask = padded_batch(batch=2, length=6)
+    with torch.inference_mode():
+        expected = reference.generate(ids, attention_mask=mask, **GREEDY)
+        assert torch.equal(engine.generate(ids, attention_mask=mask, **GREEDY), expected)
+        assert {key[1] for key, _ in runtime._direct_steps} == {8, 16, 32}
+        assert all(step is not None for step in runtime._direct_steps.values())
+        cache = runtime.cache_for(2)
+        for length in (25, 7, 12):
+            token, slot = torch.tensor([[5], [9]]), torch.tensor([length - 1])
+            position = torch.full((2, 1), length - 1)
+            cache.start(torch.ones(2, length - 1, dtype=torch.long))
+            cache.mark(slot)
+            direct = runtime.direct_step(token, position, slot, cache, runtime.attended_length(length))
+            eager = runtime.forward(token, position, slot, cache, length)
+            torch.testing.assert_close(direct(runtime, token, position, slot, cache, runtime.attended_length(length)),
+                                       eager)
+            torch.testing.assert_close(runtime.decode_step(token, position, slot, cache, length), eager)
+        one_row = runtime.cache_for(1)  # no graph for batch 1 yet
+        assert runtime.direct_step(torch.tensor([[5]]), torch.tensor([[3]]), torch.tensor([3]), one_row, 8) is None
+        assert not runtime._direct_steps  # a new cache (another batch size) drops the steps keyed by the old one's id
+
+
 @pytest.mark.parametrize("native_kernels", [True, False])
 def test_compiled_decode_runs_the_bf16_weights_eager_runs(native_kernels, monkeypatch):
     """The compiled step calls the same wrapped linears (native GEMV, or oneDNN-packed without native kernels)."""
