@@ -206,7 +206,7 @@ class SpliceCausalLM:
         try:
             entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(forward)
             entry = next((e for e in entries if e.guard_manager.check(frame)), None)
-        except (AttributeError, RuntimeError, TypeError):
+        except (AttributeError, KeyError, RuntimeError, TypeError):
             return None
         if entry is None:
             return None
