@@ -140,7 +140,7 @@ def test_steady_state_steps_call_their_graph_with_no_guard_check():
         expected = reference.generate(ids, attention_mask=mask, **GREEDY)
         assert torch.equal(engine.generate(ids, attention_mask=mask, **GREEDY), expected)
         assert {key[1] for key, _ in runtime._direct_steps} == {8, 16, 32}
-        assert all(step is not None for step in runtime._direct_steps.values())
+        assert all(callable(step) for step in runtime._direct_steps.values())
         cache = runtime.cache_for(2)
         for length in (25, 7, 12):
             token, slot = torch.tensor([[5], [9]]), torch.tensor([length - 1])
@@ -155,6 +155,22 @@ def test_steady_state_steps_call_their_graph_with_no_guard_check():
         one_row = runtime.cache_for(1)  # no graph for batch 1 yet
         assert runtime.direct_step(torch.tensor([[5]]), torch.tensor([[3]]), torch.tensor([3]), one_row, 8) is None
         assert not runtime._direct_steps  # a new cache (another batch size) drops the steps keyed by the old one's id
+
+
+def test_a_key_without_a_direct_step_is_looked_up_once(monkeypatch):
+    """Where dynamo's cache gives no graph to call directly, the step keeps the guard shortcut, and the lookup (a full
+    guard check) is not repeated every step."""
+    reference = build_family("llama")
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, compile_decode=True,
+                                   max_out_tokens=64)
+    runtime = engine.runtime
+    lookups = []
+    monkeypatch.setattr(runtime, "direct_step", lambda *args: lookups.append(args[-1]))
+    ids, mask = padded_batch(batch=1, length=12)
+    with torch.inference_mode():
+        expected = reference.generate(ids, attention_mask=mask, **GREEDY)
+    assert torch.equal(engine.generate(ids, attention_mask=mask, **GREEDY), expected)
+    assert len(lookups) == 1 and list(runtime._direct_steps.values()) == [False]
 
 
 @pytest.mark.parametrize("native_kernels", [True, False])

@@ -80,7 +80,7 @@ class SpliceCausalLM:
         self._compiled_step = None
         self._cpp_wrapper = True  # compile_decode's choice
         self._compiled_keys: set[tuple] = set()  # (batch, attended length, dtype, device, slot dims, cache id) seen
-        self._direct_steps: dict[tuple, Any] = {}  # key and grad modes -> its graph's compiled code (direct_step)
+        self._direct_steps: dict[tuple, Any] = {}  # key and grad modes -> its graph's compiled code, or False
         # the compiled step's smallest attended length: below it, reading the empty slots costs less than a compile
         self.min_attended = MIN_ATTENDED
         self._cache: StaticKVCache | None = None
@@ -171,8 +171,8 @@ class SpliceCausalLM:
         # never hand one a graph traced for the other
         key = (tokens.shape[0], attended, self.dtype, self.device, slot.dim(), id(cache))
         modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), tokens.is_inference())
-        direct = self._direct_steps.get((key, modes))
-        if direct is not None:
+        direct = self._direct_steps.get((key, modes))  # None: not looked up yet; False: looked up, none found
+        if direct:
             return direct(self, tokens, positions, slot, cache, attended)
         if key not in self._compiled_keys or not hasattr(torch.compiler, "set_stance"):
             with self._compiling():
@@ -191,7 +191,8 @@ class SpliceCausalLM:
                 raise
             with self._compiling():
                 return self._compiled_step(tokens, positions, slot, cache, attended)
-        self._direct_steps[key, modes] = self.direct_step(tokens, positions, slot, cache, attended)
+        if direct is None:
+            self._direct_steps[key, modes] = self.direct_step(tokens, positions, slot, cache, attended) or False
         return logits
 
     def direct_step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, cache: StaticKVCache,
