@@ -173,6 +173,29 @@ def test_a_key_without_a_direct_step_is_looked_up_once(monkeypatch):
     assert len(lookups) == 1 and list(runtime._direct_steps.values()) == [False]
 
 
+def test_direct_step_refuses_code_that_does_not_take_forwards_arguments(monkeypatch):
+    """A cache entry whose guards pass but whose code takes other arguments (another torch's dynamo) is not called."""
+    reference = build_family("llama")
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, compile_decode=True,
+                                   max_out_tokens=64)
+    runtime = engine.runtime
+
+    class Passes:
+        @staticmethod
+        def check(frame):
+            return True
+
+    def other(a, b):
+        return a
+
+    entry = type("Entry", (), {"guard_manager": Passes(), "code": other.__code__})()
+    monkeypatch.setattr(torch._dynamo.eval_frame, "_debug_get_cache_entry_list", lambda code: [entry])
+    cache = runtime.cache_for(1)
+    assert runtime.direct_step(torch.tensor([[5]]), torch.tensor([[3]]), torch.tensor([3]), cache, 64) is None
+    entry.code = type(runtime).forward.__code__  # forward's own arguments: taken
+    assert callable(runtime.direct_step(torch.tensor([[5]]), torch.tensor([[3]]), torch.tensor([3]), cache, 64))
+
+
 @pytest.mark.parametrize("native_kernels", [True, False])
 def test_compiled_decode_runs_the_bf16_weights_eager_runs(native_kernels, monkeypatch):
     """The compiled step calls the same wrapped linears (native GEMV, or oneDNN-packed without native kernels)."""

@@ -209,9 +209,12 @@ class SpliceCausalLM:
             entry = next((e for e in entries if e.guard_manager.check(frame)), None)
         except (AttributeError, KeyError, RuntimeError, TypeError):
             return None
-        if entry is None:
-            return None
-        return types.FunctionType(entry.code, forward.__globals__, forward.__name__, forward.__defaults__)
+        code = getattr(entry, "code", None)
+        arguments = forward.__code__.co_argcount
+        if not isinstance(code, types.CodeType) or code.co_argcount != arguments or \
+                code.co_varnames[:arguments] != forward.__code__.co_varnames[:arguments]:
+            return None  # no graph passes, or its code does not take forward's arguments as forward does
+        return types.FunctionType(code, forward.__globals__, forward.__name__, forward.__defaults__)
 
     def _compiling(self):
         """The settings a call that may compile a graph runs under: :func:`inductor_options`, and dynamo's limit on
