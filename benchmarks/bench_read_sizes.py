@@ -23,6 +23,7 @@ import torch
 from splice import native
 from splice.native.memory import gather_on_huge_pages
 
+from bench_weight_streams import int4_layers, int8_layers  # the same llama-1b-shaped weights
 
 
 def slices(region_mb: int, size_mb: int, huge: bool) -> list[torch.Tensor] | None:
@@ -49,31 +50,21 @@ def best_gbs(parts: list[torch.Tensor] | None, rounds: int) -> float:
     return sum(p.numel() for p in parts) / best / 1e9
 
 
-#: llama-1b's decode GEMV shapes (out, in): fused q/k/v, o, fused gate/up, down.
-LAYER_SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
-
-
 def kernels_against_probe(rounds: int, layers: int = 12) -> None:
     """Each quantized GEMV over ``layers`` layers' weights, and the probe over the same weight tensors."""
     torch.manual_seed(0)
-    shapes = LAYER_SHAPES * layers
-    int4 = [(native.int4_tile_pack(torch.randint(0, 16, (n, k), dtype=torch.uint8)),
-             native.int4_tile_scales(torch.randn(k // 32, n, 2).bfloat16() * torch.tensor([1.0, 0.0]).bfloat16()))
-            for n, k in shapes]
-    int8 = [(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16()) for n, k in shapes]
+    int4, int8 = int4_layers(layers), int8_layers(layers)
     for group in (int4, int8):
-        for part in zip(*group):
-            gather_on_huge_pages(list(part))
+        for tensors in list(zip(*group))[1:]:  # the weights into one buffer on 2 MiB pages, the scales into another
+            gather_on_huge_pages(list(tensors))
     x = {k: torch.randn(1, k).bfloat16() for k in (2048, 5632)}
     runs = {
-        "int4_dot_gemv": (lambda: [torch.ops.splice_kernels.int4_dot_gemv(x[k], w, s, 32)
-                                   for (_, k), (w, s) in zip(shapes, int4)], int4),
-        "int8_dot_gemv": (lambda: [torch.ops.splice_kernels.int8_dot_gemv(x[k], w, s)
-                                   for (_, k), (w, s) in zip(shapes, int8)], int8),
+        "int4_dot_gemv": (lambda: [torch.ops.splice_kernels.int4_dot_gemv(x[k], w, s, 32) for k, w, s in int4], int4),
+        "int8_dot_gemv": (lambda: [torch.ops.splice_kernels.int8_dot_gemv(x[k], w, s) for k, w, s in int8], int8),
     }
     for name, (call, weights) in runs.items():
-        weight_bytes = sum(w.nbytes + s.nbytes for w, s in weights)
-        probe = [w.view(torch.uint8).flatten() for w, _ in weights]
+        weight_bytes = sum(w.nbytes + s.nbytes for _, w, s in weights)
+        probe = [w.view(torch.uint8).flatten() for _, w, _ in weights]
         kernel_best, probe_best = 0.0, 0.0
         for _ in range(rounds):
             start = time.perf_counter()
@@ -92,12 +83,17 @@ def main() -> None:
     parser.add_argument("--region-mb", type=int, default=768, help="MB read per round (default 768)")
     parser.add_argument("--kernels", action="store_true", help="also the int8 and int4 GEMVs against the probe")
     args = parser.parse_args()
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    if not sizes or not all(s.isdigit() and int(s) > 0 for s in sizes):
+        parser.error(f"--sizes {args.sizes!r}: allowed a comma-separated list of whole MB above 0")
+    if args.region_mb < 1:
+        parser.error(f"--region-mb {args.region_mb}: allowed 1 or more")
     if not native.available():
         raise SystemExit("needs splice's native kernels")
     torch.set_num_threads(args.threads)
     print(f"{args.threads} threads; GB/s, best of {args.rounds} reads of {args.region_mb} MiB in calls of each size")
     print(f"{'MB a call':>10} {'2 MiB pages':>12} {'separate':>12}")
-    for size in (int(s) for s in args.sizes.split(",")):
+    for size in map(int, sizes):
         huge, separate = (best_gbs(slices(args.region_mb, size, flag), args.rounds) for flag in (True, False))
         print(f"{size:>10} {'n/a' if huge != huge else f'{huge:.1f}':>12} {separate:>12.1f}", flush=True)
     if args.kernels:

@@ -48,16 +48,27 @@ def model_rounds(name: str, schemes: list[str], new: int, rounds: int) -> None:
         del engine, engines
 
 
+def int4_layers(layers: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(in features, tiles, scales) of ``layers`` llama-1b layers' random symmetric g32 int4 weights, in the native
+    tiles (the scales alone)."""
+    weights = []
+    for n, k in LAYER_SHAPES * layers:
+        q, scales = torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.randn(k // 32, n, 2).bfloat16()
+        scales[..., 1] = 0
+        weights.append((k, native.int4_tile_pack(q), native.int4_tile_scales(scales)))
+    return weights
+
+
+def int8_layers(layers: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(in features, weight, per-channel scales) of ``layers`` llama-1b layers' random int8 weights."""
+    return [(k, torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16())
+            for n, k in LAYER_SHAPES * layers]
+
+
 def kernel_rounds(rows: int, rounds: int = 6) -> None:
     """int4 (symmetric g32), int8 and bf16 decode GEMVs over 11, 6 and 3 layers' worth of llama-1b weights."""
     torch.manual_seed(0)
-    int4, int8 = [], []
-    for n, k in LAYER_SHAPES * 11:
-        q, scales = torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.randn(k // 32, n, 2).bfloat16()
-        scales[..., 1] = 0
-        int4.append((k, native.int4_tile_pack(q), native.int4_tile_scales(scales)))
-    for n, k in LAYER_SHAPES * 6:
-        int8.append((k, torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16()))
+    int4, int8 = int4_layers(11), int8_layers(6)
     bf16 = [(k, torch.randn(n, k).bfloat16()) for n, k in LAYER_SHAPES * 3]
     x = {k: torch.randn(rows, k).bfloat16() for k in (2048, 5632)}
     kernels = {

@@ -17,6 +17,8 @@ needs_native = pytest.mark.skipif(not native.available(), reason="splice's nativ
 
 
 def load_script():
+    if str(SCRIPT.parent) not in sys.path:  # as when run: its sibling benchmarks import from the script's folder
+        sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("bench_read_sizes", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -53,3 +55,11 @@ def test_kernels_are_timed_against_the_probe_on_their_own_weights(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in lines] == ["int4_dot_gemv", "int8_dot_gemv"]
     assert all("the probe on its weights" in line and line.endswith("%)") for line in lines)
+
+
+@pytest.mark.parametrize("argv, named", [(["--sizes", "0,4"], "--sizes '0,4'"), (["--sizes", "two"], "--sizes 'two'"),
+                                         (["--region-mb", "0"], "--region-mb 0")])
+def test_bad_sizes_are_refused_naming_the_value(argv, named):
+    run = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(SCRIPT.parents[1] / "src")})
+    assert run.returncode == 2 and named in run.stderr and "allowed" in run.stderr and "Traceback" not in run.stderr
