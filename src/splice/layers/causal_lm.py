@@ -5,6 +5,7 @@ call time; it owns only derived tables (rotary) and the KV cache it is asked to 
 """
 from __future__ import annotations
 
+import inspect
 import math
 import types
 from contextlib import ExitStack
@@ -200,10 +201,12 @@ class SpliceCausalLM:
         """The compiled code of the graph whose guards these inputs pass in full, as a function of ``forward``'s
         arguments: later steps of the same key and grad modes call it with no guard check at all (the check that
         remains costs a few hundred microseconds a step: a tenth of SmolLM2-135M's int4 step on 2 cores). None where
-        dynamo's cache cannot be read (its internals differ in this torch) or no graph passes."""
+        dynamo's cache cannot be read (its internals differ in this torch), no graph passes, or the graph's code does
+        not take ``forward``'s arguments."""
         forward = type(self).forward
-        frame = {"self": self, "tokens": tokens, "positions": positions, "slots": slot, "cache": cache,
-                 "kv_len": attended, "last_only": True, "dense": False, "last": None}
+        call = inspect.signature(forward).bind(self, tokens, positions, slot, cache, attended)
+        call.apply_defaults()
+        frame = dict(call.arguments)  # forward's locals as the step enters it, which its guards read
         try:
             entries = torch._dynamo.eval_frame._debug_get_cache_entry_list(forward)
             entry = next((e for e in entries if e.guard_manager.check(frame)), None)
