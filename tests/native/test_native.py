@@ -161,6 +161,35 @@ def test_two_weight_streams_give_the_same_output_as_one(isa, rows, n):
             assert all(torch.equal(a, b) for a, b in zip(results[1], results[2]))
 
 
+@needs_native
+@pytest.mark.parametrize("rows", (1, 2, 3))
+@pytest.mark.parametrize("streams", (1, 2))
+def test_threads_taking_each_others_pieces_give_the_same_output(isa, rows, streams):
+    """Work stealing changes which thread computes a tile or row block, not what it computes: bit for bit the outputs
+    of static shares, with enough tiles and blocks for many pieces a thread, two and three threads, and equal to the
+    float product within bf16 rounding (no unit skipped, none computed twice into a wrong place)."""
+    k, n = 256, 16 * 41
+    x, _, _, w4, sz = _int4_operands(rows, n, k, 64, symmetric=False, seed=rows)
+    x8, w8, s8 = torch.randn(rows, k).bfloat16(), torch.randint(-127, 128, (n + 2, k), dtype=torch.int8), \
+        torch.rand(n + 2).bfloat16()
+    wb = torch.randn(n + 2, k).bfloat16()
+    assert native.work_stealing()  # the default
+    for threads in (2, 3):
+        with _threads(threads), native.use_weight_streams(streams):
+            results = {}
+            for stealing in (False, True):
+                with native.use_work_stealing(stealing):
+                    results[stealing] = (torch.ops.splice_kernels.int4_dot_gemv(x, w4, sz, 64),
+                                         torch.ops.splice_kernels.int8_dot_gemv(x8, w8, s8),
+                                         torch.ops.splice_kernels.int8_gemv(x8, w8, s8),
+                                         torch.ops.splice_kernels.bf16_gemv(x8, wb))
+            assert all(torch.equal(a, b) for a, b in zip(results[False], results[True]))
+    expected = x8.float() @ (w8.float() * s8.float()[:, None]).T
+    torch.testing.assert_close(results[True][2].float(), expected, rtol=2e-2, atol=2e-2 * expected.abs().max().item())
+    torch.testing.assert_close(results[True][3].float(), x8.float() @ wb.float().T, rtol=2e-2, atol=0.3)
+    assert native.work_stealing()
+
+
 def test_weight_streams_refuse_other_counts():
     if not native.available():
         pytest.skip("splice's native kernels are not available here")

@@ -185,6 +185,20 @@ def use_weight_streams(streams: int) -> contextlib.AbstractContextManager[None]:
     return _kernel_setting(weight_streams, torch.ops.splice_kernels.set_weight_streams, streams)
 
 
+def work_stealing() -> bool:
+    """Whether the decode GEMVs that walk weight streams (``bf16_gemv``, ``int8_gemv``, ``int8_dot_gemv``,
+    ``int4_dot_gemv``) let a thread done with its share of the weight take the pieces left of another's (the
+    default), rather than wait for it at the end of the call. The outputs are the same either way."""
+    return torch.ops.splice_kernels.work_stealing()
+
+
+def use_work_stealing(on: bool) -> contextlib.AbstractContextManager[None]:
+    """Work stealing on or off inside the block (tests, benchmarks), then as before."""
+    if not available():
+        raise RuntimeError("splice's native kernels are not available here")
+    return _kernel_setting(work_stealing, torch.ops.splice_kernels.set_work_stealing, on)
+
+
 @contextlib.contextmanager
 def _kernel_setting(read: Callable[[], Any], write: Callable[[Any], None], value: Any) -> Iterator[None]:
     """``write(value)`` inside the block, then the setting ``read()`` gave before it."""

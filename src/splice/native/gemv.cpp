@@ -42,6 +42,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <type_traits>
@@ -194,6 +195,52 @@ void for_tile_streams(int64_t begin, int64_t end, int64_t rows, F&& f) {
   for (; t < end; ++t) f(Int<1>{}, t, int64_t{0});
 }
 
+// for_tile_streams over [0, units) on every thread, each thread's share claimed in STEAL_PIECES pieces from a counter
+// of its own: a thread done with its share claims the pieces left of the others'. With static shares alone one thread
+// (one and the same, call after call) reads on alone at the end of every call while the others wait for it; the
+// pieces keep each stream sequential except where a piece was taken. f as for_tile_streams'; every unit is computed
+// exactly once, by whichever thread claims it, so results do not depend on who does.
+constexpr int64_t STEAL_PIECES = 16;
+std::atomic<bool> work_stealing_setting{true};  // set_work_stealing(false): static shares only (to compare)
+
+bool work_stealing() { return work_stealing_setting.load(std::memory_order_relaxed); }
+void set_work_stealing(bool on) { work_stealing_setting.store(on, std::memory_order_relaxed); }
+
+struct alignas(64) StreamShare {
+  std::atomic<int64_t> next{0};  // the first step not yet claimed
+  int64_t begin = 0, span = 0, steps = 0, piece = 1;
+};
+
+template <typename F>
+void parallel_streams(int64_t units, int64_t rows, F&& f) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), units);
+  if (threads <= 1 || at::in_parallel_region()) return for_tile_streams(0, units, rows, f);
+  const bool paired = weight_streams() == 2 && rows <= TWO_STREAM_ROWS;
+  std::unique_ptr<StreamShare[]> shares(new StreamShare[threads]);
+  for (int64_t t = 0; t < threads; ++t) {  // step i < span: units begin + i and begin + span + i; then one at a time
+    StreamShare& share = shares[t];
+    share.begin = units * t / threads;
+    const int64_t count = units * (t + 1) / threads - share.begin;
+    share.span = paired ? count / 2 : 0;
+    share.steps = count - share.span;
+    share.piece = std::max<int64_t>(1, (share.steps + STEAL_PIECES - 1) / STEAL_PIECES);
+  }
+  const auto claim_pieces = [&](StreamShare& share) {
+    for (int64_t i; (i = share.next.fetch_add(share.piece, std::memory_order_relaxed)) < share.steps;)
+      for (int64_t step = i; step < std::min(i + share.piece, share.steps); ++step) {
+        if (step < share.span)
+          f(Int<2>{}, share.begin + step, share.span);
+        else
+          f(Int<1>{}, share.begin + share.span + step, int64_t{0});
+      }
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) claim_pieces(shares[t]);
+    if (work_stealing())
+      for (int64_t other = 1; other < threads; ++other) claim_pieces(shares[(begin + other) % threads]);
+  });
+}
+
 template <int64_t X = 4, typename F>
 void with_rows(int64_t m, F&& f) {  // calls f(Int<m>) for m in 1 .. X (only those are instantiated)
   if constexpr (X > 1) {
@@ -248,16 +295,14 @@ inline void prefetch_step(const int8_t* const row_at[R], int64_t k, int64_t c) {
 // others (and every block otherwise) go four rows at a time, then the tail of n % 4 rows.
 template <int64_t X, typename F>
 void for_row_blocks(int64_t m, int64_t n, F&& f) {
-  at::parallel_for(0, n / 4, 1, [&](int64_t begin, int64_t end) {
-    for_tile_streams(begin, end, m, [&](auto streams, int64_t b, int64_t span) {
-      if constexpr (decltype(streams)::value == 2) {
-        for_x_chunks<TWO_STREAM_ROWS>(m, [&](auto m_c, int64_t m0) {
-          f(m_c, Int<8>{}, RowBlock{b * 4, span * 4}, m0);
-        });
-      } else {
-        for_x_chunks<X>(m, [&](auto m_c, int64_t m0) { f(m_c, Int<4>{}, RowBlock{b * 4, 0}, m0); });
-      }
-    });
+  parallel_streams(n / 4, m, [&](auto streams, int64_t b, int64_t span) {
+    if constexpr (decltype(streams)::value == 2) {
+      for_x_chunks<TWO_STREAM_ROWS>(m, [&](auto m_c, int64_t m0) {
+        f(m_c, Int<8>{}, RowBlock{b * 4, span * 4}, m0);
+      });
+    } else {
+      for_x_chunks<X>(m, [&](auto m_c, int64_t m0) { f(m_c, Int<4>{}, RowBlock{b * 4, 0}, m0); });
+    }
   });
   const int64_t tail = n % 4;
   if (tail)
@@ -940,12 +985,10 @@ at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const int32_t* wp = w.data_ptr<int32_t>();
   const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for_tile_streams(begin, end, m, [&](auto t_c, int64_t first, int64_t step) {
-      constexpr int T = decltype(t_c)::value;
-      for_x_chunks<MAX_ROWS / T>(m, [&](auto m_c, int64_t m0) {  // the tiles stay in cache from pass to pass
-        int4_dot_tiles<decltype(m_c)::value, T>(a, m0, wp, zp, k, group, first, step, op + m0 * n, n);
-      });
+  parallel_streams(tiles, m, [&](auto t_c, int64_t first, int64_t step) {
+    constexpr int T = decltype(t_c)::value;
+    for_x_chunks<MAX_ROWS / T>(m, [&](auto m_c, int64_t m0) {  // the tiles stay in cache from pass to pass
+      int4_dot_tiles<decltype(m_c)::value, T>(a, m0, wp, zp, k, group, first, step, op + m0 * n, n);
     });
   });
   return out;
@@ -1548,12 +1591,10 @@ at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const int32_t* wp = w.data_ptr<int32_t>();
   const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for_tile_streams(begin, end, m, [&](auto t_c, int64_t first, int64_t step) {
-      constexpr int T = decltype(t_c)::value;
-      for_x_chunks<MAX_ROWS / T>(m, [&](auto m_c, int64_t m0) {  // 4 rows x 1 tile: 8 sums in the 16 registers
-        int4_dot_tiles<VNNI, decltype(m_c)::value, T>(a, m0, wp, zp, k, group, first, step, op + m0 * n, n);
-      });
+  parallel_streams(tiles, m, [&](auto t_c, int64_t first, int64_t step) {
+    constexpr int T = decltype(t_c)::value;
+    for_x_chunks<MAX_ROWS / T>(m, [&](auto m_c, int64_t m0) {  // 4 rows x 1 tile: 8 sums in the 16 registers
+      int4_dot_tiles<VNNI, decltype(m_c)::value, T>(a, m0, wp, zp, k, group, first, step, op + m0 * n, n);
     });
   });
   return out;
@@ -2040,6 +2081,8 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("release_prefill_buffer() -> ()", &release_prefill_buffer);
   lib.def("weight_streams() -> int", &weight_streams);
   lib.def("set_weight_streams(int streams) -> ()", &set_weight_streams);
+  lib.def("work_stealing() -> bool", &work_stealing);
+  lib.def("set_work_stealing(bool on) -> ()", &set_work_stealing);
 }
 
 TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
