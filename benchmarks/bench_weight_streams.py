@@ -1,8 +1,11 @@
-"""Decode GEMVs reading one weight stream per thread against two (splice's default): the kernels alone at one and two
-threads and one and two rows (GB/s of weights read), then one engine per format (``--model``, llama-1b by default),
-its decode step compiled; the two settings (``native.use_weight_streams``) take turns within each round; decode tok/s per round.
+"""Decode GEMVs with one of their read settings on and off: one weight stream per thread against two (``--compare
+streams``, the default; ``native.use_weight_streams``), or static shares against threads taking each other's last
+pieces (``--compare stealing``; ``native.use_work_stealing``). First the kernels alone at one and two threads and one
+and two rows (GB/s of weights read), then one engine per format (``--model``, llama-1b by default), its decode step
+compiled; the two settings take turns within each round; decode tok/s per round.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_weight_streams.py --quant int4-sym,int4,int8
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_weight_streams.py --compare stealing --model smollm2-135m-instruct
 """
 from __future__ import annotations
 
@@ -22,29 +25,38 @@ from bench_decode_attention import engine_options, time_contexts  # the same eng
 LAYER_SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
 
 
-class WithStreams:
-    """An engine whose ``generate`` runs with ``streams`` weight streams per thread."""
+#: What --compare sets: (the setting's context manager, {label: value}, the baseline first, splice's default last).
+SETTINGS = {
+    "streams": (native.use_weight_streams, {"1 stream": 1, "2 streams": 2}),
+    "stealing": (native.use_work_stealing, {"static shares": False, "stealing": True}),
+}
 
-    def __init__(self, engine, streams: int):
-        self.engine, self.streams = engine, streams
+
+class WithSetting:
+    """An engine whose ``generate`` runs inside ``setting(value)``."""
+
+    def __init__(self, engine, setting, value):
+        self.engine, self.setting, self.value = engine, setting, value
 
     def generate(self, *args, **kwargs):
-        with native.use_weight_streams(self.streams):
+        with self.setting(self.value):
             return self.engine.generate(*args, **kwargs)
 
 
-def model_rounds(name: str, schemes: list[str], new: int, rounds: int) -> None:
+def model_rounds(name: str, schemes: list[str], new: int, rounds: int, compare: str = "streams") -> None:
+    setting, values = SETTINGS[compare]
     model = load_model(name, "bf16")
     vocab = model.config.vocab_size
     for scheme in schemes:
         engine = splice.init_inference(copy.deepcopy(model), replace_with_kernel_inject=True,
                                        max_out_tokens=128 + new + 8, compile_decode=True, **engine_options(scheme))
-        engines = {f"{streams} stream(s)": WithStreams(engine, streams) for streams in (1, 2)}
+        engines = {label: WithSetting(engine, setting, value) for label, value in values.items()}
         with torch.inference_mode():
             speeds = time_contexts(engines, torch.randint(0, vocab, (1, 128)), new, rounds)
-        one, two = (max(values) for values in speeds.values())
+        base, default = (max(values) for values in speeds.values())
         print(f"{scheme}: " + "; ".join(f"{name} " + ", ".join(f"{v:.2f}" for v in values) + " tok/s"
-                                      for name, values in speeds.items()) + f"; best {two / one:.2f}x", flush=True)
+                                      for name, values in speeds.items()) + f"; best {default / base:.2f}x",
+              flush=True)
         del engine, engines
 
 
@@ -65,7 +77,7 @@ def int8_layers(layers: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
             for n, k in LAYER_SHAPES * layers]
 
 
-def kernel_rounds(rows: int, rounds: int = 6) -> None:
+def kernel_rounds(rows: int, rounds: int = 6, compare: str = "streams") -> None:
     """int4 (symmetric g32), int8 and bf16 decode GEMVs over 11, 6 and 3 layers' worth of llama-1b weights."""
     torch.manual_seed(0)
     int4, int8 = int4_layers(11), int8_layers(6)
@@ -79,18 +91,21 @@ def kernel_rounds(rows: int, rounds: int = 6) -> None:
         "bf16_gemv": (lambda: [torch.ops.splice_kernels.bf16_gemv(x[k], w) for k, w in bf16],
                       sum(w.nbytes for _, w in bf16)),
     }
+    setting, values = SETTINGS[compare]
+    labels = list(values)
     for threads in (1, 2):
         torch.set_num_threads(threads)
         for name, (call, nbytes) in kernels.items():
-            best = {1: float("inf"), 2: float("inf")}
+            best = dict.fromkeys(labels, float("inf"))
             for round_ in range(rounds):
-                for streams in ((1, 2) if round_ % 2 else (2, 1)):
-                    with native.use_weight_streams(streams):
+                for label in (labels if round_ % 2 else labels[::-1]):
+                    with setting(values[label]):
                         start = time.perf_counter()
                         call()
-                        best[streams] = min(best[streams], time.perf_counter() - start)
-            print(f"{name}, {rows} row(s), {threads} thread(s): 1 stream {nbytes / best[1] / 1e9:.1f} GB/s, "
-                  f"2 streams {nbytes / best[2] / 1e9:.1f} GB/s, {best[1] / best[2]:.2f}x", flush=True)
+                        best[label] = min(best[label], time.perf_counter() - start)
+            print(f"{name}, {rows} row(s), {threads} thread(s): "
+                  + ", ".join(f"{label} {nbytes / best[label] / 1e9:.1f} GB/s" for label in labels)
+                  + f", {best[labels[0]] / best[labels[1]]:.2f}x", flush=True)
 
 
 def main() -> None:
@@ -101,6 +116,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--compare", choices=sorted(SETTINGS), default="streams",
+                        help="the setting taken on and off (default streams)")
     parser.add_argument("--kernels-only", action="store_true", help="skip the whole-model rounds")
     args = parser.parse_args()
     if not native.available():
@@ -110,10 +127,10 @@ def main() -> None:
     if bad:
         raise SystemExit(f"--quant {','.join(bad)}: allowed bf16, {', '.join(QUANT_SCHEMES)}")
     for rows in (1, 2):
-        kernel_rounds(rows)
+        kernel_rounds(rows, compare=args.compare)
     if not args.kernels_only:
         torch.set_num_threads(args.threads)
-        model_rounds(args.model, schemes, args.new, args.rounds)
+        model_rounds(args.model, schemes, args.new, args.rounds, args.compare)
 
 
 if __name__ == "__main__":
