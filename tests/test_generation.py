@@ -9,7 +9,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import splice
-from splice.generation import generate, plan_request
+from splice.generation import generate, pick, plan_request
 from splice.steps.fuse import inject
 
 from .arch.tiny_models import FAMILIES, build_family, padded_batch
@@ -219,3 +219,17 @@ def test_bf16_fidelity_on_real_text(record_property):
           f"splice {ppl_splice:.4f}; free-running greedy agrees for {first_divergence} of 48 tokens")
     assert agreement >= 0.95
     assert abs(ppl_splice - ppl_hf) / ppl_hf < 0.005
+
+
+def test_greedy_pick_is_argmax_with_its_ties_and_nans():
+    """The greedy token is ``torch.argmax``'s: the first of equal highest scores, a NaN where a row has one, over a
+    vocabulary-sized row and a small one."""
+    torch.manual_seed(0)
+    scores = torch.randn(5, 49152)
+    scores[1, [7, 300, 40000]] = scores[1].max() + 1  # ties: the first wins
+    scores[2, 12345] = float("nan")
+    scores[3] = 0.0  # all equal
+    scores[4, -1] = float("inf")
+    for rows in (scores, scores[:, :17].contiguous(), scores.bfloat16()):
+        assert torch.equal(pick(rows, do_sample=False), torch.argmax(rows, dim=-1))
+    assert pick(scores, do_sample=False)[1].item() == 7

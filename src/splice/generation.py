@@ -340,9 +340,11 @@ def prefill_positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def pick(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """The next token of each row: sampled, or the highest score's (the first of equal ones, as ``torch.argmax``;
+    ``max``'s indices are the same tokens, and on CPU its reduction is the cheaper one over a vocabulary)."""
     if do_sample:
         return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
-    return torch.argmax(scores, dim=-1)
+    return scores.max(dim=-1).indices
 
 
 def result(sequences: torch.Tensor, req: Request, scores: list, raw_logits: list):

@@ -99,7 +99,7 @@ class TokenPicker:
         """The next token for raw fp32 ``logits [vocab]``."""
         scores = self.penalise(logits)
         if self.params.greedy:
-            token = int(torch.argmax(scores))
+            token = int(scores.max(dim=-1).indices)  # argmax's token (the first of equal scores), found cheaper
         else:
             token = self.sample(scores)
         if self.counts is not None:
