@@ -9,7 +9,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import splice
-from splice.generation import generate, pick, plan_request
+from splice.generation import EosBannedBelowLength, generate, pick, plan_request
 from splice.steps.fuse import inject
 
 from .arch.tiny_models import FAMILIES, build_family, padded_batch
@@ -233,3 +233,25 @@ def test_greedy_pick_is_argmax_with_its_ties_and_nans():
     for rows in (scores, scores[:, :17].contiguous(), scores.bfloat16()):
         assert torch.equal(pick(rows, do_sample=False), torch.argmax(rows, dim=-1))
     assert pick(scores, do_sample=False)[1].item() == 7
+
+
+@pytest.mark.parametrize("eos_ids", ([2], [2, 5]))
+def test_eos_ban_gives_hugging_faces_minimum_length_scores(eos_ids):
+    """The scores of Hugging Face's MinLengthLogitsProcessor and MinNewTokensLengthLogitsProcessor, below, at and
+    past the length, for one eos id and several."""
+    from transformers.generation import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
+
+    torch.manual_seed(0)
+    eos = torch.tensor(eos_ids)
+    prompt, minimum = 6, 4
+    processors = ((MinLengthLogitsProcessor(prompt + minimum, eos_ids), EosBannedBelowLength(prompt + minimum, eos)),
+                  (MinNewTokensLengthLogitsProcessor(prompt, minimum, eos_ids),
+                   EosBannedBelowLength(prompt + minimum, eos)))
+    banned = 0
+    for length in range(prompt, prompt + minimum + 3):
+        ids, scores = torch.randint(0, 50, (3, length)), torch.randn(3, 50)
+        for theirs, ours in processors:
+            expected, got = theirs(ids, scores.clone()), ours(ids, scores.clone())
+            assert torch.equal(got, expected)
+            banned += bool(torch.isinf(got[:, eos_ids]).all())
+    assert banned == 2 * minimum  # every length below the minimum, for both

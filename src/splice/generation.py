@@ -1,5 +1,6 @@
 """splice's native generate loop for kernel-injected models: prefill, decode steps on a static KV cache, the logits
-processors Hugging Face would apply (its own public classes, in its order), sampling, stopping and streaming.
+processors Hugging Face would apply (its own public classes, in its order; its two minimum-length ones as one cheaper
+class with the same scores), sampling, stopping and streaming.
 
 ``generate(model, ...)`` takes Hugging Face's ``generate`` arguments and returns what it returns. A request the
 native loop does not implement (beam search, constraints, custom processors, ...) runs Hugging Face's ``generate`` on
@@ -17,9 +18,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 from transformers.generation import (
+    LogitsProcessor,
     LogitsProcessorList,
-    MinLengthLogitsProcessor,
-    MinNewTokensLengthLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
@@ -146,15 +146,14 @@ def logits_processors(config: GenerationConfig, attention_mask: torch.Tensor, pr
                       eos: torch.Tensor | None) -> LogitsProcessorList:
     """The processors Hugging Face builds for the native options, in its order."""
     processors = LogitsProcessorList()
-    device = attention_mask.device
     if config.repetition_penalty is not None and config.repetition_penalty != 1.0:
         padding = (attention_mask != 0).int().argmax(dim=1)
         penalty = float(config.repetition_penalty)
         processors.append(RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=padding))
     if eos is not None and config.min_length:
-        processors.append(MinLengthLogitsProcessor(config.min_length, eos, device=device))
+        processors.append(EosBannedBelowLength(config.min_length, eos))
     if eos is not None and config.min_new_tokens:
-        processors.append(MinNewTokensLengthLogitsProcessor(prompt_len, config.min_new_tokens, eos, device=device))
+        processors.append(EosBannedBelowLength(prompt_len + config.min_new_tokens, eos))
     if config.do_sample:
         if config.temperature is not None and config.temperature != 1.0:
             processors.append(TemperatureLogitsWarper(config.temperature))
@@ -163,6 +162,30 @@ def logits_processors(config: GenerationConfig, attention_mask: torch.Tensor, pr
         if config.top_p is not None and config.top_p < 1.0:
             processors.append(TopPLogitsWarper(top_p=config.top_p, min_tokens_to_keep=1))
     return processors
+
+
+def apply_processors(processors: LogitsProcessorList, input_ids: torch.Tensor | None,
+                     scores: torch.Tensor) -> torch.Tensor:
+    """``processors(input_ids, scores)`` for processors that take those two arguments alone (all the loop builds):
+    the same calls in the same order, without the signature lookup the list makes per processor and step."""
+    for processor in processors:
+        scores = processor(input_ids, scores)
+    return scores
+
+
+class EosBannedBelowLength(LogitsProcessor):
+    """Hugging Face's ``MinLengthLogitsProcessor`` (``length`` = ``min_length``) and
+    ``MinNewTokensLengthLogitsProcessor`` (``length`` = prompt + ``min_new_tokens``): the same scores, every eos id's
+    -inf while the sequences are shorter than ``length``. Theirs build a vocabulary-sized mask on every step, even
+    after ``length``; this sets the eos columns, and only until then."""
+
+    def __init__(self, length: int, eos: torch.Tensor):
+        self.length, self.eos = length, eos
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[-1] >= self.length:
+            return scores
+        return scores.index_fill(-1, self.eos.to(scores.device), -math.inf)
 
 
 def check_request_length(prompt_length: int, total: int, max_out_tokens: int) -> None:
@@ -308,7 +331,7 @@ def decode(runtime: SpliceCausalLM, req: Request, streamer=None, timer: ForwardT
     length = prompt_len
     while True:
         next_logits = logits.to(dtype=torch.float32, copy=True)
-        next_scores = req.processors(sequences[:, :length], next_logits)
+        next_scores = apply_processors(req.processors, sequences[:, :length], next_logits)
         tokens = pick(next_scores, req.do_sample)
         if req.eos is not None:
             tokens = tokens * unfinished + req.pad * (1 - unfinished)

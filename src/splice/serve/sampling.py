@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from ..generation import check_real
+from ..generation import apply_processors, check_real
 
 #: the most alternatives ``logprobs`` may ask for (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20
@@ -120,7 +120,7 @@ class TokenPicker:
         if self.generator is None:
             seed = self.params.seed if self.params.seed is not None else random.SystemRandom().randrange(2 ** 63)
             self.generator = torch.Generator(device=scores.device).manual_seed(seed)
-        warped = self.warpers(None, scores[None].clone())
+        warped = apply_processors(self.warpers, None, scores[None].clone())
         probs = torch.softmax(warped, dim=-1)
         return int(torch.multinomial(probs, num_samples=1, generator=self.generator))
 
