@@ -695,6 +695,47 @@ void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const a
                                                      static_cast<float>(scales[block.row(r)]));
 }
 
+// The two weight streams' eight rows (a RowBlock of blocks A = rows 0-3 and B = rows 4-7) walked as row r of A and
+// row r of B side by side over every column, then r + 1: each stream reads its block's rows one after another, k
+// bytes in sequence, with a software prefetch PREFETCH_BYTES ahead in it, rather than eight places at once as
+// int8_dot_rows<M, 8> does (which reads more slowly: docs/kernels.md). Each row's arithmetic is int8_dot_rows', so
+// the outputs are the same bits.
+template <int M>
+__attribute__((target("avx512vnni")))
+void int8_dot_row_pairs(const DotActivations& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k,
+                        RowBlock block, at::BFloat16* out, int64_t n_total) {
+  const int64_t steps = a.padded / DOT_STEP;
+  const int8_t* xq = a.q.data() + m0 * a.padded;
+  const float* xd = a.d.data() + m0 * steps * 16;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int r = 0; r < 4; ++r) {
+    const int64_t rows[2] = {block.row(r), block.row(4 + r)};
+    const int8_t* row_at[2] = {w + rows[0] * k, w + rows[1] * k};
+    __m512 acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < k; c += DOT_STEP) {
+      const int64_t left = k - c;
+      const __mmask64 mask = left >= DOT_STEP ? ~__mmask64(0) : ((__mmask64(1) << left) - 1);
+      __m512i wv[2];
+      for (int t = 0; t < 2; ++t) {
+        prefetch(row_at[t] + c + PREFETCH_BYTES);
+        wv[t] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, row_at[t] + c), flip);
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m512i xv = _mm512_loadu_si512(xq + m * a.padded + c);
+        const __m512 dv = _mm512_loadu_ps(xd + (m * steps + c / DOT_STEP) * 16);
+        for (int t = 0; t < 2; ++t)
+          acc[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[t], xv)), dv,
+                                      acc[m][t]);
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int t = 0; t < 2; ++t)
+        out[m * n_total + rows[t]] = at::BFloat16((_mm512_reduce_add_ps(acc[m][t]) - a.offset[m0 + m]) *
+                                                  static_cast<float>(scales[rows[t]]));
+  }
+}
+
 at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
   const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
   const DotActivations a = round_rows(x.data_ptr<at::BFloat16>(), m, k);
@@ -703,7 +744,10 @@ at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const int8_t* wp = w.data_ptr<int8_t>();
   auto* op = out.data_ptr<at::BFloat16>();
   for_row_blocks<MAX_ROWS>(m, n, [&](auto m_c, auto r_c, RowBlock rows, int64_t m0) {
-    int8_dot_rows<decltype(m_c)::value, decltype(r_c)::value>(a, m0, wp, sp, k, rows, op + m0 * n, n);
+    if constexpr (decltype(r_c)::value == 8)
+      int8_dot_row_pairs<decltype(m_c)::value>(a, m0, wp, sp, k, rows, op + m0 * n, n);
+    else
+      int8_dot_rows<decltype(m_c)::value, decltype(r_c)::value>(a, m0, wp, sp, k, rows, op + m0 * n, n);
   });
   return out;
 }
