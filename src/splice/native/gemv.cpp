@@ -490,6 +490,33 @@ void bf16_rows(const at::BFloat16* x, const at::BFloat16* w, int64_t k, RowBlock
     for (int r = 0; r < rows; ++r) out[m * n_total + block.row(r)] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]));
 }
 
+// The two weight streams' eight rows as row r of each block side by side, then r + 1, each stream sequential (as
+// int8_dot_row_pairs); each row's arithmetic is bf16_rows', so the outputs are the same bits.
+template <int M>
+void bf16_row_pairs(const at::BFloat16* x, const at::BFloat16* w, int64_t k, RowBlock block, at::BFloat16* out,
+                    int64_t n_total) {
+  for (int r = 0; r < 4; ++r) {
+    const int64_t rows[2] = {block.row(r), block.row(4 + r)};
+    const at::BFloat16* row_at[2] = {w + rows[0] * k, w + rows[1] * k};
+    __m512 acc[M][2];
+    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < k; c += 32) {
+      const int64_t left = k - c;
+      __m512i wv[2];
+      for (int t = 0; t < 2; ++t) {
+        prefetch(row_at[t] + c + PREFETCH_BYTES / 2);
+        wv[t] = load_bf16_pairs(row_at[t] + c, left);
+      }
+      for (int64_t m = 0; m < M; ++m) {
+        __m512bh xv = (__m512bh)load_bf16_pairs(x + m * k + c, left);
+        for (int t = 0; t < 2; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], xv, (__m512bh)wv[t]);
+      }
+    }
+    for (int64_t m = 0; m < M; ++m)
+      for (int t = 0; t < 2; ++t) out[m * n_total + rows[t]] = at::BFloat16(_mm512_reduce_add_ps(acc[m][t]));
+  }
+}
+
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
   auto out = at::empty({m, n}, x.options());
@@ -497,7 +524,10 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   const auto* wp = w.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
   for_row_blocks<MAX_ROWS>(m, n, [&](auto m_c, auto r_c, RowBlock rows, int64_t m0) {
-    bf16_rows<decltype(m_c)::value, decltype(r_c)::value>(xp + m0 * k, wp, k, rows, op + m0 * n, n);
+    if constexpr (decltype(r_c)::value == 8)
+      bf16_row_pairs<decltype(m_c)::value>(xp + m0 * k, wp, k, rows, op + m0 * n, n);
+    else
+      bf16_rows<decltype(m_c)::value, decltype(r_c)::value>(xp + m0 * k, wp, k, rows, op + m0 * n, n);
   });
   return out;
 }
