@@ -311,6 +311,19 @@ void for_row_blocks(int64_t m, int64_t n, F&& f) {
     });
 }
 
+// The two weight streams' rows of a RowBlock of eight (blocks A = rows 0-3 and B = rows 4-7) as pairs: f(the two row
+// indices, their pointers) for row r of A and row r of B, r = 0 .. 3. A kernel that walks each pair over every column
+// before the next reads each stream's rows one after another, in sequence, where walking all eight rows at each step
+// reads eight places at once, which is slower (docs/kernels.md).
+template <typename T, typename F>
+void for_row_pairs(const T* w, int64_t k, RowBlock block, F&& f) {
+  for (int r = 0; r < 4; ++r) {
+    const int64_t rows[2] = {block.row(r), block.row(4 + r)};
+    const T* row_at[2] = {w + rows[0] * k, w + rows[1] * k};
+    f(rows, row_at);
+  }
+}
+
 // ---- int8 activations for the int4 integer dot products (AVX-512 and AVX2 alike) ------------------------------------
 // Both int4_dot_gemv kernels take x rounded to int8 per row and block of DOT_BLOCK columns (each level's round_rows,
 // the same arithmetic: d = block's absolute max / 127, q = round(x / d) in -127..127), rearranged here once per call
@@ -490,14 +503,12 @@ void bf16_rows(const at::BFloat16* x, const at::BFloat16* w, int64_t k, RowBlock
     for (int r = 0; r < rows; ++r) out[m * n_total + block.row(r)] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]));
 }
 
-// The two weight streams' eight rows as row r of each block side by side, then r + 1, each stream sequential (as
-// int8_dot_row_pairs); each row's arithmetic is bf16_rows', so the outputs are the same bits.
+// The two weight streams' eight rows as pairs (for_row_pairs), each stream prefetched in itself; each row's
+// arithmetic is bf16_rows', so the outputs are the same bits.
 template <int M>
 void bf16_row_pairs(const at::BFloat16* x, const at::BFloat16* w, int64_t k, RowBlock block, at::BFloat16* out,
                     int64_t n_total) {
-  for (int r = 0; r < 4; ++r) {
-    const int64_t rows[2] = {block.row(r), block.row(4 + r)};
-    const at::BFloat16* row_at[2] = {w + rows[0] * k, w + rows[1] * k};
+  for_row_pairs(w, k, block, [&](const int64_t rows[2], const at::BFloat16* const row_at[2]) {
     __m512 acc[M][2];
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t c = 0; c < k; c += 32) {
@@ -514,7 +525,7 @@ void bf16_row_pairs(const at::BFloat16* x, const at::BFloat16* w, int64_t k, Row
     }
     for (int64_t m = 0; m < M; ++m)
       for (int t = 0; t < 2; ++t) out[m * n_total + rows[t]] = at::BFloat16(_mm512_reduce_add_ps(acc[m][t]));
-  }
+  });
 }
 
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
@@ -725,11 +736,8 @@ void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const a
                                                      static_cast<float>(scales[block.row(r)]));
 }
 
-// The two weight streams' eight rows (a RowBlock of blocks A = rows 0-3 and B = rows 4-7) walked as row r of A and
-// row r of B side by side over every column, then r + 1: each stream reads its block's rows one after another, k
-// bytes in sequence, with a software prefetch PREFETCH_BYTES ahead in it, rather than eight places at once as
-// int8_dot_rows<M, 8> does (which reads more slowly: docs/kernels.md). Each row's arithmetic is int8_dot_rows', so
-// the outputs are the same bits.
+// The two weight streams' eight rows as pairs (for_row_pairs), each pair over every column, with a software prefetch
+// PREFETCH_BYTES ahead in each stream. Each row's arithmetic is int8_dot_rows', so the outputs are the same bits.
 template <int M>
 __attribute__((target("avx512vnni")))
 void int8_dot_row_pairs(const DotActivations& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k,
@@ -738,9 +746,7 @@ void int8_dot_row_pairs(const DotActivations& a, int64_t m0, const int8_t* w, co
   const int8_t* xq = a.q.data() + m0 * a.padded;
   const float* xd = a.d.data() + m0 * steps * 16;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int r = 0; r < 4; ++r) {
-    const int64_t rows[2] = {block.row(r), block.row(4 + r)};
-    const int8_t* row_at[2] = {w + rows[0] * k, w + rows[1] * k};
+  for_row_pairs(w, k, block, [&](const int64_t rows[2], const int8_t* const row_at[2]) {
     __m512 acc[M][2];
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t c = 0; c < k; c += DOT_STEP) {
@@ -763,7 +769,7 @@ void int8_dot_row_pairs(const DotActivations& a, int64_t m0, const int8_t* w, co
       for (int t = 0; t < 2; ++t)
         out[m * n_total + rows[t]] = at::BFloat16((_mm512_reduce_add_ps(acc[m][t]) - a.offset[m0 + m]) *
                                                   static_cast<float>(scales[rows[t]]));
-  }
+  });
 }
 
 at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
@@ -1301,7 +1307,9 @@ inline __m256 widen(const at::BFloat16* p) { return bf16x8_to_f32(p); }
 inline __m256 widen(const int8_t* p) { return int8x8_to_f32(p); }
 
 // Four weight rows (R) against M rows of x; 32 columns per step, then 8 at a time, then one: sums[m][r] in float32.
-template <int M, int R, typename T>
+// APART: the rows are far apart (one per weight stream, as the row pairs below walk them), each prefetched
+// PREFETCH_BYTES ahead in itself; else they are a block's neighbours (prefetch_step).
+template <int M, int R, typename T, bool APART = false>
 void rows_dot(const float* x, const T* const row_at[R], int64_t k, float sums[M][R]) {
   __m256 acc[M][R];
   for (int m = 0; m < M; ++m)
@@ -1309,7 +1317,11 @@ void rows_dot(const float* x, const T* const row_at[R], int64_t k, float sums[M]
   const int64_t k32 = k / 32 * 32, k8 = k / 8 * 8;
   int64_t c = 0;
   for (; c < k32; c += 32) {
-    prefetch_step<R, 32>(row_at, k, c);
+    if constexpr (APART) {
+      for (int r = 0; r < R; ++r) prefetch(row_at[r] + c + PREFETCH_BYTES / sizeof(T));
+    } else {
+      prefetch_step<R, 32>(row_at, k, c);
+    }
     for (int64_t j = 0; j < 32; j += 8) {
       __m256 wv[R];
       for (int r = 0; r < R; ++r) wv[r] = widen(row_at[r] + c + j);
@@ -1338,12 +1350,21 @@ void rows_dot(const float* x, const T* const row_at[R], int64_t k, float sums[M]
 template <int M, int R>
 void bf16_rows(const float* x, const at::BFloat16* w, int64_t k, RowBlock block, at::BFloat16* out,
                int64_t n_total) {
-  const at::BFloat16* row_at[R];
-  row_pointers<R>(w, k, block, row_at);
-  float sums[M][R];
-  rows_dot<M, R>(x, row_at, k, sums);
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) out[m * n_total + block.row(r)] = at::BFloat16(sums[m][r]);
+  if constexpr (R == 8) {
+    for_row_pairs(w, k, block, [&](const int64_t rows[2], const at::BFloat16* const row_at[2]) {
+      float sums[M][2];
+      rows_dot<M, 2, at::BFloat16, true>(x, row_at, k, sums);
+      for (int m = 0; m < M; ++m)
+        for (int t = 0; t < 2; ++t) out[m * n_total + rows[t]] = at::BFloat16(sums[m][t]);
+    });
+  } else {
+    const at::BFloat16* row_at[R];
+    row_pointers<R>(w, k, block, row_at);
+    float sums[M][R];
+    rows_dot<M, R>(x, row_at, k, sums);
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < R; ++r) out[m * n_total + block.row(r)] = at::BFloat16(sums[m][r]);
+  }
 }
 
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
@@ -1362,6 +1383,8 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
 template <int M, int R>
 void int8_rows(const float* x, const int8_t* w, const at::BFloat16* scales, int64_t k, RowBlock block,
                at::BFloat16* out, int64_t n_total) {
+  // all eight rows at once even for two streams: widening int8 to float costs more arithmetic per byte than bf16, and
+  // a row pair's two multiply-add chains alone cannot keep up with the reads (docs/kernels.md)
   const int8_t* row_at[R];
   row_pointers<R>(w, k, block, row_at);
   float sums[M][R];
@@ -1457,16 +1480,14 @@ void int8_dot_rows(const DotRows& a, int64_t m0, const int8_t* w, const at::BFlo
                                                      static_cast<float>(scales[block.row(r)]));
 }
 
-// The two weight streams' eight rows as row r of each block side by side, then r + 1, each stream sequential (as
-// avx512::int8_dot_row_pairs); each row's arithmetic is int8_dot_rows', so the outputs are the same bits.
+// The two weight streams' eight rows as pairs (for_row_pairs), each stream prefetched in itself; each row's
+// arithmetic is int8_dot_rows', so the outputs are the same bits.
 template <bool VNNI, int M>
 void int8_dot_row_pairs(const DotRows& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k,
                         RowBlock block, at::BFloat16* out, int64_t n_total) {
   const int64_t blocks = k / DOT_BLOCK;
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int r = 0; r < 4; ++r) {
-    const int64_t rows[2] = {block.row(r), block.row(4 + r)};
-    const int8_t* row_at[2] = {w + rows[0] * k, w + rows[1] * k};
+  for_row_pairs(w, k, block, [&](const int64_t rows[2], const int8_t* const row_at[2]) {
     __m256 acc[M][2];
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
@@ -1491,7 +1512,7 @@ void int8_dot_row_pairs(const DotRows& a, int64_t m0, const int8_t* w, const at:
     for (int m = 0; m < M; ++m)
       for (int t = 0; t < 2; ++t)
         out[m * n_total + rows[t]] = at::BFloat16(horizontal_sum(acc[m][t]) * static_cast<float>(scales[rows[t]]));
-  }
+  });
 }
 
 template <bool VNNI>
