@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
 
-from ..generation import apply_processors, check_real
+from ..generation import apply_processors, check_real, pick
 
 #: the most alternatives ``logprobs`` may ask for (OpenAI's limit)
 MAX_TOP_LOGPROBS = 20
@@ -99,7 +99,7 @@ class TokenPicker:
         """The next token for raw fp32 ``logits [vocab]``."""
         scores = self.penalise(logits)
         if self.params.greedy:
-            token = int(scores.max(dim=-1).indices)  # argmax's token (the first of equal scores), found cheaper
+            token = int(pick(scores, do_sample=False))
         else:
             token = self.sample(scores)
         if self.counts is not None:
