@@ -54,10 +54,11 @@ def test_text_generation_pipeline_snippet(dtype, inject, reference_ids):
     assert text.startswith(PROMPTS[0]) and len(text) > len(PROMPTS[0])
 
 
-def test_fp16_on_a_cpu_without_fp16_math_runs_and_names_bf16(reference_ids):
+def test_fp16_on_a_cpu_without_fp16_math_runs_and_names_the_dtype_it_computes_in(reference_ids):
     """On a Zen-4-like CPU fp16 with kernel injection runs (no oneDNN packing, which needs AVX512-FP16: torch's
     converting GEMV for decode, an fp32 GEMM on widened weights for prompts) and gives the fp32 tokens; the check
-    phase warns that bf16 is the dtype this CPU computes in."""
+    phase warns that bf16 is the dtype this CPU computes in (fp32 on a CPU without AVX512-BF16 either, such as an
+    AVX2-only one, which the emulation cannot add features to)."""
     script = (
         "import json, sys, warnings, torch; sys.path.insert(0, sys.argv[1])\n"
         "from transformers import pipeline\n"
@@ -70,7 +71,8 @@ def test_fp16_on_a_cpu_without_fp16_math_runs_and_names_bf16(reference_ids):
         "                                          replace_with_kernel_inject=True)\n"
         "print(json.dumps({'ids': generated_ids(pipe), 'warnings': [str(w.message) for w in caught],\n"
         "                  'kernel': pipe.model.step_report('kernels').float_linears.kernel,\n"
-        "                  'fp16_supported': torch.ops.mkldnn._is_mkldnn_fp16_supported()}))\n")
+        "                  'fp16_supported': torch.ops.mkldnn._is_mkldnn_fp16_supported(),\n"
+        "                  'bf16_supported': torch.ops.mkldnn._is_mkldnn_bf16_supported()}))\n")
     env = {**os.environ, **ZEN4, "PYTHONPATH": str(ROOT / "src")}
     done = subprocess.run([sys.executable, "-c", script, str(ROOT)], capture_output=True, text=True, env=env,
                           timeout=300)
@@ -78,7 +80,8 @@ def test_fp16_on_a_cpu_without_fp16_math_runs_and_names_bf16(reference_ids):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["fp16_supported"] is False  # the emulation took: oneDNN sees no fp16 arithmetic
     assert result["kernel"] == "widened"
-    assert any("torch.bfloat16" in w and "float16" in w for w in result["warnings"]), result["warnings"]
+    faster = "dtype=torch.bfloat16" if result["bf16_supported"] else "dtype=torch.float32"
+    assert any("dtype=torch.float16" in w and faster in w for w in result["warnings"]), result["warnings"]
     assert_agree(result["ids"], reference_ids, torch.half)
 
 

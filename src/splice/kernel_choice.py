@@ -8,7 +8,8 @@ builds its layers for the chosen kernel, the kernels step wraps the float linear
 kernel     what computes
 =========  =============================================================================================================
 native     splice's own GEMVs (``splice.native``: AVX2, AVX-512, AMX) for decode rows; one oneDNN GEMM above the level's
-           row limit (``native.MAX_ROWS``)
+           row limit (``native.MAX_ROWS``), or float32 GEMMs on widened slabs of the weight where oneDNN has no bf16
+           arithmetic (``native.prompts_widened``)
 packed     float linears only: a weight pre-packed for oneDNN (``layers.packed_linear``)
 widened    float linears only, fp16 on a CPU without fp16 arithmetic: torch's GEMV for decode, the weight widened
            to fp32 for one GEMM for prompts (``layers.widened_linear``)
@@ -54,8 +55,8 @@ class KernelChoice:
 def float_kernel(dtype: torch.dtype | None, device: torch.device) -> KernelChoice:
     """How a fused model's float linears (and those quantization leaves in float) compute."""
     if dtype is not None and can_use_native(dtype, device):
-        return KernelChoice("native", f"bf16 on CPU: splice's bf16 GEMV up to {native.MAX_ROWS['bf16']} rows, one "
-                                      f"oneDNN GEMM above; {native_level()}")
+        return KernelChoice("native", f"bf16 on CPU: splice's bf16 GEMV up to {native.MAX_ROWS['bf16']} rows, "
+                                      f"{prompt_gemm()} above; {native_level()}")
     if dtype is not None and can_pack(dtype, device):
         return KernelChoice("packed", f"{dtype} on CPU without splice's native bf16 GEMV ({why_not_native(device)}): "
                                       "oneDNN-packed weights")
@@ -63,6 +64,13 @@ def float_kernel(dtype: torch.dtype | None, device: torch.device) -> KernelChoic
         return KernelChoice("widened", f"{dtype} on a CPU without {dtype} arithmetic: torch's converting GEMV for "
                                        "decode, an fp32 GEMM on the widened weight for prompts")
     return KernelChoice("torch", f"{dtype} on {torch.device(device).type}: torch's own linear")
+
+
+def prompt_gemm() -> str:
+    """How the native layers multiply prompts (more rows than their GEMVs take), in words."""
+    if native.prompts_widened():
+        return "float32 GEMMs on slabs of the widened weight (oneDNN has no bf16 arithmetic on this CPU)"
+    return "one oneDNN GEMM"
 
 
 def attention_kernel(dtype: torch.dtype | None, device: torch.device | str) -> KernelChoice:
@@ -87,7 +95,7 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
         if kind == "int8_dynamic":  # its activations are rounded anyway: always on integer dot products
             return KernelChoice("native", f"activations rounded to int8 per block of 32, splice's int8 GEMV on "
                                           f"integer dot products ({dot_instructions()}) up to {limit} rows, "
-                                          f"de-quantise + one oneDNN GEMM above; {native_level()}")
+                                          f"de-quantise + {prompt_gemm()} above; {native_level()}")
         dot = dot_products()
         if dot:
             bits = ROW_LIMIT_OF[kind]
@@ -98,10 +106,10 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
                 tiles = f" (from {first} rows, AMX tiles on x as it is)"
             return KernelChoice("native", f"splice's {bits} GEMV up to {limit} rows on integer dot products "
                                           f"({dot}; each row of activations rounded to int8 per block of 32)"
-                                          f"{tiles}, de-quantise + one oneDNN GEMM above; {native_level()}",
+                                          f"{tiles}, de-quantise + {prompt_gemm()} above; {native_level()}",
                                 dot_products=True)
         return KernelChoice("native", f"splice's {ROW_LIMIT_OF[kind]} GEMV up to {limit} rows, de-quantise + "
-                                      f"one oneDNN GEMM above; {native_level()}")
+                                      f"{prompt_gemm()} above; {native_level()}")
     return KernelChoice("torch", f"torch's {'int4' if kind == 'int4_weight_only' else 'int8'} kernels for "
                                  f"{device.type} ({why_not_native(device)})")
 

@@ -24,6 +24,8 @@ ISA_FEATURES = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx51
 NATIVE_ENV = ("SPLICE_NATIVE_KERNELS", "SPLICE_NATIVE_ISA", "SPLICE_NATIVE_AMX")
 THP_MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 PREFILL_WHY = "prefill: the weight de-quantised to bf16 into a kept buffer, then one GEMM"
+WIDENED_WHY = ("no bf16 arithmetic in oneDNN on this CPU: float32 GEMMs, each on a slab of the weight widened into a "
+               "small kept buffer")
 
 
 def describe_machine() -> dict[str, Any]:
@@ -195,7 +197,8 @@ def bf16_native_rows() -> list[dict[str, Any]]:
     return _ranges("bf16, kernel injection", [
         (native.MAX_ROWS["bf16"], "splice_kernels.bf16_gemv",
          f"NativeLinear: native GEMV ({_vector_description()} vector code) streams the weight for decode rows"),
-        (None, "F.linear (oneDNN GEMM)", "NativeLinear, prefill: one oneDNN GEMM beats a GEMV per row")])
+        (None, "splice_kernels.widened_linear", f"NativeLinear, prefill: {WIDENED_WHY}") if native.prompts_widened()
+        else (None, "F.linear (oneDNN GEMM)", "NativeLinear, prefill: one oneDNN GEMM beats a GEMV per row")])
 
 
 def bf16_torch_rows() -> list[dict[str, Any]]:
@@ -246,14 +249,18 @@ def int8_native_rows() -> list[dict[str, Any]]:
     steps = steps + [
         (torch_max, "torch._weight_int8pack_mm",
          f"torch's int8 GEMV (K a multiple of {kernels.INT8PACK_CPU_K_MULTIPLE}; other K: int8_linear)"),
-        (None, "splice_kernels.int8_linear", PREFILL_WHY)]
+        (None, "splice_kernels.int8_linear", _prefill_why())]
     return _ranges("int8 weight-only, per channel", steps)
 
 
 def int4_native_rows() -> list[dict[str, Any]]:
     steps = _amx_split(native.MAX_ROWS["int4"], _decode_op("int4")) + [
-        (None, "splice_kernels.int4_linear", PREFILL_WHY)]
+        (None, "splice_kernels.int4_linear", _prefill_why())]
     return _ranges("int4 weight-only", steps)
+
+
+def _prefill_why() -> str:
+    return f"prefill: {WIDENED_WHY}" if native.prompts_widened() else PREFILL_WHY
 
 
 def _amx_split(native_max: int, op: str) -> list[tuple[int | None, str, str]]:

@@ -27,6 +27,25 @@ def test_native_linear_matches_the_float_product_at_every_row_count(bias):
         torch.testing.assert_close(wrapped(x).float(), expected, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_prompts_without_bf16_arithmetic_take_the_widened_float32_gemms(monkeypatch, bias):
+    """A layer built where oneDNN has no bf16 arithmetic multiplies prompts on ``widened_linear``; decode rows keep
+    the native GEMV."""
+    from splice import native
+    monkeypatch.setattr(native, "prompts_widened", lambda: True)
+    linear = nn.Linear(200, 70, bias=bias).to(torch.bfloat16)
+    wrapped = NativeLinear(linear)
+    calls, op = [], torch.ops.splice_kernels.widened_linear
+    monkeypatch.setattr(torch.ops.splice_kernels, "widened_linear", lambda x, w: calls.append(x.shape) or op(x, w))
+    for rows in (1, 16):
+        x = torch.randn(rows, 1, 200).to(torch.bfloat16)
+        expected = x.float() @ linear.weight.float().T + (linear.bias.float() if bias else 0)
+        out = wrapped(x)
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, 1, 70)
+        torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+    assert calls == [(16, 200)] and "prompts: float32 GEMMs on widened slabs" in repr(wrapped)
+
+
 def test_can_use_native_only_for_bf16_on_cpu():
     assert not can_use_native(torch.float32, torch.device("cpu"))
     assert not can_use_native(torch.float16, torch.device("cpu"))

@@ -57,3 +57,26 @@ def test_fp16_injection_without_fp16_arithmetic_widens_every_float_linear(monkey
     ids = torch.tensor([[5, 17, 33, 9, 71, 4] * 3])  # a prompt past WIDEN_FROM_ROWS, then decode rows
     expected = reference.generate(ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(engine.generate(ids, max_new_tokens=8, do_sample=False), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prompts_in_float32_widens_16_bit_linears_inside_the_block_only(monkeypatch, dtype):
+    """Every plain 16-bit ``nn.Linear`` multiplies in float32 inside the block (the products and float32 sums of a
+    16-bit GEMM, output in the input's dtype); hooks still fire, and the class's forward is back afterwards."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 32, bias=False)).to(dtype)
+    x = torch.randn(2, 24, 64).to(dtype)
+    hooked = []
+    model[2].register_forward_hook(lambda module, inputs, output: hooked.append(inputs[0].shape))
+    hidden = F.linear(x.float(), model[0].weight.float(), model[0].bias.float()).to(dtype).relu()
+    expected = F.linear(hidden.float(), model[2].weight.float()).to(dtype)
+    monkeypatch.setattr(widened_linear, "onednn_computes_in", lambda d: False)
+    with widened_linear.prompts_in_float32(model) as count:
+        assert count == 2 and "forward" in vars(model[0])
+        got = model(x)
+    assert got.dtype == dtype and hooked == [(2, 24, 96)]
+    torch.testing.assert_close(got, expected)  # float32 products and sums, rounded once (the sums' order may differ)
+    assert "forward" not in vars(model[0]) and "forward" not in vars(model[2])
+    monkeypatch.setattr(widened_linear, "onednn_computes_in", lambda d: True)
+    with widened_linear.prompts_in_float32(model) as count:
+        assert count == 0  # a CPU with the arithmetic keeps the 16-bit GEMM

@@ -307,6 +307,73 @@ def test_int8_linear_converts_the_codes_exactly(isa, shape):
     torch.testing.assert_close(torch.ops.splice_kernels.int8_linear(x, q, scales), expected, rtol=0, atol=0)
 
 
+# Prefill on a CPU without bf16 arithmetic: float32 GEMMs a slab of widened weight rows at a time (2 MiB of float32
+# per slab: 256 rows at K = 2048, so N = 600 takes two whole slabs and a part).
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n, k", [(600, 2048), (37, 100)])
+def test_widened_linear_is_the_float32_product(isa, dtype, n, k):
+    x, w = torch.randn(20, k), torch.randn(n, k).to(dtype)
+    got = torch.ops.splice_kernels.widened_linear(x, w)
+    assert got.dtype == torch.float32 and got.shape == (20, n)
+    torch.testing.assert_close(got, x @ w.float().T, rtol=1e-5, atol=1e-4)
+    assert torch.ops.splice_kernels.widened_linear(x.to(dtype), w).dtype == dtype  # the output in x's dtype
+
+
+@needs_native
+def test_widened_slabs_made_in_inference_mode_serve_calls_outside_it():
+    """The kept slab buffer may be made inside ``torch.inference_mode`` (generate) and written by a later call outside
+    it, also with a weight that requires grad; the result is an ordinary tensor (not an inference one)."""
+    native.release_prefill_buffer()
+    x, w = torch.randn(8, 64), torch.randn(32, 64).bfloat16()
+    with torch.inference_mode():
+        torch.ops.splice_kernels.widened_linear(x, w)
+    w.requires_grad_(True)
+    got = torch.ops.splice_kernels.widened_linear(x, w)
+    assert not got.is_inference()
+    torch.testing.assert_close(got.detach(), x @ w.detach().float().T)
+    with torch.no_grad():
+        got = torch.ops.splice_kernels.widened_linear(x, w).add_(1)  # in place, outside inference mode
+    torch.testing.assert_close(got, x @ w.detach().float().T + 1)
+
+
+@needs_native
+@pytest.mark.parametrize("n, k", [(600, 2048), (37, 100)])
+def test_int8_linear_widened_is_the_float32_product_of_the_codes(isa, n, k):
+    q, scales = torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16()
+    x = torch.randn(24, k).bfloat16()
+    expected = (x.float() @ q.float().T) * scales.float()
+    got = torch.ops.splice_kernels.int8_linear(x, q, scales, True)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.bfloat16().float(), rtol=1e-2, atol=1e-2)
+    bf16_gemm = torch.ops.splice_kernels.int8_linear(x, q, scales)
+    assert relative_error(got, bf16_gemm.float()) < 1e-2  # the same product as the bf16 GEMM's
+
+
+@needs_native
+@pytest.mark.parametrize("n, k, group", [(640, 2048, 32), (48, 96, 32), (32, 120, 24)])
+def test_int4_linear_widened_multiplies_the_bf16_dequantized_weight(isa, n, k, group):
+    """The slabs hold the same bf16 weight ``int4_dequantize`` gives (rows a whole number of tiles), widened."""
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales_and_zeros = torch.randn(k // group, n, 2).bfloat16() * 0.05
+    w, sz = native.int4_tile_pack(q), native.int4_tile_scales(scales_and_zeros)
+    x = torch.randn(24, k).bfloat16()
+    expected = x.float() @ torch.ops.splice_kernels.int4_dequantize(w, sz, group).float().T
+    got = torch.ops.splice_kernels.int4_linear(x, w, sz, group, True)
+    torch.testing.assert_close(got.float(), expected.bfloat16().float(), rtol=1e-2, atol=1e-2)
+
+
+def test_prompts_are_widened_where_onednn_lacks_bf16_arithmetic():
+    """Emulated with oneDNN capped at AVX2 (oneDNN then has no bf16 GEMM): the native layers take the widened path."""
+    script = ("import torch; from splice import native; "
+              "print(native.prompts_widened(), torch.ops.mkldnn._is_mkldnn_bf16_supported())")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "False"]
+    assert native.prompts_widened() == (not torch.ops.mkldnn._is_mkldnn_bf16_supported())  # this CPU as it is
+
+
 @needs_native
 @pytest.mark.parametrize("n, k, group", [(48, 96, 32), (80, 160, 32), (112, 192, 64), (16, 384, 128), (208, 640, 128),
                                          (32, 120, 24), (48, 40, 8)])

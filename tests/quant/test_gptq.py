@@ -66,6 +66,28 @@ def test_quantize_with_calibration_ids_uses_the_model_forward():
         assert sqnr_db(reference, model(ids)) > sqnr_db(reference, rtn_model(ids))
 
 
+@pytest.mark.parametrize("quantize_head", [False, True])
+def test_calibration_skips_the_head_product_only_when_the_head_is_not_calibrated(monkeypatch, quantize_head):
+    """A Hugging Face model computes each sequence's last logits only (``logits_to_keep=1``) unless the head itself
+    is calibrated (``quantize_lm_head``); the blocks' Hessians are the same either way."""
+    from ..conftest import build_tiny, tiny_llama_config
+
+    torch.manual_seed(0)
+    model, ids = build_tiny(tiny_llama_config()), torch.randint(0, 100, (2, 16))
+    targets = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
+    full = gptq.run_calibration(model, ids, targets)
+    assert full["lm_head"] is not None
+    blocks = {name: m for name, m in targets.items() if name != "lm_head"}
+    down, head_rows = "model.layers.0.mlp.down_proj", []
+    model.lm_head.register_forward_hook(lambda module, inputs, output: head_rows.append(inputs[0].shape[1]))
+    torch.testing.assert_close(gptq.run_calibration(model, ids, blocks, head_needed=False)[down], full[down])
+    assert head_rows == [1]  # the last token of each sequence only
+    seen = []
+    monkeypatch.setattr(gptq, "run_calibration", lambda *a, **k: seen.append(k["head_needed"]) or full)
+    quantize(model, QuantConfig(bits=4, group_size=32, quantize_lm_head=quantize_head), calibration_ids=ids)
+    assert seen == [quantize_head]
+
+
 def test_linears_called_on_the_same_input_share_one_hessian():
     x = torch.randn(10, 8)
     a, b, c = nn.Linear(8, 4), nn.Linear(8, 4), nn.Linear(4, 4)

@@ -205,6 +205,24 @@ def test_native_kernel_matches_dequantized_weights(scheme, rows):
 
 
 @needs_native
+@pytest.mark.parametrize("widened", [False, True], ids=["bf16-gemm", "widened"])
+@pytest.mark.parametrize("scheme", ["int8", "w8a8", "int4-g32", "int4-g64-asym"])
+def test_native_prefill_widens_where_the_cpu_has_no_bf16_arithmetic(monkeypatch, scheme, widened):
+    """Layers built where ``native.prompts_widened`` (no bf16 GEMM in oneDNN) pass ``widen`` to the prefill op, and
+    multiply the same weights either way."""
+    monkeypatch.setattr(native, "prompts_widened", lambda: widened)
+    linear, layer = _layer(scheme)
+    assert layer.widen_prompts == widened
+    x = torch.randn(40, linear.in_features)
+    expected = F.linear(_reference_input(x, scheme), layer.dequantize(), linear.bias)
+    op = "int8_linear" if scheme in DECODE_OP else "int4_linear"
+    with _spy(op) as prefill:
+        out = layer(x)
+    assert prefill.call_count == 1 and prefill.call_args.args[-1] is widened
+    assert (out - expected).norm() / expected.norm() < 1e-2
+
+
+@needs_native
 @pytest.mark.parametrize("rows", NATIVE_ROWS)
 def test_int8_decode_rows_on_dot_products_round_activations_per_block(rows):
     """``dot_products`` (the kernel choice where the CPU has VNNI): decode rows are rounded per block of 32 and summed

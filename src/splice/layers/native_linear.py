@@ -3,7 +3,8 @@
 The weight stays a plain ``[out, in]`` tensor — the very tensor the model had, so a tied lm_head keeps sharing the
 embedding table, nothing is copied, and the layer saves and deep-copies like ``nn.Linear``. Up to
 ``native.MAX_ROWS["bf16"]`` rows of input go to the native kernel (it streams the weight at memory speed); more rows
-(prefill) go to ``F.linear``, whose oneDNN/AMX GEMM wins there.
+(prefill) go to ``F.linear``, whose oneDNN/AMX GEMM wins there, or, on a CPU without bf16 arithmetic
+(``native.prompts_widened``), to float32 GEMMs on slabs of the widened weight (``splice_kernels.widened_linear``).
 """
 from __future__ import annotations
 
@@ -30,17 +31,24 @@ class NativeLinear(nn.Module):
             weight = nn.Parameter(weight.detach().contiguous(), requires_grad=False)
         self.weight = weight
         self.bias = linear.bias
+        self.widen_prompts = native.prompts_widened()  # fixed when built: a traced forward cannot ask
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if not native.fits("bf16", rows):
-            return F.linear(x, self.weight, self.bias)
+            if not self.widen_prompts or x.device.type != "cpu":
+                return F.linear(x, self.weight, self.bias)
+            out = torch.ops.splice_kernels.widened_linear(rows.float(), self.weight)
+            if self.bias is not None:
+                out = out + self.bias.float()
+            return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # rounded once, as F.linear
         out = torch.ops.splice_kernels.bf16_gemv(rows.contiguous(), self.weight)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        prompts = "float32 GEMMs on widened slabs" if self.widen_prompts else "F.linear"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                "native bf16 GEMV")
+                f"native bf16 GEMV, prompts: {prompts}")
 

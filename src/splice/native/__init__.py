@@ -372,9 +372,11 @@ def _register_fakes() -> None:
         lambda x, w, scales_and_zeros, group: fake_rows(x, w.shape[0] * INT4_TILE))
     torch.library.register_fake("splice_kernels::int4_dot_gemv")(
         lambda x, w, scales_and_zeros, group: fake_rows(x, w.shape[0] * INT4_TILE))
-    torch.library.register_fake("splice_kernels::int8_linear")(lambda x, w, scales: fake_rows(x, w.shape[0]))
+    torch.library.register_fake("splice_kernels::int8_linear")(
+        lambda x, w, scales, widen=False: fake_rows(x, w.shape[0]))
     torch.library.register_fake("splice_kernels::int4_linear")(
-        lambda x, w, scales_and_zeros, group: fake_rows(x, w.shape[0] * INT4_TILE))
+        lambda x, w, scales_and_zeros, group, widen=False: fake_rows(x, w.shape[0] * INT4_TILE))
+    torch.library.register_fake("splice_kernels::widened_linear")(lambda x, w: x.new_empty((x.shape[0], w.shape[0])))
     torch.library.register_fake("splice_kernels::int4_dequantize")(
         lambda w, scales_and_zeros, group: w.new_empty((w.shape[0] * INT4_TILE, w.shape[1] * INT4_CHUNK),
                                                        dtype=torch.bfloat16))
@@ -387,6 +389,14 @@ def attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
     that is a multiple of 16 up to 256. Shapes only, so ``torch.compile`` traces it."""
     return (q.device.type == "cpu" and q.shape[2] == 1 and q.dtype in (torch.float32, torch.bfloat16)
             and k.dtype == q.dtype and q.shape[3] % 16 == 0 and q.shape[3] <= 256)
+
+
+def prompts_widened() -> bool:
+    """Whether prompts (more rows than the GEMVs take) run as float32 GEMMs on slabs of the widened weight
+    (``widened_linear``, ``int8_linear`` / ``int4_linear`` with ``widen``) rather than one bf16 GEMM: where torch's
+    oneDNN has no bf16 arithmetic (AVX2-only CPUs; ``ONEDNN_MAX_CPU_ISA`` below AVX-512 emulates one), its bf16 matmul
+    is several times slower than its float32 one."""
+    return not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def fits(kind: str, x: torch.Tensor) -> bool:

@@ -20,6 +20,9 @@
 //   int4_dequantize(w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16(, 2)], group) -> bf16 [N, K]
 //       the same tiles back as a row-major bf16 weight, (q - 8) * scale + zero in float32 rounded once to bf16
 //       (for prefill: one oneDNN GEMM on it beats the GEMV above once there are more than a few rows).
+//   int8_linear(x, w, scales, widen), int4_linear(x, w, sz, group, widen)  prefill: the weight de-quantised for one
+//       bf16 GEMM, or with widen (a CPU without bf16 arithmetic) float32 GEMMs a slab of widened rows at a time
+//   widened_linear(x, w bf16/fp16 [N, K])  prefill of a 16-bit weight as float32 GEMMs on widened slabs
 //
 // Instruction sets: the file is compiled for baseline x86-64; each kernel exists once per ISA level, in a region
 // compiled for that level (#pragma GCC target), and the ops dispatch at run time on the active level:
@@ -1094,7 +1097,7 @@ inline __m512 int4_column_pair(const int32_t* words, int64_t c, int64_t r, __m51
 }
 
 void int4_dequantize_tile(const int32_t* w, const Int4Scales& sz, int64_t k, int64_t group, int64_t tile,
-                          at::BFloat16* out) {
+                          at::BFloat16* out) {  // out: the tile's first row
   const int64_t chunks = k / 8, groups = k / group, chunks_per_group = group / 8;
   const int32_t* words = w + tile * chunks * TILE;
   const __m512 q_minus_8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
@@ -1130,12 +1133,12 @@ void int4_dequantize_tile(const int32_t* w, const Int4Scales& sz, int64_t k, int
                             _mm512_unpacklo_epi64(ab_hi, cd_hi), _mm512_unpackhi_epi64(ab_hi, cd_hi)};
       for (int r = 0; r < TILE; ++r) {
         const __m512i nibbles = _mm512_srlv_epi16(_mm512_permutexvar_epi16(spread[r >> 2], t[r & 3]), shifts);
-        _mm512_storeu_si512(out + (tile * TILE + r) * k + c * 8, _mm512_permutexvar_epi16(nibbles, table[r]));
+        _mm512_storeu_si512(out + r * k + c * 8, _mm512_permutexvar_epi16(nibbles, table[r]));
       }
     }
     for (int r = 0; c < c_end && r < TILE; ++r) {  // 8 to 24 columns left: group not a multiple of 32
       const __m512 scale = _mm512_set1_ps(scales[r]), zero = _mm512_set1_ps(zeros[r]);
-      at::BFloat16* row = out + (tile * TILE + r) * k;
+      at::BFloat16* row = out + r * k;
       int64_t left = c;
       for (; left + 2 <= c_end; left += 2)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + left * 8),
@@ -1148,12 +1151,14 @@ void int4_dequantize_tile(const int32_t* w, const Int4Scales& sz, int64_t k, int
   }
 }
 
-void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t group, at::BFloat16* out) {
+// Tiles first .. end - 1 into out (row-major bf16, from the first tile's first row).
+void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t group, int64_t first, int64_t end,
+                          at::BFloat16* out) {
   const int64_t k = w.size(1) * 8;
   const int32_t* wp = w.data_ptr<int32_t>();
   const Int4Scales zp(sz);
-  at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) int4_dequantize_tile(wp, zp, k, group, t, out);
+  at::parallel_for(first, end, 1, [&](int64_t begin, int64_t stop) {
+    for (int64_t t = begin; t < stop; ++t) int4_dequantize_tile(wp, zp, k, group, t, out + (t - first) * TILE * k);
   });
 }
 
@@ -1761,7 +1766,7 @@ inline __m128i f32x8_to_bf16(__m256 v) {
 // One tile row's chunk (8 columns) at a time: the word broadcast to 8 lanes, each lane shifted to its column's
 // nibble (column j sits in slot ORDER^-1[j]), then (q - 8) * scale + zero in float32 and rounded to bf16.
 void int4_dequantize_tile(const int32_t* w, const Int4Scales& sz, int64_t k, int64_t group, int64_t tile,
-                          at::BFloat16* out) {
+                          at::BFloat16* out) {  // out: the tile's first row
   const int64_t chunks = k / 8, groups = k / group, chunks_per_group = group / 8;
   const int32_t* words = w + tile * chunks * TILE;
   const __m256i shifts = _mm256_setr_epi32(0, 16, 4, 20, 8, 24, 12, 28), nibble = _mm256_set1_epi32(15);
@@ -1769,7 +1774,7 @@ void int4_dequantize_tile(const int32_t* w, const Int4Scales& sz, int64_t k, int
   for (int64_t g = 0; g < groups; ++g)
     for (int r = 0; r < TILE; ++r) {
       const __m256 scale = _mm256_set1_ps(sz.scale(tile, g, r)), zero = _mm256_set1_ps(sz.zero(tile, g, r));
-      at::BFloat16* row = out + (tile * TILE + r) * k;
+      at::BFloat16* row = out + r * k;
       for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
         const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(words[c * TILE + r]), shifts), nibble);
         const __m256 value = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, eight)), scale, zero);
@@ -1778,12 +1783,14 @@ void int4_dequantize_tile(const int32_t* w, const Int4Scales& sz, int64_t k, int
     }
 }
 
-void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t group, at::BFloat16* out) {
+// Tiles first .. end - 1 into out (row-major bf16, from the first tile's first row).
+void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t group, int64_t first, int64_t end,
+                          at::BFloat16* out) {
   const int64_t k = w.size(1) * 8;
   const int32_t* wp = w.data_ptr<int32_t>();
   const Int4Scales zp(sz);
-  at::parallel_for(0, w.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) int4_dequantize_tile(wp, zp, k, group, t, out);
+  at::parallel_for(first, end, 1, [&](int64_t begin, int64_t stop) {
+    for (int64_t t = begin; t < stop; ++t) int4_dequantize_tile(wp, zp, k, group, t, out + (t - first) * TILE * k);
   });
 }
 
@@ -2119,16 +2126,17 @@ void int8_to_bf16_into(const int8_t* src, int64_t numel, at::BFloat16* dst) {
   else avx2::int8_to_bf16_into(src, numel, dst);
 }
 
-void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t group, at::BFloat16* out) {
-  if (isa() >= ISA_AVX512) avx512::int4_dequantize_into(w, sz, group, out);
-  else avx2::int4_dequantize_into(w, sz, group, out);
+void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t group, int64_t first, int64_t end,
+                          at::BFloat16* out) {
+  if (isa() >= ISA_AVX512) avx512::int4_dequantize_into(w, sz, group, first, end, out);
+  else avx2::int4_dequantize_into(w, sz, group, first, end, out);
 }
 
 at::Tensor int4_dequantize(const at::Tensor& w, const at::Tensor& sz, int64_t group) {
   check_isa("int4_dequantize");
   check_int4_tiles(w, sz, group, "int4_dequantize");
   auto out = at::empty({w.size(0) * TILE, w.size(1) * 8}, w.options().dtype(at::kBFloat16));
-  int4_dequantize_into(w, sz, group, out.data_ptr<at::BFloat16>());
+  int4_dequantize_into(w, sz, group, 0, w.size(0), out.data_ptr<at::BFloat16>());
   return out;
 }
 
@@ -2148,34 +2156,103 @@ at::Tensor prefill_weight(int64_t n, int64_t k) {  // the caller holds prefill_m
   return prefill_buffer.narrow(0, 0, n * k).view({n, k});
 }
 
+// ---- prefill on a CPU without bf16 arithmetic: float32 GEMMs on slabs of the widened weight -------------------------
+// Where oneDNN has no bf16 GEMM (AVX2-only CPUs) torch's bf16 matmul is several times slower than its float32 one.
+// There the product runs as float32 GEMMs, one per slab of weight rows widened into a small kept buffer: the slab is
+// still in cache when the GEMM reads it, and no float32 copy of the whole weight is made. The widened values are the
+// bf16 path's exactly (the same de-quantised bf16 weight, or the int8 codes, widened), so only the GEMM's arithmetic
+// changes (float32 products, float32 sums in both).
+constexpr int64_t SLAB_BYTES = 1 << 21;  // float32 bytes of weight per GEMM
+at::Tensor slab_buffer;                  // float32; guarded by prefill_mutex
+
+at::Tensor float_slab(int64_t rows, int64_t k) {  // the caller holds prefill_mutex
+  if (!slab_buffer.defined() || slab_buffer.numel() < rows * k)
+    slab_buffer = at::empty({rows * k}, at::TensorOptions().dtype(at::kFloat));
+  return slab_buffer.narrow(0, 0, rows * k).view({rows, k});
+}
+
+// x [M, K] @ W.T in float32 for W [n, K] = widen(first, rows, slab) a slab at a time (rows a multiple of `multiple`
+// except the last); the caller holds prefill_mutex.
+template <typename Widen>
+at::Tensor widened_gemms(const at::Tensor& x, int64_t n, int64_t multiple, Widen&& widen) {
+  const int64_t k = x.size(1);
+  const int64_t rows = std::max<int64_t>(1, SLAB_BYTES / (4 * k * multiple)) * multiple;
+  const at::Tensor xf = x.detach().to(at::kFloat).contiguous();
+  at::Tensor out = at::empty({x.size(0), n}, xf.options());
+  // The kept slab may have been made inside torch.inference_mode and be written outside it: every write to it (and
+  // to out) happens in inference mode, where that is allowed.
+  const c10::InferenceMode inference_mode;
+  for (int64_t first = 0; first < n; first += rows) {
+    const int64_t here = std::min(rows, n - first);
+    at::Tensor slab = float_slab(here, k);
+    widen(first, here, slab);
+    at::Tensor part = out.narrow(1, first, here);  // row stride n: BLAS writes it in place
+    at::mm_out(part, xf, slab.t());
+  }
+  return out;
+}
+
 int64_t prefill_buffer_bytes() {
   std::lock_guard<std::mutex> lock(prefill_mutex);
-  return prefill_buffer.defined() ? prefill_buffer.nbytes() : 0;
+  return (prefill_buffer.defined() ? prefill_buffer.nbytes() : 0) + (slab_buffer.defined() ? slab_buffer.nbytes() : 0);
 }
 
 void release_prefill_buffer() {
   std::lock_guard<std::mutex> lock(prefill_mutex);
   prefill_buffer = at::Tensor();
+  slab_buffer = at::Tensor();
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+void check_float_weight(const at::Tensor& w, const char* name) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous() && w.device().is_cpu() &&
+                  (w.scalar_type() == at::kBFloat16 || w.scalar_type() == at::kHalf),
+              name, ": w must be a contiguous bf16 or fp16 CPU matrix [N, K], got ", w.scalar_type(), " ", w.sizes());
+}
+
+// Prompts' x @ w.T for a 16-bit weight as float32 GEMMs on widened slabs (a CPU without 16-bit arithmetic); the
+// output in x's dtype.
+at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& w) {
+  check_float_weight(w, "widened_linear");
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.is_floating_point() && x.size(1) == w.size(1),
+              "widened_linear: x must be a float CPU matrix [M, ", w.size(1), "], got ", x.sizes());
+  std::lock_guard<std::mutex> lock(prefill_mutex);
+  return widened_gemms(x, w.size(0), 1, [&](int64_t first, int64_t rows, at::Tensor& slab) {
+    slab.copy_(w.narrow(0, first, rows));
+  }).to(x.scalar_type());
+}
+
+// widen: float32 GEMMs on widened slabs (a CPU without bf16 arithmetic), else one oneDNN bf16 GEMM.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, bool widen) {
   check_isa("int8_linear");
   check_int8_weight(w, "int8_linear");
   check_rows(x, w.size(1), "int8_linear");
   std::lock_guard<std::mutex> lock(prefill_mutex);
+  if (widen) {
+    const at::Tensor out = widened_gemms(x, w.size(0), 1, [&](int64_t first, int64_t rows, at::Tensor& slab) {
+      slab.copy_(w.narrow(0, first, rows));
+    });
+    return (out * scales).to(x.scalar_type());
+  }
   const at::Tensor weight = prefill_weight(w.size(0), w.size(1));
   int8_to_bf16_into(w.data_ptr<int8_t>(), w.numel(), weight.data_ptr<at::BFloat16>());
   return at::linear(x, weight) * scales;
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group, bool widen) {
   check_isa("int4_linear");
   check_int4_tiles(w, sz, group, "int4_linear");
   const int64_t n = w.size(0) * TILE, k = w.size(1) * 8;
   check_rows(x, k, "int4_linear");
   std::lock_guard<std::mutex> lock(prefill_mutex);
+  if (widen) {
+    return widened_gemms(x, n, TILE, [&](int64_t first, int64_t rows, at::Tensor& slab) {
+      const at::Tensor weight = prefill_weight(rows, k);
+      int4_dequantize_into(w, sz, group, first / TILE, (first + rows) / TILE, weight.data_ptr<at::BFloat16>());
+      slab.copy_(weight);
+    }).to(x.scalar_type());
+  }
   const at::Tensor weight = prefill_weight(n, k);
-  int4_dequantize_into(w, sz, group, weight.data_ptr<at::BFloat16>());
+  int4_dequantize_into(w, sz, group, 0, w.size(0), weight.data_ptr<at::BFloat16>());
   return at::linear(x, weight);
 }
 
@@ -2198,8 +2275,9 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("int4_dot_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("stream_read(Tensor t) -> int");
   lib.def("int4_dequantize(Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
-  lib.def("int8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
-  lib.def("int4_linear(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
+  lib.def("int8_linear(Tensor x, Tensor w, Tensor scales, bool widen=False) -> Tensor");
+  lib.def("int4_linear(Tensor x, Tensor w, Tensor scales_and_zeros, int group, bool widen=False) -> Tensor");
+  lib.def("widened_linear(Tensor x, Tensor w) -> Tensor");
   lib.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
   // no tensors: one kernel for every backend
   lib.def("amx_ready() -> bool", &amx_ready);
@@ -2230,5 +2308,6 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("int4_dequantize", &int4_dequantize);
   lib.impl("int8_linear", &int8_linear);
   lib.impl("int4_linear", &int4_linear);
+  lib.impl("widened_linear", &widened_linear);
   lib.impl("decode_attention", &decode_attention);
 }

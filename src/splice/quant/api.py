@@ -75,11 +75,12 @@ def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str |
         raise TypeError(f"quantize expects a splice.quant.QuantConfig, got {type(config).__name__}")
     targets, report = plan(model, config)
     hessians = {}
+    head = _output_head(model)
     if calibration_ids is not None:
         ids = check_calibration_ids(calibration_ids, config)
-        hessians = gptq.run_calibration(model, ids, dict(targets))
+        calibrated = {name: m for name, m in targets if not _is_head(m, head) or config.head_scheme() is config}
+        hessians = gptq.run_calibration(model, ids, calibrated, head_needed=any(m is head for m in calibrated.values()))
         report.calibration = f"GPTQ on {ids.shape[0]}x{ids.shape[1]} tokens" + (", act-order" if act_order else "")
-    head = _output_head(model)
     for name, module in targets:
         scheme = config.head_scheme() if _is_head(module, head) else config
         hessian = hessians.pop(name, None)

@@ -14,9 +14,12 @@ it took ~10 minutes on SmolLM2-135M here.)
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
+from ..layers.widened_linear import prompts_in_float32
 from . import qmath
 
 DAMP = 0.1  # fraction of the mean Hessian diagonal added to its diagonal (GPTQ's percdamp; 0.01 overfit the few
@@ -138,15 +141,19 @@ class HessianHooks:
 
 
 def run_calibration(model: nn.Module, calibration_ids: torch.Tensor, modules: dict[str, nn.Module],
-                    batch_size: int = 4) -> dict[str, torch.Tensor]:
+                    batch_size: int = 4, head_needed: bool = True) -> dict[str, torch.Tensor]:
     """``{name: H}`` for ``modules`` from the model's own forward over ``calibration_ids [B, T]``, ``batch_size``
-    sequences at a time."""
+    sequences at a time (16-bit linears in float32 on a CPU without 16-bit arithmetic: ``prompts_in_float32``).
+    Without ``head_needed`` a Hugging Face model computes the logits of each sequence's last token only
+    (``logits_to_keep=1``): the output head's product over every token is a large share of the work, for nothing."""
     hooks = HessianHooks(modules)
     device = next(model.parameters(), torch.empty(0)).device
+    options = {} if head_needed or "logits_to_keep" not in inspect.signature(model.forward).parameters else {
+        "logits_to_keep": 1}
     try:
-        with torch.no_grad():
+        with torch.no_grad(), prompts_in_float32(model):
             for rows in calibration_ids.split(batch_size):
-                model(rows.to(device))
+                model(rows.to(device), **options)
     finally:
         hooks.remove()
     missing = sorted(set(modules) - set(hooks.hessians))

@@ -34,8 +34,10 @@ Prefill (above those rows) de-quantises the weight to bf16 for one oneDNN GEMM, 
 (``int8_linear``: the native int8 -> bf16 conversion, output scaled after; ``int4_linear``: exactly
 ``qmath.dequantize_int4`` rounded to bf16). The bf16 copy goes into one buffer kept between calls (the size of the
 largest weight; ``native.release_prefill_buffer`` frees it): a fresh buffer per call pays Linux's zeroing of its
-pages. Checkpoints are the same either way (padding follows torch's kernel), so a model saved with one kernel loads
-with the other.
+pages. Where oneDNN has no bf16 arithmetic (AVX2-only CPUs, ``native.prompts_widened``), its bf16 GEMM is several
+times slower than its float32 one: there the same ops run float32 GEMMs instead, each on a slab of the weight
+de-quantised and widened into a small kept buffer (``widen``). Checkpoints are the same either way (padding follows
+torch's kernel), so a model saved with one kernel loads with the other.
 
 Where the native kernels do not run:
 
@@ -66,11 +68,12 @@ CUDA_INNER_K_TILES = 8
 
 
 def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, use_native: bool = False,
-                   dot_products: bool = False) -> torch.Tensor:
+                   dot_products: bool = False, widen: bool = False) -> torch.Tensor:
     """``x [M, K] bf16 @ (qweight [N, K] int8 * scales [N] bf16).T``, per output channel. ``use_native``: the layer
     may use ``splice_kernels.int8_gemv`` (for the rows :func:`splice.native.fits`); ``dot_products``: up to
     ``native.MAX_ROWS["int8_dot"]`` of those rows go to ``int8_dot_gemv`` instead (``x`` rounded to int8 per block of
-    32, integer sums), more (AMX tiles) to ``int8_gemv``."""
+    32, integer sums), more (AMX tiles) to ``int8_gemv``; ``widen``: prefill as float32 GEMMs on widened slabs
+    (``native.prompts_widened``)."""
     if use_native and native.fits("int8", x):
         if dot_products and x.shape[0] <= native.MAX_ROWS["int8_dot"]:
             return torch.ops.splice_kernels.int8_dot_gemv(x, qweight, scales)
@@ -78,18 +81,18 @@ def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if _int8pack_runs(x.device, x.shape[0], x.shape[1]):
         return torch._weight_int8pack_mm(x, qweight, scales)
     if use_native and x.dtype == torch.bfloat16:  # prefill: native conversion into a kept buffer, one GEMM
-        return torch.ops.splice_kernels.int8_linear(x, qweight, scales)
+        return torch.ops.splice_kernels.int8_linear(x, qweight, scales, widen)
     return F.linear(x, qweight.to(x.dtype)) * scales
 
 
 def int8_dynamic_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                    use_native: bool = False) -> torch.Tensor:
+                    use_native: bool = False, widen: bool = False) -> torch.Tensor:
     """W8A8: ``x`` rounded to int8 per row and block of ``qmath.ACTIVATION_BLOCK``, times the per-channel int8 weight.
     Decode rows on the native kernels run ``int8_dot_gemv`` (the rounding and integer dot products in one op, VNNI
     where the CPU has it); everything else rounds ``x`` first and runs :func:`int8_weight_mm`."""
     if use_native and native.fits("int8", x) and x.shape[1] % qmath.ACTIVATION_BLOCK == 0:
         return torch.ops.splice_kernels.int8_dot_gemv(x, qweight, scales)
-    return int8_weight_mm(qmath.round_activations(x), qweight, scales, use_native)
+    return int8_weight_mm(qmath.round_activations(x), qweight, scales, use_native, widen=widen)
 
 
 def int8_grouped_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -146,16 +149,17 @@ def int4_unpack_scales(packed_scales: torch.Tensor, use_native: bool = False) ->
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor,
-            use_native: bool = False, dot_products: bool = False) -> torch.Tensor:
+            use_native: bool = False, dot_products: bool = False, widen: bool = False) -> torch.Tensor:
     """``x [M, K] bf16`` times the int4 weight packed by :func:`int4_pack` (same ``use_native``), scales and zeros
     from :func:`int4_pack_scales`. Native tiles: ``int4_gemv`` up to ``native.MAX_ROWS["int4"]`` rows (with
     ``dot_products``, ``int4_dot_gemv``: x rounded to int8 per block of 32, integer dot products), above that
-    ``int4_linear`` (the weight de-quantised into the kept bf16 buffer for one oneDNN/AMX GEMM)."""
+    ``int4_linear`` (the weight de-quantised into the kept bf16 buffer for one oneDNN/AMX GEMM; with ``widen``,
+    slab by slab, widened, for float32 GEMMs)."""
     if use_native:
         if x.shape[0] <= native.MAX_ROWS["int4"]:
             op = torch.ops.splice_kernels.int4_dot_gemv if dot_products else torch.ops.splice_kernels.int4_gemv
             return op(x, packed, scales_and_zeros, group)
-        return torch.ops.splice_kernels.int4_linear(x, packed, scales_and_zeros, group)
+        return torch.ops.splice_kernels.int4_linear(x, packed, scales_and_zeros, group, widen)
     if x.device.type == "cuda":
         return torch._weight_int4pack_mm(x, packed, group, scales_and_zeros)
     return torch._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)

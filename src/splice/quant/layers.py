@@ -81,6 +81,7 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         self.register_buffer("scales", scales.to(kernels.COMPUTE_DTYPE))
         # Per channel, same layout either way: the native GEMV runs for the rows it fits, torch's kernels otherwise.
         self.use_native = native and qweight.dim() == 2
+        self.widen_prompts = self.use_native and _prompts_widened()
         # Decode rows rounded to int8 per block and multiplied in integers (whole blocks of input only).
         self.use_dot_products = self.use_native and dot_products and in_features % qmath.ACTIVATION_BLOCK == 0
         _check_native(native, qweight.device)
@@ -115,7 +116,7 @@ class Int8WeightOnlyLinear(QuantizedLinear):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if not self.grouped:
             return kernels.int8_weight_mm(x, self.qweight, self.scales.to(x.dtype), self.use_native,
-                                          self.use_dot_products)
+                                          self.use_dot_products, self.widen_prompts)
         return kernels.int8_grouped_mm(qmath.pad_to(x, 1, self.qweight.shape[2]), self.qweight,
                                        self.scales.to(x.dtype))
 
@@ -191,6 +192,7 @@ class Int4WeightOnlyLinear(_RepackedWeight):
         super().__init__(in_features, out_features, bias)
         self.group = group
         self.use_native = native
+        self.widen_prompts = native and _prompts_widened()
         # Decode rows rounded to int8 per block and multiplied in integers (groups of whole blocks only).
         self.use_dot_products = native and dot_products and group % qmath.ACTIVATION_BLOCK == 0
         _check_native(native, q.device)
@@ -258,7 +260,8 @@ class Int4WeightOnlyLinear(_RepackedWeight):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         self._check_device(x)
         out = kernels.int4_mm(qmath.pad_to(x, 1, self.padded_shape[1]), self.packed, self.group,
-                              self.packed_scales.to(x.dtype), self.use_native, self.use_dot_products)
+                              self.packed_scales.to(x.dtype), self.use_native, self.use_dot_products,
+                              self.widen_prompts)
         return out[:, : self.out_features]
 
     def dequantize(self) -> torch.Tensor:
@@ -290,7 +293,13 @@ class Int8DynamicLinear(Int8WeightOnlyLinear):
         return cls(weight.shape[1], weight.shape[0], bias, q, scales[:, 0], native, dot_products)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.int8_dynamic_mm(x, self.qweight, self.scales.to(x.dtype), self.use_native)
+        return kernels.int8_dynamic_mm(x, self.qweight, self.scales.to(x.dtype), self.use_native, self.widen_prompts)
+
+
+def _prompts_widened() -> bool:
+    """Prefill as float32 GEMMs on widened slabs of the weight (``native.prompts_widened``); fixed when a layer is
+    built."""
+    return native.available() and native.prompts_widened()
 
 
 def _check_native(native_kernels: bool, device: torch.device) -> None:
