@@ -21,7 +21,7 @@ def test_native_linear_matches_the_float_product_at_every_row_count(bias):
     linear = nn.Linear(200, 70, bias=bias).to(torch.bfloat16)
     wrapped = NativeLinear(linear)
     assert wrapped.weight is linear.weight  # nothing copied
-    for rows in (1, 3, 4, 5, 16):  # native up to 4 rows, F.linear above
+    for rows in (1, 3, 4, 5, 16, 40):  # native up to the level's row limit, a GEMM above
         x = torch.randn(rows, 1, 200).to(torch.bfloat16)
         expected = x.float() @ linear.weight.float().T + (linear.bias.float() if bias else 0)
         torch.testing.assert_close(wrapped(x).float(), expected, rtol=2e-2, atol=2e-2)
@@ -37,13 +37,14 @@ def test_prompts_without_bf16_arithmetic_take_the_widened_float32_gemms(monkeypa
     wrapped = NativeLinear(linear)
     calls, op = [], torch.ops.splice_kernels.widened_linear
     monkeypatch.setattr(torch.ops.splice_kernels, "widened_linear", lambda x, w: calls.append(x.shape) or op(x, w))
-    for rows in (1, 16):
+    prompt = native.MAX_ROWS["bf16"] + 1
+    for rows in (1, prompt):
         x = torch.randn(rows, 1, 200).to(torch.bfloat16)
         expected = x.float() @ linear.weight.float().T + (linear.bias.float() if bias else 0)
         out = wrapped(x)
         assert out.dtype == torch.bfloat16 and out.shape == (rows, 1, 70)
         torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
-    assert calls == [(16, 200)] and "prompts: float32 GEMMs on widened slabs" in repr(wrapped)
+    assert calls == [(prompt, 200)] and "prompts: float32 GEMMs on widened slabs" in repr(wrapped)
 
 
 def test_can_use_native_only_for_bf16_on_cpu():

@@ -56,11 +56,13 @@ ISA_FLAGS = {
 #: layers (``docs/kernels.md`` has the tables): with AMX the int8 GEMV runs 5-16 rows and the int4 GEMV 3 rows and more
 #: on tiles, so they serve more rows there. "int8_dot": the most rows int8 weight-only sends to the integer dot
 #: products (``int8_dot_gemv``); more, up to "int8", go to ``int8_gemv`` (on AMX, its tiles overtake the dot products
-#: from 9 rows: ``docs/kernels.md``).
+#: from 9 rows: ``docs/kernels.md``). The avx2 level is what AVX2-only CPUs run, where oneDNN has no bf16 arithmetic
+#: and prompts take float32 GEMMs on widened slabs (``prompts_widened``): those cost several times the GEMVs' time up
+#: to 32 rows, so the GEMVs serve up to 32 rows there.
 ROW_LIMITS = {
     "amx": {"bf16": 4, "int8": 16, "int8_dot": 8, "int4": 64},
     "avx512": {"bf16": 4, "int8": 8, "int8_dot": 8, "int4": 15},
-    "avx2": {"bf16": 4, "int8": 8, "int8_dot": 8, "int4": 15},
+    "avx2": {"bf16": 32, "int8": 32, "int8_dot": 32, "int4": 32},
 }
 #: The active level's limits (updated by :func:`set_isa`); read by :func:`fits` and the quantized layers.
 MAX_ROWS = dict(ROW_LIMITS["avx512"])
