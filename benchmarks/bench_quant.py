@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from splice import native
+from splice.kernel_choice import quant_kernel
 from splice.layers.native_linear import NativeLinear
 from splice.native.memory import gather_on_huge_pages
 from splice.quant import HANDLERS, QuantConfig
@@ -67,11 +68,14 @@ def build_stacks(layers: int, schemes: list[str], shapes: dict[str, tuple[int, i
 
 
 def _quantized(linear: nn.Linear, config: QuantConfig, first: dict[str, nn.Module], proj: str) -> nn.Module:
-    handler = HANDLERS[config.kind]
+    """The layer kernel injection builds for ``config`` here (the kernels ``kernel_choice`` picks: splice's native
+    ones where they run, with integer dot products where chosen)."""
+    handler, choice = HANDLERS[config.kind], quant_kernel(config, "cpu")
+    kernels = {"native": choice.native, "dot_products": choice.dot_products}
     if proj not in first:
-        first[proj] = handler.from_float(linear.weight.detach(), None, config)
+        first[proj] = handler.from_float(linear.weight.detach(), None, config, **kernels)
         return first[proj]
-    layer = handler.empty(linear.in_features, linear.out_features, False, config)
+    layer = handler.empty(linear.in_features, linear.out_features, False, config, **kernels)
     layer.load_state_dict(first[proj].state_dict())
     return layer
 
