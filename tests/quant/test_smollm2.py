@@ -14,7 +14,7 @@ import torch
 
 from splice.config import resolve_config
 from splice.layers.widened_linear import prompts_in_float32
-from splice.quant import QuantConfig, quantize
+from splice.quant import QuantConfig, gptq, quantize
 
 pytestmark = pytest.mark.slow
 TOKENS = 512
@@ -164,8 +164,24 @@ GPTQ_CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def calibrations() -> dict:
+    """Hessians from the first GPTQ case's calibration pass, reused by the next: both calibrate copies of the same
+    bf16 model on the same ids, so the pass would give the same matrices (GPTQ itself runs in full for each)."""
+    return {}
+
+
 @pytest.mark.parametrize("config", GPTQ_CASES)
-def test_gptq_int4_g64_within_issue_budget(bf16_model, config):
+def test_gptq_int4_g64_within_issue_budget(bf16_model, config, calibrations, monkeypatch):
+    run_calibration = gptq.run_calibration
+
+    def calibrated_once(model, ids, modules, **options):
+        key = (tuple(ids.shape), tuple(modules))
+        if key not in calibrations:
+            calibrations[key] = run_calibration(model, ids, modules, **options)
+        return dict(calibrations[key])
+
+    monkeypatch.setattr(gptq, "run_calibration", calibrated_once)
     text = TEXT_NAMES[0]
     ids, base_ppl = bf16_model.ids[text], bf16_model.perplexity[text]
     calibration = _calibration_ids(bf16_model.tokenizer, TEXTS[text], sequences=16)
