@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import native
+from .widened_linear import widened_product
 
 
 def can_use_native(dtype: torch.dtype, device: torch.device) -> bool:
@@ -38,10 +39,7 @@ class NativeLinear(nn.Module):
         if not native.fits("bf16", rows):
             if not self.widen_prompts or x.device.type != "cpu":
                 return F.linear(x, self.weight, self.bias)
-            out = torch.ops.splice_kernels.widened_linear(rows.float(), self.weight)
-            if self.bias is not None:
-                out = out + self.bias.float()
-            return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)  # rounded once, as F.linear
+            return widened_product(x, self.weight, self.bias)
         out = torch.ops.splice_kernels.bf16_gemv(rows.contiguous(), self.weight)
         if self.bias is not None:
             out = out + self.bias

@@ -69,14 +69,19 @@ def _widens(weight: torch.Tensor) -> bool:
             and not onednn_computes_in(weight.dtype))
 
 
+def widened_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in float32 on the widened 16-bit weight, rounded once to ``x``'s dtype (as a 16-bit
+    GEMM rounds): slab by slab with splice's native ``widened_linear`` (no float32 copy of the whole weight), else
+    on a float32 copy."""
+    rows = x.reshape(-1, weight.shape[1]).float()
+    if native.available() and rows.shape[0] > 0:
+        out = torch.ops.splice_kernels.widened_linear(rows.contiguous(), weight)
+    else:
+        out = F.linear(rows, weight.float())
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
 def _widened_forward(module: nn.Linear):
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, module.in_features).float()
-        if native.available() and rows.shape[0] > 0:  # slab by slab, no float32 copy of the whole weight
-            out = torch.ops.splice_kernels.widened_linear(rows.contiguous(), module.weight)
-        else:
-            out = F.linear(rows, module.weight.float())
-        if module.bias is not None:
-            out = out + module.bias.float()
-        return out.to(x.dtype).reshape(*x.shape[:-1], module.out_features)  # rounded once, as a 16-bit GEMM
-    return forward
+    return lambda x: widened_product(x, module.weight, module.bias)

@@ -2148,13 +2148,16 @@ at::Tensor int4_dequantize(const at::Tensor& w, const at::Tensor& sz, int64_t gr
 std::mutex prefill_mutex;
 at::Tensor prefill_buffer;  // guarded by prefill_mutex
 
-at::Tensor prefill_weight(int64_t n, int64_t k) {  // the caller holds prefill_mutex
-  if (!prefill_buffer.defined() || prefill_buffer.numel() < n * k) {
-    prefill_buffer = at::Tensor();  // freed before the larger one is made
-    prefill_buffer = at::empty({n * k}, at::TensorOptions().dtype(at::kBFloat16));
+// A [rows, k] view of a kept buffer, grown when too small; the caller holds prefill_mutex.
+at::Tensor kept_matrix(at::Tensor& buffer, at::ScalarType dtype, int64_t rows, int64_t k) {
+  if (!buffer.defined() || buffer.numel() < rows * k) {
+    buffer = at::Tensor();  // freed before the larger one is made
+    buffer = at::empty({rows * k}, at::TensorOptions().dtype(dtype));
   }
-  return prefill_buffer.narrow(0, 0, n * k).view({n, k});
+  return buffer.narrow(0, 0, rows * k).view({rows, k});
 }
+
+at::Tensor prefill_weight(int64_t n, int64_t k) { return kept_matrix(prefill_buffer, at::kBFloat16, n, k); }
 
 // ---- prefill on a CPU without bf16 arithmetic: float32 GEMMs on slabs of the widened weight -------------------------
 // Where oneDNN has no bf16 GEMM (AVX2-only CPUs) torch's bf16 matmul is several times slower than its float32 one.
@@ -2165,11 +2168,6 @@ at::Tensor prefill_weight(int64_t n, int64_t k) {  // the caller holds prefill_m
 constexpr int64_t SLAB_BYTES = 1 << 21;  // float32 bytes of weight per GEMM
 at::Tensor slab_buffer;                  // float32; guarded by prefill_mutex
 
-at::Tensor float_slab(int64_t rows, int64_t k) {  // the caller holds prefill_mutex
-  if (!slab_buffer.defined() || slab_buffer.numel() < rows * k)
-    slab_buffer = at::empty({rows * k}, at::TensorOptions().dtype(at::kFloat));
-  return slab_buffer.narrow(0, 0, rows * k).view({rows, k});
-}
 
 // x [M, K] @ W.T in float32 for W [n, K] = widen(first, rows, slab) a slab at a time (rows a multiple of `multiple`
 // except the last); the caller holds prefill_mutex.
@@ -2184,12 +2182,19 @@ at::Tensor widened_gemms(const at::Tensor& x, int64_t n, int64_t multiple, Widen
   const c10::InferenceMode inference_mode;
   for (int64_t first = 0; first < n; first += rows) {
     const int64_t here = std::min(rows, n - first);
-    at::Tensor slab = float_slab(here, k);
+    at::Tensor slab = kept_matrix(slab_buffer, at::kFloat, here, k);
     widen(first, here, slab);
     at::Tensor part = out.narrow(1, first, here);  // row stride n: BLAS writes it in place
     at::mm_out(part, xf, slab.t());
   }
   return out;
+}
+
+// widened_gemms for a weight torch can widen itself (bf16, fp16, int8 codes): each slab a copy of its rows.
+at::Tensor widened_copies(const at::Tensor& x, const at::Tensor& w) {
+  return widened_gemms(x, w.size(0), 1, [&](int64_t first, int64_t rows, at::Tensor& slab) {
+    slab.copy_(w.narrow(0, first, rows));
+  });
 }
 
 int64_t prefill_buffer_bytes() {
@@ -2216,9 +2221,7 @@ at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.is_floating_point() && x.size(1) == w.size(1),
               "widened_linear: x must be a float CPU matrix [M, ", w.size(1), "], got ", x.sizes());
   std::lock_guard<std::mutex> lock(prefill_mutex);
-  return widened_gemms(x, w.size(0), 1, [&](int64_t first, int64_t rows, at::Tensor& slab) {
-    slab.copy_(w.narrow(0, first, rows));
-  }).to(x.scalar_type());
+  return widened_copies(x, w).to(x.scalar_type());
 }
 
 // widen: float32 GEMMs on widened slabs (a CPU without bf16 arithmetic), else one oneDNN bf16 GEMM.
@@ -2227,12 +2230,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   check_int8_weight(w, "int8_linear");
   check_rows(x, w.size(1), "int8_linear");
   std::lock_guard<std::mutex> lock(prefill_mutex);
-  if (widen) {
-    const at::Tensor out = widened_gemms(x, w.size(0), 1, [&](int64_t first, int64_t rows, at::Tensor& slab) {
-      slab.copy_(w.narrow(0, first, rows));
-    });
-    return (out * scales).to(x.scalar_type());
-  }
+  if (widen) return (widened_copies(x, w) * scales).to(x.scalar_type());
   const at::Tensor weight = prefill_weight(w.size(0), w.size(1));
   int8_to_bf16_into(w.data_ptr<int8_t>(), w.numel(), weight.data_ptr<at::BFloat16>());
   return at::linear(x, weight) * scales;
