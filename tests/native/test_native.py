@@ -280,6 +280,25 @@ def test_int8_dot_gemv_refuses_in_features_off_the_block():
                                                torch.ones(4).bfloat16())
 
 
+
+@needs_native
+def test_gptq_columns_refuses_what_it_cannot_sweep_and_writes_nothing():
+    w, h = torch.randn(8, 16), torch.eye(16)
+    codes, errors, params = torch.zeros(8, 16), torch.zeros(8, 16), torch.ones(8, 1)
+    before = w.clone()
+    sweep = torch.ops.splice_kernels.gptq_columns
+    with pytest.raises(RuntimeError, match=r"columns \[4, 20\) must lie in the block's 16"):
+        sweep(w, h, 4, 20, params, params, codes, errors)
+    with pytest.raises(RuntimeError, match=r"scales and zeros \[N, end - first\] or \[N, 1\]; got .*scales \[8, 3\]"):
+        sweep(w, h, 0, 4, torch.ones(8, 3), torch.ones(8, 3), codes, errors)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        sweep(w.double(), h.double(), 0, 4, params, params, codes, errors)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        sweep(w.t(), h, 0, 4, params, params, codes, errors)
+    assert torch.equal(w, before) and not codes.any() and not errors.any()
+    sweep(w, h, 0, 16, params, params * 0, codes, errors)  # scale 1, zero 0, identity: codes are round(w) + 8
+    assert torch.equal(codes, (before.round() + 8).clamp(0, 15))
+
 @needs_native
 @pytest.mark.parametrize("rows", ROWS + (16, 17, 40))  # AMX (where present): from 3 rows; over 16 rows x is padded
 @pytest.mark.parametrize("n, k, group", [(64, 128, 32), (32, 576, 64), (16, 256, 128), (48, 64, 64), (32, 120, 24)])

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splice import native
 from splice.quant import Int4WeightOnlyLinear, QuantConfig, quantize, sqnr_db
 from splice.quant import gptq
 
@@ -36,6 +37,21 @@ def test_gptq_lowers_output_error_vs_round_to_nearest(group, symmetric, act_orde
         expected = F.linear(held_out.to(torch.bfloat16).float(), calibrated.dequantize(), linear.bias)
         assert (calibrated(held_out) - expected).norm() / expected.norm() < 1e-2
 
+
+
+@pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
+@pytest.mark.parametrize("group, symmetric", [(32, True), (64, False), (256, True)])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_the_native_sweep_gives_the_torch_loops_codes_exactly(group, symmetric, act_order):
+    """The native column sweep replaces the torch loop only where it rounds every step as that loop does."""
+    weight = torch.randn(200, 512, generator=torch.Generator().manual_seed(1))
+    calibration = _correlated_inputs(1024, 512)
+    hessian = calibration.t() @ calibration
+    native_codes, native_params = gptq.gptq_int4(weight, hessian, group, symmetric, act_order, native_sweep=True)
+    torch_codes, torch_params = gptq.gptq_int4(weight, hessian, group, symmetric, act_order, native_sweep=False)
+    assert torch.equal(native_codes, torch_codes), f"{(native_codes != torch_codes).sum()} of {weight.numel()} differ"
+    assert torch.equal(native_params, torch_params)
+    assert native_codes.min() == 0 and native_codes.max() == 15  # the clamp is exercised at both ends
 
 class _TinyLM(nn.Module):
     def __init__(self) -> None:

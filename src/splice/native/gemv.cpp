@@ -23,6 +23,7 @@
 //   int8_linear(x, w, scales, widen), int4_linear(x, w, sz, group, widen)  prefill: the weight de-quantised for one
 //       bf16 GEMM, or with widen (a CPU without bf16 arithmetic) float32 GEMMs a slab of widened rows at a time
 //   widened_linear(x, w bf16/fp16 [N, K])  prefill of a 16-bit weight as float32 GEMMs on widened slabs
+// Also, at quantization time: gptq_columns, GPTQ's column-by-column rounding and error spreading in one block.
 //
 // Instruction sets: the file is compiled for baseline x86-64; each kernel exists once per ISA level, in a region
 // compiled for that level (#pragma GCC target), and the ops dispatch at run time on the active level:
@@ -2254,6 +2255,52 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return at::linear(x, weight);
 }
 
+// GPTQ's sweep over columns [first, end) of one block of weight columns (splice/quant/gptq.py, _quantize_block):
+// for each column i, code = clamp(round((w[:, i] - zero) / scale + 8), 0, 15), err = (w[:, i] - ((code - 8) * scale
+// + zero)) / hinv[i, i], and w[:, j] -= err * hinv[i, j] for the block's later columns j. Rows are independent, so
+// threads take rows. Compiled for baseline x86-64: no fused multiply-adds, each step rounded as torch's separate ops
+// round it, so the codes are the torch loop's exactly.
+//   w, codes, errors float32 [N, B]; hinv float32 [B, B]; scales, zeros float32 [N, end - first] (each column's) or
+//   [N, 1] (one group's, for every column of the range)
+void gptq_columns(const at::Tensor& w, const at::Tensor& hinv, int64_t first, int64_t end, const at::Tensor& scales,
+                  const at::Tensor& zeros, const at::Tensor& codes, const at::Tensor& errors) {
+  const int64_t n = w.size(0), b = w.size(1);
+  const auto float_matrix = [](const at::Tensor& t, int64_t rows, int64_t cols) {
+    return t.dim() == 2 && t.size(0) == rows && t.size(1) == cols && t.is_contiguous() && t.device().is_cpu() &&
+           t.scalar_type() == at::kFloat;
+  };
+  TORCH_CHECK(0 <= first && first <= end && end <= b, "gptq_columns: columns [", first, ", ", end,
+              ") must lie in the block's ", b);
+  const int64_t params = scales.dim() == 2 ? scales.size(1) : -1;
+  TORCH_CHECK(float_matrix(w, n, b) && float_matrix(hinv, b, b) && float_matrix(codes, n, b) &&
+                  float_matrix(errors, n, b) && (params == 1 || params == end - first) &&
+                  float_matrix(scales, n, params) && float_matrix(zeros, n, params),
+              "gptq_columns: contiguous float32 CPU matrices w, codes, errors [N, B], hinv [B, B], scales and zeros "
+              "[N, end - first] or [N, 1]; got w ", w.sizes(), ", hinv ", hinv.sizes(), ", scales ", scales.sizes(),
+              ", zeros ", zeros.sizes(), ", codes ", codes.sizes(), ", errors ", errors.sizes());
+  const float* h = hinv.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  float* cp = codes.data_ptr<float>();
+  float* ep = errors.data_ptr<float>();
+  const float* sp = scales.data_ptr<float>();
+  const float* zp = zeros.data_ptr<float>();
+  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t stop) {
+    for (int64_t r = begin; r < stop; ++r) {
+      float* row = wp + r * b;
+      for (int64_t i = first; i < end; ++i) {
+        const int64_t p = r * params + (params == 1 ? 0 : i - first);
+        const float scale = sp[p], zero = zp[p], column = row[i];
+        const float code = std::min(std::max(std::nearbyint((column - zero) / scale + 8.0f), 0.0f), 15.0f);
+        const float err = (column - ((code - 8.0f) * scale + zero)) / h[i * b + i];
+        cp[r * b + i] = code;
+        ep[r * b + i] = err;
+        const float* h_row = h + i * b;
+        for (int64_t j = i + 1; j < b; ++j) row[j] -= err * h_row[j];
+      }
+    }
+  });
+}
+
 // Reads every byte of t once as the GEMVs stream weights (time it for the machine's read bandwidth); a checksum.
 int64_t stream_read(const at::Tensor& t) {
   check_isa("stream_read");
@@ -2272,6 +2319,8 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("int4_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("int4_dot_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("stream_read(Tensor t) -> int");
+  lib.def("gptq_columns(Tensor(a!) w, Tensor hinv, int first, int end, Tensor scales, Tensor zeros, "
+          "Tensor(b!) codes, Tensor(c!) errors) -> ()");
   lib.def("int4_dequantize(Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("int8_linear(Tensor x, Tensor w, Tensor scales, bool widen=False) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor w, Tensor scales_and_zeros, int group, bool widen=False) -> Tensor");
@@ -2302,6 +2351,7 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("int8_dot_gemv", &int8_dot_gemv);
   lib.impl("int4_gemv", &int4_gemv);
   lib.impl("stream_read", &stream_read);
+  lib.impl("gptq_columns", &gptq_columns);
   lib.impl("int4_dot_gemv", &int4_dot_gemv);
   lib.impl("int4_dequantize", &int4_dequantize);
   lib.impl("int8_linear", &int8_linear);

@@ -20,21 +20,24 @@ import torch
 from torch import nn
 
 from ..layers.widened_linear import prompts_in_float32
+from .. import native
 from . import qmath
 
 DAMP = 0.1  # fraction of the mean Hessian diagonal added to its diagonal (GPTQ's percdamp; 0.01 overfit the few
 #            thousand calibration tokens we have: held-out output error of a SmolLM2 down_proj rose above RTN's)
-BLOCK = 128  # columns per lazy batch update
+BLOCK = 128  # columns per lazy batch update (rounded to whole groups)
 
 
 def gptq_int4(weight: torch.Tensor, hessian: torch.Tensor, group: int, symmetric: bool, act_order: bool = False,
-              damp: float = DAMP) -> tuple[torch.Tensor, torch.Tensor]:
+              damp: float = DAMP, native_sweep: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ-quantize ``weight [N, K]`` with input Hessian ``hessian [K, K]``; same return as ``qmath.quantize_int4``:
     ``(q [N, K] uint8 values 0..15, scales_and_zeros [K / group, N, 2] float32)``.
 
     Scales and zeros are rounded to bf16 (what the layer stores) before the codes are chosen, so the compensated error
     is the one the kernel will really see. ``act_order``: quantize columns by decreasing ``H`` diagonal, with every
     group's scale and zero fixed up front from the original weights (so groups stay contiguous in the layout).
+    ``native_sweep``: each block's column-by-column sweep runs as one native call where the native kernels are
+    available (the same codes as the torch loop, whose per-column calls cost many times more), else in torch.
     """
     n, k = weight.shape
     w = weight.detach().float().clone()
@@ -57,33 +60,55 @@ def gptq_int4(weight: torch.Tensor, hessian: torch.Tensor, group: int, symmetric
     q = torch.zeros(n, k, dtype=torch.float32, device=w.device)
     scales = torch.zeros(n, k // group, device=w.device)
     zeros = torch.zeros(n, k // group, device=w.device)
-    block = max(BLOCK, group)
+    block = group * max(1, BLOCK // group)  # whole groups
+    sweep = _native_sweep if native_sweep and w.device.type == "cpu" and native.available() else _torch_sweep
     for start in range(0, k, block):
         stop = min(start + block, k)
-        w1, hinv1 = w[:, start:stop].clone(), hinv[start:stop, start:stop]
-        err1 = torch.zeros(n, stop - start, device=w.device)
-        for i in range(stop - start):
-            col = order[start + i]
-            g = col // group
-            if static is not None:
-                scale, zero = column_params[0][:, start + i], column_params[1][:, start + i]
-            else:
-                if col % group == 0:  # a group starts: fit it to the (already compensated) weights it holds now
-                    s, z = _bf16_params(w1[:, i:i + group].unsqueeze(1), symmetric, search=True)
-                    scales[:, g], zeros[:, g] = s[:, 0], z[:, 0]
-                scale, zero = scales[:, g], zeros[:, g]
-            column = w1[:, i]
-            code = ((column - zero) / scale).add_(8).round_().clamp_(0, 15)
-            q[:, col] = code
-            err = (column - ((code - 8) * scale + zero)) / hinv1[i, i]
-            w1[:, i:] -= err[:, None] * hinv1[i, i:][None, :]
-            err1[:, i] = err
+        columns = order[start:stop]
+        w1, hinv1 = w[:, start:stop].contiguous(), hinv[start:stop, start:stop].contiguous()
+        codes, err1 = torch.empty_like(w1), torch.empty_like(w1)
+        if static is not None:
+            sweep(w1, hinv1, 0, stop - start, column_params[0][:, start:stop].contiguous(),
+                  column_params[1][:, start:stop].contiguous(), codes, err1)
+        else:
+            _sweep_by_group(sweep, w1, hinv1, columns, group, symmetric, scales, zeros, codes, err1)
+        q[:, columns] = codes
         w[:, stop:] -= err1 @ hinv[start:stop, stop:]
     if static is not None:
         scales, zeros = static
     scales_and_zeros = torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous()
     return q.to(torch.uint8), scales_and_zeros
 
+
+def _sweep_by_group(sweep, w1: torch.Tensor, hinv1: torch.Tensor, columns, group: int, symmetric: bool,
+                    scales: torch.Tensor, zeros: torch.Tensor, codes: torch.Tensor, err1: torch.Tensor) -> None:
+    """The block's sweep one group at a time (columns in weight order): each group's scale and zero fitted, as its
+    first column comes, to the (already compensated) weights it holds then, and written into ``scales`` / ``zeros``."""
+    for i in range(0, len(columns), group):
+        g = columns[i] // group
+        s, z = _bf16_params(w1[:, i:i + group].unsqueeze(1), symmetric, search=True)
+        scales[:, g], zeros[:, g] = s[:, 0], z[:, 0]
+        sweep(w1, hinv1, i, min(i + group, len(columns)), s.contiguous(), z.contiguous(), codes, err1)
+
+
+def _native_sweep(w1, hinv1, first, end, scales, zeros, codes, err1) -> None:
+    """:func:`_torch_sweep` as one native call (``splice_kernels.gptq_columns``), with the same codes."""
+    torch.ops.splice_kernels.gptq_columns(w1, hinv1, first, end, scales, zeros, codes, err1)
+
+
+def _torch_sweep(w1: torch.Tensor, hinv1: torch.Tensor, first: int, end: int, scales: torch.Tensor,
+                 zeros: torch.Tensor, codes: torch.Tensor, err1: torch.Tensor) -> None:
+    """GPTQ's sweep over columns ``[first, end)`` of the block ``w1 [N, B]``: each column rounded to its code (into
+    ``codes``) with its scale and zero (``scales`` / ``zeros`` ``[N, end - first]``, or ``[N, 1]`` for all), and its
+    rounding error, scaled by ``hinv1``'s diagonal (into ``err1``), spread over the block's later columns."""
+    for i in range(first, end):
+        p = 0 if scales.shape[1] == 1 else i - first
+        scale, zero, column = scales[:, p], zeros[:, p], w1[:, i]
+        code = torch.sub(column, zero, out=codes[:, i]).div_(scale).add_(8).round_().clamp_(0, 15)
+        value = (code - 8).mul_(scale).add_(zero)
+        err = torch.sub(column, value, out=err1[:, i]).div_(hinv1[i, i])
+        if i + 1 < w1.shape[1]:
+            w1[:, i + 1:] -= err[:, None] * hinv1[i, i + 1:]
 
 def _bf16_params(grouped: torch.Tensor, symmetric: bool, search: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales and zeros fitted to ``grouped`` (``search``: the symmetric scale search, for a group fitted as it
