@@ -25,6 +25,31 @@ def test_help_everywhere(command):
     assert result.returncode == 0 and "usage: splice" in result.stdout
 
 
+#: Runs ``splice.cli.main`` on its arguments as the ``splice`` script does, then prints (last line, JSON) which of the
+#: modules only running a model needs were imported.
+IMPORTS_OF_A_COMMAND = """
+import json, sys
+from splice.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print(json.dumps([m for m in ("splice.engine", "splice.generation", "transformers.generation") if m in sys.modules]))
+"""
+
+
+@pytest.mark.parametrize("command, shows", [
+    (["generate", "--help"], "usage: splice generate"),
+    (["serve", "--port", "70000"], "splice: error: argument --port"),
+    (["info", "--machine"], "machine"),
+])
+def test_help_errors_and_the_machine_leave_out_the_generation_stack(command, shows):
+    result = subprocess.run([sys.executable, "-c", IMPORTS_OF_A_COMMAND, *command], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and shows in result.stdout + result.stderr, result.stderr
+    assert json.loads(result.stdout.splitlines()[-1]) == []
+
+
 @pytest.mark.slow
 def test_generate_streams_paris_and_timings():
     result = run("generate", "The capital of France is", "--max-new-tokens", "6")

@@ -1,5 +1,9 @@
-"""Bad input to init_inference raises before anything changes the user's model."""
+"""``splice``'s package: bad input to init_inference raises before anything changes the user's model; the public
+names are imported on first use, so ``import splice`` stays light."""
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -54,3 +58,37 @@ def test_mismatched_checkpoint_leaves_model_unchanged(tmp_path):
 def test_not_a_module_raises():
     with pytest.raises(TypeError, match="nn.Module"):
         splice.init_inference("llama")
+
+
+#: What splice's public names bring in: importing the package or a light submodule must not.
+ENGINE_MODULES = ("splice.engine", "splice.generation", "transformers.generation")
+
+
+def test_import_splice_leaves_the_engine_for_first_use():
+    """In a fresh interpreter: ``import splice`` and its light submodules do not import the engine's stack; the first
+    use of a public name does."""
+    code = (f"import sys, splice, splice.native, splice.machine, splice.config\n"
+            f"loaded = [m for m in {ENGINE_MODULES!r} if m in sys.modules]\n"
+            f"assert not loaded, f'imported eagerly: {{loaded}}'\n"
+            f"from splice import InferenceEngine\n"
+            f"assert InferenceEngine.__module__ == 'splice.engine' and 'splice.engine' in sys.modules")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_public_names_resolve():
+    from splice import InferenceConfig, InferenceEngine, OnDevice, init_inference, load
+    from splice.config import InferenceConfig as config_class
+    from splice.engine import InferenceEngine as engine_class
+    from splice.models import load as load_function
+    from splice.ondevice import OnDevice as on_device_class
+
+    assert (InferenceEngine, InferenceConfig, OnDevice, load) == (engine_class, config_class, on_device_class,
+                                                                  load_function)
+    assert splice.InferenceEngine is engine_class and callable(init_inference)
+    assert set(splice.__all__) <= set(dir(splice)) and splice.__version__
+    star: dict = {}
+    exec("from splice import *", star)
+    assert set(splice.__all__) <= set(star)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        splice.no_such_name

@@ -24,7 +24,6 @@ from . import native
 from .machine import describe_cpu
 from .native.memory import gather_on_huge_pages
 from .models import DEFAULT_MODEL
-from .streaming import StepClock
 
 MODES = ("hf", "plain", "inject")
 #: ``--quant`` schemes: init_inference options for each, run kernel-injected on a freshly loaded model.
@@ -309,6 +308,8 @@ def time_first_run(generate, prompt: torch.Tensor, new: int) -> float:
 def time_generate(generate, prompt: torch.Tensor, new: int, repeat: int) -> tuple[float, float, float]:
     """(prefill ms, decode tokens/s over the batch excluding the first token, peak RSS MiB): the best of ``repeat``
     runs after a warm-up run (which also compiles, when asked); on a shared machine the best run is the least noisy."""
+    from .streaming import StepClock  # here, not at the top: transformers' streamers would slow every `splice` start
+
     options = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(prompt))
     generate(prompt, **options, streamer=StepClock())
     prefill, decode, peak = float("inf"), 0.0, 0.0

@@ -13,14 +13,16 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import torch
-
-from . import native
 from .bench import QUANT_SCHEMES, add_bench_parser
-from .config import resolve_config
 from .models import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    import torch
+
+# What a command needs to run (torch, the engine, transformers) is imported inside the function that runs it, so that
+# building the parser (--help, a bad option) loads as little as possible.
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -131,6 +133,9 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def build_engine(args: argparse.Namespace):
     import splice
+
+    from . import native
+    from .config import resolve_config
 
     config = resolve_config(args.config_file, **config_from_args(args))  # checked before the model loads
     native.available()  # build (once per machine) and load the native kernels before anything is timed
@@ -247,6 +252,8 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> dict[str, torch.Tensor]
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    import torch
+
     from .generation import check_request
     from .streaming import TimingStreamer
 
@@ -282,6 +289,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _global_rank() -> int:
+    import torch
+
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
@@ -453,6 +462,8 @@ def describe_engine(engine) -> dict[str, Any]:
 def kv_cache_bytes(module, tokens: int) -> int | None:
     """Bytes the keys and values of one sequence of ``tokens`` take (layers x 2 x kv heads x head dim, in the
     model's float dtype), or None where the config does not say its attention shape."""
+    import torch
+
     config = getattr(module, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
