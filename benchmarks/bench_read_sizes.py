@@ -1,5 +1,6 @@
-"""What one call reading a weight can reach: splice's streaming read (``splice_kernels.stream_read``, the bandwidth
-probe ``splice bench`` divides by) on reads the size of a decode step's matrices, against the probe's own 1 GiB.
+"""What one call reading a weight can reach: splice's streaming read (``splice_kernels.stream_read`` in each of its
+read patterns, the best taken, as the bandwidth probe ``splice bench`` divides by does) on reads the size of a decode
+step's matrices, against the probe's own 1 GiB.
 
 A decode step reads each weight matrix in one call (llama-1b int8: 4-23 MB each, ~90 calls a token); each call starts
 its streams from cold and ends when its slowest thread does. Each size is read from a ``--region-mb`` region (768 by
@@ -21,6 +22,7 @@ import time
 import torch
 
 from splice import native
+from splice.bench import PROBE_PATTERNS
 from splice.native.memory import gather_on_huge_pages
 
 from bench_weight_streams import int4_layers, int8_layers  # the same llama-1b-shaped weights
@@ -39,14 +41,16 @@ def slices(region_mb: int, size_mb: int, huge: bool) -> list[torch.Tensor] | Non
 
 
 def best_gbs(parts: list[torch.Tensor] | None, rounds: int) -> float:
+    """The fastest read of ``parts`` (one call each) in any of the probe's read patterns, ``rounds`` turns each."""
     if parts is None:
         return float("nan")
     best = float("inf")
     for _ in range(rounds):
-        start = time.perf_counter()
-        for part in parts:
-            torch.ops.splice_kernels.stream_read(part)
-        best = min(best, time.perf_counter() - start)
+        for streams, ahead in PROBE_PATTERNS:
+            start = time.perf_counter()
+            for part in parts:
+                torch.ops.splice_kernels.stream_read(part, streams, ahead)
+            best = min(best, time.perf_counter() - start)
     return sum(p.numel() for p in parts) / best / 1e9
 
 

@@ -107,6 +107,35 @@ def test_native_streaming_read_reads_every_byte():
         data.zero_()
         data[index] = 1
         assert torch.ops.splice_kernels.stream_read(data) != 0
+        for streams, ahead in bench.PROBE_PATTERNS:
+            assert torch.ops.splice_kernels.stream_read(data, streams, ahead) != 0, (streams, ahead)
+
+
+def test_native_streaming_read_refuses_other_stream_counts():
+    if not bench.native.available():
+        pytest.skip("splice's native kernels are not available here")
+    with pytest.raises(RuntimeError, match="3 streams; allowed: 1, 2 or 4"):
+        torch.ops.splice_kernels.stream_read(torch.zeros(4096, dtype=torch.uint8), 3)
+
+
+def test_the_probe_is_the_best_of_its_read_patterns(monkeypatch):
+    """Every pattern is timed; the figure is the fastest read of all (a pattern that aliases on this CPU must not
+    set the roofline)."""
+    if not bench.native.available():
+        pytest.skip("splice's native kernels are not available here")
+    seen, clock = [], iter(range(10_000))
+    slow = {(4, True): 8, (2, True): 4, (1, False): 2}  # seconds each pattern's read takes on the fake clock
+
+    def stream_read(matrix, streams, ahead):
+        seen.append((streams, ahead))
+        for _ in range(slow[streams, ahead] - 1):
+            next(clock)
+
+    monkeypatch.setattr(torch.ops.splice_kernels, "stream_read", stream_read)
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: next(clock))
+    gbs = bench.read_bandwidth_gbs(gib=0.01, repeats=2)
+    assert sorted(set(seen)) == sorted(bench.PROBE_PATTERNS) and len(seen) == 2 * len(bench.PROBE_PATTERNS)
+    assert gbs == pytest.approx(0.01 * 2**30 / 2 / 1e9, rel=0.01)
 
 
 def test_step_bytes_count_the_kv_cache_a_step_reads():

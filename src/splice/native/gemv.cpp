@@ -1796,27 +1796,30 @@ void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t gro
 }
 
 // ---- bandwidth probe -----------------------------------------------------------------------------------------------
-// Reads every byte of p[0, bytes) once, as the GEMVs stream weights: each thread reads its part as STREAMS sequential
-// streams in step (the GEMVs read four weight rows at a time; one stream alone leaves the memory system idle between
-// the hardware prefetcher's requests), with a software prefetch ahead. Returns a checksum so the reads stay.
-constexpr int64_t STREAMS = 4;
-uint64_t stream_read(const uint8_t* p, int64_t bytes) {
+// Reads every byte of p[0, bytes) once: the buffer as S sequential streams side by side (bytes / S apart), each
+// thread reading its part of every stream, with a software prefetch ahead or none. Which pattern reads fastest
+// differs between CPUs (four streams a power of two apart alias on some; one stream without prefetch is the fastest
+// there), so the probe times several. Returns a checksum so the reads stay.
+constexpr int64_t STREAMS = 4;  // the most streams: bytes must be whole blocks of STREAMS lines
+template <int64_t S>
+uint64_t stream_read(const uint8_t* p, int64_t bytes, bool ahead) {
   std::atomic<uint64_t> total{0};
   const int64_t lines = bytes / 64;
-  at::parallel_for(0, lines / STREAMS, 1 << 10, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, lines / S, 1 << 10, [&](int64_t begin, int64_t end) {
     const int64_t part = end - begin;
-    __m256i acc[STREAMS];
+    __m256i acc[S];
     for (auto& a : acc) a = _mm256_setzero_si256();
     for (int64_t line = 0; line < part; ++line)
-      for (int64_t s = 0; s < STREAMS; ++s) {
-        const uint8_t* q = p + ((s * (lines / STREAMS)) + begin + line) * 64;
-        prefetch(q + PREFETCH_BYTES);
+      for (int64_t s = 0; s < S; ++s) {
+        const uint8_t* q = p + ((s * (lines / S)) + begin + line) * 64;
+        if (ahead) prefetch(q + PREFETCH_BYTES);
         acc[s] = _mm256_xor_si256(acc[s], _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(q)),
                                                            _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 32))));
       }
+    __m256i all = acc[0];
+    for (int64_t s = 1; s < S; ++s) all = _mm256_xor_si256(all, acc[s]);
     alignas(32) uint64_t lanes[4];
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes),
-                       _mm256_xor_si256(_mm256_xor_si256(acc[0], acc[1]), _mm256_xor_si256(acc[2], acc[3])));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), all);
     total ^= lanes[0] ^ lanes[1] ^ lanes[2] ^ lanes[3];
   });
   return total.load();
@@ -2301,13 +2304,20 @@ void gptq_columns(const at::Tensor& w, const at::Tensor& hinv, int64_t first, in
   });
 }
 
-// Reads every byte of t once as the GEMVs stream weights (time it for the machine's read bandwidth); a checksum.
-int64_t stream_read(const at::Tensor& t) {
+// Reads every byte of t once in streams sequential streams, with or without prefetch (time it for the machine's read
+// bandwidth); a checksum.
+int64_t stream_read(const at::Tensor& t, int64_t streams, bool prefetch_ahead) {
   check_isa("stream_read");
+  TORCH_CHECK(streams == 1 || streams == 2 || streams == avx2::STREAMS, "stream_read: ", streams,
+              " streams; allowed: 1, 2 or ", avx2::STREAMS);
   TORCH_CHECK(t.is_contiguous() && t.device().is_cpu() && t.nbytes() % (64 * avx2::STREAMS) == 0 &&
                   reinterpret_cast<uintptr_t>(t.data_ptr()) % 32 == 0,
               "stream_read: a contiguous, 32-byte aligned CPU tensor of whole 256-byte blocks, got ", t.sizes());
-  return static_cast<int64_t>(avx2::stream_read(static_cast<const uint8_t*>(t.data_ptr()), t.nbytes()));
+  const auto* p = static_cast<const uint8_t*>(t.data_ptr());
+  const uint64_t sum = streams == 1   ? avx2::stream_read<1>(p, t.nbytes(), prefetch_ahead)
+                       : streams == 2 ? avx2::stream_read<2>(p, t.nbytes(), prefetch_ahead)
+                                      : avx2::stream_read<avx2::STREAMS>(p, t.nbytes(), prefetch_ahead);
+  return static_cast<int64_t>(sum);
 }
 
 }  // namespace
@@ -2318,7 +2328,7 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("int8_dot_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int4_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("int4_dot_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
-  lib.def("stream_read(Tensor t) -> int");
+  lib.def("stream_read(Tensor t, int streams=4, bool prefetch=True) -> int");
   lib.def("gptq_columns(Tensor(a!) w, Tensor hinv, int first, int end, Tensor scales, Tensor zeros, "
           "Tensor(b!) codes, Tensor(c!) errors) -> ()");
   lib.def("int4_dequantize(Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
