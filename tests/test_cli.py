@@ -19,35 +19,41 @@ def run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     return subprocess.run([SPLICE, *args], capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("command", [[], ["generate"], ["serve"], ["info"]])
+@pytest.mark.parametrize("command", [[], ["generate"], ["serve"], ["info"], ["bench"]])
 def test_help_everywhere(command):
     result = run(*command, "--help")
     assert result.returncode == 0 and "usage: splice" in result.stdout
 
 
-#: Runs ``splice.cli.main`` on its arguments as the ``splice`` script does, then prints (last line, JSON) which of the
-#: modules only running a model needs were imported.
-IMPORTS_OF_A_COMMAND = """
+#: Modules a command that does not run a model has no need for: torch itself, and the generation stack.
+HEAVY_MODULES = ("torch", "splice.engine", "splice.generation", "transformers.generation")
+#: Runs ``splice.cli.main`` on its arguments as the ``splice`` script does, then prints (last line, JSON) which of
+#: HEAVY_MODULES were imported.
+IMPORTS_OF_A_COMMAND = f"""
 import json, sys
 from splice.cli import main
 try:
     main(sys.argv[1:])
 except SystemExit:
     pass
-print(json.dumps([m for m in ("splice.engine", "splice.generation", "transformers.generation") if m in sys.modules]))
+print(json.dumps([m for m in {HEAVY_MODULES!r} if m in sys.modules]))
 """
 
 
-@pytest.mark.parametrize("command, shows", [
-    (["generate", "--help"], "usage: splice generate"),
-    (["serve", "--port", "70000"], "splice: error: argument --port"),
-    (["info", "--machine"], "machine"),
+@pytest.mark.parametrize("command, shows, loads", [
+    (["--help"], "usage: splice", []),
+    (["generate", "--help"], "usage: splice generate", []),
+    (["bench", "--help"], "usage: splice bench", []),
+    (["serve", "--port", "70000"], "splice: error: argument --port", []),
+    (["bench", "--batch", "0"], "splice: error: argument --batch", []),
+    (["info", "--bogus"], "splice: error: unrecognized arguments: --bogus", []),
+    (["info", "--machine"], "machine", ["torch"]),  # the machine section reports torch's threads and CPU capability
 ])
-def test_help_errors_and_the_machine_leave_out_the_generation_stack(command, shows):
+def test_help_and_errors_leave_out_torch_and_the_machine_the_generation_stack(command, shows, loads):
     result = subprocess.run([sys.executable, "-c", IMPORTS_OF_A_COMMAND, *command], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0 and shows in result.stdout + result.stderr, result.stderr
-    assert json.loads(result.stdout.splitlines()[-1]) == []
+    assert json.loads(result.stdout.splitlines()[-1]) == loads
 
 
 @pytest.mark.slow

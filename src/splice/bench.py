@@ -20,20 +20,15 @@ from pathlib import Path
 
 import torch
 
-from . import native
+from . import cli_options, native
+from .cli_options import MODES, QUANT_SCHEMES, split_commas
 from .machine import describe_cpu
 from .native.memory import gather_on_huge_pages
-from .models import DEFAULT_MODEL
 
-MODES = ("hf", "plain", "inject")
-#: ``--quant`` schemes: init_inference options for each, run kernel-injected on a freshly loaded model.
-QUANT_SCHEMES = {
-    "int8": {"dtype": "int8"},
-    "w8a8": {"quant": {"enabled": True, "activation": {"enabled": True}}},
-    "int4": {"quant": {"enabled": True, "weight": {"num_bits": 4, "group_size": 32, "q_type": "asymmetric"}}},
-    "int4-sym": {"quant": {"enabled": True, "weight": {"num_bits": 4, "group_size": 32, "q_type": "symmetric"}}},
-    "int4-g128": {"quant": {"enabled": True, "weight": {"num_bits": 4, "group_size": 128}}},
-}
+#: Defined with the other options in splice.cli_options, which the command line imports without torch; named here too,
+#: with MODES and QUANT_SCHEMES, for the tests and benchmarks that take them from splice.bench.
+add_bench_parser = cli_options.add_bench_parser
+
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
 
@@ -60,40 +55,6 @@ class Row:
         return self.decode_tok_s / self.roofline_tok_s if self.roofline_tok_s else math.nan
 
 
-def add_bench_parser(subparsers) -> None:
-    from .cli import POSITIVE_INT, checked
-
-    positive_ints = checked(_positive_ints, bool, "comma-separated integers >= 1")
-    parser = subparsers.add_parser("bench", help="time HF eager vs splice (plain, kernel-injected) side by side")
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help="a name or folder splice.load accepts, or 'llama-1b' (random TinyLlama-shaped weights)")
-    parser.add_argument("--dtype", default="fp32", help="comma-separated: fp32,bf16 (default fp32)")
-    parser.add_argument("--batch", type=positive_ints, default=[1], help="comma-separated batch sizes (default 1)")
-    parser.add_argument("--prompt", type=POSITIVE_INT, default=128, help="prompt tokens (default 128)")
-    parser.add_argument("--context", type=positive_ints,
-                        help="comma-separated prompt lengths to run each configuration at, e.g. 128,1024,4096,8192 "
-                             "(long-context rows; default: --prompt); max_out_tokens is each length plus --new")
-    parser.add_argument("--new", type=POSITIVE_INT, default=64, help="new tokens (default 64)")
-    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
-    parser.add_argument("--repeat", type=POSITIVE_INT, default=2, help="timed runs per mode, best kept (default 2)")
-    parser.add_argument("--quant", default="", help=f"comma-separated quantized rows to add: {','.join(QUANT_SCHEMES)} "
-                        "(kernel-injected, each on a fresh copy of the model)")
-    parser.add_argument("--compile", action="store_true",
-                        help="also run the injected (and quantized) models with their decode step compiled "
-                             "(compile_decode=True)")
-    parser.add_argument("--threads", type=POSITIVE_INT, help="torch threads (default: torch's own choice)")
-    parser.add_argument("--isa", default="", help="comma-separated levels of splice's native kernels (avx2, avx512, "
-                        "amx) to time every kernel-injected row at, side by side (rows named mode@level; default: "
-                        "the active level only)")
-    parser.add_argument("--profile", action="store_true",
-                        help="also break one decode step of each kernel-injected run into stages (QKV, attention, o, "
-                             "gate+up, down GEMVs, norms, rotary, lm_head, sampling, other), printed and in the JSON; "
-                             "with --compile, inductor names its kernels for the profiler (a check per kernel)")
-    parser.add_argument("--json", default="splice-bench.json", help="where to write the results (JSON)")
-    parser.add_argument("--plot", help="also draw the decode tokens/s bars to this image file (needs matplotlib)")
-    parser.set_defaults(run=run_bench)
-
-
 def run_bench(args: argparse.Namespace) -> int:
     modes = _choices(args.modes, MODES, "--modes")
     schemes = _choices(args.quant, tuple(QUANT_SCHEMES), "--quant") if args.quant else []
@@ -110,7 +71,7 @@ def run_bench(args: argparse.Namespace) -> int:
     with _kernel_names(args.profile and args.compile):
         for context in args.context or [args.prompt]:
             at_context = argparse.Namespace(**{**vars(args), "prompt": context})
-            for dtype in _split(args.dtype):
+            for dtype in split_commas(args.dtype):
                 for batch in args.batch:
                     plain_rows = bench_configuration(at_context, dtype, batch, modes, bandwidth)
                     hf_speed = next((r.decode_tok_s for r in plain_rows if r.mode == "hf"), float("nan"))
@@ -512,18 +473,8 @@ def describe_machine(info: dict) -> str:
             f"{info['read_bandwidth_gbs']:.1f} GB/s ({info['bandwidth_probe']}, {info['bandwidth_probe_pages']} pages)")
 
 
-def _split(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
-
-
-def _positive_ints(text: str) -> list[int]:
-    """``"1,4"`` -> ``[1, 4]``; an empty list (refused by the caller) for anything but integers >= 1."""
-    values = [int(part) for part in _split(text)]  # ValueError for a non-integer
-    return values if values and min(values) >= 1 else []
-
-
 def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
-    chosen = _split(text)
+    chosen = split_commas(text)
     bad = [c for c in chosen if c not in allowed]
     if bad or not chosen:
         raise ValueError(f"{flag}={text!r}: allowed values are {', '.join(allowed)}")

@@ -15,8 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from .bench import QUANT_SCHEMES, add_bench_parser
-from .models import DEFAULT_MODEL
+from .cli_options import DEFAULT_MODEL, QUANT_SCHEMES, add_bench_parser
 
 if TYPE_CHECKING:
     import torch

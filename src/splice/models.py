@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from . import cli_options
+
 log = logging.getLogger("splice")
 
 MANIFEST_NAME = "splice-manifest.json"
@@ -62,7 +64,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         ),
     ]
 }
-DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL = cli_options.DEFAULT_MODEL  # defined there, for the command line to read without torch
 
 ACCEPTED_KINDS = (
     "a built-in model name ({names}), a Hugging Face checkpoint folder (config.json + *.safetensors), "
