@@ -23,7 +23,7 @@ from .config import InferenceConfig
 from .distributed import ParallelContext
 from .kernel_choice import KernelChoice, attention_kernel, float_kernel, quant_kernel
 from .layers.block import activation
-from .layers.packed_linear import onednn_computes_in
+from .native import onednn_computes_in
 from .quant import QuantConfig
 from .quant import plan as quant_targets
 from .quant.api import check_calibration_ids

@@ -23,14 +23,15 @@ def test_widened_linear_matches_fp32_and_widens_from_its_row_count(monkeypatch, 
     linear = nn.Linear(48, 80, bias=True).to(torch.float16)
     x = torch.randn(rows, 48).to(torch.float16)
     expected = F.linear(x.float(), linear.weight.float(), linear.bias.float())
-    seen, linear_op = [], F.linear
+    seen, linear_op, product = [], F.linear, widened_linear.widened_product
     monkeypatch.setattr(widened_linear.F, "linear", lambda x, w, b: seen.append(w.dtype) or linear_op(x, w, b))
+    monkeypatch.setattr(widened_linear, "widened_product", lambda x, w, b: seen.append("widened") or product(x, w, b))
     layer = WidenedLinear(linear)
     assert layer.weight is linear.weight and layer.bias is linear.bias  # nothing copied, nothing kept in fp32
     out = layer(x.unsqueeze(0))
     assert out.dtype == torch.float16 and out.shape == (1, rows, 80)
     torch.testing.assert_close(out[0].float(), expected, rtol=2e-3, atol=2e-3)
-    assert seen == [torch.float32 if rows >= WIDEN_FROM_ROWS else torch.float16]
+    assert seen[0] == ("widened" if rows >= WIDEN_FROM_ROWS else torch.float16)
 
 
 def test_needs_widening_only_fp16_on_a_cpu_without_it(monkeypatch):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..native import onednn_computes_in
 from .compiled import packed_linear
 
 PACKABLE_DTYPES = (torch.bfloat16, torch.float16)
@@ -18,16 +19,6 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     """Packing pays off on CPU for 16-bit weights when oneDNN computes in that dtype on this CPU (without it oneDNN
     refuses to pack the weight)."""
     return torch.device(device).type == "cpu" and dtype in PACKABLE_DTYPES and onednn_computes_in(dtype)
-
-
-def onednn_computes_in(dtype: torch.dtype) -> bool:
-    """Whether torch's oneDNN has arithmetic for the 16-bit ``dtype`` on this CPU: fp16 needs AVX512-FP16 or
-    AVX-NE-CONVERT, bf16 AVX-512 (oneDNN honours ``ONEDNN_MAX_CPU_ISA``, so a smaller CPU can be emulated)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.float16:
-        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedLinear(nn.Module):

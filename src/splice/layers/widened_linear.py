@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import native
-from .packed_linear import onednn_computes_in
+from ..native import onednn_computes_in
 
 #: Rows of activations from which widening the weight beats torch's per-row conversions (docs/kernels.md).
 WIDEN_FROM_ROWS = 8
@@ -29,7 +29,8 @@ def needs_widening(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class WidenedLinear(nn.Module):
-    """``y = x @ W.T + b``: torch's fp16 GEMV for a few rows, one fp32 GEMM on the widened weight otherwise."""
+    """``y = x @ W.T + b``: torch's fp16 GEMV for a few rows, float32 GEMMs on the widened weight otherwise
+    (:func:`widened_product`)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -40,8 +41,7 @@ class WidenedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() < WIDEN_FROM_ROWS * self.in_features:
             return F.linear(x, self.weight, self.bias)
-        bias = None if self.bias is None else self.bias.float()
-        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return widened_product(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "

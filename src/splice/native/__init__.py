@@ -398,7 +398,17 @@ def prompts_widened() -> bool:
     (``widened_linear``, ``int8_linear`` / ``int4_linear`` with ``widen``) rather than one bf16 GEMM: where torch's
     oneDNN has no bf16 arithmetic (AVX2-only CPUs; ``ONEDNN_MAX_CPU_ISA`` below AVX-512 emulates one), its bf16 matmul
     is several times slower than its float32 one."""
-    return not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return not onednn_computes_in(torch.bfloat16)
+
+
+def onednn_computes_in(dtype: torch.dtype) -> bool:
+    """Whether torch's oneDNN has arithmetic for the 16-bit ``dtype`` on this CPU: fp16 needs AVX512-FP16 or
+    AVX-NE-CONVERT, bf16 AVX-512 (oneDNN honours ``ONEDNN_MAX_CPU_ISA``, so a smaller CPU can be emulated)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float16:
+        return torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    return torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def fits(kind: str, x: torch.Tensor) -> bool:
