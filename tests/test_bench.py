@@ -47,6 +47,23 @@ def test_bench_runs_every_mode_and_writes_json(tiny_bench, tmp_path, capsys):
     assert "read bandwidth 10.0 GB/s" in printed and report["machine"]["bandwidth_probe_pages"] in printed
 
 
+
+def test_rooflines_come_from_the_faster_probe_before_or_after_the_rows(tiny_bench, tmp_path, monkeypatch):
+    """The bandwidth moves during a run on a shared machine: the probe is read before and after the rows, and the
+    faster reading divides every row (a slow first reading would credit each row with more than its share)."""
+    readings = iter([10.0, 25.0])
+    monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda: next(readings))
+    out = tmp_path / "bench.json"
+    args = parse("--model", "tiny", "--prompt", "8", "--new", "4", "--repeat", "1", "--modes", "inject",
+                 "--json", str(out))
+    assert args.run(args) == 0
+    report = json.loads(out.read_text())
+    assert report["machine"]["read_bandwidth_gbs"] == 25.0
+    for row in report["results"]:
+        assert row["roofline_tok_s"] == pytest.approx(row["batch"] * 25e9 / row["step_bytes"])
+    rows = [bench.Row("m", "bf16", 1, "inject", 1.0, 5.0, 200.0, 1.0, 1.0, 10.0)]
+    assert bench.against_the_faster_probe(rows, 20.0, 10.0) == (rows, 20.0)  # a slower second reading: no change
+
 def test_bench_plot(tiny_bench, tmp_path):
     pytest.importorskip("matplotlib")
     args = parse("--model", "tiny", "--prompt", "8", "--new", "4", "--repeat", "1", "--modes", "hf,inject",
