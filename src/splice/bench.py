@@ -471,9 +471,15 @@ def plot(rows: list[Row], path: str) -> None:
 def machine_info(bandwidth: float) -> dict:
     return {"cpu": describe_cpu()["model"], "threads": torch.get_num_threads(),
             "torch": torch.__version__, "read_bandwidth_gbs": round(bandwidth, 2),
-            "bandwidth_probe": "splice native streaming read, best of 1, 2 and 4 streams a thread" if native.available()
-            else "fp32 GEMV (torch.mv)",
+            "bandwidth_probe": _native_probe() if native.available() else "fp32 GEMV (torch.mv)",
             "bandwidth_probe_pages": "2 MiB" if native.huge_pages_supported() else "4 KiB"}
+
+
+def _native_probe() -> str:
+    """The native probe in words: ``splice native streaming read, best of 1, 2 and 4 streams a thread``."""
+    counts = sorted({streams for streams, _ in PROBE_PATTERNS})
+    return (f"splice native streaming read, best of {', '.join(map(str, counts[:-1]))} and {counts[-1]} streams "
+            "a thread")
 
 
 def describe_machine(info: dict) -> str:

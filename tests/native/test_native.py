@@ -295,6 +295,8 @@ def test_gptq_columns_refuses_what_it_cannot_sweep_and_writes_nothing():
         sweep(w.double(), h.double(), 0, 4, params, params, codes, errors)
     with pytest.raises(RuntimeError, match="contiguous float32"):
         sweep(w.t(), h, 0, 4, params, params, codes, errors)
+    with pytest.raises(RuntimeError, match=r"w must be a float32 matrix \[N, B\], got \[16\]"):
+        sweep(torch.randn(16), h, 0, 4, params, params, codes, errors)
     assert torch.equal(w, before) and not codes.any() and not errors.any()
     sweep(w, h, 0, 16, params, params * 0, codes, errors)  # scale 1, zero 0, identity: codes are round(w) + 8
     assert torch.equal(codes, (before.round() + 8).clamp(0, 15))

@@ -2258,7 +2258,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return at::linear(x, weight);
 }
 
-// GPTQ's sweep over columns [first, end) of one block of weight columns (splice/quant/gptq.py, _quantize_block):
+// GPTQ's sweep over columns [first, end) of one block of weight columns (splice/quant/gptq.py, _torch_sweep):
 // for each column i, code = clamp(round((w[:, i] - zero) / scale + 8), 0, 15), err = (w[:, i] - ((code - 8) * scale
 // + zero)) / hinv[i, i], and w[:, j] -= err * hinv[i, j] for the block's later columns j. Rows are independent, so
 // threads take rows. Compiled for baseline x86-64: no fused multiply-adds, each step rounded as torch's separate ops
@@ -2267,6 +2267,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 //   [N, 1] (one group's, for every column of the range)
 void gptq_columns(const at::Tensor& w, const at::Tensor& hinv, int64_t first, int64_t end, const at::Tensor& scales,
                   const at::Tensor& zeros, const at::Tensor& codes, const at::Tensor& errors) {
+  TORCH_CHECK(w.dim() == 2, "gptq_columns: w must be a float32 matrix [N, B], got ", w.sizes());
   const int64_t n = w.size(0), b = w.size(1);
   const auto float_matrix = [](const at::Tensor& t, int64_t rows, int64_t cols) {
     return t.dim() == 2 && t.size(0) == rows && t.size(1) == cols && t.is_contiguous() && t.device().is_cpu() &&

@@ -19,8 +19,8 @@ import inspect
 import torch
 from torch import nn
 
-from ..layers.widened_linear import prompts_in_float32
 from .. import native
+from ..layers.widened_linear import prompts_in_float32
 from . import qmath
 
 DAMP = 0.1  # fraction of the mean Hessian diagonal added to its diagonal (GPTQ's percdamp; 0.01 overfit the few
@@ -109,6 +109,7 @@ def _torch_sweep(w1: torch.Tensor, hinv1: torch.Tensor, first: int, end: int, sc
         err = torch.sub(column, value, out=err1[:, i]).div_(hinv1[i, i])
         if i + 1 < w1.shape[1]:
             w1[:, i + 1:] -= err[:, None] * hinv1[i, i + 1:]
+
 
 def _bf16_params(grouped: torch.Tensor, symmetric: bool, search: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Scales and zeros fitted to ``grouped`` (``search``: the symmetric scale search, for a group fitted as it
