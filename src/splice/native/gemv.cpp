@@ -1242,8 +1242,127 @@ void weighted_values(const float* p, const float* values, int64_t stride, int64_
   for (int64_t c = 0; c < count; ++c) _mm512_storeu_ps(out + 16 * c, acc[c]);
 }
 
+// ---- bf16 keys and values read where they are -------------------------------------------------------------------
+// A bf16 part needs no widened copy of its keys and values: the scores are vdpbf16ps products of the bf16 query and
+// keys (each pair of exact bf16 products summed in float32), and each value row is widened in registers as it is
+// weighted, for HEADS of the group's heads at once (HEADS * V multiply-add chains side by side, the row widened once
+// per HEADS heads). Softmax, sums and the merge stay float32.
+constexpr int64_t MAX_DIM_CHUNKS = MAX_HEAD_DIM / 32;  // 32 bf16 of a row per vdpbf16ps
+
+inline __mmask32 dim_lanes(int64_t left) { return left >= 32 ? ~__mmask32(0) : ((__mmask32(1) << left) - 1); }
+
+inline __m512bh load_bf16_chunk(const at::BFloat16* p, __mmask32 lanes) {
+  return (__m512bh)_mm512_maskz_loadu_epi16(lanes, p);
+}
+
+// dots[i] = the pairwise sums of q . keys[i] (dots past keys_here stay 0), the keys the inner loop.
+template <int KEYS>
+inline void key_dots_bf16(const __m512bh (&q)[MAX_DIM_CHUNKS], const at::BFloat16* keys, int64_t stride,
+                          int64_t keys_here, int64_t d, __m512 (&dots)[KEYS]) {
+  for (int i = 0; i < KEYS; ++i) dots[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 32) {
+    const __mmask32 lanes = dim_lanes(d - c);
+    if (keys_here == KEYS) {
+      for (int i = 0; i < KEYS; ++i)
+        dots[i] = _mm512_dpbf16_ps(dots[i], q[c / 32], load_bf16_chunk(keys + i * stride + c, lanes));
+    } else {
+      for (int64_t i = 0; i < keys_here; ++i)
+        dots[i] = _mm512_dpbf16_ps(dots[i], q[c / 32], load_bf16_chunk(keys + i * stride + c, lanes));
+    }
+  }
+}
+
+// Head h's scores (scaled, -inf where not visible) into s, their max and sum of e^(score - max) into out[d], out[d+1],
+// and s turned into those exponentials.
+inline void softmax_scores_bf16(const AttentionPart<at::BFloat16>& a, const uint32_t* seen, int64_t h, float* s) {
+  const int64_t d = a.dim, n = a.keys;
+  __m512bh q[MAX_DIM_CHUNKS];
+  for (int64_t c = 0; c < d; c += 32) q[c / 32] = load_bf16_chunk(a.q + h * a.q_head_stride + c, dim_lanes(d - c));
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const __mmask16 visible = static_cast<__mmask16>(seen[j0 / 16]);
+    __m512 scores = _mm512_set1_ps(-INFINITY);
+    if (visible) {
+      __m512 dots[16];
+      key_dots_bf16<16>(q, a.k + j0 * a.k_stride, a.k_stride, std::min<int64_t>(16, n - j0), d, dots);
+      scores = _mm512_mask_mul_ps(scores, visible, sum16(dots), _mm512_set1_ps(a.scale));
+    }
+    _mm512_mask_storeu_ps(s + j0, score_lanes(n - j0), scores);
+    top = _mm512_max_ps(top, scores);
+  }
+  const float m = _mm512_reduce_max_ps(top);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t j = 0; m != -INFINITY && j < n; j += 16) {
+    const __mmask16 lanes = score_lanes(n - j);
+    const __m512 p = exp_scores(_mm512_sub_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes, s + j),
+                                              _mm512_set1_ps(m)));
+    _mm512_mask_storeu_ps(s + j, lanes, p);
+    total = _mm512_add_ps(total, p);
+  }
+  float* out = a.out + h * (d + 2);
+  out[d] = m;
+  out[d + 1] = _mm512_reduce_add_ps(total);
+}
+
+// out rows of heads h0 .. h0 + HEADS - 1: sum over the visible keys j of p[h][j] * values[j] (V vectors of 16).
+template <int V, int HEADS>
+void weighted_heads_bf16(const AttentionPart<at::BFloat16>& a, const float* p, const uint32_t* seen, int64_t h0) {
+  const int64_t d = a.dim, n = a.keys;
+  __m512 acc[HEADS][V];
+  for (int h = 0; h < HEADS; ++h)
+    for (int c = 0; c < V; ++c) acc[h][c] = _mm512_setzero_ps();
+  for (int64_t block = 0; block < (n + 15) / 16; ++block)
+    for (uint32_t bits = seen[block]; bits != 0; bits &= bits - 1) {
+      const int64_t j = block * 16 + __builtin_ctz(bits);
+      const at::BFloat16* row = a.v + j * a.v_stride;
+      __m512 w[HEADS];
+      for (int h = 0; h < HEADS; ++h) w[h] = _mm512_set1_ps(p[(h0 + h) * n + j]);
+      for (int c = 0; c < V; ++c) {
+        const __m512 values = load_f32x16(row + 16 * c);
+        for (int h = 0; h < HEADS; ++h) acc[h][c] = _mm512_fmadd_ps(w[h], values, acc[h][c]);
+      }
+    }
+  for (int h = 0; h < HEADS; ++h)
+    for (int c = 0; c < V; ++c) _mm512_storeu_ps(a.out + (h0 + h) * (d + 2) + 16 * c, acc[h][c]);
+}
+
+// The group's heads in chunks of up to H = min(8, 16 / V) (at most 16 accumulators): a group of 3 heads (SmolLM2) as
+// one chunk of 3, not three of 1.
+template <int V, int H = std::max(1, std::min(8, 16 / V))>
+void weighted_values_bf16(const AttentionPart<at::BFloat16>& a, const float* p, const uint32_t* seen, int64_t h0 = 0) {
+  for (; h0 + H <= a.heads; h0 += H) weighted_heads_bf16<V, H>(a, p, seen, h0);
+  if constexpr (H > 1) {
+    if (h0 < a.heads) weighted_values_bf16<V, H - 1>(a, p, seen, h0);
+  }
+}
+
+// Whether weighted_values_bf16 has a version for head_dim = 16 * vectors (else the part takes the widening path).
+inline bool values_in_place(int64_t vectors) { return vectors <= 6 || vectors == 8 || vectors == 16; }
+
+void attend_part_bf16(const AttentionPart<at::BFloat16>& a, AttentionScratch& scratch) {
+  const int64_t n = a.keys;
+  scratch.scores.resize(a.heads * n);
+  visible_bits(a.visible, a.visible_stride, n, scratch.seen);
+  for (int64_t h = 0; h < a.heads; ++h) softmax_scores_bf16(a, scratch.seen.data(), h, scratch.scores.data() + h * n);
+  const float* p = scratch.scores.data();
+  const uint32_t* seen = scratch.seen.data();
+  switch (a.dim / 16) {
+    case 1: return weighted_values_bf16<1>(a, p, seen);
+    case 2: return weighted_values_bf16<2>(a, p, seen);
+    case 3: return weighted_values_bf16<3>(a, p, seen);
+    case 4: return weighted_values_bf16<4>(a, p, seen);
+    case 5: return weighted_values_bf16<5>(a, p, seen);
+    case 6: return weighted_values_bf16<6>(a, p, seen);
+    case 8: return weighted_values_bf16<8>(a, p, seen);
+    case 16: return weighted_values_bf16<16>(a, p, seen);
+  }
+}
+
 template <typename T>
 void attend_part(const AttentionPart<T>& a, AttentionScratch& scratch) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (values_in_place(a.dim / 16)) return attend_part_bf16(a, scratch);
+  }
   const int64_t d = a.dim, n = a.keys, vectors = d / 16;
   const FloatPart f = part_as_float(a, scratch, widen_row);
   const float *q32 = f.q, *keys = f.keys, *values = f.values;
@@ -1963,6 +2082,7 @@ std::vector<int64_t> amx_thresholds() {
 // 6 units of work for 2 threads rather than 3
 constexpr int64_t MIN_PART_KEYS = 128;
 constexpr int64_t MAX_PART_KEYS = 512;  // a part's widened keys and values stay in the core's L2 cache
+constexpr int64_t MERGE_GRAIN = 1 << 14;
 
 void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const std::optional<at::Tensor>& mask) {
@@ -2023,7 +2143,9 @@ at::Tensor decode_attention_of(const at::Tensor& q, const at::Tensor& k, const a
   });
   auto out = at::empty({batch, heads, 1, dim}, q.options());
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+  // the merge reads parts * dim floats a head: below MERGE_GRAIN of them in all, waking the threads costs more
+  const int64_t grain = std::max<int64_t>(1, MERGE_GRAIN / (parts * dim));
+  at::parallel_for(0, batch * heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> sum(dim);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / heads, h = bh % heads;
