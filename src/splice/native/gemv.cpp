@@ -1272,8 +1272,27 @@ inline void key_dots_bf16(const __m512bh (&q)[MAX_DIM_CHUNKS], const at::BFloat1
   }
 }
 
-// Head h's scores (scaled, -inf where not visible) into s, their max and sum of e^(score - max) into out[d], out[d+1],
-// and s turned into those exponentials.
+// Head h's softmax from its scores in s (-inf where not visible): s becomes e^(score - max), out[d] the max and
+// out[d + 1] the sum.
+template <typename T>
+inline void finish_softmax(const AttentionPart<T>& a, int64_t h, float* s, __m512 top) {
+  const int64_t d = a.dim, n = a.keys;
+  const float m = _mm512_reduce_max_ps(top);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t j = 0; m != -INFINITY && j < n; j += 16) {
+    const __mmask16 lanes = score_lanes(n - j);
+    const __m512 p = exp_scores(_mm512_sub_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes, s + j),
+                                              _mm512_set1_ps(m)));
+    _mm512_mask_storeu_ps(s + j, lanes, p);
+    total = _mm512_add_ps(total, p);
+  }
+  if (m == -INFINITY) std::fill(s, s + n, 0.f);  // no visible key in this part: it adds nothing
+  float* out = a.out + h * (d + 2);
+  out[d] = m;
+  out[d + 1] = _mm512_reduce_add_ps(total);
+}
+
+// Head h's softmax (finish_softmax) from bf16 keys read where they are.
 inline void softmax_scores_bf16(const AttentionPart<at::BFloat16>& a, const uint32_t* seen, int64_t h, float* s) {
   const int64_t d = a.dim, n = a.keys;
   __m512bh q[MAX_DIM_CHUNKS];
@@ -1290,23 +1309,33 @@ inline void softmax_scores_bf16(const AttentionPart<at::BFloat16>& a, const uint
     _mm512_mask_storeu_ps(s + j0, score_lanes(n - j0), scores);
     top = _mm512_max_ps(top, scores);
   }
-  const float m = _mm512_reduce_max_ps(top);
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t j = 0; m != -INFINITY && j < n; j += 16) {
-    const __mmask16 lanes = score_lanes(n - j);
-    const __m512 p = exp_scores(_mm512_sub_ps(_mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes, s + j),
-                                              _mm512_set1_ps(m)));
-    _mm512_mask_storeu_ps(s + j, lanes, p);
-    total = _mm512_add_ps(total, p);
-  }
-  float* out = a.out + h * (d + 2);
-  out[d] = m;
-  out[d + 1] = _mm512_reduce_add_ps(total);
+  finish_softmax(a, h, s, top);
 }
 
-// out rows of heads h0 .. h0 + HEADS - 1: sum over the visible keys j of p[h][j] * values[j] (V vectors of 16).
-template <int V, int HEADS>
-void weighted_heads_bf16(const AttentionPart<at::BFloat16>& a, const float* p, const uint32_t* seen, int64_t h0) {
+// Head h's softmax (finish_softmax) from float32 query and keys (the part's own, or widened copies).
+template <typename T>
+inline void softmax_scores_float(const AttentionPart<T>& a, const FloatPart& f, const uint32_t* seen, int64_t h,
+                                 float* s) {
+  const int64_t d = a.dim, n = a.keys;
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {  // scores of 16 keys at a time
+    const __mmask16 visible = static_cast<__mmask16>(seen[j0 / 16]);
+    __m512 scores = _mm512_set1_ps(-INFINITY);
+    if (visible) {
+      __m512 dots[16];
+      key_dots<16>(f.q + h * d, f.keys + j0 * f.k_stride, f.k_stride, std::min<int64_t>(16, n - j0), d / 16, dots);
+      scores = _mm512_mask_mul_ps(scores, visible, sum16(dots), _mm512_set1_ps(a.scale));
+    }
+    _mm512_mask_storeu_ps(s + j0, score_lanes(n - j0), scores);
+    top = _mm512_max_ps(top, scores);
+  }
+  finish_softmax(a, h, s, top);
+}
+
+// out rows of heads h0 .. h0 + HEADS - 1: sum over the visible keys j of p[h][j] * values[j] (V vectors of 16), each
+// value row (fp32, or bf16 widened in registers) loaded once for the HEADS heads.
+template <typename T, int V, int HEADS>
+void weighted_heads(const AttentionPart<T>& a, const float* p, const uint32_t* seen, int64_t h0) {
   const int64_t d = a.dim, n = a.keys;
   __m512 acc[HEADS][V];
   for (int h = 0; h < HEADS; ++h)
@@ -1314,7 +1343,7 @@ void weighted_heads_bf16(const AttentionPart<at::BFloat16>& a, const float* p, c
   for (int64_t block = 0; block < (n + 15) / 16; ++block)
     for (uint32_t bits = seen[block]; bits != 0; bits &= bits - 1) {
       const int64_t j = block * 16 + __builtin_ctz(bits);
-      const at::BFloat16* row = a.v + j * a.v_stride;
+      const T* row = a.v + j * a.v_stride;
       __m512 w[HEADS];
       for (int h = 0; h < HEADS; ++h) w[h] = _mm512_set1_ps(p[(h0 + h) * n + j]);
       for (int c = 0; c < V; ++c) {
@@ -1328,74 +1357,56 @@ void weighted_heads_bf16(const AttentionPart<at::BFloat16>& a, const float* p, c
 
 // The group's heads in chunks of up to H = min(8, 16 / V) (at most 16 accumulators): a group of 3 heads (SmolLM2) as
 // one chunk of 3, not three of 1.
-template <int V, int H = std::max(1, std::min(8, 16 / V))>
-void weighted_values_bf16(const AttentionPart<at::BFloat16>& a, const float* p, const uint32_t* seen, int64_t h0 = 0) {
-  for (; h0 + H <= a.heads; h0 += H) weighted_heads_bf16<V, H>(a, p, seen, h0);
+template <typename T, int V, int H = std::max(1, std::min(8, 16 / V))>
+void weighted_values_in_place(const AttentionPart<T>& a, const float* p, const uint32_t* seen, int64_t h0 = 0) {
+  for (; h0 + H <= a.heads; h0 += H) weighted_heads<T, V, H>(a, p, seen, h0);
   if constexpr (H > 1) {
-    if (h0 < a.heads) weighted_values_bf16<V, H - 1>(a, p, seen, h0);
+    if (h0 < a.heads) weighted_values_in_place<T, V, H - 1>(a, p, seen, h0);
   }
 }
 
-// Whether weighted_values_bf16 has a version for head_dim = 16 * vectors (else the part takes the widening path).
+// Whether weighted_values_in_place has a version for head_dim = 16 * vectors.
 inline bool values_in_place(int64_t vectors) { return vectors <= 6 || vectors == 8 || vectors == 16; }
 
-void attend_part_bf16(const AttentionPart<at::BFloat16>& a, AttentionScratch& scratch) {
-  const int64_t n = a.keys;
-  scratch.scores.resize(a.heads * n);
-  visible_bits(a.visible, a.visible_stride, n, scratch.seen);
-  for (int64_t h = 0; h < a.heads; ++h) softmax_scores_bf16(a, scratch.seen.data(), h, scratch.scores.data() + h * n);
-  const float* p = scratch.scores.data();
-  const uint32_t* seen = scratch.seen.data();
+template <typename T>
+void weighted_values_in_place(const AttentionPart<T>& a, const float* p, const uint32_t* seen) {
   switch (a.dim / 16) {
-    case 1: return weighted_values_bf16<1>(a, p, seen);
-    case 2: return weighted_values_bf16<2>(a, p, seen);
-    case 3: return weighted_values_bf16<3>(a, p, seen);
-    case 4: return weighted_values_bf16<4>(a, p, seen);
-    case 5: return weighted_values_bf16<5>(a, p, seen);
-    case 6: return weighted_values_bf16<6>(a, p, seen);
-    case 8: return weighted_values_bf16<8>(a, p, seen);
-    case 16: return weighted_values_bf16<16>(a, p, seen);
+    case 1: return weighted_values_in_place<T, 1>(a, p, seen);
+    case 2: return weighted_values_in_place<T, 2>(a, p, seen);
+    case 3: return weighted_values_in_place<T, 3>(a, p, seen);
+    case 4: return weighted_values_in_place<T, 4>(a, p, seen);
+    case 5: return weighted_values_in_place<T, 5>(a, p, seen);
+    case 6: return weighted_values_in_place<T, 6>(a, p, seen);
+    case 8: return weighted_values_in_place<T, 8>(a, p, seen);
+    case 16: return weighted_values_in_place<T, 16>(a, p, seen);
   }
 }
 
+// Every head's softmax, then the weighted values. Where weighted_values_in_place has the head size, the values are
+// read where they are and the keys too (bf16 by vdpbf16ps; fp32 need no copy); else the part's keys and values are
+// widened into float32 buffers and each head's values summed alone (weighted_values).
 template <typename T>
 void attend_part(const AttentionPart<T>& a, AttentionScratch& scratch) {
-  if constexpr (std::is_same_v<T, at::BFloat16>) {
-    if (values_in_place(a.dim / 16)) return attend_part_bf16(a, scratch);
-  }
   const int64_t d = a.dim, n = a.keys, vectors = d / 16;
-  const FloatPart f = part_as_float(a, scratch, widen_row);
-  const float *q32 = f.q, *keys = f.keys, *values = f.values;
-  const int64_t k_stride = f.k_stride, v_stride = f.v_stride;
-  for (int64_t h = 0; h < a.heads; ++h) {
-    float* s = scratch.scores.data() + h * n;
-    __m512 top = _mm512_set1_ps(-INFINITY);
-    for (int64_t j0 = 0; j0 < n; j0 += 16) {  // scores of 16 keys at a time
-      const __mmask16 seen = static_cast<__mmask16>(scratch.seen[j0 / 16]);
-      __m512 scores = _mm512_set1_ps(-INFINITY);
-      if (seen) {
-        __m512 dots[16];
-        key_dots<16>(q32 + h * d, keys + j0 * k_stride, k_stride, std::min<int64_t>(16, n - j0), vectors, dots);
-        scores = _mm512_mask_mul_ps(scores, seen, sum16(dots), _mm512_set1_ps(a.scale));
-      }
-      _mm512_mask_storeu_ps(s + j0, score_lanes(n - j0), scores);
-      top = _mm512_max_ps(top, scores);
+  const bool in_place = values_in_place(vectors);
+  scratch.scores.resize(a.heads * n);
+  float* p = scratch.scores.data();
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (in_place) {
+      visible_bits(a.visible, a.visible_stride, n, scratch.seen);
+      for (int64_t h = 0; h < a.heads; ++h) softmax_scores_bf16(a, scratch.seen.data(), h, p + h * n);
+      return weighted_values_in_place(a, p, scratch.seen.data());
     }
-    const float m = _mm512_reduce_max_ps(top);
-    __m512 total = _mm512_setzero_ps();
-    for (int64_t j = 0; m != -INFINITY && j < n; j += 16) {
-      const __mmask16 lanes = score_lanes(n - j);
-      const __m512 x = _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), lanes, s + j);
-      const __m512 p = exp_scores(_mm512_sub_ps(x, _mm512_set1_ps(m)));
-      _mm512_mask_storeu_ps(s + j, lanes, p);
-      total = _mm512_add_ps(total, p);
-    }
-    float* out = a.out + h * (d + 2);
-    if (m == -INFINITY) std::fill(s, s + n, 0.f);  // no visible key in this part: it adds nothing
-    with_vectors(vectors, [&](auto v) { weighted_values<decltype(v)::value>(s, values, v_stride, n, vectors, out); });
-    out[d] = m;
-    out[d + 1] = _mm512_reduce_add_ps(total);
   }
+  const FloatPart f = part_as_float(a, scratch, widen_row);
+  for (int64_t h = 0; h < a.heads; ++h) {
+    softmax_scores_float(a, f, scratch.seen.data(), h, p + h * n);
+    if (!in_place)
+      with_vectors(vectors, [&](auto v) {
+        weighted_values<decltype(v)::value>(p + h * n, f.values, f.v_stride, n, vectors, a.out + h * (d + 2));
+      });
+  }
+  if (in_place) weighted_values_in_place(a, p, scratch.seen.data());
 }
 
 }  // namespace avx512
