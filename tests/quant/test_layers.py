@@ -213,7 +213,8 @@ def test_native_prefill_widens_where_the_cpu_has_no_bf16_arithmetic(monkeypatch,
     monkeypatch.setattr(native, "prompts_widened", lambda: widened)
     linear, layer = _layer(scheme)
     assert layer.widen_prompts == widened
-    x = torch.randn(40, linear.in_features)
+    rows = max(native.MAX_ROWS.values()) + 8  # a prompt at this level: more rows than any GEMV takes (AMX: int4 64)
+    x = torch.randn(rows, linear.in_features)
     expected = F.linear(_reference_input(x, scheme), layer.dequantize(), linear.bias)
     op = "int8_linear" if scheme in DECODE_OP else "int4_linear"
     with _spy(op) as prefill:
