@@ -9,6 +9,7 @@ from transformers import GenerationConfig
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import splice
+from splice import native
 from splice.generation import EosBannedBelowLength, generate, pick, plan_request
 from splice.layers.widened_linear import prompts_in_float32
 from splice.steps.fuse import inject
@@ -223,9 +224,12 @@ def test_bf16_fidelity_on_real_text(record_property):
     assert abs(ppl_splice - ppl_hf) / ppl_hf < 0.005
 
 
-def test_greedy_pick_is_argmax_with_its_ties_and_nans():
+@pytest.mark.parametrize("native_pick", (False, True), ids=("torch", "native"))
+def test_greedy_pick_is_argmax_with_its_ties_and_nans(native_pick):
     """The greedy token is ``torch.argmax``'s: the first of equal highest scores, a NaN where a row has one, over a
-    vocabulary-sized row and a small one."""
+    vocabulary-sized row and a small one; with splice's ``argmax_rows`` (float32 rows) as with torch's reduction."""
+    if native_pick and not native.available():
+        pytest.skip("splice's native kernels are not available here")
     torch.manual_seed(0)
     scores = torch.randn(5, 49152)
     scores[1, [7, 300, 40000]] = scores[1].max() + 1  # ties: the first wins
@@ -233,8 +237,25 @@ def test_greedy_pick_is_argmax_with_its_ties_and_nans():
     scores[3] = 0.0  # all equal
     scores[4, -1] = float("inf")
     for rows in (scores, scores[:, :17].contiguous(), scores.bfloat16()):
-        assert torch.equal(pick(rows, do_sample=False), torch.argmax(rows, dim=-1))
-    assert pick(scores, do_sample=False)[1].item() == 7
+        assert torch.equal(pick(rows, do_sample=False, native_pick=native_pick), torch.argmax(rows, dim=-1))
+    assert pick(scores, do_sample=False, native_pick=native_pick)[1].item() == 7
+
+
+@pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
+def test_native_greedy_loop_picks_with_argmax_rows(monkeypatch):
+    """On CPU with the native kernels the loop's greedy pick is ``argmax_rows`` (Hugging Face's tokens either way:
+    the other tests here); sampling keeps torch."""
+    reference, model = pair("llama")
+    ids, mask = padded_batch()
+    asked = []
+    fits = native.argmax_fits
+    monkeypatch.setattr(native, "argmax_fits", lambda scores: asked.append(scores.shape) or fits(scores))
+    got = generate(*model, ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    expected = reference.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert len(asked) == 6 and torch.equal(got, expected)
+    asked.clear()
+    generate(*model, ids, attention_mask=mask, max_new_tokens=3, do_sample=True, eos_token_id=None)
+    assert not asked
 
 
 @pytest.mark.parametrize("eos_ids", ([2], [2, 5]))

@@ -27,6 +27,7 @@ from transformers.generation import (
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from . import native
 from .layers.causal_lm import SpliceCausalLM
 from .profiling import ForwardTimer
 
@@ -329,10 +330,11 @@ def decode(runtime: SpliceCausalLM, req: Request, streamer=None, timer: ForwardT
         logits = runtime.forward(ids, positions, cache.slot_ids[:prompt_len], cache, prompt_len, dense=dense)
     position, slot = positions[:, -1:].clone(), cache.slot_ids[prompt_len - 1:prompt_len].clone()
     length = prompt_len
+    native_pick = not req.do_sample and native.available_on(runtime.device)
     while True:
         next_logits = logits.to(dtype=torch.float32, copy=True)
         next_scores = apply_processors(req.processors, sequences[:, :length], next_logits)
-        tokens = pick(next_scores, req.do_sample)
+        tokens = pick(next_scores, req.do_sample, native_pick)
         if req.eos is not None:
             tokens = tokens * unfinished + req.pad * (1 - unfinished)
             unfinished &= ~torch.isin(tokens, req.eos)
@@ -362,11 +364,15 @@ def prefill_positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return positions.masked_fill(attention_mask == 0, 0)
 
 
-def pick(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+def pick(scores: torch.Tensor, do_sample: bool, native_pick: bool = False) -> torch.Tensor:
     """The next token of each row: sampled, or the highest score's (the first of equal ones, as ``torch.argmax``;
-    ``max``'s indices are the same tokens, and on CPU its reduction is the cheaper one over a vocabulary)."""
+    ``max``'s indices are the same tokens, and on CPU its reduction is the cheaper one over a vocabulary). With
+    ``native_pick``, float32 CPU scores go to splice's ``argmax_rows`` (the same indices, NaN included, without torch's
+    element-by-element reduction)."""
     if do_sample:
         return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+    if native_pick and native.argmax_fits(scores):
+        return torch.ops.splice_kernels.argmax_rows(scores)
     return scores.max(dim=-1).indices
 
 

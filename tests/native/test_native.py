@@ -274,6 +274,37 @@ def test_decode_attention_refuses_what_it_cannot_compute():
 
 
 @needs_native
+@pytest.mark.parametrize("columns", (1, 7, 15, 16, 17, 63, 64, 65, 100, 32000, 49152))
+def test_argmax_rows_gives_torch_max_indices(isa, columns):
+    """Greedy decoding's pick: the first of equal highest values, the first NaN where a row has one, -inf and signed
+    zeros, the best in the vector part or in the tail, short rows."""
+    generator = torch.Generator().manual_seed(columns)
+    x = torch.randn(8, columns, generator=generator)
+    x[1] = torch.randint(0, 3, (columns,), generator=generator).float()  # ties everywhere
+    x[2] = float("-inf")
+    x[3, columns // 2] = float("nan")
+    x[3, -1] = float("nan")
+    x[4, -1] = 100.0  # the best is the last column (the tail, for most widths)
+    x[5] = 0.0
+    x[5, 0] = -0.0  # -0.0 == 0.0: the first stays
+    x[6, 0] = float("nan")
+    x[7, :] = 5.0
+    x[7, columns // 3] = float("inf")
+    got = torch.ops.splice_kernels.argmax_rows(x)
+    assert got.dtype == torch.int64 and torch.equal(got, x.max(dim=-1).indices)
+    assert native.argmax_fits(x) and not native.argmax_fits(x.bfloat16())
+    assert not native.argmax_fits(torch.randn(4, 6).T)
+
+
+@needs_native
+def test_argmax_rows_refuses_what_it_cannot_pick_from():
+    for bad, words in ((torch.randn(2, 3, 4), "float32 \\[rows, columns\\]"), (torch.randn(8, 2).T, "not contiguous"),
+                       (torch.randn(2, 8).bfloat16(), "BFloat16"), (torch.randn(2, 0), "columns > 0")):
+        with pytest.raises(RuntimeError, match=words):
+            torch.ops.splice_kernels.argmax_rows(bad)
+
+
+@needs_native
 def test_int8_dot_gemv_refuses_in_features_off_the_block():
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.splice_kernels.int8_dot_gemv(torch.randn(1, 48).bfloat16(), torch.zeros(4, 48, dtype=torch.int8),

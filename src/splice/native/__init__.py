@@ -393,6 +393,12 @@ def attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
             and k.dtype == q.dtype and q.shape[3] % 16 == 0 and q.shape[3] <= 256)
 
 
+def argmax_fits(scores: torch.Tensor) -> bool:
+    """Whether ``argmax_rows`` takes these scores: float32 ``[rows, vocab]``, contiguous, on CPU."""
+    return (scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2
+            and scores.shape[1] > 0 and scores.is_contiguous())
+
+
 def prompts_widened() -> bool:
     """Whether prompts (more rows than the GEMVs take) run as float32 GEMMs on slabs of the widened weight
     (``widened_linear``, ``int8_linear`` / ``int4_linear`` with ``widen``) rather than one bf16 GEMM: where torch's

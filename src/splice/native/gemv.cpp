@@ -24,6 +24,7 @@
 //       bf16 GEMM, or with widen (a CPU without bf16 arithmetic) float32 GEMMs a slab of widened rows at a time
 //   widened_linear(x, w bf16/fp16 [N, K])  prefill of a 16-bit weight as float32 GEMMs on widened slabs
 // Also, at quantization time: gptq_columns, GPTQ's column-by-column rounding and error spreading in one block.
+// And greedy decoding's pick: argmax_rows(x float32 [B, V]) -> int64 [B], the indices torch.max(x, -1) returns.
 //
 // Instruction sets: the file is compiled for baseline x86-64; each kernel exists once per ISA level, in a region
 // compiled for that level (#pragma GCC target), and the ops dispatch at run time on the active level:
@@ -2073,6 +2074,57 @@ void attend_part(const AttentionPart<T>& a, AttentionScratch& scratch) {
   }
 }
 
+
+// ---- the greedy pick --------------------------------------------------------------------------------------------------
+// The index torch.max(x, -1) returns for one row of n floats: the first index of the largest value, a NaN counting as
+// larger than any number (the first NaN's). CHAINS x 8 lanes each keep their largest value so far and its first
+// index (a strictly larger value replaces it; independent chains, so the compare-and-blend latency overlaps); then the
+// largest of those, the smallest index among equal ones, and the tail element by element.
+int64_t argmax_row(const float* x, int64_t n) {
+  constexpr int CHAINS = 4, WIDTH = 8 * CHAINS;
+  const auto scalar_from = [&](int64_t first, int64_t best) -> int64_t {  // from first on, best the best before it
+    for (int64_t i = first; i < n; ++i) {
+      if (std::isnan(x[i])) return i;
+      if (x[i] > x[best]) best = i;
+    }
+    return best;
+  };
+  if (n < 2 * WIDTH) return scalar_from(0, 0);
+  __m256 best[CHAINS], nan = _mm256_setzero_ps();
+  __m256i best_at[CHAINS], at[CHAINS];
+  for (int c = 0; c < CHAINS; ++c) {
+    best[c] = _mm256_loadu_ps(x + 8 * c);
+    at[c] = best_at[c] = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * c));
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(best[c], best[c], _CMP_UNORD_Q));
+  }
+  int64_t i = WIDTH;
+  for (; i + WIDTH <= n; i += WIDTH)
+    for (int c = 0; c < CHAINS; ++c) {
+      const __m256 v = _mm256_loadu_ps(x + i + 8 * c);
+      at[c] = _mm256_add_epi32(at[c], _mm256_set1_epi32(WIDTH));
+      const __m256 larger = _mm256_cmp_ps(v, best[c], _CMP_GT_OQ);
+      best[c] = _mm256_blendv_ps(best[c], v, larger);
+      best_at[c] = _mm256_castps_si256(
+          _mm256_blendv_ps(_mm256_castsi256_ps(best_at[c]), _mm256_castsi256_ps(at[c]), larger));
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+  if (_mm256_movemask_ps(nan)) return scalar_from(0, 0);  // rare: torch's NaN rule, element by element
+  alignas(32) float value[WIDTH];
+  alignas(32) int32_t index[WIDTH];
+  for (int c = 0; c < CHAINS; ++c) {
+    _mm256_store_ps(value + 8 * c, best[c]);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(index + 8 * c), best_at[c]);
+  }
+  int64_t top = index[0];
+  float top_value = value[0];
+  for (int lane = 1; lane < WIDTH; ++lane)
+    if (value[lane] > top_value || (value[lane] == top_value && index[lane] < top)) {
+      top = index[lane];
+      top_value = value[lane];
+    }
+  return scalar_from(i, top);
+}
+
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -2174,6 +2226,20 @@ at::Tensor decode_attention_of(const at::Tensor& q, const at::Tensor& k, const a
       for (int64_t i = 0; i < dim; ++i) op[bh * dim + i] = static_cast<T>(sum[i] / total);
     }
   });
+  return out;
+}
+
+// Greedy decoding's pick: argmax_rows(x float32 [B, V]) -> int64 [B], torch.max(x, -1).indices (avx2::argmax_row:
+// every level's CPU runs AVX2). torch's own reduction over a vocabulary steps one element at a time.
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_isa("argmax_rows");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0,
+              "argmax_rows: x must be a contiguous float32 [rows, columns] with columns > 0, got ", x.scalar_type(),
+              " ", x.sizes(), x.is_contiguous() ? "" : " (not contiguous)");
+  auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  for (int64_t row = 0; row < x.size(0); ++row) op[row] = avx2::argmax_row(xp + row * x.size(1), x.size(1));
   return out;
 }
 
@@ -2470,6 +2536,7 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("int4_linear(Tensor x, Tensor w, Tensor scales_and_zeros, int group, bool widen=False) -> Tensor");
   lib.def("widened_linear(Tensor x, Tensor w) -> Tensor");
   lib.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+  lib.def("argmax_rows(Tensor x) -> Tensor");
   // no tensors: one kernel for every backend
   lib.def("amx_ready() -> bool", &amx_ready);
   lib.def("int8_dot_ready() -> bool", &int8_dot_ready);
@@ -2502,4 +2569,5 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("int4_linear", &int4_linear);
   lib.impl("widened_linear", &widened_linear);
   lib.impl("decode_attention", &decode_attention);
+  lib.impl("argmax_rows", &argmax_rows);
 }
