@@ -1293,18 +1293,18 @@ inline void finish_softmax(const AttentionPart<T>& a, int64_t h, float* s, __m51
   out[d + 1] = _mm512_reduce_add_ps(total);
 }
 
-// Head h's softmax (finish_softmax) from bf16 keys read where they are.
-inline void softmax_scores_bf16(const AttentionPart<at::BFloat16>& a, const uint32_t* seen, int64_t h, float* s) {
-  const int64_t d = a.dim, n = a.keys;
-  __m512bh q[MAX_DIM_CHUNKS];
-  for (int64_t c = 0; c < d; c += 32) q[c / 32] = load_bf16_chunk(a.q + h * a.q_head_stride + c, dim_lanes(d - c));
+// Head h's scores 16 keys at a time (dots_of(j0, keys_here, dots) the block's dot products; blocks with no visible key
+// skipped), scaled and masked, then finish_softmax.
+template <typename T, typename Dots>
+inline void softmax_scores(const AttentionPart<T>& a, const uint32_t* seen, int64_t h, float* s, Dots dots_of) {
+  const int64_t n = a.keys;
   __m512 top = _mm512_set1_ps(-INFINITY);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const __mmask16 visible = static_cast<__mmask16>(seen[j0 / 16]);
     __m512 scores = _mm512_set1_ps(-INFINITY);
     if (visible) {
       __m512 dots[16];
-      key_dots_bf16<16>(q, a.k + j0 * a.k_stride, a.k_stride, std::min<int64_t>(16, n - j0), d, dots);
+      dots_of(j0, std::min<int64_t>(16, n - j0), dots);
       scores = _mm512_mask_mul_ps(scores, visible, sum16(dots), _mm512_set1_ps(a.scale));
     }
     _mm512_mask_storeu_ps(s + j0, score_lanes(n - j0), scores);
@@ -1313,24 +1313,24 @@ inline void softmax_scores_bf16(const AttentionPart<at::BFloat16>& a, const uint
   finish_softmax(a, h, s, top);
 }
 
-// Head h's softmax (finish_softmax) from float32 query and keys (the part's own, or widened copies).
+// Head h's softmax from bf16 query and keys read where they are (vdpbf16ps).
+inline void softmax_scores_bf16(const AttentionPart<at::BFloat16>& a, const uint32_t* seen, int64_t h, float* s) {
+  const int64_t d = a.dim;
+  __m512bh q[MAX_DIM_CHUNKS];
+  for (int64_t c = 0; c < d; c += 32) q[c / 32] = load_bf16_chunk(a.q + h * a.q_head_stride + c, dim_lanes(d - c));
+  softmax_scores(a, seen, h, s, [&](int64_t j0, int64_t keys_here, __m512 (&dots)[16]) {
+    key_dots_bf16<16>(q, a.k + j0 * a.k_stride, a.k_stride, keys_here, d, dots);
+  });
+}
+
+// Head h's softmax from float32 query and keys (the part's own, or widened copies).
 template <typename T>
 inline void softmax_scores_float(const AttentionPart<T>& a, const FloatPart& f, const uint32_t* seen, int64_t h,
                                  float* s) {
-  const int64_t d = a.dim, n = a.keys;
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {  // scores of 16 keys at a time
-    const __mmask16 visible = static_cast<__mmask16>(seen[j0 / 16]);
-    __m512 scores = _mm512_set1_ps(-INFINITY);
-    if (visible) {
-      __m512 dots[16];
-      key_dots<16>(f.q + h * d, f.keys + j0 * f.k_stride, f.k_stride, std::min<int64_t>(16, n - j0), d / 16, dots);
-      scores = _mm512_mask_mul_ps(scores, visible, sum16(dots), _mm512_set1_ps(a.scale));
-    }
-    _mm512_mask_storeu_ps(s + j0, score_lanes(n - j0), scores);
-    top = _mm512_max_ps(top, scores);
-  }
-  finish_softmax(a, h, s, top);
+  const int64_t d = a.dim;
+  softmax_scores(a, seen, h, s, [&](int64_t j0, int64_t keys_here, __m512 (&dots)[16]) {
+    key_dots<16>(f.q + h * d, f.keys + j0 * f.k_stride, f.k_stride, keys_here, d / 16, dots);
+  });
 }
 
 // out rows of heads h0 .. h0 + HEADS - 1: sum over the visible keys j of p[h][j] * values[j] (V vectors of 16), each
