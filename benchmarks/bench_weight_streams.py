@@ -1,4 +1,4 @@
-"""Decode GEMVs with one of their read settings on and off: one weight stream per thread against two (``--compare
+"""Decode GEMVs with one of their read settings on and off: one, two and four weight streams per thread (``--compare
 streams``, the default; ``native.use_weight_streams``), or static shares against threads taking each other's last
 pieces (``--compare stealing``; ``native.use_work_stealing``). First the kernels alone at one and two threads and one
 and two rows (GB/s of weights read), then one engine per format (``--model``, llama-1b by default), its decode step
@@ -25,9 +25,9 @@ from bench_decode_attention import engine_options, time_contexts  # the same eng
 LAYER_SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
 
 
-#: What --compare sets: (the setting's context manager, {label: value}, the baseline first, splice's default last).
+#: What --compare sets: (the setting's context manager, {label: value}, the baseline first).
 SETTINGS = {
-    "streams": (native.use_weight_streams, {"1 stream": 1, "2 streams": 2}),
+    "streams": (native.use_weight_streams, {"1 stream": 1, "2 streams": 2, "4 streams": 4}),
     "stealing": (native.use_work_stealing, {"static shares": False, "stealing": True}),
 }
 
@@ -45,6 +45,7 @@ class WithSetting:
 
 def model_rounds(name: str, schemes: list[str], new: int, rounds: int, compare: str = "streams") -> None:
     setting, values = SETTINGS[compare]
+    labels = list(values)
     model = load_model(name, "bf16")
     vocab = model.config.vocab_size
     for scheme in schemes:
@@ -53,10 +54,10 @@ def model_rounds(name: str, schemes: list[str], new: int, rounds: int, compare: 
         engines = {label: WithSetting(engine, setting, value) for label, value in values.items()}
         with torch.inference_mode():
             speeds = time_contexts(engines, torch.randint(0, vocab, (1, 128)), new, rounds)
-        base, default = (max(values) for values in speeds.values())
+        best = {name: max(values) for name, values in speeds.items()}
         print(f"{scheme}: " + "; ".join(f"{name} " + ", ".join(f"{v:.2f}" for v in values) + " tok/s"
-                                      for name, values in speeds.items()) + f"; best {default / base:.2f}x",
-              flush=True)
+                                      for name, values in speeds.items()) + "; best against the first: "
+              + ", ".join(f"{name} {best[name] / best[labels[0]]:.2f}x" for name in labels[1:]), flush=True)
         del engine, engines
 
 
@@ -105,7 +106,8 @@ def kernel_rounds(rows: int, rounds: int = 6, compare: str = "streams") -> None:
                         best[label] = min(best[label], time.perf_counter() - start)
             print(f"{name}, {rows} row(s), {threads} thread(s): "
                   + ", ".join(f"{label} {nbytes / best[label] / 1e9:.1f} GB/s" for label in labels)
-                  + f", {best[labels[0]] / best[labels[1]]:.2f}x", flush=True)
+                  + "; against the first: " + ", ".join(f"{label} {best[labels[0]] / best[label]:.2f}x"
+                                                        for label in labels[1:]), flush=True)
 
 
 def main() -> None:

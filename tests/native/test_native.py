@@ -138,32 +138,34 @@ def _threads(count: int):
 
 @needs_native
 @pytest.mark.parametrize("rows", (1, 2, 3, 5))
-@pytest.mark.parametrize("n", (16 * 7, 16 * 8 + 4 * 3 + 2))  # int4: 7 tiles (odd: one left over); int8: a row tail
-def test_two_weight_streams_give_the_same_output_as_one(isa, rows, n):
-    """Walking two parts of each thread's weights side by side changes the order of the reads, not the arithmetic:
-    bit for bit the same outputs (int4 and int8 on integer dot products, int8 and bf16 on float ones), at every level,
-    with an odd number of tiles or row blocks and a tail of rows, one thread and two."""
+# int4: 7 tiles (odd: one left over), 37 (four streams and some left over a thread); int8: a row tail
+@pytest.mark.parametrize("n", (16 * 7, 16 * 8 + 4 * 3 + 2, 16 * 37 + 2))
+def test_weight_streams_give_the_same_output_as_one(isa, rows, n):
+    """Walking two or four parts of each thread's weights side by side changes the order of the reads, not the
+    arithmetic: bit for bit the same outputs (int4 and int8 on integer dot products, int8 and bf16 on float ones), at
+    every level, with tiles or row blocks left over by the streams and a tail of rows, one thread and two."""
     k = 256
     x, _, _, w4, sz = _int4_operands(rows, n // 16 * 16, k, 64, symmetric=rows % 2 == 1, seed=rows)
     x8, w8, s8 = torch.randn(rows, k).bfloat16(), torch.randint(-127, 128, (n, k), dtype=torch.int8), \
         torch.rand(n).bfloat16()
     wb = torch.randn(n, k).bfloat16()
-    assert native.weight_streams() == 2  # the default
+    assert native.weight_streams() == native.default_weight_streams()
     for threads in (1, 2):
         with _threads(threads):
             results = {}
-            for streams in (1, 2):
+            for streams in (1, 2, 4):
                 with native.use_weight_streams(streams):
                     results[streams] = (torch.ops.splice_kernels.int4_dot_gemv(x, w4, sz, 64),
                                         torch.ops.splice_kernels.int8_dot_gemv(x8, w8, s8),
                                         torch.ops.splice_kernels.int8_gemv(x8, w8, s8),
                                         torch.ops.splice_kernels.bf16_gemv(x8, wb))
-            assert all(torch.equal(a, b) for a, b in zip(results[1], results[2]))
+            for streams in (2, 4):
+                assert all(torch.equal(a, b) for a, b in zip(results[1], results[streams])), streams
 
 
 @needs_native
 @pytest.mark.parametrize("rows", (1, 2, 3))
-@pytest.mark.parametrize("streams", (1, 2))
+@pytest.mark.parametrize("streams", (1, 2, 4))
 def test_threads_taking_each_others_pieces_give_the_same_output(isa, rows, streams):
     """Work stealing changes which thread computes a tile or row block, not what it computes: bit for bit the outputs
     of static shares, with enough tiles and blocks for many pieces a thread, two and three threads, and equal to the
@@ -193,10 +195,18 @@ def test_threads_taking_each_others_pieces_give_the_same_output(isa, rows, strea
 def test_weight_streams_refuse_other_counts():
     if not native.available():
         pytest.skip("splice's native kernels are not available here")
-    with pytest.raises(RuntimeError, match="3 streams; allowed: 1 or 2"):
+    with pytest.raises(RuntimeError, match="3 streams; allowed: 1, 2 or 4"):
         with native.use_weight_streams(3):
             pass
-    assert native.weight_streams() == 2
+    assert native.weight_streams() == native.default_weight_streams()
+
+
+@pytest.mark.parametrize("vendor, streams", (("GenuineIntel", 4), ("AuthenticAMD", 2), (None, 2)))
+def test_default_weight_streams_follow_the_cpu_vendor(monkeypatch, vendor, streams):
+    """Four streams where they were measured to read faster (Intel), two on every other CPU and where /proc/cpuinfo
+    names no vendor."""
+    monkeypatch.setattr(native, "_cpu_vendor", lambda: vendor)
+    assert native.default_weight_streams() == streams
 
 
 @needs_native

@@ -66,6 +66,11 @@ ROW_LIMITS = {
 }
 #: The active level's limits (updated by :func:`set_isa`); read by :func:`fits` and the quantized layers.
 MAX_ROWS = dict(ROW_LIMITS["avx512"])
+#: Weight streams per thread of the decode GEMVs (``weight_streams``) where four read faster than two, by
+#: ``/proc/cpuinfo`` vendor: measured on an Intel Xeon with AVX-512 (``docs/kernels.md``, "Weight streams per
+#: thread"). Elsewhere two: on an AMD Zen 3 four streams a power of two apart read at two thirds of one, and four
+#: streams in the GEMVs' own placement were not measured there.
+WEIGHT_STREAMS_BY_VENDOR = {"GenuineIntel": 4}
 CFLAGS = ["-O3", "-fopenmp"]  # baseline x86-64: gemv.cpp enables each level's instructions in its own regions
 INT4_TILE = 16  # weight rows per int4 tile
 INT4_CHUNK = 8  # input columns per int32 word of a tile row
@@ -97,6 +102,7 @@ def available() -> bool:
             reason = f"building them failed ({type(error).__name__}: {str(error).strip().splitlines()[-1][:200]})"
     if reason is None:
         set_isa(_initial_isa(requested))
+        torch.ops.splice_kernels.set_weight_streams(default_weight_streams())
         if switched_off("SPLICE_NATIVE_AVX_VNNI"):
             torch.ops.splice_kernels.set_avx_vnni(False)
         return True
@@ -173,15 +179,23 @@ def use_avx_vnni(on: bool) -> contextlib.AbstractContextManager[None]:
     return _kernel_setting(avx_vnni_ready, torch.ops.splice_kernels.set_avx_vnni, on)
 
 
+def default_weight_streams() -> int:
+    """The weight streams the decode GEMVs walk unless told otherwise: :data:`WEIGHT_STREAMS_BY_VENDOR` for this CPU's
+    vendor, else 2."""
+    return WEIGHT_STREAMS_BY_VENDOR.get(_cpu_vendor() or "", 2)
+
+
 def weight_streams() -> int:
-    """Weight streams per thread of the decode GEMVs (``bf16_gemv``, ``int8_gemv``, ``int8_dot_gemv``,
-    ``int4_dot_gemv``) for one or two rows of x: 2 (two parts of each thread's share of the weight walked side by
-    side, so more reads are in flight; the default) or 1."""
+    """Weight streams per thread of the decode GEMVs for one or two rows of x: that many parts of each thread's share
+    of the weight walked side by side, so more reads are in flight (:func:`default_weight_streams`). 1, 2 or 4; the
+    kernels whose sums for four streams do not fit their registers walk at most two (``int8_gemv``, and the avx2
+    level's ``bf16_gemv``, ``int8_dot_gemv`` and ``int4_dot_gemv``), the avx512 level's ``bf16_gemv``,
+    ``int8_dot_gemv`` and ``int4_dot_gemv`` up to four."""
     return torch.ops.splice_kernels.weight_streams()
 
 
 def use_weight_streams(streams: int) -> contextlib.AbstractContextManager[None]:
-    """``streams`` (1 or 2) weight streams per thread inside the block (tests, benchmarks), then as before."""
+    """``streams`` (1, 2 or 4) weight streams per thread inside the block (tests, benchmarks), then as before."""
     if not available():
         raise RuntimeError("splice's native kernels are not available here")
     return _kernel_setting(weight_streams, torch.ops.splice_kernels.set_weight_streams, streams)
@@ -258,14 +272,25 @@ def unsupported_reason() -> str | None:
 
 @cache
 def _cpu_flags() -> frozenset[str]:
+    return frozenset((_cpuinfo_value("flags") or "").split())
+
+
+@cache
+def _cpu_vendor() -> str | None:
+    return _cpuinfo_value("vendor_id")
+
+
+def _cpuinfo_value(name: str) -> str | None:
+    """The first ``name : value`` of /proc/cpuinfo, or None."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return None
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+        key, _, value = line.partition(":")
+        if key.strip() == name:
+            return value.strip()
+    return None
 
 
 LDFLAGS = ["-fopenmp"]

@@ -3,7 +3,7 @@
 // Why they exist: torch's bf16 / int8 / int4 GEMVs stream each weight matrix without software prefetch (the hardware
 // prefetcher stops at every 4 KiB page), so they read weights well below memory speed. These kernels read the weight
 // with a software prefetch a few KiB ahead, and for one or two rows of x as two streams per thread (two far-apart
-// parts of each thread's share side by side: for_tile_streams, for_row_blocks), so decode runs at memory speed.
+// parts of each thread's share side by side: for_spans, for_row_blocks), so decode runs at memory speed.
 //
 // All kernels: y[m, n] = sum_k x[m, k] * w[n, k] in float32, rounded once to bf16, for any number of rows
 // of x, taken a few at a time against each block of weights (so the weights are read from memory once).
@@ -172,39 +172,55 @@ template <int V>
 using Int = std::integral_constant<int, V>;
 
 // Weight streams per thread in the decode GEMVs. A core reading one sequential stream leaves the memory system idle
-// between the hardware prefetcher's requests (software prefetch does not change that); two streams far apart, each
-// followed by the prefetcher on its own, keep more reads in flight. set_weight_streams(1) walks one (to compare).
+// between the hardware prefetcher's requests (software prefetch does not change that); streams far apart, each
+// followed by the prefetcher on its own, keep more reads in flight. How many read fastest depends on the CPU
+// (set_weight_streams; kernels that hold fewer streams' sums in their registers cap it: MAX_S below).
 std::atomic<int64_t> weight_streams_setting{2};
 
 int64_t weight_streams() { return weight_streams_setting.load(std::memory_order_relaxed); }
 
 void set_weight_streams(int64_t streams) {
-  TORCH_CHECK(streams == 1 || streams == 2, "set_weight_streams: ", streams, " streams; allowed: 1 or 2");
+  TORCH_CHECK(streams == 1 || streams == 2 || streams == 4, "set_weight_streams: ", streams,
+              " streams; allowed: 1, 2 or 4");
   weight_streams_setting.store(streams, std::memory_order_relaxed);
 }
 
-// A thread's tiles (or blocks of rows) [begin, end) as weight_streams() spans walked side by side: f(Int<2>{}, t,
-// span) computes tiles t and t + span together, f(Int<1>{}, t, 0) tile t alone (one stream, and the tile left over
-// by an odd count). Two streams for at most TWO_STREAM_ROWS rows of x: with more, the product is bound by arithmetic,
-// not by the reads.
+// Several streams for at most TWO_STREAM_ROWS rows of x: with more, the product is bound by arithmetic, not by the
+// reads.
 constexpr int64_t TWO_STREAM_ROWS = 2;
 
-template <typename F>
-void for_tile_streams(int64_t begin, int64_t end, int64_t rows, F&& f) {
+// g(Int<S>{}) for the streams a kernel of at most MAX_S streams walks for `rows` rows of x.
+template <int MAX_S, typename G>
+void with_streams(int64_t rows, G&& g) {
+  const int64_t streams = rows <= TWO_STREAM_ROWS ? weight_streams() : 1;
+  if constexpr (MAX_S >= 4) {
+    if (streams >= 4) return g(Int<4>{});
+  }
+  if constexpr (MAX_S >= 2) {
+    if (streams >= 2) return g(Int<2>{});
+  }
+  g(Int<1>{});
+}
+
+// A thread's tiles (or blocks of rows) [begin, end) as S spans walked side by side: f(Int<S>{}, t, span) computes
+// tiles t, t + span, ..., t + (S - 1) * span together, f(Int<1>{}, t, 0) tile t alone (the tiles left over by a count
+// that is not a multiple of S).
+template <int S, typename F>
+void for_spans(int64_t begin, int64_t end, F&& f) {
   int64_t t = begin;
-  if (weight_streams() == 2 && rows <= TWO_STREAM_ROWS) {
-    const int64_t span = (end - begin) / 2;
-    for (int64_t i = 0; i < span; ++i) f(Int<2>{}, begin + i, span);
-    t = begin + 2 * span;
+  if constexpr (S > 1) {
+    const int64_t span = (end - begin) / S;
+    for (int64_t i = 0; i < span; ++i) f(Int<S>{}, begin + i, span);
+    t = begin + S * span;
   }
   for (; t < end; ++t) f(Int<1>{}, t, int64_t{0});
 }
 
-// for_tile_streams over [0, units) on every thread, each thread's share claimed in STEAL_PIECES pieces from a counter
-// of its own: a thread done with its share claims the pieces left of the others'. With static shares alone one thread
-// (one and the same, call after call) reads on alone at the end of every call while the others wait for it; the
-// pieces keep each stream sequential except where a piece was taken. f as for_tile_streams'; every unit is computed
-// exactly once, by whichever thread claims it, so results do not depend on who does.
+// for_spans over [0, units) on every thread, each thread's share claimed in STEAL_PIECES pieces from a counter of its
+// own: a thread done with its share claims the pieces left of the others'. With static shares alone one thread (one
+// and the same, call after call) reads on alone at the end of every call while the others wait for it; the pieces keep
+// each stream sequential except where a piece was taken. f as for_spans', with S = with_streams<MAX_S>(rows); every
+// unit is computed exactly once, by whichever thread claims it, so results do not depend on who does.
 constexpr int64_t STEAL_PIECES = 16;
 std::atomic<bool> work_stealing_setting{true};  // set_work_stealing(false): static shares only (to compare)
 
@@ -216,33 +232,35 @@ struct alignas(64) StreamShare {
   int64_t begin = 0, span = 0, steps = 0, piece = 1;
 };
 
-template <typename F>
+template <int MAX_S = 2, typename F>
 void parallel_streams(int64_t units, int64_t rows, F&& f) {
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), units);
-  if (threads <= 1 || at::in_parallel_region()) return for_tile_streams(0, units, rows, f);
-  const bool paired = weight_streams() == 2 && rows <= TWO_STREAM_ROWS;
-  std::unique_ptr<StreamShare[]> shares(new StreamShare[threads]);
-  for (int64_t t = 0; t < threads; ++t) {  // step i < span: units begin + i and begin + span + i; then one at a time
-    StreamShare& share = shares[t];
-    share.begin = units * t / threads;
-    const int64_t count = units * (t + 1) / threads - share.begin;
-    share.span = paired ? count / 2 : 0;
-    share.steps = count - share.span;
-    share.piece = std::max<int64_t>(1, (share.steps + STEAL_PIECES - 1) / STEAL_PIECES);
-  }
-  const auto claim_pieces = [&](StreamShare& share) {
-    for (int64_t i; (i = share.next.fetch_add(share.piece, std::memory_order_relaxed)) < share.steps;)
-      for (int64_t step = i; step < std::min(i + share.piece, share.steps); ++step) {
-        if (step < share.span)
-          f(Int<2>{}, share.begin + step, share.span);
-        else
-          f(Int<1>{}, share.begin + share.span + step, int64_t{0});
-      }
-  };
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) claim_pieces(shares[t]);
-    if (work_stealing())
-      for (int64_t other = 1; other < threads; ++other) claim_pieces(shares[(begin + other) % threads]);
+  with_streams<MAX_S>(rows, [&](auto s_c) {
+    constexpr int S = decltype(s_c)::value;
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), units);
+    if (threads <= 1 || at::in_parallel_region()) return for_spans<S>(0, units, f);
+    std::unique_ptr<StreamShare[]> shares(new StreamShare[threads]);
+    for (int64_t t = 0; t < threads; ++t) {  // step i < span: units begin + i + j * span, j < S; then one at a time
+      StreamShare& share = shares[t];
+      share.begin = units * t / threads;
+      const int64_t count = units * (t + 1) / threads - share.begin;
+      share.span = S > 1 ? count / S : 0;
+      share.steps = count - (S - 1) * share.span;
+      share.piece = std::max<int64_t>(1, (share.steps + STEAL_PIECES - 1) / STEAL_PIECES);
+    }
+    const auto claim_pieces = [&](StreamShare& share) {
+      for (int64_t i; (i = share.next.fetch_add(share.piece, std::memory_order_relaxed)) < share.steps;)
+        for (int64_t step = i; step < std::min(i + share.piece, share.steps); ++step) {
+          if (step < share.span)
+            f(Int<S>{}, share.begin + step, share.span);
+          else
+            f(Int<1>{}, share.begin + (S - 1) * share.span + step, int64_t{0});
+        }
+    };
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) claim_pieces(shares[t]);
+      if (work_stealing())
+        for (int64_t other = 1; other < threads; ++other) claim_pieces(shares[(begin + other) % threads]);
+    });
   });
 }
 
@@ -295,15 +313,16 @@ inline void prefetch_step(const int8_t* const row_at[R], int64_t k, int64_t c) {
 }
 
 // Blocks of four weight rows split over the threads, f(Int<x rows>, Int<weight rows>, RowBlock, first x row) in chunks
-// of X rows of x: with two weight streams (as for_tile_streams: weight_streams() == 2 and at most TWO_STREAM_ROWS
-// rows of x) f(m, Int<8>{}, RowBlock{4b, 4 span}, m0) computes the thread's blocks b and b + span together; the
-// others (and every block otherwise) go four rows at a time, then the tail of n % 4 rows.
-template <int64_t X, typename F>
+// of X rows of x: with S > 1 weight streams (with_streams<MAX_S>: at most TWO_STREAM_ROWS rows of x)
+// f(m, Int<4 S>{}, RowBlock{4b, 4 span}, m0) computes the thread's blocks b, b + span, ... together; the others (and
+// every block otherwise) go four rows at a time, then the tail of n % 4 rows.
+template <int64_t X, int MAX_S = 2, typename F>
 void for_row_blocks(int64_t m, int64_t n, F&& f) {
-  parallel_streams(n / 4, m, [&](auto streams, int64_t b, int64_t span) {
-    if constexpr (decltype(streams)::value == 2) {
+  parallel_streams<MAX_S>(n / 4, m, [&](auto streams, int64_t b, int64_t span) {
+    constexpr int S = decltype(streams)::value;
+    if constexpr (S > 1) {
       for_x_chunks<TWO_STREAM_ROWS>(m, [&](auto m_c, int64_t m0) {
-        f(m_c, Int<8>{}, RowBlock{b * 4, span * 4}, m0);
+        f(m_c, Int<4 * S>{}, RowBlock{b * 4, span * 4}, m0);
       });
     } else {
       for_x_chunks<X>(m, [&](auto m_c, int64_t m0) { f(m_c, Int<4>{}, RowBlock{b * 4, 0}, m0); });
@@ -316,17 +335,26 @@ void for_row_blocks(int64_t m, int64_t n, F&& f) {
     });
 }
 
-// The two weight streams' rows of a RowBlock of eight (blocks A = rows 0-3 and B = rows 4-7) as pairs: f(the two row
-// indices, their pointers) for row r of A and row r of B, r = 0 .. 3. A kernel that walks each pair over every column
-// before the next reads each stream's rows one after another, in sequence, where walking all eight rows at each step
-// reads eight places at once, which is slower (docs/kernels.md).
-template <typename T, typename F>
-void for_row_pairs(const T* w, int64_t k, RowBlock block, F&& f) {
+// The S weight streams' rows of a RowBlock of 4 S (blocks of rows 0-3, 4-7, ...) as sets: f(the S row indices, their
+// pointers) for row r of each block, r = 0 .. 3. A kernel that walks each set over every column before the next reads
+// each stream's rows one after another, in sequence, where walking all 4 S rows at each step reads 4 S places at once,
+// which is slower (docs/kernels.md).
+template <int S, typename T, typename F>
+void for_row_sets(const T* w, int64_t k, RowBlock block, F&& f) {
   for (int r = 0; r < 4; ++r) {
-    const int64_t rows[2] = {block.row(r), block.row(4 + r)};
-    const T* row_at[2] = {w + rows[0] * k, w + rows[1] * k};
+    int64_t rows[S];
+    const T* row_at[S];
+    for (int s = 0; s < S; ++s) {
+      rows[s] = block.row(4 * s + r);
+      row_at[s] = w + rows[s] * k;
+    }
     f(rows, row_at);
   }
+}
+
+template <typename T, typename F>
+void for_row_pairs(const T* w, int64_t k, RowBlock block, F&& f) {
+  for_row_sets<2>(w, k, block, f);
 }
 
 // ---- int8 activations for the int4 integer dot products (AVX-512 and AVX2 alike) ------------------------------------
@@ -508,28 +536,29 @@ void bf16_rows(const at::BFloat16* x, const at::BFloat16* w, int64_t k, RowBlock
     for (int r = 0; r < rows; ++r) out[m * n_total + block.row(r)] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]));
 }
 
-// The two weight streams' eight rows as pairs (for_row_pairs), each stream prefetched in itself; each row's
-// arithmetic is bf16_rows', so the outputs are the same bits.
-template <int M>
-void bf16_row_pairs(const at::BFloat16* x, const at::BFloat16* w, int64_t k, RowBlock block, at::BFloat16* out,
-                    int64_t n_total) {
-  for_row_pairs(w, k, block, [&](const int64_t rows[2], const at::BFloat16* const row_at[2]) {
-    __m512 acc[M][2];
-    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+// The S weight streams' rows as sets (for_row_sets), each stream prefetched in itself; each row's arithmetic is
+// bf16_rows', so the outputs are the same bits.
+template <int M, int S>
+void bf16_row_sets(const at::BFloat16* x, const at::BFloat16* w, int64_t k, RowBlock block, at::BFloat16* out,
+                   int64_t n_total) {
+  for_row_sets<S>(w, k, block, [&](const int64_t rows[S], const at::BFloat16* const row_at[S]) {
+    __m512 acc[M][S];
+    for (int m = 0; m < M; ++m)
+      for (int t = 0; t < S; ++t) acc[m][t] = _mm512_setzero_ps();
     for (int64_t c = 0; c < k; c += 32) {
       const int64_t left = k - c;
-      __m512i wv[2];
-      for (int t = 0; t < 2; ++t) {
+      __m512i wv[S];
+      for (int t = 0; t < S; ++t) {
         prefetch(row_at[t] + c + PREFETCH_BYTES / 2);
         wv[t] = load_bf16_pairs(row_at[t] + c, left);
       }
       for (int64_t m = 0; m < M; ++m) {
         __m512bh xv = (__m512bh)load_bf16_pairs(x + m * k + c, left);
-        for (int t = 0; t < 2; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], xv, (__m512bh)wv[t]);
+        for (int t = 0; t < S; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], xv, (__m512bh)wv[t]);
       }
     }
     for (int64_t m = 0; m < M; ++m)
-      for (int t = 0; t < 2; ++t) out[m * n_total + rows[t]] = at::BFloat16(_mm512_reduce_add_ps(acc[m][t]));
+      for (int t = 0; t < S; ++t) out[m * n_total + rows[t]] = at::BFloat16(_mm512_reduce_add_ps(acc[m][t]));
   });
 }
 
@@ -539,11 +568,12 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   const auto* xp = x.data_ptr<at::BFloat16>();
   const auto* wp = w.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
-  for_row_blocks<MAX_ROWS>(m, n, [&](auto m_c, auto r_c, RowBlock rows, int64_t m0) {
-    if constexpr (decltype(r_c)::value == 8)
-      bf16_row_pairs<decltype(m_c)::value>(xp + m0 * k, wp, k, rows, op + m0 * n, n);
+  for_row_blocks<MAX_ROWS, 4>(m, n, [&](auto m_c, auto r_c, RowBlock rows, int64_t m0) {
+    constexpr int R = decltype(r_c)::value;
+    if constexpr (R > 4)
+      bf16_row_sets<decltype(m_c)::value, R / 4>(xp + m0 * k, wp, k, rows, op + m0 * n, n);
     else
-      bf16_rows<decltype(m_c)::value, decltype(r_c)::value>(xp + m0 * k, wp, k, rows, op + m0 * n, n);
+      bf16_rows<decltype(m_c)::value, R>(xp + m0 * k, wp, k, rows, op + m0 * n, n);
   });
   return out;
 }
@@ -741,37 +771,38 @@ void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const a
                                                      static_cast<float>(scales[block.row(r)]));
 }
 
-// The two weight streams' eight rows as pairs (for_row_pairs), each pair over every column, with a software prefetch
+// The S weight streams' rows as sets (for_row_sets), each set over every column, with a software prefetch
 // PREFETCH_BYTES ahead in each stream. Each row's arithmetic is int8_dot_rows', so the outputs are the same bits.
-template <int M>
+template <int M, int S>
 __attribute__((target("avx512vnni")))
-void int8_dot_row_pairs(const DotActivations& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k,
-                        RowBlock block, at::BFloat16* out, int64_t n_total) {
+void int8_dot_row_sets(const DotActivations& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k,
+                       RowBlock block, at::BFloat16* out, int64_t n_total) {
   const int64_t steps = a.padded / DOT_STEP;
   const int8_t* xq = a.q.data() + m0 * a.padded;
   const float* xd = a.d.data() + m0 * steps * 16;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  for_row_pairs(w, k, block, [&](const int64_t rows[2], const int8_t* const row_at[2]) {
-    __m512 acc[M][2];
-    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  for_row_sets<S>(w, k, block, [&](const int64_t rows[S], const int8_t* const row_at[S]) {
+    __m512 acc[M][S];
+    for (int m = 0; m < M; ++m)
+      for (int t = 0; t < S; ++t) acc[m][t] = _mm512_setzero_ps();
     for (int64_t c = 0; c < k; c += DOT_STEP) {
       const int64_t left = k - c;
       const __mmask64 mask = left >= DOT_STEP ? ~__mmask64(0) : ((__mmask64(1) << left) - 1);
-      __m512i wv[2];
-      for (int t = 0; t < 2; ++t) {
+      __m512i wv[S];
+      for (int t = 0; t < S; ++t) {
         prefetch(row_at[t] + c + PREFETCH_BYTES);
         wv[t] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, row_at[t] + c), flip);
       }
       for (int m = 0; m < M; ++m) {
         const __m512i xv = _mm512_loadu_si512(xq + m * a.padded + c);
         const __m512 dv = _mm512_loadu_ps(xd + (m * steps + c / DOT_STEP) * 16);
-        for (int t = 0; t < 2; ++t)
+        for (int t = 0; t < S; ++t)
           acc[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[t], xv)), dv,
                                       acc[m][t]);
       }
     }
     for (int m = 0; m < M; ++m)
-      for (int t = 0; t < 2; ++t)
+      for (int t = 0; t < S; ++t)
         out[m * n_total + rows[t]] = at::BFloat16((_mm512_reduce_add_ps(acc[m][t]) - a.offset[m0 + m]) *
                                                   static_cast<float>(scales[rows[t]]));
   });
@@ -784,11 +815,12 @@ at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const auto* sp = scales.data_ptr<at::BFloat16>();
   const int8_t* wp = w.data_ptr<int8_t>();
   auto* op = out.data_ptr<at::BFloat16>();
-  for_row_blocks<MAX_ROWS>(m, n, [&](auto m_c, auto r_c, RowBlock rows, int64_t m0) {
-    if constexpr (decltype(r_c)::value == 8)
-      int8_dot_row_pairs<decltype(m_c)::value>(a, m0, wp, sp, k, rows, op + m0 * n, n);
+  for_row_blocks<MAX_ROWS, 4>(m, n, [&](auto m_c, auto r_c, RowBlock rows, int64_t m0) {
+    constexpr int R = decltype(r_c)::value;
+    if constexpr (R > 4)
+      int8_dot_row_sets<decltype(m_c)::value, R / 4>(a, m0, wp, sp, k, rows, op + m0 * n, n);
     else
-      int8_dot_rows<decltype(m_c)::value, decltype(r_c)::value>(a, m0, wp, sp, k, rows, op + m0 * n, n);
+      int8_dot_rows<decltype(m_c)::value, R>(a, m0, wp, sp, k, rows, op + m0 * n, n);
   });
   return out;
 }
@@ -1005,7 +1037,7 @@ Int4DotActivations round_rows_for_int4(const at::BFloat16* x, int64_t m, int64_t
   return int4_dot_activations(a.q.data(), a.padded, std::move(d), m, k, group);
 }
 
-// T tiles at once (T weight streams, for_tile_streams): tile first + i * step for i < T.
+// T tiles at once (T weight streams, for_spans): tile first + i * step for i < T.
 template <int M, int T>
 __attribute__((target("avx512vnni")))
 void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
@@ -1070,9 +1102,9 @@ at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const int32_t* wp = w.data_ptr<int32_t>();
   const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
-  parallel_streams(tiles, m, [&](auto t_c, int64_t first, int64_t step) {
+  parallel_streams<4>(tiles, m, [&](auto t_c, int64_t first, int64_t step) {
     constexpr int T = decltype(t_c)::value;
-    for_x_chunks<MAX_ROWS / T>(m, [&](auto m_c, int64_t m0) {  // the tiles stay in cache from pass to pass
+    for_x_chunks<std::max<int64_t>(TWO_STREAM_ROWS, MAX_ROWS / T)>(m, [&](auto m_c, int64_t m0) {  // tiles stay in cache
       int4_dot_tiles<decltype(m_c)::value, T>(a, m0, wp, zp, k, group, first, step, op + m0 * n, n);
     });
   });
@@ -1789,7 +1821,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // magnitude (nibbles 0..15, x in -127..127), and a block's 8 pair sums per 16-bit lane (4 chunks, low and high
 // nibbles) at most 8 * 3810 = 30480 < 2^15, so they add in 16 bits and one vpmaddwd with ones per block widens each
 // row's two 16-bit lanes to its int32 block sum.
-template <bool VNNI, int M, int T>  // T tiles at once: first + i * step (for_tile_streams)
+template <bool VNNI, int M, int T>  // T tiles at once: first + i * step (for_spans)
 void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
                     int64_t group, int64_t first, int64_t step, at::BFloat16* out, int64_t n_total) {
   const int64_t chunks = k / 8, groups = k / group, blocks = k / DOT_BLOCK, blocks_per_group = group / DOT_BLOCK;
