@@ -76,6 +76,10 @@ def test_native_section_follows_the_native_module():
     if native.available():
         assert info["reason"] is None and info["max_rows"] == native.MAX_ROWS
         assert info["level_description"] == native.ISA_DESCRIPTIONS[native.isa()]
+        assert info["weight_streams"] == native.weight_streams()
+        with native.use_weight_streams(1):
+            assert machine.describe_machine()["native"]["weight_streams_chosen_by"] == \
+                "set in this process (splice.native.use_weight_streams)"
 
 
 def test_kernel_table_row_ranges_run_from_one_row_to_no_limit():

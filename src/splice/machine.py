@@ -115,7 +115,19 @@ def describe_native() -> dict[str, Any]:
         "level_chosen_by": level_chosen_by() if level else None,
         "levels": [describe_level(name) for name in native.ISA_LEVELS],
         "max_rows": dict(native.MAX_ROWS) if available else None,
+        "weight_streams": native.weight_streams() if available else None,
+        "weight_streams_chosen_by": weight_streams_chosen_by() if available else None,
     }
+
+
+def weight_streams_chosen_by() -> str:
+    """What set the decode GEMVs' weight streams: the CPU's vendor, SPLICE_WEIGHT_STREAMS, or this process."""
+    streams, value = native.weight_streams(), os.environ.get("SPLICE_WEIGHT_STREAMS", "").strip()
+    if value and streams == int(value):
+        return f"SPLICE_WEIGHT_STREAMS={value}"
+    if streams == native.default_weight_streams() and not value:
+        return f"the default for {native._cpu_vendor() or 'this CPU'}"
+    return "set in this process (splice.native.use_weight_streams)"
 
 
 def native_unavailable_reason() -> str:
@@ -339,7 +351,9 @@ def native_lines(info: dict[str, Any]) -> list[tuple[str, str]]:
             ("levels here", ", ".join(info["levels_here"])),
             *[(f"  {level['level']}", f"needs {' '.join(level['flags'])}: {level['why_not']}")
               for level in info["levels"] if not level["runs_here"]],
-            ("max rows", f"{limits} (most rows each native GEMV serves)")]
+            ("max rows", f"{limits} (most rows each native GEMV serves)"),
+            ("weight streams", f"{info['weight_streams']} a thread for 1-2 rows of x ({info['weight_streams_chosen_by']}; "
+                               "kernels whose registers hold fewer walk 2)")]
 
 
 def _gib(size: int | None) -> str:

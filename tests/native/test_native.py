@@ -149,7 +149,7 @@ def test_weight_streams_give_the_same_output_as_one(isa, rows, n):
     x8, w8, s8 = torch.randn(rows, k).bfloat16(), torch.randint(-127, 128, (n, k), dtype=torch.int8), \
         torch.rand(n).bfloat16()
     wb = torch.randn(n, k).bfloat16()
-    assert native.weight_streams() == native.default_weight_streams()
+    assert native.weight_streams() == native.initial_weight_streams()
     for threads in (1, 2):
         with _threads(threads):
             results = {}
@@ -198,7 +198,7 @@ def test_weight_streams_refuse_other_counts():
     with pytest.raises(RuntimeError, match="3 streams; allowed: 1, 2 or 4"):
         with native.use_weight_streams(3):
             pass
-    assert native.weight_streams() == native.default_weight_streams()
+    assert native.weight_streams() == native.initial_weight_streams()
 
 
 @pytest.mark.parametrize("vendor, streams", (("GenuineIntel", 4), ("AuthenticAMD", 2), (None, 2)))
@@ -206,7 +206,21 @@ def test_default_weight_streams_follow_the_cpu_vendor(monkeypatch, vendor, strea
     """Four streams where they were measured to read faster (Intel), two on every other CPU and where /proc/cpuinfo
     names no vendor."""
     monkeypatch.setattr(native, "_cpu_vendor", lambda: vendor)
-    assert native.default_weight_streams() == streams
+    monkeypatch.delenv("SPLICE_WEIGHT_STREAMS", raising=False)
+    assert native.default_weight_streams() == native.initial_weight_streams() == streams
+
+
+def test_weight_streams_from_the_environment(monkeypatch):
+    """SPLICE_WEIGHT_STREAMS overrides the CPU's default with 1, 2 or 4 (spaces ignored) and refuses anything else,
+    naming what it takes."""
+    monkeypatch.setenv("SPLICE_WEIGHT_STREAMS", " 1 ")
+    assert native.initial_weight_streams() == 1
+    monkeypatch.setenv("SPLICE_WEIGHT_STREAMS", "")
+    assert native.initial_weight_streams() == native.default_weight_streams()
+    for bad in ("3", "four", "8"):
+        monkeypatch.setenv("SPLICE_WEIGHT_STREAMS", bad)
+        with pytest.raises(ValueError, match=f"SPLICE_WEIGHT_STREAMS='{bad}' is not a stream count; allowed: 1, 2, 4"):
+            native.initial_weight_streams()
 
 
 @needs_native

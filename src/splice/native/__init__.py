@@ -71,6 +71,7 @@ MAX_ROWS = dict(ROW_LIMITS["avx512"])
 #: thread"). Elsewhere two: on an AMD Zen 3 four streams a power of two apart read at two thirds of one, and four
 #: streams in the GEMVs' own placement were not measured there.
 WEIGHT_STREAMS_BY_VENDOR = {"GenuineIntel": 4}
+WEIGHT_STREAM_COUNTS = ("1", "2", "4")  # what SPLICE_WEIGHT_STREAMS (and set_weight_streams) take
 CFLAGS = ["-O3", "-fopenmp"]  # baseline x86-64: gemv.cpp enables each level's instructions in its own regions
 INT4_TILE = 16  # weight rows per int4 tile
 INT4_CHUNK = 8  # input columns per int32 word of a tile row
@@ -102,7 +103,7 @@ def available() -> bool:
             reason = f"building them failed ({type(error).__name__}: {str(error).strip().splitlines()[-1][:200]})"
     if reason is None:
         set_isa(_initial_isa(requested))
-        torch.ops.splice_kernels.set_weight_streams(default_weight_streams())
+        torch.ops.splice_kernels.set_weight_streams(initial_weight_streams())
         if switched_off("SPLICE_NATIVE_AVX_VNNI"):
             torch.ops.splice_kernels.set_avx_vnni(False)
         return True
@@ -180,14 +181,26 @@ def use_avx_vnni(on: bool) -> contextlib.AbstractContextManager[None]:
 
 
 def default_weight_streams() -> int:
-    """The weight streams the decode GEMVs walk unless told otherwise: :data:`WEIGHT_STREAMS_BY_VENDOR` for this CPU's
-    vendor, else 2."""
+    """The weight streams the decode GEMVs walk on this CPU unless told otherwise: :data:`WEIGHT_STREAMS_BY_VENDOR`
+    for its vendor, else 2."""
     return WEIGHT_STREAMS_BY_VENDOR.get(_cpu_vendor() or "", 2)
+
+
+def initial_weight_streams() -> int:
+    """The weight streams the kernels start with: ``SPLICE_WEIGHT_STREAMS`` (1, 2 or 4) where set, else
+    :func:`default_weight_streams`. Raises ValueError for any other value."""
+    value = os.environ.get("SPLICE_WEIGHT_STREAMS", "").strip()
+    if not value:
+        return default_weight_streams()
+    if value not in WEIGHT_STREAM_COUNTS:
+        raise ValueError(f"SPLICE_WEIGHT_STREAMS={value!r} is not a stream count; allowed: "
+                         f"{', '.join(WEIGHT_STREAM_COUNTS)}")
+    return int(value)
 
 
 def weight_streams() -> int:
     """Weight streams per thread of the decode GEMVs for one or two rows of x: that many parts of each thread's share
-    of the weight walked side by side, so more reads are in flight (:func:`default_weight_streams`). 1, 2 or 4; the
+    of the weight walked side by side, so more reads are in flight (:func:`initial_weight_streams`). 1, 2 or 4; the
     kernels whose sums for four streams do not fit their registers walk at most two (``int8_gemv``, and the avx2
     level's ``bf16_gemv``, ``int8_dot_gemv`` and ``int4_dot_gemv``), the avx512 level's ``bf16_gemv``,
     ``int8_dot_gemv`` and ``int4_dot_gemv`` up to four."""
