@@ -573,6 +573,13 @@ def test_environment_caps_the_level_and_its_row_limits(variable, value):
 
 
 @needs_native
+def test_the_kernels_start_with_the_weight_streams_the_environment_names():
+    result = _run_with_env("from splice import native; assert native.available(); print(native.weight_streams())",
+                           SPLICE_WEIGHT_STREAMS="1")
+    assert result.returncode == 0 and result.stdout.strip() == "1", result.stderr[-2000:]
+
+
+@needs_native
 def test_an_unknown_or_unsupported_level_names_the_allowed_ones():
     result = _run_with_env("from splice import native; native.available()", SPLICE_NATIVE_ISA="sse9")
     assert result.returncode != 0 and "SPLICE_NATIVE_ISA='sse9' is not a level; allowed: avx2, avx512, amx" in result.stderr
