@@ -70,6 +70,34 @@ def test_int8_dot_gemv_rounds_x_per_block_and_sums_exactly(isa, rows, n, k):
     assert torch.ops.splice_kernels.vnni_ready() == (isa != "avx2" and "avx512_vnni" in native._cpu_flags())
 
 
+@needs_native
+def test_dot_products_round_x_exactly_as_the_reference(isa):
+    """Through identity weights (int8: 1 on the diagonal; int4: code 9 there, 8 elsewhere, scale 1, zero 0) output j
+    is the rounded activation ``q_j * d`` up to the float error of taking the unsigned offset off, far below a quarter
+    of a step with one block of a row nonzero: every level's rounding, byte order and block sums give
+    ``qmath.round_activations``' codes, including ties to even, a tiny block and all-zero ones."""
+    k = 96
+    x = torch.zeros(4, k)
+    x[0, :32] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.49, 126.5, -126.5, 64.5, -0.25] + [7.0] * 20)
+    x[1, 32:64] = torch.linspace(-3e-5, 2e-5, 32)  # a tiny block: its own scale
+    x[2, 64:] = torch.arange(32) - 15.5  # d = 15.5 / 127: codes at and between halves; row 3 all zeros
+    x = x.bfloat16()
+    blocks = x.float().reshape(4, -1, 32)
+    d = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+    expected = torch.round(blocks / d).clamp(-127, 127)
+    assert torch.equal((expected * d).reshape(4, k), qmath.round_activations(x.float()))  # the reference's codes
+    eye8 = torch.eye(k, dtype=torch.int8)
+    got8 = torch.ops.splice_kernels.int8_dot_gemv(x, eye8, torch.ones(k).bfloat16())
+    codes = torch.full((k, k), 8, dtype=torch.uint8).fill_diagonal_(9)
+    sz = torch.zeros(k // 32, k, 2).bfloat16()
+    sz[..., 0] = 1
+    got4 = torch.ops.splice_kernels.int4_dot_gemv(x, native.int4_tile_pack(codes), native.int4_tile_scales(sz), 32)
+    step = d.amax(1, keepdim=True)  # the row's one nonzero block's step
+    for got in (got8, got4):
+        error = (got.float().reshape(4, -1, 32) - expected * d).abs()
+        assert (error <= step / 4).all(), error.amax()
+
+
 def _int4_operands(rows: int, n: int, k: int, group: int, symmetric: bool, seed: int = 0):
     """x whose blocks of 32 each start with a large value (a coarse int8 step for the rest of the block: rounding x
     visibly changes the product) that meets the code 8 (weight = the zero, so it does not swamp the rest), random

@@ -369,9 +369,38 @@ struct Int4DotActivations {
   std::vector<float> sums;     // [m, k / group]: sum_b d_b * sum(q_b) over the group's blocks
 };
 
+// One row's q bytes in the tiles' nibble order: per chunk of 8, columns (0, 4, 1, 5) then (2, 6, 3, 7) (every level's
+// CPU runs AVX2: one byte shuffle per 4 chunks).
+__attribute__((target("avx2")))
+void nibble_order(const int8_t* q, int64_t chunks, int32_t* pairs) {
+  const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
+                                         0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  int64_t c = 0;
+  for (; c + 4 <= chunks; c += 4)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + 2 * c),
+                        _mm256_shuffle_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 8 * c)), order));
+  for (; c < chunks; ++c) {
+    const int8_t* p = q + c * 8;
+    const int8_t bytes[8] = {p[0], p[4], p[1], p[5], p[2], p[6], p[3], p[7]};
+    std::memcpy(pairs + 2 * c, bytes, 8);
+  }
+}
+
+// The sum of one block's DOT_BLOCK int8 values: bytes flipped to unsigned (+128) and summed against zero.
+__attribute__((target("avx2")))
+int32_t block_sum(const int8_t* q) {
+  const __m256i flipped = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(q)),
+                                           _mm256_set1_epi8(static_cast<char>(0x80)));
+  const __m256i sums = _mm256_sad_epu8(flipped, _mm256_setzero_si256());  // four 64-bit lanes
+  const __m128i half = _mm_add_epi64(_mm256_castsi256_si128(sums), _mm256_extracti128_si256(sums, 1));
+  return static_cast<int32_t>(_mm_cvtsi128_si64(_mm_add_epi64(half, _mm_unpackhi_epi64(half, half)))) -
+         128 * static_cast<int32_t>(DOT_BLOCK);
+}
+
 // q: [m, stride] int8 (k columns used), d: [m, k / 32] block scales.
 Int4DotActivations int4_dot_activations(const int8_t* q_rows, int64_t stride, std::vector<float> d, int64_t m,
                                         int64_t k, int64_t group) {
+  static_assert(DOT_BLOCK == 32, "block_sum reads one 32-byte vector");
   const int64_t chunks = k / 8, blocks = k / DOT_BLOCK;
   Int4DotActivations out;
   out.pairs.resize(m * chunks * 2);
@@ -379,17 +408,10 @@ Int4DotActivations int4_dot_activations(const int8_t* q_rows, int64_t stride, st
   out.sums.assign(m * (k / group), 0.f);
   for (int64_t i = 0; i < m; ++i) {
     const int8_t* q = q_rows + i * stride;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int8_t* p = q + c * 8;
-      const int8_t lo[4] = {p[0], p[4], p[1], p[5]}, hi[4] = {p[2], p[6], p[3], p[7]};
-      std::memcpy(&out.pairs[(i * chunks + c) * 2], lo, 4);
-      std::memcpy(&out.pairs[(i * chunks + c) * 2 + 1], hi, 4);
-    }
-    for (int64_t b = 0; b < blocks; ++b) {
-      int32_t total = 0;
-      for (int64_t j = 0; j < DOT_BLOCK; ++j) total += q[b * DOT_BLOCK + j];
-      out.sums[i * (k / group) + b * DOT_BLOCK / group] += out.d[i * blocks + b] * static_cast<float>(total);
-    }
+    nibble_order(q, chunks, out.pairs.data() + i * chunks * 2);
+    for (int64_t b = 0; b < blocks; ++b)  // each group's blocks added in order, as before: the same float sums
+      out.sums[i * (k / group) + b * DOT_BLOCK / group] +=
+          out.d[i * blocks + b] * static_cast<float>(block_sum(q + b * DOT_BLOCK));
   }
   return out;
 }
@@ -1595,19 +1617,36 @@ struct DotRows {
   std::vector<float> d;   // [m, k / 32]
 };
 
+// Eight lanes at a time, each step the scalar one's (d = amax / 127, q = round-to-nearest-even(x / d) clamped to
+// -127..127; a NaN lane gives -127 as std::max(-127, NaN) does), so the same bytes as round_rows at every level.
 DotRows round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
   DotRows a;
   a.q.resize(m * k);
   a.d.resize(m * k / DOT_BLOCK);
+  const __m256 low = _mm256_set1_ps(-127.f), high = _mm256_set1_ps(127.f);
+  const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t b = 0; b < m * k / DOT_BLOCK; ++b) {
-    float values[DOT_BLOCK], amax = 0.f;
-    for (int64_t j = 0; j < DOT_BLOCK; ++j) {
-      values[j] = static_cast<float>(x[b * DOT_BLOCK + j]);
-      amax = std::max(amax, std::abs(values[j]));
+    __m256 values[DOT_BLOCK / 8], amax = _mm256_setzero_ps();
+    for (int64_t j = 0; j < DOT_BLOCK / 8; ++j) {
+      values[j] = bf16x8_to_f32(x + b * DOT_BLOCK + 8 * j);
+      amax = _mm256_max_ps(_mm256_andnot_ps(sign, values[j]), amax);  // a NaN lane keeps amax, as std::max does
     }
-    const float d = std::max(amax, 1e-12f) / 127.f;
-    for (int64_t j = 0; j < DOT_BLOCK; ++j)
-      a.q[b * DOT_BLOCK + j] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(values[j] / d))));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, amax);
+    float top = 0.f;
+    for (float lane : lanes) top = std::max(top, lane);
+    const float d = std::max(top, 1e-12f) / 127.f;
+    const __m256 dv = _mm256_set1_ps(d);
+    __m256i codes[DOT_BLOCK / 8];
+    for (int64_t j = 0; j < DOT_BLOCK / 8; ++j) {
+      const __m256 rounded = _mm256_round_ps(_mm256_div_ps(values[j], dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      codes[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(rounded, low), high));
+    }
+    // int32 -> int8 (packs saturate, but every code is already in -127..127), back in column order
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(codes[0], codes[1]), 0xD8);
+    const __m256i words2 = _mm256_permute4x64_epi64(_mm256_packs_epi32(codes[2], codes[3]), 0xD8);
+    const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packs_epi16(words, words2), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.q.data() + b * DOT_BLOCK), bytes);
     a.d[b] = d;
   }
   return a;
