@@ -9,25 +9,14 @@ other threads wait, and dispatch. Microseconds a call, best of ``--rounds`` x ``
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from splice import native
 
+from bench_dot_instructions import best_us  # best of repeats x calls, in microseconds
+
 WIDTHS = (576, 1536, 2048, 5632)
-
-
-def per_call_us(call, calls: int, rounds: int) -> float:
-    for _ in range(calls // 4):
-        call()
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        best = min(best, (time.perf_counter() - start) / calls)
-    return best * 1e6
 
 
 def main() -> None:
@@ -48,8 +37,8 @@ def main() -> None:
                 tiles = native.int4_tile_pack(torch.randint(0, 16, (64, k), dtype=torch.uint8))
                 scales = native.int4_tile_scales((torch.rand(k // 32, 64, 2) * 0.01).bfloat16())
                 w8, s8 = torch.randint(-127, 128, (64, k), dtype=torch.int8), torch.rand(64).bfloat16()
-                int4 = per_call_us(lambda: ops.int4_dot_gemv(x, tiles, scales, 32), args.calls, args.rounds)
-                int8 = per_call_us(lambda: ops.int8_dot_gemv(x, w8, s8), args.calls, args.rounds)
+                int4 = best_us(lambda: ops.int4_dot_gemv(x, tiles, scales, 32), args.calls, args.rounds)
+                int8 = best_us(lambda: ops.int8_dot_gemv(x, w8, s8), args.calls, args.rounds)
                 cells.append(f"k={k} int4 {int4:.1f} int8 {int8:.1f}")
             print(f"{level}: " + " | ".join(cells), flush=True)
 

@@ -82,6 +82,18 @@ def test_native_section_follows_the_native_module():
                 "set in this process (splice.native.use_weight_streams)"
 
 
+def test_weight_streams_name_what_chose_them(monkeypatch):
+    if not native.available():
+        pytest.skip(f"splice's native kernels are not available here: {NATIVE_MISSING}")
+    monkeypatch.delenv("SPLICE_WEIGHT_STREAMS", raising=False)
+    with native.use_weight_streams(native.default_weight_streams()):
+        assert machine.weight_streams_chosen_by() == f"the default for {native._cpu_vendor() or 'this CPU'}"
+        monkeypatch.setenv("SPLICE_WEIGHT_STREAMS", "1")
+        assert machine.weight_streams_chosen_by() == "set in this process (splice.native.use_weight_streams)"
+    with native.use_weight_streams(1):
+        assert machine.weight_streams_chosen_by() == "SPLICE_WEIGHT_STREAMS=1"
+
+
 def test_kernel_table_row_ranges_run_from_one_row_to_no_limit():
     entries_by_linear: dict[str, list[dict]] = {}
     for entry in machine.describe_machine()["kernels"]:

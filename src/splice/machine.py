@@ -122,12 +122,10 @@ def describe_native() -> dict[str, Any]:
 
 def weight_streams_chosen_by() -> str:
     """What set the decode GEMVs' weight streams: the CPU's vendor, SPLICE_WEIGHT_STREAMS, or this process."""
-    streams, value = native.weight_streams(), os.environ.get("SPLICE_WEIGHT_STREAMS", "").strip()
-    if value and streams == int(value):
-        return f"SPLICE_WEIGHT_STREAMS={value}"
-    if streams == native.default_weight_streams() and not value:
-        return f"the default for {native._cpu_vendor() or 'this CPU'}"
-    return "set in this process (splice.native.use_weight_streams)"
+    if native.weight_streams() != native.initial_weight_streams():
+        return "set in this process (splice.native.use_weight_streams)"
+    value = os.environ.get("SPLICE_WEIGHT_STREAMS", "").strip()
+    return f"SPLICE_WEIGHT_STREAMS={value}" if value else f"the default for {native._cpu_vendor() or 'this CPU'}"
 
 
 def native_unavailable_reason() -> str:

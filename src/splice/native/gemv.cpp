@@ -352,11 +352,6 @@ void for_row_sets(const T* w, int64_t k, RowBlock block, F&& f) {
   }
 }
 
-template <typename T, typename F>
-void for_row_pairs(const T* w, int64_t k, RowBlock block, F&& f) {
-  for_row_sets<2>(w, k, block, f);
-}
-
 // ---- int8 activations for the int4 integer dot products (AVX-512 and AVX2 alike) ------------------------------------
 // Both int4_dot_gemv kernels take x rounded to int8 per row and block of DOT_BLOCK columns (each level's round_rows,
 // the same arithmetic: d = block's absolute max / 127, q = round(x / d) in -127..127), rearranged here once per call
@@ -409,7 +404,7 @@ Int4DotActivations int4_dot_activations(const int8_t* q_rows, int64_t stride, st
   for (int64_t i = 0; i < m; ++i) {
     const int8_t* q = q_rows + i * stride;
     nibble_order(q, chunks, out.pairs.data() + i * chunks * 2);
-    for (int64_t b = 0; b < blocks; ++b)  // each group's blocks added in order, as before: the same float sums
+    for (int64_t b = 0; b < blocks; ++b)  // each group's blocks added in column order (every level's float sums)
       out.sums[i * (k / group) + b * DOT_BLOCK / group] +=
           out.d[i * blocks + b] * static_cast<float>(block_sum(q + b * DOT_BLOCK));
   }
@@ -1486,6 +1481,12 @@ inline __m256 int8x8_to_f32(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+inline float horizontal_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
 inline float horizontal_sum(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -1542,7 +1543,7 @@ template <int M, int R>
 void bf16_rows(const float* x, const at::BFloat16* w, int64_t k, RowBlock block, at::BFloat16* out,
                int64_t n_total) {
   if constexpr (R == 8) {
-    for_row_pairs(w, k, block, [&](const int64_t rows[2], const at::BFloat16* const row_at[2]) {
+    for_row_sets<2>(w, k, block, [&](const int64_t rows[2], const at::BFloat16* const row_at[2]) {
       float sums[M][2];
       rows_dot<M, 2, at::BFloat16, true>(x, row_at, k, sums);
       for (int m = 0; m < M; ++m)
@@ -1617,8 +1618,8 @@ struct DotRows {
   std::vector<float> d;   // [m, k / 32]
 };
 
-// Eight lanes at a time, each step the scalar one's (d = amax / 127, q = round-to-nearest-even(x / d) clamped to
-// -127..127; a NaN lane gives -127 as std::max(-127, NaN) does), so the same bytes as round_rows at every level.
+// Eight lanes at a time, each step as qmath.round_activations takes it (d = amax / 127, q = round-to-nearest-even(x /
+// d) clamped to -127..127; a NaN lane gives -127), so the same bytes as round_rows at every level.
 DotRows round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
   DotRows a;
   a.q.resize(m * k);
@@ -1631,11 +1632,7 @@ DotRows round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
       values[j] = bf16x8_to_f32(x + b * DOT_BLOCK + 8 * j);
       amax = _mm256_max_ps(_mm256_andnot_ps(sign, values[j]), amax);  // a NaN lane keeps amax, as std::max does
     }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, amax);
-    float top = 0.f;
-    for (float lane : lanes) top = std::max(top, lane);
-    const float d = std::max(top, 1e-12f) / 127.f;
+    const float d = std::max(horizontal_max(amax), 1e-12f) / 127.f;
     const __m256 dv = _mm256_set1_ps(d);
     __m256i codes[DOT_BLOCK / 8];
     for (int64_t j = 0; j < DOT_BLOCK / 8; ++j) {
@@ -1688,14 +1685,14 @@ void int8_dot_rows(const DotRows& a, int64_t m0, const int8_t* w, const at::BFlo
                                                      static_cast<float>(scales[block.row(r)]));
 }
 
-// The two weight streams' eight rows as pairs (for_row_pairs), each stream prefetched in itself; each row's
+// The two weight streams' eight rows as pairs (for_row_sets<2>), each stream prefetched in itself; each row's
 // arithmetic is int8_dot_rows', so the outputs are the same bits.
 template <bool VNNI, int M>
 void int8_dot_row_pairs(const DotRows& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k,
                         RowBlock block, at::BFloat16* out, int64_t n_total) {
   const int64_t blocks = k / DOT_BLOCK;
   const __m256i ones = _mm256_set1_epi16(1);
-  for_row_pairs(w, k, block, [&](const int64_t rows[2], const int8_t* const row_at[2]) {
+  for_row_sets<2>(w, k, block, [&](const int64_t rows[2], const int8_t* const row_at[2]) {
     __m256 acc[M][2];
     for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
@@ -2044,12 +2041,6 @@ inline __m256 exp_scores(__m256 x) {  // as avx512::exp_scores
   const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   const __m256 masked = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
   return _mm256_andnot_ps(masked, _mm256_mul_ps(y, _mm256_castsi256_ps(two_n)));
-}
-
-inline float horizontal_max(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 }
 
 // 8 scores from s, the lanes past the end read as -inf.
