@@ -73,29 +73,29 @@ def test_int8_dot_gemv_rounds_x_per_block_and_sums_exactly(isa, rows, n, k):
 @needs_native
 def test_dot_products_round_x_exactly_as_the_reference(isa):
     """Through identity weights (int8: 1 on the diagonal; int4: code 9 there, 8 elsewhere, scale 1, zero 0) output j
-    is the rounded activation ``q_j * d`` up to the float error of taking the unsigned offset off, far below a quarter
-    of a step with one block of a row nonzero: every level's rounding, byte order and block sums give
-    ``qmath.round_activations``' codes, including ties to even, a tiny block and all-zero ones."""
+    is the rounded activation ``q_j * d``: every level's rounding, byte order and block sums give
+    ``qmath.round_activations``' codes, including ties to even, a tiny block, a tiny block beside a large one and
+    all-zero blocks. int8's block sums are exact integers, so its outputs are those values rounded once to bf16; int4
+    takes its zero point off per group in float, within a quarter of the block's step."""
     k = 96
     x = torch.zeros(4, k)
     x[0, :32] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 3.49, 126.5, -126.5, 64.5, -0.25] + [7.0] * 20)
+    x[1, :32] = torch.linspace(900, 1000, 32)  # a large block beside a tiny one
     x[1, 32:64] = torch.linspace(-3e-5, 2e-5, 32)  # a tiny block: its own scale
     x[2, 64:] = torch.arange(32) - 15.5  # d = 15.5 / 127: codes at and between halves; row 3 all zeros
     x = x.bfloat16()
     blocks = x.float().reshape(4, -1, 32)
     d = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
-    expected = torch.round(blocks / d).clamp(-127, 127)
-    assert torch.equal((expected * d).reshape(4, k), qmath.round_activations(x.float()))  # the reference's codes
-    eye8 = torch.eye(k, dtype=torch.int8)
-    got8 = torch.ops.splice_kernels.int8_dot_gemv(x, eye8, torch.ones(k).bfloat16())
+    expected = torch.round(blocks / d).clamp(-127, 127) * d
+    assert torch.equal(expected.reshape(4, k), qmath.round_activations(x.float()))  # the reference's codes
+    got8 = torch.ops.splice_kernels.int8_dot_gemv(x, torch.eye(k, dtype=torch.int8), torch.ones(k).bfloat16())
+    torch.testing.assert_close(got8.float(), expected.reshape(4, k).bfloat16().float(), rtol=0, atol=0)
     codes = torch.full((k, k), 8, dtype=torch.uint8).fill_diagonal_(9)
     sz = torch.zeros(k // 32, k, 2).bfloat16()
     sz[..., 0] = 1
     got4 = torch.ops.splice_kernels.int4_dot_gemv(x, native.int4_tile_pack(codes), native.int4_tile_scales(sz), 32)
-    step = d.amax(1, keepdim=True)  # the row's one nonzero block's step
-    for got in (got8, got4):
-        error = (got.float().reshape(4, -1, 32) - expected * d).abs()
-        assert (error <= step / 4).all(), error.amax()
+    error = (got4.float().reshape(4, -1, 32) - expected).abs()
+    assert (error <= d / 4).all(), error.amax()
 
 
 def _int4_operands(rows: int, n: int, k: int, group: int, symmetric: bool, seed: int = 0):

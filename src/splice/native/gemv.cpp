@@ -712,15 +712,16 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // qmath.round_activations: d = block's absolute max / 127, q = round(x / d) in -127..127), and each weight row is
 // multiplied with integer dot products (vpdpbusd: 64 byte products per instruction, summed in int32), so the weight is
 // never widened to float. vpdpbusd takes one unsigned operand: the weight bytes are flipped to w + 128 as they stream
-// (one xor), and the 128 * sum(q) that adds to each block's sum is taken off once per row of x, since it does not
-// depend on the weight row: y = scale * (sum_b d_b * dot_b - 128 * sum_b d_b * sum(q_b)).
+// (one xor), which adds 128 * (the lane's four codes) to each int32 lane. That does not depend on the weight row, so
+// it is worked out once per call and each lane's sum starts from its negative: every block's integer dot product is
+// exact before it is scaled, y = scale * sum_b d_b * dot_b.
 constexpr int64_t DOT_STEP = 64;   // columns per vpdpbusd (two blocks: 8 int32 lanes each)
 
 struct DotActivations {
   int64_t padded;               // columns of q, k rounded up to DOT_STEP (zeros past k)
   std::vector<int8_t> q;        // [m, padded]
   std::vector<float> d;         // [m, padded / DOT_STEP, 16]: each lane's block scale (8 lanes per block)
-  std::vector<float> offset;    // [m]: 128 * sum_b d_b * sum(q_b)
+  std::vector<int32_t> unflip;  // [m, padded / DOT_STEP, 16]: -128 * each lane's four codes (int8_dot_gemv's only)
 };
 
 DotActivations round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
@@ -729,10 +730,8 @@ DotActivations round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
   const int64_t steps = a.padded / DOT_STEP;
   a.q.assign(m * a.padded, 0);
   a.d.assign(m * steps * 16, 0.f);
-  a.offset.assign(m, 0.f);
   const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
   for (int64_t i = 0; i < m; ++i) {
-    double offset = 0;
     for (int64_t b = 0; b < k / DOT_BLOCK; ++b) {
       const at::BFloat16* src = x + i * k + b * DOT_BLOCK;
       const __m512 lo = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
@@ -747,11 +746,22 @@ DotActivations round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(q_hi));
       float* lanes = a.d.data() + (i * steps + b / 2) * 16 + (b % 2) * 8;
       std::fill(lanes, lanes + 8, d);
-      offset += double(d) * _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
     }
-    a.offset[i] = static_cast<float>(128.0 * offset);
   }
   return a;
+}
+
+// a.unflip from a.q: vpdpbusd of the bytes 128 (unsigned) with the codes gives 128 * each lane's four codes.
+__attribute__((target("avx512vnni")))
+void add_unflip(DotActivations& a, int64_t m) {
+  const int64_t steps = a.padded / DOT_STEP;
+  a.unflip.resize(m * steps * 16);
+  const __m512i bytes_128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t s = 0; s < m * steps; ++s) {
+    const __m512i codes = _mm512_loadu_si512(a.q.data() + s * DOT_STEP);
+    const __m512i flipped = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes_128, codes);
+    _mm512_storeu_si512(a.unflip.data() + s * 16, _mm512_sub_epi32(_mm512_setzero_si512(), flipped));
+  }
 }
 
 template <int M, int R>
@@ -762,6 +772,7 @@ void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const a
   const int64_t steps = a.padded / DOT_STEP;
   const int8_t* xq = a.q.data() + m0 * a.padded;
   const float* xd = a.d.data() + m0 * steps * 16;
+  const int32_t* xu = a.unflip.data() + m0 * steps * 16;
   __m512 acc[M][R];
   for (int m = 0; m < M; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
@@ -777,14 +788,14 @@ void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const a
     for (int m = 0; m < m_rows; ++m) {
       const __m512i xv = _mm512_loadu_si512(xq + m * a.padded + c);
       const __m512 dv = _mm512_loadu_ps(xd + (m * steps + c / DOT_STEP) * 16);
+      const __m512i uv = _mm512_loadu_si512(xu + (m * steps + c / DOT_STEP) * 16);
       for (int r = 0; r < rows; ++r)
-        acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xv)), dv,
-                                    acc[m][r]);
+        acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(uv, wv[r], xv)), dv, acc[m][r]);
     }
   }
   for (int m = 0; m < m_rows; ++m)
     for (int r = 0; r < rows; ++r)
-      out[m * n_total + block.row(r)] = at::BFloat16((_mm512_reduce_add_ps(acc[m][r]) - a.offset[m0 + m]) *
+      out[m * n_total + block.row(r)] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]) *
                                                      static_cast<float>(scales[block.row(r)]));
 }
 
@@ -797,6 +808,7 @@ void int8_dot_row_sets(const DotActivations& a, int64_t m0, const int8_t* w, con
   const int64_t steps = a.padded / DOT_STEP;
   const int8_t* xq = a.q.data() + m0 * a.padded;
   const float* xd = a.d.data() + m0 * steps * 16;
+  const int32_t* xu = a.unflip.data() + m0 * steps * 16;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for_row_sets<S>(w, k, block, [&](const int64_t rows[S], const int8_t* const row_at[S]) {
     __m512 acc[M][S];
@@ -813,21 +825,22 @@ void int8_dot_row_sets(const DotActivations& a, int64_t m0, const int8_t* w, con
       for (int m = 0; m < M; ++m) {
         const __m512i xv = _mm512_loadu_si512(xq + m * a.padded + c);
         const __m512 dv = _mm512_loadu_ps(xd + (m * steps + c / DOT_STEP) * 16);
+        const __m512i uv = _mm512_loadu_si512(xu + (m * steps + c / DOT_STEP) * 16);
         for (int t = 0; t < S; ++t)
-          acc[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[t], xv)), dv,
-                                      acc[m][t]);
+          acc[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(uv, wv[t], xv)), dv, acc[m][t]);
       }
     }
     for (int m = 0; m < M; ++m)
       for (int t = 0; t < S; ++t)
-        out[m * n_total + rows[t]] = at::BFloat16((_mm512_reduce_add_ps(acc[m][t]) - a.offset[m0 + m]) *
+        out[m * n_total + rows[t]] = at::BFloat16(_mm512_reduce_add_ps(acc[m][t]) *
                                                   static_cast<float>(scales[rows[t]]));
   });
 }
 
 at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
   const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
-  const DotActivations a = round_rows(x.data_ptr<at::BFloat16>(), m, k);
+  DotActivations a = round_rows(x.data_ptr<at::BFloat16>(), m, k);
+  add_unflip(a, m);
   auto out = at::empty({m, n}, x.options());
   const auto* sp = scales.data_ptr<at::BFloat16>();
   const int8_t* wp = w.data_ptr<int8_t>();
