@@ -209,12 +209,66 @@ def test_forward_refuses_an_empty_batch(engines, ids):
         engine(ids)
 
 
-def test_a_bad_value_in_the_generation_config_is_refused_too(engines):
+GENERATION_CONFIG_CORPUS = [
+    ("top_p above 1", dict(do_sample=True, top_p=1.5, max_new_tokens=2), r"top_p=1\.5; allowed"),
+    ("NaN temperature", dict(do_sample=True, temperature=NAN, max_new_tokens=2), r"temperature=nan; allowed"),
+    ("temperature 0 while sampling", dict(do_sample=True, temperature=0.0, max_new_tokens=2),
+     r"temperature=0 with do_sample=True; allowed"),
+    ("negative top_k", dict(do_sample=True, top_k=-1, max_new_tokens=2), r"top_k=-1; allowed"),
+    ("negative repetition_penalty", dict(repetition_penalty=-1.0, max_new_tokens=2), r"repetition_penalty=-1\.0"),
+    ("negative min_new_tokens", dict(min_new_tokens=-1, max_new_tokens=2), r"min_new_tokens=-1; allowed"),
+    ("too long for max_out_tokens", dict(max_new_tokens=61), r"= 65 exceeds max_out_tokens=64; allowed"),
+    ("max_length too long", dict(max_length=65), r"= 65 exceeds max_out_tokens=64; allowed"),
+]
+
+
+@pytest.mark.parametrize("passed", ["keyword", "positional"])
+@pytest.mark.parametrize("name, options, pattern", GENERATION_CONFIG_CORPUS,
+                         ids=[e[0] for e in GENERATION_CONFIG_CORPUS])
+def test_a_bad_value_in_the_generation_config_is_refused_too(engines, passed, name, options, pattern):
+    """Hugging Face's generate takes the generation config as its second positional argument as well."""
     from transformers import GenerationConfig
 
     _, engine = engines
-    with pytest.raises(ValueError, match=r"top_p=1\.5; allowed"):
-        engine.generate(IDS, generation_config=GenerationConfig(do_sample=True, top_p=1.5, max_new_tokens=2))
+    config = GenerationConfig(eos_token_id=None, **options)
+    with pytest.raises(ValueError, match=pattern):
+        if passed == "keyword":
+            engine.generate(IDS, generation_config=config)
+        else:
+            engine.generate(IDS, config)
+
+
+@pytest.mark.parametrize("name, args, error, pattern", [
+    ("a mask where the generation config goes", (IDS, torch.ones_like(IDS)), TypeError,
+     r"generation_config=tensor\(.*\(Tensor\); allowed: a transformers GenerationConfig or None"),
+    ("more positional arguments than generate takes", (IDS,) + (None,) * 20, TypeError,
+     r"too many positional arguments; allowed: positional arguments in the order \(inputs, generation_config, "),
+], ids=lambda value: value if isinstance(value, str) else "")
+def test_generate_refuses_the_positional_arguments(engines, name, args, error, pattern):
+    _, engine = engines
+    with pytest.raises(error, match=pattern):
+        engine.generate(*args)
+
+
+def test_a_positional_generation_config_and_processor_give_what_hf_does(engines, caplog):
+    """Positional arguments bind as in Hugging Face's ``generate(inputs, generation_config, logits_processor, ...)``:
+    the config's length and sampling options and the processor all apply, token for token as on the HF model; a
+    kernel-injected engine runs a config it implements in its native loop."""
+    from transformers import GenerationConfig, LogitsProcessorList, SuppressTokensLogitsProcessor
+
+    reference, engine = engines
+    ids = torch.tensor([[1, 5, 6, 7], [1, 9, 3, 4]])
+    config = GenerationConfig(max_new_tokens=9, min_new_tokens=9, do_sample=False, repetition_penalty=1.3,
+                              eos_token_id=2, pad_token_id=0)
+    expected = reference.generate(ids, config)
+    with caplog.at_level("INFO", logger="splice"):
+        got = engine.generate(ids, config)
+    assert not [r for r in caplog.records if "not in the native loop" in r.getMessage()]
+    assert got.shape == (2, 4 + 9) and torch.equal(got, expected)
+    processors = LogitsProcessorList([SuppressTokensLogitsProcessor(expected[:, 4:].flatten().tolist())])
+    expected = reference.generate(ids, config, processors)
+    got = engine.generate(ids, config, processors)
+    assert torch.equal(got, expected) and not torch.isin(got[:, 4:], processors[0].suppress_tokens).any()
 
 
 @pytest.mark.parametrize("prompt", [[[1]], [[1, 2]], [[2, 2, 2]]], ids=["bos", "bos eos", "eos eos eos"])

@@ -86,6 +86,22 @@ def test_generation_config_defaults_come_from_the_model():
     assert torch.equal(generate(*model, ids, generation_config=config), expected)
 
 
+def test_positional_arguments_bind_in_hf_order():
+    """``generate(model, runtime, inputs, generation_config, logits_processor, ...)``, as Hugging Face's generate
+    takes them: the third is the processor list (which transformers' generate then runs), not the streamer."""
+    from transformers import LogitsProcessorList, SuppressTokensLogitsProcessor
+
+    reference, model = pair("llama")
+    ids, _ = padded_batch(batch=1)
+    config = GenerationConfig(max_new_tokens=6, eos_token_id=None, pad_token_id=0)
+    free = reference.generate(ids, config)
+    assert torch.equal(generate(*model, ids, config), free)
+    processors = LogitsProcessorList([SuppressTokensLogitsProcessor(free[0, ids.shape[1]:].tolist())])
+    expected = reference.generate(ids, config, processors)
+    assert not torch.equal(expected, free)
+    assert torch.equal(generate(*model, ids, config, processors), expected)
+
+
 def test_return_dict_scores_and_logits():
     reference, model = pair("qwen3")
     ids, mask = padded_batch()

@@ -9,7 +9,7 @@ from torch import nn
 
 from .config import InferenceConfig
 from .distributed import SINGLE_PROCESS, ParallelContext
-from .generation import check_request, check_token_ids, request_input_ids
+from .generation import check_request, check_token_ids, generate_arguments, request_input_ids
 from .generation import generate as native_generate
 from .layers.causal_lm import SpliceCausalLM
 from .layers.cuda_graphs import GraphReplayer
@@ -109,10 +109,13 @@ class InferenceEngine(nn.Module):
         return self.module(*values[:positional], **dict(zip(names, values[positional:])))
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """Hugging Face ``generate`` with every option it has, after checking the request
+        """Hugging Face ``generate`` with every option it has, positional arguments in its order (``inputs``,
+        ``generation_config``, ``logits_processor``, ...), after checking the request
         (:func:`splice.generation.check_request`: ids, padding, sampling values, length within ``max_out_tokens``)."""
         if not hasattr(self.module, "generate"):
             raise TypeError(f"{type(self.module).__name__} has no generate(); only forward() is available")
+        # positional arguments by name, so the checks and the native loop read each where the model's generate does
+        args, kwargs = generate_arguments(self.module, args, kwargs)
         check_request(self.module, args, kwargs, self.vocab_size, self.inference_config.max_out_tokens)
         self.parallel.sync_rng()  # under TP every rank must sample the same tokens, even if reseeded since init
         with torch.inference_mode():

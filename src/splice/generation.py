@@ -8,9 +8,11 @@ the same injected model; never a silently different result.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import numbers
+import reprlib
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +27,7 @@ from transformers.generation import (
     TopKLogitsWarper,
     TopPLogitsWarper,
 )
-from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from . import native
 from .layers.causal_lm import SpliceCausalLM
@@ -63,11 +65,11 @@ class Request:
     output_logits: bool
 
 
-def generate(model, runtime: SpliceCausalLM, inputs: torch.Tensor | None = None,
-             generation_config: GenerationConfig | None = None, streamer=None, *, timer: ForwardTimer | None = None,
-             **kwargs: Any):
+def generate(model, runtime: SpliceCausalLM, *args: Any, timer: ForwardTimer | None = None, **kwargs: Any):
     """Hugging Face ``generate`` for a kernel-injected ``model`` and its decode ``runtime`` (``engine.runtime``):
-    the native loop when it implements the request, else transformers' generate on the fused model.
+    the native loop when it implements the request, else transformers' generate on the fused model. ``args`` and
+    ``kwargs`` are ``model.generate``'s, positional ones in its order (``inputs``, ``generation_config``,
+    ``logits_processor``, ...).
 
     ``timer`` (the engine's :class:`~splice.profiling.ForwardTimer` when profiling, or anything whose ``measure()``
     context manager times one forward) times the native loop's prefill and each decode step; transformers' generate
@@ -75,12 +77,61 @@ def generate(model, runtime: SpliceCausalLM, inputs: torch.Tensor | None = None,
     if not isinstance(runtime, SpliceCausalLM):
         raise TypeError(f"splice.generation.generate needs the decode runtime of a kernel-injected model "
                         f"(engine.runtime), got {type(runtime).__name__}")
-    plan = plan_request(model, inputs, generation_config, dict(kwargs))
+    args, kwargs = generate_arguments(model, args, kwargs)
+    if args:  # a generate whose positional arguments have no names to read them by
+        plan: Request | str = "positional arguments"
+    else:
+        options = dict(kwargs)
+        streamer = options.pop("streamer", None)
+        plan = plan_request(model, options.pop("inputs", None), options.pop("generation_config", None), options)
     if isinstance(plan, str):
         log.info("splice generate: %s not in the native loop; transformers' generate runs on the fused model", plan)
-        return model.generate(inputs, generation_config=generation_config, streamer=streamer, **kwargs)
+        return model.generate(*args, **kwargs)
     with torch.inference_mode():
         return decode(runtime, plan, streamer, timer)
+
+
+def generate_arguments(model, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The arguments of a ``model.generate`` call with each positional one moved to the keyword it binds to in that
+    signature (Hugging Face's: ``inputs``, ``generation_config``, ``logits_processor``, ``stopping_criteria``, ...),
+    so the checks and the native loop find a positional generation config where they find a keyword one. A generate
+    that takes ``*args`` (a wrapper passing them on) or has no signature binds as Hugging Face's does; positional-only
+    parameters stay positional. Raises the ``TypeError`` the call itself would for too many positional arguments or
+    one given twice."""
+    if not args:
+        return args, dict(kwargs)
+    try:
+        signature = inspect.signature(model.generate)
+    except (TypeError, ValueError):
+        signature = None
+    if signature is None or any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in signature.parameters.values()):
+        signature = hf_generate_signature()
+    try:
+        bound = signature.bind_partial(*args, **kwargs)
+    except TypeError as error:
+        order = [p.name for p in signature.parameters.values()
+                 if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        raise TypeError(f"{type(model).__name__}.generate: {error}; allowed: positional arguments in the order "
+                        f"({', '.join(order)}), or keywords") from None
+    positional: list = []
+    keywords: dict = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.POSITIONAL_ONLY:
+            positional.append(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            positional.extend(value)
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            keywords.update(value)
+        else:
+            keywords[name] = value
+    return tuple(positional), keywords
+
+
+def hf_generate_signature() -> inspect.Signature:
+    """The signature of Hugging Face's ``generate`` as a bound method (without ``self``)."""
+    signature = inspect.signature(GenerationMixin.generate)
+    return signature.replace(parameters=list(signature.parameters.values())[1:])
 
 
 def plan_request(model, inputs, generation_config, kwargs: dict) -> Request | str:
@@ -225,12 +276,19 @@ def check_request(model, args: tuple, kwargs: dict, vocab_size: int | None, max_
     """Raise ``ValueError`` / ``TypeError`` naming the bad value and what is allowed, before any work: the token ids
     (integers in range, at least one per row), the attention mask (no row of padding only), the sampling and length
     options (from the keyword arguments, else the generation config), and the total length against
-    ``max_out_tokens``.
+    ``max_out_tokens``. Positional arguments count as they bind in ``model.generate``'s signature (the second is
+    the generation config).
 
     An empty prompt is a request without tokens: ``input_ids=None`` starts from the model's ``bos_token_id`` as
     Hugging Face does (its text-generation pipeline passes an empty text that way); a tensor of length 0 raises.
     """
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    args, kwargs = generate_arguments(model, args, kwargs)
+    config = kwargs.get("generation_config")
+    if config is None:
+        config = getattr(model, "generation_config", None)
+    elif not isinstance(config, GenerationConfig):
+        raise TypeError(f"generation_config={reprlib.repr(config)} ({type(config).__name__}); allowed: a transformers "
+                        "GenerationConfig or None (generate's second positional argument is the generation config)")
     options = {name: kwargs[name] if kwargs.get(name) is not None else getattr(config, name, None)
                for name in (*VALUE_RULES, "do_sample", "pad_token_id", "eos_token_id")}
     check_generation_values(options)

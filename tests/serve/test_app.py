@@ -2,6 +2,7 @@
 response and chunk shapes, stop strings, streaming, error bodies, metrics. ``test_server.py`` runs the real server."""
 from __future__ import annotations
 
+import copy
 import json
 from types import SimpleNamespace
 
@@ -185,6 +186,37 @@ def test_bad_chat_requests_are_400_naming_the_value(tokenizer, body, named):
     with client_for(tokenizer, ScriptedScheduler(HELLO)) as client:
         response = client.post("/v1/chat/completions", json=body)
     assert response.status_code == 400 and named in response.json()["error"]["message"], response.text
+
+
+@pytest.mark.parametrize("route, body, field", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 100}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 100},
+     "max_completion_tokens"),
+])
+def test_a_too_long_request_names_the_field_the_client_sent(tokenizer, route, body, field):
+    with client_for(tokenizer, ScriptedScheduler(HELLO)) as client:
+        response = client.post(route, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == field and error["code"] == "context_length_exceeded", error
+    assert f"allowed: {field} <= " in error["message"], error
+
+
+def test_a_chat_template_refusing_the_messages_is_400(tokenizer):
+    strict = copy.deepcopy(tokenizer)  # the module's tokenizer keeps its own template
+    strict.chat_template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('Conversation roles must "
+                            "start with user') }}{% endif %}{% for m in messages %}{{ m['role'] }}: "
+                            "{{ m['content'] }}\n{% endfor %}")
+    messages = [{"role": "assistant", "content": "Hi"}, {"role": "user", "content": "x"}]
+    with client_for(strict, ScriptedScheduler(HELLO)) as client:
+        refused = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+        accepted = client.post("/v1/chat/completions", json={"messages": messages[1:], "max_tokens": 2})
+    assert refused.status_code == 400, refused.text
+    error = refused.json()["error"]
+    assert error["param"] == "messages" and error["code"] == "invalid_messages", error
+    assert error["type"] == "invalid_request_error" and "must start with user" in error["message"], error
+    assert accepted.status_code == 200, accepted.text
 
 
 def test_full_queue_is_429_with_retry_after_and_unknown_routes_404(tokenizer):

@@ -19,6 +19,7 @@ from typing import Any, AsyncIterator, Sequence
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .metrics import RequestCounter, ServerMetrics
@@ -127,12 +128,19 @@ class Service:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request(f"the model {self.model_name!r} has no chat template; allowed: /v1/completions",
                               "messages", "no_chat_template")
-        encoded = self.tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=True,
-                                                     return_dict=True)
+        try:
+            encoded = self.tokenizer.apply_chat_template(body.chat(), add_generation_prompt=True, tokenize=True,
+                                                         return_dict=True)
+        except (TemplateError, ValueError) as error:
+            # the template's own check of the conversation (raise_exception: role order, an unsupported system role)
+            raise bad_request(f"the model's chat template refuses these messages: {error}; allowed: messages in the "
+                              "roles and order the model's chat template accepts", "messages",
+                              "invalid_messages") from None
         return list(encoded["input_ids"])
 
     def sampling_params(self, body: SamplingFields, prompt_len: int, max_tokens: int | None, param: str,
-                        logprobs: int | None, seed: int | None) -> SamplingParams:
+                        logprobs: int | None, seed: int | None, max_tokens_param: str = "max_tokens") -> SamplingParams:
+        """``max_tokens_param``: the field the client gave ``max_tokens`` in, named when it is too large."""
         limit = self.scheduler.max_len
         if max_tokens is None:
             max_tokens = limit - prompt_len
@@ -143,8 +151,8 @@ class Service:
         elif prompt_len + max_tokens > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens; you requested "
                                 f"{prompt_len + max_tokens} ({prompt_len} in the {param}, {max_tokens} for the "
-                                f"completion); allowed: max_tokens <= {limit - prompt_len}", param="max_tokens",
-                           code="context_length_exceeded")
+                                f"completion); allowed: {max_tokens_param} <= {limit - prompt_len}",
+                           param=max_tokens_param, code="context_length_exceeded")
         temperature = 1.0 if body.temperature is None else body.temperature
         try:
             return SamplingParams(max_new_tokens=max_tokens, temperature=temperature,
@@ -197,15 +205,15 @@ def distinct_prompts(jobs: Sequence[Job]) -> list[list[int]]:
 
 
 def jobs_for(service: Service, body: SamplingFields, prompts: list[list[int]], max_tokens: int | None, param: str,
-             logprobs: int | None, echo: Sequence[str] = ()) -> list[Job]:
+             logprobs: int | None, echo: Sequence[str] = (), max_tokens_param: str = "max_tokens") -> list[Job]:
     """``n`` jobs per prompt, indexed as OpenAI indexes choices (prompt-major); a seed gives each choice its own
-    reproducible stream (seed + index)."""
+    reproducible stream (seed + index). ``max_tokens_param`` is the field ``max_tokens`` came from."""
     jobs = []
     for number, ids in enumerate(prompts):
         for copy in range(body.n):
             index = number * body.n + copy
             seed = None if body.seed is None else body.seed + index
-            params = service.sampling_params(body, len(ids), max_tokens, param, logprobs, seed)
+            params = service.sampling_params(body, len(ids), max_tokens, param, logprobs, seed, max_tokens_param)
             jobs.append(Job(index, ids, params, echo[number] if echo else ""))
     return jobs
 
@@ -502,7 +510,10 @@ def add_routes(api: FastAPI, service: Service) -> None:
         service.check_model(body.model)
         ids = service.chat_ids(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        jobs = jobs_for(service, body, [ids], body.max_completion_tokens or body.max_tokens, "messages", logprobs)
+        # the field the client sent (both, when they agree: OpenAI's current name)
+        limit_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        jobs = jobs_for(service, body, [ids], getattr(body, limit_field), "messages", logprobs,
+                        max_tokens_param=limit_field)
         return await generate(service, request, "chat", f"chatcmpl-{uuid.uuid4().hex}", body, jobs, started)
 
     @api.get("/v1/models")
