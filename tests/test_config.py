@@ -39,7 +39,7 @@ def test_defaults():
     assert config.dtype is None
     assert config.replace_with_kernel_inject is False
     assert config.tensor_parallel.tp_size == 1 and config.tensor_parallel.tp_grain_size == 64
-    assert config.quant.enabled is False and config.quant.weight.num_bits == 8
+    assert config.quant.enabled is None and config.quant.weight.num_bits == 8
     assert config.quant.activation.enabled is False
     assert config.moe.enabled is False and config.zero.enabled is False
     assert config.max_out_tokens == 1024 and config.device is None

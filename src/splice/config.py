@@ -203,7 +203,8 @@ class MoEConfig(_Section):
 
 
 class WeightQuantConfig(_Section):
-    enabled: bool = Field(True, description="Quantize the linear weights (when quant.enabled).")
+    enabled: bool = Field(True, description=(
+        "Quantize the linear weights (when the section applies: see quant.enabled). False with dtype=int8 raises."))
     num_bits: Literal[8, 4] = Field(8, description="Bits per quantized weight.")
     q_type: Literal["symmetric", "asymmetric"] | None = Field(None, description=(
         "Zero-point scheme. None picks the most accurate one the kernels take at num_bits: 'asymmetric' for 4 bits "
@@ -248,8 +249,9 @@ class WeightQuantConfig(_Section):
 
 
 class ActivationQuantConfig(_Section):
-    enabled: bool = Field(False, description="Quantize activations (when quant.enabled).", json_schema_extra=_note(
-        "DeepSpeed defaults to True; splice quantizes weights only unless asked."))
+    enabled: bool = Field(False, description="Quantize activations (when the section applies: see quant.enabled).",
+                          json_schema_extra=_note("DeepSpeed defaults to True; splice quantizes weights only "
+                                                  "unless asked."))
     num_bits: Literal[8] = Field(8, description="Bits per quantized activation.")
     q_type: Literal["symmetric", "asymmetric"] = Field("symmetric", description="Zero-point scheme.")
     q_groups: int = Field(1, ge=1, description="Number of quantization groups.")
@@ -260,12 +262,14 @@ class QKVQuantConfig(_Section):
 
 
 class QuantizationConfig(_Section):
-    enabled: bool = Field(False, description=(
-        "Quantize the model (see weight / activation / qkv). DeepSpeed defaults to True but only uses it with "
-        "dtype=int8."),
-                          json_schema_extra=_note(
-                              "DeepSpeed defaults to True but acts on it only with dtype=int8; splice defaults to "
-                              "False and quantizes whenever it is True."))
+    enabled: bool | None = Field(None, description=(
+        "Quantize the model with the weight / activation / qkv settings below. None: with dtype=int8 they apply, "
+        "otherwise nothing is quantized (and settings given here warn). True: quantize, whatever the dtype (with "
+        "dtype=int8, num_bits must be 8). False: the section is off; dtype=int8 alone then gives int8 weights, one "
+        "scale per output channel, and settings given here raise."),
+        json_schema_extra=_note("DeepSpeed defaults to True and quantizes only with dtype=int8, which None "
+                                "reproduces; splice's True also quantizes a float model (keeping activations in "
+                                "its dtype)."))
     weight: WeightQuantConfig = Field(default_factory=WeightQuantConfig, description="Weight quantization.")
     activation: ActivationQuantConfig = Field(default_factory=ActivationQuantConfig,
                                               description="Activation quantization.")
@@ -277,16 +281,20 @@ class QuantizationConfig(_Section):
         json_schema_extra=_note("splice extra"))
 
 
-_UNUSED_CKPT = ("DeepSpeed declares this section but its engine ignores it; splice reads checkpoint_dir (when "
-                "checkpoint is not given) and base_dir")
+_UNUSED_CKPT = ("DeepSpeed declares this section but its engine ignores it; splice reads checkpoint_dir and "
+                "base_dir as the top-level checkpoint and base_dir (a value given in both places must agree)")
 _UNUSED_CKPT_SAVE = "DeepSpeed's engine ignores it too; use the top-level save_mp_checkpoint_path"
 
 
 class InferenceCheckpointConfig(_Section):
-    checkpoint_dir: str | None = Field(None, description="Checkpoint directory.")
+    checkpoint_dir: str | None = Field(None, description=(
+        "Checkpoint to load when checkpoint is not given; with checkpoint, both must name the same path (else "
+        "ValueError)."))
     save_mp_checkpoint_path: str | None = Field(None, description="Where to save a resharded checkpoint.",
                                                 json_schema_extra=_note(_UNUSED_CKPT_SAVE))
-    base_dir: str | None = Field(None, description="Root directory of the checkpoint files.")
+    base_dir: str | None = Field(None, description=(
+        "Root directory for a relative checkpoint or checkpoint_dir (and a load policy's files) when the top-level "
+        "base_dir is empty; with both set, they must name the same path (else ValueError)."))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -330,7 +338,8 @@ class InferenceConfig(_Section):
     quant: QuantizationConfig = Field(default_factory=QuantizationConfig, description="Quantization settings.")
     checkpoint: str | os.PathLike | dict | None = Field(None, description=(
         "Checkpoint to load: a path (folder, file or JSON load policy) or a load-policy dict."))
-    base_dir: str = Field("", description="Root directory for the relative file names in checkpoint.")
+    base_dir: str = Field("", description=(
+        "Root directory for the relative file names in checkpoint (or checkpoint_config.base_dir; see there)."))
     set_empty_params: bool = Field(False, description="Create the inference modules with empty tensors.",
                                    json_schema_extra=_note("splice materialises weights from meta itself when a "
                                                            "checkpoint is given"))
@@ -401,6 +410,25 @@ class InferenceConfig(_Section):
             return value
         raise ValueError(f"{value!r} ({type(value).__name__}) is not a checkpoint; allowed: None, a path "
                          "(str or os.PathLike) or a load-policy dict")
+
+    @model_validator(mode="after")
+    def _check_quant_section(self) -> InferenceConfig:
+        """Settings of a quant section that is off must not vanish: they raise or warn (see quant.enabled)."""
+        settings = _quant_settings(self.quant)
+        int8 = self.dtype == torch.int8
+        if not settings or self.quant.enabled or (self.quant.enabled is None and int8):
+            return self  # nothing given, or the section applies
+        if int8:  # quant.enabled=False: dtype=int8 quantizes per channel; only quantize_lm_head still applies
+            conflicting = [s for s in settings if not s.startswith("quant.quantize_lm_head=")]
+            if conflicting:
+                raise ValueError(f"quant.enabled=False turns the quant section off, but dtype=torch.int8 quantizes "
+                                 f"and the section sets {', '.join(conflicting)}, which would be dropped; allowed: "
+                                 "quant.enabled=True (or unset) to apply them with dtype=int8, or remove them")
+            return self
+        warnings.warn(f"{', '.join(settings)} has no effect in splice: nothing is quantized (quant.enabled="
+                      f"{self.quant.enabled}, dtype={self.dtype}); allowed: quant.enabled=True, or dtype=int8 with "
+                      "quant.enabled unset, to quantize with these settings", SpliceIgnoredOptionWarning, stacklevel=2)
+        return self
 
     @model_validator(mode="after")
     def _check_support(self) -> InferenceConfig:
@@ -494,6 +522,19 @@ def _value_at(config: BaseModel, path: str) -> Any:
     for part in path.split("."):
         value = getattr(value, part)
     return value
+
+
+def _quant_settings(quant: QuantizationConfig) -> list[str]:
+    """``path=value`` for each honoured key of the quant section other than ``enabled`` whose value is not its
+    default (the ignored DeepSpeed keys are left out: they warn on their own)."""
+    paths = [f"quant.{section}.{name}" for section in ("weight", "activation", "qkv")
+             for name in _section_model(QuantizationConfig.model_fields[section].annotation).model_fields]
+    given = []
+    for path in paths + ["quant.quantize_lm_head"]:
+        value = _value_at(quant, path.removeprefix("quant."))
+        if field_support(path) == HONOURED and not _same(value, _default_at(path)):
+            given.append(f"{path}={_short(value, 60)}")
+    return given
 
 
 def _covered(path: str) -> bool:

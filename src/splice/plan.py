@@ -131,17 +131,27 @@ def _model_float_dtype(model: nn.Module) -> torch.dtype | None:
 
 # ---- checkpoint -----------------------------------------------------------------------------------------------------
 def checkpoint_source(config: InferenceConfig) -> CheckpointSource | None:
-    """What to load: ``config.checkpoint``, else ``config.checkpoint_config.checkpoint_dir``; None if neither is set.
+    """What to load: ``config.checkpoint`` or ``config.checkpoint_config.checkpoint_dir`` (the same path when both are
+    given, else ``ValueError``); None if neither is set.
 
-    A relative path is resolved against ``config.base_dir``; a DeepSpeed load-policy dict (``{"checkpoints": [...]}``),
-    or a JSON file holding one while ``base_dir`` is set, becomes its list of safetensors files under ``base_dir``.
+    The root is ``config.base_dir`` or ``config.checkpoint_config.base_dir`` (the same when both are given, else
+    ``ValueError``). A relative path is resolved against it; a DeepSpeed load-policy dict (``{"checkpoints": [...]}``),
+    or a JSON file holding one while a root is set, becomes its list of safetensors files under the root.
     """
     checkpoint = getattr(config, "checkpoint", None)
     checkpoint_config = getattr(config, "checkpoint_config", None)
     base_dir = getattr(config, "base_dir", "") or ""
-    if checkpoint is None and getattr(checkpoint_config, "checkpoint_dir", None) is not None:
-        checkpoint = checkpoint_config.checkpoint_dir
-        base_dir = base_dir or getattr(checkpoint_config, "base_dir", None) or ""
+    config_base_dir = getattr(checkpoint_config, "base_dir", None) or ""
+    if base_dir and config_base_dir and _under("", base_dir) != _under("", config_base_dir):
+        raise ValueError(f"base_dir={base_dir!r} and checkpoint_config.base_dir={config_base_dir!r} name different "
+                         "roots for the checkpoint files; allowed: one of them, or both the same path")
+    base_dir = base_dir or config_base_dir
+    checkpoint_dir = getattr(checkpoint_config, "checkpoint_dir", None)
+    if checkpoint is None:
+        checkpoint = checkpoint_dir
+    elif checkpoint_dir is not None and not _same_place(base_dir, checkpoint, checkpoint_dir):
+        raise ValueError(f"checkpoint={_shown(checkpoint)} and checkpoint_config.checkpoint_dir={checkpoint_dir!r} "
+                         "name different checkpoints; allowed: one of them, or both naming the same path")
     if checkpoint is None:
         return None
     if isinstance(checkpoint, dict):
@@ -149,12 +159,29 @@ def checkpoint_source(config: InferenceConfig) -> CheckpointSource | None:
     if not isinstance(checkpoint, (str, os.PathLike)):
         raise TypeError(f"checkpoint must be a path or a load-policy dict, got {type(checkpoint).__name__}: "
                         f"{checkpoint!r}")
-    path = Path(checkpoint).expanduser()
-    path = path if path.is_absolute() or not base_dir else Path(base_dir).expanduser() / path
+    path = _under(base_dir, checkpoint)
     policy = _policy_in_json(path) if base_dir else None
     if policy is not None:  # as DeepSpeed: the files a checkpoints JSON lists are relative to base_dir
         return load_policy_files(policy, policy.get("base_dir") or base_dir)
     return path
+
+
+def _under(base_dir: str, path: str | os.PathLike) -> Path:
+    """``path`` (``~`` expanded), under ``base_dir`` when it is relative and ``base_dir`` is set."""
+    path = Path(path).expanduser()
+    return path if path.is_absolute() or not base_dir else Path(base_dir).expanduser() / path
+
+
+def _same_place(base_dir: str, checkpoint: object, checkpoint_dir: str) -> bool:
+    """Whether ``checkpoint`` is the path ``checkpoint_dir`` names (a load-policy dict is not)."""
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        return False
+    return _under(base_dir, checkpoint) == _under(base_dir, checkpoint_dir)
+
+
+def _shown(value: object) -> str:
+    text = repr(os.fspath(value)) if isinstance(value, os.PathLike) else repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def _policy_in_json(path: Path) -> dict | None:
@@ -264,7 +291,7 @@ def resolve_quantization(model: nn.Module, quant: QuantConfig | None, config: In
     if quant is None:
         return None
     quant_targets(model, quant)
-    ids = config.quant.weight.calibration_ids if config.quant.enabled else None
+    ids = config.quant.weight.calibration_ids
     return None if ids is None else check_calibration_ids(ids, quant)
 
 

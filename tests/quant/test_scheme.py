@@ -1,11 +1,15 @@
 """QuantConfig: validation and the mapping from splice's (DeepSpeed-style) InferenceConfig."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
+from torch import nn
 
-from splice.config import resolve_config
+from splice.config import SpliceIgnoredOptionWarning, resolve_config
 from splice.quant import QuantConfig
+from splice.quant.layers import Int8DynamicLinear, Int8WeightOnlyLinear
 
 
 def _from(**kwargs):
@@ -64,3 +68,86 @@ def test_q_groups_must_divide_in_features():
 def test_round_trips_through_a_dict():
     config = QuantConfig(bits=4, group_size=64, symmetric=False, quantize_lm_head=True)
     assert QuantConfig.from_dict(config.to_dict()) == config
+
+
+# ---------------------------------------------------------------- dtype=int8 applies the quant section (DeepSpeed)
+def _int8_engine(model, quant, **kwargs):
+    import splice
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing may be dropped with a mere warning either
+        return splice.init_inference(model, dtype="int8", quant=quant, device="cpu", **kwargs)
+
+
+def _layer(engine, name="self_attn.q_proj"):
+    return engine.module.get_submodule(f"model.layers.0.{name}")
+
+
+@pytest.mark.parametrize("weight, group_for", [
+    ({"group_size": 16}, lambda in_features: 16),
+    ({"q_groups": 4}, lambda in_features: in_features // 4),  # groups per output row
+])
+def test_int8_dtype_honours_the_weight_grouping(tiny_llama, weight, group_for):
+    engine = _int8_engine(tiny_llama, {"weight": weight})
+    for name in ("self_attn.q_proj", "mlp.down_proj"):  # in_features 64 and 128
+        layer = _layer(engine, name)
+        group = group_for(layer.in_features)
+        assert isinstance(layer, Int8WeightOnlyLinear) and layer.grouped
+        assert layer.qweight.shape == (layer.in_features // group, layer.out_features, group)
+
+
+def test_int8_dtype_honours_activation_quantization(tiny_llama):
+    engine = _int8_engine(tiny_llama, {"activation": {"enabled": True}})
+    assert type(_layer(engine)) is Int8DynamicLinear
+    assert engine.step_report("quantize").quant.kind == "int8_dynamic"
+
+
+def test_int8_dtype_honours_qkv_left_in_float(tiny_llama):
+    engine = _int8_engine(tiny_llama, {"qkv": {"enabled": False}})
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert type(_layer(engine, f"self_attn.{name}")) is nn.Linear
+    assert isinstance(_layer(engine, "self_attn.o_proj"), Int8WeightOnlyLinear)
+
+
+def test_int8_dtype_honours_q_type_and_q_dtype(tiny_llama):
+    engine = _int8_engine(tiny_llama, {"weight": {"q_type": "symmetric", "q_dtype": "int8", "group_size": 32}})
+    assert _layer(engine).qweight.dtype == torch.int8 and _layer(engine).grouped
+
+
+@pytest.mark.parametrize("quant, message", [
+    ({"weight": {"num_bits": 4}}, "dtype=torch.int8 contradicts quant.weight.num_bits=4"),
+    ({"weight": {"q_type": "asymmetric"}}, "q_type='asymmetric'"),
+    ({"weight": {"q_dtype": "uint8"}}, "q_dtype=torch.uint8"),
+    ({"weight": {"calibration_ids": [[1, 2, 3]]}}, "calibration_ids"),
+    ({"weight": {"q_groups": 3}}, "q_groups=3"),
+    ({"weight": {"enabled": False}}, "quant.weight.enabled=False"),
+    ({"enabled": False, "weight": {"group_size": 16}}, "quant.weight.group_size=16"),
+    ({"enabled": False, "qkv": {"enabled": False}}, "quant.qkv.enabled=False"),
+])
+def test_int8_dtype_with_quant_settings_it_cannot_apply_raises_before_the_model_changes(tiny_llama, quant, message):
+    before = {name: tensor.clone() for name, tensor in tiny_llama.state_dict().items()}
+    modules = [type(module) for module in tiny_llama.modules()]
+    with pytest.raises(ValueError, match="allowed") as error:
+        _int8_engine(tiny_llama, quant)
+    assert message in str(error.value)
+    assert [type(module) for module in tiny_llama.modules()] == modules
+    after = tiny_llama.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_quant_enabled_false_with_int8_dtype_alone_is_per_channel():
+    assert _from(dtype="int8", quant={"enabled": False}) == QuantConfig(bits=8, lm_head_int8=True)
+    assert _from(dtype="int8", quant={"enabled": False, "quantize_lm_head": False}) == QuantConfig(bits=8)
+
+
+def test_int8_dtype_maps_each_quant_key_as_quant_enabled_does():
+    for quant in ({"weight": {"group_size": 16}}, {"weight": {"q_groups": 4}}, {"activation": {"enabled": True}},
+                  {"qkv": {"enabled": False}}, {"quantize_lm_head": True}):
+        assert _from(dtype="int8", quant=quant) == _from(quant={"enabled": True, **quant}) != _from(dtype="int8")
+
+
+def test_quant_settings_without_quantization_warn():
+    with pytest.warns(SpliceIgnoredOptionWarning, match=r"quant.weight.group_size=16 has no effect.*quant.enabled"):
+        assert _from(dtype="bf16", quant={"weight": {"group_size": 16}}) is None
+    with pytest.warns(SpliceIgnoredOptionWarning, match=r"quant.activation.enabled=True"):
+        assert _from(quant={"enabled": False, "activation": {"enabled": True}}) is None

@@ -3,8 +3,13 @@
 Mapping from the DeepSpeed-style keys (``InferenceConfig``):
 
 =====================================================  ==========================================================
-``dtype=torch.int8`` (or ``"int8"``), quant disabled   int8 weight-only, one scale per output channel, symmetric
-``quant.enabled=True``                                 ``quant.weight`` / ``quant.activation`` below
+``dtype=torch.int8`` (or ``"int8"``)                   int8 weight-only, one scale per output channel, symmetric,
+                                                       unless the keys below say otherwise (``num_bits`` must be 8)
+``quant.enabled=True``                                 ``quant.weight`` / ``quant.activation`` below, any dtype
+``quant.enabled`` None (the default)                   the keys below apply with ``dtype=int8``; otherwise nothing
+                                                       is quantized (keys given warn), as in DeepSpeed
+``quant.enabled=False``                                nothing from the keys below (with ``dtype=int8``, giving
+                                                       one raises); ``dtype=int8`` alone still quantizes
 ``quant.weight.num_bits``                              8 or 4
 ``quant.weight.group_size``                            input elements per scale (int4: 32, 64, 128 or 256)
 ``quant.weight.q_groups`` (no ``group_size``)          groups per output row: ``group_size = in_features / q_groups``;
@@ -115,14 +120,20 @@ class QuantConfig:
         quant = config.quant
         int8_dtype = config.dtype == torch.int8
         head = {"quantize_lm_head": quant.quantize_lm_head is True, "lm_head_int8": quant.quantize_lm_head is None}
-        if not quant.enabled:
+        if quant.enabled is False or (quant.enabled is None and not int8_dtype):
+            # The section is off (InferenceConfig refuses its settings with dtype=int8); dtype=int8 alone asks for
+            # int8 weights with one scale per output channel.
             return cls(bits=8, **head) if int8_dtype else None
         weight, act = quant.weight, quant.activation
         if not weight.enabled:
             if act.enabled:
                 raise ValueError("quant.activation.enabled=True with quant.weight.enabled=False is not supported; "
                                  "allowed: quantized weights alone, or weights and activations together")
-            return cls(bits=8, **head) if int8_dtype else None
+            if int8_dtype:
+                raise ValueError("dtype=torch.int8 quantizes the weights, which contradicts "
+                                 "quant.weight.enabled=False; allowed: quant.weight.enabled=True with dtype=int8, or "
+                                 "a float dtype (or None) to keep the weights in float")
+            return None
         if int8_dtype and weight.num_bits != 8:
             raise ValueError(f"dtype=torch.int8 contradicts quant.weight.num_bits={weight.num_bits}; allowed: "
                              "num_bits=8 with dtype=int8, or a float dtype (or None) with num_bits=4")
