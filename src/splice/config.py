@@ -360,7 +360,12 @@ class InferenceConfig(_Section):
                                 json_schema_extra=_note("deprecated; remove it"))
     injection_policy: dict | None = Field(None, alias="injection_dict", description=(
         "Map of block class to the names of its output linears (attention out, MLP out), for manual tensor "
-        "parallelism."))
+        "parallelism (tp_size > 1); a class or name that matches nothing in the model raises ValueError."),
+        json_schema_extra=_note(
+            "at tensor_parallel.tp_size=1 it is checked, then warns (SpliceIgnoredOptionWarning) that it has no "
+            "effect: splice's kernel injection does not read it, and DeepSpeed too only slices by it at "
+            "mp_size > 1. With a splice_tp.json checkpoint the stored plan is loaded; a policy that splits "
+            "differently from it raises ValueError"))
     injection_policy_tuple: tuple | None = Field(None, description="DeepSpeed-internal form of injection_policy.",
                                                  json_schema_extra=_note("use injection_policy"))
     config: dict | None = Field(None, alias="args", description="Model config dict to use instead of the model's.",

@@ -19,7 +19,7 @@ from torch import nn
 from .arch import check_fits, model_dims, record_for, tensor_parallel_plan
 from .arch.paths import misfits
 from .checkpoint import check_checkpoint, has_meta_tensors, load_policy_files
-from .config import InferenceConfig
+from .config import InferenceConfig, SpliceIgnoredOptionWarning
 from .distributed import ParallelContext
 from .kernel_choice import KernelChoice, attention_kernel, float_kernel, quant_kernel
 from .layers.block import activation
@@ -229,16 +229,27 @@ def resolve_tensor_parallel(config: InferenceConfig, model: nn.Module, tp: int,
                             checkpoint: CheckpointSource | None) -> TPPlan | None:
     """The verified plan at ``tp`` ranks (None at 1): the checkpoint manifest's, else the injection_policy's, else with
     kernel injection the family record's, else AutoTP's (as DeepSpeed: its injection containers carry their own
-    policies, AutoTP serves the models it does not inject)."""
+    policies, AutoTP serves the models it does not inject). An injection_policy is checked in every case: at tp 1 it
+    then warns (it has no effect), with a manifest it must give the stored plan's split."""
     if tp == 1:
         if config.save_mp_checkpoint_path:
             raise ValueError(f"save_mp_checkpoint_path={config.save_mp_checkpoint_path!r} writes tensor-parallel "
                              "shards and needs tensor_parallel.tp_size > 1; at tp_size=1 save the model with "
                              "save_pretrained instead")
+        if config.injection_policy:
+            # Checked as at tp > 1 (bad classes and names raise), then warned about: neither kernel injection nor
+            # anything else reads the policy at one rank; DeepSpeed, too, only slices its linears at mp_size > 1.
+            checked_policy_plan(model, config.injection_policy, tp)
+            warnings.warn(f"injection_policy={_policy_text(config.injection_policy)} has no effect at "
+                          "tensor_parallel.tp_size=1: it only says which linears to shard, which needs tp_size > 1; "
+                          "remove it, or launch with tp_size > 1", SpliceIgnoredOptionWarning, stacklevel=4)
         return None
     manifest = tp_manifest(checkpoint)
     if manifest is not None:
         plan = manifest_plan(manifest, tp)
+        if config.injection_policy:
+            check_policy_fits_manifest(checked_policy_plan(model, config.injection_policy, tp), plan, manifest,
+                                       config.injection_policy)
     elif config.injection_policy:
         plan = policy_plan(model, config.injection_policy, trace_model(model))
     elif config.replace_with_kernel_inject:
@@ -247,6 +258,38 @@ def resolve_tensor_parallel(config: InferenceConfig, model: nn.Module, tp: int,
         plan = autotp_plan(model, trace_model(model))
     verify(plan, model, tp)
     return plan
+
+
+def checked_policy_plan(model: nn.Module, policy: dict, tp: int) -> TPPlan:
+    """The verified plan of ``injection_policy`` ``policy`` at ``tp`` ranks; traces one forward, shards nothing."""
+    plan = policy_plan(model, policy, trace_model(model))
+    verify(plan, model, tp)
+    return plan
+
+
+def check_policy_fits_manifest(wanted: TPPlan, stored: TPPlan, manifest: dict, policy: dict) -> None:
+    """A saved tensor-parallel checkpoint's shards are cut by its stored plan, so a policy asking for another split
+    cannot be honoured from it: raise naming both (the same split is fine)."""
+    keys = list(dict.fromkeys([*stored.rules, *wanted.rules]))
+    differ = [f"{k}: stored {stored.rules.get(k)}, policy {wanted.rules.get(k)}"
+              for k in keys if stored.rules.get(k) != wanted.rules.get(k)]
+    differ += [f"attention {k}: stored {stored.attention.get(k)}, policy {wanted.attention.get(k)}"
+               for k in dict.fromkeys([*stored.attention, *wanted.attention])
+               if stored.attention.get(k) != wanted.attention.get(k)]
+    if differ:
+        raise ValueError(f"checkpoint {manifest['folder']!r} holds shards cut by its stored tensor-parallel plan "
+                         f"({stored.source}), which splits differently from injection_policy="
+                         f"{_policy_text(policy)}: {'; '.join(differ[:4])}"
+                         f"{f'; ... ({len(differ) - 4} more)' if len(differ) > 4 else ''}; allowed: no "
+                         "injection_policy (the stored plan is used), or the original unsharded checkpoint to shard "
+                         "by the policy")
+
+
+def _policy_text(policy: object) -> str:
+    """``{LlamaDecoderLayer: ('self_attn.o_proj',)}``: an injection_policy with its classes by name."""
+    if not isinstance(policy, dict):
+        return _shown(policy)
+    return "{" + ", ".join(f"{getattr(k, '__name__', repr(k))}: {v!r}" for k, v in policy.items()) + "}"
 
 
 def describe_tensor_parallel(model: nn.Module, tp_size: int, injection_policy: dict | None = None) -> str:

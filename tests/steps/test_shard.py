@@ -7,9 +7,11 @@ import json
 import pytest
 import torch
 
+from splice.config import SpliceIgnoredOptionWarning
 from splice.distributed import ParallelContext
 from splice.plan import describe_tensor_parallel
 from splice.steps.shard import shard
+from splice.tp.autotp import autotp_plan
 from tests.arch.tiny_models import build
 
 from .plans import plan_for, run_step
@@ -43,6 +45,64 @@ def test_policy_errors_surface_when_resolving():
     policy = {type(model.model.layers[0]): ("self_attn.out_proj",)}
     with pytest.raises(ValueError, match=r"\['self_attn.out_proj'\] name\(s\) no linear"):
         plan_for(model, TWO_RANKS, tensor_parallel={"tp_size": 2}, injection_policy=policy)
+
+
+def _llama_policy(model, *rows):
+    return {type(model.model.layers[0]): rows or ("self_attn.o_proj", "mlp.down_proj")}
+
+
+@pytest.mark.parametrize("policy, message", [
+    (lambda m: _llama_policy(m, "self_attn.out_proj"), r"\['self_attn.out_proj'\] name\(s\) no linear"),
+    (lambda m: {torch.nn.GRU: ("x",)}, r"injection_policy class GRU matches no module"),
+    (lambda m: {"LlamaDecoderLayer": ("self_attn.o_proj",)}, r"keys must be module classes.*'LlamaDecoderLayer'"),
+], ids=["unknown-linear", "unknown-class", "class-as-string"])
+def test_tp1_policy_is_checked_as_at_tp2_before_the_model_changes(policy, message):
+    import splice
+
+    model = build("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises((ValueError, TypeError), match=message):
+        splice.init_inference(model, injection_policy=policy(model))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert type(model.model.layers[0].self_attn.o_proj) is torch.nn.Linear
+
+
+def test_tp1_valid_policy_warns_that_it_has_no_effect():
+    model = build("llama")
+    with pytest.warns(SpliceIgnoredOptionWarning, match=r"injection_policy=\{LlamaDecoderLayer: \('self_attn.o_proj', "
+                      r"'mlp.down_proj'\)\} has no effect at tensor_parallel.tp_size=1.*needs tp_size > 1"):
+        plan = plan_for(model, injection_policy=_llama_policy(model))
+    assert plan.tp_plan is None
+
+
+def _saved_shards(folder, plan):
+    (folder / "splice_tp.json").write_text(json.dumps(
+        {"format": "splice-tp/1", "tp_size": 2, "files": [], "plan": plan.to_dict()}))
+    return str(folder / "splice_tp.json")
+
+
+def test_saved_shards_take_a_policy_that_splits_as_they_do(tmp_path, recwarn):
+    model = build("llama", meta=True)
+    checkpoint = _saved_shards(tmp_path, autotp_plan(model))
+    plan = plan_for(model, TWO_RANKS, tensor_parallel={"tp_size": 2}, checkpoint=checkpoint,
+                    injection_policy=_llama_policy(model))
+    assert plan.tp_plan.source == "autotp" and plan.checkpoint_loader == "shard"
+    assert not [w for w in recwarn if issubclass(w.category, SpliceIgnoredOptionWarning)]
+
+
+def test_saved_shards_refuse_a_policy_that_splits_otherwise(tmp_path):
+    model = build("llama", meta=True)
+    stored = autotp_plan(model)
+    stored.rules["lm_head"] = type(stored.rules["lm_head"])("replicate")
+    checkpoint = _saved_shards(tmp_path, stored)
+    with pytest.raises(ValueError, match=r"stored tensor-parallel plan \(autotp\), which splits differently from "
+                       r"injection_policy=\{LlamaDecoderLayer: .*lm_head: stored replicate, policy vocab; allowed: no "
+                       r"injection_policy"):
+        plan_for(model, TWO_RANKS, tensor_parallel={"tp_size": 2}, checkpoint=checkpoint,
+                 injection_policy=_llama_policy(model))
+    with pytest.raises(ValueError, match=r"\['self_attn.out_proj'\] name\(s\) no linear"):
+        plan_for(model, TWO_RANKS, tensor_parallel={"tp_size": 2}, checkpoint=checkpoint,
+                 injection_policy=_llama_policy(model, "self_attn.out_proj"))
 
 
 def test_with_a_checkpoint_the_shard_step_loads_it(tmp_path):
