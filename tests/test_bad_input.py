@@ -157,6 +157,10 @@ REQUEST_CORPUS = [
      r"token id 128; allowed: 0 <= id < vocab_size=128"),
     ("negative token id", dict(input_ids=torch.tensor([[1, -3]])), ValueError, r"token id -3; allowed"),
     ("float token ids", dict(input_ids=torch.tensor([[1.0, 5.0]])), TypeError, r"integer tensor, got dtype"),
+    ("1-D token ids", dict(input_ids=torch.tensor([1, 5, 6, 7])), ValueError,
+     r"input_ids has shape \(4,\); allowed for generate: \[batch, length\], e\.g\. ids\[None\]"),
+    ("3-D token ids", dict(input_ids=torch.ones(1, 1, 4, dtype=torch.long)), ValueError,
+     r"input_ids has shape \(1, 1, 4\); allowed for generate: \[batch, length\]"),
     ("all-padding row (mask)", dict(input_ids=torch.tensor([[0, 0], [1, 5]]),
                                     attention_mask=torch.tensor([[0, 0], [1, 1]])), ValueError,
      r"row\(s\) \[0\] of the batch are padding only .*allowed: at least one real token per row"),
@@ -207,6 +211,30 @@ def test_forward_refuses_an_empty_batch(engines, ids):
     _, engine = engines
     with pytest.raises(ValueError, match=r"input_ids has shape \(\d, \d\): an empty prompt; allowed"):
         engine(ids)
+
+
+def test_generate_refuses_1d_ids_given_positionally_before_any_work(engines):
+    _, engine = engines
+    engine.module.generate, calls = (lambda *args, **kwargs: calls.append(1)), []
+    try:
+        with pytest.raises(ValueError, match=r"input_ids has shape \(6,\); allowed for generate: \[batch, length\]"):
+            engine.generate(torch.randint(3, 128, (6,)), max_new_tokens=3)
+    finally:
+        del engine.module.generate
+    assert not calls
+
+
+@pytest.mark.parametrize("inject", [False, True], ids=["plain", "injected"])
+def test_forward_takes_ids_of_shape_length_where_the_model_does(inject):
+    """OPT's forward takes ``[length]`` ids (as a batch of one): the engine's forward passes them on."""
+    from .arch.tiny_models import build_family
+
+    reference = build_family("opt")
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=inject, max_out_tokens=64)
+    ids = torch.randint(3, 128, (6,))
+    with torch.inference_mode():
+        expected = reference(ids).logits
+        torch.testing.assert_close(engine(ids).logits, expected, rtol=0, atol=1e-4)
 
 
 GENERATION_CONFIG_CORPUS = [

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import copy
+import logging
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -10,7 +12,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import splice
 from splice import native
-from splice.generation import EosBannedBelowLength, generate, pick, plan_request
+from splice.generation import (RIGHT_PADDING_WARNING, EosBannedBelowLength, Request, generate, hf_generate_log, pick,
+                               plan_request)
 from splice.layers.widened_linear import prompts_in_float32
 from splice.steps.fuse import inject
 
@@ -114,6 +117,56 @@ def test_return_dict_scores_and_logits():
     assert len(got.scores) == len(got.logits) == 5
     for ours, theirs in zip(got.scores, expected.scores):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+
+
+def test_the_native_output_has_no_cache_and_use_cache_true_gets_hf_s():
+    """The native loop's output carries no ``cache`` (splice's static cache is not a transformers Cache, so nothing
+    could continue from it); asking for it with ``use_cache=True`` runs Hugging Face's generate, whose output has it,
+    on the fused model: the same tokens either way."""
+    reference, model = pair("llama")
+    ids, mask = padded_batch()
+    options = dict(max_new_tokens=5, return_dict_in_generate=True, eos_token_id=None)
+    expected = reference.generate(ids, attention_mask=mask, **options)
+    native_out = generate(*model, ids, attention_mask=mask, **options)
+    assert native_out.cache is None and "cache" not in native_out.keys()
+    assert isinstance(plan_request(model[0], ids, None, {"attention_mask": mask, "use_cache": True, **options}), str)
+    hf_out = generate(*model, ids, attention_mask=mask, use_cache=True, **options)
+    assert hf_out.cache is not None and hf_out.cache.get_seq_length() == expected.cache.get_seq_length()
+    assert torch.equal(native_out.sequences, expected.sequences) and torch.equal(hf_out.sequences, expected.sequences)
+
+
+@contextmanager
+def hf_generate_warnings():
+    """The messages Hugging Face's generate logger (and splice's copy of its warnings) emits meanwhile."""
+    records: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: records.append(record.getMessage())
+    hf_generate_log.addHandler(handler)
+    try:
+        yield records
+    finally:
+        hf_generate_log.removeHandler(handler)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "gpt_neox", "opt"])
+def test_a_right_padded_batch_gets_hf_s_tokens_and_warning_in_the_native_loop(model_type):
+    """Right padding (the last column masked in some rows): Hugging Face's tokens, though not what the rows would give
+    alone (its first token comes from the last pad's query), and its warning once; all in the native loop."""
+    reference, model = pair(model_type)
+    ids, mask = padded_batch(batch=3, length=10, side="right")
+    options = dict(max_new_tokens=16, do_sample=False, eos_token_id=None)
+    with torch.inference_mode():
+        with hf_generate_warnings() as expected_warnings:
+            expected = reference.generate(ids, attention_mask=mask, **options)
+        assert isinstance(plan_request(model[0], ids, None, {"attention_mask": mask, **options}), Request)
+        model[0].generate = None  # the native loop must not hand the request to Hugging Face's generate
+        try:
+            with hf_generate_warnings() as warnings:
+                got = generate(*model, ids, attention_mask=mask, **options)
+        finally:
+            del model[0].generate
+    assert torch.equal(got, expected)
+    assert warnings == expected_warnings == [RIGHT_PADDING_WARNING]
 
 
 def test_streamer_sees_prompt_then_each_token():

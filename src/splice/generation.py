@@ -28,12 +28,17 @@ from transformers.generation import (
     TopPLogitsWarper,
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+from transformers.utils import logging as hf_logging
 
 from . import native
 from .layers.causal_lm import SpliceCausalLM
 from .profiling import ForwardTimer
 
 log = logging.getLogger("splice")
+#: the logger Hugging Face's generate warns through (its right-padding warning is repeated here word for word)
+hf_generate_log = hf_logging.get_logger("transformers.generation.utils")
+RIGHT_PADDING_WARNING = ("A decoder-only architecture is being used, but right-padding was detected! For correct "
+                         "generation results, please set `padding_side='left'` when initializing the tokenizer.")
 
 #: generation options the native loop implements (any value)
 NATIVE_OPTIONS = frozenset({
@@ -63,6 +68,7 @@ class Request:
     return_dict: bool
     output_scores: bool
     output_logits: bool
+    warn_right_padding: bool = False  # Hugging Face's generate would warn that the batch is right-padded
 
 
 def generate(model, runtime: SpliceCausalLM, *args: Any, timer: ForwardTimer | None = None, **kwargs: Any):
@@ -84,11 +90,26 @@ def generate(model, runtime: SpliceCausalLM, *args: Any, timer: ForwardTimer | N
         options = dict(kwargs)
         streamer = options.pop("streamer", None)
         plan = plan_request(model, options.pop("inputs", None), options.pop("generation_config", None), options)
+    if isinstance(plan, Request) and right_padding_not_native(runtime, plan):
+        plan = "a right-padded batch on a model with sliding-window or ALiBi attention"
     if isinstance(plan, str):
         log.info("splice generate: %s not in the native loop; transformers' generate runs on the fused model", plan)
         return model.generate(*args, **kwargs)
+    if plan.warn_right_padding:
+        hf_generate_log.warning(RIGHT_PADDING_WARNING)
     with torch.inference_mode():
         return decode(runtime, plan, streamer, timer)
+
+
+def right_padding_not_native(runtime: SpliceCausalLM, req: Request) -> bool:
+    """Whether ``req`` has a right-padded row (its last column masked) that the native loop would not give Hugging
+    Face's tokens for: a sliding window's edge is counted from a query's slot, and :func:`last_pad_logits` moves the
+    last pad's query one slot on; ALiBi biases a key by its slot, and a right-padded row's new tokens follow its pad
+    slots where Hugging Face's positions leave the pads out."""
+    windowed = any(window is not None for window in runtime.windows)
+    if not (windowed or runtime.dims.positions == "alibi"):
+        return False
+    return bool((req.attention_mask[:, -1] == 0).any())
 
 
 def generate_arguments(model, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -137,9 +158,15 @@ def hf_generate_signature() -> inspect.Signature:
 def plan_request(model, inputs, generation_config, kwargs: dict) -> Request | str:
     """The resolved request, or a string naming what the native loop does not implement."""
     input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() < 2:  # no generate takes these; HF's fails obscurely
+        check_generate_ids_shape(input_ids)
     if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point()):
         return "inputs other than a 2-D tensor of token ids"
+    asks_for_cache = kwargs.get("use_cache") is True
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)  # exactly HF's merge
+    if asks_for_cache and config.return_dict_in_generate:
+        # the native loop's output carries no cache (splice's static cache is not a transformers Cache); HF's does
+        return "use_cache=True with return_dict_in_generate=True (the output's cache)"
     refused = [name for name in REFUSED_OPTIONS if getattr(config, name, False)]
     if refused:
         raise ValueError(f"{', '.join(refused)}=True is not available on a kernel-injected model (the fused blocks "
@@ -156,11 +183,23 @@ def plan_request(model, inputs, generation_config, kwargs: dict) -> Request | st
     if max_new <= 0:
         return f"max_new_tokens={max_new}"
     eos, pad = special_tokens(config, input_ids.device)
+    warn = hf_warns_right_padding(input_ids, attention_mask, pad)
     if attention_mask is None:
         attention_mask = infer_attention_mask(input_ids, pad, eos)
     processors = logits_processors(config, attention_mask, prompt_len, eos)
     return Request(input_ids, attention_mask, max_new, eos, pad, processors, bool(config.do_sample),
-                   bool(config.return_dict_in_generate), bool(config.output_scores), bool(config.output_logits))
+                   bool(config.return_dict_in_generate), bool(config.output_scores), bool(config.output_logits),
+                   warn)
+
+
+def hf_warns_right_padding(input_ids: torch.Tensor, attention_mask, pad: int | None) -> bool:
+    """Hugging Face's test for its right-padding warning: a batch of more than one row with a pad id, some row's
+    last column masked in the given attention mask, or (without one) holding the pad id."""
+    if pad is None or input_ids.shape[0] < 2:
+        return False
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.shape == input_ids.shape:
+        return bool((attention_mask[:, -1] == 0).any())
+    return bool((input_ids[:, -1] == pad).any())
 
 
 def non_native_options(config: GenerationConfig) -> list[str]:
@@ -295,6 +334,7 @@ def check_request(model, args: tuple, kwargs: dict, vocab_size: int | None, max_
     input_ids = request_input_ids(args, kwargs)
     if input_ids is None:
         return
+    check_generate_ids_shape(input_ids)
     check_token_ids(input_ids, vocab_size)
     check_padding_rows(input_ids, kwargs.get("attention_mask"), options["pad_token_id"], options["eos_token_id"])
     prompt_length = input_ids.shape[-1]
@@ -320,8 +360,17 @@ def check_real(name: str, value, allowed, description: str) -> None:
         raise ValueError(f"{name}={value!r}; allowed: {description}")
 
 
+def check_generate_ids_shape(input_ids: torch.Tensor) -> None:
+    """Raise unless ``input_ids`` has generate's shape ``[batch, length]`` (Hugging Face's generate takes no
+    ``[length]`` ids: it indexes their second dimension)."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; allowed for generate: [batch, length], "
+                         "e.g. ids[None] for a single prompt of shape [length]")
+
+
 def check_token_ids(input_ids: torch.Tensor, vocab_size: int | None) -> None:
-    """Raise if ``input_ids`` is not a non-empty integer tensor of ids within ``[0, vocab_size)``."""
+    """Raise if ``input_ids`` is not a non-empty integer tensor of ids within ``[0, vocab_size)``, of shape
+    ``[batch, length]`` or (a forward, which some models take it for) ``[length]``."""
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
         raise TypeError(f"input_ids must be an integer tensor, got dtype {input_ids.dtype}")
     if input_ids.dim() not in (1, 2):
@@ -384,8 +433,14 @@ def decode(runtime: SpliceCausalLM, req: Request, streamer=None, timer: ForwardT
     positions = prefill_positions(mask)
     cache.start(mask)
     dense = bool(mask.all())  # no padding: the causal kernel needs no mask
+    right_padded = None if dense else mask[:, -1] == 0
     with measure():
         logits = runtime.forward(ids, positions, cache.slot_ids[:prompt_len], cache, prompt_len, dense=dense)
+        if right_padded is not None and bool(right_padded.any()):
+            logits = torch.where(right_padded[:, None], last_pad_logits(runtime, ids, positions, cache), logits)
+    # Hugging Face's positions: each new token's is the last column's plus one (a right-padded row's last column is
+    # a pad at position 0, so its new tokens take positions 1, 2, ...); the new tokens follow the pad columns, which
+    # stay masked
     position, slot = positions[:, -1:].clone(), cache.slot_ids[prompt_len - 1:prompt_len].clone()
     length = prompt_len
     native_pick = not req.do_sample and native.available_on(runtime.device)
@@ -416,8 +471,22 @@ def decode(runtime: SpliceCausalLM, req: Request, streamer=None, timer: ForwardT
     return result(sequences[:, :length].contiguous(), req, scores, raw_logits)
 
 
+def last_pad_logits(runtime: SpliceCausalLM, ids: torch.Tensor, positions: torch.Tensor,
+                    cache) -> torch.Tensor:
+    """The logits Hugging Face takes a right-padded row's first new token from: its last column's, a pad query at
+    that pad's position, attending to the row's real tokens and not to itself (a masked key). The prefill's own pad
+    queries also see their own slot (the cache's mask never leaves a query nothing to see), so this recomputes the
+    last column as a query at slot ``prompt_len``: every filled slot is before it, and the keys it writes there are
+    the ones the first new token overwrites. Sliding-window layers would see one key fewer from there, so
+    :func:`generate` never brings a right-padded batch here on a runtime with windows."""
+    prompt_len = ids.shape[1]
+    slot = cache.slot_ids[prompt_len:prompt_len + 1]
+    return runtime.forward(ids[:, -1:], positions[:, -1:], slot, cache, prompt_len)
+
+
 def prefill_positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Rotary positions of a (left-padded) prompt, as Hugging Face computes them: pads get 0."""
+    """Positions of a padded prompt, as Hugging Face computes them: each real token's count of real tokens before
+    it; pads get 0."""
     positions = attention_mask.long().cumsum(-1) - 1
     return positions.masked_fill(attention_mask == 0, 0)
 

@@ -70,6 +70,29 @@ def test_greedy_tokens_match_the_reference(name):
         assert torch.equal(engine.module.generate(ids, attention_mask=mask, **GREEDY), expected)
 
 
+#: families whose right-padded batches run Hugging Face's generate on the fused model (sliding-window or ALiBi
+#: layers: see ``splice.generation.right_padding_not_native``); every other one stays in the native loop
+RIGHT_PADDING_ON_HF = {"mistral", "qwen2", "gemma2", "gemma3_text", "gemma3", "gpt_neo", "bloom", "bloom:six_heads",
+                       "falcon:alibi"}
+
+
+@pytest.mark.parametrize("name", sorted(set(FAMILIES) | set(VARIANTS)))
+def test_right_padded_greedy_tokens_match_the_reference(name):
+    """A right-padded batch gets the reference's greedy tokens (which Hugging Face takes, for a right-padded row, from
+    the last pad's query), in the native loop unless the family is in ``RIGHT_PADDING_ON_HF``."""
+    reference = build_family(name)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
+    ids, mask = padded_batch(batch=3, length=10, side="right")
+    options = dict(GREEDY, max_new_tokens=24)
+    hf_generate = engine.module.generate
+    calls = []
+    engine.module.generate = lambda *args, **kwargs: calls.append(1) or hf_generate(*args, **kwargs)
+    with torch.inference_mode():
+        expected = reference.generate(ids, attention_mask=mask, **options)
+        assert torch.equal(engine.generate(ids, attention_mask=mask, **options), expected)
+    assert bool(calls) == (name in RIGHT_PADDING_ON_HF)
+
+
 @pytest.mark.parametrize("name", FAMILIES + NEW_FAMILIES)
 def test_bf16_kernels_agree_with_the_bf16_reference(name):
     reference = build_family(name, dtype=torch.bfloat16)
