@@ -278,3 +278,44 @@ def test_bench_context_rows_run_each_length(tiny_bench, tmp_path):
     assert rows[2]["speedup"] == 1.0  # each context's rows against HF at that context
     longer, shorter = rows[3], rows[1]
     assert longer["step_bytes"] > shorter["step_bytes"]  # the KV cache read grows with the context
+
+
+@pytest.fixture
+def no_timing(tiny_bench, monkeypatch):
+    """Fails a test that gets as far as loading or timing a model."""
+    monkeypatch.setattr(bench, "bench_configuration", lambda *a, **k: pytest.fail("timed before checking outputs"))
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_an_output_that_cannot_be_written_is_refused_before_timing(no_timing, tmp_path, flag):
+    unwritable = str(tmp_path / "no-such-folder" / "out.png")
+    outputs = {"--json": str(tmp_path / "b.json"), flag: unwritable}
+    args = parse(*[item for pair in outputs.items() for item in pair])
+    with pytest.raises(ValueError, match=rf"{flag} .*no-such-folder/out\.png: cannot write there \(No such file or "
+                                         r"directory\); allowed: a file in an existing folder"):
+        args.run(args)
+    assert not (tmp_path / "b.json").exists()  # the check leaves no file behind
+
+
+def test_a_plot_format_matplotlib_cannot_draw_is_refused_before_timing(no_timing, tmp_path):
+    pytest.importorskip("matplotlib")
+    args = parse("--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "bars.docx"))
+    with pytest.raises(ValueError, match=r"--plot .*bars\.docx: matplotlib cannot draw \.docx files; allowed: .*\.png"):
+        args.run(args)
+
+
+def test_plot_without_matplotlib_is_refused_before_timing(no_timing, tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    args = parse("--json", str(tmp_path / "b.json"), "--plot", str(tmp_path / "b.png"))
+    with pytest.raises(ValueError, match=r"--plot needs matplotlib \(matplotlib is missing\); allowed: after pip "
+                                         r"install 'splice\[plot\]', or no --plot"):
+        args.run(args)
+
+
+def test_checking_an_existing_output_leaves_it_as_it_was(tmp_path):
+    existing = tmp_path / "old.json"
+    existing.write_text("previous results")
+    bench.check_writable(str(existing), "--json")
+    assert existing.read_text() == "previous results"

@@ -252,6 +252,19 @@ def test_the_native_kernels_are_ready_before_the_clock_starts(tiny_cli, capsys, 
 
 
 # ---- splice serve: its options and wiring (the server itself: tests/serve/test_server.py) -------------------------
+@pytest.fixture(autouse=True)
+def splice_logging_restored():
+    """``splice serve`` points the splice logger at the stderr of its moment (here, a capture that is closed once the
+    test ends); later tests log through the logger as it was."""
+    import logging
+
+    logger = logging.getLogger("splice")
+    state = (list(logger.handlers), logger.level, logger.propagate, logger.disabled)
+    yield
+    logger.handlers[:] = state[0]
+    logger.level, logger.propagate, logger.disabled = state[1:]
+
+
 def test_serve_builds_an_injected_engine_and_serves_it(tiny_cli, capsys, monkeypatch):
     import uvicorn
 
@@ -298,3 +311,152 @@ def test_serve_on_a_busy_port_is_a_one_line_error(tiny_cli, capsys):
         busy.listen()
         code, _, err = run_cli(["serve", "--port", str(busy.getsockname()[1])], capsys)
     assert code == 2 and "could not start" in err and "Traceback" not in err
+
+
+# ---- interruptions and failures nobody anticipated: one line, never a traceback -----------------------------------
+def test_ctrl_c_while_streaming_ends_the_line_and_exits_130(tiny_cli, capsys, monkeypatch):
+    from splice.engine import InferenceEngine
+
+    def interrupted_midway(self, *args, streamer=None, **kwargs):
+        streamer.put(kwargs["input_ids"])
+        streamer.put(torch.tensor([42]))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(InferenceEngine, "generate", interrupted_midway)
+    code, out, err = run_cli(["generate", "Hi", "--max-new-tokens", "3"], capsys)
+    assert code == 130 and out.startswith("Hi") and out.endswith("\n")
+    assert err == "splice: interrupted\n"
+
+
+#: Runs ``splice info`` with its work replaced by a long sleep, announcing on stdout when it has started.
+SLEEPING_COMMAND = """
+import sys, time
+from splice import cli
+cli.run_info = lambda args: print("started", flush=True) or time.sleep(60)
+sys.exit(cli.main(["info"]))
+"""
+
+
+def test_sigint_to_a_running_command_is_one_line_and_exit_130():
+    import signal
+
+    process = subprocess.Popen([sys.executable, "-c", SLEEPING_COMMAND], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline() == "started\n"
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130 and err == "splice: interrupted\n", err
+
+
+def test_an_unexpected_failure_is_one_line_exit_1_unless_splice_debug(capsys, monkeypatch):
+    from splice import cli
+
+    def fail(args):
+        raise RuntimeError("the disk is gone\nsecond line")
+
+    monkeypatch.setattr(cli, "run_info", fail)
+    monkeypatch.delenv("SPLICE_DEBUG", raising=False)
+    code, out, err = run_cli(["info"], capsys)
+    assert code == 1 and out == ""
+    assert err == "splice: error: RuntimeError: the disk is gone second line (SPLICE_DEBUG=1 shows where)\n"
+    monkeypatch.setenv("SPLICE_DEBUG", "1")
+    with pytest.raises(RuntimeError, match="the disk is gone"):
+        cli.main(["info"])
+    monkeypatch.setattr(cli, "run_info", lambda args: int("x"))  # bad input too: its traceback, for developers
+    with pytest.raises(ValueError, match="invalid literal"):
+        cli.main(["info"])
+
+
+def test_a_checkpoint_that_does_not_fit_its_config_is_one_line(tmp_path, capsys):
+    from .conftest import build_tiny, tiny_llama_config
+    from .test_models import tiny_tokenizer
+
+    build_tiny(tiny_llama_config()).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * config["intermediate_size"]}))
+    capsys.readouterr()  # saving's progress bars
+    code, out, err = run_cli(["info", "--model", str(tmp_path)], capsys)
+    assert code == 2 and out == "" and "Traceback" not in err and len(err.splitlines()) == 1
+    assert err.startswith(f"splice: error: checkpoint {str(tmp_path)!r} does not fit its config.json")
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": "abc"}))
+    code, out, err = run_cli(["info", "--model", str(tmp_path)], capsys)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert err.startswith(f"splice: error: checkpoint {str(tmp_path)!r}: its config.json cannot be loaded")
+    assert "'hidden_size'" in err and "'abc'" in err
+
+
+@pytest.mark.parametrize("seed", [str(2**64), str(-2**63 - 1), "100000000000000000000000", "1.5"])
+def test_a_seed_torch_cannot_take_is_refused_while_parsing(seed, capsys):
+    from splice.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["generate", "hi", f"--seed={seed}"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "argument --seed" in err and "allowed: an integer in [-2**63, 2**64)" in err
+
+
+def test_the_seed_takes_torchs_whole_range():
+    from splice.cli import build_parser
+
+    for seed in (2**64 - 1, -2**63, 0):
+        args = build_parser().parse_args(["generate", "hi", f"--seed={seed}"])
+        assert args.seed == seed
+        torch.manual_seed(args.seed)
+
+
+# ---- splice info --tp N outside torchrun: the plan init_inference would apply ---------------------------------------
+@pytest.fixture
+def outside_torchrun(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+
+
+def test_info_tp_prints_the_plan_its_options_pick(tiny_cli, capsys, outside_torchrun):
+    code, out, err = run_cli(["info", "--tp", "2", "--model", "tiny", "--json"], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["tp_size"] == 2 and report["plan"]["source"] == "autotp" and report["source"].startswith("AutoTP")
+    assert report["plan"]["rules"]["model.layers.*.mlp.down_proj"]["style"] == "row"
+    code, out, err = run_cli(["info", "--tp", "2", "--model", "tiny", "--kernel-inject", "--json"], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    assert report["plan"]["source"] == "record" and report["source"] == "the llama family record (kernel injection)"
+    code, out, err = run_cli(["info", "--tp", "2", "--model", "tiny", "--kernel-inject"], capsys)
+    assert code == 0, err
+    assert out.startswith("tensor-parallel plan for tp_size=2 from the llama family record (kernel injection)")
+    assert "tensor-parallel plan (record;" in out and "model.layers.*.self_attn.o_proj  row" in out
+
+
+def test_info_tp_takes_the_config_files_tp_size_and_refuses_a_bad_one(tiny_cli, capsys, outside_torchrun, tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"tensor_parallel": {"tp_size": 2}, "replace_with_kernel_inject": True}))
+    code, out, err = run_cli(["info", "--config", str(config), "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["plan"]["source"] == "record"
+    code, out, err = run_cli(["info", "--config", str(config), "--tp", "3"], capsys)
+    assert code == 2 and "tp_size" in err and tiny_cli == ["smollm2-135m-instruct"]  # refused before loading
+
+
+def test_info_tp_injection_policy_comes_before_the_record(tiny_cli, capsys, outside_torchrun):
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from splice.cli import build_parser, print_tp_plan
+    from splice.config import resolve_config
+
+    args = build_parser().parse_args(["info", "--tp", "2", "--kernel-inject", "--json"])
+    config = resolve_config({"injection_policy": {LlamaDecoderLayer: ("self_attn.o_proj", "mlp.down_proj")}},
+                            tensor_parallel={"tp_size": 2}, replace_with_kernel_inject=True)
+    assert print_tp_plan(args, config) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["plan"]["source"] == "policy" and report["source"] == "the injection_policy of the config"
+
+
+@pytest.mark.parametrize("option", [["--dtype", "bf16"], ["--quant", "int8"], ["--compile"], ["--device", "cpu"],
+                                    ["--max-out-tokens", "64"]])
+def test_info_tp_refuses_options_a_plan_does_not_use(tiny_cli, capsys, outside_torchrun, option):
+    code, out, err = run_cli(["info", "--tp", "2", *option], capsys)
+    assert code == 2 and out == "" and tiny_cli == []  # refused before any model loads
+    assert f"which {option[0]} does not change; allowed with it: --model, --config, --kernel-inject, --json" in err

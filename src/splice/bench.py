@@ -62,6 +62,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.profile and args.new < 3:
         raise ValueError(f"--profile with --new {args.new}; allowed: --new >= 3 (the prefill is left out of the "
                          "decode step's profile)")
+    check_outputs(args)  # before the runs: a bad destination would otherwise fail after every row was timed
     native.available()  # build (once per machine) and load the native kernels before anything is timed
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -439,14 +440,52 @@ def _number(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.1f}"
 
 
-def plot(rows: list[Row], path: str) -> None:
+def check_outputs(args: argparse.Namespace) -> None:
+    """``--json`` and ``--plot`` name files that can be written, ``--plot`` in a format matplotlib (importable)
+    draws; raises ValueError naming the option and the path."""
+    check_writable(args.json, "--json")
+    if args.plot:
+        pyplot()
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        suffix = Path(args.plot).suffix.lstrip(".").lower()  # none: savefig's default format
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if suffix and suffix not in formats:
+            raise ValueError(f"--plot {args.plot}: matplotlib cannot draw .{suffix} files; allowed: a file ending in "
+                             f"{', '.join('.' + f for f in sorted(formats))}")
+        check_writable(args.plot, "--plot")
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Opens ``path`` for appending (so an existing file is left as it is), removing it again if it is new."""
+    target = Path(path).expanduser()
+    existed = target.exists()
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as error:
+        raise ValueError(f"{flag} {path}: cannot write there ({error.strerror}); allowed: a file in an existing "
+                         "folder this user can write to") from None
+    if not existed:
+        target.unlink(missing_ok=True)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as error:
-        raise ValueError("--plot needs matplotlib: pip install 'splice[plot]'") from error
+        raise ValueError(f"--plot needs matplotlib ({error.name} is missing); allowed: after pip install "
+                         "'splice[plot]', or no --plot") from None
+    return plt
+
+
+def plot(rows: list[Row], path: str) -> None:
+    plt = pyplot()
+
     def config(r: Row) -> tuple:
         return r.model, r.dtype, r.batch, r.prompt
 

