@@ -266,6 +266,47 @@ def test_profile_needs_three_new_tokens(tiny_bench, tmp_path):
         args.run(args)
 
 
+def test_profiles_at_each_context_length_are_told_apart(tiny_bench, tmp_path, capsys, monkeypatch):
+    """``--context 8,12 --profile``: each profile carries its prompt length, and the printed columns name it (the
+    same mode, batch and dtype at two lengths would otherwise print two identical column names)."""
+    monkeypatch.setattr(bench, "time_generate", lambda generate, prompt, new, repeat: (1.0, 10.0, 100.0))
+    out = tmp_path / "bench.json"
+    args = parse("--model", "tiny", "--context", "8,12", "--new", "4", "--repeat", "1", "--modes", "inject",
+                 "--profile", "--json", str(out))
+    assert args.run(args) == 0
+    profiles = json.loads(out.read_text())["profiles"]
+    assert [(p["prompt"], p["mode"], p["batch"], p["dtype"]) for p in profiles] == [(8, "inject", 1, "fp32"),
+                                                                                    (12, "inject", 1, "fp32")]
+    printed = capsys.readouterr().out
+    header = next(line for line in printed.splitlines() if line.startswith("stage "))
+    assert header.split() == ["stage", "inject", "b1", "fp32", "p8", "inject", "b1", "fp32", "p12"]
+
+
+def test_profile_with_nothing_to_profile_is_refused_before_loading(tiny_bench, tmp_path, capsys, monkeypatch):
+    """``--profile`` breaks down kernel-injected runs only: with none in --modes and no --quant it is refused, in one
+    CLI error line, before the native kernels, the bandwidth probe or a model is loaded."""
+    from .conftest import run_cli
+
+    for name in ("load_model", "read_bandwidth_gbs"):
+        monkeypatch.setattr(bench, name, lambda *a, name=name: pytest.fail(f"{name} called before the check"))
+    monkeypatch.setattr(bench.native, "available", lambda: pytest.fail("native kernels loaded before the check"))
+    code, out, err = run_cli(["bench", "--model", "tiny", "--modes", "hf,plain", "--profile", "--json",
+                              str(tmp_path / "b.json")], capsys)
+    assert code == 2 and out == ""
+    assert err == ("splice: error: --profile with --modes hf,plain and no --quant: nothing would be profiled; "
+                   "allowed: --modes including inject, or --quant with a scheme (or no --profile)\n")
+    assert not (tmp_path / "b.json").exists()
+
+
+@pytest.mark.parametrize("options", [["--modes", "hf,inject"], ["--modes", "hf", "--quant", "int8"]])
+def test_profile_with_an_injected_run_passes_the_check(tiny_bench, tmp_path, options):
+    """A kernel-injected mode or a --quant row gives --profile something to profile: the run goes on to the next
+    check (here an unwritable --json, so nothing is loaded)."""
+    args = parse("--profile", *options, "--json", str(tmp_path / "no-such-folder" / "b.json"))
+    with pytest.raises(ValueError, match="--json .*cannot write there"):
+        args.run(args)
+
+
 def test_bench_context_rows_run_each_length(tiny_bench, tmp_path):
     out = tmp_path / "bench.json"
     args = parse("--model", "tiny", "--context", "8,20", "--new", "4", "--repeat", "1", "--modes", "hf,inject",

@@ -329,8 +329,11 @@ def test_ctrl_c_while_streaming_ends_the_line_and_exits_130(tiny_cli, capsys, mo
 
 
 #: Runs ``splice info`` with its work replaced by a long sleep, announcing on stdout when it has started.
+# SIGINT raises KeyboardInterrupt as it does under a terminal (a shell's background job, CI's for one, starts with
+# SIGINT ignored, and Python then leaves it ignored)
 SLEEPING_COMMAND = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from splice import cli
 cli.run_info = lambda args: print("started", flush=True) or time.sleep(60)
 sys.exit(cli.main(["info"]))

@@ -62,6 +62,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.profile and args.new < 3:
         raise ValueError(f"--profile with --new {args.new}; allowed: --new >= 3 (the prefill is left out of the "
                          "decode step's profile)")
+    if args.profile and "inject" not in modes and not schemes:
+        # --profile breaks down kernel-injected runs only: without one it would time every row and print no profile
+        raise ValueError(f"--profile with --modes {','.join(modes)} and no --quant: nothing would be profiled; "
+                         "allowed: --modes including inject, or --quant with a scheme (or no --profile)")
     check_outputs(args)  # before the runs: a bad destination would otherwise fail after every row was timed
     native.available()  # build (once per machine) and load the native kernels before anything is timed
     if args.threads:
@@ -177,12 +181,14 @@ def bench_quantized(args, dtype: str, batch: int, schemes: list[str], bandwidth:
 
 def profile_run(engine, prompt: torch.Tensor, args, names: tuple[str, str, int, str]) -> dict:
     """One decode step of a kernel-injected run broken into stages (:func:`splice.profiling.profile_decode`), as
-    the JSON's ``profiles`` hold it."""
+    the JSON's ``profiles`` hold it: with the prompt length (``prompt``, as in the results), which tells apart the
+    runs of one configuration at each ``--context`` length."""
     from .profiling import profile_decode
 
     profile = profile_decode(engine, prompt, args.new)
     model, dtype, batch, mode = names
-    return {"model": model, "dtype": dtype, "batch": batch, "mode": mode, **asdict(profile)}
+    return {"model": model, "dtype": dtype, "batch": batch, "prompt": prompt.shape[1], "mode": mode,
+            **asdict(profile)}
 
 
 def _kernel_names(on: bool):
@@ -197,12 +203,13 @@ def _kernel_names(on: bool):
 
 
 def format_profiles(profiles: list[dict]) -> str:
-    """Each profiled run's decode step, stage by stage: ms and share of the step; then each run's notes."""
+    """Each profiled run's decode step, stage by stage: ms and share of the step; then each run's notes. A column is
+    named ``<mode> b<batch> <dtype> p<prompt tokens>``."""
     from .profiling import STAGES
 
-    names = [f"{p['mode']} b{p['batch']} {p['dtype']}" for p in profiles]
+    names = [f"{p['mode']} b{p['batch']} {p['dtype']} p{p['prompt']}" for p in profiles]
     width = max([18] + [len(n) for n in names])
-    lines = ["decode step by stage (ms per step, share of the step)",
+    lines = ["decode step by stage (ms per step, share of the step; columns: mode, batch, dtype, prompt tokens)",
              f"{'stage':<10} " + " ".join(f"{n:>{width}}" for n in names)]
     lines.append("-" * len(lines[-1]))
     for stage in (*STAGES, "step"):
