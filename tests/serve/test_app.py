@@ -270,3 +270,138 @@ def test_a_failed_or_closed_scheduler_is_503(tokenizer):
         health = client.get("/health")
     assert closed.status_code == 503 and closed.headers["Retry-After"] == "1"
     assert health.status_code == 503 and "rank 1 lost" in health.json()["error"]["message"]
+
+
+# --- more choices than the scheduler can hold -------------------------------------------------------------------------
+@pytest.mark.parametrize("route, body, param, named", [
+    ("/v1/completions", {"prompt": [[5, 6]] * 3, "n": 2}, "n", "3 prompts x n=2 is 6 choices; allowed: at most 4"),
+    ("/v1/completions", {"prompt": [[5, 6]] * 5}, "prompt", "prompt has 5 prompts; allowed: at most 4"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 5}, "n",
+     "n=5 is 5 choices; allowed: at most 4"),
+])
+def test_more_choices_than_rows_and_queue_places_are_400_naming_the_limit(tokenizer, route, body, param, named):
+    """Each choice is a request of its own in the scheduler: a request with more than max_batch + max_queue of them
+    could never be queued whole, so it is refused as bad input (not a 429 to retry) before anything is queued."""
+    scheduler = ScriptedScheduler(HELLO, max_batch=2, max_queue=2)
+    with client_for(tokenizer, scheduler) as client:
+        response = client.post(route, json={**body, "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and named in error["message"], error
+    assert "max_batch 2 + max_queue 2" in error["message"] and scheduler.submitted == []
+
+
+def test_an_idle_server_takes_as_many_choices_as_it_has_rows_and_queue_places(tokenizer):
+    """The real scheduler (2 rows, 2 queue places, a tiny fp32 Llama): 4 choices are served at once, 6 are a 400."""
+    import torch
+
+    import splice
+    from tests.arch.tiny_models import build_family
+
+    engine = splice.init_inference(build_family("llama"), dtype=torch.float32, replace_with_kernel_inject=True,
+                                   max_out_tokens=32)
+    with TestClient(app(engine, tokenizer, model_name="smol", max_batch=2, max_queue=2),
+                    raise_server_exceptions=False) as client:
+        body = {"prompt": [[5, 6], [7, 8]], "n": 2, "max_tokens": 2, "temperature": 0}
+        served = client.post("/v1/completions", json=body)
+        refused = client.post("/v1/completions", json={**body, "prompt": [[5, 6], [7, 8], [9, 10]]})
+    assert served.status_code == 200, served.text
+    assert [choice["index"] for choice in served.json()["choices"]] == [0, 1, 2, 3]
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "n", refused.text
+
+
+# --- text_offset ------------------------------------------------------------------------------------------------------
+def completion_logprobs_both_ways(tokenizer, script, body) -> tuple[dict, list[dict]]:
+    """The choice of a plain completion and the choices of the streamed chunks of the same request."""
+    with client_for(tokenizer, ScriptedScheduler(script)) as client:
+        whole = client.post("/v1/completions", json=body).json()["choices"][0]
+        chunks = events(client.post("/v1/completions", json={**body, "stream": True}))
+    return whole, [chunk["choices"][0] for chunk in chunks]
+
+
+def streamed_logprobs(choices: list[dict]) -> tuple[str, list[str], list[int]]:
+    text, tokens, offsets = "", [], []
+    for choice in choices:
+        text += choice["text"]
+        if choice["logprobs"]:
+            tokens += choice["logprobs"]["tokens"]
+            offsets += choice["logprobs"]["text_offset"]
+    return text, tokens, offsets
+
+
+@pytest.mark.parametrize("stop, text, offsets", [
+    (None, " 日本 ✓", [0, 1, 1, 2, 3, 4, 4]),
+    ("本", " 日", [0, 1, 1]),  # the token of 本 starts where the text ends: its entry is cut with it
+])
+def test_text_offset_is_each_tokens_character_offset_streamed_or_not(tokenizer, stop, text, offsets):
+    """OpenAI's text_offset: where each token starts in the returned text. A token holding part of a multi-byte
+    character starts where that character starts (the first, holding the space as well, at the space); the streamed
+    offsets are the same, absolute in the choice's text."""
+    body = {"prompt": "x", "max_tokens": 7, "logprobs": 1, **({"stop": stop} if stop else {})}
+    whole, chunks = completion_logprobs_both_ways(tokenizer, JAPANESE, body)
+    assert whole["text"] == text and whole["logprobs"]["text_offset"] == offsets
+    assert streamed_logprobs(chunks) == (text, whole["logprobs"]["tokens"], offsets)
+    assert offsets == sorted(offsets) and all(0 <= offset < len(text) for offset in offsets)
+
+
+def test_streamed_logprobs_go_out_with_their_text_and_a_stop_string_cuts_them(tokenizer):
+    """With stop "aab" the text "a", "a", "a" is held back in part; the entries of tokens whose text is held back
+    wait for it, so the stream never sends an entry the stop string then cuts ("a" + "ab" ends the text at "a")."""
+    a, b = tokenizer.convert_tokens_to_ids(["a", "b"])
+    body = {"prompt": "x", "max_tokens": 4, "logprobs": 0, "stop": "aab"}
+    whole, chunks = completion_logprobs_both_ways(tokenizer, [a, a, a, b], body)
+    assert (whole["text"], whole["logprobs"]["tokens"], whole["logprobs"]["text_offset"]) == ("a", ["a"], [0])
+    assert streamed_logprobs(chunks) == ("a", ["a"], [0])
+
+
+# --- end-of-sequence tokens -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_end_of_sequence_token_that_is_a_regular_token_is_not_in_the_text(tokenizer, stream):
+    """generation_config.eos_token_id [2, 30] (30 is "."): the "." ends the choice (finish_reason "stop") and, as a
+    stop string would, is left out of the text; it counts as a completion token and has its logprob entry, at the
+    end of the text."""
+    engine = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[EOS, 30]),
+                             config=SimpleNamespace(name_or_path="m"))
+    with TestClient(app(engine, tokenizer, model_name="smol", scheduler=ScriptedScheduler(HELLO)),
+                    raise_server_exceptions=False) as client:
+        response = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 6, "logprobs": 0,
+                                                        "stream": stream, **({"stream_options": {
+                                                            "include_usage": True}} if stream else {})})
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                         "max_tokens": 6, "stream": stream})
+    if stream:
+        chunks = events(response)
+        text, tokens, offsets = streamed_logprobs([c["choices"][0] for c in chunks if c["choices"]])
+        finish, usage = chunks[-2]["choices"][0]["finish_reason"], chunks[-1]["usage"]
+        chat_chunks = [c["choices"][0] for c in events(chat)]
+        chat_text = "".join(c["delta"].get("content", "") for c in chat_chunks)
+    else:
+        choice, usage = response.json()["choices"][0], response.json()["usage"]
+        text, finish = choice["text"], choice["finish_reason"]
+        tokens, offsets = choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+        chat_text = chat.json()["choices"][0]["message"]["content"]
+    assert (text, finish, usage["completion_tokens"]) == (" Hello world", "stop", 3)
+    assert (tokens, offsets) == ([" Hello", " world", "."], [0, 6, 12])
+    assert chat_text == " Hello world"
+
+
+# --- metrics ----------------------------------------------------------------------------------------------------------
+def test_failed_and_cancelled_choices_are_counted_and_model_routes_share_a_label(tokenizer):
+    """n=2: choice 0 fails, so choice 1 (still running) is cancelled; each counts once by its finish reason. A stop
+    string that ends a choice counts as "stop" (the cancellation it sends is not counted again)."""
+    scheduler = ScriptedScheduler(HELLO, fail_with="boom", fail_seeds=(10,), endless=True)
+    with client_for(tokenizer, scheduler) as client:
+        failed = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "n": 2, "seed": 10})
+        stopped = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "stop": "Hel"})
+        card = client.get("/v1/models/smol")
+        missing = client.get("/v1/models/other")
+        metrics = client.get("/metrics").text
+    assert failed.status_code == 500 and stopped.json()["choices"][0]["finish_reason"] == "stop"
+    assert len(scheduler.cancelled) == 2  # choice 1 of the first request, and the stopped one
+    finished = sorted(line for line in metrics.splitlines() if line.startswith("splice_request_finished_total"))
+    assert finished == ['splice_request_finished_total{reason="cancelled"} 1.0',
+                        'splice_request_finished_total{reason="error"} 1.0',
+                        'splice_request_finished_total{reason="stop"} 1.0']
+    assert card.status_code == 200 and missing.status_code == 404
+    assert 'splice_requests_total{endpoint="/v1/models",status="200"} 1.0' in metrics
+    assert 'splice_requests_total{endpoint="/v1/models",status="404"} 1.0' in metrics

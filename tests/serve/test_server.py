@@ -103,22 +103,28 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def reference():
-    """The same model in this process (fp32, kernel-injected): what a request gives alone through engine.generate.
-    One torch thread while the server runs beside it: two processes each spinning two threads on two busy cores
-    slow both many times over."""
+    """The unmodified Hugging Face model in this process (fp32, the weights the server loads): what a request gives
+    alone through its generate. One torch thread while the server runs beside it: two processes each spinning two
+    threads on two busy cores slow both many times over."""
     import splice
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     model, tokenizer = splice.load("smollm2-135m-instruct")
-    yield splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=MAX_LEN), tokenizer
+    assert model.dtype == torch.float32
+    yield model, tokenizer
     torch.set_num_threads(threads)
 
 
 def alone(reference, ids: list[int], new: int) -> list[int]:
-    engine, _ = reference
-    out = engine.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False)
-    return out[0, len(ids):].tolist()
+    """HF's greedy tokens, stopping at the generation config's end-of-sequence ids as the server does; the gap
+    between the two best logits stays above rounding, so no token is a near-tie the batch could flip."""
+    model, _ = reference
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=new, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    assert min(float(top[0, 0] - top[0, 1]) for top in (logits.topk(2).values for logits in out.logits)) > 1e-4
+    return out.sequences[0, len(ids):].tolist()
 
 
 def ids_of(logprobs) -> list[int]:

@@ -26,8 +26,7 @@ from .metrics import RequestCounter, ServerMetrics
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields, bad_request, error_body
 from .protocol import parse_request, shorten
 from .scheduler import QueueFull, SamplingParams, Scheduler
-from .text import (IncrementalDecoder, StopStrings, TokenLogprob, TokenText, chat_logprobs, completion_logprobs,
-                   entries_within)
+from .text import IncrementalDecoder, StopStrings, TokenLogprob, TokenText, chat_logprobs, completion_logprobs
 
 log = logging.getLogger("splice.serve")
 #: Seconds a client told "queue full" (429) is asked to wait before retrying.
@@ -208,6 +207,7 @@ def jobs_for(service: Service, body: SamplingFields, prompts: list[list[int]], m
              logprobs: int | None, echo: Sequence[str] = (), max_tokens_param: str = "max_tokens") -> list[Job]:
     """``n`` jobs per prompt, indexed as OpenAI indexes choices (prompt-major); a seed gives each choice its own
     reproducible stream (seed + index). ``max_tokens_param`` is the field ``max_tokens`` came from."""
+    check_choices(service, len(prompts), body.n)
     jobs = []
     for number, ids in enumerate(prompts):
         for copy in range(body.n):
@@ -216,6 +216,22 @@ def jobs_for(service: Service, body: SamplingFields, prompts: list[list[int]], m
             params = service.sampling_params(body, len(ids), max_tokens, param, logprobs, seed, max_tokens_param)
             jobs.append(Job(index, ids, params, echo[number] if echo else ""))
     return jobs
+
+
+def check_choices(service: Service, prompts: int, n: int) -> None:
+    """A request whose choices outnumber the scheduler's rows and queue places together could never be queued whole
+    (each choice is a request of its own in the scheduler, all submitted at once): a 400, not a 429 to retry."""
+    stats = service.scheduler.stats()
+    most = stats["max_batch"] + stats["max_queue"]
+    limits = f"max_batch {stats['max_batch']} + max_queue {stats['max_queue']}"
+    if prompts > most:
+        raise bad_request(f"prompt has {prompts} prompts; allowed: at most {most} ({limits}: each prompt's choices are "
+                          "requests of their own in the server's batch and queue)", "prompt")
+    if prompts * n > most:
+        count = f"{prompts} prompts x n={n}" if prompts > 1 else f"n={n}"
+        raise bad_request(f"{count} is {prompts * n} choices; allowed: at most {most} choices per request ({limits}: "
+                          f"each choice is a request of its own in the server's batch and queue), n <= "
+                          f"{most // prompts} here", "n")
 
 
 # --- one choice: scheduler events to text ---------------------------------------------------------------------------
@@ -243,19 +259,21 @@ class ChoiceRun:
         self.first_token_s: float | None = None
         self.completion_tokens = 0
         self.finish_reason: str | None = None
-        self._entries: list[TokenLogprob] = []
-        self._entry_offset = 0  # characters of the token strings of the entries already handed out
+        self._entries: list[TokenLogprob] = []  # logprob entries not handed out yet
 
     async def pieces(self) -> AsyncIterator[Piece]:
         last = None  # when the previous token arrived
         async for event in self.handle:
             reason = event.finish_reason
             if reason in ("cancelled", "error"):
+                self._finish(reason)
                 raise GenerationFailed(event.error or f"the request was {reason}")
             delta = ""
             if event.token_id is not None:
                 last = self._count_token(last)
-                delta = self._take_token(event)
+                # an end-of-sequence token ends the text as a stop string does: it is not part of it
+                ends = reason == "stop" and event.token_id in self.job.params.stop_token_ids
+                delta = self._take_token(event, text=not ends)
             if reason is not None:
                 delta += self.decoder.flush()
             text = self.stops.feed(delta)
@@ -264,10 +282,11 @@ class ChoiceRun:
                 self.handle.cancel()  # its row is free at the next step
             elif reason is not None:
                 text += self.stops.flush()
+            if reason is not None:
+                self._finish(reason)
             if text or reason is not None:
                 yield self._piece(text, reason)
             if reason is not None:
-                self._finish(reason)
                 return
 
     def _count_token(self, last: float | None) -> float:
@@ -282,28 +301,38 @@ class ChoiceRun:
         metrics.generated_tokens.inc()
         return now
 
-    def _take_token(self, event) -> str:
-        """The token's new text (its logprob entry kept when asked for)."""
+    def _take_token(self, event, text: bool = True) -> str:
+        """The token's new text ("" without ``text``), its logprob entry kept when asked for."""
         if self.job.params.logprobs is not None:
             self._entries.append(self.service.token_text.entry(event.token_id, event.logprob,
-                                                               event.top_logprobs or (), self.tokens_as_ids))
-        return self.decoder.push(event.token_id)
+                                                               event.top_logprobs or (), self.tokens_as_ids,
+                                                               self.decoder.offset))
+        return self.decoder.push(event.token_id) if text else ""
 
     def _finish(self, reason: str) -> None:
+        """Counts the choice once, by its finish reason (the first one it got: a choice cancelled here may still
+        receive the final event the scheduler sent before it saw the cancellation)."""
+        if self.finish_reason is not None:
+            return
         self.finish_reason = reason
         self.service.metrics.finished.labels(reason).inc()
-        self.service.metrics.duration.observe(time.perf_counter() - self.arrived)
+        if reason in ("stop", "length"):
+            self.service.metrics.duration.observe(time.perf_counter() - self.arrived)
 
     def _piece(self, text: str, reason: str | None) -> Piece:
-        entries = self._entries
-        if self.stops.stopped:
-            entries = entries_within(entries, len(self.stops.text) - self._entry_offset)
-        self._entries = []
-        self._entry_offset += sum(len(entry.token) for entry in entries)
+        """A piece with the entries of the tokens that start within the text handed out so far; the last piece
+        also takes those at the end of the text (an end-of-sequence token), unless a stop string cut the text."""
+        if reason is not None and not self.stops.stopped:
+            handed = len(self._entries)
+        else:  # offsets never decrease: the entries to hand out are the first ones
+            handed = sum(entry.offset < self.stops.emitted for entry in self._entries)
+        entries, self._entries = self._entries[:handed], self._entries[handed:]
         return Piece(text, entries, reason)
 
     def cancel_if_running(self) -> None:
+        """Cancels the choice unless it finished; it counts as "cancelled"."""
         if self.finish_reason is None:
+            self._finish("cancelled")
             self.handle.cancel()
 
 
@@ -344,12 +373,13 @@ class Call:
     def header(self, object_name: str | None = None) -> dict[str, Any]:
         return {"id": self.id, "object": object_name or self.object, "created": self.created, "model": self.model}
 
-    def logprobs(self, run: ChoiceRun, entries: list[TokenLogprob], offset: int) -> dict | None:
+    def logprobs(self, run: ChoiceRun, entries: list[TokenLogprob]) -> dict | None:
+        """The logprobs of ``entries`` (a whole choice's or a chunk's: their offsets are the same in both)."""
         if run.job.params.logprobs is None:
             return None
         if self.kind == "chat":
             return chat_logprobs(entries, run.service.token_text)
-        return completion_logprobs(entries, offset)
+        return completion_logprobs(entries, len(run.job.echo))
 
     def log(self, started: float, outcome: str = "") -> None:
         ttfts = [f"{run.first_token_s:.3f}" for run in self.runs if run.first_token_s is not None]
@@ -380,7 +410,7 @@ async def respond(call: Call, request: Request, started: float) -> dict[str, Any
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = run.job.echo + text
-        choice["logprobs"] = call.logprobs(run, entries, len(run.job.echo))
+        choice["logprobs"] = call.logprobs(run, entries)
         choice["finish_reason"] = run.finish_reason
         choices.append(choice)
     return {**call.header(), "choices": choices, "usage": usage(call.jobs, call.runs)}
@@ -399,7 +429,6 @@ async def stream(call: Call, started: float) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``. The choices run side by side; a
     client that disconnects cancels this generator, which cancels them."""
     include_usage = bool(call.body.stream_options and call.body.stream_options.include_usage)
-    sent = {id(run): len(run.job.echo) for run in call.runs}  # characters each choice has sent
     outcome = "disconnected"
     try:
         for run in call.runs:
@@ -412,9 +441,8 @@ async def stream(call: Call, started: float) -> AsyncIterator[str]:
                 yield sse(error_body(f"generation failed: {piece}", "server_error", None, "generation_failed"))
                 outcome = f"failed: {piece}"
                 break
-            for data in piece_chunks(call, run, piece, sent[id(run)]):
+            for data in piece_chunks(call, run, piece):
                 yield sse(data)
-            sent[id(run)] += len(piece.text)
         else:
             if include_usage:
                 yield sse({**call.header(call.chunk_object), "choices": [], "usage": usage(call.jobs, call.runs)})
@@ -452,13 +480,13 @@ async def side_by_side(runs: Sequence[ChoiceRun]) -> AsyncIterator[tuple[ChoiceR
             task.cancel()
 
 
-def piece_chunks(call: Call, run: ChoiceRun, piece: Piece, sent: int) -> list[dict[str, Any]]:
+def piece_chunks(call: Call, run: ChoiceRun, piece: Piece) -> list[dict[str, Any]]:
     """The chunks of one piece: its text (and logprobs), then a chunk with the finish reason when it is the last."""
     chat = call.kind == "chat"
     chunks = []
     if piece.text or piece.entries:
         content = {"delta": {"content": piece.text}} if chat else {"text": piece.text}
-        chunks.append(chunk(call, run, content, logprobs=call.logprobs(run, piece.entries, sent)))
+        chunks.append(chunk(call, run, content, logprobs=call.logprobs(run, piece.entries)))
     if piece.finish_reason is not None:
         chunks.append(chunk(call, run, {"delta": {}} if chat else {"text": ""}, finish_reason=piece.finish_reason))
     return chunks

@@ -5,8 +5,8 @@ from typing import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-#: Paths counted under their own name; any other path (a 404, say) is counted as "other", so that clients cannot
-#: grow the label set.
+#: Paths counted under their own name (``/v1/models/{name}`` as ``/v1/models``); any other path (a 404, say) is
+#: counted as "other", so that clients cannot grow the label set.
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -24,8 +24,8 @@ class ServerMetrics:
         self.prompt_tokens = Counter("splice_prompt_tokens", "Prompt tokens of the requests scheduled",
                                      registry=registry)
         self.generated_tokens = Counter("splice_generation_tokens", "Tokens generated", registry=registry)
-        self.finished = Counter("splice_request_finished", "Generation requests (one per choice) by finish reason",
-                                ["reason"], registry=registry)
+        self.finished = Counter("splice_request_finished", "Generation requests (one per choice) by finish reason: "
+                                "stop, length, error, cancelled", ["reason"], registry=registry)
         queue = Gauge("splice_queue_depth", "Requests waiting for a batch slot", registry=registry)
         queue.set_function(lambda: scheduler_stats().get("queued", 0))
         running = Gauge("splice_running_batch_size", "Requests in the running batch", registry=registry)
@@ -38,6 +38,8 @@ class ServerMetrics:
                                   buckets=LATENCY_BUCKETS, registry=registry)
 
     def count_request(self, path: str, status: int) -> None:
+        if path.startswith("/v1/models/"):
+            path = "/v1/models"
         self.requests.labels(path if path in ENDPOINTS else "other", str(status)).inc()
 
     def render(self) -> bytes:

@@ -22,8 +22,9 @@ SEED_RANGE = (-(2 ** 63), 2 ** 64)
 class SamplingParams:
     """How one request picks its tokens and when it stops (each value checked on construction, naming the bad one).
 
-    ``temperature`` 0 is greedy (the argmax); ``seed`` makes sampling reproducible whatever runs beside the request;
-    ``stop_token_ids`` end it with finish reason "stop" (the token is emitted); the penalties follow OpenAI
+    ``temperature`` 0 is greedy (the argmax); ``seed`` seeds the request's own generator, so its draws do not depend
+    on what runs beside it (its logits may, in rounding: docs/serving.md, "Reproducibility"); ``stop_token_ids`` end
+    it with finish reason "stop" (the token is emitted: the HTTP app leaves its text out); the penalties follow OpenAI
     (``logit -= frequency * count + presence * (count > 0)`` over the generated tokens); ``logprobs`` k asks for the
     chosen token's log-probability and the k most likely alternatives.
     """

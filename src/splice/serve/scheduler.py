@@ -4,8 +4,10 @@ with the others) and leave the step they finish, freeing their row at once.
 
 Each request keeps its own position and length (``splice.serve.batch``); the batched decode step is the runtime's
 own fused (and, when the engine was compiled, compiled) step, so a greedy request gives the tokens
-``engine.generate`` gives it alone. Under tensor parallelism rank 0 runs the :class:`Scheduler` and broadcasts each
-iteration's :class:`~splice.serve.batch.StepPlan` before running it; every other rank runs :func:`follow`.
+``engine.generate`` gives it alone, but for near-ties: a matrix multiplication's rounding can depend on how many rows
+it has (docs/serving.md, "Reproducibility"). Under tensor parallelism rank 0 runs the :class:`Scheduler` and
+broadcasts each iteration's :class:`~splice.serve.batch.StepPlan` before running it; every other rank runs
+:func:`follow`.
 """
 from __future__ import annotations
 
@@ -164,7 +166,7 @@ class Scheduler:
     goes before any other, so no request waits forever. Aging counts admissions rather than seconds, so the order is
     a function of the arrivals alone and bounds a long prompt's extra wait to ``max_overtaken`` other prefills.
 
-    Up to ``prefill_batch`` prompts admitted in one iteration (``max_prefills`` > 1) are prefilled in one forward,
+    Up to ``prefill_batch`` prompts admitted in one iteration (at most ``max_prefills``) are prefilled in one forward,
     each on its own row: that costs less than one forward each, most for a quantized model, which de-quantises its
     weights once per prefill forward, but none of them gets its first token before all of them are done, and they
     then step in lockstep. It trades first-token latency for prefill throughput, so it is off (1) by default."""
@@ -178,6 +180,12 @@ class Scheduler:
         check_integer("max_overtaken", max_overtaken, 0, None, "an integer >= 0")
         check_integer("prefill_batch", prefill_batch, 1, None, "an integer >= 1")
         check_integer("max_prefills", max_prefills, 1, None, "an integer >= 1")
+        if prefill_batch > max_prefills:
+            # the group comes from the prompts admitted in one iteration; raising max_prefills along with it would
+            # change how much prefill work runs between the running requests' tokens, which the caller did not ask for
+            raise ValueError(f"prefill_batch={prefill_batch} (--prefill-batch) exceeds max_prefills={max_prefills} "
+                             "(--max-prefills): only the prompts admitted in one iteration are prefilled together; "
+                             f"allowed: prefill_batch <= max_prefills (e.g. max_prefills={prefill_batch} too)")
         self.parallel = getattr(engine, "parallel", SINGLE_PROCESS)
         if self.parallel.rank != 0:
             raise ValueError(f"Scheduler runs on rank 0 of the tensor-parallel group; rank {self.parallel.rank} "

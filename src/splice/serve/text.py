@@ -27,15 +27,28 @@ class IncrementalDecoder:
         self.ids = list(prompt_ids[-CONTEXT_TOKENS:])
         self.prefix = 0  # ids[prefix:read] decode to text already emitted (the context)
         self.read = len(self.ids)
+        self.emitted = 0  # characters returned so far
+        self._held = ""  # the decoded text of ids[read:], held back because it ends in an unfinished character
+
+    @property
+    def offset(self) -> int:
+        """Where the next token's text starts in the text returned (OpenAI's ``text_offset``): the characters the
+        tokens so far complete, returned or held back. A token that continues or completes an unfinished character
+        starts where that character starts."""
+        return self.emitted + len(self._held.rstrip("\ufffd"))
 
     def push(self, token_id: int) -> str:
         """Add one token; the new text that is now complete ("" while a character is unfinished)."""
         self.ids.append(token_id)
         before = self._decode(self.ids[self.prefix:self.read])
         now = self._decode(self.ids[self.prefix:])
-        if len(now) > len(before) and not now.endswith("\ufffd"):
+        grown = now[len(before):] if len(now) > len(before) else ""
+        if grown and not now.endswith("\ufffd"):
             self.prefix, self.read = self.read, len(self.ids)
-            return now[len(before):]
+            self.emitted += len(grown)
+            self._held = ""
+            return grown
+        self._held = grown
         return ""
 
     def flush(self) -> str:
@@ -44,7 +57,10 @@ class IncrementalDecoder:
         before = self._decode(self.ids[self.prefix:self.read])
         now = self._decode(self.ids[self.prefix:])
         self.prefix = self.read = len(self.ids)
-        return now[len(before):] if len(now) > len(before) else ""
+        out = now[len(before):] if len(now) > len(before) else ""
+        self.emitted += len(out)
+        self._held = ""
+        return out
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -91,11 +107,13 @@ class StopStrings:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """One generated token with its logprob and the top alternatives, as token strings."""
+    """One generated token with its logprob and the top alternatives, as token strings; ``offset``: where the
+    token's text starts in the generated text (:attr:`IncrementalDecoder.offset` before the token)."""
     token_id: int
     token: str
     logprob: float
     top: tuple[tuple[int, str, float], ...]  # (id, token string, logprob), most likely first
+    offset: int = 0
 
 
 class TokenText:
@@ -118,11 +136,12 @@ class TokenText:
                 return list(raw)
         return list(text.encode("utf-8"))
 
-    def entry(self, token_id: int, logprob: float, top: Sequence[tuple[int, float]],
-              as_ids: bool = False) -> TokenLogprob:
+    def entry(self, token_id: int, logprob: float, top: Sequence[tuple[int, float]], as_ids: bool = False,
+              offset: int = 0) -> TokenLogprob:
         """A token's logprob entry; ``as_ids`` names the tokens "token_id:ID" instead of by their text."""
         name = (lambda tid: f"token_id:{tid}") if as_ids else self.string
-        return TokenLogprob(token_id, name(token_id), logprob, tuple((tid, name(tid), value) for tid, value in top))
+        return TokenLogprob(token_id, name(token_id), logprob, tuple((tid, name(tid), value) for tid, value in top),
+                            offset)
 
 
 def byte_level_bytes(token: str | None) -> bytes | None:
@@ -147,13 +166,11 @@ def _byte_decoder() -> dict[str, int]:
 
 
 def completion_logprobs(entries: Sequence[TokenLogprob], start_offset: int = 0) -> dict:
-    """OpenAI's completions ``logprobs`` object: tokens, token_logprobs, top_logprobs, text_offset."""
-    offsets, offset = [], start_offset
-    for entry in entries:
-        offsets.append(offset)
-        offset += len(entry.token)
+    """OpenAI's completions ``logprobs`` object: tokens, token_logprobs, top_logprobs, text_offset (each token's
+    character offset in the choice's text, whose generated part starts at ``start_offset``)."""
     return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{token: value for _, token, value in e.top} for e in entries], "text_offset": offsets}
+            "top_logprobs": [{token: value for _, token, value in e.top} for e in entries],
+            "text_offset": [start_offset + e.offset for e in entries]}
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText) -> dict:
@@ -163,15 +180,3 @@ def chat_logprobs(entries: Sequence[TokenLogprob], token_text: TokenText) -> dic
 
     return {"content": [{**item(e.token_id, e.token, e.logprob),
                          "top_logprobs": [item(tid, token, value) for tid, token, value in e.top]} for e in entries]}
-
-
-def entries_within(entries: Sequence[TokenLogprob], length: int) -> list[TokenLogprob]:
-    """The entries whose token starts within the first ``length`` characters of the text (a stop string cut the
-    rest)."""
-    kept, offset = [], 0
-    for entry in entries:
-        if offset >= length:
-            break
-        kept.append(entry)
-        offset += len(entry.token)
-    return kept
