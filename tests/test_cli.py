@@ -292,6 +292,14 @@ def test_serve_bad_options_are_one_line_errors(tiny_cli, capsys, argv, named):
     assert code == 2 and named in err and "Traceback" not in err
 
 
+def test_serve_refuses_a_prefill_batch_above_max_prefills_before_loading(capsys, monkeypatch):
+    from splice import cli
+
+    monkeypatch.setattr(cli, "build_engine", lambda args: pytest.fail("the model loaded before the check"))
+    code, _, err = run_cli(["serve", "--prefill-batch", "2"], capsys)
+    assert code == 2 and "prefill_batch=2 (--prefill-batch) exceeds max_prefills=1" in err
+
+
 def test_serve_exits_1_when_the_scheduler_failed(tiny_cli, capsys, monkeypatch):
     import uvicorn
 

@@ -409,10 +409,11 @@ def run_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from .serve import app
-        from .serve.scheduler import follow
+        from .serve.scheduler import check_prefill_batch, follow
     except ImportError as error:
         raise ValueError(f"splice serve needs the serve extra ({error.name} is missing); allowed: after "
                          "pip install 'splice[serve]'") from None
+    check_prefill_batch(args.prefill_batch, args.max_prefills)  # before the model loads
     args.model = serve_model(args)
     logging.config.dictConfig(serve_log_config(args.log_level))  # before the engine: its steps log too
     engine, tokenizer = build_engine(args)

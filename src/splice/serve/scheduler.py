@@ -149,6 +149,16 @@ class Running:
         return self.handle.prompt_tokens + len(self.generated) - 1
 
 
+def check_prefill_batch(prefill_batch: int, max_prefills: int) -> None:
+    """Raise unless ``prefill_batch <= max_prefills``: the group comes from the prompts admitted in one iteration.
+    Raising max_prefills along with it would change how much prefill work runs between the running requests' tokens,
+    which the caller did not ask for."""
+    if prefill_batch > max_prefills:
+        raise ValueError(f"prefill_batch={prefill_batch} (--prefill-batch) exceeds max_prefills={max_prefills} "
+                         "(--max-prefills): only the prompts admitted in one iteration are prefilled together; "
+                         f"allowed: prefill_batch <= max_prefills (e.g. max_prefills={prefill_batch} too)")
+
+
 class Scheduler:
     """Serves requests on ``engine`` (an ``InferenceEngine`` with kernel injection) with continuous batching: at most
     ``max_batch`` running together, at most ``max_queue`` waiting for a row (beyond those the free rows take). See the
@@ -180,12 +190,7 @@ class Scheduler:
         check_integer("max_overtaken", max_overtaken, 0, None, "an integer >= 0")
         check_integer("prefill_batch", prefill_batch, 1, None, "an integer >= 1")
         check_integer("max_prefills", max_prefills, 1, None, "an integer >= 1")
-        if prefill_batch > max_prefills:
-            # the group comes from the prompts admitted in one iteration; raising max_prefills along with it would
-            # change how much prefill work runs between the running requests' tokens, which the caller did not ask for
-            raise ValueError(f"prefill_batch={prefill_batch} (--prefill-batch) exceeds max_prefills={max_prefills} "
-                             "(--max-prefills): only the prompts admitted in one iteration are prefilled together; "
-                             f"allowed: prefill_batch <= max_prefills (e.g. max_prefills={prefill_batch} too)")
+        check_prefill_batch(prefill_batch, max_prefills)
         self.parallel = getattr(engine, "parallel", SINGLE_PROCESS)
         if self.parallel.rank != 0:
             raise ValueError(f"Scheduler runs on rank 0 of the tensor-parallel group; rank {self.parallel.rank} "
