@@ -48,21 +48,27 @@ def test_bench_runs_every_mode_and_writes_json(tiny_bench, tmp_path, capsys):
 
 
 
-def test_rooflines_come_from_the_faster_probe_before_or_after_the_rows(tiny_bench, tmp_path, monkeypatch):
-    """The bandwidth moves during a run on a shared machine: the probe is read before and after the rows, and the
-    faster reading divides every row (a slow first reading would credit each row with more than its share)."""
-    readings = iter([10.0, 25.0])
-    monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda: next(readings))
+@pytest.mark.parametrize("fastest_at", [0, 1, 2])
+def test_rooflines_come_from_the_fastest_probe_before_between_or_after_the_rows(tiny_bench, tmp_path, monkeypatch,
+                                                                                  fastest_at):
+    """The bandwidth moves during a run on a shared machine: the probe is read before the rows, before each
+    configuration and its quantized rows, and after them; the fastest reading divides every row (a slow reading would
+    credit each row with more than its share)."""
+    readings = [10.0, 12.0, 9.0]
+    readings[fastest_at] = 25.0
+    calls = iter(readings)
+    monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda: next(calls))
     out = tmp_path / "bench.json"
     args = parse("--model", "tiny", "--prompt", "8", "--new", "4", "--repeat", "1", "--modes", "inject",
-                 "--json", str(out))
+                 "--batch", "1,2", "--json", str(out))  # two configurations: before, between, after
     assert args.run(args) == 0
+    assert next(calls, None) is None  # every reading was taken
     report = json.loads(out.read_text())
     assert report["machine"]["read_bandwidth_gbs"] == 25.0
     for row in report["results"]:
         assert row["roofline_tok_s"] == pytest.approx(row["batch"] * 25e9 / row["step_bytes"])
     rows = [bench.Row("m", "bf16", 1, "inject", 1.0, 5.0, 200.0, 1.0, 1.0, 10.0)]
-    assert bench.against_the_faster_probe(rows, 20.0, 10.0) == (rows, 20.0)  # a slower second reading: no change
+    assert bench.against_the_fastest_probe(rows, [20.0, 10.0]) == (rows, 20.0)  # slower later readings: no change
 
 def test_bench_plot(tiny_bench, tmp_path):
     pytest.importorskip("matplotlib")

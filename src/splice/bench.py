@@ -2,10 +2,10 @@
 
 For each configuration (dtype x batch) the model is loaded once; each mode generates ``--new`` tokens from the same
 random ``--prompt``-token prompt. Reported: prefill ms, decode tokens/s (after the first new token), ms/token, peak RSS
-during the run, speedup over HF eager, and a roofline: the machine's read bandwidth (the faster of two probes, before
-and after the rows, each streaming 1 GiB on 2 MiB pages on every thread in a few read patterns) divided by the bytes a
-decode step reads (weights as stored, quantized or not, the lm_head included; and the KV cache slots attention reads),
-and each row's share of it.
+during the run, speedup over HF eager, and a roofline: the machine's read bandwidth (the fastest of the probes read
+before the rows, before each configuration and its quantized rows, and after the rows, each streaming 1 GiB on 2 MiB
+pages on every thread in a few read patterns) divided by the bytes a decode step reads (weights as stored, quantized
+or not, the lm_head included; and the KV cache slots attention reads), and each row's share of it.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def run_bench(args: argparse.Namespace) -> int:
     native.available()  # build (once per machine) and load the native kernels before anything is timed
     if args.threads:
         torch.set_num_threads(args.threads)
-    bandwidth = read_bandwidth_gbs()
+    readings = [read_bandwidth_gbs()]  # the probe, read again before each configuration and after the last
     rows: list[Row] = []
     args.profiles = []  # bench_configuration and bench_quantized add one per kernel-injected run with --profile
     with _kernel_names(args.profile and args.compile):
@@ -78,10 +78,15 @@ def run_bench(args: argparse.Namespace) -> int:
             at_context = argparse.Namespace(**{**vars(args), "prompt": context})
             for dtype in split_commas(args.dtype):
                 for batch in args.batch:
-                    plain_rows = bench_configuration(at_context, dtype, batch, modes, bandwidth)
+                    if rows:
+                        readings.append(read_bandwidth_gbs())
+                    plain_rows = bench_configuration(at_context, dtype, batch, modes, readings[0])
                     hf_speed = next((r.decode_tok_s for r in plain_rows if r.mode == "hf"), float("nan"))
-                    rows += plain_rows + bench_quantized(at_context, dtype, batch, schemes, bandwidth, hf_speed)
-    rows, bandwidth = against_the_faster_probe(rows, bandwidth, read_bandwidth_gbs())
+                    if schemes:
+                        readings.append(read_bandwidth_gbs())
+                    rows += plain_rows + bench_quantized(at_context, dtype, batch, schemes, readings[0], hf_speed)
+    readings.append(read_bandwidth_gbs())
+    rows, bandwidth = against_the_fastest_probe(rows, readings)
     machine = machine_info(bandwidth)
     print(describe_machine(machine))
     print(format_table(rows))
@@ -99,12 +104,12 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def against_the_faster_probe(rows: list[Row], first: float, last: float) -> tuple[list[Row], float]:
-    """``rows`` with their rooflines from the faster of the probes read before and after them, and that figure: on a
-    shared machine the bandwidth moves during a run, and a probe read in a slow stretch would credit every row with
-    more than its share of the bandwidth."""
-    faster = max(first, last)
-    return [replace(r, roofline_tok_s=r.roofline_tok_s * faster / first) for r in rows], faster
+def against_the_fastest_probe(rows: list[Row], readings: list[float]) -> tuple[list[Row], float]:
+    """``rows`` (their rooflines computed from ``readings[0]``) with their rooflines from the fastest of the probe's
+    readings, taken before, between and after them, and that figure: on a shared machine the bandwidth moves during a
+    run, and a probe read in a slow stretch would credit every row with more than its share of the bandwidth."""
+    fastest = max(readings)
+    return [replace(r, roofline_tok_s=r.roofline_tok_s * fastest / readings[0]) for r in rows], fastest
 
 
 def bench_configuration(args, dtype: str, batch: int, modes: list[str], bandwidth: float) -> list[Row]:
