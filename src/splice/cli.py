@@ -332,14 +332,12 @@ def print_tp_plan(args: argparse.Namespace, config) -> int:
     checkpoint = checkpoint_source(config)
     model, _ = splice.load(args.model or DEFAULT_MODEL)
     plan = resolve_tensor_parallel(config, model, tp, checkpoint)
-    if tp_manifest(checkpoint) is not None:
+    if tp_manifest(checkpoint) is not None:  # the stored plan keeps the source it was made from
         source = f"the manifest of the tensor-parallel checkpoint {str(checkpoint)!r}"
-    elif config.injection_policy:
-        source = "the injection_policy of the config"
-    elif config.replace_with_kernel_inject:
-        source = f"the {model.config.model_type} family record (kernel injection)"
     else:
-        source = "AutoTP (traced from the model)"
+        source = {"policy": "the injection_policy of the config",
+                  "record": f"the {model.config.model_type} family record (kernel injection)",
+                  "autotp": "AutoTP (traced from the model)"}[plan.source]
     if args.json:
         print(json.dumps({"tp_size": tp, "source": source, "plan": plan.to_dict()}, indent=2))
         return 0

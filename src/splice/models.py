@@ -94,10 +94,13 @@ def load(name_or_path: str | os.PathLike, dtype: Any = None) -> tuple[nn.Module,
     folder, default_dtype = resolve_checkpoint(name_or_path)
     torch_dtype = model_dtype(dtype) if dtype is not None else default_dtype
     start = time.perf_counter()
-    _check_shapes_fit_config(folder)
+    from .checkpoint import checkpoint_shapes
+
+    shapes = checkpoint_shapes(folder)  # the file headers, read once for both checks
+    _check_shapes_fit_config(folder, shapes)
     with _loader_errors(folder, "its model"):
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, local_files_only=True)
-    _check_loaded_dtypes(model, folder)
+    _check_loaded_dtypes(model, folder, shapes)
     with _loader_errors(folder, "its tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     log.info("splice: loaded %s from %s in %.1f s", name_or_path, folder, time.perf_counter() - start)
@@ -402,13 +405,13 @@ def _require_safetensors_folder(path: Path) -> None:
     checkpoint_shapes(path)  # raises for pickles, a missing shard, a corrupt or truncated file
 
 
-def _check_shapes_fit_config(folder: Path) -> None:
+def _check_shapes_fit_config(folder: Path, shapes: dict) -> None:
     """The checkpoint's tensors have the shapes its config.json gives the model, checked on a meta-device model
     before anything is loaded (transformers would log a report and raise a RuntimeError pointing at it). A config
     transformers refuses raises ValueError naming the folder too."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .checkpoint import CheckpointMatch, checkpoint_shapes, match_checkpoint
+    from .checkpoint import CheckpointMatch, match_checkpoint
 
     with _loader_errors(folder, "its config.json"):
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
@@ -419,7 +422,7 @@ def _check_shapes_fit_config(folder: Path) -> None:
             model = AutoModelForCausalLM.from_config(config)
     except Exception:  # not buildable here (not a causal LM, say): from_pretrained's own error, wrapped, says why
         return
-    wrong = match_checkpoint(model, checkpoint_shapes(folder)).wrong_shape
+    wrong = match_checkpoint(model, shapes).wrong_shape
     if wrong:
         raise ValueError(f"checkpoint {str(folder)!r} does not fit its config.json: "
                          f"{CheckpointMatch(wrong_shape=wrong).describe()}; allowed: the config.json the tensors were "
@@ -446,11 +449,12 @@ def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split())
 
 
-def _check_loaded_dtypes(model: nn.Module, folder: Path) -> None:
-    """A float weight stored as integers (or the reverse) is a broken checkpoint: transformers would cast it."""
-    from .checkpoint import CheckpointMatch, checkpoint_shapes, match_checkpoint
+def _check_loaded_dtypes(model: nn.Module, folder: Path, shapes: dict) -> None:
+    """A float weight stored as integers (or the reverse) is a broken checkpoint: transformers would cast it.
+    ``shapes``: the checkpoint's (``checkpoint.checkpoint_shapes``)."""
+    from .checkpoint import CheckpointMatch, match_checkpoint
 
-    wrong = match_checkpoint(model, checkpoint_shapes(folder)).wrong_dtype
+    wrong = match_checkpoint(model, shapes).wrong_dtype
     if wrong:
         raise ValueError(f"checkpoint {str(folder)!r}: {CheckpointMatch(wrong_dtype=wrong).describe()}")
 

@@ -270,12 +270,11 @@ def checked_policy_plan(model: nn.Module, policy: dict, tp: int) -> TPPlan:
 def check_policy_fits_manifest(wanted: TPPlan, stored: TPPlan, manifest: dict, policy: dict) -> None:
     """A saved tensor-parallel checkpoint's shards are cut by its stored plan, so a policy asking for another split
     cannot be honoured from it: raise naming both (the same split is fine)."""
-    keys = list(dict.fromkeys([*stored.rules, *wanted.rules]))
-    differ = [f"{k}: stored {stored.rules.get(k)}, policy {wanted.rules.get(k)}"
-              for k in keys if stored.rules.get(k) != wanted.rules.get(k)]
-    differ += [f"attention {k}: stored {stored.attention.get(k)}, policy {wanted.attention.get(k)}"
-               for k in dict.fromkeys([*stored.attention, *wanted.attention])
-               if stored.attention.get(k) != wanted.attention.get(k)]
+    def differences(label: str, stored_map: dict, wanted_map: dict) -> list[str]:
+        return [f"{label}{k}: stored {stored_map.get(k)}, policy {wanted_map.get(k)}"
+                for k in dict.fromkeys([*stored_map, *wanted_map]) if stored_map.get(k) != wanted_map.get(k)]
+
+    differ = differences("", stored.rules, wanted.rules) + differences("attention ", stored.attention, wanted.attention)
     if differ:
         raise ValueError(f"checkpoint {manifest['folder']!r} holds shards cut by its stored tensor-parallel plan "
                          f"({stored.source}), which splits differently from injection_policy="
