@@ -169,6 +169,30 @@ def test_a_right_padded_batch_gets_hf_s_tokens_and_warning_in_the_native_loop(mo
     assert warnings == expected_warnings == [RIGHT_PADDING_WARNING]
 
 
+@pytest.mark.parametrize("pads, native_loop", [(5, True), (6, False)])
+def test_a_sliding_window_right_padded_batch_stays_native_unless_pads_fill_the_window(pads, native_loop):
+    """Gemma 2's tiny model has a sliding window of 6: a row with 5 pads at its end keeps a real token in its last
+    pad's window, so the native loop gives Hugging Face's tokens; with 6 pads that query sees no real token
+    (Hugging Face's attention gives it zeros), and the batch runs Hugging Face's generate on the fused model."""
+    reference, model = pair("gemma2")
+    assert 6 in model[1].windows
+    ids, mask = padded_batch(batch=2, length=10, side="right")
+    mask[1], ids[1] = 1, ids[0].flip(0)
+    mask[1, 10 - pads:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    options = dict(max_new_tokens=16, do_sample=False, eos_token_id=None)
+    hf_generate, calls = model[0].generate, []
+    model[0].generate = lambda *args, **kwargs: calls.append(1) or hf_generate(*args, **kwargs)
+    try:
+        with torch.inference_mode():
+            expected = reference.generate(ids, attention_mask=mask, **options)
+            got = generate(*model, ids, attention_mask=mask, **options)
+    finally:
+        del model[0].generate
+    assert torch.equal(got, expected)
+    assert bool(calls) != native_loop
+
+
 def test_streamer_sees_prompt_then_each_token():
     class Recorder:
         def __init__(self):

@@ -103,13 +103,16 @@ def generate(model, runtime: SpliceCausalLM, *args: Any, timer: ForwardTimer | N
 
 def right_padding_not_native(runtime: SpliceCausalLM, req: Request) -> bool:
     """Whether ``req`` has a right-padded row (its last column masked) that the native loop would not give Hugging
-    Face's tokens for: a sliding window's edge is counted from a query's slot, and :func:`last_pad_logits` moves the
-    last pad's query one slot on; ALiBi biases a key by its slot, and a right-padded row's new tokens follow its pad
-    slots where Hugging Face's positions leave the pads out."""
-    windowed = any(window is not None for window in runtime.windows)
-    if not (windowed or runtime.dims.positions == "alibi"):
+    Face's tokens for: ALiBi biases a key by its slot, and a right-padded row's new tokens follow its pad slots where
+    Hugging Face's positions leave the pads out; and a row whose pads fill a sliding window, where its last pad's
+    query sees no real token (Hugging Face's attention gives it zeros, splice's mask its own slot)."""
+    trailing_pads = (req.attention_mask.flip(-1).cumsum(-1) == 0).sum(-1)
+    if not bool((trailing_pads > 0).any()):
         return False
-    return bool((req.attention_mask[:, -1] == 0).any())
+    if runtime.dims.positions == "alibi":
+        return True
+    windows = [window for window in runtime.windows if window is not None]
+    return bool(windows) and int(trailing_pads.max()) >= min(windows)
 
 
 def generate_arguments(model, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -433,11 +436,9 @@ def decode(runtime: SpliceCausalLM, req: Request, streamer=None, timer: ForwardT
     positions = prefill_positions(mask)
     cache.start(mask)
     dense = bool(mask.all())  # no padding: the causal kernel needs no mask
-    right_padded = None if dense else mask[:, -1] == 0
     with measure():
+        # a right-padded row's first token comes from its last pad's query, as in Hugging Face's generate
         logits = runtime.forward(ids, positions, cache.slot_ids[:prompt_len], cache, prompt_len, dense=dense)
-        if right_padded is not None and bool(right_padded.any()):
-            logits = torch.where(right_padded[:, None], last_pad_logits(runtime, ids, positions, cache), logits)
     # Hugging Face's positions: each new token's is the last column's plus one (a right-padded row's last column is
     # a pad at position 0, so its new tokens take positions 1, 2, ...); the new tokens follow the pad columns, which
     # stay masked
@@ -469,19 +470,6 @@ def decode(runtime: SpliceCausalLM, req: Request, streamer=None, timer: ForwardT
     if streamer is not None:
         streamer.end()
     return result(sequences[:, :length].contiguous(), req, scores, raw_logits)
-
-
-def last_pad_logits(runtime: SpliceCausalLM, ids: torch.Tensor, positions: torch.Tensor,
-                    cache) -> torch.Tensor:
-    """The logits Hugging Face takes a right-padded row's first new token from: its last column's, a pad query at
-    that pad's position, attending to the row's real tokens and not to itself (a masked key). The prefill's own pad
-    queries also see their own slot (the cache's mask never leaves a query nothing to see), so this recomputes the
-    last column as a query at slot ``prompt_len``: every filled slot is before it, and the keys it writes there are
-    the ones the first new token overwrites. Sliding-window layers would see one key fewer from there, so
-    :func:`generate` never brings a right-padded batch here on a runtime with windows."""
-    prompt_len = ids.shape[1]
-    slot = cache.slot_ids[prompt_len:prompt_len + 1]
-    return runtime.forward(ids[:, -1:], positions[:, -1:], slot, cache, prompt_len)
 
 
 def prefill_positions(attention_mask: torch.Tensor) -> torch.Tensor:

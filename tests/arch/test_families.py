@@ -70,10 +70,10 @@ def test_greedy_tokens_match_the_reference(name):
         assert torch.equal(engine.module.generate(ids, attention_mask=mask, **GREEDY), expected)
 
 
-#: families whose right-padded batches run Hugging Face's generate on the fused model (sliding-window or ALiBi
-#: layers: see ``splice.generation.right_padding_not_native``); every other one stays in the native loop
-RIGHT_PADDING_ON_HF = {"mistral", "qwen2", "gemma2", "gemma3_text", "gemma3", "gpt_neo", "bloom", "bloom:six_heads",
-                       "falcon:alibi"}
+#: families whose right-padded batches run Hugging Face's generate on the fused model (ALiBi: see
+#: ``splice.generation.right_padding_not_native``); every other one stays in the native loop, sliding windows too while
+#: no row's pads fill a window (the tiny models' windows are 4 and 6, the batch below has 3 pads at most)
+RIGHT_PADDING_ON_HF = {"bloom", "bloom:six_heads", "falcon:alibi"}
 
 
 @pytest.mark.parametrize("name", sorted(set(FAMILIES) | set(VARIANTS)))
@@ -82,7 +82,7 @@ def test_right_padded_greedy_tokens_match_the_reference(name):
     the last pad's query), in the native loop unless the family is in ``RIGHT_PADDING_ON_HF``."""
     reference = build_family(name)
     engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
-    ids, mask = padded_batch(batch=3, length=10, side="right")
+    ids, mask = padded_batch(batch=2, length=10, side="right")
     options = dict(GREEDY, max_new_tokens=24)
     hf_generate = engine.module.generate
     calls = []

@@ -78,11 +78,13 @@ class StaticKVCache(nn.Module):
         """Boolean attention mask ``[batch, 1, seq, kv_len]`` for queries at ``q_slots`` (``[seq]``, or ``[batch, seq]``
         per row): causal, real tokens only, within ``window``.
 
-        A query always sees its own slot, so a pad query never has an empty row (no NaN in the cache).
+        A pad query sees the real tokens before it, as Hugging Face's mask lets it (a right-padded row's first new
+        token comes from its last pad's query); one with no real token to see (a left pad) sees its own slot, so no
+        row is empty (no NaN in the cache).
         """
         k_slots = self.slot_ids[:kv_len]
         q = q_slots[:, None, :, None] if q_slots.dim() == 2 else q_slots[:, None]
         visible = (k_slots <= q) & self.valid[:, None, None, :kv_len]
         if window is not None:
             visible &= k_slots > q - window
-        return visible | (k_slots == q)
+        return visible | ((k_slots == q) & ~visible.any(-1, keepdim=True))
