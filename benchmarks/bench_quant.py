@@ -41,8 +41,8 @@ FUSED = {"qkv": (HIDDEN + 2 * KV_HEADS * HEAD_DIM, HIDDEN), "o": (HIDDEN, HIDDEN
          "gate_up": (2 * INTERMEDIATE, HIDDEN), "down": (HIDDEN, INTERMEDIATE)}
 SCHEMES = {
     "int8": QuantConfig(),
-    "int4-g32": QuantConfig(bits=4, group_size=32),
-    "int4-g128": QuantConfig(bits=4, group_size=128),
+    "int4-g32": QuantConfig(bits=4, group_size=32, symmetric=False),
+    "int4-g128": QuantConfig(bits=4, group_size=128, symmetric=True),
     "w8a8": QuantConfig(activations=True),
 }
 

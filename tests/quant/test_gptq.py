@@ -134,3 +134,32 @@ def test_gptq_model_saves_and_reloads_with_the_same_scheme(tmp_path):
     load_quantized(skeleton, tmp_path, config)
     with torch.no_grad():
         torch.testing.assert_close(skeleton(ids), model(ids))
+
+
+def test_a_hessian_that_fails_midway_leaves_the_model_as_it_was(monkeypatch):
+    """GPTQ refuses a Hessian it cannot factor (here NaN, as an fp16 overflow gives) on the second layer in order:
+    the layer quantized before it is put back, so the model is the float one the call was given."""
+    torch.manual_seed(0)
+    model, ids = _TinyLM(), torch.randint(0, 64, (2, 32))
+    modules = list(model.modules())
+    real = gptq.run_calibration
+
+    def poisoned(*args, **kwargs):
+        hessians = real(*args, **kwargs)
+        hessians["layers.0.down"] = torch.full_like(hessians["layers.0.down"], float("nan"))
+        return hessians
+
+    monkeypatch.setattr(gptq, "run_calibration", poisoned)
+    with pytest.raises(ValueError, match="not positive definite"):
+        quantize(model, QuantConfig(bits=4, group_size=32, symmetric=False), calibration_ids=ids)
+    assert list(model.modules()) == modules
+
+
+@pytest.mark.parametrize("bad", [500, -1])
+def test_calibration_ids_outside_the_vocabulary_are_refused_naming_the_id(bad):
+    from ..conftest import build_tiny, tiny_llama_config
+
+    model = build_tiny(tiny_llama_config())  # 128 token ids
+    with pytest.raises(ValueError, match=rf"token id {bad} .*allowed: 0\.\.127"):
+        quantize(model, QuantConfig(bits=4, group_size=32), calibration_ids=torch.tensor([[1, bad, 3]]))
+    assert not any(isinstance(m, Int4WeightOnlyLinear) for m in model.modules())

@@ -167,3 +167,34 @@ def test_a_kernel_injected_checkpoint_into_a_plain_model_is_refused_before_any_c
     assert type(plain.transformer.h[0].attn.c_attn).__name__ == "Conv1D"
     with pytest.raises(ValueError, match="was not quantized"):
         save_quantized(splice.init_inference(_family("gpt2")), tmp_path)
+
+
+@pytest.mark.parametrize("other", [QuantConfig(bits=4, group_size=64), QuantConfig(bits=8),
+                                   QuantConfig(bits=4, group_size=32, quantize_lm_head=True)],
+                         ids=["other-group", "other-bits", "float-head-claimed-quantized"])
+def test_saving_under_a_scheme_the_layers_do_not_have_is_refused_before_writing(tmp_path, other):
+    """The folder would record a scheme its weights do not have, and then refuse to load."""
+    model = build_tiny(tiny_llama_config())
+    config = QuantConfig(bits=4, group_size=32, lm_head_int8=True)
+    quantize(model, config)
+    with pytest.raises(ValueError, match=r"layer .* is int\w+ with groups of .* allowed: the QuantConfig"):
+        save_quantized(model, tmp_path / "out", other)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("overrides, message", [({"num_hidden_layers": 3}, "missing model.layers.2"),
+                                                ({"vocab_size": 200}, "model.embed_tokens.weight: saved")])
+def test_a_skeleton_that_does_not_fit_is_refused_before_any_change(tmp_path, overrides, message):
+    """Nothing of the skeleton changes: no layer swapped for an empty quantized one, no float weight overwritten."""
+    config = QuantConfig(bits=4, group_size=32)
+    model = build_tiny(tiny_llama_config())
+    quantize(model, config)
+    save_quantized(model, tmp_path, config)
+    skeleton = build_tiny(tiny_llama_config(**overrides), seed=1)
+    before = {name: tensor.clone() for name, tensor in skeleton.state_dict().items()}
+    with pytest.raises(ValueError, match="does not fit this model") as error:
+        load_quantized(skeleton, tmp_path, config)
+    assert message in str(error.value)
+    assert not any(isinstance(m, QuantizedLinear) for m in skeleton.modules())
+    after = skeleton.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())

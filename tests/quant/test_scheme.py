@@ -151,3 +151,22 @@ def test_quant_settings_without_quantization_warn():
         assert _from(dtype="bf16", quant={"weight": {"group_size": 16}}) is None
     with pytest.warns(SpliceIgnoredOptionWarning, match=r"quant.activation.enabled=True"):
         assert _from(quant={"enabled": False, "activation": {"enabled": True}}) is None
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"bits": 4, "symmetric": "false"}, "symmetric='false' must be a bool"),  # truthy: it meant symmetric
+    ({"bits": 4, "group_size": 32.0}, "group_size=32.0 must be an int"),
+    ({"group_size": True}, "group_size=True must be an int"),
+    ({"bits": 8.0}, "bits=8.0 must be an int; allowed: 8, 4"),
+    ({"q_groups": 2.0}, "q_groups=2.0 must be an int"),
+    ({"activations": 1}, "activations=1 must be a bool"),
+])
+def test_values_of_the_wrong_type_are_refused_naming_value_and_choices(fields, message):
+    with pytest.raises(TypeError, match="allowed") as error:
+        QuantConfig(**fields)
+    assert message in str(error.value)
+
+
+def test_activation_settings_error_says_activations_are_rounded_per_block():
+    with pytest.raises(ValueError, match="per row and block of 32"):
+        _from(quant={"enabled": True, "activation": {"enabled": True, "q_groups": 4}})

@@ -78,17 +78,25 @@ def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str |
     head = _output_head(model)
     if calibration_ids is not None:
         ids = check_calibration_ids(calibration_ids, config)
+        _check_ids_in_vocabulary(model, ids)
         calibrated = {name: m for name, m in targets if not _is_head(m, head) or config.head_scheme() is config}
         hessians = gptq.run_calibration(model, ids, calibrated, head_needed=any(m is head for m in calibrated.values()))
         report.calibration = f"GPTQ on {ids.shape[0]}x{ids.shape[1]} tokens" + (", act-order" if act_order else "")
-    for name, module in targets:
-        scheme = config.head_scheme() if _is_head(module, head) else config
-        hessian = hessians.pop(name, None)
-        if scheme is not config:  # the head's own scheme: int8 per channel, round-to-nearest
-            kernel_of_layer, hessian = None, None
-        else:
-            kernel_of_layer = kernel
-        _replace(model, name, module, scheme, device, kernel_of_layer, report, hessian, act_order)
+    replaced = []
+    try:
+        for name, module in targets:
+            scheme = config.head_scheme() if _is_head(module, head) else config
+            hessian = hessians.pop(name, None)
+            if scheme is not config:  # the head's own scheme: int8 per channel, round-to-nearest
+                kernel_of_layer, hessian = None, None
+            else:
+                kernel_of_layer = kernel
+            _replace(model, name, module, scheme, device, kernel_of_layer, report, hessian, act_order)
+            replaced.append((name, module))
+    except BaseException:
+        for name, module in reversed(replaced):  # a failed call (GPTQ's Hessian, say) leaves the model as it was
+            model.set_submodule(name, module)
+        raise
     report.huge_page_bytes = gather_on_huge_pages(
         [b for m in model.modules() if isinstance(m, QuantizedLinear) for b in m.buffers() if b.nbytes >= 1 << 16])
     return report
@@ -134,6 +142,21 @@ def check_calibration_ids(ids, config: QuantConfig) -> torch.Tensor:
         raise ValueError(f"calibration_ids must be a non-empty [sequences, tokens] integer tensor, got "
                          f"dtype={ids.dtype}, shape={tuple(ids.shape)}")
     return ids.long()
+
+
+def _check_ids_in_vocabulary(model: nn.Module, ids: torch.Tensor) -> None:
+    """Token ids outside the input embedding's rows would fail in the calibration forward as a bare IndexError."""
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):  # not a Hugging Face model, or one without an input embedding
+        return
+    rows = getattr(embeddings, "num_embeddings", None)
+    if rows is None:
+        return
+    bad = ids[(ids < 0) | (ids >= rows)]
+    if bad.numel():
+        raise ValueError(f"calibration_ids hold token id {int(bad[0])} ({bad.numel()} out of range); allowed: "
+                         f"0..{rows - 1}, the rows of the model's input embedding")
 
 
 def plan(model: nn.Module, config: QuantConfig) -> tuple[list[tuple[str, nn.Module]], QuantReport]:

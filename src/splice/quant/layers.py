@@ -64,6 +64,10 @@ class QuantizedLinear(nn.Module):
         """Bytes of the stored weight and its scales (the bias excluded)."""
         raise NotImplementedError
 
+    def saved_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of every tensor ``state_dict()`` holds (to check a checkpoint before loading it)."""
+        return {name: (tuple(t.shape), t.dtype) for name, t in self.state_dict().items()}
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
@@ -143,6 +147,12 @@ class _RepackedWeight(QuantizedLinear):
 
     def _load_saved_form(self, saved: dict[str, torch.Tensor]) -> None:
         raise NotImplementedError
+
+    def saved_specs(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """As the base class's, without converting the packed weight to its saved form."""
+        plain = {name: (tuple(t.shape), t.dtype) for name, t in self._buffers.items()
+                 if t is not None and name not in self._non_persistent_buffers_set}
+        return {**plain, **self._saved_specs()}
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)

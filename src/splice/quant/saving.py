@@ -25,7 +25,7 @@ from torch import nn
 from ..checkpoint import has_meta_tensors, tensor_groups
 from ..kernel_choice import quant_kernel
 from .api import HANDLERS
-from .layers import QuantizedLinear
+from .layers import QuantizedLinear, _fits_spec
 from .scheme import QuantConfig
 
 WEIGHTS_NAME = "model.safetensors"
@@ -37,6 +37,7 @@ def save_quantized(model: nn.Module, directory: str | os.PathLike, config: Quant
     """Write ``model`` (already quantized with ``config``; for an engine, None means the scheme it was quantized
     with) to ``directory``; returns the folder."""
     model, config = _module_and_scheme(model, config)
+    _check_layers_match(model, config)
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     state, tied = _dedupe(model.state_dict())
@@ -71,11 +72,14 @@ def load_quantized(model: nn.Module, directory: str | os.PathLike, config: Quant
         raise ValueError(f"{folder} holds weights quantized as {saved}, but {config} was asked for; re-quantize "
                          "from the float model, or load with the saved scheme (splice.quant.read_scheme)")
     _check_layers_exist(model, folder, record["layers"])
-    for name, layer in record["layers"].items():
-        model.set_submodule(name, _empty_layer(model, name, layer, saved, torch.device(device)))
+    layers = {name: _empty_layer(model, name, layer, saved, torch.device(device))
+              for name, layer in record["layers"].items()}
     state = load_file(folder / WEIGHTS_NAME, device=str(device))
     for alias, kept in record["tied"].items():
         state[alias] = state[kept]
+    _check_state_fits(model, layers, state, folder)
+    for name, layer in layers.items():
+        model.set_submodule(name, layer)
     model.load_state_dict(state, strict=True, assign=has_meta_tensors(model))
     for alias, kept in record["tied"].items():  # assign=True gives each name its own Parameter: tie them again
         owner, _, leaf = alias.rpartition(".")
@@ -119,6 +123,61 @@ def _check_layers_exist(model: nn.Module, folder: Path, layers: dict) -> None:
                          "made with replace_with_kernel_inject=True, a plain model's into a plain model)")
 
 
+def _check_state_fits(model: nn.Module, layers: dict[str, QuantizedLinear], state: dict[str, torch.Tensor],
+                      folder: Path) -> None:
+    """A ``ValueError`` naming the tensors ``state`` lacks, has in excess, or holds in another shape or kind of dtype
+    than ``model`` with ``layers`` in place would take: checked before any change, as ``load_state_dict`` would
+    raise only after replacing the layers and copying every tensor that fits."""
+    expected = _expected_specs(model, layers)
+    problems = [f"missing {key}" for key in expected if key not in state]
+    problems += [f"unexpected {key}" for key in state if key not in expected]
+    problems += [f"{key}: saved {tuple(state[key].shape)} {state[key].dtype}, the model takes {shape} {dtype}"
+                 for key, (shape, dtype) in expected.items()
+                 if key in state and not _fits_spec(state[key], shape, dtype)]
+    if problems:
+        shown = "; ".join(problems[:3]) + (f" and {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise ValueError(f"{folder} does not fit this model ({shown}); allowed: a skeleton of the saved model's "
+                         "architecture and sizes, built as the saved one was")
+
+
+def _expected_specs(model: nn.Module, layers: dict[str, QuantizedLinear]) -> dict:
+    """``{key: (shape, dtype)}`` of ``model.state_dict()`` once each of ``layers`` replaces the module of its name."""
+    specs = {key: (tuple(t.shape), t.dtype) for key, t in model.state_dict(keep_vars=True).items()
+             if key.rpartition(".")[0] not in layers}
+    for name, layer in layers.items():
+        specs.update({f"{name}.{key}": spec for key, spec in layer.saved_specs().items()})
+    return specs
+
+
+def _check_layers_match(model: nn.Module, config: QuantConfig) -> None:
+    """A ``ValueError`` before anything is written where ``config`` does not describe ``model``'s quantized layers:
+    the folder would record a scheme its weights do not have, and refuse to load."""
+    for name, module in model.named_modules():
+        if not isinstance(module, QuantizedLinear):
+            continue
+        scheme = _layer_scheme(model, module, config)
+        if scheme is None or module.kind != scheme.kind or _group(module) != scheme.group_for(module.in_features):
+            wanted = "float (the scheme keeps the output head in float)" if scheme is None else (
+                f"{scheme.kind} with groups of {scheme.group_for(module.in_features)}")
+            raise ValueError(f"layer {name} is {module.kind} with groups of {_group(module)}, but {config} makes it "
+                             f"{wanted}; allowed: the QuantConfig the model was quantized with")
+
+
+def _group(module: QuantizedLinear) -> int | None:
+    """Input elements per scale of a quantized layer (None: one scale per output row)."""
+    if hasattr(module, "group"):
+        return module.group
+    return module.qweight.shape[2] if module.qweight.dim() == 3 else None
+
+
+def _layer_scheme(model: nn.Module, module: nn.Module, config: QuantConfig) -> QuantConfig | None:
+    """The scheme ``config`` gives ``module``: the output head's own (None: float), else ``config``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and module in (head, getattr(head, "linear", None)):
+        return config.head_scheme()
+    return config
+
+
 def _describe(module: QuantizedLinear) -> dict:
     return {"kind": module.kind, "in_features": module.in_features, "out_features": module.out_features,
             "bias": module.bias is not None}
@@ -126,9 +185,7 @@ def _describe(module: QuantizedLinear) -> dict:
 
 def _empty_layer(model: nn.Module, name: str, layer: dict, config: QuantConfig,
                  device: torch.device) -> QuantizedLinear:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is not None and model.get_submodule(name) in (head, getattr(head, "linear", None)):
-        config = config.head_scheme() or config
+    config = _layer_scheme(model, model.get_submodule(name), config) or config
     if layer["kind"] != config.kind:
         raise ValueError(f"layer {name} was saved as {layer['kind']!r} but the scheme says {config.kind!r}")
     current = model.get_submodule(name)

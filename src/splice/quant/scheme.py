@@ -20,7 +20,8 @@ Mapping from the DeepSpeed-style keys (``InferenceConfig``):
                                                        ``DEFAULT_SYMMETRIC`` (int4 asymmetric, int8 symmetric)
 ``quant.activation.enabled`` (+ ``num_bits=8``)        W8A8: int8 weights (per channel) x int8 activations,
                                                        quantized dynamically per call
-``quant.activation.q_type``, ``q_groups``              'symmetric', 1: one scale per row (token), computed per call
+``quant.activation.q_type``, ``q_groups``              'symmetric', 1: one scale per row (token) and block of
+                                                       ``qmath.ACTIVATION_BLOCK`` inputs, computed per call
 ``quant.qkv.enabled=False``                            q/k/v projections stay in float
 =====================================================  ==========================================================
 
@@ -34,6 +35,8 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
+
+from .qmath import ACTIVATION_BLOCK
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what torch's int4 kernels accept
 DEFAULT_INT4_GROUP = 32  # the most accurate the kernels allow (0.31x the bf16 bytes); see the README's figures
@@ -62,6 +65,7 @@ class QuantConfig:
     quantize_qkv: bool = True
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check_choice("bits (quant.weight.num_bits)", self.bits, (8, 4))
         if self.group_size is not None and self.group_size < 1:
             raise ValueError(f"group_size={self.group_size} must be a positive integer or None")
@@ -140,7 +144,8 @@ class QuantConfig:
         _check_q_dtype(weight)
         if act.enabled and (act.q_groups != 1 or act.q_type != "symmetric"):
             raise ValueError(f"quant.activation q_groups={act.q_groups}, q_type={act.q_type!r} is not supported; "
-                             "allowed: q_groups=1, q_type='symmetric' (activations get one symmetric scale per row)")
+                             "allowed: q_groups=1, q_type='symmetric' (activations get one symmetric scale per row and "
+                             f"block of {ACTIVATION_BLOCK} inputs)")
         return cls(bits=weight.num_bits, group_size=weight.group_size, q_groups=weight.q_groups,
                    symmetric=_symmetric(weight.q_type, weight.num_bits), activations=act.enabled,
                    **head,
@@ -153,6 +158,19 @@ def _symmetric(q_type: str | None, bits: int) -> bool:
         return DEFAULT_SYMMETRIC.get(bits, True)
     _check_choice("quant.weight.q_type", q_type, ("symmetric", "asymmetric", None))
     return q_type == "symmetric"
+
+
+def _check_types(config: QuantConfig) -> None:
+    """Integers must be ints and flags bools: ``symmetric="false"`` is truthy and would silently mean symmetric, and
+    ``group_size=32.0`` fails deep inside the kernels instead of here."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if f.type == "bool" and not isinstance(value, bool):
+            raise TypeError(f"QuantConfig.{f.name}={value!r} must be a bool; allowed: True, False")
+        is_int = isinstance(value, int) and not isinstance(value, bool)
+        if f.type.startswith("int") and not is_int and not (value is None and "None" in f.type):
+            allowed = "8, 4" if f.name == "bits" else "a positive int" + (" or None" if "None" in f.type else "")
+            raise TypeError(f"QuantConfig.{f.name}={value!r} must be an int; allowed: {allowed}")
 
 
 def _check_choice(name: str, value: Any, allowed: tuple) -> None:
