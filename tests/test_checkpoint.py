@@ -259,3 +259,42 @@ def test_corrupt_checkpoint_raises_naming_the_file(tmp_path, damage):
     file.write_bytes(damage(file.read_bytes()))
     with pytest.raises(ValueError, match="model.safetensors.*not a readable safetensors file"):
         check_checkpoint(build_tiny(tiny_llama_config()), tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# OnDevice
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma", "gpt2"])
+def test_on_device_dtype_wins_over_the_dtype_a_config_names(tmp_path, model_type):
+    """A config read from a checkpoint names its dtype (float32 here), and transformers builds in it unless told
+    otherwise; ``OnDevice(dtype=...)`` makes the model in its own dtype anyway, as DeepSpeed's does, and it then loads
+    as Hugging Face's from_pretrained in that dtype."""
+    from transformers import AutoConfig
+
+    import splice
+
+    config = tiny_llama_config() if model_type == "llama" else AutoConfig.for_model(model_type, **FAMILIES[model_type])
+    save(build_tiny(config), tmp_path)
+    saved_config = AutoConfig.from_pretrained(tmp_path)
+    assert saved_config.dtype == torch.float32
+    with splice.OnDevice(dtype=torch.bfloat16, device="meta"):
+        model = AutoModelForCausalLM.from_config(saved_config).eval()
+    assert torch.get_default_dtype() == torch.float32
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and has_meta_tensors(model)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    load_checkpoint(model, tmp_path, "cpu")
+    assert torch.equal(logits(model), logits(reference))
+    for name, buffer in reference.named_buffers():
+        assert model.get_buffer(name).dtype == buffer.dtype and torch.equal(model.get_buffer(name), buffer), name
+
+
+def test_on_device_leaves_explicit_dtypes_and_other_constructors_alone():
+    import splice
+
+    with splice.OnDevice(dtype=torch.float16, device="meta"):
+        made = torch.empty(2), torch.zeros(2, dtype=torch.float32), torch.arange(3), torch.ones(2).float()
+    assert [(t.dtype, t.device.type) for t in made] == [(torch.float16, "meta"), (torch.float32, "meta"),
+                                                       (torch.int64, "meta"), (torch.float32, "meta")]
+    with splice.OnDevice(dtype=torch.float16, device="meta", enabled=False):
+        assert torch.empty(2).dtype == torch.float32 and torch.empty(2).device.type == "cpu"

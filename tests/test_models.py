@@ -264,3 +264,51 @@ def test_conversion_removes_temporaries_left_by_killed_conversions(cache, fake_g
     os.utime(stale, (old, old))
     models.ensure_converted(path, "fake", sha256)
     assert not stale.exists() and fresh.exists()
+
+
+def test_conversion_removes_folders_a_killed_replacement_moved_aside(cache, fake_gguf, cheap_conversion):
+    """A damaged folder is renamed to .stale-* and then deleted; a process killed in between leaves a whole model's
+    worth of files there, which the next conversion of the name removes."""
+    path, sha256 = fake_gguf
+    moved_aside = cache / "models" / ".stale-fake-1234-5678"
+    moved_aside.mkdir(parents=True)
+    (moved_aside / "model.safetensors").write_bytes(b"old weights")
+    other = cache / "models" / ".stale-fake-model-1234-5678"  # model "fake-model"'s: not this conversion's
+    other.mkdir()
+    models.ensure_converted(path, "fake", sha256)
+    assert not moved_aside.exists() and other.exists()
+
+
+def test_concurrent_conversions_convert_once_and_keep_the_finished_folder(cache, fake_gguf, cheap_conversion,
+                                                                          monkeypatch):
+    """Two processes that both find the cache empty: the second waits for the first and uses its folder instead of
+    converting again and swapping the folder under a process that is reading it. (Threads stand in for processes:
+    the lock is on an open file, which two threads hold as two processes would.)"""
+    import threading
+    import time
+
+    path, sha256 = fake_gguf
+    build = models._gguf_model
+    tiny_tokenizer(), tiny_llama_config()  # transformers' lazy imports are not safe to race between threads
+
+    def slow_model(gguf, config):
+        time.sleep(0.5)  # long enough for the other caller to find no cache too
+        return build(gguf, config)
+
+    monkeypatch.setattr(models, "_gguf_model", slow_model)
+    folders, errors = [], []
+
+    def convert():
+        try:
+            folders.append(models.ensure_converted(path, "fake", sha256))
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=convert) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and folders == [cache / "models" / "fake"] * 2
+    assert len(cheap_conversion) == 1
+    assert models.cached_conversion("fake", sha256) == folders[0]

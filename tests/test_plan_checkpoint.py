@@ -87,3 +87,36 @@ def test_a_conflict_leaves_the_model_unchanged(saved, options):
         splice.init_inference(model, checkpoint=str(root / "good"), device="cpu", **options)
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("where", ["file", "under_a_file"])
+def test_save_mp_checkpoint_path_on_a_file_raises_before_any_plan(tmp_path, where):
+    """A save path that is a file, or lies under one, is refused when the plan is resolved (before any step changes
+    the model), naming the file; a folder that does not exist yet is fine (the shard step creates it)."""
+    from splice.plan import resolve_tensor_parallel
+    blocker = tmp_path / "blocker"
+    blocker.write_text("x")
+    path = blocker if where == "file" else blocker / "shards"
+    model = build_tiny(tiny_llama_config())
+    config = resolve_config({"tensor_parallel": {"tp_size": 2}, "save_mp_checkpoint_path": str(path)})
+    with pytest.raises(ValueError, match=r"save_mp_checkpoint_path=.*blocker.* is a file; allowed: a folder"):
+        resolve_tensor_parallel(config, model, 2, None)
+    fresh = resolve_config({"tensor_parallel": {"tp_size": 2},
+                           "save_mp_checkpoint_path": str(tmp_path / "new" / "shards")})
+    assert resolve_tensor_parallel(fresh, model, 2, None) is not None
+
+
+def test_a_sharded_checkpoint_at_tp_size_1_names_the_size_it_was_saved_for(tmp_path):
+    """A splice tensor-parallel checkpoint (``splice_tp.json``) saved for 2 ranks, given at tp_size 1: the error says
+    which tp_size it loads at, before the model is touched."""
+    import json
+    from splice.tp.autotp import autotp_plan
+    from splice.tp.loading import FORMAT, MANIFEST
+    model = build_tiny(tiny_llama_config())
+    data = {"format": FORMAT, "tp_size": 2, "files": ["tp2-rank0.safetensors", "tp2-rank1.safetensors"], "ties": [],
+            "plan": autotp_plan(model).to_dict()}
+    (tmp_path / MANIFEST).write_text(json.dumps(data))
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"saved for tensor_parallel.tp_size=2, but tp_size=1; allowed: tp_size=2"):
+        splice.init_inference(model, checkpoint=str(tmp_path / MANIFEST))
+    assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())

@@ -13,11 +13,13 @@ process's ``HF_HUB_OFFLINE`` as the user set it).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import importlib.metadata
 import json
 import logging
+import re
 import shutil
 import tempfile
 import time
@@ -173,15 +175,38 @@ _LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def ensure_converted(gguf: Path, name: str, sha256: str) -> Path:
     """The converted folder for ``gguf`` under ``cache_dir()/models/name``, converting it first if needed.
 
-    ``sha256`` is what the GGUF must hash to; it is checked before converting.
+    ``sha256`` is what the GGUF must hash to; it is checked before converting. One process converts a name at a
+    time: another that finds no conversion waits for it, then uses its folder (a complete conversion is never
+    replaced under a process reading it).
     """
     folder = cached_conversion(name, sha256)
     if folder is not None:
         return folder
     verify_sha256(gguf, sha256)
     folder = cache_dir() / "models" / name
-    convert_gguf(gguf, folder, sha256)
+    with _conversion_lock(folder):
+        if cached_conversion(name, sha256) is None:  # else another process converted it while this one waited
+            convert_gguf(gguf, folder, sha256)
     return folder
+
+
+@contextlib.contextmanager
+def _conversion_lock(folder: Path):
+    """An exclusive lock on converting into ``folder``, shared by every process using this cache: an advisory lock on
+    ``cache_dir()/locks/<name>.lock`` (kept, so every process locks the same file; the OS releases the lock if its
+    holder dies)."""
+    lock_file = cache_dir() / "locks" / f"{folder.name}.lock"
+    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_file, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("splice: waiting for another process to finish converting into %s", folder)
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def cached_conversion(name: str, sha256: str) -> Path | None:
@@ -202,7 +227,8 @@ def cached_conversion(name: str, sha256: str) -> Path | None:
 
 
 def convert_gguf(gguf: Path, folder: Path, sha256: str) -> None:
-    """De-quantise ``gguf`` to an fp32 safetensors folder at ``folder``, atomically (temp folder, then rename)."""
+    """De-quantise ``gguf`` to an fp32 safetensors folder at ``folder``, atomically (temp folder, then rename).
+    Callers hold the folder's conversion lock (:func:`ensure_converted` does)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temporaries(folder)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{folder.name}-", dir=folder.parent))
@@ -273,6 +299,12 @@ def _remove_stale_temporaries(folder: Path, older_than_s: float = 3600.0) -> Non
                 shutil.rmtree(tmp, ignore_errors=True)
         except OSError:
             pass
+    # Folders _replace_folder moved aside and was killed before deleting (called under the conversion lock, so no
+    # other process is between its rename and its delete).
+    moved_aside = re.compile(rf"\.stale-{re.escape(folder.name)}-\d+-\d+")
+    for stale in folder.parent.glob(f".stale-{folder.name}-*"):
+        if moved_aside.fullmatch(stale.name):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _make_readable(folder: Path) -> None:

@@ -209,8 +209,11 @@ def check_weights(model: nn.Module, checkpoint: CheckpointSource | None, tp: int
                              "pass checkpoint=<safetensors folder, file or index JSON> so splice can load them, "
                              "or give a model with real weights")
         return
-    if tp == 1 or tp_manifest(checkpoint) is None:
+    manifest = tp_manifest(checkpoint)
+    if manifest is None:
         check_checkpoint(model, checkpoint)
+    elif tp == 1:  # at tp > 1 resolve_tensor_parallel has checked the size
+        manifest_plan(manifest, tp)  # raises: the shards load only at the tp_size they were saved for
 
 
 # ---- tensor parallelism ---------------------------------------------------------------------------------------------
@@ -244,6 +247,8 @@ def resolve_tensor_parallel(config: InferenceConfig, model: nn.Module, tp: int,
                           "tensor_parallel.tp_size=1: it only says which linears to shard, which needs tp_size > 1; "
                           "remove it, or launch with tp_size > 1", SpliceIgnoredOptionWarning, stacklevel=4)
         return None
+    if config.save_mp_checkpoint_path:
+        check_shard_folder(config.save_mp_checkpoint_path)
     manifest = tp_manifest(checkpoint)
     if manifest is not None:
         plan = manifest_plan(manifest, tp)
@@ -258,6 +263,16 @@ def resolve_tensor_parallel(config: InferenceConfig, model: nn.Module, tp: int,
         plan = autotp_plan(model, trace_model(model))
     verify(plan, model, tp)
     return plan
+
+
+def check_shard_folder(path: str) -> None:
+    """``save_mp_checkpoint_path`` must be a folder or become one (created when the shards are written): checked
+    here, before any step changes the model, rather than failing in the shard step."""
+    folder = Path(path).expanduser()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"save_mp_checkpoint_path={path!r}: {str(existing)!r} is a file; allowed: a folder, or a path "
+                         "whose existing part is a folder (the rest is created)")
 
 
 def checked_policy_plan(model: nn.Module, policy: dict, tp: int) -> TPPlan:

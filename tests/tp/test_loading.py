@@ -59,3 +59,29 @@ def test_meta_gemma_shards_load_their_rows_and_get_their_embed_scale_back(tmp_pa
         with torch.no_grad():
             total += embedding(ids)
     assert torch.allclose(total, expected, atol=1e-6)
+
+
+def test_a_failed_save_leaves_no_manifest_and_no_half_written_file(tmp_path, monkeypatch):
+    """save_shards writes each file under a temporary name and the manifest last, after removing an earlier save's:
+    a save that fails while writing its shard leaves nothing that loads as a checkpoint, and no temporary files."""
+    from splice.distributed import SINGLE_PROCESS
+    from splice.tp import loading
+    from splice.tp.autotp import autotp_plan
+    from tests.arch.tiny_models import build
+    model = build("llama")
+    plan = autotp_plan(model)
+    manifest = loading.save_shards(model, plan, SINGLE_PROCESS, tmp_path)
+    assert read_manifest(manifest) is not None and (tmp_path / "tp1-rank0.safetensors").is_file()
+    before = (tmp_path / "tp1-rank0.safetensors").read_bytes()
+
+    def fails_midway(tensors, filename, metadata=None):
+        with open(filename, "wb") as handle:
+            handle.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(loading, "save_file", fails_midway)
+    with pytest.raises(OSError, match="disk full"):
+        loading.save_shards(model, plan, SINGLE_PROCESS, tmp_path)
+    assert not manifest.exists() and read_manifest(tmp_path) is None
+    assert (tmp_path / "tp1-rank0.safetensors").read_bytes() == before  # the old file, whole, never a partial one
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tp1-rank0.safetensors"]

@@ -125,7 +125,11 @@ def slice_in_memory(state: dict[str, torch.Tensor], spec: Slice) -> torch.Tensor
 
 
 def save_shards(model: nn.Module, plan: TPPlan, ctx: ParallelContext, path: str | os.PathLike) -> Path:
-    """Write this rank's shard and (rank 0) the manifest; returns the manifest path. Collective: all ranks call."""
+    """Write this rank's shard and (rank 0) the manifest; returns the manifest path. Collective: all ranks call.
+
+    The folder only ever holds a manifest whose files are complete: rank 0 removes an earlier save's manifest first,
+    each file is written under a temporary name and renamed into place, and the manifest is written last, once every
+    rank has its file. A save that fails midway leaves no manifest (nothing that loads as a checkpoint)."""
     folder = Path(path).expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     tp = ctx.world_size
@@ -135,13 +139,28 @@ def save_shards(model: nn.Module, plan: TPPlan, ctx: ParallelContext, path: str 
         tensors[names[0]] = tensor.detach().contiguous()
         if len(names) > 1:
             ties.append(names)
-    save_file(tensors, str(folder / files[ctx.rank]), metadata={"format": FORMAT, "rank": str(ctx.rank)})
     manifest = folder / MANIFEST
     if ctx.rank == 0:
+        manifest.unlink(missing_ok=True)
+    ctx.barrier()
+    _write_atomically(folder / files[ctx.rank],
+                      lambda tmp: save_file(tensors, str(tmp), metadata={"format": FORMAT, "rank": str(ctx.rank)}))
+    ctx.barrier()
+    if ctx.rank == 0:
         data = {"format": FORMAT, "tp_size": tp, "files": files, "ties": ties, "plan": plan.to_dict()}
-        manifest.write_text(json.dumps(data, indent=1))
+        _write_atomically(manifest, lambda tmp: tmp.write_text(json.dumps(data, indent=1)))
     ctx.barrier()
     return manifest
+
+
+def _write_atomically(target: Path, write) -> None:
+    """``write(tmp)`` a file beside ``target``, then rename it to ``target`` (no reader sees it half-written)."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def read_manifest(path: str | os.PathLike) -> dict | None:
