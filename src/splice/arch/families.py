@@ -19,7 +19,10 @@ QWEN3 = ArchRecord(model_type="qwen3", sliding_window=True, q_norm="self_attn.q_
 
 PHI3 = ArchRecord(model_type="phi3", qkv="self_attn.qkv_proj", gate_up="mlp.gate_up_proj", sliding_window=True)
 
-GEMMA = ArchRecord(model_type="gemma", norm_offset=1.0, embed_scale=True)
+# use_bidirectional_attention (embedding Gemmas) attends to later tokens, which a causal block with a KV cache cannot
+BIDIRECTIONAL = ("use_bidirectional_attention", True)
+
+GEMMA = ArchRecord(model_type="gemma", norm_offset=1.0, embed_scale=True, refuse=(BIDIRECTIONAL,))
 
 # DS_GPTNEOXContainer: per-head [q k v], partial rotary, sequential or parallel residual with two norms
 GPT_NEOX = ArchRecord(
@@ -80,13 +83,15 @@ BLOOM = ArchRecord(
 GEMMA2 = ArchRecord(
     model_type="gemma2", activation_key="hidden_activation", norm_offset=1.0, embed_scale=True, sliding_window=True,
     mlp_norm="pre_feedforward_layernorm", attn_out_norm="post_attention_layernorm",
-    mlp_out_norm="post_feedforward_layernorm")
+    mlp_out_norm="post_feedforward_layernorm", refuse=(BIDIRECTIONAL,))
 
-# (no DeepSpeed container) Gemma 2's layout plus qk-norm and a rotary base per layer type
+# (no DeepSpeed container) Gemma 2's layout plus qk-norm and a rotary base per layer type; Hugging Face's Gemma 3
+# attention never applies attn_logit_softcapping (the final logits do take final_logit_softcapping)
 GEMMA3_TEXT = ArchRecord(
     model_type="gemma3_text", activation_key="hidden_activation", norm_offset=1.0, embed_scale=True,
     sliding_window=True, mlp_norm="pre_feedforward_layernorm", attn_out_norm="post_attention_layernorm",
-    mlp_out_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+    mlp_out_norm="post_feedforward_layernorm", q_norm="self_attn.q_norm", k_norm="self_attn.k_norm",
+    attn_softcap_key=None, refuse=(BIDIRECTIONAL,))
 
 # the language model of Gemma 3's multimodal model (images go through Hugging Face's generate on the fused blocks)
 GEMMA3 = replace(GEMMA3_TEXT, model_type="gemma3", layers="model.language_model.layers",

@@ -92,6 +92,8 @@ class ArchRecord:
     window_layer_type: str = "sliding_attention"
     # a fixed score scale where the family has one its config does not state (GPT-Neo: 1), else read from the config
     attn_scale: float | None = None
+    # the config key of the attention scores' soft-cap, None where the family's attention never applies one
+    attn_softcap_key: str | None = "attn_logit_softcapping"
     # config values the fused block cannot express: ``((key, value), ...)`` refused at plan time
     refuse: tuple[tuple[str, Any], ...] = ()
     # how the family's Hugging Face model calls a decoder layer: the names of its positional arguments after the
@@ -125,6 +127,8 @@ class ModelDims:
     eps: float | None
     activation: str
     windows: tuple[int | None, ...]  # sliding window per layer (None: full attention)
+    # every layer's rope; where layers differ (``layer_ropes``), the one with the fewest positions a static table
+    # can hold, which bounds max_out_tokens
     rope: RopeSpec
     layer_ropes: tuple[RopeSpec, ...] = ()  # per layer, when layers differ (Gemma 3's local and global layers)
     positions: str = "rotary"  # "rotary", "learned", "alibi" or "none"
@@ -184,17 +188,22 @@ def model_dims(record: ArchRecord, config: Any) -> ModelDims:
         eps=getattr(config, record.eps_key, None),
         activation=record.activation or getattr(config, record.activation_key),
         windows=layer_windows(record, config),
-        rope=ropes[0],
+        rope=min(ropes, key=lambda spec: spec.max_positions),
         layer_ropes=ropes if len(set(ropes)) > 1 else (),
         positions="alibi" if alibi else record.positions,
         parallel=config_flag(record.parallel, config),
         norm_before=config_flag(record.norm_before, config),
         attn_scale=record.attn_scale if record.attn_scale is not None else attention_scale(config),
         scale_by_layer=bool(getattr(config, "scale_attn_by_inverse_layer_idx", False)),
-        attn_softcap=getattr(config, "attn_logit_softcapping", None),
+        attn_softcap=getattr(config, record.attn_softcap_key, None) if record.attn_softcap_key else None,
         final_softcap=getattr(config, "final_logit_softcapping", None),
         position_limit=config.max_position_embeddings if record.positions == "learned" else None,
     )
+
+
+#: the attention implementations whose masks (boolean, float or None) the fused block applies as they are; others
+#: hand the layers a BlockMask (flex_attention) or the 2-D padding mask (flash attention)
+MASKED_ATTENTION = (None, "eager", "sdpa")
 
 
 def check_fits(record: ArchRecord, config: Any) -> None:
@@ -204,6 +213,11 @@ def check_fits(record: ArchRecord, config: Any) -> None:
         if getattr(config, key, None) == value:
             raise ValueError(f"kernel injection cannot fuse model_type={record.model_type!r} with {key}={value!r}: "
                              f"the fused block has no such layout; use replace_with_kernel_inject=False for this model")
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in MASKED_ATTENTION:
+        raise ValueError(f"kernel injection cannot fuse a model loaded with attn_implementation={implementation!r}: "
+                         "the fused blocks take the boolean or float masks Hugging Face builds for sdpa and eager "
+                         "attention; allowed: attn_implementation='sdpa' or 'eager'")
     if record.qkv_layout not in ("contiguous", "grouped"):
         raise ValueError(f"record {record.model_type!r}: qkv_layout={record.qkv_layout!r}; allowed: contiguous, "
                          "grouped")
@@ -286,11 +300,13 @@ def rope_spec(config: Any, layer_type: str | None = None) -> RopeSpec:
 
 def _rescale_limit(rope_type: str, params: dict, config: Any) -> int:
     """Rope types that change their frequencies with the running length ("dynamic", "longrope") match a fixed table
-    only up to the original context; the others have no limit of their own."""
+    only up to the original context; the others have no limit of their own. A 4.x longrope config (Phi-3) keeps its
+    original context at the config's top level, where transformers 4.x reads it."""
     if rope_type == "dynamic":
         return config.max_position_embeddings
     if rope_type == "longrope":
-        return params.get("original_max_position_embeddings", config.max_position_embeddings)
+        return (params.get("original_max_position_embeddings")
+                or getattr(config, "original_max_position_embeddings", None) or config.max_position_embeddings)
     return 2**62
 
 
