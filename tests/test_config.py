@@ -413,6 +413,20 @@ def test_no_effect_options_warn_by_name(kwargs, path):
         resolve_config(kwargs)
 
 
+@pytest.mark.parametrize("quant", [
+    {"enabled": True, "activation": {"q_groups": 4}},
+    {"activation": {"enabled": False, "q_type": "asymmetric"}},
+])
+def test_activation_settings_with_activations_off_warn_by_name(quant):
+    """With the quant section on (quant.enabled=True, or dtype=int8) but activations off, the activation keys would
+    vanish: they warn, naming each one; with activations on they apply (no warning)."""
+    kwargs = {"quant": quant} if quant.get("enabled") else {"quant": quant, "dtype": torch.int8}
+    with pytest.warns(SpliceIgnoredOptionWarning, match=r"quant\.activation\.(q_groups|q_type)=.*has no effect in "
+                      r"splice: activations are not quantized"):
+        resolve_config(**kwargs)
+    resolve_quietly(quant={"enabled": True, "activation": {"enabled": True}})
+
+
 def test_ignored_options_at_default_do_not_warn():
     resolve_quietly(use_triton=False, return_tuple=True, triangular_masking=True, replace_method="auto",
                     min_out_tokens=1)

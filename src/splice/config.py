@@ -249,7 +249,8 @@ class WeightQuantConfig(_Section):
 
 
 class ActivationQuantConfig(_Section):
-    enabled: bool = Field(False, description="Quantize activations (when the section applies: see quant.enabled).",
+    enabled: bool = Field(False, description=("Quantize activations (when the section applies: see quant.enabled); "
+                                              "while False, the keys below warn."),
                           json_schema_extra=_note("DeepSpeed defaults to True; splice quantizes weights only "
                                                   "unless asked."))
     num_bits: Literal[8] = Field(8, description="Bits per quantized activation.")
@@ -422,6 +423,7 @@ class InferenceConfig(_Section):
         settings = _quant_settings(self.quant)
         int8 = self.dtype == torch.int8
         if not settings or self.quant.enabled or (self.quant.enabled is None and int8):
+            _warn_idle_activation_settings(self.quant, settings)
             return self  # nothing given, or the section applies
         if int8:  # quant.enabled=False: dtype=int8 quantizes per channel; only quantize_lm_head still applies
             conflicting = [s for s in settings if not s.startswith("quant.quantize_lm_head=")]
@@ -540,6 +542,16 @@ def _quant_settings(quant: QuantizationConfig) -> list[str]:
         if field_support(path) == HONOURED and not _same(value, _default_at(path)):
             given.append(f"{path}={_short(value, 60)}")
     return given
+
+
+def _warn_idle_activation_settings(quant: QuantizationConfig, settings: list[str]) -> None:
+    """quant.activation's keys other than ``enabled`` only shape activation quantization: while it is off they would
+    vanish, so they warn."""
+    idle = [s for s in settings if s.startswith("quant.activation.")]
+    if idle and not quant.activation.enabled:
+        warnings.warn(f"{', '.join(idle)} has no effect in splice: activations are not quantized "
+                      "(quant.activation.enabled=False); allowed: quant.activation.enabled=True to quantize them "
+                      "with these settings, or remove them", SpliceIgnoredOptionWarning, stacklevel=3)
 
 
 def _covered(path: str) -> bool:
