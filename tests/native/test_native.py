@@ -357,6 +357,44 @@ def test_argmax_rows_refuses_what_it_cannot_pick_from():
 
 
 @needs_native
+@pytest.mark.parametrize("rows", (1, 2, 5, 9))
+def test_dot_products_give_nan_where_x_has_a_nan(isa, rows):
+    """A NaN in a row of x makes that row's outputs NaN, as ``qmath.round_activations`` (its block scale NaN) and the
+    float products give; the other rows stay finite and match the reference."""
+    torch.manual_seed(0)
+    n, k, group = 32, 128, 32
+    x = torch.randn(rows, k).bfloat16()
+    x[0, 37] = float("nan")
+    w8, scales = torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16()
+    q, sz = torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.randn(k // group, n, 2).bfloat16()
+    rounded = qmath.round_activations(x.float())
+    cases = ((torch.ops.splice_kernels.int8_dot_gemv(x, w8, scales), (rounded @ w8.float().T) * scales.float()),
+             (torch.ops.splice_kernels.int4_dot_gemv(x, native.int4_tile_pack(q), native.int4_tile_scales(sz), group),
+              rounded @ qmath.dequantize_int4(q, sz).T))
+    for got, expected in cases:
+        assert expected[0].isnan().all() and got[0].float().isnan().all()
+        assert got[1:].float().isfinite().all()
+        assert rows == 1 or relative_error(got[1:], expected[1:]) < 2e-2
+
+
+@needs_native
+def test_quant_kernels_dispatch_only_shapes_the_native_ops_take(isa):
+    """No rows (an empty batch) give an empty product, as torch's kernels do, and int8 dot products with K off the
+    block of 32 fall back to the float products: the wrappers never hand the native ops a shape they refuse."""
+    from splice.quant import kernels
+
+    w8, scales = torch.randint(-128, 128, (64, 40), dtype=torch.int8), torch.rand(64).bfloat16()
+    q, sz = torch.randint(0, 16, (64, 64), dtype=torch.uint8), torch.randn(2, 64, 2).bfloat16()
+    tiles, tiled_sz = native.int4_tile_pack(q), native.int4_tile_scales(sz)
+    for dot in (False, True):
+        assert kernels.int8_weight_mm(torch.zeros(0, 40).bfloat16(), w8, scales, True, dot).shape == (0, 64)
+        assert kernels.int4_mm(torch.zeros(0, 64).bfloat16(), tiles, 32, tiled_sz, True, dot).shape == (0, 64)
+    x = torch.randn(3, 40).bfloat16()
+    expected = (x.float() @ w8.float().T) * scales.float()
+    assert relative_error(kernels.int8_weight_mm(x, w8, scales, True, True), expected) < 1e-2
+
+
+@needs_native
 def test_int8_dot_gemv_refuses_in_features_off_the_block():
     with pytest.raises(RuntimeError, match="multiple of 32"):
         torch.ops.splice_kernels.int8_dot_gemv(torch.randn(1, 48).bfloat16(), torch.zeros(4, 48, dtype=torch.int8),

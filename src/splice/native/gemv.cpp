@@ -737,7 +737,9 @@ DotActivations round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
       const __m512 lo = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
       const __m512 hi = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16)));
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      const float d = std::max(amax, 1e-12f) / 127.f;
+      // a NaN in the block makes its scale NaN (max drops NaNs), so its products are NaN as qmath's are
+      const bool nan = _mm512_cmp_ps_mask(lo, hi, _CMP_UNORD_Q) != 0;
+      const float d = nan ? NAN : std::max(amax, 1e-12f) / 127.f;
       const __m512 dv = _mm512_set1_ps(d);
       const __m512i q_lo = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(lo, dv)), low), high);
       const __m512i q_hi = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(hi, dv)), low), high);
@@ -1632,7 +1634,8 @@ struct DotRows {
 };
 
 // Eight lanes at a time, each step as qmath.round_activations takes it (d = amax / 127, q = round-to-nearest-even(x /
-// d) clamped to -127..127; a NaN lane gives -127), so the same bytes as round_rows at every level.
+// d) clamped to -127..127; a NaN lane gives -127 and its block the scale NaN), so the same bytes as round_rows at
+// every level.
 DotRows round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
   DotRows a;
   a.q.resize(m * k);
@@ -1640,12 +1643,14 @@ DotRows round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
   const __m256 low = _mm256_set1_ps(-127.f), high = _mm256_set1_ps(127.f);
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t b = 0; b < m * k / DOT_BLOCK; ++b) {
-    __m256 values[DOT_BLOCK / 8], amax = _mm256_setzero_ps();
+    __m256 values[DOT_BLOCK / 8], amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
     for (int64_t j = 0; j < DOT_BLOCK / 8; ++j) {
       values[j] = bf16x8_to_f32(x + b * DOT_BLOCK + 8 * j);
-      amax = _mm256_max_ps(_mm256_andnot_ps(sign, values[j]), amax);  // a NaN lane keeps amax, as std::max does
+      amax = _mm256_max_ps(_mm256_andnot_ps(sign, values[j]), amax);  // a NaN lane keeps amax
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(values[j], values[j], _CMP_UNORD_Q));
     }
-    const float d = std::max(horizontal_max(amax), 1e-12f) / 127.f;
+    // a NaN in the block makes its scale NaN, so its products are NaN as qmath's are
+    const float d = _mm256_movemask_ps(nan) ? NAN : std::max(horizontal_max(amax), 1e-12f) / 127.f;
     const __m256 dv = _mm256_set1_ps(d);
     __m256i codes[DOT_BLOCK / 8];
     for (int64_t j = 0; j < DOT_BLOCK / 8; ++j) {

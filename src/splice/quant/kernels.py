@@ -72,15 +72,15 @@ def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     """``x [M, K] bf16 @ (qweight [N, K] int8 * scales [N] bf16).T``, per output channel. ``use_native``: the layer
     may use ``splice_kernels.int8_gemv`` (for the rows :func:`splice.native.fits`); ``dot_products``: up to
     ``native.MAX_ROWS["int8_dot"]`` of those rows go to ``int8_dot_gemv`` instead (``x`` rounded to int8 per block of
-    32, integer sums), more (AMX tiles) to ``int8_gemv``; ``widen``: prefill as float32 GEMMs on widened slabs
-    (``native.prompts_widened``)."""
+    32, integer sums; K whole blocks), more (AMX tiles) to ``int8_gemv``; ``widen``: prefill as float32 GEMMs on
+    widened slabs (``native.prompts_widened``)."""
     if use_native and native.fits("int8", x):
-        if dot_products and x.shape[0] <= native.MAX_ROWS["int8_dot"]:
+        if dot_products and x.shape[0] <= native.MAX_ROWS["int8_dot"] and x.shape[1] % qmath.ACTIVATION_BLOCK == 0:
             return torch.ops.splice_kernels.int8_dot_gemv(x, qweight, scales)
         return torch.ops.splice_kernels.int8_gemv(x, qweight, scales)
     if _int8pack_runs(x.device, x.shape[0], x.shape[1]):
         return torch._weight_int8pack_mm(x, qweight, scales)
-    if use_native and x.dtype == torch.bfloat16:  # prefill: native conversion into a kept buffer, one GEMM
+    if use_native and x.dtype == torch.bfloat16 and x.shape[0] > 0:  # prefill: native conversion, one GEMM
         return torch.ops.splice_kernels.int8_linear(x, qweight, scales, widen)
     return F.linear(x, qweight.to(x.dtype)) * scales
 
@@ -156,6 +156,8 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros:
     ``int4_linear`` (the weight de-quantised into the kept bf16 buffer for one oneDNN/AMX GEMM; with ``widen``,
     slab by slab, widened, for float32 GEMMs)."""
     if use_native:
+        if x.shape[0] == 0:  # the native ops take at least one row
+            return x.new_empty((0, packed.shape[0] * native.INT4_TILE))
         if x.shape[0] <= native.MAX_ROWS["int4"]:
             op = torch.ops.splice_kernels.int4_dot_gemv if dot_products else torch.ops.splice_kernels.int4_gemv
             return op(x, packed, scales_and_zeros, group)
