@@ -31,6 +31,15 @@ def test_init_inference_returns_engine_module(pair):
                                                           "place", "compile"]
 
 
+def test_deepspeed_engine_attributes(pair):
+    """What code written for DeepSpeed's engine reads from it."""
+    _, model = pair
+    engine = splice.init_inference(model, tensor_parallel={"tp_size": 1})
+    assert engine._config is engine.inference_config
+    assert engine.mp_world_size == 1 and engine.mp_group is None and engine.mpu is None
+    assert engine.injection_dict is None
+
+
 def test_forward_matches_reference_logits(pair):
     reference, model = pair
     engine = splice.init_inference(model)
@@ -52,6 +61,37 @@ def test_beam_search_matches_hf(pair):
     kwargs = dict(max_new_tokens=12, num_beams=3, do_sample=False, early_stopping=True)
     expected = reference.generate(PROMPTS[:1], **kwargs)
     assert torch.equal(engine.generate(PROMPTS[:1], **kwargs), expected)
+
+
+@pytest.mark.parametrize("inject", [False, True])
+def test_outputs_are_ordinary_tensors_the_caller_may_change(pair, inject):
+    """As the model's own outputs (no_grad, not inference_mode): code such as ``logits /= temperature`` works."""
+    reference, model = pair
+    engine = splice.init_inference(model, replace_with_kernel_inject=inject, max_out_tokens=32)
+    with torch.no_grad():
+        expected = reference(PROMPTS).logits
+    logits = engine(PROMPTS).logits
+    logits /= 2.0
+    torch.testing.assert_close(logits, expected / 2.0)
+    for options in (dict(), dict(return_dict_in_generate=True, output_scores=True)):
+        output = engine.generate(PROMPTS, max_new_tokens=3, do_sample=False, **options)
+        sequences = output if isinstance(output, torch.Tensor) else output.sequences
+        assert not sequences.is_inference()
+        sequences[:, -1] = 0
+        if options:
+            assert not any(score.is_inference() for score in output.scores)
+
+
+def test_only_plain_arguments_key_a_cuda_graph():
+    """A call with a stateful argument (a Cache, which every run changes) never goes through a graph's warm-up."""
+    from transformers import DynamicCache
+
+    from splice.engine import _capturable
+
+    ids = PROMPTS
+    assert _capturable((ids,), dict(attention_mask=ids, use_cache=False, output_hidden_states=True))
+    assert not _capturable((ids,), dict(past_key_values=DynamicCache()))
+    assert not _capturable(((ids, ids),), {})
 
 
 def test_too_long_request_raises_before_any_forward(pair):

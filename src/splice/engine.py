@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.utils import ModelOutput
 
 from .config import InferenceConfig
 from .distributed import SINGLE_PROCESS, ParallelContext
@@ -81,6 +82,30 @@ class InferenceEngine(nn.Module):
             return False
         return hasattr(module, name)
 
+    # --- DeepSpeed's engine attributes, read by code written for it ---------------------------------------------
+    @property
+    def _config(self) -> InferenceConfig:
+        """DeepSpeed's name for the resolved config (``inference_config``)."""
+        return self.inference_config
+
+    @property
+    def mp_world_size(self) -> int:
+        """The number of ranks the model is sharded across (the tensor-parallel group's size)."""
+        return self.parallel.world_size
+
+    @property
+    def mp_group(self) -> Any:
+        """The tensor-parallel process group; None for one process."""
+        return self.parallel.group
+
+    @property
+    def mpu(self) -> Any:
+        return self.inference_config.tensor_parallel.mpu
+
+    @property
+    def injection_dict(self) -> dict | None:
+        return self.inference_config.injection_policy
+
     @property
     def report(self) -> list[tuple[str, str]]:
         """What each step did, as ``(step, sentence)`` pairs."""
@@ -98,8 +123,10 @@ class InferenceEngine(nn.Module):
         """The model's forward; with ``enable_cuda_graph``, replayed from a CUDA graph of this call's signature."""
         self._checked_input_ids(args, kwargs)
         self._check_outputs(kwargs)
-        with torch.inference_mode():
-            if self._forward_graphs is None:
+        # no_grad, not inference_mode: what comes back is an ordinary tensor, which the caller may change in place
+        # (``logits /= temperature``), as the model's own output under no_grad
+        with torch.no_grad():
+            if self._forward_graphs is None or not _capturable(args, kwargs):
                 return self.module(*args, **kwargs)
             with self._timer.measure_as_one() if self._timer is not None else nullcontext():
                 return self._forward_graphs(len(args), tuple(kwargs), *args, *kwargs.values())
@@ -118,10 +145,11 @@ class InferenceEngine(nn.Module):
         args, kwargs = generate_arguments(self.module, args, kwargs)
         check_request(self.module, args, kwargs, self.vocab_size, self.inference_config.max_out_tokens)
         self.parallel.sync_rng()  # under TP every rank must sample the same tokens, even if reseeded since init
-        with torch.inference_mode():
-            if self.runtime is not None:
-                return native_generate(self.module, self.runtime, *args, timer=self._timer, **kwargs)  # or HF's
-            return self.module.generate(*args, **kwargs)
+        with torch.no_grad():  # as Hugging Face's generate: its output is an ordinary tensor
+            if self.runtime is None:
+                return self.module.generate(*args, **kwargs)
+            output = native_generate(self.module, self.runtime, *args, timer=self._timer, **kwargs)  # or HF's
+        return ordinary_tensors(output)
 
     def _check_outputs(self, kwargs: dict) -> None:
         """Attention weights are never formed by the fused blocks (SDPA): asking a kernel-injected model for them
@@ -172,6 +200,32 @@ class InferenceEngine(nn.Module):
         if self._timer is None:
             raise RuntimeError("model_times() needs profile_model_time() to be called first")
         return self._timer.take()
+
+
+def ordinary_tensors(value: Any) -> Any:
+    """``value`` with each inference tensor in it (the native loop runs under ``inference_mode``) cloned into an
+    ordinary one, which the caller may change in place as Hugging Face's output; other values as they are."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.is_inference() else value
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(ordinary_tensors(item) for item in value)
+    if isinstance(value, ModelOutput):
+        for key, item in value.items():
+            value[key] = ordinary_tensors(item)
+    return value
+
+
+def _capturable(args: tuple, kwargs: dict) -> bool:
+    """Whether a call's arguments can key a CUDA graph: tensors and plain values only. An object such as a
+    ``Cache`` (``past_key_values``) is changed by every run, so the warm-up runs before a capture would change it
+    too: such a call runs eagerly."""
+    return all(isinstance(value, torch.Tensor) or _plain(value) for value in (*args, *kwargs.values()))
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, (tuple, frozenset)):
+        return all(map(_plain, value))
+    return value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device))
 
 
 def _is_dunder(name: str) -> bool:

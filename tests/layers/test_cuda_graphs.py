@@ -108,3 +108,17 @@ def test_cuda_graphs_with_tensor_parallelism_or_host_weights_are_refused(tp, on_
     config = InferenceConfig(enable_cuda_graph=True, keep_module_on_host=on_host)
     with pytest.raises(ValueError, match=refused):
         check_graphs(config, torch.device("cuda"), tp)
+
+
+@needs_cuda
+def test_engine_call_with_a_cache_runs_eagerly_and_changes_the_cache_once():
+    """A ``past_key_values`` cache is changed by every run: no warm-up or capture may run the call again."""
+    model = build_family("llama").cuda()
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), device="cuda")
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits[:, 5:]
+    engine = splice.init_inference(model, enable_cuda_graph=True)
+    first = engine(ids[:, :5], use_cache=True)
+    second = engine(ids[:, 5:], past_key_values=first.past_key_values, use_cache=True)
+    assert second.past_key_values.get_seq_length() == 9
+    torch.testing.assert_close(second.logits, expected, rtol=1e-4, atol=1e-4)
