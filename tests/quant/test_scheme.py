@@ -170,3 +170,13 @@ def test_values_of_the_wrong_type_are_refused_naming_value_and_choices(fields, m
 def test_activation_settings_error_says_activations_are_rounded_per_block():
     with pytest.raises(ValueError, match="per row and block of 32"):
         _from(quant={"enabled": True, "activation": {"enabled": True, "q_groups": 4}})
+
+
+def test_symmetric_defaults_to_the_most_accurate_scheme_for_the_width():
+    """The direct API picks what init_inference picks with no q_type: asymmetric int4 (its zero points reproduce the
+    weights more closely), symmetric int8 (the int8 kernels take no zero point); an explicit value wins."""
+    assert QuantConfig(bits=4).symmetric is False and QuantConfig(bits=4, group_size=32).symmetric is False
+    assert QuantConfig().symmetric is True and QuantConfig(bits=8).symmetric is True
+    assert QuantConfig(bits=4, symmetric=True).symmetric is True
+    from_init = QuantConfig.from_inference_config(resolve_config(quant={"enabled": True, "weight": {"num_bits": 4}}))
+    assert from_init.symmetric is QuantConfig(bits=4).symmetric

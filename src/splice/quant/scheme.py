@@ -58,13 +58,15 @@ class QuantConfig:
     bits: int = 8
     group_size: int | None = None  # None: q_groups decides (1 = per output channel; int4 default group)
     q_groups: int = 1
-    symmetric: bool = True
+    symmetric: bool | None = None  # None: DEFAULT_SYMMETRIC for bits (int4 asymmetric, int8 symmetric)
     activations: bool = False  # dynamic int8 activations (W8A8)
     quantize_lm_head: bool = False  # the output head in this scheme
     lm_head_int8: bool = False  # the output head in int8 per output channel (when quantize_lm_head is False)
     quantize_qkv: bool = True
 
     def __post_init__(self) -> None:
+        if self.symmetric is None:
+            object.__setattr__(self, "symmetric", DEFAULT_SYMMETRIC.get(self.bits, True))
         _check_types(self)
         _check_choice("bits (quant.weight.num_bits)", self.bits, (8, 4))
         if self.group_size is not None and self.group_size < 1:
@@ -165,7 +167,7 @@ def _check_types(config: QuantConfig) -> None:
     ``group_size=32.0`` fails deep inside the kernels instead of here."""
     for f in fields(config):
         value = getattr(config, f.name)
-        if f.type == "bool" and not isinstance(value, bool):
+        if f.type.startswith("bool") and not isinstance(value, bool):  # symmetric's None is resolved by now
             raise TypeError(f"QuantConfig.{f.name}={value!r} must be a bool; allowed: True, False")
         is_int = isinstance(value, int) and not isinstance(value, bool)
         if f.type.startswith("int") and not is_int and not (value is None and "None" in f.type):
