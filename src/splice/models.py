@@ -25,7 +25,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -190,18 +190,24 @@ def ensure_converted(gguf: Path, name: str, sha256: str) -> Path:
     return folder
 
 
-@contextlib.contextmanager
 def _conversion_lock(folder: Path):
-    """An exclusive lock on converting into ``folder``, shared by every process using this cache: an advisory lock on
-    ``cache_dir()/locks/<name>.lock`` (kept, so every process locks the same file; the OS releases the lock if its
-    holder dies)."""
+    """An exclusive lock on converting into ``folder``, shared by every process using this cache: the lock file
+    ``cache_dir()/locks/<name>.lock`` is kept, so every process locks the same file."""
     lock_file = cache_dir() / "locks" / f"{folder.name}.lock"
     lock_file.parent.mkdir(parents=True, exist_ok=True)
+    return exclusive_lock(lock_file, lambda: log.warning(
+        "splice: waiting for another process to finish converting into %s", folder))
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock_file: Path, on_wait: Callable[[], None]) -> Iterator[None]:
+    """An exclusive advisory lock on ``lock_file`` (released by the OS if its holder dies) for work that processes
+    sharing the cache must not do at once; ``on_wait()`` runs first when another process holds it."""
     with open(lock_file, "a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.warning("splice: waiting for another process to finish converting into %s", folder)
+            on_wait()
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield

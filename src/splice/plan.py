@@ -209,11 +209,8 @@ def check_weights(model: nn.Module, checkpoint: CheckpointSource | None, tp: int
                              "pass checkpoint=<safetensors folder, file or index JSON> so splice can load them, "
                              "or give a model with real weights")
         return
-    manifest = tp_manifest(checkpoint)
-    if manifest is None:
+    if tp == 1 or tp_manifest(checkpoint) is None:
         check_checkpoint(model, checkpoint)
-    elif tp == 1:  # at tp > 1 resolve_tensor_parallel has checked the size
-        manifest_plan(manifest, tp)  # raises: the shards load only at the tp_size they were saved for
 
 
 # ---- tensor parallelism ---------------------------------------------------------------------------------------------
@@ -233,8 +230,12 @@ def resolve_tensor_parallel(config: InferenceConfig, model: nn.Module, tp: int,
     """The verified plan at ``tp`` ranks (None at 1): the checkpoint manifest's, else the injection_policy's, else with
     kernel injection the family record's, else AutoTP's (as DeepSpeed: its injection containers carry their own
     policies, AutoTP serves the models it does not inject). An injection_policy is checked in every case: at tp 1 it
-    then warns (it has no effect), with a manifest it must give the stored plan's split."""
+    then warns (it has no effect), with a manifest it must give the stored plan's split. A manifest's shards load only
+    at the tp_size they were saved for, 1 included."""
+    manifest = tp_manifest(checkpoint)
     if tp == 1:
+        if manifest is not None:
+            manifest_plan(manifest, tp)  # raises unless the checkpoint was saved for one rank
         if config.save_mp_checkpoint_path:
             raise ValueError(f"save_mp_checkpoint_path={config.save_mp_checkpoint_path!r} writes tensor-parallel "
                              "shards and needs tensor_parallel.tp_size > 1; at tp_size=1 save the model with "
@@ -249,7 +250,6 @@ def resolve_tensor_parallel(config: InferenceConfig, model: nn.Module, tp: int,
         return None
     if config.save_mp_checkpoint_path:
         check_shard_folder(config.save_mp_checkpoint_path)
-    manifest = tp_manifest(checkpoint)
     if manifest is not None:
         plan = manifest_plan(manifest, tp)
         if config.injection_policy:

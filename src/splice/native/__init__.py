@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import fcntl
 import hashlib
 import os
 import platform
@@ -38,7 +37,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..models import cache_dir
+from ..models import cache_dir, exclusive_lock
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
 #: Instruction-set levels, lowest first; their index + 1 is the level number the C++ side uses.
@@ -347,27 +346,13 @@ def build_library(source: Path, name: str, cflags: list[str], ldflags: list[str]
     path = library_path(key, stem=name)
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        with _build_lock(path.parent / "build.lock", what):
+        with exclusive_lock(path.parent / "build.lock", lambda: print(
+                f"splice: waiting for another process to finish building {what}...", file=sys.stderr, flush=True)):
             if not path.exists():
                 _compile(source, cflags, ldflags, path, what)  # loads it, too
                 return path
     torch.ops.load_library(str(path))
     return path
-
-
-@contextlib.contextmanager
-def _build_lock(lock_file: Path, what: str) -> Iterator[None]:
-    """An exclusive lock on ``lock_file`` (released by the OS if the holder dies)."""
-    with open(lock_file, "a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            print(f"splice: waiting for another process to finish building {what}...", file=sys.stderr, flush=True)
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _compile(source: Path, cflags: list[str], ldflags: list[str], path: Path, what: str) -> None:

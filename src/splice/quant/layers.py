@@ -171,7 +171,7 @@ class _RepackedWeight(QuantizedLinear):
                 unexpected_keys.remove(key)
             if key not in state_dict:
                 missing_keys.append(key)
-            elif _fits_spec(state_dict[key], shape, dtype):
+            elif fits_spec(state_dict[key], shape, dtype):
                 saved[name] = state_dict[key].to(self.packed.device)
             else:
                 error_msgs.append(f"{key}: saved {tuple(state_dict[key].shape)} {state_dict[key].dtype} does not fit "
@@ -322,7 +322,7 @@ def _zero_bias(bias: bool, out_features: int, device: torch.device | str, dtype:
     return torch.zeros(out_features, device=device, dtype=dtype) if bias else None
 
 
-def _fits_spec(saved: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+def fits_spec(saved: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
     """Same shape, and the same dtype (any float dtype where a float one is expected: scales are cast on loading)."""
     same_kind = saved.dtype == dtype or (saved.is_floating_point() and dtype.is_floating_point)
     return tuple(saved.shape) == shape and same_kind

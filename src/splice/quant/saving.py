@@ -25,7 +25,7 @@ from torch import nn
 from ..checkpoint import has_meta_tensors, tensor_groups
 from ..kernel_choice import quant_kernel
 from .api import HANDLERS
-from .layers import QuantizedLinear, _fits_spec
+from .layers import QuantizedLinear, fits_spec
 from .scheme import QuantConfig
 
 WEIGHTS_NAME = "model.safetensors"
@@ -133,7 +133,7 @@ def _check_state_fits(model: nn.Module, layers: dict[str, QuantizedLinear], stat
     problems += [f"unexpected {key}" for key in state if key not in expected]
     problems += [f"{key}: saved {tuple(state[key].shape)} {state[key].dtype}, the model takes {shape} {dtype}"
                  for key, (shape, dtype) in expected.items()
-                 if key in state and not _fits_spec(state[key], shape, dtype)]
+                 if key in state and not fits_spec(state[key], shape, dtype)]
     if problems:
         shown = "; ".join(problems[:3]) + (f" and {len(problems) - 3} more" if len(problems) > 3 else "")
         raise ValueError(f"{folder} does not fit this model ({shown}); allowed: a skeleton of the saved model's "

@@ -149,15 +149,15 @@ class QuantConfig:
                              "allowed: q_groups=1, q_type='symmetric' (activations get one symmetric scale per row and "
                              f"block of {ACTIVATION_BLOCK} inputs)")
         return cls(bits=weight.num_bits, group_size=weight.group_size, q_groups=weight.q_groups,
-                   symmetric=_symmetric(weight.q_type, weight.num_bits), activations=act.enabled,
+                   symmetric=_symmetric(weight.q_type), activations=act.enabled,
                    **head,
                    quantize_qkv=quant.qkv.enabled)
 
 
-def _symmetric(q_type: str | None, bits: int) -> bool:
-    """``quant.weight.q_type`` as ``QuantConfig.symmetric``; None: ``DEFAULT_SYMMETRIC`` for ``bits``."""
+def _symmetric(q_type: str | None) -> bool | None:
+    """``quant.weight.q_type`` as ``QuantConfig.symmetric`` (None: its default for the width)."""
     if q_type is None:
-        return DEFAULT_SYMMETRIC.get(bits, True)
+        return None
     _check_choice("quant.weight.q_type", q_type, ("symmetric", "asymmetric", None))
     return q_type == "symmetric"
 
