@@ -300,6 +300,18 @@ def test_serve_refuses_a_prefill_batch_above_max_prefills_before_loading(capsys,
     assert code == 2 and "prefill_batch=2 (--prefill-batch) exceeds max_prefills=1" in err
 
 
+@pytest.mark.parametrize("key", ["replace_with_kernel_inject", "kernel_inject"])
+def test_serve_refuses_a_config_without_kernel_injection_by_name_before_loading(tmp_path, capsys, monkeypatch, key):
+    from splice import cli
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({key: False}))
+    monkeypatch.setattr(cli, "build_engine", lambda args: pytest.fail("the model loaded before the check"))
+    code, _, err = run_cli(["serve", "--config", str(config)], capsys)
+    assert code == 2 and "sets replace_with_kernel_inject to false" in err and "needs kernel injection" in err
+    assert "keyword arguments" not in err and "Traceback" not in err
+
+
 def test_serve_exits_1_when_the_scheduler_failed(tiny_cli, capsys, monkeypatch):
     import uvicorn
 

@@ -269,6 +269,21 @@ def test_unknown_nested_key_suggests(config, unknown, suggestion):
     assert f"did you mean '{suggestion}'" in str(info.value)
 
 
+@pytest.mark.parametrize("config, unknown, suggestion", [
+    ({"tp_size": 2}, "tp_size", "did you mean 'tensor_parallel.tp_size'?"),
+    ({"tp_grain_size": 32}, "tp_grain_size", "did you mean 'tensor_parallel.tp_grain_size'?"),
+    ({"checkpoint_dir": "x"}, "checkpoint_dir", "did you mean 'checkpoint_config.checkpoint_dir'?"),
+    ({"quant": {"num_bits": 4}}, "quant.num_bits",
+     "did you mean 'quant.weight.num_bits' or 'quant.activation.num_bits'?"),
+])
+def test_a_section_key_given_a_level_too_high_names_its_place(config, unknown, suggestion):
+    """A key that lives inside a section (DeepSpeed's tensor_parallel.tp_size as a top-level tp_size) is pointed to
+    its place rather than to the nearest spelling at this level ('mp_size', 'training_mp_size')."""
+    with pytest.raises(ValueError) as info:
+        resolve_config(config)
+    assert f"unknown config key '{unknown}'; {suggestion}" in str(info.value)
+
+
 def test_unknown_key_without_close_match_lists_valid_keys():
     with pytest.raises(ValueError, match="unknown config key 'zzz'.*valid keys here:.*max_out_tokens"):
         resolve_config(zzz=1)
@@ -313,8 +328,10 @@ def test_device(device, expected):
     assert resolve_quietly(device=device).device == expected
 
 
-@pytest.mark.parametrize("bad", ["gpu", "cuda:x", 3])
+@pytest.mark.parametrize("bad", ["gpu", "cuda:x", 3, "meta", torch.device("meta"), "mps", "xpu"])
 def test_bad_device(bad):
+    """Only the devices splice runs on pass: 'meta' would move the weights away for good, 'mps' / 'xpu' would fail
+    inside a step with torch's own error."""
     with pytest.raises(ValueError, match="device") as info:
         resolve_config(device=bad)
     assert repr(bad) in str(info.value) and "'cpu'" in str(info.value)
@@ -427,6 +444,21 @@ def test_activation_settings_with_activations_off_warn_by_name(quant):
     resolve_quietly(quant={"enabled": True, "activation": {"enabled": True}})
 
 
+@pytest.mark.parametrize("quant, given", [
+    ({"enabled": True, "weight": {"enabled": False, "num_bits": 4}}, r"quant\.weight\.num_bits=4"),
+    ({"enabled": True, "weight": {"enabled": False, "q_groups": 2}}, r"quant\.weight\.q_groups=2"),
+    ({"enabled": True, "weight": {"enabled": False}, "qkv": {"enabled": False}}, r"quant\.qkv\.enabled=False"),
+    ({"enabled": True, "weight": {"enabled": False}, "quantize_lm_head": True}, r"quant\.quantize_lm_head=True"),
+])
+def test_weight_settings_with_weights_off_warn_by_name(quant, given):
+    """quant.enabled=True with quant.weight.enabled=False quantizes nothing: the weight, qkv and lm_head settings
+    given would vanish, so they warn naming each; weight.enabled=False alone says nothing else and stays quiet."""
+    with pytest.warns(SpliceIgnoredOptionWarning, match=f"{given}.*has no effect in splice: nothing is quantized "
+                      r"\(quant\.weight\.enabled=False\)"):
+        resolve_config(quant=quant)
+    resolve_quietly(quant={"enabled": True, "weight": {"enabled": False}})
+
+
 def test_ignored_options_at_default_do_not_warn():
     resolve_quietly(use_triton=False, return_tuple=True, triangular_masking=True, replace_method="auto",
                     min_out_tokens=1)
@@ -482,4 +514,5 @@ def test_docs_config_table_is_current():
     docs = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
     start = docs.index("<!-- config-reference:start -->\n") + len("<!-- config-reference:start -->\n")
     end = docs.index("<!-- config-reference:end -->")
-    assert docs[start:end] == reference_markdown(), "regenerate docs/configuration.md's table with `python -m splice.config`"
+    assert docs[start:end] == reference_markdown(), \
+        "regenerate docs/configuration.md's table with `python -m splice.config`"

@@ -12,8 +12,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import splice
 from splice import native
-from splice.generation import (RIGHT_PADDING_WARNING, EosBannedBelowLength, Request, generate, hf_generate_log, pick,
-                               plan_request)
+from splice.generation import (MASK_NOT_INFERRED_WARNING, RIGHT_PADDING_WARNING, EosBannedBelowLength, Request,
+                               check_request, generate, hf_generate_log, pick, plan_request)
 from splice.layers.widened_linear import prompts_in_float32
 from splice.steps.fuse import inject
 
@@ -38,6 +38,15 @@ def test_greedy_48_tokens_match_batch_1_and_padded_batch_3(model_type):
             got = generate(*model, **batch, **options)
             assert got.shape == expected.shape == (batch["input_ids"].shape[0], 58)
             assert torch.equal(got, expected)
+
+
+def test_int32_ids_give_hf_s_int64_sequences():
+    reference, model = pair("llama")
+    ids, mask = padded_batch()
+    options = dict(max_new_tokens=6, eos_token_id=None)
+    expected = reference.generate(ids.int(), attention_mask=mask, **options)
+    got = generate(*model, ids.int(), attention_mask=mask, **options)
+    assert got.dtype == expected.dtype == torch.int64 and torch.equal(got, expected)
 
 
 def test_sampling_matches_hf_with_the_same_seed():
@@ -87,6 +96,23 @@ def test_generation_config_defaults_come_from_the_model():
     config = GenerationConfig(max_new_tokens=5, eos_token_id=None, pad_token_id=0)
     expected = reference.generate(ids, generation_config=config)
     assert torch.equal(generate(*model, ids, generation_config=config), expected)
+
+
+def test_no_length_option_gives_hf_s_20_new_tokens_within_the_positions():
+    """With no max_length or max_new_tokens in the call or either generation config, Hugging Face's generate makes 20
+    new tokens (not 20 in all), at most up to the model's max_position_embeddings (256); the request check counts
+    the same total against max_out_tokens."""
+    reference, model = pair("llama", max_out_tokens=256)
+    for m in (reference, model[0]):
+        m.generation_config.eos_token_id = None
+    ids, mask = padded_batch()
+    long_prompt = torch.randint(3, 128, (1, 245), generator=torch.Generator().manual_seed(0))
+    for batch, new in (({"input_ids": ids, "attention_mask": mask}, 20), ({"input_ids": long_prompt}, 11)):
+        expected = reference.generate(**batch)
+        assert expected.shape[1] == batch["input_ids"].shape[1] + new
+        assert torch.equal(generate(*model, **batch), expected)
+    with pytest.raises(ValueError, match="10 \\+ 20 new tokens = 30 exceeds max_out_tokens=29"):
+        check_request(model[0], (ids,), {"attention_mask": mask}, 128, max_out_tokens=29)
 
 
 def test_positional_arguments_bind_in_hf_order():
@@ -169,6 +195,21 @@ def test_a_right_padded_batch_gets_hf_s_tokens_and_warning_in_the_native_loop(mo
     assert warnings == expected_warnings == [RIGHT_PADDING_WARNING]
 
 
+def test_a_batch_without_mask_whose_pad_is_eos_gets_hf_s_warning():
+    """Without an attention mask, a pad id that is also an eos id cannot mark the pads: Hugging Face's generate warns
+    (once per process) and so does the native loop, with the same tokens."""
+    reference, model = pair("llama")
+    ids, _ = padded_batch()  # left pads of id 0
+    options = dict(max_new_tokens=4, pad_token_id=0, eos_token_id=[0, 5])
+    seen = []
+    for run in (lambda: reference.generate(ids, **options), lambda: generate(*model, ids, **options)):
+        logging.Logger.warning_once.cache_clear()
+        with hf_generate_warnings() as warnings:
+            seen.append((run(), warnings))
+    assert torch.equal(seen[0][0], seen[1][0])
+    assert seen[0][1] == seen[1][1] == [MASK_NOT_INFERRED_WARNING]
+
+
 @pytest.mark.parametrize("pads, native_loop", [(5, True), (6, False)])
 def test_a_sliding_window_right_padded_batch_stays_native_unless_pads_fill_the_window(pads, native_loop):
     """Gemma 2's tiny model has a sliding window of 6: a row with 5 pads at its end keeps a real token in its last
@@ -221,11 +262,23 @@ def test_beam_search_falls_back_to_hf_on_the_fused_model():
     assert torch.equal(generate(*model, ids, attention_mask=mask, **options), expected)
 
 
-def test_options_hf_could_not_give_exactly_raise():
-    _, model = pair("llama")
-    ids, _ = padded_batch(batch=1)
-    with pytest.raises(ValueError, match="output_hidden_states"):
-        generate(*model, ids, max_new_tokens=2, return_dict_in_generate=True, output_hidden_states=True)
+def test_attention_weights_raise_and_hidden_states_come_from_hf_generate_on_the_fused_blocks():
+    """The fused blocks never form attention weights: ``output_attentions`` raises. They record their outputs as the
+    model's layers do, so ``output_hidden_states`` runs Hugging Face's generate on them: the reference's tokens and
+    every step's hidden states."""
+    reference, model = pair("llama")
+    ids, mask = padded_batch()
+    with pytest.raises(ValueError, match="output_attentions=True"):
+        generate(*model, ids[:1], max_new_tokens=2, return_dict_in_generate=True, output_attentions=True)
+    options = dict(max_new_tokens=4, eos_token_id=None, return_dict_in_generate=True, output_hidden_states=True)
+    expected = reference.generate(ids, attention_mask=mask, **options)
+    got = generate(*model, ids, attention_mask=mask, **options)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert len(got.hidden_states) == len(expected.hidden_states) == 4
+    for ours, theirs in zip(got.hidden_states, expected.hidden_states):
+        assert len(ours) == len(theirs) == 3  # the embeddings and each of the 2 layers
+        for have, want in zip(ours, theirs):
+            assert ((have - want).abs().max() / want.std()).item() < 1e-4
 
 
 def test_request_past_max_out_tokens_raises_before_work():

@@ -55,6 +55,46 @@ def test_mismatched_checkpoint_leaves_model_unchanged(tmp_path):
     assert_unchanged(model, before)
 
 
+@pytest.mark.parametrize("device", ["meta", "mps"])
+def test_a_device_splice_does_not_run_on_raises_before_any_step(device):
+    """device='meta' was accepted and moved the user's weights to the meta device (gone); 'mps' failed in the place
+    step with torch's own RuntimeError. Both are refused up front, naming the value and the allowed devices."""
+    model = build_tiny(tiny_llama_config())
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=f"'{device}' is not a device splice runs on; allowed: .*'cpu'"):
+        splice.init_inference(model, device=device)
+    assert_unchanged(model, before)
+
+
+def test_a_cuda_index_past_the_machine_s_devices_raises(monkeypatch):
+    from splice.config import resolve_config
+    from splice.plan import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device(resolve_config(device="cuda:1")) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"device='cuda:2', but this machine has 2 CUDA device\(s\); allowed: "
+                       r"'cuda', 'cuda:0' \.\.\. 'cuda:1', or 'cpu'"):
+        resolve_device(resolve_config(device="cuda:2"))
+
+
+@pytest.mark.parametrize("options, pattern", [
+    ({"base_dir": "/tmp/ck"}, r"base_dir='/tmp/ck' has no effect: no checkpoint is given"),
+    ({"checkpoint_config": {"base_dir": "/tmp/ck"}},
+     r"checkpoint_config\.base_dir='/tmp/ck' has no effect: no checkpoint is given"),
+    ({"tensor_parallel": {"tp_grain_size": 32}},
+     r"tensor_parallel\.tp_grain_size=32 has no effect at tensor_parallel\.tp_size=1"),
+])
+def test_options_with_nothing_to_act_on_warn_by_name(options, pattern):
+    """A checkpoint root without a checkpoint, a split granularity with nothing split: accepted, but they would
+    vanish, so they warn (SpliceIgnoredOptionWarning) naming the option and value; the model is still built."""
+    from splice.config import SpliceIgnoredOptionWarning
+
+    with pytest.warns(SpliceIgnoredOptionWarning, match=pattern):
+        engine = splice.init_inference(build_tiny(tiny_llama_config()), **options)
+    assert engine.step_report("load").summary() == "skipped (no checkpoint)"
+
+
 def test_not_a_module_raises():
     with pytest.raises(TypeError, match="nn.Module"):
         splice.init_inference("llama")

@@ -402,6 +402,19 @@ def serve_model(args: argparse.Namespace) -> str:
     return model or args.model or DEFAULT_MODEL
 
 
+def check_serve_config(config_file: str | None) -> None:
+    """The scheduler steps the fused model's native decode runtime: a --config file that turns kernel injection off
+    is refused by name, before the model loads."""
+    if config_file is None:
+        return
+    from .config import resolve_config
+
+    if resolve_config(config_file).replace_with_kernel_inject is False:
+        raise ValueError(f"--config {config_file} sets replace_with_kernel_inject to false, but splice serve steps "
+                         "the fused model's decode runtime, which needs kernel injection; allowed: a config that "
+                         "leaves replace_with_kernel_inject out or sets it to true")
+
+
 def run_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
@@ -412,6 +425,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"splice serve needs the serve extra ({error.name} is missing); allowed: after "
                          "pip install 'splice[serve]'") from None
     check_prefill_batch(args.prefill_batch, args.max_prefills)  # before the model loads
+    check_serve_config(args.config_file)
     args.model = serve_model(args)
     logging.config.dictConfig(serve_log_config(args.log_level))  # before the engine: its steps log too
     engine, tokenizer = build_engine(args)

@@ -95,6 +95,7 @@ _DTYPE_NAMES: dict[str, torch.dtype] = {
     "int8": torch.int8,
 }
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)
+_DEVICE_TYPES = ("cpu", "cuda")
 _DTYPE_HELP = "torch.float32/float16/bfloat16/int8 or one of 'fp32', 'float32', 'float', 'fp16', 'float16', " \
               "'half', 'bf16', 'bfloat16', 'int8' (any case, 'torch.' prefix allowed)"
 
@@ -157,7 +158,9 @@ class TensorParallelConfig(_Section):
         "DeepSpeed ignores enabled=False; splice raises if enabled=False while tp_size > 1."))
     tp_size: int = Field(1, ge=1, description="Number of processes (ranks) the model is split across.")
     tp_grain_size: int = Field(64, ge=1, description=(
-        "Granularity of uneven MLP / lm_head splits: per-rank sizes are rounded to multiples of it."))
+        "Granularity of uneven MLP / lm_head splits: per-rank sizes are rounded to multiples of it. At tp_size 1 "
+        "nothing is split, and a non-default value warns. A splice_tp.json checkpoint records the one its shards "
+        "were cut with, which loading uses; another value given explicitly raises."))
     mpu: Any = Field(None, description=(
         "A Megatron-style model-parallel unit (get_model_parallel_group/_rank/_world_size); the tensor-parallel "
         "group is taken from it."))
@@ -204,7 +207,8 @@ class MoEConfig(_Section):
 
 class WeightQuantConfig(_Section):
     enabled: bool = Field(True, description=(
-        "Quantize the linear weights (when the section applies: see quant.enabled). False with dtype=int8 raises."))
+        "Quantize the linear weights (when the section applies: see quant.enabled). False with dtype=int8 raises; "
+        "False with quant.enabled=True quantizes nothing, and the weight, qkv and lm_head settings given warn."))
     num_bits: Literal[8, 4] = Field(8, description="Bits per quantized weight.")
     q_type: Literal["symmetric", "asymmetric"] | None = Field(None, description=(
         "Zero-point scheme. None picks the most accurate one the kernels take at num_bits: 'asymmetric' for 4 bits "
@@ -214,7 +218,11 @@ class WeightQuantConfig(_Section):
                                 "An explicit 'symmetric' is honoured; on the native CPU kernels a symmetric int4 "
                                 "weight keeps its scales alone (4.5 bits a weight at group 32 against 5), so its "
                                 "decode reads a tenth fewer bytes."))
-    q_groups: int = Field(1, ge=1, description="Number of quantization groups per weight matrix.")
+    q_groups: int = Field(1, ge=1, description=(
+        "Quantization groups per output row: each row's inputs are split into q_groups groups of in_features / "
+        "q_groups, one scale each. 1: one scale per output channel for int8, int4's default group of 32."),
+        json_schema_extra=_note("DeepSpeed splits the whole matrix into q_groups bands of rows (1: one scale for "
+                                "the matrix); splice's q_groups=1 is already one scale per output channel."))
     group_size: int | None = Field(None, ge=1, description=(
         "Input elements per quantization group (e.g. 32, 64, 128); overrides q_groups. None uses q_groups."),
         json_schema_extra=_note("splice extra"))
@@ -267,7 +275,8 @@ class QuantizationConfig(_Section):
         "Quantize the model with the weight / activation / qkv settings below. None: with dtype=int8 they apply, "
         "otherwise nothing is quantized (and settings given here warn). True: quantize, whatever the dtype (with "
         "dtype=int8, num_bits must be 8). False: the section is off; dtype=int8 alone then gives int8 weights, one "
-        "scale per output channel, and settings given here raise."),
+        "scale per output channel (quantize_lm_head still applies), and the other settings given here raise; with "
+        "a float dtype they warn."),
         json_schema_extra=_note("DeepSpeed defaults to True and quantizes only with dtype=int8, which None "
                                 "reproduces; splice's True also quantizes a float model (keeping activations in "
                                 "its dtype)."))
@@ -295,7 +304,8 @@ class InferenceCheckpointConfig(_Section):
                                                 json_schema_extra=_note(_UNUSED_CKPT_SAVE))
     base_dir: str | None = Field(None, description=(
         "Root directory for a relative checkpoint or checkpoint_dir (and a load policy's files) when the top-level "
-        "base_dir is empty; with both set, they must name the same path (else ValueError)."))
+        "base_dir is empty; with both set, they must name the same path (else ValueError). Without a checkpoint it "
+        "warns."))
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -340,7 +350,8 @@ class InferenceConfig(_Section):
     checkpoint: str | os.PathLike | dict | None = Field(None, description=(
         "Checkpoint to load: a path (folder, file or JSON load policy) or a load-policy dict."))
     base_dir: str = Field("", description=(
-        "Root directory for the relative file names in checkpoint (or checkpoint_config.base_dir; see there)."))
+        "Root directory for the relative file names in checkpoint (or checkpoint_config.base_dir; see there). "
+        "Without a checkpoint it warns."))
     set_empty_params: bool = Field(False, description="Create the inference modules with empty tensors.",
                                    json_schema_extra=_note("splice materialises weights from meta itself when a "
                                                            "checkpoint is given"))
@@ -378,7 +389,8 @@ class InferenceConfig(_Section):
     transposed_mode: bool = Field(False, description="Store weights transposed.", json_schema_extra=_note(
         "splice chooses weight layouts itself"))
     device: str | torch.device | None = Field(None, description=(
-        "Where the model runs: 'cpu', 'cuda', 'cuda:1', ...; None means CUDA if present, else CPU."),
+        "Where the model runs: 'cpu', 'cuda', 'cuda:1', ...; None means CUDA if present, else CPU. Other device "
+        "types ('meta', 'mps', ...) and a CUDA index the machine lacks raise."),
         json_schema_extra=_note("splice extra"))
 
     @model_validator(mode="before")
@@ -403,11 +415,14 @@ class InferenceConfig(_Section):
             return None
         if isinstance(value, (str, torch.device)):
             try:
-                return str(torch.device(value))
+                device = torch.device(value)
             except (RuntimeError, ValueError):
-                pass
-        raise ValueError(f"{value!r} is not a device; allowed: None, a torch.device or a string such as 'cpu', "
-                         "'cuda', 'cuda:1'")
+                device = None
+            # splice's steps and kernels run on the CPU and CUDA only; 'meta' would move the weights away for good
+            if device is not None and device.type in _DEVICE_TYPES:
+                return str(device)
+        raise ValueError(f"{value!r} is not a device splice runs on; allowed: None, or a torch.device or string of "
+                         f"type {' or '.join(map(repr, _DEVICE_TYPES))}, such as 'cpu', 'cuda', 'cuda:1'")
 
     @field_validator("checkpoint", mode="before")
     @classmethod
@@ -424,6 +439,7 @@ class InferenceConfig(_Section):
         int8 = self.dtype == torch.int8
         if not settings or self.quant.enabled or (self.quant.enabled is None and int8):
             _warn_idle_activation_settings(self.quant, settings)
+            _warn_idle_weight_settings(self.quant, settings, int8)
             return self  # nothing given, or the section applies
         if int8:  # quant.enabled=False: dtype=int8 quantizes per channel; only quantize_lm_head still applies
             conflicting = [s for s in settings if not s.startswith("quant.quantize_lm_head=")]
@@ -554,6 +570,18 @@ def _warn_idle_activation_settings(quant: QuantizationConfig, settings: list[str
                       "with these settings, or remove them", SpliceIgnoredOptionWarning, stacklevel=3)
 
 
+def _warn_idle_weight_settings(quant: QuantizationConfig, settings: list[str], int8: bool) -> None:
+    """With quant.weight.enabled=False (and a float dtype: dtype=int8 then raises) nothing is quantized, so the
+    weight, qkv and lm_head settings would vanish: they warn. (quant.activation.enabled=True then raises.)"""
+    if quant.weight.enabled or int8 or quant.activation.enabled:
+        return
+    idle = [s for s in settings if not s.startswith(("quant.weight.enabled=", "quant.activation."))]
+    if idle:
+        warnings.warn(f"{', '.join(idle)} has no effect in splice: nothing is quantized (quant.weight.enabled=False); "
+                      "allowed: quant.weight.enabled=True to quantize with these settings, or remove them",
+                      SpliceIgnoredOptionWarning, stacklevel=3)
+
+
 def _covered(path: str) -> bool:
     parts = path.split(".")
     return any(".".join(parts[:end]) in FIELD_SUPPORT for end in range(1, len(parts) + 1))
@@ -628,12 +656,31 @@ def _valid_keys(model: type[BaseModel]) -> list[str]:
     return keys + list(DEPRECATED) if model is InferenceConfig else keys
 
 
+def _nested_paths(model: type[BaseModel] | None, key: str) -> list[str]:
+    """The dotted paths, relative to ``model``, of the fields or aliases named ``key`` inside its sections."""
+    paths = []
+    for name, info in (model.model_fields if model is not None else {}).items():
+        section = _section_model(info.annotation)
+        if section is None:
+            continue
+        if key in section.model_fields or key in _aliases(section):
+            paths.append(f"{name}.{_aliases(section).get(key, key)}")
+        paths += [f"{name}.{path}" for path in _nested_paths(section, key)]
+    return paths
+
+
 def _unknown_key_message(parent: str, model: type[BaseModel], key: Any) -> str:
     full = f"{parent}.{key}" if parent else str(key)
     valid = _valid_keys(model)
     close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
     prefix = f"{parent}." if parent else ""
-    hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys here: {', '.join(sorted(valid))}"
+    nested = _nested_paths(model, str(key))
+    if nested:  # a section's key given one level too high, e.g. tp_size for tensor_parallel.tp_size
+        hint = "did you mean " + " or ".join(f"'{prefix}{path}'" for path in nested) + "?"
+    elif close:
+        hint = f"did you mean '{prefix}{close[0]}'?"
+    else:
+        hint = f"valid keys here: {', '.join(sorted(valid))}"
     if parent == "zero":
         hint += " (splice does not implement ZeRO-Inference, so DeepSpeed's other ZeRO keys are not accepted)"
     return f"unknown config key '{full}'; {hint}"
@@ -765,7 +812,8 @@ def reference_markdown() -> str:
     lines = [
         "## Configuration reference",
         "",
-        "Generated by `python -m splice.config` (a test keeps this copy current). Every key of DeepSpeed's `DeepSpeedInferenceConfig` is accepted.",
+        "Generated by `python -m splice.config` (a test keeps this copy current). Every key of DeepSpeed's "
+        "`DeepSpeedInferenceConfig` is accepted.",
         "*honoured*: a pipeline stage uses it. *ignored*: a non-default value warns (`SpliceIgnoredOptionWarning`). "
         "*unsupported*: a non-default value raises `ValueError`. *deprecated*: moved to its new key with a "
         "`SpliceDeprecationWarning`.",

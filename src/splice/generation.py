@@ -39,6 +39,10 @@ log = logging.getLogger("splice")
 hf_generate_log = hf_logging.get_logger("transformers.generation.utils")
 RIGHT_PADDING_WARNING = ("A decoder-only architecture is being used, but right-padding was detected! For correct "
                          "generation results, please set `padding_side='left'` when initializing the tokenizer.")
+MASK_NOT_INFERRED_WARNING = (
+    "The attention mask is not set with a batched input, and cannot be inferred from input because pad token is same "
+    "as eos token. As a consequence, you may observe unexpected behavior. Please pass your input's `attention_mask` "
+    "to obtain reliable results.")
 
 #: generation options the native loop implements (any value)
 NATIVE_OPTIONS = frozenset({
@@ -50,8 +54,9 @@ IGNORED_OPTIONS = frozenset({
     "bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation", "cache_config", "compile_config",
     "disable_compile", "_from_model_config", "transformers_version",
 })
-#: options whose result Hugging Face's generate would not give exactly on the fused blocks either
-REFUSED_OPTIONS = ("output_attentions", "output_hidden_states")
+#: options whose result Hugging Face's generate would not give on the fused blocks either (they never form attention
+#: weights); ``output_hidden_states`` runs Hugging Face's generate, the model recording each fused block's output
+REFUSED_OPTIONS = ("output_attentions",)
 
 
 @dataclass
@@ -69,6 +74,7 @@ class Request:
     output_scores: bool
     output_logits: bool
     warn_right_padding: bool = False  # Hugging Face's generate would warn that the batch is right-padded
+    warn_mask_not_inferred: bool = False  # ... that a batch without a mask cannot have its pads masked (pad = eos)
 
 
 def generate(model, runtime: SpliceCausalLM, *args: Any, timer: ForwardTimer | None = None, **kwargs: Any):
@@ -95,6 +101,8 @@ def generate(model, runtime: SpliceCausalLM, *args: Any, timer: ForwardTimer | N
     if isinstance(plan, str):
         log.info("splice generate: %s not in the native loop; transformers' generate runs on the fused model", plan)
         return model.generate(*args, **kwargs)
+    if plan.warn_mask_not_inferred:
+        hf_generate_log.warning_once(MASK_NOT_INFERRED_WARNING)  # once per process, as Hugging Face's
     if plan.warn_right_padding:
         hf_generate_log.warning(RIGHT_PADDING_WARNING)
     with torch.inference_mode():
@@ -166,6 +174,7 @@ def plan_request(model, inputs, generation_config, kwargs: dict) -> Request | st
     if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point()):
         return "inputs other than a 2-D tensor of token ids"
     asks_for_cache = kwargs.get("use_cache") is True
+    default_length = takes_hf_default_max_length(model, generation_config, kwargs)
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)  # exactly HF's merge
     if asks_for_cache and config.return_dict_in_generate:
         # the native loop's output carries no cache (splice's static cache is not a transformers Cache); HF's does
@@ -173,7 +182,8 @@ def plan_request(model, inputs, generation_config, kwargs: dict) -> Request | st
     refused = [name for name in REFUSED_OPTIONS if getattr(config, name, False)]
     if refused:
         raise ValueError(f"{', '.join(refused)}=True is not available on a kernel-injected model (the fused blocks "
-                         "do not expose per-layer states); allowed: False, or replace_with_kernel_inject=False")
+                         "attend with SDPA and never form attention weights); allowed: False, or "
+                         "replace_with_kernel_inject=False")
     attention_mask = model_kwargs.pop("attention_mask", None)
     model_kwargs = {k: v for k, v in model_kwargs.items() if v is not None}
     if model_kwargs:
@@ -182,17 +192,49 @@ def plan_request(model, inputs, generation_config, kwargs: dict) -> Request | st
     if other:
         return f"options {other}"
     prompt_len = input_ids.shape[1]
-    max_new = config.max_new_tokens if config.max_new_tokens is not None else config.max_length - prompt_len
+    max_new = hf_total_length(model, config.max_new_tokens, config.max_length, default_length, prompt_len) - prompt_len
     if max_new <= 0:
         return f"max_new_tokens={max_new}"
     eos, pad = special_tokens(config, input_ids.device)
     warn = hf_warns_right_padding(input_ids, attention_mask, pad)
+    mask_not_inferred = (attention_mask is None and input_ids.shape[0] > 1 and eos is not None and pad is not None
+                         and bool((eos == pad).any()))
     if attention_mask is None:
         attention_mask = infer_attention_mask(input_ids, pad, eos)
     processors = logits_processors(config, attention_mask, prompt_len, eos)
     return Request(input_ids, attention_mask, max_new, eos, pad, processors, bool(config.do_sample),
                    bool(config.return_dict_in_generate), bool(config.output_scores), bool(config.output_logits),
-                   warn)
+                   warn, mask_not_inferred)
+
+
+def takes_hf_default_max_length(model, generation_config, kwargs: dict) -> bool:
+    """Whether Hugging Face's generate takes this call's ``max_length`` as its default, which then counts new tokens
+    (the prompt is added to it): transformers 5 when neither the call, its generation config nor the model's sets
+    one; transformers 4 when the call does not pass one."""
+    if kwargs.get("max_length") is not None:
+        return False
+    if GenerationConfig().max_length is not None:  # transformers 4: every config carries the default max_length
+        return True
+    given = None if generation_config is None else getattr(generation_config, "max_length", None)
+    return given is None and getattr(getattr(model, "generation_config", None), "max_length", None) is None
+
+
+def hf_total_length(model, max_new_tokens, max_length, default_length: bool, prompt_len: int) -> int:
+    """Prompt plus new tokens as Hugging Face's generate resolves them: ``max_new_tokens`` first; a default
+    ``max_length`` (:func:`takes_hf_default_max_length`; in transformers 4 only its value 20) means that many new
+    tokens, capped at the model's ``max_position_embeddings``; else ``max_length`` is the total."""
+    if max_new_tokens is not None:
+        return prompt_len + int(max_new_tokens)
+    if max_length is None:  # transformers 5 fills an unset max_length in from its defaults (20)
+        max_length = getattr(GenerationConfig, "_get_default_generation_params", lambda: {"max_length": 20})()[
+            "max_length"]
+    max_length = int(max_length)
+    if default_length and (GenerationConfig().max_length in (None, max_length)):
+        max_length += prompt_len
+        limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        if isinstance(limit, int):
+            max_length = min(max_length, limit)
+    return max_length
 
 
 def hf_warns_right_padding(input_ids: torch.Tensor, attention_mask, pad: int | None) -> bool:
@@ -341,7 +383,8 @@ def check_request(model, args: tuple, kwargs: dict, vocab_size: int | None, max_
     check_token_ids(input_ids, vocab_size)
     check_padding_rows(input_ids, kwargs.get("attention_mask"), options["pad_token_id"], options["eos_token_id"])
     prompt_length = input_ids.shape[-1]
-    check_request_length(prompt_length, requested_total(prompt_length, kwargs, config), max_out_tokens)
+    total = requested_total(model, prompt_length, kwargs, kwargs.get("generation_config"))
+    check_request_length(prompt_length, total, max_out_tokens)
 
 
 def check_generation_values(options: dict) -> None:
@@ -406,16 +449,19 @@ def check_padding_rows(input_ids: torch.Tensor, attention_mask, pad: int | None,
                          "one real token per row")
 
 
-def requested_total(prompt_length: int, kwargs: dict, config) -> int:
-    """Prompt plus new tokens, as Hugging Face's generate resolves them from the keyword arguments or the generation
-    config (``max_new_tokens`` before ``max_length``)."""
-    if kwargs.get("max_new_tokens") is not None:
-        return prompt_length + int(kwargs["max_new_tokens"])
-    if kwargs.get("max_length") is not None:
-        return max(prompt_length, int(kwargs["max_length"]))
-    if getattr(config, "max_new_tokens", None) is not None:
-        return prompt_length + int(config.max_new_tokens)
-    return max(prompt_length, int(getattr(config, "max_length", None) or 0))
+def requested_total(model, prompt_length: int, kwargs: dict, generation_config) -> int:
+    """Prompt plus new tokens, as Hugging Face's generate resolves them from the keyword arguments, the given
+    generation config and the model's, in that order (:func:`hf_total_length`)."""
+    configs = [c for c in (generation_config, getattr(model, "generation_config", None)) if c is not None]
+
+    def value(name):
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+        return next((getattr(c, name) for c in configs if getattr(c, name, None) is not None), None)
+
+    total = hf_total_length(model, value("max_new_tokens"), value("max_length"),
+                            takes_hf_default_max_length(model, generation_config, kwargs), prompt_length)
+    return max(prompt_length, total)
 
 
 def decode(runtime: SpliceCausalLM, req: Request, streamer=None, timer: ForwardTimer | None = None):
@@ -426,7 +472,9 @@ def decode(runtime: SpliceCausalLM, req: Request, streamer=None, timer: ForwardT
     batch, prompt_len = ids.shape
     total = prompt_len + req.max_new_tokens
     check_request_length(prompt_len, total, runtime.max_len)
-    sequences = ids.new_full((batch, total), req.pad if req.pad is not None else 0)
+    # Hugging Face's generate concatenates int64 tokens to the prompt, which promotes narrower ids (int32) to int64
+    sequences = torch.full((batch, total), req.pad if req.pad is not None else 0, device=ids.device,
+                           dtype=torch.promote_types(ids.dtype, torch.long))
     sequences[:, :prompt_len] = ids
     unfinished = torch.ones(batch, dtype=torch.long, device=ids.device)
     scores, raw_logits = [], []

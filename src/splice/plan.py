@@ -19,7 +19,7 @@ from torch import nn
 from .arch import check_fits, model_dims, record_for, tensor_parallel_plan
 from .arch.paths import misfits
 from .checkpoint import check_checkpoint, has_meta_tensors, load_policy_files
-from .config import InferenceConfig, SpliceIgnoredOptionWarning
+from .config import InferenceConfig, SpliceIgnoredOptionWarning, TensorParallelConfig
 from .distributed import ParallelContext
 from .kernel_choice import KernelChoice, attention_kernel, float_kernel, quant_kernel
 from .layers.block import activation
@@ -28,7 +28,7 @@ from .quant import QuantConfig
 from .quant import plan as quant_targets
 from .quant.api import check_calibration_ids
 from .tp.autotp import autotp_plan, trace_model
-from .tp.loading import manifest_plan, read_manifest
+from .tp.loading import manifest_grain_size, manifest_plan, read_manifest
 from .tp.plan import TPPlan, verify
 from .tp.policy import policy_plan
 
@@ -85,7 +85,7 @@ def resolve(config: InferenceConfig, model: nn.Module, parallel: ParallelContext
         keep_on_host=bool(config.keep_module_on_host),
         parallel=parallel, dtype=dtype, int8=config.dtype == torch.int8, checkpoint=checkpoint,
         checkpoint_loader=None if checkpoint is None else ("shard" if tp > 1 else "load"), tp_plan=tp_plan,
-        tp_grain_size=config.tensor_parallel.tp_grain_size, save_shards_to=config.save_mp_checkpoint_path or None,
+        tp_grain_size=resolve_grain_size(config, checkpoint), save_shards_to=config.save_mp_checkpoint_path or None,
         fuse=bool(config.replace_with_kernel_inject), max_out_tokens=config.max_out_tokens, quant=quant,
         calibration_ids=calibration_ids, float_kernel=float_kernel(compute_dtype, device),
         quant_kernel=None if quant is None else quant_kernel(quant, device),
@@ -99,6 +99,10 @@ def resolve_device(config: InferenceConfig) -> torch.device:
         device = torch.device(config.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device={config.device!r} was asked for but CUDA is not available; allowed: 'cpu'")
+        if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+            count = torch.cuda.device_count()
+            raise ValueError(f"device={config.device!r}, but this machine has {count} CUDA device(s); allowed: "
+                             f"'cuda', 'cuda:0' ... 'cuda:{count - 1}', or 'cpu'")
         return device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -153,6 +157,11 @@ def checkpoint_source(config: InferenceConfig) -> CheckpointSource | None:
         raise ValueError(f"checkpoint={_shown(checkpoint)} and checkpoint_config.checkpoint_dir={checkpoint_dir!r} "
                          "name different checkpoints; allowed: one of them, or both naming the same path")
     if checkpoint is None:
+        if base_dir:  # a root for checkpoint files, with no checkpoint to read them from
+            name = "base_dir" if getattr(config, "base_dir", "") else "checkpoint_config.base_dir"
+            warnings.warn(f"{name}={base_dir!r} has no effect: no checkpoint is given (checkpoint and "
+                          "checkpoint_config.checkpoint_dir are None); allowed: a checkpoint to read under it, or "
+                          "no base_dir", SpliceIgnoredOptionWarning, stacklevel=4)
         return None
     if isinstance(checkpoint, dict):
         return load_policy_files(checkpoint, base_dir)
@@ -240,6 +249,11 @@ def resolve_tensor_parallel(config: InferenceConfig, model: nn.Module, tp: int,
             raise ValueError(f"save_mp_checkpoint_path={config.save_mp_checkpoint_path!r} writes tensor-parallel "
                              "shards and needs tensor_parallel.tp_size > 1; at tp_size=1 save the model with "
                              "save_pretrained instead")
+        grain, default_grain = config.tensor_parallel.tp_grain_size, _default_grain_size()
+        if grain != default_grain:
+            warnings.warn(f"tensor_parallel.tp_grain_size={grain} has no effect at tensor_parallel.tp_size=1: it "
+                          "rounds the per-rank sizes of split layers, and nothing is split; allowed: tp_size > 1, or "
+                          f"tp_grain_size={default_grain}", SpliceIgnoredOptionWarning, stacklevel=4)
         if config.injection_policy:
             # Checked as at tp > 1 (bad classes and names raise), then warned about: neither kernel injection nor
             # anything else reads the policy at one rank; DeepSpeed, too, only slices its linears at mp_size > 1.
@@ -263,6 +277,19 @@ def resolve_tensor_parallel(config: InferenceConfig, model: nn.Module, tp: int,
         plan = autotp_plan(model, trace_model(model))
     verify(plan, model, tp)
     return plan
+
+
+def resolve_grain_size(config: InferenceConfig, checkpoint: CheckpointSource | None) -> int:
+    """tensor_parallel.tp_grain_size, or the one a tensor-parallel checkpoint's shards were cut with."""
+    grain = config.tensor_parallel.tp_grain_size
+    manifest = tp_manifest(checkpoint)
+    if manifest is None:
+        return grain
+    return manifest_grain_size(manifest, grain, "tp_grain_size" in config.tensor_parallel.model_fields_set)
+
+
+def _default_grain_size() -> int:
+    return TensorParallelConfig.model_fields["tp_grain_size"].default
 
 
 def check_shard_folder(path: str) -> None:

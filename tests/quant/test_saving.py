@@ -182,6 +182,29 @@ def test_saving_under_a_scheme_the_layers_do_not_have_is_refused_before_writing(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("quantized_as, other, message", [
+    (QuantConfig(bits=4, group_size=32), QuantConfig(bits=4, group_size=32, lm_head_int8=True),
+     "layer lm_head is in float"),
+    (QuantConfig(bits=4, group_size=32), QuantConfig(bits=4, group_size=32, quantize_lm_head=True),
+     "layer lm_head is in float"),
+    (QuantConfig(bits=8, quantize_qkv=False), QuantConfig(bits=8),
+     r"layer model.layers.0.self_attn.q_proj is in float"),
+    (QuantConfig(bits=8), QuantConfig(bits=8, quantize_qkv=False), r"q_proj is int8_weight_only, but .* keeps q/k/v"),
+], ids=["float-head-claimed-int8", "float-head-claimed-scheme", "float-qkv-claimed-quantized",
+        "quantized-qkv-claimed-float"])
+def test_saving_under_a_scheme_that_would_quantize_other_layers_is_refused_before_writing(tmp_path, quantized_as,
+                                                                                        other, message):
+    """Float layers count too: a folder recording a head or q/k/v scheme the weights lack refuses to load under the
+    scheme the model was really quantized with."""
+    model = build_tiny(tiny_llama_config())
+    quantize(model, quantized_as)
+    with pytest.raises(ValueError, match=message + ".*allowed: the QuantConfig the model was quantized with"):
+        save_quantized(model, tmp_path / "out", other)
+    assert not (tmp_path / "out").exists()
+    save_quantized(model, tmp_path / "ok", quantized_as)
+    load_quantized(build_tiny(tiny_llama_config(), seed=1), tmp_path / "ok", quantized_as)
+
+
 @pytest.mark.parametrize("overrides, message", [({"num_hidden_layers": 3}, "missing model.layers.2"),
                                                 ({"vocab_size": 200}, "model.embed_tokens.weight: saved")])
 def test_a_skeleton_that_does_not_fit_is_refused_before_any_change(tmp_path, overrides, message):

@@ -2,6 +2,7 @@
 response and chunk shapes, stop strings, streaming, error bodies, metrics. ``test_server.py`` runs the real server."""
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 from types import SimpleNamespace
@@ -201,6 +202,45 @@ def test_a_too_long_request_names_the_field_the_client_sent(tokenizer, route, bo
     error = response.json()["error"]
     assert error["param"] == field and error["code"] == "context_length_exceeded", error
     assert f"allowed: {field} <= " in error["message"], error
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": [5] * 64, "max_tokens": 1}),
+    ("/v1/completions", {"prompt": [5] * 70}),
+])
+def test_a_prompt_that_leaves_no_room_is_named_whatever_max_tokens_says(tokenizer, route, body):
+    """No max_tokens fits after a prompt of max_len tokens: the error names the prompt and its limit, never a
+    max_tokens bound below 1."""
+    with client_for(tokenizer, ScriptedScheduler(HELLO)) as client:
+        response = client.post(route, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt" and error["code"] == "context_length_exceeded", error
+    assert "allowed: at most 63 prompt tokens" in error["message"] and "<=" not in error["message"], error
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "x", "n": None, "stream": None, "echo": None, "ignore_eos": None, "suffix": None,
+                         "best_of": None, "logprobs": None, "stop": None, "seed": None, "user": None}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x", "name": None}], "n": None,
+                              "stream": None, "logprobs": None, "top_logprobs": None, "response_format": None,
+                              "tools": None, "tool_choice": None, "functions": None, "function_call": None,
+                              "max_completion_tokens": None, "stream_options": None}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "safety_identifier": "h-123",
+                              "prompt_cache_key": "k", "user": "u"}),
+])
+def test_null_leaves_an_optional_field_at_its_default(tokenizer, route, body):
+    """OpenAI's API takes null for an optional field as "not given"; clients that send every field rely on it. The
+    chat identifiers (``safety_identifier``, ``prompt_cache_key``) are accepted and change nothing, as ``user``."""
+    scheduler = ScriptedScheduler(HELLO)
+    with client_for(tokenizer, scheduler) as client:
+        response = client.post(route, json={**body, "max_tokens": 2})
+        unknown = client.post(route, json={**body, "max_tokens": 2, "top_k": None})
+    assert response.status_code == 200, response.text
+    choices = response.json()["choices"]
+    assert len(choices) == 1 and choices[0]["logprobs"] is None and choices[0]["finish_reason"] == "length"
+    assert len(scheduler.submitted) == 1 and scheduler.submitted[0][1].stop_token_ids == (EOS,)
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "top_k", unknown.text
 
 
 def test_a_chat_template_refusing_the_messages_is_400(tokenizer):
@@ -405,3 +445,32 @@ def test_failed_and_cancelled_choices_are_counted_and_model_routes_share_a_label
     assert card.status_code == 200 and missing.status_code == 404
     assert 'splice_requests_total{endpoint="/v1/models",status="200"} 1.0' in metrics
     assert 'splice_requests_total{endpoint="/v1/models",status="404"} 1.0' in metrics
+
+
+def test_a_client_that_leaves_a_plain_request_is_499_not_a_server_error(tokenizer):
+    """The disconnect cancels the request; the metrics count it as the client's doing (499), not as a 500."""
+    scheduler = ScriptedScheduler(HELLO, endless=True)
+    api = app(ENGINE, tokenizer, model_name="smol", scheduler=scheduler)
+    body = json.dumps({"prompt": "x", "max_tokens": 4}).encode()
+    sent = []
+
+    async def run() -> None:
+        messages = [{"type": "http.request", "body": body, "more_body": False}, {"type": "http.disconnect"}]
+
+        async def receive():
+            return messages.pop(0) if messages else await asyncio.Event().wait()
+
+        async def send(message):
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": [], "query_string": b"",
+                 "http_version": "1.1", "scheme": "http", "server": ("test", 80), "client": ("test", 1),
+                 "root_path": "", "raw_path": b"/v1/completions", "app": api}
+        await asyncio.wait_for(api(scope, receive, send), 10)
+
+    asyncio.run(run())
+    assert sent[0]["status"] == 499 and len(scheduler.cancelled) == 1
+    metrics = api.state.service.metrics.render().decode()
+    assert 'splice_requests_total{endpoint="/v1/completions",status="499"} 1.0' in metrics
+    assert 'status="500"' not in metrics
+    assert 'splice_request_finished_total{reason="cancelled"} 1.0' in metrics

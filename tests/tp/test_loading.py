@@ -1,6 +1,8 @@
 """The chunked per-rank reader: every kind of slice, read a few rows at a time, equals slicing in memory."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -70,7 +72,7 @@ def test_a_failed_save_leaves_no_manifest_and_no_half_written_file(tmp_path, mon
     from tests.arch.tiny_models import build
     model = build("llama")
     plan = autotp_plan(model)
-    manifest = loading.save_shards(model, plan, SINGLE_PROCESS, tmp_path)
+    manifest = loading.save_shards(model, plan, SINGLE_PROCESS, tmp_path, 64)
     assert read_manifest(manifest) is not None and (tmp_path / "tp1-rank0.safetensors").is_file()
     before = (tmp_path / "tp1-rank0.safetensors").read_bytes()
 
@@ -81,7 +83,26 @@ def test_a_failed_save_leaves_no_manifest_and_no_half_written_file(tmp_path, mon
 
     monkeypatch.setattr(loading, "save_file", fails_midway)
     with pytest.raises(OSError, match="disk full"):
-        loading.save_shards(model, plan, SINGLE_PROCESS, tmp_path)
+        loading.save_shards(model, plan, SINGLE_PROCESS, tmp_path, 64)
     assert not manifest.exists() and read_manifest(tmp_path) is None
     assert (tmp_path / "tp1-rank0.safetensors").read_bytes() == before  # the old file, whole, never a partial one
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tp1-rank0.safetensors"]
+
+
+def test_a_checkpoint_is_cut_with_the_grain_its_shards_were_saved_with(tmp_path):
+    """The manifest records tp_grain_size; loading takes it unless the config names another one, which raises
+    before anything changes (the shards' shapes would not fit the model cut at that grain)."""
+    from splice.config import resolve_config
+    from splice.distributed import SINGLE_PROCESS
+    from splice.plan import resolve_grain_size
+    from splice.tp import loading
+    from splice.tp.autotp import autotp_plan
+    from tests.arch.tiny_models import build
+    model = build("llama")
+    manifest = loading.save_shards(model, autotp_plan(model), SINGLE_PROCESS, tmp_path, 32)
+    assert read_manifest(manifest)["tp_grain_size"] == 32
+    assert resolve_grain_size(resolve_config({"checkpoint": str(tmp_path)}), Path(tmp_path)) == 32
+    assert resolve_grain_size(resolve_config({"tensor_parallel": {"tp_grain_size": 32}}), Path(tmp_path)) == 32
+    with pytest.raises(ValueError, match=r"cut with tensor_parallel.tp_grain_size=32, but tp_grain_size=64"):
+        resolve_grain_size(resolve_config({"tensor_parallel": {"tp_grain_size": 64}}), Path(tmp_path))
+    assert resolve_grain_size(resolve_config({"tensor_parallel": {"tp_grain_size": 16}}), None) == 16

@@ -39,6 +39,12 @@ def test_shard_first_then_quantize_keeps_the_all_reduce():
         assert r["max_diff"] < 1e-4 and r["tokens_equal"], r
 
 
+def test_gptq_under_tensor_parallelism_needs_the_same_ids_on_every_rank():
+    for r in (r["gptq"] for r in suite.tp2()):
+        assert "calibration_ids differ between the ranks (1 of 2" in r["error"] and r["unchanged"], r
+        assert r["max_diff"] < 0.1, r  # int4 of a tiny random model: close to the fp32 reference, not equal
+
+
 def test_the_whole_pipeline_with_a_parallel_context():
     for r in (r["pipeline"] for r in suite.tp2()):
         assert r["max_diff"] < 1e-4 and r["tokens_equal"], r

@@ -114,6 +114,20 @@ def checkpoint_roundtrip(rank: int, world: int, family: str, overrides: dict, fo
             "meta_left": any(p.is_meta for p in again.parameters()), "loaded": report.loaded_from}
 
 
+def grain_roundtrip(rank: int, world: int, root: str) -> dict:
+    """Shards saved at tp_grain_size 32 where it splits the MLP otherwise than the default 64 (96 columns: 64 + 32
+    against 48 + 48) reload at the saved grain without naming it; naming 64 raises before any change."""
+    family, overrides, saved = "llama", {"intermediate_size": 96}, f"{root}/grain/tp"
+    ref = reference(build(family, **overrides))
+    model, _, _ = shard(build(family, **overrides), world, tensor_parallel={"tp_grain_size": 32},
+                        save_mp_checkpoint_path=saved)
+    again, _, _ = shard(build(family, meta=True, **overrides), world, checkpoint=f"{saved}/splice_tp.json")
+    other = error_of(lambda: shard(build(family, meta=True, **overrides), world, checkpoint=saved,
+                                   tensor_parallel={"tp_grain_size": 64}))
+    return {"mlp_columns": model.model.layers[0].mlp.gate_proj.weight.shape[0], "saved": compare(model, ref),
+            "reloaded": compare(again, ref), "other_grain": other}
+
+
 def bad_inputs(rank: int, world: int) -> dict:
     """Errors every rank must raise, before any collective: the messages, per case."""
     cases = {
@@ -182,13 +196,14 @@ def tp2_suite(rank: int, world: int, cases: list, models: list, index_files: dic
     """Everything the tests run at tp=2, in one pair of processes (process start-up dominates on 2 cores)."""
     return {"distributed": distributed_checks(rank, world), "parity": parity(rank, world, cases),
             "checkpoints": checkpoints(rank, world, models, index_files, root), "bad": bad_inputs(rank, world),
+            "grain": grain_roundtrip(rank, world, root),
             "fused": fused_pipeline(rank, world),
             "fused_families": fused_pipeline(rank, world, TP_VARIANTS),
             "fused_extra": {**fused_sampling_and_packing(rank, world),
                             "checkpoint": fused_from_checkpoint(rank, world, root),
                             "compiled": compiled_decode(rank, world)},
             "sampled": sampling(rank, world), "reseeded": reseeded_after_init(rank, world),
-            "quantized": quantized_parity(rank, world),
+            "quantized": quantized_parity(rank, world), "gptq": gptq_calibration(rank, world),
             "pipeline": pipeline_parity(rank, world), "hf_generate": hf_generate_fallback(rank, world),
             "encoders": encoder_parity(rank, world)}
 
@@ -260,6 +275,27 @@ def quantized_parity(rank: int, world: int) -> dict:
     o_proj = model.model.layers[0].self_attn.o_proj
     return {**compare(model, ref), "wrapper_kept": isinstance(o_proj, RowParallelLinear),
             "inner": type(o_proj.linear).__name__, "quantized": len(report.quantized)}
+
+
+def gptq_calibration(rank: int, world: int) -> dict:
+    """GPTQ under tensor parallelism: each rank calibrates its shard on the same ids (greedy tokens as the fp32
+    model's); ids that differ on one rank make every rank raise, each model left as it was."""
+    import splice
+
+    def engine(ids):
+        return splice.init_inference(model, tensor_parallel={"tp_size": world}, max_out_tokens=64,
+                                     replace_with_kernel_inject=True,
+                                     quant={"enabled": True, "weight": {"num_bits": 4, "group_size": 32,
+                                                                        "calibration_ids": ids}})
+
+    same = torch.arange(3, 3 + 2 * 16).reshape(2, 16)
+    model = build("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    error = error_of(lambda: engine(same + rank))  # rank 1's ids are other tokens
+    unchanged = all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    ref = reference(build("llama"))
+    quantized = compare(engine(same), ref)
+    return {"error": error, "unchanged": unchanged, **quantized}
 
 
 def pipeline_parity(rank: int, world: int) -> dict:

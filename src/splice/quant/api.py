@@ -75,7 +75,7 @@ def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str |
         raise TypeError(f"quantize expects a splice.quant.QuantConfig, got {type(config).__name__}")
     targets, report = plan(model, config)
     hessians = {}
-    head = _output_head(model)
+    head = output_head(model)
     if calibration_ids is not None:
         ids = check_calibration_ids(calibration_ids, config)
         _check_ids_in_vocabulary(model, ids)
@@ -163,10 +163,10 @@ def plan(model: nn.Module, config: QuantConfig) -> tuple[list[tuple[str, nn.Modu
     """The linears ``quantize`` would replace, and a report naming those it keeps in float. Validates the scheme
     against every target's shape (raises ``ValueError``) without changing the model."""
     report = QuantReport(config.kind)
-    head = _output_head(model)
+    head = output_head(model)
     targets = []
     for name, module in model.named_modules():
-        reason = _reason_to_skip(name, module, head, config)
+        reason = reason_to_skip(name, module, head, config)
         if reason == "":
             scheme = config.head_scheme() if _is_head(module, head) else config
             scheme.group_for(float_weight(module)[0].shape[1])  # raises if the scheme cannot fit this layer
@@ -176,7 +176,7 @@ def plan(model: nn.Module, config: QuantConfig) -> tuple[list[tuple[str, nn.Modu
     return targets, report
 
 
-def _reason_to_skip(name: str, module: nn.Module, head: nn.Module | None, config: QuantConfig) -> str | None:
+def reason_to_skip(name: str, module: nn.Module, head: nn.Module | None, config: QuantConfig) -> str | None:
     """'' to quantize; a reason to keep it in float; None for modules that are not linears at all."""
     if not isinstance(module, nn.Linear) and not _is_conv1d(module):
         return None
@@ -189,7 +189,7 @@ def _reason_to_skip(name: str, module: nn.Module, head: nn.Module | None, config
     return ""
 
 
-def _output_head(model: nn.Module) -> nn.Module | None:
+def output_head(model: nn.Module) -> nn.Module | None:
     return model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
 
 

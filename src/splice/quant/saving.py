@@ -24,9 +24,9 @@ from torch import nn
 
 from ..checkpoint import has_meta_tensors, tensor_groups
 from ..kernel_choice import quant_kernel
-from .api import HANDLERS
+from .api import HANDLERS, output_head, reason_to_skip
 from .layers import QuantizedLinear, fits_spec
-from .scheme import QuantConfig
+from .scheme import QKV_NAMES, QuantConfig
 
 WEIGHTS_NAME = "model.safetensors"
 SCHEME_NAME = "splice_quant.json"
@@ -150,11 +150,19 @@ def _expected_specs(model: nn.Module, layers: dict[str, QuantizedLinear]) -> dic
 
 
 def _check_layers_match(model: nn.Module, config: QuantConfig) -> None:
-    """A ``ValueError`` before anything is written where ``config`` does not describe ``model``'s quantized layers:
-    the folder would record a scheme its weights do not have, and refuse to load."""
+    """A ``ValueError`` before anything is written where ``config`` does not describe ``model``'s layers (a
+    quantized layer of another kind or group, a q/k/v projection it keeps in float, a float linear it quantizes,
+    the output head included): the folder would record a scheme its weights do not have, and refuse to load."""
+    head = output_head(model)
     for name, module in model.named_modules():
         if not isinstance(module, QuantizedLinear):
+            if reason_to_skip(name, module, head, config) == "":  # a float linear the scheme would quantize
+                raise ValueError(f"layer {name} is in float, but {config} quantizes it; allowed: the QuantConfig "
+                                 "the model was quantized with")
             continue
+        if not config.quantize_qkv and name.rsplit(".", 1)[-1] in QKV_NAMES:
+            raise ValueError(f"layer {name} is {module.kind}, but {config} keeps q/k/v projections in float; "
+                             "allowed: the QuantConfig the model was quantized with")
         scheme = _layer_scheme(model, module, config)
         if scheme is None or module.kind != scheme.kind or _group(module) != scheme.group_for(module.in_features):
             wanted = "float (the scheme keeps the output head in float)" if scheme is None else (

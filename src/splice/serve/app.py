@@ -31,6 +31,9 @@ from .text import IncrementalDecoder, StopStrings, TokenLogprob, TokenText, chat
 log = logging.getLogger("splice.serve")
 #: Seconds a client told "queue full" (429) is asked to wait before retrying.
 RETRY_AFTER_S = 1
+#: The status a plain request whose client went away ends with (nginx's "client closed request"), so that
+#: ``splice_requests_total`` does not count it as a server error; the client never receives it.
+CLIENT_CLOSED = 499
 
 
 def app(engine, tokenizer, *, model_name: str | None = None, max_batch: int = 8, max_queue: int = 64,
@@ -141,12 +144,12 @@ class Service:
                         logprobs: int | None, seed: int | None, max_tokens_param: str = "max_tokens") -> SamplingParams:
         """``max_tokens_param``: the field the client gave ``max_tokens`` in, named when it is too large."""
         limit = self.scheduler.max_len
+        if prompt_len >= limit:  # no max_tokens would fit: the prompt is what is too long
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; the {param} has "
+                                f"{prompt_len}, which leaves no room for a completion; allowed: at most "
+                                f"{limit - 1} prompt tokens", param=param, code="context_length_exceeded")
         if max_tokens is None:
             max_tokens = limit - prompt_len
-            if max_tokens < 1:
-                raise APIError(400, f"This model's maximum context length is {limit} tokens; the {param} has "
-                                    f"{prompt_len}, which leaves no room for a completion; allowed: at most "
-                                    f"{limit - 1} prompt tokens", param=param, code="context_length_exceeded")
         elif prompt_len + max_tokens > limit:
             raise APIError(400, f"This model's maximum context length is {limit} tokens; you requested "
                                 f"{prompt_len + max_tokens} ({prompt_len} in the {param}, {max_tokens} for the "
@@ -396,7 +399,11 @@ async def respond(call: Call, request: Request, started: float) -> dict[str, Any
     try:
         results = await asyncio.gather(*(collect(run) for run in call.runs))
     except GenerationFailed as error:
-        outcome = "disconnected" if watcher.done() else f"failed: {error}"
+        if watcher.done():  # the client went away: nobody reads this answer, and no server error happened
+            outcome = "disconnected"
+            raise APIError(CLIENT_CLOSED, "the client closed the connection before the response",
+                           code="client_closed_request") from None
+        outcome = f"failed: {error}"
         raise APIError(500, f"generation failed: {error}", type="server_error", code="generation_failed") from None
     finally:
         watcher.cancel()

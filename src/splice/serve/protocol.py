@@ -157,6 +157,10 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: Annotated[StrictInt, Field(ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
+    #: OpenAI's chat identifiers of the end user and of a prompt-cache bucket (the successors of ``user``): accepted
+    #: and ignored as ``user`` is, for they change nothing about the output
+    safety_identifier: StrictStr | None = None
+    prompt_cache_key: StrictStr | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -188,12 +192,21 @@ def parse_request(body: bytes, kind: type[Request]) -> Request:
         raise bad_request(f"the request body is a JSON {type(data).__name__}; allowed: a JSON object",
                           code="invalid_json")
     refuse_unsupported_features(data)
+    data = {key: value for key, value in data.items() if value is not None or key not in nullable_fields(kind)}
     try:
         request = kind.model_validate(data)
     except ValidationError as error:
         raise validation_error(error) from None
     request.check_supported()
     return request
+
+
+def nullable_fields(kind: type[Request]) -> set[str]:
+    """The fields a null leaves at their default: OpenAI's API takes null for each optional field (``"n": null``,
+    ``"stream": null``, ``"tools": null``) as "not given", and clients that send every field rely on that. An unknown
+    field stays refused, null or not."""
+    optional = {name for name, info in kind.model_fields.items() if not info.is_required()}
+    return optional | set(UNSUPPORTED_FEATURES)
 
 
 #: Features of OpenAI's API that change what the model is asked to do and that splice does not implement.

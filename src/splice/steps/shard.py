@@ -50,7 +50,7 @@ def shard(stage: Stage, plan: Plan) -> tuple[Stage, ShardReport]:
             load_slices(model, shards, plan.checkpoint)
         loaded = str(plan.checkpoint)
     if plan.save_shards_to:
-        save_shards(model, plan.tp_plan, parallel, plan.save_shards_to)
+        save_shards(model, plan.tp_plan, parallel, plan.save_shards_to, plan.tp_grain_size)
     parallel.sync_rng()
     share = parameter_bytes(model) / max(total, 1)
     return stage, ShardReport("shard", parallel.rank, parallel.world_size, plan.tp_plan.source,

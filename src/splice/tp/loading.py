@@ -124,8 +124,9 @@ def slice_in_memory(state: dict[str, torch.Tensor], spec: Slice) -> torch.Tensor
 # save_mp_checkpoint_path
 
 
-def save_shards(model: nn.Module, plan: TPPlan, ctx: ParallelContext, path: str | os.PathLike) -> Path:
+def save_shards(model: nn.Module, plan: TPPlan, ctx: ParallelContext, path: str | os.PathLike, grain: int) -> Path:
     """Write this rank's shard and (rank 0) the manifest; returns the manifest path. Collective: all ranks call.
+    The manifest records ``grain`` (the tp_grain_size the shards were cut with): loading cuts the model the same way.
 
     The folder only ever holds a manifest whose files are complete: rank 0 removes an earlier save's manifest first,
     each file is written under a temporary name and renamed into place, and the manifest is written last, once every
@@ -147,7 +148,8 @@ def save_shards(model: nn.Module, plan: TPPlan, ctx: ParallelContext, path: str 
                       lambda tmp: save_file(tensors, str(tmp), metadata={"format": FORMAT, "rank": str(ctx.rank)}))
     ctx.barrier()
     if ctx.rank == 0:
-        data = {"format": FORMAT, "tp_size": tp, "files": files, "ties": ties, "plan": plan.to_dict()}
+        data = {"format": FORMAT, "tp_size": tp, "tp_grain_size": grain, "files": files, "ties": ties,
+                "plan": plan.to_dict()}
         _write_atomically(manifest, lambda tmp: tmp.write_text(json.dumps(data, indent=1)))
     ctx.barrier()
     return manifest
@@ -184,6 +186,19 @@ def manifest_plan(manifest: dict, tp: int) -> TPPlan:
                          f"{manifest['tp_size']}, but tp_size={tp}; allowed: tp_size={manifest['tp_size']}, or load "
                          "the original unsharded checkpoint")
     return TPPlan.from_dict(manifest["plan"])
+
+
+def manifest_grain_size(manifest: dict, grain: int, grain_given: bool) -> int:
+    """The tp_grain_size to cut the model with before loading ``manifest``'s shards: the one they were cut with (a
+    manifest without it: ``grain``). A ``grain`` the config sets explicitly must be that one."""
+    saved = manifest.get("tp_grain_size")
+    if saved is None or saved == grain:
+        return grain
+    if grain_given:
+        raise ValueError(f"checkpoint {manifest['folder']!r} holds shards cut with tensor_parallel.tp_grain_size="
+                         f"{saved}, but tp_grain_size={grain}; allowed: tp_grain_size={saved} (or leave it out), or "
+                         "load the original unsharded checkpoint")
+    return saved
 
 
 def load_shard(model: nn.Module, manifest: dict, rank: int) -> None:
