@@ -300,6 +300,18 @@ def test_serve_refuses_a_prefill_batch_above_max_prefills_before_loading(capsys,
     assert code == 2 and "prefill_batch=2 (--prefill-batch) exceeds max_prefills=1" in err
 
 
+@pytest.mark.parametrize("argv, named", [
+    (["generate", "--compile", "hi"], "compile_decode=True compiles splice's own decode step"),
+    (["generate", "--kernel-inject", "--device", "cuda:7", "hi"], "device='cuda:7'"),
+])
+def test_options_that_need_no_model_are_refused_before_it_loads(capsys, monkeypatch, argv, named):
+    import splice
+
+    monkeypatch.setattr(splice, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2 and named in err and "Traceback" not in err
+
+
 @pytest.mark.parametrize("key", ["replace_with_kernel_inject", "kernel_inject"])
 def test_serve_refuses_a_config_without_kernel_injection_by_name_before_loading(tmp_path, capsys, monkeypatch, key):
     from splice import cli

@@ -157,8 +157,10 @@ def build_engine(args: argparse.Namespace):
 
     from . import native
     from .config import resolve_config
+    from .plan import check_graphs, resolve_device
 
     config = resolve_config(args.config_file, **config_from_args(args))  # checked before the model loads
+    check_graphs(config, resolve_device(config), config.tensor_parallel.tp_size)  # the checks that need no model
     native.available()  # build (once per machine) and load the native kernels before anything is timed
     model, tokenizer = splice.load(args.model or DEFAULT_MODEL)
     length = context_length(model, bool(config.replace_with_kernel_inject))
