@@ -204,3 +204,116 @@ def test_real_model_says_paris(smollm2):
     out = engine.generate(**inputs, max_new_tokens=4, do_sample=False)
     text = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:])
     assert text.startswith(" Paris")
+
+
+@pytest.mark.parametrize("inject", [False, True])
+def test_train_mode_is_refused_eval_allowed(pair, inject):
+    """The engine runs under no_grad and its fused paths have no dropout: a training mode would be half honoured."""
+    _, model = pair
+    engine = splice.init_inference(model, replace_with_kernel_inject=inject, max_out_tokens=32)
+    with pytest.raises(ValueError, match=r"engine.train\(True\).*allowed: engine.eval\(\)"):
+        engine.train()
+    assert not engine.training and not engine.module.training
+    assert engine.eval() is engine and engine.train(False) is engine and not engine.module.training
+
+
+def test_threads_sharing_an_injected_engine_each_get_hf_tokens(pair):
+    """The native loop decodes into the runtime's one KV cache: two threads' requests must not interleave in it."""
+    import sys
+    import threading
+
+    reference, model = pair
+    engine = splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=64)
+    prompts = [torch.randint(3, 128, (2, 12), generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
+    kwargs = dict(max_new_tokens=40, do_sample=False)
+    expected = [reference.generate(prompt, **kwargs) for prompt in prompts]
+    wrong = []
+
+    def run(index):
+        for _ in range(4):
+            if not torch.equal(engine.generate(prompts[index], **kwargs), expected[index]):
+                wrong.append(index)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often, as a busy server would
+    try:
+        threads = [threading.Thread(target=run, args=(index,)) for index in (0, 1)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert wrong == []
+
+
+def test_generate_inside_generate_of_the_same_injected_engine_raises(pair):
+    _, model = pair
+    engine = splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=32)
+
+    class Nested:
+        def put(self, value):
+            engine.generate(PROMPTS, max_new_tokens=2, do_sample=False)
+
+        def end(self):
+            pass
+
+    with pytest.raises(RuntimeError, match="inside a generate of the same"):
+        engine.generate(PROMPTS[:1], max_new_tokens=3, do_sample=False, streamer=Nested())
+    engine.generate(PROMPTS, max_new_tokens=2, do_sample=False)  # the lock was released
+
+
+@pytest.mark.parametrize("options", [dict(), dict(dtype=torch.bfloat16)], ids=["fp32", "bf16"])
+def test_save_pretrained_of_an_unfused_engine_reloads_its_outputs(pair, tmp_path, options):
+    from transformers import AutoModelForCausalLM
+
+    reference, model = pair
+    engine = splice.init_inference(model, **options)
+    engine.module.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        logits = reloaded(PROMPTS).logits
+        expected = reference(PROMPTS).logits
+    assert torch.equal(logits, engine(PROMPTS).logits)
+    if not options:
+        assert torch.equal(logits, expected)
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(replace_with_kernel_inject=True), "fused by kernel injection"),
+    (dict(dtype=torch.int8), "quantized"),
+    (dict(quant={"enabled": True, "weight": {"num_bits": 4}}, replace_with_kernel_inject=True), "fused.*quantized"),
+], ids=["inject", "int8", "int4-inject"])
+def test_save_pretrained_of_a_changed_model_refuses_before_writing(pair, tmp_path, options, named):
+    """transformers' from_pretrained would load such a folder with the changed layers at random, without an error."""
+    _, model = pair
+    engine = splice.init_inference(model, max_out_tokens=32, **options)
+    folder = tmp_path / "out"
+    for save in (engine.module.save_pretrained, engine.save_pretrained):
+        with pytest.raises(RuntimeError, match=f"{named}.*Allowed: save the model before init_inference"):
+            save(folder)
+    assert not folder.exists()
+    copy.deepcopy(engine)(PROMPTS)  # the refusing save_pretrained is copied with the model
+
+
+def test_forward_hooks_on_an_injected_model_run_in_generate_as_on_hf(pair):
+    """A hook on the model (or on a layer the native loop does not call as a module) is run by every forward, as
+    Hugging Face's generate runs it: here one that bans a token changes the tokens as it does on the HF model."""
+    reference, model = pair
+    engine = splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=32)
+    kwargs = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    banned = int(reference.generate(PROMPTS, **kwargs)[0, -3])
+
+    def ban(module, args, output):
+        output.logits[..., banned] = -1e9
+
+    calls = []
+    handles = [reference.register_forward_hook(ban), engine.module.register_forward_hook(ban),
+               engine.module.model.layers[0].register_forward_hook(lambda *_: calls.append(1))]
+    expected = reference.generate(PROMPTS, **kwargs)
+    assert banned not in expected[:, PROMPTS.shape[1]:]
+    assert torch.equal(engine.generate(PROMPTS, **kwargs), expected)
+    assert len(calls) == 6  # one per forward
+    for handle in handles:
+        handle.remove()
+    assert torch.equal(engine.generate(PROMPTS, **kwargs), reference.generate(PROMPTS, **kwargs))

@@ -55,6 +55,16 @@ def test_mismatched_checkpoint_leaves_model_unchanged(tmp_path):
     assert_unchanged(model, before)
 
 
+def test_injecting_an_already_injected_model_names_the_earlier_call():
+    model = build_tiny(tiny_llama_config())
+    engine = splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=32)
+    ids = torch.tensor([[3, 4, 5]])
+    logits = engine(ids).logits
+    with pytest.raises(ValueError, match="already kernel-injected by an earlier init_inference"):
+        splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=32)
+    assert torch.equal(engine(ids).logits, logits)  # the first engine still runs as it did
+
+
 @pytest.mark.parametrize("device", ["meta", "mps"])
 def test_a_device_splice_does_not_run_on_raises_before_any_step(device):
     """device='meta' was accepted and moved the user's weights to the meta device (gone); 'mps' failed in the place

@@ -1,8 +1,13 @@
 """InferenceEngine: the module ``init_inference`` returns."""
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Any
+import dataclasses
+import logging
+import threading
+import weakref
+from contextlib import contextmanager, nullcontext
+from functools import partial
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -16,6 +21,9 @@ from .layers.causal_lm import SpliceCausalLM
 from .layers.cuda_graphs import GraphReplayer
 from .profiling import ForwardTimer
 from .steps import StepReport
+from .steps.fuse import HiddenStatesHook
+
+log = logging.getLogger("splice")
 
 
 class InferenceEngine(nn.Module):
@@ -41,7 +49,12 @@ class InferenceEngine(nn.Module):
         self.runtime = runtime
         self._timer: ForwardTimer | None = None
         self._forward_graphs = GraphReplayer(self._call_module, "engine(...)") if config.enable_cuda_graph else None
-        self.module = module.eval()
+        self.module = module
+        super().train(False)  # the engine, as its model, in eval mode (nn.Module starts in training mode)
+        if hasattr(type(module), "save_pretrained"):
+            # the model's own save_pretrained would write fused or quantized weights that transformers' from_pretrained
+            # loads as missing (initialised at random) without an error: it refuses those, and saves the others
+            module.save_pretrained = partial(_save_pretrained, module, parallel.world_size)
 
     # --- standing in for the wrapped model ----------------------------------------------------------------------------
     def __getattr__(self, name: str) -> Any:
@@ -135,6 +148,15 @@ class InferenceEngine(nn.Module):
         """``module(*args, **kwargs)`` from the flat form a graph replayer keys its signatures by."""
         return self.module(*values[:positional], **dict(zip(names, values[positional:])))
 
+    def train(self, mode: bool = True) -> InferenceEngine:
+        """``train(False)`` (``eval()``) only: the engine runs its model for inference (under no_grad, its fused blocks
+        and native decode loop without dropout), so a training mode would be honoured by some of its paths only."""
+        if mode is True:
+            raise ValueError("engine.train(True): an InferenceEngine runs its model for inference only (no gradients; "
+                             "fused blocks and the native decode loop have no dropout); allowed: engine.eval() or "
+                             "engine.train(False); train the model before init_inference")
+        return super().train(mode)
+
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """Hugging Face ``generate`` with every option it has, positional arguments in its order (``inputs``,
         ``generation_config``, ``logits_processor``, ...), after checking the request
@@ -148,8 +170,31 @@ class InferenceEngine(nn.Module):
         with torch.no_grad():  # as Hugging Face's generate: its output is an ordinary tensor
             if self.runtime is None:
                 return self.module.generate(*args, **kwargs)
-            output = native_generate(self.module, self.runtime, *args, timer=self._timer, **kwargs)  # or HF's
+            if self._hooks_native_loop_skips():
+                log.info("splice generate: forward hooks on modules the native loop does not call; transformers' "
+                         "generate runs on the fused model")
+                return self.module.generate(*args, **kwargs)
+            with _runtime_lock(self.runtime):  # one native loop at a time: they share the runtime's KV cache
+                output = native_generate(self.module, self.runtime, *args, timer=self._timer, **kwargs)  # or HF's
         return ordinary_tensors(output)
+
+    def _hooks_native_loop_skips(self) -> bool:
+        """Whether a forward hook (not splice's or transformers' own) is on a module the native loop does not call as
+        a module (the model, its containers, the fused blocks), or on every module: Hugging Face's generate, which
+        calls each of them once a forward, runs them."""
+        if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+            return True
+        runtime = self.runtime
+        ends = [getattr(runtime.ends, field.name) for field in dataclasses.fields(runtime.ends)]
+        called = {id(module) for end in ends if isinstance(end, nn.Module) for module in end.modules()}
+        called |= {id(module) for block in runtime.blocks for module in block.modules() if module is not block}
+        return any(not self._splice_hook(hook) for module in self.module.modules() if id(module) not in called
+                   for hook in (*module._forward_pre_hooks.values(), *module._forward_hooks.values()))
+
+    def _splice_hook(self, hook: Any) -> bool:
+        """The profiling timer's hooks, and transformers' hidden-state recorders (inactive unless asked for)."""
+        return (self._timer is not None and getattr(hook, "__self__", None) is self._timer) or \
+            isinstance(hook, HiddenStatesHook) or getattr(hook, "__qualname__", "").endswith("output_capturing_hook")
 
     def _check_outputs(self, kwargs: dict) -> None:
         """Attention weights are never formed by the fused blocks (SDPA): asking a kernel-injected model for them
@@ -200,6 +245,48 @@ class InferenceEngine(nn.Module):
         if self._timer is None:
             raise RuntimeError("model_times() needs profile_model_time() to be called first")
         return self._timer.take()
+
+
+_RUNTIME_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decode runtime -> [lock, owner thread]
+
+
+@contextmanager
+def _runtime_lock(runtime: SpliceCausalLM) -> Iterator[None]:
+    """Holds ``runtime``'s lock: the native loop writes the runtime's one static KV cache, so two threads' requests
+    run one after the other. A request made from inside another on the same thread (a streamer calling generate)
+    would overwrite the cache the outer one is decoding into: it raises."""
+    state = _RUNTIME_LOCKS.setdefault(runtime, [threading.Lock(), None])
+    if state[1] == threading.get_ident():
+        raise RuntimeError("engine.generate called from inside a generate of the same kernel-injected engine (a "
+                           "streamer or logits processor): both would decode into the one KV cache; allowed: one "
+                           "request at a time per engine and thread (another engine, or another thread, waits)")
+    with state[0]:
+        state[1] = threading.get_ident()
+        try:
+            yield
+        finally:
+            state[1] = None
+
+
+def _save_pretrained(module: nn.Module, world_size: int, *args: Any, **kwargs: Any) -> Any:
+    """The model's own ``save_pretrained``, for a model whose weights are still Hugging Face's layout; else raises
+    before writing anything."""
+    from .layers.block import SpliceBlock
+    from .quant.layers import QuantizedLinear
+
+    changes = []
+    if any(isinstance(sub, SpliceBlock) for sub in module.modules()):
+        changes.append("its layers were fused by kernel injection (replace_with_kernel_inject=True)")
+    if any(isinstance(sub, QuantizedLinear) for sub in module.modules()):
+        changes.append("its linears are quantized (splice.quant.save_quantized saves them, load_quantized loads "
+                       "them into a model built the same way)")
+    if world_size > 1:
+        changes.append(f"it holds one of {world_size} tensor-parallel shards (save_mp_checkpoint_path saves them)")
+    if changes:
+        raise RuntimeError(f"save_pretrained on a model init_inference changed: {'; '.join(changes)}. transformers' "
+                           f"from_pretrained would load such a folder with those layers at random. Allowed: save the "
+                           f"model before init_inference, or an engine built without those options")
+    return type(module).save_pretrained(module, *args, **kwargs)
 
 
 def ordinary_tensors(value: Any) -> Any:

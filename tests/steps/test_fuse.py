@@ -222,3 +222,21 @@ def test_native_linears_take_over_a_tied_lm_head_without_copying():
     wrap_linears(model, runtime, NativeLinear)
     assert isinstance(runtime.lm_head, NativeLinear) and runtime.lm_head.weight is embed
     assert model.get_output_embeddings() is runtime.lm_head
+
+
+def test_an_injected_engine_pickles_and_still_records_hidden_states_as_hf(tmp_path):
+    """The fused blocks' hidden-state recorders are picklable: torch.save / pickle of an injected engine round-trip,
+    and the reloaded engine's logits and hidden states are the HF model's."""
+    import pickle
+
+    model = build_family("llama")
+    reference = copy.deepcopy(model)
+    engine = splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=32)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    torch.save(engine, tmp_path / "engine.pt")
+    for again in (pickle.loads(pickle.dumps(engine)), torch.load(tmp_path / "engine.pt", weights_only=False)):
+        with torch.no_grad():
+            got, want = again(ids, output_hidden_states=True), reference(ids, output_hidden_states=True)
+        assert torch.allclose(got.logits, want.logits, atol=1e-5)
+        assert len(got.hidden_states) == len(want.hidden_states)
+        assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got.hidden_states, want.hidden_states))

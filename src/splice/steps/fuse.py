@@ -110,8 +110,7 @@ def hidden_states_recorder(model: nn.Module, layer: nn.Module):
     class its model registers (``_can_record_outputs``), which a fused block is not: the block gets the same hook.
     Models that collect hidden states in their own loop (Falcon, BLOOM) register none and need none."""
     try:
-        from transformers.utils.output_capturing import (_CAN_RECORD_REGISTRY, OutputRecorder,
-                                                         install_output_capuring_hook)
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, OutputRecorder
     except ImportError:
         return None
     for owner in model.modules():
@@ -121,9 +120,35 @@ def hidden_states_recorder(model: nn.Module, layer: nn.Module):
                 spec = OutputRecorder(target_class=spec)
             if isinstance(spec, OutputRecorder) and spec.layer_name is None and spec.target_class is not None \
                     and isinstance(layer, spec.target_class):
-                return partial(install_output_capuring_hook, key="hidden_states", index=spec.index,
-                               capture_initial_hidden_state=spec.capture_initial_hidden_state)
+                return partial(_record_hidden_states, index=spec.index,
+                               capture_initial=spec.capture_initial_hidden_state)
     return None
+
+
+def _record_hidden_states(block: nn.Module, index: int, capture_initial: bool) -> None:
+    block.register_forward_hook(HiddenStatesHook(index, capture_initial))
+
+
+class HiddenStatesHook:
+    """transformers' hidden-state recorder on a fused block, as a picklable object (transformers' hook is a closure,
+    which would keep an injected model from being pickled or ``torch.save``-d): the closure is made on first call and
+    dropped from the pickled state."""
+
+    def __init__(self, index: int, capture_initial: bool):
+        self.index, self.capture_initial, self._hook = index, capture_initial, None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_hook": None}
+
+    def __call__(self, module: nn.Module, args, output):
+        if self._hook is None:
+            from transformers.utils.output_capturing import install_output_capuring_hook
+
+            holder = nn.Module()  # transformers' installer registers its closure on a module: take it from there
+            install_output_capuring_hook(holder, key="hidden_states", index=self.index,
+                                         capture_initial_hidden_state=self.capture_initial)
+            self._hook = next(iter(holder._forward_hooks.values()))
+        return self._hook(module, args, output)
 
 
 def decode_runtime(model: nn.Module, layers: nn.ModuleList, max_out_tokens: int) -> SpliceCausalLM:
