@@ -170,7 +170,7 @@ class SpliceBlock(nn.Module):
         if bias is not None or self.layout.softcap is not None:
             mask = additive_mask(mask, q.shape[2], k.shape[2], q.dtype, q.device, causal)
             if bias is not None:
-                mask = mask + alibi_bias(bias, k.shape[2]).to(mask.dtype)
+                mask = mask + alibi_bias(bias, k.shape[2], q.shape[2]).to(mask.dtype)
             causal = False
         if self.layout.softcap is not None:
             out = attend_capped(q, k, v, mask, self.scale, self.layout.softcap)
@@ -241,10 +241,15 @@ def within_window(mask: torch.Tensor | None, q_len: int, kv_len: int, window: in
     return mask.masked_fill(~visible, float("-inf"))
 
 
-def alibi_bias(slopes: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """ALiBi's bias ``[1, heads, 1, kv_len]``: each head's slope times the key's slot. A constant shift per query row
-    leaves the softmax unchanged, so the slot serves as the key's position even in a left-padded row."""
-    return (slopes[:, None, None] * torch.arange(kv_len, device=slopes.device, dtype=torch.float32))[None]
+def alibi_bias(slopes: torch.Tensor, kv_len: int, q_len: int = 1) -> torch.Tensor:
+    """ALiBi's bias ``[1, heads, q_len, kv_len]``: each head's slope times the key's slot less the query's (the queries
+    being the last ``q_len`` of ``kv_len`` slots). A constant shift per query row leaves the softmax unchanged, so slots
+    serve as positions even in a left-padded row; measured from the query, the bias is small where attention is
+    sharpest, so it keeps its precision there once rounded to a 16-bit mask (from slot 0 it would reach
+    ``slope * kv_len``, which bf16 rounds by units at a few thousand slots)."""
+    keys = torch.arange(kv_len, device=slopes.device, dtype=torch.float32)
+    queries = torch.arange(kv_len - q_len, kv_len, device=slopes.device, dtype=torch.float32)
+    return (slopes[:, None, None] * (keys[None, :] - queries[:, None]))[None]
 
 
 def attend_capped(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
