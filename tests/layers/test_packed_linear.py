@@ -45,3 +45,27 @@ def test_bf16_injection_packs_without_native_kernels_and_stays_close_to_hf(monke
 def test_fp32_injection_does_not_pack(tiny_llama):
     engine = splice.init_inference(tiny_llama, replace_with_kernel_inject=True, max_out_tokens=64)
     assert type(engine.module.model.layers[0].qkv) is nn.Linear
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_packed_linears_pickle_and_deep_copy_packed(dtype, monkeypatch):
+    """Copies unpack the opaque weight and pack it again: an injected engine that packed its linears deep-copies and
+    pickles, and the copies give its logits."""
+    import pickle
+
+    if not can_pack(dtype, torch.device("cpu")):
+        pytest.skip(f"oneDNN does not compute in {dtype} on this CPU, so nothing packs")
+    linear = nn.Linear(48, 80, bias=True).to(dtype)
+    packed = PackedLinear(linear)
+    x = torch.randn(3, 48).to(dtype)
+    for again in (copy.deepcopy(packed), pickle.loads(pickle.dumps(packed))):
+        assert again.weight.layout == torch._mkldnn and packed.weight.layout == torch._mkldnn
+        assert torch.equal(again(x), packed(x))
+    monkeypatch.setattr(splice.native, "available", lambda: False)  # bf16 would take the native GEMV otherwise
+    engine = splice.init_inference(build_family("llama", dtype=dtype), replace_with_kernel_inject=True,
+                                   max_out_tokens=32)
+    assert any(isinstance(m, PackedLinear) for m in engine.modules())
+    ids = torch.tensor([[3, 4, 5, 6]])
+    logits = engine(ids).logits
+    for again in (copy.deepcopy(engine), pickle.loads(pickle.dumps(engine))):
+        assert torch.equal(again(ids).logits, logits)

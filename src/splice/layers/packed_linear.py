@@ -2,7 +2,8 @@
 
 On CPU, ``F.linear`` with a bf16 weight reorders the weight into oneDNN's blocked layout on every call, which halves
 the bandwidth a batch-1 decode step gets from the weights. Packing once at injection removes that. The packed weight
-replaces the plain one (no second copy); it is opaque: it cannot be saved, deep-copied or moved to another device.
+replaces the plain one (no second copy). It is opaque, so pickling and deep-copying go through the plain weight
+(unpacked for the copy and packed again in it); it cannot be moved to another device or saved with safetensors.
 """
 from __future__ import annotations
 
@@ -31,6 +32,18 @@ class PackedLinear(nn.Module):
         self.weight = nn.Parameter(packed, requires_grad=False)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         linear.weight = None  # release the plain weight now
+
+    def __getstate__(self) -> dict:
+        """The state with the plain weight: an opaque oneDNN tensor has no storage to pickle or copy."""
+        state = self.__dict__.copy()
+        state["_parameters"] = {**self._parameters,
+                                "weight": nn.Parameter(self.weight.to_dense(), requires_grad=False)}
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self.weight = nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1),
+                                   requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # inductor cannot lower the op on a weight it did not pack itself
