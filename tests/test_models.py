@@ -187,6 +187,61 @@ def test_cache_dir_honours_splice_cache(tmp_path, monkeypatch):
     assert models.cache_dir() == Path.home() / ".cache" / "splice"
 
 
+def test_a_relative_splice_cache_gives_absolute_paths(tmp_path, monkeypatch, fake_gguf, cheap_conversion):
+    """A relative SPLICE_CACHE is taken from the working directory; the folders made from it stay right after the
+    process changes directory."""
+    path, _ = fake_gguf
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SPLICE_CACHE", "relative")
+    assert models.cache_dir() == tmp_path / "relative"
+    folder, _ = models.resolve_checkpoint(path)
+    monkeypatch.chdir(tmp_path.parent)
+    assert folder.is_absolute() and models.read_manifest(folder) is not None
+
+
+def test_a_cache_that_cannot_be_a_folder_is_named_with_what_to_do(tmp_path, monkeypatch, fake_gguf,
+                                                                   cheap_conversion):
+    """SPLICE_CACHE at a file (or in a read-only place: the same OSError, and root ignores permissions)."""
+    path, sha256 = fake_gguf
+    (tmp_path / "a-file").write_text("not a folder")
+    monkeypatch.setenv("SPLICE_CACHE", str(tmp_path / "a-file"))
+    with pytest.raises(models.CacheError, match=r"splice's cache '.*a-file' \(SPLICE_CACHE\) cannot be used: making "
+                                                r"locks failed \(Not a directory: .*\); set SPLICE_CACHE to a "
+                                                r"writable folder with room"):
+        models.ensure_converted(path, "fake", sha256)
+    assert not cheap_conversion
+
+
+def test_a_lock_file_that_cannot_be_opened_is_named(cache, fake_gguf, cheap_conversion):
+    path, sha256 = fake_gguf
+    (cache / "locks" / "fake.lock").mkdir(parents=True)  # a leftover plain file is harmless: the lock is flock's
+    with pytest.raises(models.CacheError, match=r"opening a lock file failed \(Is a directory: .*fake.lock\)"):
+        models.ensure_converted(path, "fake", sha256)
+
+
+def test_a_full_disk_while_converting_is_named_and_leaves_no_folder(cache, fake_gguf, cheap_conversion, monkeypatch):
+    from safetensors import SafetensorError
+
+    path, sha256 = fake_gguf
+
+    build = models._gguf_model
+
+    def disk_full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    def model_on_a_full_disk(gguf, config):
+        model = build(gguf, config)
+        model.save_pretrained = disk_full
+        return model
+
+    monkeypatch.setattr(models, "_gguf_model", model_on_a_full_disk)
+    with pytest.raises(models.CacheError, match=r"splice's cache '.*cache' \(SPLICE_CACHE\) cannot be used: writing "
+                                                r"the conversion of Fake-Model.Q4_0.gguf failed \(.*No space left on "
+                                                r"device.*\); set SPLICE_CACHE to a writable folder with room"):
+        models.ensure_converted(path, "fake", sha256)
+    assert list((cache / "models").iterdir()) == []
+
+
 def test_missing_wheel_tells_how_to_install(cache, monkeypatch):
     def not_installed(name):
         raise importlib.metadata.PackageNotFoundError(name)
@@ -233,10 +288,13 @@ def test_damaged_cache_is_converted_again(cache, fake_gguf, cheap_conversion, mo
         f.seek(-4, 2)
         f.write(b"\xff\xff\xff\xff")
     monkeypatch.setattr(models, "_VERIFIED_HASHES", {})
+    warnings = []
+    monkeypatch.setattr(models.log, "warning", lambda message, *args: warnings.append(message % args))
     assert models.cached_conversion("fake", sha256) is None
     assert models.ensure_converted(path, "fake", sha256) == folder
     assert len(cheap_conversion) == 2
     assert models.verify_files(folder, models.read_manifest(folder)) is None
+    assert len(warnings) == 1 and "model.safetensors has sha256" in warnings[0]  # said once, though checked thrice
 
 
 def test_interrupted_conversion_leaves_nothing_that_looks_valid(cache, fake_gguf, cheap_conversion, monkeypatch):
@@ -253,17 +311,16 @@ def test_interrupted_conversion_leaves_nothing_that_looks_valid(cache, fake_gguf
 
 
 def test_conversion_removes_temporaries_left_by_killed_conversions(cache, fake_gguf, cheap_conversion):
-    import os
-    import time
-
+    """A conversion killed midway leaves a temporary folder (a whole model's worth once saving began); the next
+    conversion of the name, which holds its lock, removes any, however recent. Another model's stay."""
     path, sha256 = fake_gguf
-    stale, fresh = cache / "models" / ".tmp-fake-killed", cache / "models" / ".tmp-fake-running"
-    stale.mkdir(parents=True)
-    fresh.mkdir()
-    old = time.time() - 2 * 3600
-    os.utime(stale, (old, old))
+    killed = cache / "models" / ".tmp-fake-k1ll_d0x"  # mkdtemp's name: the prefix, then 8 characters
+    killed.mkdir(parents=True)
+    (killed / "model.safetensors").write_bytes(b"half the weights")
+    other = cache / "models" / ".tmp-fake-model-abcd1234"  # model "fake-model"'s, maybe converting now
+    other.mkdir()
     models.ensure_converted(path, "fake", sha256)
-    assert not stale.exists() and fresh.exists()
+    assert not killed.exists() and other.exists()
 
 
 def test_conversion_removes_folders_a_killed_replacement_moved_aside(cache, fake_gguf, cheap_conversion):

@@ -80,9 +80,42 @@ ACCEPTED_KINDS = (
 
 
 def cache_dir() -> Path:
-    """Where converted models live: ``$SPLICE_CACHE`` if set, else ``~/.cache/splice`` (read on every call)."""
+    """Where converted models live: ``$SPLICE_CACHE`` if set, else ``~/.cache/splice`` (read on every call). Absolute
+    (a relative ``SPLICE_CACHE`` is taken from the working directory), so the folders made from it stay right after
+    the process changes directory."""
     configured = os.environ.get("SPLICE_CACHE")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "splice"
+    if configured:
+        return Path(configured).expanduser().absolute()
+    try:
+        return Path.home() / ".cache" / "splice"
+    except RuntimeError:  # no HOME and no password-database entry
+        raise CacheError("splice's cache has no place: HOME is unset and this user has no home folder; "
+                         "set SPLICE_CACHE to a writable folder") from None
+
+
+class CacheError(OSError):
+    """splice's cache folder cannot be used (not a folder, not writable, full): the message names the folder, the
+    reason and what to do."""
+
+
+def cache_error(error: OSError, doing: str) -> CacheError:
+    """A CacheError for ``error``, met while ``doing`` something in :func:`cache_dir`."""
+    origin = "SPLICE_CACHE" if os.environ.get("SPLICE_CACHE") else "the default; SPLICE_CACHE is unset"
+    reason = error.strerror or str(error)
+    where = f": {error.filename}" if error.filename else ""
+    return CacheError(f"splice's cache {str(cache_dir())!r} ({origin}) cannot be used: {doing} failed "
+                      f"({reason}{where}); set SPLICE_CACHE to a writable folder with room")
+
+
+def cache_subfolder(*parts: str) -> Path:
+    """``cache_dir()/parts...``, made if missing; raises CacheError where it cannot be (a file in the way, a
+    read-only or full disk)."""
+    folder = cache_dir().joinpath(*parts)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise cache_error(error, f"making {'/'.join(parts)}") from None
+    return folder
 
 
 def load(name_or_path: str | os.PathLike, dtype: Any = None) -> tuple[nn.Module, Any]:
@@ -193,8 +226,7 @@ def ensure_converted(gguf: Path, name: str, sha256: str) -> Path:
 def _conversion_lock(folder: Path):
     """An exclusive lock on converting into ``folder``, shared by every process using this cache: the lock file
     ``cache_dir()/locks/<name>.lock`` is kept, so every process locks the same file."""
-    lock_file = cache_dir() / "locks" / f"{folder.name}.lock"
-    lock_file.parent.mkdir(parents=True, exist_ok=True)
+    lock_file = cache_subfolder("locks") / f"{folder.name}.lock"
     return exclusive_lock(lock_file, lambda: log.warning(
         "splice: waiting for another process to finish converting into %s", folder))
 
@@ -203,7 +235,11 @@ def _conversion_lock(folder: Path):
 def exclusive_lock(lock_file: Path, on_wait: Callable[[], None]) -> Iterator[None]:
     """An exclusive advisory lock on ``lock_file`` (released by the OS if its holder dies) for work that processes
     sharing the cache must not do at once; ``on_wait()`` runs first when another process holds it."""
-    with open(lock_file, "a") as handle:
+    try:
+        handle = open(lock_file, "a")
+    except OSError as error:
+        raise cache_error(error, "opening a lock file") from None
+    with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -227,17 +263,25 @@ def cached_conversion(name: str, sha256: str) -> Path | None:
         return None
     problem = verify_files(folder, manifest)
     if problem is not None:
-        log.warning("splice: the cached conversion in %s is damaged (%s); converting again", folder, problem)
+        if (str(folder), problem) not in _DAMAGE_REPORTED:  # the caller checks again under the conversion lock
+            _DAMAGE_REPORTED.add((str(folder), problem))
+            log.warning("splice: the cached conversion in %s is damaged (%s); converting again", folder, problem)
         return None
     return folder
+
+
+_DAMAGE_REPORTED: set[tuple[str, str]] = set()
 
 
 def convert_gguf(gguf: Path, folder: Path, sha256: str) -> None:
     """De-quantise ``gguf`` to an fp32 safetensors folder at ``folder``, atomically (temp folder, then rename).
     Callers hold the folder's conversion lock (:func:`ensure_converted` does)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temporaries(folder)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{folder.name}-", dir=folder.parent))
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(folder)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{folder.name}-", dir=folder.parent))
+    except OSError as error:
+        raise cache_error(error, f"making a folder to convert {gguf.name} in") from None
     try:
         start = time.perf_counter()
         with tqdm(total=4, desc=f"splice: converting {gguf.name}", unit="step") as steps:
@@ -247,19 +291,35 @@ def convert_gguf(gguf: Path, folder: Path, sha256: str) -> None:
             steps.set_postfix_str("de-quantising the weights to fp32")
             model = _gguf_model(gguf, config)
             steps.update()
-            steps.set_postfix_str("saving safetensors + tokenizer")
-            model.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
-            del model
-            steps.update()
-            steps.set_postfix_str("writing the manifest")
-            write_manifest(tmp, source=gguf, source_sha256=sha256)
-            steps.update()
-        _make_readable(tmp)
-        _replace_folder(tmp, folder)
+            with _cache_writes(f"writing the conversion of {gguf.name}"):
+                steps.set_postfix_str("saving safetensors + tokenizer")
+                model.save_pretrained(tmp, safe_serialization=True)
+                tokenizer.save_pretrained(tmp)
+                del model
+                steps.update()
+                steps.set_postfix_str("writing the manifest")
+                write_manifest(tmp, source=gguf, source_sha256=sha256)
+                steps.update()
+        with _cache_writes(f"moving the conversion of {gguf.name} into place"):
+            _make_readable(tmp)
+            _replace_folder(tmp, folder)
         log.info("splice: converted %s into %s in %.1f s", gguf, folder, time.perf_counter() - start)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _cache_writes(doing: str) -> Iterator[None]:
+    """What writing into the cache raises (a full disk, say; safetensors reports it as its own error type) as a
+    CacheError naming the cache and what to do."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except OSError as error:
+        raise cache_error(error, doing) from error
+    except SafetensorError as error:
+        raise cache_error(OSError(_one_line(error)), doing) from error
 
 
 def _gguf_config_and_tokenizer(gguf: Path) -> tuple[Any, Any]:
@@ -297,16 +357,15 @@ def _gguf_model(gguf: Path, config: Any) -> nn.Module:
     return model.eval()
 
 
-def _remove_stale_temporaries(folder: Path, older_than_s: float = 3600.0) -> None:
-    """Temporary folders left by conversions that were killed (a running one is younger than an hour)."""
+def _remove_stale_temporaries(folder: Path) -> None:
+    """Folders left by conversions into ``folder`` that were killed: called under its conversion lock, so no other
+    process is converting into it. Names are matched whole, so another model's folders (``<name>-...``) stay."""
+    # mkdtemp's folders: the prefix, then 8 characters
+    temporary = re.compile(rf"\.tmp-{re.escape(folder.name)}-[a-z0-9_]{{8}}")
     for tmp in folder.parent.glob(f".tmp-{folder.name}-*"):
-        try:
-            if time.time() - tmp.stat().st_mtime > older_than_s:
-                shutil.rmtree(tmp, ignore_errors=True)
-        except OSError:
-            pass
-    # Folders _replace_folder moved aside and was killed before deleting (called under the conversion lock, so no
-    # other process is between its rename and its delete).
+        if temporary.fullmatch(tmp.name):
+            shutil.rmtree(tmp, ignore_errors=True)
+    # Folders _replace_folder moved aside and was killed before deleting.
     moved_aside = re.compile(rf"\.stale-{re.escape(folder.name)}-\d+-\d+")
     for stale in folder.parent.glob(f".stale-{folder.name}-*"):
         if moved_aside.fullmatch(stale.name):

@@ -68,7 +68,8 @@ def test_two_processes_racing_build_once_and_load_the_same_library(tmp_path, mon
     assert [build.returncode for build in builds] == [0, 0], errors
     assert outputs == [str(library)] * 2
     assert sum("splice: building a test library, once per machine" in text for text in errors) == 1, errors
-    assert sorted(p.name for p in library.parent.iterdir()) == ["build.lock", library.name]  # no build folder left
+    # no build folder left; the checksum written with the library
+    assert sorted(p.name for p in library.parent.iterdir()) == ["build.lock", library.name, library.name + ".sha256"]
     assert ctypes.CDLL(str(library)).splice_tiny_answer() == 42
 
 
@@ -90,3 +91,76 @@ def test_a_built_library_is_loaded_without_building_again(tmp_path, monkeypatch)
     assert again.wait(timeout=300) == 0
     assert "building" in (tmp_path / "first.log").read_text()
     assert (tmp_path / "again.log").read_text() == ""
+
+
+def built_tiny(tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """The tiny library built once by a subprocess in a fresh cache: (its source, its path)."""
+    monkeypatch.setenv("SPLICE_CACHE", str(tmp_path / "cache"))
+    source = tiny_source(tmp_path / "src")
+    first = start_build(source, tmp_path / "cache", tmp_path / "first.log")
+    assert first.wait(timeout=300) == 0, (tmp_path / "first.log").read_text()
+    return source, native.library_path(native._build_key(source, ("-O1",), ()), stem="tiny")
+
+
+def build_again(source: Path, tmp_path: Path) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of building the tiny library again in a subprocess (a SIGBUS kills it)."""
+    again = start_build(source, tmp_path / "cache", tmp_path / "again.log")
+    out = again.communicate(timeout=300)[0].strip()
+    return again.returncode, out, (tmp_path / "again.log").read_text()
+
+
+def test_a_truncated_library_is_built_again_rather_than_loaded(tmp_path, monkeypatch):
+    """A cache copied in part, or a disk that filled: loading a truncated library kills the process (SIGBUS)."""
+    source, library = built_tiny(tmp_path, monkeypatch)
+    whole = library.read_bytes()
+    library.write_bytes(whole[:4096])
+    returncode, out, err = build_again(source, tmp_path)
+    assert returncode == 0, err
+    assert f"the cached library of a test library, {library}, is damaged (4096 bytes" in err
+    assert "building a test library" in err and out == str(library)
+    assert library.read_bytes() == whole
+
+
+def test_a_changed_library_is_built_again(tmp_path, monkeypatch):
+    source, library = built_tiny(tmp_path, monkeypatch)
+    whole = bytearray(library.read_bytes())
+    whole[len(whole) // 2] ^= 0xFF
+    library.write_bytes(bytes(whole))
+    returncode, _, err = build_again(source, tmp_path)
+    assert returncode == 0, err
+    assert "is damaged" in err and "building a test library" in err
+    assert native._library_damage(library) is None
+
+
+def test_a_library_built_without_a_checksum_is_checked_by_its_elf_headers(tmp_path, monkeypatch):
+    """Libraries built before the checksum was written beside them are still loaded, unless truncated."""
+    source, library = built_tiny(tmp_path, monkeypatch)
+    native._checksum_path(library).unlink()
+    assert native._library_damage(library) is None
+    returncode, _, err = build_again(source, tmp_path)
+    assert returncode == 0 and err == ""  # loaded, not built
+    whole = library.read_bytes()
+    assert "truncated" in native._elf_damage(whole[:len(whole) - 1])
+    assert "not a 64-bit little-endian ELF" in native._elf_damage(b"\0" * 100)
+
+
+def test_a_missing_compiler_is_named_before_any_build_starts(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPLICE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    with pytest.raises(RuntimeError,
+                       match=r"no C\+\+ compiler: .*no-such-c\+\+' \(CXX\) is not on PATH; install g\+\+"):
+        native.build_library(tiny_source(tmp_path / "src"), "tiny", ["-O1"], [], what="a test library")
+    assert "building" not in capsys.readouterr().err
+    monkeypatch.setenv("CXX", "false")
+    with pytest.raises(RuntimeError, match=r"the C\+\+ compiler 'false' does not run \('false --version' exits"):
+        native.build_library(tiny_source(tmp_path / "src"), "tiny", ["-O1"], [], what="a test library")
+
+
+def test_a_cache_that_is_a_file_is_named_with_what_to_do(tmp_path, monkeypatch):
+    from splice.models import CacheError
+
+    (tmp_path / "cache").write_text("not a folder")
+    monkeypatch.setenv("SPLICE_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(CacheError, match=r"splice's cache '.*cache' \(SPLICE_CACHE\) cannot be used: making kernels/"
+                                         r"\w+ failed \(.*\); set SPLICE_CACHE to a writable folder"):
+        native.build_library(tiny_source(tmp_path / "src"), "tiny", ["-O1"], [], what="a test library")

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..models import cache_dir, exclusive_lock
+from ..models import cache_dir, cache_subfolder, exclusive_lock
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
 #: Instruction-set levels, lowest first; their index + 1 is the level number the C++ side uses.
@@ -99,7 +99,8 @@ def available() -> bool:
         try:
             _build()
         except Exception as error:  # a missing compiler, a broken toolchain: fall back, but say so
-            reason = f"building them failed ({type(error).__name__}: {str(error).strip().splitlines()[-1][:200]})"
+            last_line = (str(error).strip().splitlines() or [""])[-1][:400]
+            reason = f"building them failed ({type(error).__name__}: {last_line})"
     if reason is None:
         set_isa(_initial_isa(requested))
         torch.ops.splice_kernels.set_weight_streams(initial_weight_streams())
@@ -344,15 +345,79 @@ def build_library(source: Path, name: str, cflags: list[str], ldflags: list[str]
     Returns the library's path, ``$SPLICE_CACHE/kernels/<key>/<name>_<key>.so``."""
     key = _build_key(source, tuple(cflags), tuple(ldflags))
     path = library_path(key, stem=name)
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
+    damage = _library_damage(path) if path.exists() else None
+    if damage is not None:
+        print(f"splice: the cached library of {what}, {path}, is damaged ({damage}); building it again",
+              file=sys.stderr, flush=True)
+    if damage is not None or not path.exists():
+        missing = _missing_compiler()
+        if missing is not None:
+            raise RuntimeError(missing)
+        cache_subfolder("kernels", key)
         with exclusive_lock(path.parent / "build.lock", lambda: print(
                 f"splice: waiting for another process to finish building {what}...", file=sys.stderr, flush=True)):
-            if not path.exists():
+            if not path.exists() or _library_damage(path) is not None:  # else another process built it meanwhile
                 _compile(source, cflags, ldflags, path, what)  # loads it, too
                 return path
     torch.ops.load_library(str(path))
     return path
+
+
+def _missing_compiler() -> str | None:
+    """Why no C++ compiler can build here (``$CXX``, else ``c++``, not found or not running), or None."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        return (f"no C++ compiler: {compiler!r} ({'CXX' if 'CXX' in os.environ else 'the default'}) is not on PATH; "
+                "install g++ or set CXX to a C++ compiler")
+    try:
+        run = subprocess.run([compiler, "--version"], capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"the C++ compiler {compiler!r} does not run ({error}); install g++ or set CXX to a C++ compiler"
+    if run.returncode != 0:
+        return (f"the C++ compiler {compiler!r} does not run ('{compiler} --version' exits with {run.returncode}); "
+                "install g++ or set CXX to a C++ compiler")
+    return None
+
+
+def _checksum_path(library: Path) -> Path:
+    """The file beside a built library holding its size and sha256, written before the library is renamed in."""
+    return library.with_name(library.name + ".sha256")
+
+
+def _library_damage(library: Path) -> str | None:
+    """What is wrong with a cached library file (truncated, changed), or None. Loading a truncated ELF file kills
+    the process with SIGBUS rather than raising, so it is checked first: against the size and sha256 written beside
+    it when it was built, and (for a library built without them) against the file size its ELF headers imply."""
+    try:
+        data = library.read_bytes()
+        recorded = _checksum_path(library).read_text().split() if _checksum_path(library).exists() else None
+    except OSError as error:
+        return f"unreadable: {error.strerror or error}"
+    if recorded is not None:
+        if recorded != [str(len(data)), hashlib.sha256(data).hexdigest()]:
+            return f"{len(data)} bytes with sha256 {hashlib.sha256(data).hexdigest()}, built as {' '.join(recorded)}"
+        return None
+    return _elf_damage(data)
+
+
+def _elf_damage(data: bytes) -> str | None:
+    """Whether ``data`` is too short for what its 64-bit little-endian ELF headers say lies in it: the program
+    headers' loaded segments and the section header table (at the end of a linked library)."""
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return f"not a 64-bit little-endian ELF library ({len(data)} bytes)"
+
+    def field(offset: int, size: int) -> int:
+        return int.from_bytes(data[offset:offset + size], "little")
+
+    ends = [field(0x28, 8) + field(0x3C, 2) * field(0x3A, 2),  # section headers: e_shoff + e_shnum * e_shentsize
+            field(0x20, 8) + field(0x38, 2) * field(0x36, 2)]  # program headers: e_phoff + e_phnum * e_phentsize
+    if ends[1] <= len(data):
+        for header in range(field(0x20, 8), ends[1], field(0x36, 2)):
+            if field(header, 4) == 1:  # PT_LOAD: p_offset + p_filesz
+                ends.append(field(header + 8, 8) + field(header + 32, 8))
+    if max(ends) > len(data):
+        return f"truncated: {len(data)} bytes, its ELF headers need {max(ends)}"
+    return None
 
 
 def _compile(source: Path, cflags: list[str], ldflags: list[str], path: Path, what: str) -> None:
@@ -368,6 +433,10 @@ def _compile(source: Path, cflags: list[str], ldflags: list[str], path: Path, wh
     try:
         load(name=path.stem, sources=[str(source)], extra_cflags=cflags, extra_ldflags=ldflags,
              build_directory=str(folder), is_python_module=False, verbose=False)
+        data = (folder / path.name).read_bytes()
+        checksum = folder / "checksum"
+        checksum.write_text(f"{len(data)} {hashlib.sha256(data).hexdigest()}\n")
+        os.replace(checksum, _checksum_path(path))  # first: a library in place always has its checksum beside it
         os.replace(folder / path.name, path)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
