@@ -96,6 +96,39 @@ def test_llama_1b_is_built_once_in_the_cache(monkeypatch, tmp_path):
     assert model.config.hidden_size == 32 and model.dtype == torch.float32
 
 
+def test_llama_1b_first_runs_at_once_save_it_once(monkeypatch, tmp_path):
+    import threading
+    import time
+
+    from transformers import LlamaForCausalLM
+
+    monkeypatch.setenv("SPLICE_CACHE", str(tmp_path))
+    monkeypatch.setattr(bench, "LLAMA_1B", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=64))
+    saves, save = [], LlamaForCausalLM.save_pretrained
+
+    def slow_save(self, *args, **kwargs):
+        saves.append(args[0])
+        time.sleep(0.5)  # the other run starts while this one saves
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(LlamaForCausalLM, "save_pretrained", slow_save)
+    folders, errors = [], []
+
+    def first_run():
+        try:
+            folders.append(bench.llama_1b_folder())
+        except Exception as error:  # noqa: BLE001 - the race's error, reported below
+            errors.append(error)
+
+    runs = [threading.Thread(target=first_run) for _ in range(2)]
+    for run in runs:
+        run.start()
+    for run in runs:
+        run.join()
+    assert not errors and len(saves) == 1 and folders[0] == folders[1] and (folders[0] / "config.json").exists()
+
+
 def test_weight_bytes_count_a_tied_head_once():
     untied = build_family("llama")
     embedding = untied.model.embed_tokens.weight

@@ -312,6 +312,23 @@ def test_options_that_need_no_model_are_refused_before_it_loads(capsys, monkeypa
     assert code == 2 and named in err and "Traceback" not in err
 
 
+def test_warnings_are_one_splice_warning_line_each(capsys, monkeypatch):
+    import warnings
+
+    from splice import cli
+
+    def warns_then_refuses(args):
+        warnings.warn("the native kernels\n are not used", RuntimeWarning)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(cli, "run_info", warns_then_refuses)
+    monkeypatch.delenv("SPLICE_DEBUG", raising=False)
+    code, _, err = run_cli(["info"], capsys)
+    assert code == 2 and err.splitlines() == ["splice: warning: the native kernels are not used",
+                                              "splice: error: stop here"]
+    assert warnings.showwarning is not cli._show_warning  # put back after the command
+
+
 @pytest.mark.parametrize("key", ["replace_with_kernel_inject", "kernel_inject"])
 def test_serve_refuses_a_config_without_kernel_injection_by_name_before_loading(tmp_path, capsys, monkeypatch, key):
     from splice import cli

@@ -13,6 +13,9 @@ import argparse
 import gc
 import json
 import math
+import os
+import shutil
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, replace
@@ -404,17 +407,22 @@ def llama_1b_folder() -> Path:
     """A random-weight Llama with TinyLlama-1.1B dimensions, built and saved (bf16) once in splice's cache."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from .models import cache_dir
+    from .models import cache_dir, cache_subfolder, exclusive_lock
 
     folder = cache_dir() / "bench-llama-1b"
     if (folder / "config.json").exists():
         return folder
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**LLAMA_1B)).to(torch.bfloat16)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = folder.with_name(folder.name + ".tmp")
-    model.save_pretrained(tmp)
-    tmp.rename(folder)
+    # two first runs at once: one builds it, the other waits and takes it
+    with exclusive_lock(cache_subfolder("locks") / f"{folder.name}.lock", lambda: print(
+            f"splice: waiting for another process to save {folder.name}...", file=sys.stderr, flush=True)):
+        if (folder / "config.json").exists():
+            return folder
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**LLAMA_1B)).to(torch.bfloat16)
+        tmp = folder.with_name(folder.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed run's
+        model.save_pretrained(tmp)
+        os.replace(tmp, folder)
     return folder
 
 

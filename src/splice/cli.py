@@ -12,8 +12,9 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 from .cli_options import DEFAULT_MODEL, QUANT_SCHEMES, add_bench_parser
 
@@ -31,7 +32,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return args.run(args) or 0
+        with one_line_warnings():
+            return args.run(args) or 0
     except KeyboardInterrupt:  # Ctrl-C: the user stopped it, no traceback (serve handles its own signals)
         print("splice: interrupted", file=sys.stderr, flush=True)
         return 130  # as a shell reports a process ended by SIGINT
@@ -46,6 +48,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = error_message(" ".join(f"{type(error).__name__}: {error}".split()), args)  # on one line
         print(f"splice: error: {message} (SPLICE_DEBUG=1 shows where)", file=sys.stderr, flush=True)
         return 1
+
+
+@contextlib.contextmanager
+def one_line_warnings() -> Iterator[None]:
+    """Warnings as ``splice: warning: ...`` lines on stderr, like the errors (Python's own format adds the file, line
+    and source line of the call that warned, which reads as part of a traceback); SPLICE_DEBUG=1 keeps that format."""
+    with warnings.catch_warnings():
+        if not debugging():
+            warnings.showwarning = _show_warning
+        yield
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    print(f"splice: warning: {' '.join(str(message).split())}", file=file or sys.stderr, flush=True)
 
 
 def debugging() -> bool:
