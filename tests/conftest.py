@@ -48,3 +48,23 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
         code = exit_.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def on_threads(call, count: int = 2) -> tuple[list, list]:
+    """``call()`` on ``count`` threads at once: (the results, the exceptions raised), once all have ended."""
+    import threading
+
+    results, errors = [], []
+
+    def run():
+        try:
+            results.append(call())
+        except BaseException as error:  # noqa: BLE001 - handed to the caller
+            errors.append(error)
+
+    threads = [threading.Thread(target=run) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results, errors

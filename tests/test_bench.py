@@ -10,6 +10,7 @@ import torch
 from splice import bench
 
 from .arch.tiny_models import build_family
+from .conftest import on_threads
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -97,7 +98,6 @@ def test_llama_1b_is_built_once_in_the_cache(monkeypatch, tmp_path):
 
 
 def test_llama_1b_first_runs_at_once_save_it_once(monkeypatch, tmp_path):
-    import threading
     import time
 
     from transformers import LlamaForCausalLM
@@ -113,19 +113,7 @@ def test_llama_1b_first_runs_at_once_save_it_once(monkeypatch, tmp_path):
         return save(self, *args, **kwargs)
 
     monkeypatch.setattr(LlamaForCausalLM, "save_pretrained", slow_save)
-    folders, errors = [], []
-
-    def first_run():
-        try:
-            folders.append(bench.llama_1b_folder())
-        except Exception as error:  # noqa: BLE001 - the race's error, reported below
-            errors.append(error)
-
-    runs = [threading.Thread(target=first_run) for _ in range(2)]
-    for run in runs:
-        run.start()
-    for run in runs:
-        run.join()
+    folders, errors = on_threads(bench.llama_1b_folder)
     assert not errors and len(saves) == 1 and folders[0] == folders[1] and (folders[0] / "config.json").exists()
 
 

@@ -11,7 +11,7 @@ import torch
 
 from splice import models
 
-from .conftest import build_tiny, tiny_llama_config
+from .conftest import build_tiny, on_threads, tiny_llama_config
 
 BUILTIN = "smollm2-135m-instruct"
 
@@ -341,7 +341,6 @@ def test_concurrent_conversions_convert_once_and_keep_the_finished_folder(cache,
     """Two processes that both find the cache empty: the second waits for the first and uses its folder instead of
     converting again and swapping the folder under a process that is reading it. (Threads stand in for processes:
     the lock is on an open file, which two threads hold as two processes would.)"""
-    import threading
     import time
 
     path, sha256 = fake_gguf
@@ -353,19 +352,7 @@ def test_concurrent_conversions_convert_once_and_keep_the_finished_folder(cache,
         return build(gguf, config)
 
     monkeypatch.setattr(models, "_gguf_model", slow_model)
-    folders, errors = [], []
-
-    def convert():
-        try:
-            folders.append(models.ensure_converted(path, "fake", sha256))
-        except BaseException as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=convert) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    folders, errors = on_threads(lambda: models.ensure_converted(path, "fake", sha256))
     assert not errors and folders == [cache / "models" / "fake"] * 2
     assert len(cheap_conversion) == 1
     assert models.cached_conversion("fake", sha256) == folders[0]
