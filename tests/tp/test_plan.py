@@ -190,3 +190,19 @@ def test_head_counts_are_set_per_rank_on_modules_never_on_the_shared_config():
     assert (model.config.num_attention_heads, model.config.num_key_value_heads) == (4, 2)
     assert attn.config._attn_implementation == model.config._attn_implementation  # a live view
     assert attn.qkv_proj.out_features == (2 + 1 + 1) * 16
+
+
+@pytest.mark.parametrize("after, layout", [
+    (("view", ((1, 4, 2, 4, 16),)), "kv_groups"),  # each KV group's queries, then its key and value
+    (("unflatten", ((1, 4, 4, 3, 16),)), "heads"),  # q, k and v interleaved per head
+    (("split_with_sizes", ((1, 4, 4, 16), (1, 4, 2, 16), (1, 4, 2, 16))), "qkv"),
+])
+def test_a_first_view_to_rows_of_head_dim_is_read_through(after, layout):
+    """transformers 5.25's Falcon first views its fused q/k/v output as rows of head_dim, which fits every layout; the
+    op after that view tells them apart."""
+    from splice.tp.autotp import Trace, fused_layout
+
+    n_kv = 4 if layout == "heads" else 2
+    rows = 4 + 2 * n_kv
+    trace = Trace(out_ndim={"qkv": 3}, first_op={"qkv": ("view", ((1, 4, rows, 16),))}, next_op={"qkv": after})
+    assert fused_layout("qkv", trace, Heads(4, n_kv, 16)) == layout

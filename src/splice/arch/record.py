@@ -235,11 +235,12 @@ def config_flag(value: bool | str | tuple[str, ...], config: Any) -> bool:
 
 
 def kv_heads(config: Any, n_heads: int) -> int:
-    """Key/value heads under transformers' names: ``num_key_value_heads``, Falcon's ``num_kv_heads`` (its new
-    architecture) or ``multi_query`` (one shared head), else one per query head."""
+    """Key/value heads under transformers' names: Falcon's ``num_kv_heads`` (its new architecture; the key its
+    attention reads, where newer configs also derive ``num_key_value_heads`` from it), ``num_key_value_heads``, or
+    ``multi_query`` (one shared head), else one per query head."""
     if getattr(config, "multi_query", False) and not getattr(config, "new_decoder_architecture", False):
         return 1
-    for key in ("num_key_value_heads", "num_kv_heads"):
+    for key in ("num_kv_heads", "num_key_value_heads"):
         value = getattr(config, key, None)
         if value:
             return value

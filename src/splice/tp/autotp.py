@@ -46,6 +46,7 @@ class Trace:
     inputs: dict[str, frozenset] = field(default_factory=dict)
     out_ndim: dict[str, int] = field(default_factory=dict)
     first_op: dict[str, tuple[str, tuple]] = field(default_factory=dict)
+    next_op: dict[str, tuple[str, tuple]] = field(default_factory=dict)  # the op on a first view's output
     block_out: dict[str, frozenset] = field(default_factory=dict)
 
 
@@ -55,6 +56,7 @@ class _Tagger(TorchFunctionMode):
     def __init__(self, trace: Trace):
         super().__init__()
         self.trace, self.tags, self.fresh = trace, WeakTensorKeyDictionary(), WeakTensorKeyDictionary()
+        self.viewed = WeakTensorKeyDictionary()  # a linear's output after its first op, a view: the linear's name
 
     def tags_of(self, value) -> frozenset:
         return frozenset().union(*(self.tags.get(t, frozenset()) for t in _tensors(value)))
@@ -79,7 +81,11 @@ class _Tagger(TorchFunctionMode):
         return out
 
     def _note_first_use(self, op: str, inputs, outputs) -> None:
+        shapes = tuple(tuple(o.shape) for o in outputs)
         for tensor in inputs:
+            viewed = self.viewed.pop(tensor, None)
+            if viewed is not None:
+                self.trace.next_op.setdefault(viewed, (op, shapes))
             name = self.fresh.pop(tensor, None)
             if name is None or name in self.trace.first_op:
                 continue
@@ -87,7 +93,9 @@ class _Tagger(TorchFunctionMode):
                 self.fresh[outputs[0]] = name
                 self.trace.out_ndim[name] = outputs[0].dim()
                 continue
-            self.trace.first_op[name] = (op, tuple(tuple(o.shape) for o in outputs))
+            self.trace.first_op[name] = (op, shapes)
+            if op in _VIEWS and len(outputs) == 1:
+                self.viewed[outputs[0]] = name
 
     def linear_pre(self, name):
         def hook(module, args):
@@ -259,8 +267,11 @@ def fused_layout(name: str, trace: Trace, heads: Heads) -> str:
     if op in _SPLITS and shapes and shapes[0][lead:] == (nq * hd,):
         return "qkv"
     tail = tuple(shapes[0][lead:]) if op in _VIEWS and shapes else ()
-    if tail == (nq + 2 * nkv, hd):
-        return "qkv"
+    if tail == (nq + 2 * nkv, hd):  # rows of head_dim: the op after this view tells how q, k and v interleave
+        op, shapes = trace.next_op.get(name, ("nothing", ()))
+        tail = tuple(shapes[0][lead:]) if op in _VIEWS and shapes else ()
+        if tail not in ((nq, 3, hd), (nkv, heads.group + 2, hd)):
+            return "qkv"
     if nq == nkv and tail in ((nq, 3, hd), (nq, 3 * hd)):
         return "heads"
     if tail == (nkv, heads.group + 2, hd):
