@@ -271,11 +271,11 @@ def _runtime_lock(runtime: SpliceCausalLM) -> Iterator[None]:
 def _save_pretrained(module: nn.Module, world_size: int, *args: Any, **kwargs: Any) -> Any:
     """The model's own ``save_pretrained``, for a model whose weights are still Hugging Face's layout; else raises
     before writing anything."""
-    from .layers.block import SpliceBlock
+    from .layers.block import has_fused_blocks
     from .quant.layers import QuantizedLinear
 
     changes = []
-    if any(isinstance(sub, SpliceBlock) for sub in module.modules()):
+    if has_fused_blocks(module):
         changes.append("its layers were fused by kernel injection (replace_with_kernel_inject=True)")
     if any(isinstance(sub, QuantizedLinear) for sub in module.modules()):
         changes.append("its linears are quantized (splice.quant.save_quantized saves them, load_quantized loads "

@@ -22,7 +22,7 @@ from .checkpoint import check_checkpoint, has_meta_tensors, load_policy_files
 from .config import InferenceConfig, SpliceIgnoredOptionWarning, TensorParallelConfig
 from .distributed import ParallelContext
 from .kernel_choice import KernelChoice, attention_kernel, float_kernel, quant_kernel
-from .layers.block import SpliceBlock, activation
+from .layers.block import activation, has_fused_blocks
 from .native import onednn_computes_in
 from .quant import QuantConfig
 from .quant import plan as quant_targets
@@ -348,7 +348,7 @@ def check_fusable(model: nn.Module, config: InferenceConfig) -> None:
     model_config = getattr(model, "config", None)
     if model_config is None:
         raise TypeError(f"kernel injection needs a transformers model with a .config, got {type(model).__name__}")
-    if any(isinstance(module, SpliceBlock) for module in model.modules()):
+    if has_fused_blocks(model):
         raise ValueError(f"this {type(model).__name__} was already kernel-injected by an earlier init_inference (its "
                          "layers are splice's fused blocks); allowed: the original model, or the engine that call "
                          "returned")

@@ -228,6 +228,11 @@ def additive_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, dtype, dev
     return mask.to(dtype)
 
 
+def has_fused_blocks(model: nn.Module) -> bool:
+    """Whether kernel injection has replaced ``model``'s layers by fused blocks."""
+    return any(isinstance(module, SpliceBlock) for module in model.modules())
+
+
 def within_window(mask: torch.Tensor | None, q_len: int, kv_len: int, window: int, device) -> torch.Tensor:
     """``mask`` (boolean, float or None for causal) restricted to the last ``window`` positions of each query, the
     queries being the last ``q_len`` of ``kv_len`` positions."""
