@@ -237,8 +237,9 @@ def test_an_empty_prompt_starts_from_bos(tiny_cli, capsys):
     assert "3 new tokens]" in out
 
 
-def test_the_native_kernels_are_ready_before_the_clock_starts(tiny_cli, capsys, monkeypatch):
-    """A first build (or load) of the native kernels must not count in the prefill time or decode speed."""
+def generate_events(flags: list[str], capsys, monkeypatch) -> list[str]:
+    """What ``splice generate FLAGS`` did, in order: "kernels" for each question to splice's native kernels (the first
+    builds or loads them; here they answer not available), "clock" when the timing started."""
     from splice import native
     from splice.streaming import StepClock
 
@@ -246,9 +247,25 @@ def test_the_native_kernels_are_ready_before_the_clock_starts(tiny_cli, capsys, 
     monkeypatch.setattr(native, "available", lambda: events.append("kernels") or False)
     start = StepClock.start
     monkeypatch.setattr(StepClock, "start", lambda self: events.append("clock") or start(self))
-    code, _, err = run_cli(["generate", "Hi", "--max-new-tokens", "2"], capsys)
+    code, _, err = run_cli(["generate", "Hi", "--max-new-tokens", "2", *flags], capsys)
     assert code == 0, err
+    return events
+
+
+@pytest.mark.parametrize("flags", [["--kernel-inject"], ["--quant", "int8"], ["--dtype", "int8"]])
+def test_the_native_kernels_are_ready_before_the_clock_starts(tiny_cli, capsys, monkeypatch, flags):
+    """A first build (or load) of the native kernels must not count in the prefill time or decode speed."""
+    events = generate_events(flags, capsys, monkeypatch)
     assert events[0] == "kernels" and "clock" in events
+
+
+@pytest.mark.parametrize("flags", [[], ["--dtype", "bf16"]])
+def test_a_run_without_kernel_injection_or_quantization_never_builds_the_native_kernels(tiny_cli, capsys, monkeypatch,
+                                                                                       flags):
+    """The model's own layers run on torch's kernels: neither the CLI nor init_inference asks for splice's native
+    kernels, so a plain run needs no C++ compiler and waits for no build."""
+    events = generate_events(flags, capsys, monkeypatch)
+    assert "kernels" not in events and "clock" in events
 
 
 # ---- splice serve: its options and wiring (the server itself: tests/serve/test_server.py) -------------------------

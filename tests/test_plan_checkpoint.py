@@ -120,3 +120,31 @@ def test_a_sharded_checkpoint_at_tp_size_1_names_the_size_it_was_saved_for(tmp_p
     with pytest.raises(ValueError, match=r"saved for tensor_parallel.tp_size=2, but tp_size=1; allowed: tp_size=2"):
         splice.init_inference(model, checkpoint=str(tmp_path / MANIFEST))
     assert all(torch.equal(tensor, before[name]) for name, tensor in model.state_dict().items())
+
+
+def test_resolve_reads_a_tensor_parallel_checkpoints_manifest_once(tmp_path, monkeypatch):
+    """``splice_tp.json`` is read once per resolve, and the stored plan, the weight check and the grain size all come
+    from that reading: a manifest replaced meanwhile (here, every later read sees one saved for another tp_size and
+    tp_grain_size) cannot make the checks disagree. The plan keeps the manifest it decided by, for the shard step."""
+    import json
+    from splice import plan as plan_module
+    from splice.distributed import ParallelContext
+    from splice.tp import loading
+    from splice.tp.autotp import autotp_plan
+    model = build_tiny(tiny_llama_config())
+    data = {"format": loading.FORMAT, "tp_size": 2, "tp_grain_size": 32, "ties": [],
+            "files": ["tp2-rank0.safetensors", "tp2-rank1.safetensors"], "plan": autotp_plan(model).to_dict()}
+    (tmp_path / loading.MANIFEST).write_text(json.dumps(data))
+    reads = []
+
+    def read_manifest(path):
+        reads.append(path)
+        manifest = loading.read_manifest(path)
+        return manifest if len(reads) == 1 else {**manifest, "tp_size": 4, "tp_grain_size": 16}
+
+    monkeypatch.setattr(plan_module, "read_manifest", read_manifest)
+    config = resolve_config({"checkpoint": str(tmp_path), "tensor_parallel": {"tp_size": 2}})
+    plan = plan_module.resolve(config, model, ParallelContext(0, 2), torch.device("cpu"))  # resolve runs no collective
+    assert reads == [tmp_path]
+    assert plan.tp_grain_size == 32 and plan.tp_manifest == {**data, "folder": str(tmp_path)}
+    assert plan.tp_plan.rules == autotp_plan(model).rules and plan.checkpoint_loader == "shard"

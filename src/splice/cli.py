@@ -176,13 +176,25 @@ def build_engine(args: argparse.Namespace):
     from .plan import check_graphs, resolve_device
 
     config = resolve_config(args.config_file, **config_from_args(args))  # checked before the model loads
-    check_graphs(config, resolve_device(config), config.tensor_parallel.tp_size)  # the checks that need no model
-    native.available()  # build (once per machine) and load the native kernels before anything is timed
+    device = resolve_device(config)
+    check_graphs(config, device, config.tensor_parallel.tp_size)  # the checks that need no model
+    if runs_native_kernels(config, device):
+        native.available()  # build (once per machine) and load the native kernels before anything is timed
     model, tokenizer = splice.load(args.model or DEFAULT_MODEL)
     length = context_length(model, bool(config.replace_with_kernel_inject))
     if "max_out_tokens" not in config.model_fields_set and length:
         config = config.model_copy(update={"max_out_tokens": length})
     return splice.init_inference(model, config=config), tokenizer
+
+
+def runs_native_kernels(config, device) -> bool:
+    """Whether the engine ``config`` asks for runs splice's native kernels: on the CPU, those of a kernel-injected
+    model and of quantized linears. A model left as it is runs its own layers on torch's kernels, so a plain run
+    neither builds them nor needs a C++ compiler."""
+    from .quant import QuantConfig
+
+    return device.type == "cpu" and bool(config.replace_with_kernel_inject
+                                         or QuantConfig.from_inference_config(config) is not None)
 
 
 def context_length(model, kernel_inject: bool) -> int | None:
@@ -348,9 +360,10 @@ def print_tp_plan(args: argparse.Namespace, config) -> int:
 
     tp = config.tensor_parallel.tp_size
     checkpoint = checkpoint_source(config)
+    manifest = tp_manifest(checkpoint)
     model, _ = splice.load(args.model or DEFAULT_MODEL)
-    plan = resolve_tensor_parallel(config, model, tp, checkpoint)
-    if tp_manifest(checkpoint) is not None:  # the stored plan keeps the source it was made from
+    plan = resolve_tensor_parallel(config, model, tp, manifest)
+    if manifest is not None:  # the stored plan keeps the source it was made from
         source = f"the manifest of the tensor-parallel checkpoint {str(checkpoint)!r}"
     else:
         source = {"policy": "the injection_policy of the config",

@@ -48,6 +48,7 @@ class Plan:
     int8: bool  # dtype=int8: int8 weights from the quantize step, activations in ``dtype``
     checkpoint: CheckpointSource | None
     checkpoint_loader: str | None  # "load" (whole checkpoint), "shard" (each rank its slices), None (no checkpoint)
+    tp_manifest: dict | None  # a splice tensor-parallel checkpoint's manifest, read once by resolve; else None
     tp_plan: TPPlan | None  # None at tp_size 1
     tp_grain_size: int
     save_shards_to: str | None
@@ -72,24 +73,26 @@ def resolve(config: InferenceConfig, model: nn.Module, parallel: ParallelContext
     dtype = activation_dtype(config.dtype, device)
     warn_without_fp16_arithmetic(dtype or _model_float_dtype(model), device)
     checkpoint = checkpoint_source(config)
-    tp_plan = resolve_tensor_parallel(config, model, tp, checkpoint)
-    check_weights(model, checkpoint, tp)
+    manifest = tp_manifest(checkpoint)  # read once: every check, and the plan, see the same file
+    tp_plan = resolve_tensor_parallel(config, model, tp, manifest)
+    check_weights(model, checkpoint, tp, manifest)
     if config.replace_with_kernel_inject:
         check_fusable(model, config)
     quant = QuantConfig.from_inference_config(config)
     calibration_ids = resolve_quantization(model, quant, config)
     check_graphs(config, device, tp)
     compute_dtype = dtype or _model_float_dtype(model)
+    fused_float, fused_attention = fused_kernels(compute_dtype, device, bool(config.replace_with_kernel_inject))
     return Plan(
         config=config, device=device, home=torch.device("cpu") if config.keep_module_on_host else device,
         keep_on_host=bool(config.keep_module_on_host),
         parallel=parallel, dtype=dtype, int8=config.dtype == torch.int8, checkpoint=checkpoint,
-        checkpoint_loader=None if checkpoint is None else ("shard" if tp > 1 else "load"), tp_plan=tp_plan,
-        tp_grain_size=resolve_grain_size(config, checkpoint), save_shards_to=config.save_mp_checkpoint_path or None,
+        checkpoint_loader=None if checkpoint is None else ("shard" if tp > 1 else "load"), tp_manifest=manifest,
+        tp_plan=tp_plan, tp_grain_size=resolve_grain_size(config, manifest),
+        save_shards_to=config.save_mp_checkpoint_path or None,
         fuse=bool(config.replace_with_kernel_inject), max_out_tokens=config.max_out_tokens, quant=quant,
-        calibration_ids=calibration_ids, float_kernel=float_kernel(compute_dtype, device),
-        quant_kernel=None if quant is None else quant_kernel(quant, device),
-        attention_kernel=attention_kernel(compute_dtype, device),
+        calibration_ids=calibration_ids, float_kernel=fused_float,
+        quant_kernel=None if quant is None else quant_kernel(quant, device), attention_kernel=fused_attention,
         compile_decode=bool(config.compile_decode), cuda_graph=bool(config.enable_cuda_graph))
 
 
@@ -210,15 +213,16 @@ def tp_manifest(source: CheckpointSource | None) -> dict | None:
     return read_manifest(source) if isinstance(source, Path) else None
 
 
-def check_weights(model: nn.Module, checkpoint: CheckpointSource | None, tp: int) -> None:
-    """A meta model needs a checkpoint; a whole-model checkpoint must fit the model (headers only, nothing loaded)."""
+def check_weights(model: nn.Module, checkpoint: CheckpointSource | None, tp: int, manifest: dict | None) -> None:
+    """A meta model needs a checkpoint; a whole-model checkpoint must fit the model (headers only, nothing loaded).
+    ``manifest`` is the checkpoint's :func:`tp_manifest`: its per-rank shards are checked as each rank loads them."""
     if checkpoint is None:
         if has_meta_tensors(model):
             raise ValueError("the model has tensors on the meta device (no weights) and no checkpoint was given; "
                              "pass checkpoint=<safetensors folder, file or index JSON> so splice can load them, "
                              "or give a model with real weights")
         return
-    if tp == 1 or tp_manifest(checkpoint) is None:
+    if tp == 1 or manifest is None:
         check_checkpoint(model, checkpoint)
 
 
@@ -235,13 +239,12 @@ def tensor_parallel_size(config: InferenceConfig, parallel: ParallelContext) -> 
 
 
 def resolve_tensor_parallel(config: InferenceConfig, model: nn.Module, tp: int,
-                            checkpoint: CheckpointSource | None) -> TPPlan | None:
-    """The verified plan at ``tp`` ranks (None at 1): the checkpoint manifest's, else the injection_policy's, else with
-    kernel injection the family record's, else AutoTP's (as DeepSpeed: its injection containers carry their own
-    policies, AutoTP serves the models it does not inject). An injection_policy is checked in every case: at tp 1 it
-    then warns (it has no effect), with a manifest it must give the stored plan's split. A manifest's shards load only
-    at the tp_size they were saved for, 1 included."""
-    manifest = tp_manifest(checkpoint)
+                            manifest: dict | None) -> TPPlan | None:
+    """The verified plan at ``tp`` ranks (None at 1): the stored one of a tensor-parallel checkpoint's ``manifest``
+    (:func:`tp_manifest`), else the injection_policy's, else with kernel injection the family record's, else AutoTP's
+    (as DeepSpeed: its injection containers carry their own policies, AutoTP serves the models it does not inject).
+    An injection_policy is checked in every case: at tp 1 it then warns (it has no effect), with a manifest it must
+    give the stored plan's split. A manifest's shards load only at the tp_size they were saved for, 1 included."""
     if tp == 1:
         if manifest is not None:
             manifest_plan(manifest, tp)  # raises unless the checkpoint was saved for one rank
@@ -279,10 +282,10 @@ def resolve_tensor_parallel(config: InferenceConfig, model: nn.Module, tp: int,
     return plan
 
 
-def resolve_grain_size(config: InferenceConfig, checkpoint: CheckpointSource | None) -> int:
-    """tensor_parallel.tp_grain_size, or the one a tensor-parallel checkpoint's shards were cut with."""
+def resolve_grain_size(config: InferenceConfig, manifest: dict | None) -> int:
+    """tensor_parallel.tp_grain_size, or the one the shards of a tensor-parallel checkpoint's ``manifest`` were cut
+    with."""
     grain = config.tensor_parallel.tp_grain_size
-    manifest = tp_manifest(checkpoint)
     if manifest is None:
         return grain
     return manifest_grain_size(manifest, grain, "tp_grain_size" in config.tensor_parallel.model_fields_set)
@@ -342,6 +345,18 @@ def describe_tensor_parallel(model: nn.Module, tp_size: int, injection_policy: d
 
 
 # ---- kernel injection -----------------------------------------------------------------------------------------------
+#: The kernels of a model left as it is (no kernel injection): its own layers, on torch's kernels.
+UNFUSED = KernelChoice("torch", "not fused (replace_with_kernel_inject=False): the model's own layers")
+
+
+def fused_kernels(dtype: torch.dtype | None, device: torch.device, fuse: bool) -> tuple[KernelChoice, KernelChoice]:
+    """(float linears, decode-step attention) of a kernel-injected model. A model left as it is keeps its own layers,
+    which never run splice's native kernels: nothing is chosen for it, so nothing is built for it either."""
+    if not fuse:
+        return UNFUSED, UNFUSED
+    return float_kernel(dtype, device), attention_kernel(dtype, device)
+
+
 def check_fusable(model: nn.Module, config: InferenceConfig) -> None:
     """A known family, an activation and rope the fused block supports, no decode-step option for an encoder (meta
     weights are fine: they are loaded before fusing)."""

@@ -36,8 +36,8 @@ def tiny_source(folder: Path, text: str = TINY) -> Path:
     return source
 
 
-def start_build(source: Path, cache: Path, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "SPLICE_CACHE": str(cache)}
+def start_build(source: Path, cache: Path, log: Path, **env_changes: str) -> subprocess.Popen:
+    env = {**os.environ, "SPLICE_CACHE": str(cache), **env_changes}
     return subprocess.Popen([sys.executable, "-c", BUILD, str(source)], env=env, stdout=subprocess.PIPE,
                             stderr=log.open("w"), text=True)
 
@@ -102,9 +102,9 @@ def built_tiny(tmp_path, monkeypatch) -> tuple[Path, Path]:
     return source, native.library_path(native._build_key(source, ("-O1",), ()), stem="tiny")
 
 
-def build_again(source: Path, tmp_path: Path) -> tuple[int, str, str]:
+def build_again(source: Path, tmp_path: Path, **env_changes: str) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of building the tiny library again in a subprocess (a SIGBUS kills it)."""
-    again = start_build(source, tmp_path / "cache", tmp_path / "again.log")
+    again = start_build(source, tmp_path / "cache", tmp_path / "again.log", **env_changes)
     out = again.communicate(timeout=300)[0].strip()
     return again.returncode, out, (tmp_path / "again.log").read_text()
 
@@ -154,6 +154,47 @@ def test_a_missing_compiler_is_named_before_any_build_starts(tmp_path, monkeypat
     monkeypatch.setenv("CXX", "false")
     with pytest.raises(RuntimeError, match=r"the C\+\+ compiler 'false' does not run \('false --version' exits"):
         native.build_library(tiny_source(tmp_path / "src"), "tiny", ["-O1"], [], what="a test library")
+
+
+def without_a_compiler(tmp_path: Path, how: str) -> dict[str, str]:
+    """Environment changes that leave no C++ compiler: CXX naming none, or a PATH holding neither c++ nor ninja."""
+    if how == "CXX":
+        return {"CXX": str(tmp_path / "no-such-c++")}
+    (tmp_path / "empty-bin").mkdir(exist_ok=True)
+    return {"PATH": str(tmp_path / "empty-bin")}
+
+
+@pytest.mark.parametrize("how", ["CXX", "PATH"])
+def test_a_built_library_loads_on_a_machine_without_a_compiler(tmp_path, monkeypatch, how):
+    """A cache prepared where a compiler was (the key names the compiler's version, unknown without one): the library
+    of the same source, flags, torch and Python is loaded, after its recorded size and sha256 are checked."""
+    source, library = built_tiny(tmp_path, monkeypatch)
+    returncode, out, err = build_again(source, tmp_path, **without_a_compiler(tmp_path, how))
+    assert returncode == 0 and err == "", err
+    assert out == str(library)
+
+
+def test_without_a_compiler_a_changed_library_or_another_source_is_not_loaded(tmp_path, monkeypatch):
+    """Without a compiler, nothing unverified loads (a changed file could crash the process) and a library of another
+    source is not taken for this one: the missing compiler is named, as when nothing was ever built."""
+    source, library = built_tiny(tmp_path, monkeypatch)
+    changed = tiny_source(tmp_path / "changed", TINY.replace("42", "43"))
+    returncode, _, err = build_again(changed, tmp_path, **without_a_compiler(tmp_path, "CXX"))
+    assert returncode == 1 and "RuntimeError: no C++ compiler: " in err and "to load instead" in err
+    whole = bytearray(library.read_bytes())
+    whole[len(whole) // 2] ^= 0xFF
+    library.write_bytes(bytes(whole))
+    returncode, _, err = build_again(source, tmp_path, **without_a_compiler(tmp_path, "CXX"))
+    assert returncode == 1 and "RuntimeError: no C++ compiler: " in err and "building" not in err
+
+
+def test_the_key_names_the_compiler_apart_from_everything_else(tmp_path, monkeypatch):
+    """``<inputs>_<compiler>``: another compiler builds its own library, and the inputs alone find it without one."""
+    source = tiny_source(tmp_path / "src")
+    key = native._build_key(source, ("-O1",), ())
+    monkeypatch.setattr(native, "_compiler_version", lambda: "another compiler 1.0")
+    other = native._build_key(source, ("-O1",), ())
+    assert other != key and other.split("_")[0] == key.split("_")[0] == native._inputs_key(source, ("-O1",), ())
 
 
 def test_a_cache_that_is_a_file_is_named_with_what_to_do(tmp_path, monkeypatch):

@@ -1,8 +1,6 @@
 """The chunked per-rank reader: every kind of slice, read a few rows at a time, equals slicing in memory."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -99,10 +97,10 @@ def test_a_checkpoint_is_cut_with_the_grain_its_shards_were_saved_with(tmp_path)
     from splice.tp.autotp import autotp_plan
     from tests.arch.tiny_models import build
     model = build("llama")
-    manifest = loading.save_shards(model, autotp_plan(model), SINGLE_PROCESS, tmp_path, 32)
-    assert read_manifest(manifest)["tp_grain_size"] == 32
-    assert resolve_grain_size(resolve_config({"checkpoint": str(tmp_path)}), Path(tmp_path)) == 32
-    assert resolve_grain_size(resolve_config({"tensor_parallel": {"tp_grain_size": 32}}), Path(tmp_path)) == 32
+    manifest = read_manifest(loading.save_shards(model, autotp_plan(model), SINGLE_PROCESS, tmp_path, 32))
+    assert manifest["tp_grain_size"] == 32
+    assert resolve_grain_size(resolve_config({"checkpoint": str(tmp_path)}), manifest) == 32
+    assert resolve_grain_size(resolve_config({"tensor_parallel": {"tp_grain_size": 32}}), manifest) == 32
     with pytest.raises(ValueError, match=r"cut with tensor_parallel.tp_grain_size=32, but tp_grain_size=64"):
-        resolve_grain_size(resolve_config({"tensor_parallel": {"tp_grain_size": 64}}), Path(tmp_path))
+        resolve_grain_size(resolve_config({"tensor_parallel": {"tp_grain_size": 64}}), manifest)
     assert resolve_grain_size(resolve_config({"tensor_parallel": {"tp_grain_size": 16}}), None) == 16

@@ -4,12 +4,13 @@ They are compiled once per machine with torch's C++ extension builder into ``$SP
 half a minute on 2 cores, announced on stderr). ``<key>`` hashes everything that changes the binary
 (:func:`_build_key`), so installs and environments that differ build side by side and never rebuild each other's
 library. One process builds (a file lock per key), in a private folder, and renames the finished library into place;
-the others wait and load it. The library registers the torch ops ``torch.ops.splice_kernels.*``, so they also run
-inside ``torch.compile`` graphs. The build is for baseline x86-64,
-with each kernel written once per instruction-set level and chosen at run time (:data:`ISA_LEVELS`): ``avx2`` (AVX2 +
-FMA), ``avx512`` (AVX-512 with BF16 dot products), ``amx`` (``avx512`` plus AMX tiles for batches). Without a C++
-compiler, on a CPU without AVX2 and FMA, or with ``SPLICE_NATIVE_KERNELS=0``, :func:`available` is False and callers
-use torch's own kernels (a warning says why, once, unless the variable turned them off).
+the others wait and load it. Loading a library built earlier needs no compiler (:func:`build_library`). The library
+registers the torch ops ``torch.ops.splice_kernels.*``, so they also run inside ``torch.compile`` graphs. The build
+is for baseline x86-64, with each kernel written once per instruction-set level and chosen at run time
+(:data:`ISA_LEVELS`): ``avx2`` (AVX2 + FMA), ``avx512`` (AVX-512 with BF16 dot products), ``amx`` (``avx512`` plus AMX
+tiles for batches). Without a C++ compiler (and no library built here before for this torch and Python), on a CPU
+without AVX2 and FMA, or with ``SPLICE_NATIVE_KERNELS=0``, :func:`available` is False and callers use torch's own
+kernels (a warning says why, once, unless the variable turned them off).
 
 The level defaults to the best the CPU runs; ``SPLICE_NATIVE_ISA=avx2|avx512|amx`` caps it (so the AVX2 path runs and
 is tested on an AVX-512 machine), as does ``SPLICE_NATIVE_AMX=0`` (at most ``avx512``); :func:`use_isa` switches it
@@ -311,11 +312,18 @@ LDFLAGS = ["-fopenmp"]
 
 def _build_key(source: Path = SOURCE, cflags: tuple[str, ...] = tuple(CFLAGS),
                ldflags: tuple[str, ...] = tuple(LDFLAGS)) -> str:
-    """A hash of everything that changes the binary: the source, the flags, the compiler, torch (version, commit and
-    C++ ABI), Python and the machine type. Paths are left out: two installs of the same source share one build."""
-    parts = [source.read_bytes(), " ".join(cflags).encode(), " ".join(ldflags).encode(), _compiler_version().encode(),
-             torch.__version__.encode(), str(torch.version.git_version).encode(),
-             str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(), sys.version.encode(), platform.machine().encode()]
+    """``<inputs>_<compiler>``: a hash of everything that changes the binary but the compiler (:func:`_inputs_key`),
+    then a hash of the compiler's version. Paths are left out: two installs of the same source share one build. The
+    first part alone finds a library built by another compiler, for a machine that has none (:func:`_prebuilt`)."""
+    compiler = hashlib.sha256(_compiler_version().encode()).hexdigest()[:8]
+    return f"{_inputs_key(source, cflags, ldflags)}_{compiler}"
+
+
+def _inputs_key(source: Path, cflags: tuple[str, ...], ldflags: tuple[str, ...]) -> str:
+    """A hash of the source, the flags, torch (version, commit and C++ ABI), Python and the machine type."""
+    parts = [source.read_bytes(), " ".join(cflags).encode(), " ".join(ldflags).encode(), torch.__version__.encode(),
+             str(torch.version.git_version).encode(), str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(),
+             sys.version.encode(), platform.machine().encode()]
     return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
 
 
@@ -342,25 +350,52 @@ def build_library(source: Path, name: str, cflags: list[str], ldflags: list[str]
     """Load the cached library of ``source`` into this process (``torch.ops.load_library``), building it first if no
     process has: under a per-key file lock, in a private folder, then renamed into place, so concurrent processes and
     installs build once and never load a half-written file. Building and waiting say so on stderr, naming ``what``.
+    Without a C++ compiler nothing is built: the library another compiler built from the same source and flags for
+    this torch and Python is loaded, if its recorded size and sha256 still hold (:func:`_prebuilt`).
     Returns the library's path, ``$SPLICE_CACHE/kernels/<key>/<name>_<key>.so``."""
     key = _build_key(source, tuple(cflags), tuple(ldflags))
     path = library_path(key, stem=name)
     damage = _library_damage(path) if path.exists() else None
+    if path.exists() and damage is None:
+        return _loaded(path)
+    missing = _missing_compiler()
+    if missing is not None:
+        return _loaded(_prebuilt(_inputs_key(source, tuple(cflags), tuple(ldflags)), name, missing))
     if damage is not None:
         print(f"splice: the cached library of {what}, {path}, is damaged ({damage}); building it again",
               file=sys.stderr, flush=True)
-    if damage is not None or not path.exists():
-        missing = _missing_compiler()
-        if missing is not None:
-            raise RuntimeError(missing)
-        cache_subfolder("kernels", key)
-        with exclusive_lock(path.parent / "build.lock", lambda: print(
-                f"splice: waiting for another process to finish building {what}...", file=sys.stderr, flush=True)):
-            if not path.exists() or _library_damage(path) is not None:  # else another process built it meanwhile
-                _compile(source, cflags, ldflags, path, what)  # loads it, too
-                return path
-    torch.ops.load_library(str(path))
-    return path
+    cache_subfolder("kernels", key)
+    with exclusive_lock(path.parent / "build.lock", lambda: print(
+            f"splice: waiting for another process to finish building {what}...", file=sys.stderr, flush=True)):
+        if not path.exists() or _library_damage(path) is not None:  # else another process built it meanwhile
+            _compile(source, cflags, ldflags, path, what)  # loads it, too
+            return path
+    return _loaded(path)
+
+
+def _loaded(library: Path) -> Path:
+    """``library``, loaded into this process (its ops registered)."""
+    torch.ops.load_library(str(library))
+    return library
+
+
+def _prebuilt(inputs_key: str, name: str, missing_compiler: str) -> Path:
+    """The newest cached library ``name`` whose key starts with ``inputs_key`` (the same source, flags, torch and
+    Python, built by any compiler) and whose size and sha256 match those recorded when it was built. Raises
+    RuntimeError saying why nothing can build here (``missing_compiler``) when there is none."""
+    folder = cache_dir() / "kernels"
+    for library in sorted(folder.glob(f"{inputs_key}_*/{name}_{inputs_key}_*.so"), key=_modified, reverse=True):
+        if _checksum_path(library).is_file() and _library_damage(library) is None:
+            return library
+    raise RuntimeError(f"{missing_compiler} (no library built from this source for this torch and Python is in "
+                       f"{str(folder)!r} to load instead)")
+
+
+def _modified(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:  # removed meanwhile
+        return 0.0
 
 
 def _missing_compiler() -> str | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..checkpoint import has_meta_tensors, materialize, parameter_bytes
-from ..plan import Plan, tp_manifest
+from ..plan import Plan
 from ..tp.apply import apply_plan
 from ..tp.loading import load_shard, load_slices, save_shards
 from . import Stage, StepReport
@@ -43,9 +43,8 @@ def shard(stage: Stage, plan: Plan) -> tuple[Stage, ShardReport]:
     if plan.checkpoint_loader == "shard":
         if has_meta_tensors(model):
             materialize(model, plan.home)
-        manifest = tp_manifest(plan.checkpoint)
-        if manifest is not None:
-            load_shard(model, manifest, parallel.rank)
+        if plan.tp_manifest is not None:  # the manifest the plan was checked against, read once by resolve
+            load_shard(model, plan.tp_manifest, parallel.rank)
         else:
             load_slices(model, shards, plan.checkpoint)
         loaded = str(plan.checkpoint)
