@@ -294,6 +294,47 @@ def test_deepspeed_zero_offload_key_is_explained():
         resolve_config(zero={"offload_param": {"device": "cpu"}})
 
 
+@pytest.mark.parametrize("key, value, hint", [
+    ("quantization_setting", (True, 8), r"no longer takes it either; quantize with dtype=torch\.int8 and "
+                                         r"quant=\{'weight': \{'q_groups': N\}\}"),
+    ("fp16", {"enabled": True}, r"deepspeed\.initialize \(training\) key.*use dtype=torch\.float16"),
+    ("bf16", {"enabled": True}, r"deepspeed\.initialize \(training\) key.*use dtype=torch\.bfloat16"),
+    ("zero_optimization", {"stage": 3}, r"training\) key.*does not implement ZeRO-Inference"),
+    ("train_batch_size", 8, r"training\) key.*input's first dimension"),
+])
+def test_keys_deepspeed_rejects_too_say_what_to_use(key, value, hint):
+    with pytest.raises(ValueError, match=rf"unknown config key '{key}'; .*{hint}"):
+        resolve_config({key: value})
+
+
+def test_a_training_key_inside_a_section_is_an_ordinary_unknown_key():
+    with pytest.raises(ValueError, match=r"unknown config key 'tensor_parallel\.fp16'; valid keys here: enabled"):
+        resolve_config(tensor_parallel={"fp16": {"enabled": True}})
+
+
+# ---------------------------------------------------------------- "auto"
+def test_top_level_auto_means_the_default_as_in_deepspeed(tmp_path):
+    """DeepSpeed's config models drop top-level keys whose value is "auto" (keeping replace_method's), so a
+    Hugging Face-style config with "auto" values takes the defaults; nothing warns."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"dtype": "auto", "max_out_tokens": "auto", "replace_with_kernel_inject": "auto",
+                                "tensor_parallel": {"tp_size": 1}, "replace_method": "auto"}))
+    config = resolve_quietly(str(path))
+    assert config.dtype is None and config.max_out_tokens == 1024 and config.replace_with_kernel_inject is False
+    assert config.model_fields_set == {"tensor_parallel", "replace_method"}
+    assert resolve_quietly(max_tokens="auto", kernel_inject="auto") == resolve_quietly()
+
+
+def test_auto_inside_a_section_is_an_invalid_value_as_in_deepspeed():
+    with pytest.raises(ValueError, match=r"invalid value for 'tensor_parallel\.tp_size': 'auto'"):
+        resolve_config({"tensor_parallel": {"tp_size": "auto"}})
+
+
+def test_auto_against_a_value_is_a_conflict_as_in_deepspeed():
+    with pytest.raises(ValueError, match=r"config key 'dtype' is given twice with different values: 'auto' in config"):
+        resolve_config({"dtype": "auto"}, dtype=torch.half)
+
+
 # ---------------------------------------------------------------- dtype and device
 @pytest.mark.parametrize("text, expected", [
     ("fp16", torch.float16), ("float16", torch.float16), ("half", torch.float16),

@@ -3,7 +3,8 @@
 A DeepSpeed user only changes the import: the same dict, JSON file or keyword arguments work. Each option is either
 honoured by a pipeline stage, accepted with a warning that it has no effect in splice, or rejected as unsupported;
 ``FIELD_SUPPORT`` says which. ``resolve_config`` merges a dict / JSON file / ``InferenceConfig`` with keyword
-arguments. Validation never writes into the objects the user passed in.
+arguments. Validation never writes into the objects the user passed in. As in DeepSpeed, a top-level value
+``"auto"`` asks for the key's default.
 
 ``python -m splice.config`` prints the reference table (the one in docs/configuration.md).
 """
@@ -31,6 +32,9 @@ class SpliceIgnoredOptionWarning(UserWarning):
 
 
 HONOURED, IGNORED, UNSUPPORTED = "honoured", "ignored", "unsupported"
+
+#: A top-level value that stands for the key's default, as in DeepSpeed's config models.
+AUTO = "auto"
 
 #: What splice does with each option (dotted path; a section's entry covers its fields unless they have their own).
 #: honoured: a pipeline stage reads it (and raises "not yet" for what isn't built).
@@ -86,6 +90,19 @@ DEPRECATED: dict[str, str] = {
     "expert_mp_group": "moe.ep_mp_group",
     "moe_experts": "moe.moe_experts",
     "moe_type": "moe.type",
+}
+
+#: Top-level keys DeepSpeed's init_inference rejects too, which its users still pass: one it removed (its inference
+#: tutorial still shows it) and deepspeed.initialize's training keys; each with what to give init_inference instead.
+_TRAINING_KEY = "it is a deepspeed.initialize (training) key, which init_inference does not take"
+FOREIGN_KEYS: dict[str, str] = {
+    "quantization_setting": "DeepSpeed's init_inference no longer takes it either; quantize with dtype=torch.int8 "
+                            "and quant={'weight': {'q_groups': N}} (MoQ's mlp_extra_grouping has no counterpart)",
+    "fp16": f"{_TRAINING_KEY}; use dtype=torch.float16",
+    "bf16": f"{_TRAINING_KEY}; use dtype=torch.bfloat16",
+    "zero_optimization": f"{_TRAINING_KEY}; splice does not implement ZeRO-Inference (the 'zero' section)",
+    "train_batch_size": f"{_TRAINING_KEY}; the batch is the input's first dimension",
+    "train_micro_batch_size_per_gpu": f"{_TRAINING_KEY}; the batch is the input's first dimension",
 }
 
 _DTYPE_NAMES: dict[str, torch.dtype] = {
@@ -356,7 +373,12 @@ class InferenceConfig(_Section):
                                    json_schema_extra=_note("splice materialises weights from meta itself when a "
                                                            "checkpoint is given"))
     save_mp_checkpoint_path: str | None = Field(None, description=(
-        "Save the sharded (per-rank) model here after loading, to load faster next time."))
+        "Save the sharded (per-rank) model here after loading, to load faster next time (a folder, created if "
+        "needed, loaded back with checkpoint=<folder>). Needs tensor_parallel.tp_size > 1: at tp_size=1 it raises "
+        "ValueError."), json_schema_extra=_note(
+        "DeepSpeed writes its own format (a ds_inference_config.json listing non_tp / tp .pt files), also at one "
+        "rank; splice writes safetensors shards with a splice_tp.json manifest, and reads neither DeepSpeed's "
+        "format nor any pickle checkpoint"))
     checkpoint_config: InferenceCheckpointConfig = Field(default_factory=InferenceCheckpointConfig,
                                                          alias="ckpt_config", description="Checkpoint settings.",
                                                          json_schema_extra=_note(_UNUSED_CKPT))
@@ -377,7 +399,12 @@ class InferenceConfig(_Section):
             "at tensor_parallel.tp_size=1 it is checked, then warns (SpliceIgnoredOptionWarning) that it has no "
             "effect: splice's kernel injection does not read it, and DeepSpeed too only slices by it at "
             "mp_size > 1. With a splice_tp.json checkpoint the stored plan is loaded; a policy that splits "
-            "differently from it raises ValueError"))
+            "differently from it raises ValueError. Keys must be classes and a bare string value stands for a "
+            "one-name tuple, as in DeepSpeed. Names are paths relative to the block ('self_attn.o_proj', "
+            "'layer.0.SelfAttention.o'), each present in every instance of the class: DeepSpeed's shorter forms "
+            "('SelfAttention.o' for T5Block, '.fc2' for a linear directly in the block) and a name only some "
+            "instances have (T5's 'EncDecAttention.o') raise ValueError, whatever tp_size. DeepSpeed refuses an "
+            "injection_policy with replace_with_kernel_inject=True; splice accepts the pair"))
     injection_policy_tuple: tuple | None = Field(None, description="DeepSpeed-internal form of injection_policy.",
                                                  json_schema_extra=_note("use injection_policy"))
     config: dict | None = Field(None, alias="args", description="Model config dict to use instead of the model's.",
@@ -398,7 +425,7 @@ class InferenceConfig(_Section):
     def _prepare(cls, data: Any) -> Any:
         if not isinstance(data, Mapping):
             return data
-        data = canonical_keys(cls, data)
+        data = canonical_keys(cls, _without_auto(data))
         if isinstance(data.get("moe"), bool):
             data["moe"] = {"enabled": data["moe"]}
         return _move_deprecated(data)
@@ -488,6 +515,14 @@ def canonical_keys(model: type[BaseModel], data: Mapping) -> dict:
         out[name] = value
         spelled[name] = key
     return out
+
+
+def _without_auto(data: Mapping) -> dict:
+    """``data`` without its top-level keys whose value is ``"auto"`` (but ``replace_method``, whose default that is):
+    as DeepSpeed's config models do, ``"auto"`` asks for the key's default. Sections are not searched; DeepSpeed's are
+    not either, so ``"auto"`` inside one is an invalid value there as here."""
+    return {key: value for key, value in data.items()
+            if not (isinstance(value, str) and value == AUTO) or key == "replace_method"}
 
 
 def _section_dict(data: dict, section: str) -> dict:
@@ -675,7 +710,9 @@ def _unknown_key_message(parent: str, model: type[BaseModel], key: Any) -> str:
     close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.6)
     prefix = f"{parent}." if parent else ""
     nested = _nested_paths(model, str(key))
-    if nested:  # a section's key given one level too high, e.g. tp_size for tensor_parallel.tp_size
+    if model is InferenceConfig and key in FOREIGN_KEYS:
+        hint = FOREIGN_KEYS[key]
+    elif nested:  # a section's key given one level too high, e.g. tp_size for tensor_parallel.tp_size
         hint = "did you mean " + " or ".join(f"'{prefix}{path}'" for path in nested) + "?"
     elif close:
         hint = f"did you mean '{prefix}{close[0]}'?"
