@@ -1,27 +1,44 @@
 #!/usr/bin/env bash
-# One short GPU check, for a session lent the device machine: splice's CUDA paths (tests/quant/test_cuda.py and the
-# CUDA cases elsewhere in the suite), then batch-1 timings of the quantized linears against bf16 on the GPU.
+# One short GPU check, for a session lent the device machine: splice's CUDA tests (CUDA graph replay, the quantized
+# CUDA kernels, CUDA-event timing; tests/layers/test_cuda_graphs.py also runs its CPU cases), then decode tokens/s
+# eager vs CUDA graph replay, then batch-1 timings of the quantized linears against bf16. The three parts together are
+# bounded by their timeouts (300 + 90 + 90 s) to finish inside a 540 s device call.
 #
 # The machine's own python3 holds PyTorch with CUDA and transformers but not pydantic or gguf, and it reaches no
 # package index: carry those as wheels. Here, in the repository root, once:
 #     echo /.whl/ >> .git/info/exclude
-#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl \
-#         pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection gguf
+#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#         pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
+#         typing-extensions==4.16.0 gguf==0.19.0 pytest-timeout==2.4.0
 # Then with the device tool: run command "bash benchmarks/device_check.sh", carry [".whl"], timeout_s 540.
+# The full pytest log comes back as pytest.log among the run's files.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if ls .whl/*.whl > /dev/null 2>&1; then python3 -m pip install --quiet --no-deps .whl/*.whl; fi
-export PYTHONPATH=src SPLICE_CACHE="${OUT:-/tmp}/splice-cache"
+OUT="${OUT:-/tmp/device_check}"
+mkdir -p "$OUT"
+if ls .whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install --quiet --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl || { echo "device_check: installing the carried wheels failed"; exit 1; }
+fi
+export PYTHONPATH="src:/tmp/site" SPLICE_CACHE=/tmp/splice-cache PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
-'transformers', transformers.__version__)"
+python3 -c "import torch, transformers, pydantic, gguf; print('torch', torch.__version__, 'cuda', \
+torch.version.cuda, 'transformers', transformers.__version__, 'pydantic', pydantic.VERSION)" \
+    || { echo "device_check: imports failed"; exit 1; }
 
-timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/quant/test_cuda.py tests/test_init.py tests/test_engine.py \
-    tests/steps/test_compile.py tests/layers/test_cuda_graphs.py 2>&1 | tail -25
+echo "== 1/3 CUDA tests (full log: pytest.log)"
+# -k cuda: every case of the two CUDA test files, and the CUDA ones of the others
+# pyproject.toml's addopts pass --timeout: pytest-timeout comes with the carried wheels
+timeout 300 python3 -m pytest -q -p no:cacheprovider -rs --timeout=150 -k cuda tests/layers/test_cuda_graphs.py \
+    tests/quant/test_cuda.py tests/steps/test_compile.py tests/test_engine.py > "$OUT/pytest.log" 2>&1
+echo "pytest exit status $? (124: stopped at its 300 s limit)"
+grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT/pytest.log" | tail -30
 
-timeout 120 python3 - <<'PY'
+echo "== 2/3 decode tokens/s, eager vs CUDA graph replay"
+timeout 90 python3 - <<'PY'
 """Decode tokens/s of a SmolLM2-shaped random Llama (bf16, batch 1, kernel-injected): eager steps vs CUDA graph
-replay (enable_cuda_graph=True), same prompt, greedy; the tokens must agree."""
+replay (enable_cuda_graph=True), same prompt, greedy."""
 import time
 import torch
 import splice
@@ -37,18 +54,24 @@ for graphs in (False, True):
     engine = splice.init_inference(model, replace_with_kernel_inject=True, enable_cuda_graph=graphs,
                                    max_out_tokens=512)
     run = lambda: engine.generate(prompt, max_new_tokens=128, min_new_tokens=128, do_sample=False)
-    run()
+    run()  # with graphs: captures the decode step's graph
     torch.cuda.synchronize()
     start = time.perf_counter()
     out = run()
     torch.cuda.synchronize()
     results[graphs] = (out, 128 / (time.perf_counter() - start))
+    if graphs:
+        print(f"decode graphs captured: {len(engine.runtime.graphs.graphs)}, eager signatures: "
+              f"{len(engine.runtime.graphs.eager)}")
 same = torch.equal(results[False][0], results[True][0])
 print(f"decode tok/s, batch 1 bf16: eager {results[False][1]:.0f}, CUDA graphs {results[True][1]:.0f} "
-      f"({results[True][1] / results[False][1]:.2f}x); tokens identical: {same}")
+      f"({results[True][1] / results[False][1]:.2f}x); tokens identical: {same} (bf16: the graph attends over the "
+      f"attended length, the eager step over the filled slots, so rounding may differ)")
 PY
+echo "decode timing exit status $?"
 
-timeout 180 python3 - <<'PY'
+echo "== 3/3 quantized linears vs bf16"
+timeout 90 python3 - <<'PY'
 """Batch-1 and batch-8 time of one TinyLlama-shaped block's fused projections (x22 layers), bf16 vs quantized."""
 import torch
 from splice.quant import HANDLERS, QuantConfig
@@ -82,3 +105,4 @@ for batch in (1, 8):
         times[name] = start.elapsed_time(end) / 10
     print(f"batch {batch}: " + ", ".join(f"{n} {t:.2f} ms ({times['bf16'] / t:.2f}x)" for n, t in times.items()))
 PY
+echo "quantized timing exit status $?"

@@ -31,7 +31,7 @@ BAD_INPUTS = [
     ({"dtype": "bf16", "tensor_parallel": {"tp_size": 0}}, ValueError, "tp_size"),
     ({"dtype": "fp8"}, ValueError, "fp8"),
     ({"dtype": "bf16", "max_out_tokens": 0}, ValueError, "max_out_tokens"),
-    ({"dtype": "bf16", "enable_cuda_graph": True}, ValueError, "enable_cuda_graph"),
+    ({"dtype": "bf16", "enable_cuda_graph": True, "device": "cpu"}, ValueError, "enable_cuda_graph"),
     ({"dtype": "bf16", "checkpoint": "/nonexistent/ckpt"}, ValueError, "/nonexistent/ckpt"),
 ]
 

@@ -233,3 +233,29 @@ def test_cuda_graphs_on_the_cpu_are_refused_before_anything_changes():
         splice.init_inference(model, replace_with_kernel_inject=True, enable_cuda_graph=True, device="cpu")
     assert all(torch.equal(before[name], tensor) for name, tensor in model.state_dict().items())
     assert type(model.model.layers[0]).__name__ == "LlamaDecoderLayer"
+
+
+def test_report_says_which_calls_cuda_graphs_replay(monkeypatch):
+    """Without kernel injection there is no native decode step: only engine(...) calls are replayed."""
+    import splice.plan
+
+    monkeypatch.setattr(splice.plan, "check_graphs", lambda *args: None)  # the CPU refuses CUDA graphs; read the report
+    plain = splice.init_inference(build_family("llama"), enable_cuda_graph=True).step_report("compile").summary()
+    fused = splice.init_inference(build_family("llama"), replace_with_kernel_inject=True, enable_cuda_graph=True,
+                                  max_out_tokens=64).step_report("compile").summary()
+    assert "replay engine(...) calls" in plain and "replay the decode step" not in plain
+    assert "replay the decode step" in fused and "engine(...)" in fused
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+def test_cuda_graphs_replay_the_compiled_decode_step_token_exact(fresh_compiles):
+    reference = build_family("llama").cuda()
+    ids, mask = (t.cuda() for t in padded_batch(batch=3, length=12))
+    with torch.inference_mode():
+        expected = reference.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, compile_decode=True,
+                                   enable_cuda_graph=True, max_out_tokens=64)
+    assert engine.runtime.graphs.fn == engine.runtime._compiled_step
+    for _ in range(2):  # the second request replays the graph the first one captured
+        assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False), expected)
+    assert len(engine.runtime.graphs.graphs) == 1

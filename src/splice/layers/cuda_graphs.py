@@ -5,11 +5,14 @@ Two users: the decode step of the native generate loop (one graph per batch size
 KV cache, whose buffers the graph reads and writes in place) and ``engine(...)`` calls (one graph per signature of
 their arguments). What comes back is a copy of the graph's output, so a later replay never overwrites what a caller
 holds. A call that cannot be captured (a host synchronisation inside it, an output that is not made of tensors, more
-signatures than ``max_graphs``) runs eagerly, and the log says so once per signature.
+signatures than ``max_graphs``) runs eagerly, and the log says so once per signature. One call at a time copies into
+a replayer's static inputs and replays its graphs (they share their static buffers and one memory pool, which PyTorch
+allows only for graphs never replayed concurrently): calls from several threads wait for each other.
 """
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any
@@ -47,6 +50,7 @@ class GraphReplayer:
         self.eager: set[tuple] = set()  # signatures that run eagerly (said once in the log)
         self.said_unhashable = False
         self.pool = None
+        self.lock = threading.Lock()  # held from a call's capture or copy into the static inputs to its copy out
 
     def __call__(self, *args: Any, keep_alive: tuple = ()) -> Any:
         key = signature(args)
@@ -57,11 +61,16 @@ class GraphReplayer:
                 log.info("splice: %s with an unhashable argument runs eagerly, not from a CUDA graph", self.name)
                 self.said_unhashable = True
             return self.fn(*args)
-        captured = self.graphs.get(key)
-        if captured is None and key not in self.eager:
-            captured = self.capture(key, args, keep_alive)
-        if captured is None:
-            return self.fn(*args)
+        with self.lock:
+            captured = self.graphs.get(key)
+            if captured is None and key not in self.eager:
+                captured = self.capture(key, args, keep_alive)
+            if captured is not None:
+                return self.replay(captured, args)
+        return self.fn(*args)
+
+    @staticmethod
+    def replay(captured: Captured, args: tuple) -> Any:
         for static, value in zip(captured.inputs, tensors_in(args)):
             static.copy_(value)  # the static buffers are the graph's own: every call's inputs are copied in
         captured.graph.replay()
@@ -71,7 +80,7 @@ class GraphReplayer:
         """Warm up on a side stream, then capture; None (and a log line) where the call cannot be captured."""
         if len(self.graphs) >= self.max_graphs:
             return self.run_eagerly(key, f"{self.max_graphs} graphs are captured already")
-        static_args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+        static_args = static_copies(args)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -84,12 +93,16 @@ class GraphReplayer:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.current_stream()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
                 output = self.fn(*static_args)
         except RuntimeError as error:
+            # torch.cuda.graph leaves its capture stream current when ending the capture raises: back to the caller's
+            torch.cuda.set_stream(stream)
             torch.cuda.synchronize()
-            return self.run_eagerly(key, f"capture failed ({str(error).splitlines()[0]})")
+            cause = error.__context__ or error  # the error inside the capture, before the one ending it
+            return self.run_eagerly(key, f"capture failed ({str(cause).splitlines()[0]})")
         captured = Captured(graph, tensors_in(static_args), output, keep_alive)
         self.graphs[key] = captured
         log.info("splice: captured a CUDA graph of %s for %s", self.name, describe(key))
@@ -101,14 +114,25 @@ class GraphReplayer:
         return None
 
     def clear(self) -> None:
-        """Forget every graph (their memory, and what they kept alive, goes back once nothing else holds it)."""
-        self.graphs = {}
+        """Forget every graph and every signature that ran eagerly (their memory, and what they and the signatures
+        kept alive, such as a KV cache, goes back once nothing else holds it)."""
+        with self.lock:
+            self.graphs = {}
+            self.eager = set()
 
 
 def signature(args: tuple) -> tuple:
     """What tells graphs apart: each tensor's shape, dtype and device; every other argument's value."""
     return tuple(("tensor", tuple(a.shape), a.dtype, a.device) if isinstance(a, torch.Tensor) else ("value", a)
                  for a in args)
+
+
+def static_copies(args: tuple) -> tuple:
+    """``args`` with each tensor cloned into a static buffer of the graph. The clones are ordinary tensors, made
+    outside inference mode, so that calls in and out of inference mode can copy their inputs into them (an inference
+    tensor takes no in-place copy outside inference mode)."""
+    with torch.inference_mode(False):
+        return tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def describe(key: tuple) -> str:
@@ -146,6 +170,8 @@ def copy_out(value: Any) -> Any:
         return value.clone()
     if isinstance(value, dict) and not is_dataclass(value):
         return {k: copy_out(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple takes its fields as arguments
+        return type(value)(*map(copy_out, value))
     if isinstance(value, (tuple, list)):
         return type(value)(copy_out(v) for v in value)
     if is_dataclass(value):

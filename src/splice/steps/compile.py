@@ -20,6 +20,7 @@ from . import Stage, StepReport
 class CompileReport(StepReport):
     compiled: bool
     cuda_graphs: bool = False
+    decode_graphs: bool = False  # the decode step's graphs too: a kernel-injected model's native generate loop
 
     def summary(self) -> str:
         said = []
@@ -27,15 +28,20 @@ class CompileReport(StepReport):
             said.append("decode step compiled with torch.compile (static shapes, one graph per attended length: the "
                         "filled slots rounded up to a power of two; each compiles when first reached, cached by "
                         "torch's inductor cache)")
-        if self.cuda_graphs:
+        if self.cuda_graphs and self.decode_graphs:
             said.append("CUDA graphs replay the decode step (one per batch size and attended length) and engine(...) "
                         "calls (one per argument signature), each captured when first called")
+        elif self.cuda_graphs:
+            said.append("CUDA graphs replay engine(...) calls (one per argument signature), each captured when first "
+                        "called; generate runs transformers' loop without them (no kernel injection, so no native "
+                        "decode step)")
         return "; ".join(said) or "no graph capture (compile_decode=False, enable_cuda_graph=False)"
 
 
 def compile_decode(stage: Stage, plan: Plan) -> tuple[Stage, CompileReport]:
     if plan.compile_decode:
         stage.runtime.compile_decode(cpp_wrapper=plan.tp_size == 1)
-    if plan.cuda_graph and stage.runtime is not None:
+    decode_graphs = plan.cuda_graph and stage.runtime is not None
+    if decode_graphs:
         stage.runtime.capture_graphs()
-    return stage, CompileReport("compile", plan.compile_decode, plan.cuda_graph)
+    return stage, CompileReport("compile", plan.compile_decode, plan.cuda_graph, decode_graphs)
