@@ -111,13 +111,14 @@ def generate(model, runtime: SpliceCausalLM, *args: Any, timer: ForwardTimer | N
 
 def right_padding_not_native(runtime: SpliceCausalLM, req: Request) -> bool:
     """Whether ``req`` has a right-padded row (its last column masked) that the native loop would not give Hugging
-    Face's tokens for: ALiBi biases a key by its slot, and a right-padded row's new tokens follow its pad slots where
-    Hugging Face's positions leave the pads out; and a row whose pads fill a sliding window, where its last pad's
-    query sees no real token (Hugging Face's attention gives it zeros, splice's mask its own slot)."""
+    Face's tokens for: ALiBi from slots (BLOOM's) biases a key by its slot, and a right-padded row's new tokens follow
+    its pad slots where Hugging Face's positions leave the pads out (Falcon's rounded bias counts each row's real
+    tokens, as Hugging Face's does); and a row whose pads fill a sliding window, where its last pad's query sees no
+    real token (Hugging Face's attention gives it zeros, splice's mask its own slot)."""
     trailing_pads = (req.attention_mask.flip(-1).cumsum(-1) == 0).sum(-1)
     if not bool((trailing_pads > 0).any()):
         return False
-    if runtime.dims.positions == "alibi":
+    if runtime.dims.positions == "alibi" and not runtime.blocks[0].layout.alibi_bf16:
         return True
     windows = [window for window in runtime.windows if window is not None]
     return bool(windows) and int(trailing_pads.max()) >= min(windows)

@@ -17,7 +17,8 @@ from splice.generation import prefill_positions
 from splice.layers.block import SpliceBlock
 from splice.steps.fuse import inject
 
-from .tiny_models import FAMILIES, NEW_FAMILIES, VARIANTS, assert_bf16_injection_close_to_hf, build_family, padded_batch
+from .tiny_models import (FAMILIES, NEW_FAMILIES, VARIANTS, assert_bf16_injection_close_to_hf, build_family, build_tiny,
+                          padded_batch, randomised_vectors, tiny_config)
 
 GREEDY = dict(max_new_tokens=48, do_sample=False, eos_token_id=None)
 
@@ -70,10 +71,10 @@ def test_greedy_tokens_match_the_reference(name):
         assert torch.equal(engine.module.generate(ids, attention_mask=mask, **GREEDY), expected)
 
 
-#: families whose right-padded batches run Hugging Face's generate on the fused model (ALiBi: see
+#: families whose right-padded batches run Hugging Face's generate on the fused model (ALiBi from slots: see
 #: ``splice.generation.right_padding_not_native``); every other one stays in the native loop, sliding windows too while
 #: no row's pads fill a window (the tiny models' windows are 4 and 6, the batch below has 3 pads at most)
-RIGHT_PADDING_ON_HF = {"bloom", "bloom:six_heads", "falcon:alibi"}
+RIGHT_PADDING_ON_HF = {"bloom", "bloom:six_heads"}
 
 
 @pytest.mark.parametrize("name", sorted(set(FAMILIES) | set(VARIANTS)))
@@ -91,6 +92,56 @@ def test_right_padded_greedy_tokens_match_the_reference(name):
         expected = reference.generate(ids, attention_mask=mask, **options)
         assert torch.equal(engine.generate(ids, attention_mask=mask, **options), expected)
     assert bool(calls) == (name in RIGHT_PADDING_ON_HF)
+
+
+#: ALiBi models on prompts past 256 positions, where bf16 stops holding every position (and, from 16 heads, every
+#: slope): (family, config overrides)
+LONG_ALIBI = [("falcon:alibi", {}), ("falcon:alibi", {"num_attention_heads": 16}), ("bloom", {})]
+
+
+@pytest.mark.parametrize("name, overrides", LONG_ALIBI, ids=["falcon_alibi", "falcon_alibi_16_heads", "bloom"])
+def test_alibi_generate_logits_match_the_reference_on_long_prompts(name, overrides):
+    """The native loop's logits, prefill and every decode step, on a 400-token prompt, a left-padded batch and (but
+    where ``RIGHT_PADDING_ON_HF``) a right-padded one, a row 150 pads shorter, match the reference's: Falcon's HF
+    model rounds ALiBi's bias to bf16 at each key's position in its row, BLOOM's keeps it exact."""
+    reference = randomised_vectors(build_tiny(tiny_config(name, **overrides)), seed=0)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=404)
+    ids = torch.randint(3, 128, (2, 400), generator=torch.Generator().manual_seed(0))
+    left, right = torch.ones_like(ids), torch.ones_like(ids)
+    left[1, :150] = 0
+    right[1, -150:] = 0
+    options = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                   return_dict_in_generate=True)
+    hf_generate = engine.module.generate
+    calls = []
+    engine.module.generate = lambda *args, **kwargs: calls.append(1) or hf_generate(*args, **kwargs)
+    batches = [(ids[:1], left[:1]), (ids.masked_fill(left == 0, 0), left)]
+    if name not in RIGHT_PADDING_ON_HF:
+        batches.append((ids.masked_fill(right == 0, 0), right))
+    with torch.inference_mode():
+        for prompt, mask in batches:
+            expected = reference.generate(prompt, attention_mask=mask, **options)
+            got = engine.generate(prompt, attention_mask=mask, **options)
+            assert torch.equal(got.sequences, expected.sequences)
+            assert scaled_error(torch.stack(expected.logits, 1), torch.stack(got.logits, 1)) < 1e-4
+    assert not calls  # splice's own loop, not Hugging Face's generate on the fused model
+
+
+@pytest.mark.slow
+def test_falcon_alibi_bias_is_hf_bias_eager_and_compiled():
+    """The rounded bias equals the one Falcon's HF model builds, bit for bit, for 32 heads (slopes bf16 does not hold)
+    over a left-padded batch of 3000 positions, also compiled (inductor computes a bf16 product in fp32 and would drop
+    its rounding)."""
+    from transformers.models.falcon.modeling_falcon import build_alibi_tensor
+
+    from splice.layers.block import alibi_slopes, rounded_alibi_bias
+
+    mask = torch.ones(2, 3000, dtype=torch.long)
+    mask[1, :700] = 0
+    expected = build_alibi_tensor(mask, 32, torch.float32).view(2, 32, 1, 3000) / 8
+    real = mask.bool()[:, None, None].expand_as(expected)
+    for bias in (rounded_alibi_bias, torch.compile(rounded_alibi_bias)):
+        assert torch.equal(bias(alibi_slopes(32), mask.bool(), 1 / 8)[real], expected[real])
 
 
 @pytest.mark.parametrize("name", FAMILIES + NEW_FAMILIES)
@@ -129,7 +180,8 @@ def test_quantized_weights_agree_with_the_reference(name, quant):
 #: soft-capped, interleaved-rotary, post-norm (learned positions and OPT's projections in the graph) and local-window
 #: blocks cross a change of the attended length (16, then 32 slots); every other family and variant compiles one.
 COMPILED_CASES = [
-    *[(name, 16, 64, 16, {16, 32}) for name in ("bloom", "gemma2", "gptj", "opt:post_norm", "gpt_neo")],
+    *[(name, 16, 64, 16, {16, 32}) for name in ("bloom", "falcon:alibi", "gemma2", "gptj", "opt:post_norm",
+                                                 "gpt_neo")],
     *[(name, 32, 32, 12, {32}) for name in (
         "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt_neox", "gpt_neox:sequential", "gpt2", "opt", "phi",
         "falcon", "falcon:new_architecture", "gemma3_text", "gemma3", "gpt_bigcode")],

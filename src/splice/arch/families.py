@@ -61,14 +61,14 @@ GPTJ = ArchRecord(
     eps_key="layer_norm_epsilon", activation_key="activation_function")
 
 # (DeepSpeed injects Falcon through AutoTP only) multi-query, per-head, or grouped (new_decoder_architecture) qkv;
-# one or two norms in parallel, or sequential; rotary or ALiBi
+# one or two norms in parallel, or sequential; rotary or ALiBi (its bias rounded to bf16 as Hugging Face builds it)
 FALCON = ArchRecord(
     model_type="falcon", layers="transformer.h", embed="transformer.word_embeddings", final_norm="transformer.ln_f",
     qkv="self_attention.query_key_value", qkv_layout="grouped", o="self_attention.dense", gated=False,
     up="mlp.dense_h_to_4h", down="mlp.dense_4h_to_h", norm="layer", attn_norm="ln_attn|input_layernorm",
     mlp_norm="ln_mlp|post_attention_layernorm", parallel=("parallel_attn", "new_decoder_architecture"),
     eps_key="layer_norm_epsilon", activation_key="activation", alibi_key="alibi", alibi_scaled=True,
-    hf_returns_tuple=True, hf_alibi_in_mask=True)
+    alibi_bf16=True, hf_returns_tuple=True, hf_alibi_in_mask=True)
 
 # DS_BloomContainer: per-head [q k v], ALiBi, a LayerNorm on the embeddings
 BLOOM = ArchRecord(

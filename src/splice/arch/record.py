@@ -74,10 +74,13 @@ class ArchRecord:
     parallel: bool | tuple[str, ...] = False
     norm_before: bool | str = True
     # positions: "rotary", "learned" (``position_embed``), "alibi" or "none"; ``alibi_key``: a config key that
-    # switches a rotary family to ALiBi (Falcon); ``alibi_scaled``: the bias is scaled with the scores (Falcon)
+    # switches a rotary family to ALiBi (Falcon); ``alibi_scaled``: the bias is scaled with the scores (Falcon);
+    # ``alibi_bf16``: the HF model rounds each slope and each slope times the key's position in its row to bf16,
+    # whatever the model's dtype, and folds that bias into its mask (Falcon)
     positions: str = "rotary"
     alibi_key: str | None = None
     alibi_scaled: bool = False
+    alibi_bf16: bool = False
     rotary_interleaved: bool = False  # GPT-J: rotate every two features instead of the two halves
     # the config key naming the MLP activation, or the activation itself when the config names none (BLOOM)
     activation_key: str = "hidden_act"

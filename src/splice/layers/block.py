@@ -3,7 +3,8 @@
 It knows nothing about any family's names: ``splice.steps.fuse`` builds it from an architecture record, and the
 variants are data (:class:`BlockLayout`): causal or bidirectional (encoder) attention, pre- or post-norm, sequential
 or parallel residual (one norm or two), norms on the branch outputs, gated or plain MLP, rotary (applied to the first
-``rotary_dim`` features), ALiBi or no positions inside the block, the score scale and soft-capping. Two entry points share the same fused code:
+``rotary_dim`` features), ALiBi (exact, or rounded as Falcon's HF model rounds it) or no positions inside the block,
+the score scale and soft-capping. Two entry points share the same fused code:
 
 * ``forward`` has the Hugging Face decoder-layer interface, so the model's own forward and ``generate`` (any
   option, any HF cache) still run on the injected model;
@@ -66,6 +67,8 @@ class BlockLayout:
     rope_index: int = 0  # which rotary table (Gemma 3: local and global layers differ)
     scale: float | None = None  # None: 1 / sqrt(head_dim)
     softcap: float | None = None  # scores = cap * tanh(scores / cap) before the mask
+    alibi_scaled: bool = False  # ALiBi's bias is scaled with the scores (Falcon)
+    alibi_bf16: bool = False  # ALiBi's bias rounded to bf16 from each key's position in its row (Falcon's HF model)
     hf_args: tuple[str, ...] = ()  # the HF layer's positional arguments after the hidden states
     hf_returns_tuple: bool = False
     hf_alibi_in_mask: bool = False  # the HF model folds the ALiBi bias into the mask it passes
@@ -77,7 +80,8 @@ class SpliceBlock(nn.Module):
     and one gate+up GEMM.
 
     ``qkv`` produces ``[q; k; v]``, ``gate_up`` produces ``[gate; up]`` (a plain MLP: its input projection);
-    ``o`` and ``down`` are the model's own modules. ``alibi_slopes`` (one per local head) add ALiBi's bias.
+    ``o`` and ``down`` are the model's own modules. ``alibi_slopes`` (one per local head) add ALiBi's bias
+    (:meth:`alibi`).
     """
 
     def __init__(self, layer_idx: int, shape: BlockShape, qkv: nn.Module, o: nn.Module, gate_up: nn.Module,
@@ -122,8 +126,8 @@ class SpliceBlock(nn.Module):
         if self.window is not None and not self.layout.hf_window_in_mask:
             mask = within_window(mask, q.shape[2], k.shape[2], self.window, q.device)
         causal = mask is None and q.shape[2] > 1 and self.layout.causal
-        alibi = not self.layout.hf_alibi_in_mask
-        out = self.finish(x, h, self.attend(q, k, v, mask, causal, alibi))
+        bias = None if self.layout.hf_alibi_in_mask else self.alibi(q.shape[2], k.shape[2])
+        out = self.finish(x, h, self.attend(q, k, v, mask, causal, bias))
         return (out, None) if self.layout.hf_returns_tuple else out
 
     def hf_rotary(self, kwargs: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -144,7 +148,8 @@ class SpliceBlock(nn.Module):
         ``mask`` None means plain causal attention over the first ``kv_len`` slots (an unpadded prompt)."""
         q, k, v, h = self.project(x, cos, sin)
         k, v = cache.update(self.layer_idx, k, v, slots, kv_len)
-        return self.finish(x, h, self.attend(q, k, v, mask, mask is None))
+        bias = self.alibi(q.shape[2], kv_len, cache.valid[:, :kv_len])
+        return self.finish(x, h, self.attend(q, k, v, mask, mask is None, bias))
 
     def project(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
         """q ``[B, heads, S, D]``, k and v ``[B, kv_heads, S, D]``, rotary applied in place to q and k together; and
@@ -161,8 +166,21 @@ class SpliceBlock(nn.Module):
         q, k, v = qk[:, :, :n_q], qk[:, :, n_q:], qkv[:, :, n_q + n_kv:]
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), h
 
-    def attend(self, q, k, v, mask, causal: bool, alibi: bool = True) -> torch.Tensor:
-        bias = self.alibi_slopes if alibi else None
+    def alibi(self, q_len: int, kv_len: int, valid: torch.Tensor | None = None) -> torch.Tensor | None:
+        """ALiBi's bias ``[1 or batch, heads, q_len or 1, kv_len]`` for queries at the last ``q_len`` of ``kv_len``
+        slots (None without ALiBi): exact from slots (:func:`alibi_bias`), or rounded as Falcon's HF model rounds it
+        (``layout.alibi_bf16``: :func:`rounded_alibi_bias`) from the cache's real-token slots ``valid [batch,
+        kv_len]``, which native steps pass (the HF path of such a family gets the bias folded into its mask)."""
+        if self.alibi_slopes is None:
+            return None
+        scale = self.scale if self.layout.alibi_scaled else 1.0
+        if self.layout.alibi_bf16:
+            return rounded_alibi_bias(self.alibi_slopes, valid, scale)
+        return alibi_bias(self.alibi_slopes, kv_len, q_len) * scale
+
+    def attend(self, q, k, v, mask, causal: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of ``q`` over ``k, v`` under ``mask`` (None: causal where ``causal``, else none), ``bias``
+        (ALiBi's, :meth:`alibi`) added to the scores."""
         if self.native_attention and self.takes_native_attention(q, k, mask, bias):
             return torch.ops.splice_kernels.decode_attention(q, k, v, mask, self.scale).transpose(1, 2).flatten(2)
         if mask is not None and q.shape[2] == 1 and torch.compiler.is_compiling():
@@ -170,7 +188,7 @@ class SpliceBlock(nn.Module):
         if bias is not None or self.layout.softcap is not None:
             mask = additive_mask(mask, q.shape[2], k.shape[2], q.dtype, q.device, causal)
             if bias is not None:
-                mask = mask + alibi_bias(bias, k.shape[2], q.shape[2]).to(mask.dtype)
+                mask = mask + bias.to(mask.dtype)
             causal = False
         if self.layout.softcap is not None:
             out = attend_capped(q, k, v, mask, self.scale, self.layout.softcap)
@@ -247,14 +265,35 @@ def within_window(mask: torch.Tensor | None, q_len: int, kv_len: int, window: in
 
 
 def alibi_bias(slopes: torch.Tensor, kv_len: int, q_len: int = 1) -> torch.Tensor:
-    """ALiBi's bias ``[1, heads, q_len, kv_len]``: each head's slope times the key's slot less the query's (the queries
-    being the last ``q_len`` of ``kv_len`` slots). A constant shift per query row leaves the softmax unchanged, so slots
-    serve as positions even in a left-padded row; measured from the query, the bias is small where attention is
-    sharpest, so it keeps its precision there once rounded to a 16-bit mask (from slot 0 it would reach
-    ``slope * kv_len``, which bf16 rounds by units at a few thousand slots)."""
+    """ALiBi's bias ``[1, heads, q_len, kv_len]`` as BLOOM's HF model computes it (in fp32): each head's slope times
+    the key's slot less the query's (the queries being the last ``q_len`` of ``kv_len`` slots). A constant shift per
+    query row leaves the softmax unchanged, so slots serve as positions even in a left-padded row; measured from the
+    query, the bias is small where attention is sharpest, so it keeps its precision there once rounded to a 16-bit
+    mask (from slot 0 it would reach ``slope * kv_len``, which bf16 rounds by units at a few thousand slots)."""
     keys = torch.arange(kv_len, device=slopes.device, dtype=torch.float32)
     queries = torch.arange(kv_len - q_len, kv_len, device=slopes.device, dtype=torch.float32)
     return (slopes[:, None, None] * (keys[None, :] - queries[:, None]))[None]
+
+
+def rounded_alibi_bias(slopes: torch.Tensor, valid: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """ALiBi's bias ``[batch, heads, 1, kv_len]`` as Falcon's HF model builds it, over a cache's real-token slots
+    ``valid [batch, kv_len]``: each head's slope times each key's position in its row (its count of real tokens before
+    it), the slope, the position and their product each rounded to bf16 as HF's bf16 product rounds them, whatever the
+    model's dtype; then times ``scale``.
+
+    Rounded, the bias is no function of slot differences, so positions are counted per row (a left-padded row's from
+    its first real token) and the bias is kept as HF's mask holds it, unshifted: its values are then those of a bf16
+    tensor times ``scale``, which a 16-bit mask holds as they are."""
+    positions = bf16_rounded((valid.cumsum(-1) - 1).float())
+    bias = bf16_rounded(bf16_rounded(slopes.float())[None, :, None] * positions[:, None, :])
+    return bias[:, :, None] * scale
+
+
+def bf16_rounded(x: torch.Tensor) -> torch.Tensor:
+    """fp32 ``x`` rounded to the nearest bf16 (ties to even), as fp32: in integer ops on its bits, since a compiled
+    graph computes ``x.bfloat16().float()`` (or a bf16 product) in fp32 and drops the rounding."""
+    bits = x.view(torch.int32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).view(torch.float32)
 
 
 def attend_capped(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
@@ -268,10 +307,11 @@ def attend_capped(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> 
 
 
 def attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None,
-                     alibi_slopes: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
-    """SDPA for one query position (``q [B, H, 1, D]``, ``k, v [B, KV, L, D]``, boolean ``mask [B, 1, 1, L]``) in
-    plain ops, float32 throughout, query heads grouped by their KV head (no K/V copies). The products are written as
-    broadcast multiplies and sums, not matmuls, so inductor fuses each into one loop of its own.
+                     bias: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    """SDPA for one query position (``q [B, H, 1, D]``, ``k, v [B, KV, L, D]``, boolean ``mask [B, 1, 1, L]``, ALiBi's
+    ``bias [1 or B, H, 1, L]``) in plain ops, float32 throughout, query heads grouped by their KV head (no K/V
+    copies). The products are written as broadcast multiplies and sums, not matmuls, so inductor fuses each into one
+    loop of its own.
 
     The compiled decode step uses it: the flash-attention kernel inductor would otherwise call costs ~55 us per layer
     in fixed overhead for a single query, two batched matmuls ~24 us (SmolLM2-135M, 2 cores).
@@ -283,8 +323,8 @@ def attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     scores = (grouped[:, :, :, None, :] * k.float()[:, :, None]).sum(-1) * scale  # [B, KV, G, L]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    if alibi_slopes is not None:
-        scores = scores + alibi_bias(alibi_slopes, length).reshape(1, kv_heads, heads // kv_heads, length)
+    if bias is not None:
+        scores = scores + bias.float().reshape(-1, kv_heads, heads // kv_heads, length)
     probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
     out = (probs[..., None] * v.float()[:, :, None]).sum(-2)  # [B, KV, G, D]
     return out.to(q.dtype).reshape(batch, heads, 1, dim)

@@ -190,13 +190,10 @@ def fused_block(record: ArchRecord, dims: ModelDims, index: int, layer: nn.Modul
     layout = BlockLayout(causal=not record.encoder, parallel=dims.parallel, norm_before=dims.norm_before,
                          gated=record.gated, rotary=dims.positions == "rotary", rope_index=rope_index(dims, index),
                          scale=dims.layer_scale(index), softcap=dims.attn_softcap, hf_args=record.hf_args,
+                         alibi_scaled=record.alibi_scaled, alibi_bf16=record.alibi_bf16,
                          hf_returns_tuple=record.hf_returns_tuple, hf_alibi_in_mask=record.hf_alibi_in_mask,
                          hf_window_in_mask=record.hf_window_in_mask)
-    slopes = None
-    if dims.positions == "alibi":
-        slopes = alibi_slopes(dims.n_heads)[first_head:first_head + n_q]
-        if record.alibi_scaled:
-            slopes = slopes * layout.scale
+    slopes = alibi_slopes(dims.n_heads)[first_head:first_head + n_q] if dims.positions == "alibi" else None
     return SpliceBlock(index, shape, qkv, as_linear(get_path(layer, record.o)), gate_up,
                        as_linear(get_path(layer, record.down)), attn_norm, mlp_norm, qk_norm, layout,
                        attn_out_norm, mlp_out_norm, slopes)
