@@ -317,3 +317,46 @@ def test_forward_hooks_on_an_injected_model_run_in_generate_as_on_hf(pair):
     for handle in handles:
         handle.remove()
     assert torch.equal(engine.generate(PROMPTS, **kwargs), reference.generate(PROMPTS, **kwargs))
+
+
+@pytest.mark.parametrize("inject", [False, True])
+def test_destroy_frees_the_cache_and_graphs_and_the_engine_still_generates_hf_tokens(pair, inject):
+    """DeepSpeed's engine.destroy(): what the engine allocated goes, and the next request allocates it again."""
+    reference, model = pair
+    expected = reference.generate(PROMPTS, max_new_tokens=6, do_sample=False)
+    engine = splice.init_inference(model, replace_with_kernel_inject=inject, max_out_tokens=32)
+    assert torch.equal(engine.generate(PROMPTS, max_new_tokens=6, do_sample=False), expected)
+    engine.destroy()
+    if inject:
+        assert engine.runtime._cache is None
+    assert torch.equal(engine.generate(PROMPTS, max_new_tokens=6, do_sample=False), expected)
+
+
+def test_compile_of_an_unfused_model_compiles_it_whole_with_deepspeed_s_arguments(pair):
+    reference, model = pair
+    engine = splice.init_inference(model)
+    assert not engine.is_compiled
+    engine.compile(backend="eager", compile_kwargs={"fullgraph": False})
+    assert engine.is_compiled and model._compiled_call_impl is not None
+    with torch.no_grad():
+        torch.testing.assert_close(engine(PROMPTS).logits, reference(PROMPTS).logits, rtol=1e-5, atol=1e-5)
+    engine.compile(backend="inductor")  # compiled already: nothing changes
+    assert model._compiled_call_impl is not None
+
+
+def test_compile_of_an_injected_model_compiles_its_decode_step(pair):
+    _, model = pair
+    engine = splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=32)
+    with pytest.raises(ValueError, match="backend='eager'.*allowed: backend='inductor'"):
+        engine.compile(backend="eager")
+    with pytest.raises(ValueError, match="dynamic.*allowed keys: mode, options"):
+        engine.compile(compile_kwargs={"dynamic": True})
+    assert not engine.is_compiled and not engine.runtime.compiled
+    engine.compile()
+    assert engine.is_compiled and engine.runtime.compiled
+
+
+def test_compile_decode_at_init_counts_as_compiled(pair):
+    _, model = pair
+    engine = splice.init_inference(model, replace_with_kernel_inject=True, compile_decode=True, max_out_tokens=32)
+    assert engine.is_compiled

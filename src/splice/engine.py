@@ -49,6 +49,8 @@ class InferenceEngine(nn.Module):
         self.runtime = runtime
         self._timer: ForwardTimer | None = None
         self._forward_graphs = GraphReplayer(self._call_module, "engine(...)") if config.enable_cuda_graph else None
+        self._graphs_weights: tuple | None = None  # where the weights the forward graphs read were (_weights_place)
+        self._is_compiled = False  # compile() ran
         self.module = module
         super().train(False)  # the engine, as its model, in eval mode (nn.Module starts in training mode)
         if hasattr(type(module), "save_pretrained"):
@@ -141,6 +143,10 @@ class InferenceEngine(nn.Module):
         with torch.no_grad():
             if self._forward_graphs is None or not _capturable(args, kwargs):
                 return self.module(*args, **kwargs)
+            place = _weights_place(self.module)
+            if place != self._graphs_weights:  # moved or cast (engine.to, module.half): the graphs read the old ones
+                self._forward_graphs.clear()
+                self._graphs_weights = place
             with self._timer.measure_as_one() if self._timer is not None else nullcontext():
                 return self._forward_graphs(len(args), tuple(kwargs), *args, *kwargs.values())
 
@@ -225,6 +231,43 @@ class InferenceEngine(nn.Module):
         embeddings = self.module.get_input_embeddings() if hasattr(self.module, "get_input_embeddings") else None
         return getattr(embeddings, "num_embeddings", None)
 
+    # --- DeepSpeed's engine methods -----------------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Free what the engine allocated to run the model (DeepSpeed's ``destroy`` frees its kernels' workspace): the
+        decode runtime's KV cache and the CUDA graphs of decode steps and ``engine(...)`` calls. The engine stays
+        usable: the next request allocates its cache, and captures its graphs, again."""
+        if self.runtime is not None:
+            with _runtime_lock(self.runtime):  # not while a generate decodes into the cache
+                self.runtime.release()
+        if self._forward_graphs is not None:
+            self._forward_graphs.clear()
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # what the cache and graphs held goes back to the device, not only to torch
+
+    def compile(self, backend: Any = "inductor", compile_kwargs: dict | None = None) -> None:
+        """DeepSpeed's ``compile``. A kernel-injected model compiles its decode step (``compile_decode=True``, on
+        inductor; ``compile_kwargs`` may give torch.compile's ``mode`` and ``options``); any other model is compiled
+        whole, ``torch.compile(module, backend=backend, **compile_kwargs)``, as DeepSpeed does. Once compiled, a second
+        call does nothing."""
+        if self.is_compiled:
+            return
+        kwargs = dict(compile_kwargs or {})
+        if self.runtime is None:
+            self.module.compile(backend=backend, **kwargs)
+        else:
+            check_decode_compile(backend, kwargs)
+            self.runtime.compile_decode(cpp_wrapper=self.parallel.world_size == 1, **kwargs)
+            if self.runtime.graphs is not None:
+                self.runtime.capture_graphs()  # the graphs replay the compiled step from here on
+        if self._forward_graphs is not None:
+            self._forward_graphs.clear()
+        self._is_compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether :meth:`compile` ran, or ``compile_decode=True`` compiled the decode step at init."""
+        return self._is_compiled or (self.runtime is not None and self.runtime.compiled)
+
     # --- profiling, as DeepSpeed's engine offers it ---------------------------------------------------------------
     def profile_model_time(self, use_cuda_events: bool = True) -> None:
         """Start recording the latency of every forward of the model, as DeepSpeed does: each ``engine(...)`` call,
@@ -245,6 +288,28 @@ class InferenceEngine(nn.Module):
         if self._timer is None:
             raise RuntimeError("model_times() needs profile_model_time() to be called first")
         return self._timer.take()
+
+
+#: what compile_kwargs a kernel-injected model's decode step takes (its shapes are static, its graph whole)
+DECODE_COMPILE_KWARGS = ("mode", "options")
+
+
+def check_decode_compile(backend: Any, kwargs: dict) -> None:
+    """engine.compile's arguments for a kernel-injected model: inductor, and only what the decode step can take."""
+    if backend != "inductor":
+        raise ValueError(f"engine.compile(backend={backend!r}): a kernel-injected model compiles its decode step with "
+                         "inductor (its native kernels are inductor custom ops); allowed: backend='inductor'")
+    unknown = sorted(set(kwargs) - set(DECODE_COMPILE_KWARGS))
+    if unknown:
+        raise ValueError(f"engine.compile(compile_kwargs={kwargs!r}): {', '.join(unknown)} cannot apply to the "
+                         "kernel-injected decode step (compiled with static shapes, one whole graph per batch size "
+                         f"and attended length); allowed keys: {', '.join(DECODE_COMPILE_KWARGS)}")
+
+
+def _weights_place(module: nn.Module) -> tuple | None:
+    """Where the model's first weight is (storage, device, dtype): a move or cast of the model replaces it."""
+    weight = next(module.parameters(), None)
+    return None if weight is None else (weight.data_ptr(), weight.device, weight.dtype)
 
 
 _RUNTIME_LOCKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # decode runtime -> [lock, owner thread]

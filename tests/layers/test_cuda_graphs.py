@@ -416,6 +416,21 @@ def test_emulated_graphs_go_with_the_engine(emulated_graphs):
     assert all(ref() is None for ref in held)
 
 
+def test_emulated_engine_call_after_a_cast_of_the_model_captures_again(emulated_graphs):
+    """A graph reads the weights where they were at capture: once the model is cast (or moved) a call captures anew
+    rather than replaying on the old weights."""
+    reference = build_family("llama")
+    ids = torch.randint(0, reference.config.vocab_size, (2, 9))
+    engine = splice.init_inference(copy.deepcopy(reference), enable_cuda_graph=True, device="cpu")
+    engine(ids, use_cache=False)
+    engine.module.to(torch.float64)
+    with torch.no_grad():
+        expected = reference.to(torch.float64)(ids, use_cache=False).logits
+    got = engine(ids, use_cache=False).logits
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+
 # ---- on a CUDA device ------------------------------------------------------------------------------------------------
 @needs_cuda
 def test_generate_logits_of_each_step_are_hf_s_on_cuda():

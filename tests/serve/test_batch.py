@@ -116,3 +116,16 @@ def test_a_cache_larger_than_the_memory_available_is_refused_before_it_is_alloca
         BatchRunner(runtime, max_batch=4)
     monkeypatch.setattr(batch, "free_bytes", lambda device: needed)
     assert BatchRunner(runtime, max_batch=4).cache.batch == 4
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_runtime_replaying_cuda_graphs_steps_batches_padded_to_their_bucket(monkeypatch, graphs):
+    """Each batch size is a graph of its own with CUDA graphs as with a compiled step: three rows step as four."""
+    runtime = inject(build_family("llama"), max_out_tokens=16)
+    runner = BatchRunner(runtime, max_batch=4)
+    if graphs:
+        runtime.capture_graphs()
+    batches = []
+    monkeypatch.setattr(runtime, "decode_step", lambda ids, *rest: batches.append(len(ids)) or torch.zeros(len(ids), 8))
+    runner.step((6, 6, 6), (0, 0, 0))
+    assert batches == [4 if graphs else 3]

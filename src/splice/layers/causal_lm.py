@@ -241,6 +241,20 @@ class SpliceCausalLM:
         """Whether decode steps run compiled (:meth:`compile_decode`)."""
         return self._compiled_step is not None
 
+    @property
+    def static_shapes(self) -> bool:
+        """Whether each decode step's batch size and attended length make a graph of their own (compiled, or replayed
+        from CUDA graphs): a caller stepping varying batches pads them to a few sizes."""
+        return self.compiled or self.graphs is not None
+
+    def release(self) -> None:
+        """Free the KV cache and the decode step's CUDA graphs (``engine.destroy()``); the next request allocates a
+        cache again and captures its graphs again when first reached. The compiled code stays."""
+        self._cache = None
+        if self.graphs is not None:
+            self.graphs.clear()
+        self._direct_steps.clear()
+
     def compile_decode(self, cpp_wrapper: bool = True, **options) -> None:
         """Compile the decode step with ``torch.compile`` (opt-in: compiling takes tens of seconds on a small CPU).
         ``cpp_wrapper``: the graphs' wrapper in C++ on CPU (:func:`inductor_options`); tensor parallelism turns it off,
