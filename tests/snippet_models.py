@@ -78,3 +78,43 @@ def tiny_bert(seed: int = 0):
     config = BertConfig(vocab_size=len(MASKED_WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=64)
     return BertForMaskedLM(config).eval()
+
+
+def tiny_t5(seed: int = 0):
+    """A tiny random T5 v1.1-style model (gated-GELU feed-forward, as DeepSpeed's T5 snippet's t5-v1_1-small) over
+    :func:`byte_tokenizer`'s vocabulary (relative position bias, 4 heads); ``initializer_factor`` large enough that
+    each step's top logit stands clear of the next."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = T5Config(vocab_size=len(byte_tokenizer()), d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+                      feed_forward_proj="gated-gelu", initializer_factor=8.0, decoder_start_token_id=0, pad_token_id=0,
+                      eos_token_id=2)
+    return T5ForConditionalGeneration(config).eval()
+
+
+def tiny_bart(seed: int = 0, family: str = "bart"):
+    """A tiny random BART over :func:`byte_tokenizer`'s vocabulary (tied, scaled embeddings, learned positions);
+    ``family="mvp"``: MVP, a BART-family model whose attention reshapes its output by ``embed_dim``."""
+    from transformers import BartConfig, BartForConditionalGeneration, MvpConfig, MvpForConditionalGeneration
+
+    config_class, model_class = {"bart": (BartConfig, BartForConditionalGeneration),
+                                 "mvp": (MvpConfig, MvpForConditionalGeneration)}[family]
+    torch.manual_seed(seed)
+    config = config_class(vocab_size=len(byte_tokenizer()), d_model=32, encoder_layers=2, decoder_layers=2,
+                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                        max_position_embeddings=64, init_std=0.2, scale_embedding=True, pad_token_id=0,
+                        bos_token_id=1, eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None)
+    return model_class(config).eval()
+
+
+class Text2TextPipe:
+    """transformers 5 removed the "text2text-generation" pipeline the seq2seq snippets build: a stand-in holding the
+    model as ``.model``, whose call generates greedily from a prompt and returns the new token ids."""
+
+    def __init__(self, model):
+        self.model, self.tokenizer = model, byte_tokenizer()
+
+    def __call__(self, text: str) -> list[int]:
+        batch = self.tokenizer(text, return_tensors="pt")
+        return self.model.generate(**batch, do_sample=False, max_new_tokens=8)[0].tolist()

@@ -237,6 +237,35 @@ def test_index_naming_a_pickle_is_refused(tmp_path):
         checkpoint_files(index)
 
 
+#: DeepSpeed's other checkpoints JSON formats: the pre-sharded one its save_mp_checkpoint_path writes (and the
+#: microsoft/bloom-deepspeed-inference-* repositories ship), and Megatron-LM's per-rank checkpoints.
+DEEPSPEED_PRESHARDED = {"type": "ds_model", "version": 1.0,
+                        "checkpoints": {"non_tp": ["non-tp.pt"], "tp": ["tp_00_00.pt", "tp_01_00.pt"]},
+                        "parallelization": "tp", "tp_size": 2, "dtype": "float16"}
+DEEPSPEED_MEGATRON = {"type": "Megatron", "checkpoints": ["mp_rank_00/model_optim_rng.pt",
+                                                         "mp_rank_01/model_optim_rng.pt"], "version": 0.0}
+
+
+@pytest.mark.parametrize("policy, message", [
+    (DEEPSPEED_PRESHARDED, r"DeepSpeed's pre-sharded format, per-rank .pt pickles .* allowed: the original unsharded "
+                           r"safetensors checkpoint .* save_mp_checkpoint_path"),
+    (DEEPSPEED_MEGATRON, r"of type 'Megatron' lists Megatron-LM checkpoints .* allowed: the model converted to a "
+                         r"Hugging Face safetensors checkpoint"),
+], ids=["presharded", "megatron"])
+def test_deepspeeds_other_checkpoint_formats_are_named(tmp_path, policy, message):
+    import splice
+
+    with pytest.raises(ValueError, match=message):
+        load_policy_files(policy, base_dir=tmp_path)
+    path = tmp_path / "checkpoints.json"
+    path.write_text(json.dumps(policy))
+    with pytest.raises(ValueError, match=message):
+        checkpoint_files(path)
+    model = build_tiny(tiny_llama_config())
+    with pytest.raises(ValueError, match=message):  # as DeepSpeed's snippets pass it: the JSON and its base_dir
+        splice.init_inference(model, checkpoint=str(path), base_dir=str(tmp_path))
+
+
 def test_nonexistent_or_unknown_paths_raise(tmp_path):
     with pytest.raises(ValueError, match=r"'.*no-such-dir' does not exist"):
         checkpoint_files(tmp_path / "no-such-dir")

@@ -72,7 +72,9 @@ def checkpoint_files(path: CheckpointSource) -> list[Path]:
 def load_policy_files(policy: dict, base_dir: str | os.PathLike = "") -> list[Path]:
     """The files of a DeepSpeed-style load policy ``{"checkpoints": [...], ...}``, relative to ``base_dir``.
 
-    Only safetensors files are accepted (DeepSpeed's policies usually list pickles, which are refused)."""
+    Only safetensors files are accepted (DeepSpeed's policies usually list pickles, which are refused), and only
+    DeepSpeed's list of whole-model files: its pre-sharded and Megatron formats raise naming what to give instead."""
+    _refuse_other_formats(policy)
     checkpoints = policy.get("checkpoints") if isinstance(policy, dict) else None
     if isinstance(checkpoints, (str, os.PathLike)):
         checkpoints = [checkpoints]
@@ -81,6 +83,25 @@ def load_policy_files(policy: dict, base_dir: str | os.PathLike = "") -> list[Pa
                          f"{{'checkpoints': ['model-00001.safetensors', ...]}} or {ACCEPTED}")
     base = Path(base_dir).expanduser()
     return checkpoint_files([base / name for name in checkpoints])
+
+
+def _refuse_other_formats(policy: object) -> None:
+    """DeepSpeed's pre-sharded ``ds_model`` JSON (``"checkpoints": {"non_tp": [...], "tp": [...]}``, what its
+    save_mp_checkpoint_path writes) and ``"type": "Megatron"`` (per-rank ``mp_rank_*`` pickles) are not read."""
+    if not isinstance(policy, dict):
+        return
+    checkpoints = policy.get("checkpoints")
+    if isinstance(checkpoints, dict) and ("tp" in checkpoints or "non_tp" in checkpoints):
+        raise ValueError(f"checkpoint policy with 'checkpoints' {{'non_tp': [...], 'tp': [...]}} (type "
+                         f"{policy.get('type')!r}) is DeepSpeed's pre-sharded format, per-rank .pt pickles that "
+                         "splice does not read; allowed: the original unsharded safetensors checkpoint (splice "
+                         "slices each rank's part from it), or a folder of splice's own shards, written by "
+                         f"save_mp_checkpoint_path (its splice_tp.json); or {ACCEPTED}")
+    if str(policy.get("type", "")).lower() == "megatron":
+        raise ValueError(f"checkpoint policy of type {policy['type']!r} lists Megatron-LM checkpoints (per-rank "
+                         "mp_rank_* pickles), which splice does not read; allowed: the model converted to a Hugging "
+                         "Face safetensors checkpoint (e.g. with transformers' Megatron conversion scripts): "
+                         f"{ACCEPTED}")
 
 
 def _single_source_files(path: Path, list_item: bool = False) -> list[Path]:

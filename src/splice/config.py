@@ -400,11 +400,12 @@ class InferenceConfig(_Section):
             "effect: splice's kernel injection does not read it, and DeepSpeed too only slices by it at "
             "mp_size > 1. With a splice_tp.json checkpoint the stored plan is loaded; a policy that splits "
             "differently from it raises ValueError. Keys must be classes and a bare string value stands for a "
-            "one-name tuple, as in DeepSpeed. Names are paths relative to the block ('self_attn.o_proj', "
-            "'layer.0.SelfAttention.o'), each present in every instance of the class: DeepSpeed's shorter forms "
-            "('SelfAttention.o' for T5Block, '.fc2' for a linear directly in the block) and a name only some "
-            "instances have (T5's 'EncDecAttention.o') raise ValueError, whatever tp_size. DeepSpeed refuses an "
-            "injection_policy with replace_with_kernel_inject=True; splice accepts the pair"))
+            "one-name tuple, as in DeepSpeed. A name is a linear's path in the block or its end in whole segments "
+            "('layer.0.SelfAttention.o' or 'SelfAttention.o'), a leading dot anchoring it at the block ('.fc2'), "
+            "as in DeepSpeed's T5 and BART policies; one naming no linear in any instance of the class, or two "
+            "linears of one block, raises ValueError. DeepSpeed refuses an injection_policy with "
+            "replace_with_kernel_inject=True; splice accepts the pair: the policy's plan shards, then the blocks "
+            "are fused"))
     injection_policy_tuple: tuple | None = Field(None, description="DeepSpeed-internal form of injection_policy.",
                                                  json_schema_extra=_note("use injection_policy"))
     config: dict | None = Field(None, alias="args", description="Model config dict to use instead of the model's.",

@@ -13,6 +13,7 @@ from splice.tp.plan import Rule, TPPlan, verify
 from splice.tp.policy import policy_plan
 from splice.tp.split import Heads
 from tests.arch.tiny_models import AUTOTP_FAMILIES as FAMILIES, build
+from tests.snippet_models import tiny_bart, tiny_t5
 
 # family -> (attention output, fused or q layout, MLP output, expected q/kv heads)
 EXPECTED = {
@@ -90,6 +91,57 @@ def test_policy_gives_the_same_plan_as_autotp_and_names_bad_entries():
         policy_plan(model, {layer: ("self_attn.q_proj", "mlp.down_proj")})
     with pytest.raises(TypeError, match="keys must be module classes"):
         policy_plan(model, {"LlamaDecoderLayer": ("self_attn.o_proj",)})
+
+
+def _meta(build_model):
+    config = build_model().config
+    with torch.device("meta"):
+        return type(build_model())(config).eval()
+
+
+def test_policy_takes_deepspeeds_name_forms():
+    """DeepSpeed names a linear '<parent>.<name>' ('.fc2' for the block's own): its published T5 and BART policies
+    and a leading-dot / bare-suffix llama policy give the plan AutoTP finds."""
+    from tests.tp.workers import deepspeed_seq2seq_policies
+
+    model = build("llama", meta=True)
+    layer = type(model.model.layers[0])
+    assert policy_plan(model, {layer: (".self_attn.o_proj", "down_proj")}).rules == autotp_plan(model).rules
+    for name, build_model in (("t5", tiny_t5), ("bart", tiny_bart)):
+        model = _meta(build_model)
+        assert policy_plan(model, deepspeed_seq2seq_policies()[name]).rules == autotp_plan(model).rules, name
+
+
+def test_policy_entries_that_name_nothing_or_two_linears_raise():
+    from transformers.models.bart.modeling_bart import BartDecoderLayer, BartEncoderLayer
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    t5 = _meta(tiny_t5)
+    with pytest.raises(ValueError, match=r"T5Block: \['CrossAttention.o'\] name\(s\) no linear in it; its linears are "
+                       r"\['layer.0.SelfAttention.k', .*'layer.1.EncDecAttention.o', "):
+        policy_plan(t5, {T5Block: ("SelfAttention.o", "EncDecAttention.o", "DenseReluDense.wo", "CrossAttention.o")})
+    with pytest.raises(ValueError, match=r"\['.SelfAttention.o'\] name\(s\) no linear"):  # a dot: the block's own
+        policy_plan(t5, {T5Block: (".SelfAttention.o", "EncDecAttention.o", "DenseReluDense.wo")})
+    with pytest.raises(ValueError, match=r"BartDecoderLayer: 'out_proj' is ambiguous, it names 2 linears of "
+                       r"model.decoder.layers.0: \['self_attn.out_proj', 'encoder_attn.out_proj'\]"):
+        policy_plan(_meta(tiny_bart), {BartEncoderLayer: (".fc2", "out_proj"), BartDecoderLayer: (".fc2", "out_proj")})
+
+
+def test_encoder_decoder_plans_split_relative_bias_and_tied_embeddings_by_the_same_rows():
+    plan = autotp_plan(_meta(tiny_t5))
+    bias = plan.rules["encoder.block.*.layer.0.SelfAttention.relative_attention_bias"]
+    assert (bias.style, bias.layout, bias.heads) == ("column", "q", Heads(4, 4, 1))
+    assert [k for k, r in plan.rules.items() if r.style == "vocab"] == ["shared", "encoder.embed_tokens",
+                                                                          "decoder.embed_tokens", "lm_head"]
+    assert plan.rules["decoder.block.*.layer.1.EncDecAttention.k"] == Rule("column", "q", Heads(4, 4, 8))
+    tp = ParallelContext(rank=1, world_size=2)
+    model = tiny_t5()
+    full = model.encoder.block[0].layer[0].SelfAttention.relative_attention_bias.weight.detach().clone()
+    apply_plan(model, plan, tp)
+    attention = model.encoder.block[0].layer[0].SelfAttention
+    assert torch.equal(attention.relative_attention_bias.weight, full[:, 2:])  # rank 1's heads 2 and 3
+    assert (attention.n_heads, attention.inner_dim, attention.relative_attention_bias.embedding_dim) == (2, 16, 2)
+    assert model.encoder.embed_tokens.weight is model.shared.weight is model.lm_head.linear.weight
 
 
 class _Block(nn.Module):

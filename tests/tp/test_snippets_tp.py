@@ -1,8 +1,9 @@
 """DeepSpeed's multi-process inference snippets (``tests/tp/snippet_script.py``, ``import splice as deepspeed``,
 ``mp_size=world_size``) under torchrun: two processes on one node (the pipeline snippet with and without injection,
 and the big-model one: a meta model filled from a checkpoints JSON), and two single-process nodes joined by a c10d
-rendezvous as multi-node users launch it (``torchrun --nnodes 2 --node-rank i``, both on this machine). Every rank
-gets the unmodified single-process pipeline's greedy tokens."""
+rendezvous as multi-node users launch it (``torchrun --nnodes 2 --node-rank i``, both on this machine), and
+DeepSpeedExamples' T5 and BART text2text snippets with their injection_policy. Every rank gets the unmodified
+single-process model's greedy tokens."""
 from __future__ import annotations
 
 import json
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 from transformers import pipeline
 
-from tests.snippet_models import byte_tokenizer, generated_ids, snippet_llama
+from tests.snippet_models import (PROMPTS, Text2TextPipe, byte_tokenizer, generated_ids, snippet_llama, tiny_bart,
+                                  tiny_t5)
 from tests.tp.launch import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -57,6 +59,19 @@ def test_one_node_two_processes(mode, reference_ids, tmp_path):
     assert [(r["rank"], r["local_rank"], r["world"]) for r in results] == [(0, 0, 2), (1, 1, 2)]
     assert all(r["lm_head"] != "Linear" for r in results)  # sharded: the head is vocab-parallel
     assert all(r["ids"] == reference_ids for r in results)
+
+
+@pytest.mark.parametrize("model", ["t5", "bart"])
+def test_text2text_snippets_with_their_injection_policy(model, tmp_path):
+    """DeepSpeedExamples' T5 and BART snippets (their injection_policy verbatim, "SelfAttention.o", ".fc2", ...) at
+    mp_size=2 give the unmodified single-process model's greedy tokens on every rank."""
+    reference = [Text2TextPipe({"t5": tiny_t5, "bart": tiny_bart}[model]())(prompt) for prompt in PROMPTS]
+    done = subprocess.run([*TORCHRUN, "--nproc-per-node", "2", "--master-port", str(free_port()), str(SCRIPT), model],
+                          capture_output=True, text=True, timeout=240, env=env(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = snippet_results(tmp_path / "out")
+    assert [r["rank"] for r in results] == [0, 1] and all(r["lm_head"] == "VocabParallelLinear" for r in results)
+    assert all(r["ids"] == reference for r in results)
 
 
 def test_two_nodes_c10d_rendezvous(reference_ids, tmp_path):

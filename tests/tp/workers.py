@@ -548,3 +548,67 @@ def hf_generate_fallback(rank: int, world: int, families=("llama", "gemma"), opt
                 "injected": runtime is not None, "native_loop_ran": runtime is not None and runtime._cache is not None,
                 "embedding": type(engine.module.get_input_embeddings()).__name__}
     return out
+
+
+def deepspeed_seq2seq_policies() -> dict:
+    """DeepSpeed's published injection policies for T5 (inference and AutoTP tutorials) and BART (DeepSpeedExamples
+    inference/huggingface/text2text-generation/test-bart.py), verbatim."""
+    from transformers.models.bart.modeling_bart import BartDecoderLayer, BartEncoderLayer
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    return {"t5": {T5Block: ('SelfAttention.o', 'EncDecAttention.o', 'DenseReluDense.wo')},
+            "bart": {BartEncoderLayer: ('.fc2', 'self_attn.out_proj'),
+                     BartDecoderLayer: ('encoder_attn.out_proj', '.fc2', 'self_attn.out_proj')}}
+
+
+def encoder_decoder_parity(rank: int, world: int) -> dict:
+    """A tiny T5 (relative position bias, tied embeddings), BART and MVP through ``init_inference`` at tp=``world``,
+    by AutoTP and (T5, BART) by DeepSpeed's published policy, against the unmodified single-process fp32 model on a
+    padded batch: logits for given decoder ids (largest difference over the logits' spread), greedy tokens of
+    ``engine.generate``, the per-rank share of the weights."""
+    import splice
+    from tests.snippet_models import byte_tokenizer, tiny_bart, tiny_t5
+
+    batch = byte_tokenizer()(["DeepSpeed is", "The capital of France is"], return_tensors="pt", padding=True)
+    options = dict(max_new_tokens=8, do_sample=False)
+    out = {}
+    for name, build_model in (("t5", tiny_t5), ("bart", tiny_bart), ("mvp", lambda: tiny_bart(family="mvp"))):
+        model = build_model()
+        with torch.no_grad():
+            tokens = model.generate(**batch, **options)
+            logits = model(**batch, decoder_input_ids=tokens).logits
+        total = sum(p.numel() for p in model.parameters())
+        policies = {"policy": {"injection_policy": deepspeed_seq2seq_policies()[name]}} if name != "mvp" else {}
+        for mode, extra in {"autotp": {}, **policies}.items():
+            engine = splice.init_inference(build_model(), tensor_parallel={"tp_size": world}, dtype=torch.float,
+                                           **extra)
+            with torch.no_grad():
+                got = engine(**batch, decoder_input_ids=tokens).logits
+            local = sum(p.numel() for p in engine.module.parameters())
+            out[f"{name}/{mode}"] = {"error": float((got - logits).abs().max() / logits.std()),
+                                     "tokens_equal": bool(torch.equal(engine.generate(**batch, **options), tokens)),
+                                     "param_ratio": local / total,
+                                     "source": next(r.plan_source for r in engine.reports if r.step == "shard")}
+    return out
+
+
+def policy_with_kernel_injection(rank: int, world: int, families=("llama", "gpt2", "falcon")) -> dict:
+    """``injection_policy`` together with ``replace_with_kernel_inject=True`` (DeepSpeed refuses the pair): the
+    policy's plan shards the model, then its blocks are fused; logits and greedy tokens against the unmodified
+    single-process fp32 model."""
+    import splice
+
+    out = {}
+    for family in families:
+        model = build(family)
+        ref = reference(model)
+        engine = splice.init_inference(model, tensor_parallel={"tp_size": world}, replace_with_kernel_inject=True,
+                                       injection_policy=policy_for(model, family), max_out_tokens=64)
+        out[family] = {**compare(engine, ref), "injected": engine.runtime is not None,
+                       "source": next(r.plan_source for r in engine.reports if r.step == "shard")}
+    return out
+
+
+def seq2seq_and_policy_injection(rank: int, world: int) -> dict:
+    """The tp=2 checks of tests/tp/test_seq2seq_tp.py, in one pair of processes."""
+    return {"seq2seq": encoder_decoder_parity(rank, world), "policy_inject": policy_with_kernel_injection(rank, world)}

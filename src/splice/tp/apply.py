@@ -21,8 +21,9 @@ from .split import Heads, HeadShare, Ranges, balanced, head_share, layout_ranges
 
 #: Attributes HF attention modules read for their head counts, and what each means. Set per rank on the module,
 #: only where the attribute exists and holds the model-wide value; the shared model config is never touched.
-HEAD_ATTRIBUTES = {"num_heads": "n_q", "num_attention_heads": "n_q", "n_head": "n_q", "num_key_value_heads": "n_kv",
-                   "num_kv_heads": "n_kv", "num_key_value_groups": "group", "split_size": "q_width"}
+HEAD_ATTRIBUTES = {"num_heads": "n_q", "num_attention_heads": "n_q", "n_head": "n_q", "n_heads": "n_q",
+                   "num_key_value_heads": "n_kv", "num_kv_heads": "n_kv", "num_key_value_groups": "group",
+                   "split_size": "q_width", "inner_dim": "q_width", "embed_dim": "q_width"}
 #: Head counts some attention forwards read from ``self.config`` (Phi-3's ``num_attention_heads``): such a module gets
 #: a :class:`LocalConfig` view, the shared config object itself is never written.
 CONFIG_HEADS = {"num_attention_heads": "n_q", "num_key_value_heads": "n_kv"}
@@ -66,7 +67,7 @@ class _Sharder:
 
     def shard(self, name: str, module: nn.Module, rule: Rule) -> nn.Module:
         if isinstance(module, nn.Embedding):
-            return self.embedding(name, module)
+            return self.embedding(name, module) if rule.style == "vocab" else self.embedding_columns(name, module, rule)
         return {"column": self.column, "row": self.row, "vocab": self.vocab}[rule.style](name, module, rule)
 
     def ranges(self, layout: str, size: int, heads: Heads | None = None, grain: int | None = None) -> Ranges:
@@ -94,6 +95,11 @@ class _Sharder:
         start, stop = span(sizes, self.ctx.rank)
         weight = self.take(name, module, "weight", 0, ((start, stop),), f"{name}.embedding.weight", as_linear=False)
         return VocabParallelEmbedding(local_embedding(module, weight, start), start, module.weight.shape[0], self.ctx)
+
+    def embedding_columns(self, name: str, module: nn.Embedding, rule: Rule) -> nn.Module:
+        """An embedding with one column per head (T5's relative position bias), cut to the rank's columns."""
+        ranges = self.ranges(rule.layout, module.embedding_dim, rule.heads)
+        return local_embedding(module, self.take(name, module, "weight", 1, ranges, as_linear=False), 0)
 
     def vocab_sizes(self, rows: int) -> list[int]:
         return balanced(rows, self.ctx.world_size)

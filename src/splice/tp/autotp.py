@@ -154,18 +154,31 @@ def trace_model(model: nn.Module, tokens: int = 4) -> Trace:
         if name in trace.blocks:
             handles += [module.register_forward_pre_hook(tagger.block_pre(name), with_kwargs=True),
                         module.register_forward_hook(tagger.block_post(name))]
-    ids = torch.ones(1, tokens, dtype=torch.long, device=next(model.parameters()).device)
+    inputs = trace_inputs(model, tokens)
     try:
         with torch.no_grad(), tagger:
-            model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+            model(**inputs, use_cache=False)
     except Exception as e:
-        raise ValueError(f"tensor parallelism traces one forward of {type(model).__name__} (input_ids of {tokens} "
-                         f"tokens) to find its column- and row-parallel linears, and that forward failed: "
+        raise ValueError(f"tensor parallelism traces one forward of {type(model).__name__} ({', '.join(inputs)} of "
+                         f"{tokens} tokens) to find its column- and row-parallel linears, and that forward failed: "
                          f"{type(e).__name__}: {e}") from e
     finally:
         for handle in handles:
             handle.remove()
     return trace
+
+
+def trace_inputs(model: nn.Module, tokens: int) -> dict[str, torch.Tensor]:
+    """The tracing forward's inputs: ``tokens`` ids of one, and for an encoder-decoder (T5, BART, ...) as many decoder
+    ids of its decoder start token, so the decoder's blocks run too."""
+    ids = torch.ones(1, tokens, dtype=torch.long, device=next(model.parameters()).device)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        candidates = (getattr(config, "decoder_start_token_id", None), getattr(config, "pad_token_id", None))
+        start = next((v for v in candidates if isinstance(v, int)), 0)
+        inputs["decoder_input_ids"] = torch.full_like(ids, start)
+    return inputs
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -303,7 +316,9 @@ def plan_from_roles(model: nn.Module, trace: Trace, roles: dict[str, str], block
         group, heads = group_rules(row, feeders, linears, trace, n_heads)
         rules.update(group)
         if heads is not None:
-            attention[common_parent([row, *feeders])] = heads
+            parent = common_parent([row, *feeders])
+            attention[parent] = heads
+            rules.update(per_head_embeddings(model, parent, heads))
     rules.update(edge_rules(model, linears, rules))
     prefixes = trace.block_lists
     ordered = {n: rules[n] for n, _ in model.named_modules() if n in rules}
@@ -311,8 +326,17 @@ def plan_from_roles(model: nn.Module, trace: Trace, roles: dict[str, str], block
                   list(collapse(dict.fromkeys(blocks, True), prefixes)), source)
 
 
+def per_head_embeddings(model: nn.Module, attention: str, heads: Heads) -> dict[str, Rule]:
+    """Embeddings inside an attention module with one column per query head (T5's relative position bias): split by
+    the rank's heads, as its q projection is, so the bias it adds to the scores has the rank's heads."""
+    module = model.get_submodule(attention)
+    return {f"{attention}.{name}": Rule("column", "q", Heads(heads.n_q, heads.n_kv, 1))
+            for name, m in module.named_modules() if isinstance(m, nn.Embedding) and m.embedding_dim == heads.n_q}
+
+
 def edge_rules(model: nn.Module, linears: dict[str, nn.Module], covered: dict[str, Rule]) -> dict[str, Rule]:
-    """Vocab-parallel embedding and lm_head (found with the model's get_*_embeddings), the rest replicated.
+    """Vocab-parallel embedding and lm_head (found with the model's get_*_embeddings) and every embedding sharing the
+    input embedding's weight (T5's and BART's encoder and decoder ``embed_tokens``), the rest replicated.
 
     Any ``nn.Embedding`` is split, subclasses included: the parallel embedding runs the module's own forward on its
     rows (see :class:`splice.tp.layers.VocabParallelEmbedding`), so one that scales in its forward (Gemma in
@@ -324,6 +348,9 @@ def edge_rules(model: nn.Module, linears: dict[str, nn.Module], covered: dict[st
     for module, kind in ((embed, nn.Embedding), (head, nn.Linear)):
         if isinstance(module, kind) and id(module) in names:
             rules[names[id(module)]] = Rule("vocab")
+    if isinstance(embed, nn.Embedding):  # an encoder-decoder's encoder and decoder embeddings share its weight
+        rules.update({n: Rule("vocab") for n, m in model.named_modules()
+                      if isinstance(m, nn.Embedding) and m is not embed and m.weight is embed.weight})
     rules.update({n: Rule("replicate") for n in linears if n not in covered and n not in rules})
     return rules
 

@@ -28,6 +28,12 @@ class RowParallelLinear(nn.Module):
         return self.linear.in_features
 
     @property
+    def weight(self) -> torch.Tensor | None:
+        """The inner linear's weight (this rank's input columns), for model code that reads it to pick a dtype (T5's
+        feed-forward casts its input to ``wo.weight.dtype``); None when a quantizer's module holds no ``weight``."""
+        return getattr(self.linear, "weight", None)
+
+    @property
     def out_features(self) -> int:
         return self.linear.out_features
 
@@ -93,13 +99,14 @@ class VocabParallelEmbedding(nn.Module):
 
 def local_embedding(module: nn.Embedding, weight: torch.Tensor, start: int) -> nn.Embedding:
     """A shallow copy of ``module`` (same class, same buffers and settings) holding ``weight``, the rows from
-    ``start`` on; its ``padding_idx`` is renumbered to the local rows (None when another rank owns it)."""
+    ``start`` on (all its columns, or a rank's per-head columns); its ``padding_idx`` is renumbered to the local rows
+    (None when another rank owns it)."""
     local = copy.copy(module)
     local._parameters, local._buffers, local._modules = (dict(module._parameters), dict(module._buffers),
                                                           dict(module._modules))
     local._non_persistent_buffers_set = set(module._non_persistent_buffers_set)
     local.weight = _param(weight)
-    local.num_embeddings = weight.shape[0]
+    local.num_embeddings, local.embedding_dim = weight.shape
     pad = module.padding_idx
     local.padding_idx = pad - start if pad is not None and start <= pad < start + weight.shape[0] else None
     return local

@@ -57,8 +57,8 @@ class TPPlan:
     source: str = "user"
 
     def to_dict(self) -> dict:
-        return {"source": self.source, "blocks": list(self.blocks),
-                "rules": {k: {key: val for key, val in asdict(r).items() if val is not None} for k, r in self.rules.items()},
+        rules = {k: {key: val for key, val in asdict(r).items() if val is not None} for k, r in self.rules.items()}
+        return {"source": self.source, "blocks": list(self.blocks), "rules": rules,
                 "attention": {k: asdict(h) for k, h in self.attention.items()}}
 
     @classmethod
@@ -166,10 +166,11 @@ def verify(plan: TPPlan, model: nn.Module, tp: int) -> dict[str, Rule]:
 
 
 def _check_kind(name: str, module: nn.Module, rule: Rule) -> None:
-    ok = linear_like(module) or (rule.style in ("vocab", "replicate") and isinstance(module, nn.Embedding))
+    embedding_rule = rule.style in ("vocab", "replicate") or (rule.style == "column" and rule.heads is not None)
+    ok = linear_like(module) or (embedding_rule and isinstance(module, nn.Embedding))
     if not ok:
-        raise ValueError(f"tensor-parallel rule {rule.style!r} for {name!r} needs a linear (or an embedding for "
-                         f"'vocab'), but {name!r} is a {type(module).__name__}")
+        raise ValueError(f"tensor-parallel rule {rule} for {name!r} needs a linear (or an embedding for 'vocab', "
+                         f"'replicate' or a per-head 'column'), but {name!r} is a {type(module).__name__}")
 
 
 def _inside(name: str, prefix: str) -> bool:

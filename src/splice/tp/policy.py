@@ -4,6 +4,12 @@
 row-parallel (all-reduce after them) and every other linear is column-parallel. The user gives the roles; how the
 columns group with their row and how fused projections split (by heads / halves) comes from the same traced data
 flow AutoTP uses, so both produce the same kind of plan.
+
+An entry names a linear by its path inside the block, or by the end of that path in whole segments, as DeepSpeed's
+published policies do: ``"SelfAttention.o"`` is T5's ``layer.0.SelfAttention.o``; a leading dot anchors the path at the
+block (``".fc2"``: the block's own ``fc2``). An entry must name a linear in at least one module of its class (T5's
+``"EncDecAttention.o"`` exists only in decoder blocks), and at most one linear of any block (``"out_proj"`` in a BART
+decoder layer could be ``self_attn.out_proj`` or ``encoder_attn.out_proj``: ambiguous, so it raises).
 """
 from __future__ import annotations
 
@@ -22,10 +28,28 @@ def policy_plan(model: nn.Module, policy: dict, trace: Trace | None = None) -> T
     blocks: list[str] = []
     for cls, rows in policy.items():
         instances = _instances(model, cls)
-        for block in instances:
-            roles.update(_roles_in(model, block, cls, _names(cls, rows)))
+        entries = _names(cls, rows)
+        linears = {block: _linears_in(model, block) for block in instances}
+        used: set[str] = set()
+        for block, inner in linears.items():
+            rows_here = _rows_in(inner, entries, cls, block)
+            used.update(rows_here.values())
+            roles.update({full: "row" if rel in rows_here else "column" for rel, full in inner.items()})
+        unknown = [e for e in entries if e not in used]
+        if unknown:
+            names = sorted({rel for inner in linears.values() for rel in inner})
+            raise ValueError(f"injection_policy for {cls.__name__}: {unknown} name(s) no linear in it; its linears are "
+                             f"{names}; an entry is a linear's path in the block or the end of it in whole segments "
+                             "('SelfAttention.o', 'down_proj'), a leading dot anchoring it at the block ('.fc2')")
         blocks += instances
     return plan_from_roles(model, trace or trace_model(model), roles, blocks, source="policy")
+
+
+def entry_matches(entry: str, path: str) -> bool:
+    """Whether policy ``entry`` names the linear at ``path`` inside its block (see the module docstring)."""
+    if entry.startswith("."):
+        return path == entry[1:]
+    return path == entry or path.endswith("." + entry)
 
 
 def _names(cls, rows) -> tuple[str, ...]:
@@ -51,11 +75,21 @@ def _instances(model: nn.Module, cls) -> list[str]:
     return found
 
 
-def _roles_in(model: nn.Module, block: str, cls: type, rows: tuple[str, ...]) -> dict[str, str]:
-    inner = {name[len(block) + 1:]: name for name, m in model.named_modules()
-             if linear_like(m) and name.startswith(block + ".")}
-    unknown = [r for r in rows if r not in inner]
-    if unknown:
-        raise ValueError(f"injection_policy for {cls.__name__}: {unknown} name(s) no linear in it; its linears are "
-                         f"{sorted(inner)}")
-    return {full: "row" if rel in rows else "column" for rel, full in inner.items()}
+def _linears_in(model: nn.Module, block: str) -> dict[str, str]:
+    """Path inside ``block`` -> full name, for every linear in it."""
+    return {name[len(block) + 1:]: name for name, m in model.named_modules()
+            if linear_like(m) and name.startswith(block + ".")}
+
+
+def _rows_in(inner: dict[str, str], entries: tuple[str, ...], cls: type, block: str) -> dict[str, str]:
+    """Path inside the block -> the entry naming it, for the linears ``entries`` name in this block; raises for an
+    entry naming more than one."""
+    rows: dict[str, str] = {}
+    for entry in entries:
+        hits = [rel for rel in inner if entry_matches(entry, rel)]
+        if len(hits) > 1:
+            raise ValueError(f"injection_policy for {cls.__name__}: {entry!r} is ambiguous, it names {len(hits)} "
+                             f"linears of {block}: {hits}; allowed: one entry per linear, by a path that ends in only "
+                             f"one of them (e.g. {hits[0]!r})")
+        rows.update({rel: entry for rel in hits})
+    return rows
