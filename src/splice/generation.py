@@ -97,7 +97,7 @@ def generate(model, runtime: SpliceCausalLM, *args: Any, timer: ForwardTimer | N
         streamer = options.pop("streamer", None)
         plan = plan_request(model, options.pop("inputs", None), options.pop("generation_config", None), options)
     if isinstance(plan, Request) and right_padding_not_native(runtime, plan):
-        plan = "a right-padded batch on a model with sliding-window or ALiBi attention"
+        plan = "a right-padded batch whose pads fill a sliding window"
     if isinstance(plan, str):
         log.info("splice generate: %s not in the native loop; transformers' generate runs on the fused model", plan)
         return model.generate(*args, **kwargs)
@@ -111,15 +111,12 @@ def generate(model, runtime: SpliceCausalLM, *args: Any, timer: ForwardTimer | N
 
 def right_padding_not_native(runtime: SpliceCausalLM, req: Request) -> bool:
     """Whether ``req`` has a right-padded row (its last column masked) that the native loop would not give Hugging
-    Face's tokens for: ALiBi from slots (BLOOM's) biases a key by its slot, and a right-padded row's new tokens follow
-    its pad slots where Hugging Face's positions leave the pads out (Falcon's rounded bias counts each row's real
-    tokens, as Hugging Face's does); and a row whose pads fill a sliding window, where its last pad's query sees no
-    real token (Hugging Face's attention gives it zeros, splice's mask its own slot)."""
+    Face's tokens for: a row whose pads fill a sliding window, where its last pad's query sees no real token (Hugging
+    Face's attention gives it zeros, splice's mask its own slot). ALiBi's bias counts each row's real tokens, as
+    Hugging Face's does, so a right-padded row's new tokens follow its last real token there too."""
     trailing_pads = (req.attention_mask.flip(-1).cumsum(-1) == 0).sum(-1)
     if not bool((trailing_pads > 0).any()):
         return False
-    if runtime.dims.positions == "alibi" and not runtime.blocks[0].layout.alibi_bf16:
-        return True
     windows = [window for window in runtime.windows if window is not None]
     return bool(windows) and int(trailing_pads.max()) >= min(windows)
 

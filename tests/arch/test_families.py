@@ -71,16 +71,11 @@ def test_greedy_tokens_match_the_reference(name):
         assert torch.equal(engine.module.generate(ids, attention_mask=mask, **GREEDY), expected)
 
 
-#: families whose right-padded batches run Hugging Face's generate on the fused model (ALiBi from slots: see
-#: ``splice.generation.right_padding_not_native``); every other one stays in the native loop, sliding windows too while
-#: no row's pads fill a window (the tiny models' windows are 4 and 6, the batch below has 3 pads at most)
-RIGHT_PADDING_ON_HF = {"bloom", "bloom:six_heads"}
-
-
 @pytest.mark.parametrize("name", sorted(set(FAMILIES) | set(VARIANTS)))
 def test_right_padded_greedy_tokens_match_the_reference(name):
     """A right-padded batch gets the reference's greedy tokens (which Hugging Face takes, for a right-padded row, from
-    the last pad's query), in the native loop unless the family is in ``RIGHT_PADDING_ON_HF``."""
+    the last pad's query), in the native loop: ALiBi counts each row's real tokens, sliding windows stay while no
+    row's pads fill a window (the tiny models' windows are 4 and 6, the batch below has 3 pads at most)."""
     reference = build_family(name)
     engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
     ids, mask = padded_batch(batch=2, length=10, side="right")
@@ -91,7 +86,7 @@ def test_right_padded_greedy_tokens_match_the_reference(name):
     with torch.inference_mode():
         expected = reference.generate(ids, attention_mask=mask, **options)
         assert torch.equal(engine.generate(ids, attention_mask=mask, **options), expected)
-    assert bool(calls) == (name in RIGHT_PADDING_ON_HF)
+    assert not calls  # splice's own loop, not Hugging Face's generate on the fused model
 
 
 #: ALiBi models on prompts past 256 positions, where bf16 stops holding every position (and, from 16 heads, every
@@ -101,9 +96,10 @@ LONG_ALIBI = [("falcon:alibi", {}), ("falcon:alibi", {"num_attention_heads": 16}
 
 @pytest.mark.parametrize("name, overrides", LONG_ALIBI, ids=["falcon_alibi", "falcon_alibi_16_heads", "bloom"])
 def test_alibi_generate_logits_match_the_reference_on_long_prompts(name, overrides):
-    """The native loop's logits, prefill and every decode step, on a 400-token prompt, a left-padded batch and (but
-    where ``RIGHT_PADDING_ON_HF``) a right-padded one, a row 150 pads shorter, match the reference's: Falcon's HF
-    model rounds ALiBi's bias to bf16 at each key's position in its row, BLOOM's keeps it exact."""
+    """The native loop's logits, prefill and every decode step, on a 400-token prompt, a left-padded batch and a
+    right-padded one, a row 150 pads shorter, match the reference's, and so do those of Hugging Face's generate on the
+    fused model on the right-padded batch: Falcon's HF model rounds ALiBi's bias to bf16 at each key's position in its
+    row, BLOOM's keeps it exact; both count a right-padded row's new tokens from its last real token."""
     reference = randomised_vectors(build_tiny(tiny_config(name, **overrides)), seed=0)
     engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=404)
     ids = torch.randint(3, 128, (2, 400), generator=torch.Generator().manual_seed(0))
@@ -115,16 +111,41 @@ def test_alibi_generate_logits_match_the_reference_on_long_prompts(name, overrid
     hf_generate = engine.module.generate
     calls = []
     engine.module.generate = lambda *args, **kwargs: calls.append(1) or hf_generate(*args, **kwargs)
-    batches = [(ids[:1], left[:1]), (ids.masked_fill(left == 0, 0), left)]
-    if name not in RIGHT_PADDING_ON_HF:
-        batches.append((ids.masked_fill(right == 0, 0), right))
+    batches = [(ids[:1], left[:1]), (ids.masked_fill(left == 0, 0), left), (ids.masked_fill(right == 0, 0), right)]
     with torch.inference_mode():
         for prompt, mask in batches:
             expected = reference.generate(prompt, attention_mask=mask, **options)
             got = engine.generate(prompt, attention_mask=mask, **options)
             assert torch.equal(got.sequences, expected.sequences)
             assert scaled_error(torch.stack(expected.logits, 1), torch.stack(got.logits, 1)) < 1e-4
-    assert not calls  # splice's own loop, not Hugging Face's generate on the fused model
+        assert not calls  # splice's own loop, not Hugging Face's generate on the fused model
+        got = hf_generate(prompt, attention_mask=mask, **options)  # the fused blocks' HF path, right-padded
+        assert scaled_error(torch.stack(expected.logits, 1), torch.stack(got.logits, 1)) < 1e-4
+
+
+def test_bloom_bf16_right_padded_is_no_further_from_fp32_than_hf_bf16():
+    """BLOOM in bf16 on a right-padded batch of 1500 positions (a row 600 pads shorter), native loop and the fused
+    blocks' HF path: the logits' error against the unmodified fp32 model is no larger than the unmodified bf16
+    model's own (whose bias, slope times position rounded to bf16, is off by units there)."""
+    reference = build_family("bloom")
+    reference_bf16 = copy.deepcopy(reference).to(torch.bfloat16)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, dtype=torch.bfloat16,
+                                   max_out_tokens=1504)
+    ids = torch.randint(3, 128, (2, 1500), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, -600:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    options = dict(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0, output_logits=True,
+                   return_dict_in_generate=True)
+
+    def logits(model, generate=None):
+        return torch.stack((generate or model.generate)(ids, attention_mask=mask, **options).logits, 1).float()
+
+    with torch.inference_mode():
+        expected = logits(reference)
+        hf_bf16_error = scaled_error(expected, logits(reference_bf16))
+        for got in (logits(engine), logits(engine.module)):
+            assert scaled_error(expected, got) <= hf_bf16_error
 
 
 @pytest.mark.slow

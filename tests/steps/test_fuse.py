@@ -240,3 +240,27 @@ def test_an_injected_engine_pickles_and_still_records_hidden_states_as_hf(tmp_pa
         assert torch.allclose(got.logits, want.logits, atol=1e-5)
         assert len(got.hidden_states) == len(want.hidden_states)
         assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got.hidden_states, want.hidden_states))
+
+
+@pytest.mark.parametrize("name", ["gptj", "llama"])
+def test_the_decode_runtime_and_its_cache_go_with_the_engine(name):
+    """Nothing the fused model keeps (GPT-J's rotary lookup for the HF path included) refers to the decode runtime:
+    once the engine is gone, its runtime and KV cache are collected while the model lives on, and the model's own
+    forward and generate still give the reference's logits and tokens."""
+    reference = build_family(name)
+    model = copy.deepcopy(reference)
+    engine = splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=32)
+    ids, mask = padded_batch(batch=2, length=8)
+    greedy = dict(max_new_tokens=4, do_sample=False, eos_token_id=None)
+    with torch.inference_mode():
+        engine.generate(ids, attention_mask=mask, **greedy)
+        model(ids, attention_mask=mask)  # the HF path (GPT-J: splice's rotary table)
+    runtime, cache = weakref.ref(engine.runtime), weakref.ref(engine.runtime.cache_for(2))
+    del engine
+    gc.collect()
+    assert runtime() is None and cache() is None
+    with torch.inference_mode():
+        expected, got = reference(ids, attention_mask=mask).logits, model(ids, attention_mask=mask).logits
+        assert scaled_error(expected[mask.bool()], got[mask.bool()]) < 1e-4
+        assert torch.equal(model.generate(ids, attention_mask=mask, **greedy),
+                           reference.generate(ids, attention_mask=mask, **greedy))

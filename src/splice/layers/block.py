@@ -104,7 +104,9 @@ class SpliceBlock(nn.Module):
             self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
         else:
             self.alibi_slopes = None
-        self.rotary_table = None  # positions -> (cos, sin), for HF layers that pass no cos/sin (set by the fuse step)
+        # (positions, dtype) -> (cos, sin), for HF layers that pass no usable cos/sin (set by the fuse step; it must
+        # hold no reference to the decode runtime, which would then live as long as the model)
+        self.rotary_table = None
         self.is_causal = layout.causal
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
@@ -116,7 +118,7 @@ class SpliceBlock(nn.Module):
         kwargs.update(zip(self.layout.hf_args, args))
         cache = next((kwargs.pop(name) for name in CACHE_ARGS if kwargs.get(name) is not None), None)
         mask = kwargs.pop("attention_mask", None)
-        cos, sin = self.hf_rotary(kwargs)
+        cos, sin = self.hf_rotary(kwargs, hidden_states.dtype)
         x = hidden_states.clone() if self.updates_in_place else hidden_states
         q, k, v, h = self.project(x, cos, sin)
         if cache is not None:
@@ -126,17 +128,18 @@ class SpliceBlock(nn.Module):
         if self.window is not None and not self.layout.hf_window_in_mask:
             mask = within_window(mask, q.shape[2], k.shape[2], self.window, q.device)
         causal = mask is None and q.shape[2] > 1 and self.layout.causal
-        bias = None if self.layout.hf_alibi_in_mask else self.alibi(q.shape[2], k.shape[2])
+        bias = None if self.layout.hf_alibi_in_mask else self.hf_alibi(mask, q.shape[2], k.shape[2])
         out = self.finish(x, h, self.attend(q, k, v, mask, causal, bias))
         return (out, None) if self.layout.hf_returns_tuple else out
 
-    def hf_rotary(self, kwargs: dict) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def hf_rotary(self, kwargs: dict, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """cos and signed sin ``[B, S, 1, rotary_dim]`` for the HF path: the model's own (``rotate_half`` layout), or
-        splice's table at ``position_ids`` when the model passes cos/sin of another layout (GPT-J)."""
+        splice's table in ``dtype`` (the hidden states') at ``position_ids`` when the model passes cos/sin of another
+        layout (GPT-J)."""
         if not self.layout.rotary:
             return None, None
         if self.rotary_table is not None:
-            return self.rotary_table(kwargs["position_ids"])
+            return self.rotary_table(kwargs["position_ids"], dtype)
         cos, sin = kwargs["position_embeddings"]
         return cos.unsqueeze(2), signed_sin(sin).unsqueeze(2)
 
@@ -148,7 +151,7 @@ class SpliceBlock(nn.Module):
         ``mask`` None means plain causal attention over the first ``kv_len`` slots (an unpadded prompt)."""
         q, k, v, h = self.project(x, cos, sin)
         k, v = cache.update(self.layer_idx, k, v, slots, kv_len)
-        bias = self.alibi(q.shape[2], kv_len, cache.valid[:, :kv_len])
+        bias = self.alibi(q.shape[2], kv_len, cache.valid[:, :kv_len], None if mask is None else slots)
         return self.finish(x, h, self.attend(q, k, v, mask, mask is None, bias))
 
     def project(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
@@ -166,17 +169,34 @@ class SpliceBlock(nn.Module):
         q, k, v = qk[:, :, :n_q], qk[:, :, n_q:], qkv[:, :, n_q + n_kv:]
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), h
 
-    def alibi(self, q_len: int, kv_len: int, valid: torch.Tensor | None = None) -> torch.Tensor | None:
-        """ALiBi's bias ``[1 or batch, heads, q_len or 1, kv_len]`` for queries at the last ``q_len`` of ``kv_len``
-        slots (None without ALiBi): exact from slots (:func:`alibi_bias`), or rounded as Falcon's HF model rounds it
-        (``layout.alibi_bf16``: :func:`rounded_alibi_bias`) from the cache's real-token slots ``valid [batch,
-        kv_len]``, which native steps pass (the HF path of such a family gets the bias folded into its mask)."""
+    def alibi(self, q_len: int, kv_len: int, valid: torch.Tensor | None = None,
+              q_slots: torch.Tensor | None = None) -> torch.Tensor | None:
+        """ALiBi's bias ``[1 or batch, heads, q_len, kv_len]`` (None without ALiBi) over the first ``kv_len`` slots,
+        ``valid [batch, kv_len]`` telling the cache's real-token slots: rounded as Falcon's HF model rounds it
+        (``layout.alibi_bf16``: :func:`rounded_alibi_bias`, from ``valid``); else exact, from each key's position in
+        its row for queries at ``q_slots`` (``[seq]`` or ``[batch, seq]``: :func:`row_alibi_bias`), or from slots for
+        queries at the last ``q_len`` slots (``q_slots`` None: an unpadded prompt, :func:`alibi_bias`)."""
         if self.alibi_slopes is None:
             return None
         scale = self.scale if self.layout.alibi_scaled else 1.0
         if self.layout.alibi_bf16:
             return rounded_alibi_bias(self.alibi_slopes, valid, scale)
-        return alibi_bias(self.alibi_slopes, kv_len, q_len) * scale
+        if q_slots is None:
+            return alibi_bias(self.alibi_slopes, kv_len, q_len) * scale
+        return row_alibi_bias(self.alibi_slopes, valid, q_slots) * scale
+
+    def hf_alibi(self, mask: torch.Tensor | None, q_len: int, kv_len: int) -> torch.Tensor | None:
+        """ALiBi's bias for the HF path (:meth:`alibi`), each key's position in its row read from the HF model's
+        4-D ``mask`` (boolean, or float with masked entries at the dtype's minimum or -inf): its last query sees the
+        row's real keys. None: no padding (positions are slots)."""
+        if self.alibi_slopes is None or mask is None:
+            return self.alibi(q_len, kv_len)
+        visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+        visible = visible[:, 0, -q_len:, :kv_len]  # [batch, q_len, kv_len]
+        keys = visible[:, -1].long().cumsum(-1) - 1
+        queries = visible.sum(-1) - 1  # each query's own position: the real keys it sees, itself included
+        scale = self.scale if self.layout.alibi_scaled else 1.0
+        return positions_alibi_bias(self.alibi_slopes, keys, queries) * scale
 
     def attend(self, q, k, v, mask, causal: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``q`` over ``k, v`` under ``mask`` (None: causal where ``causal``, else none), ``bias``
@@ -273,6 +293,25 @@ def alibi_bias(slopes: torch.Tensor, kv_len: int, q_len: int = 1) -> torch.Tenso
     keys = torch.arange(kv_len, device=slopes.device, dtype=torch.float32)
     queries = torch.arange(kv_len - q_len, kv_len, device=slopes.device, dtype=torch.float32)
     return (slopes[:, None, None] * (keys[None, :] - queries[:, None]))[None]
+
+
+def row_alibi_bias(slopes: torch.Tensor, valid: torch.Tensor, q_slots: torch.Tensor) -> torch.Tensor:
+    """ALiBi's bias ``[batch, heads, seq, kv_len]`` as BLOOM's HF model computes it (in fp32) over a cache's real-token
+    slots ``valid [batch, kv_len]``, for queries at ``q_slots`` (``[seq]``, or ``[batch, seq]`` per row): each key's
+    position is its count of real tokens before it in its row, so a right-padded row's new tokens, which follow its
+    pad slots, sit right after its last real token (:func:`positions_alibi_bias`)."""
+    keys = valid.long().cumsum(-1) - 1
+    queries = keys[:, q_slots] if q_slots.dim() == 1 else keys.gather(1, q_slots)
+    return positions_alibi_bias(slopes, keys, queries)
+
+
+def positions_alibi_bias(slopes: torch.Tensor, keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """``slopes [heads]`` times each key's position ``keys [batch, kv_len]`` less the query's ``queries [batch, seq]``:
+    ``[batch, heads, seq, kv_len]`` in fp32. A constant shift per query leaves the softmax as BLOOM's (slope times the
+    key's position), and measured from the query's own position the bias keeps its precision where attention is
+    sharpest once rounded to a 16-bit mask (see :func:`alibi_bias`)."""
+    offsets = (keys[:, None, :] - queries[:, :, None]).float()
+    return slopes.float()[None, :, None, None] * offsets[:, None]
 
 
 def rounded_alibi_bias(slopes: torch.Tensor, valid: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

@@ -26,13 +26,13 @@ from torch import nn
 from .. import native
 from ..arch import ArchRecord, ModelDims, model_dims, record_for
 from ..arch.paths import get_path, optional_path, set_path
-from ..arch.record import text_config
+from ..arch.record import RopeSpec, text_config
 from ..distributed import SINGLE_PROCESS, ParallelContext
 from ..layers.block import BlockLayout, BlockShape, SpliceBlock, alibi_slopes
 from ..layers.causal_lm import Ends, SpliceCausalLM
 from ..layers.conv1d import in_out_features, is_conv1d, linear_weight
 from ..layers.norm import HeadRMSNorm, RMSNorm
-from ..layers.rotary import interleaved_to_halves
+from ..layers.rotary import RopeTable, build_table, interleaved_to_halves
 from ..plan import Plan
 from ..tp.split import Heads, head_share
 from . import Stage, StepReport
@@ -166,8 +166,33 @@ def decode_runtime(model: nn.Module, layers: nn.ModuleList, max_out_tokens: int)
     runtime = SpliceCausalLM(text_config(model.config), dims, ends, layers, record.embed_scale, max_out_tokens)
     if record.rotary_interleaved and dims.positions == "rotary":  # HF passes cos/sin in its own layout: use splice's
         for block in layers:
-            block.rotary_table = partial(runtime.rotary, block.layout.rope_index)
+            block.rotary_table = RotaryLookup(runtime.ropes[block.layout.rope_index], runtime.config, dims.head_dim,
+                                              max_out_tokens)
     return runtime
+
+
+class RotaryLookup:
+    """positions -> splice's cos and signed sin (``[batch, seq, 1, rotary_dim]``, in ``dtype``), the values of the
+    decode runtime's table (:func:`~splice.layers.rotary.build_table` of the same rope), for a fused block's HF path.
+
+    The block lives in the user's model, so this holds what builds the table and never the runtime: the runtime, its
+    KV cache and its CUDA graphs go with the engine. The table is built on first use, at least ``length`` positions
+    long (longer when asked for a position past it), and left out of a pickled model."""
+
+    def __init__(self, rope: RopeSpec, config, head_dim: int, length: int):
+        self.rope, self.config, self.head_dim, self.length = rope, config, head_dim, length
+        self._table: RopeTable | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_table": None}
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._table
+        needed = int(positions.max()) + 1
+        if table is None or table.length < needed or table.cos.dtype != dtype or table.cos.device != positions.device:
+            table = self._table = build_table(self.rope, self.config, self.head_dim, max(self.length, needed), dtype,
+                                              positions.device)
+        return table.lookup(positions)
 
 
 def fused_block(record: ArchRecord, dims: ModelDims, index: int, layer: nn.Module, first_head: int = 0) -> SpliceBlock:
