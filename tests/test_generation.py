@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 from contextlib import contextmanager
 
 import pytest
 import torch
-from transformers import GenerationConfig
+from transformers import (GenerationConfig, LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList,
+                          TopKLogitsWarper)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import splice
@@ -18,6 +20,7 @@ from splice.layers.widened_linear import prompts_in_float32
 from splice.steps.fuse import inject
 
 from .arch.tiny_models import FAMILIES, build_family, padded_batch
+from .snippet_models import byte_tokenizer, snippet_llama
 
 
 def pair(model_type: str, max_out_tokens: int = 128):
@@ -424,3 +427,74 @@ def test_eos_ban_gives_hugging_faces_minimum_length_scores(eos_ids):
             assert torch.equal(got, expected)
             banned += bool(torch.isinf(got[:, eos_ids]).all())
     assert banned == 2 * minimum  # every length below the minimum, for both
+
+
+def test_eos_ids_as_a_tensor_stop_as_hf_s_without_a_copy_warning():
+    reference, model = pair("llama")
+    ids, mask = padded_batch()
+    free = generate(*model, ids, attention_mask=mask, max_new_tokens=12, eos_token_id=None)
+    options = dict(max_new_tokens=12, eos_token_id=torch.tensor([int(free[0, 12]), int(free[1, 14]), int(free[2, 15])]))
+    expected = reference.generate(ids, attention_mask=mask, **options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # Hugging Face's generate warns nothing for a tensor of eos ids
+        got = generate(*model, ids, attention_mask=mask, **options)
+    assert torch.equal(got, expected) and got.shape[1] <= 16
+
+
+def _stop_string_case(reference):
+    """The byte tokenizer and a stop string from the middle of the reference's greedy continuation."""
+    tokenizer = byte_tokenizer()
+    prompt = tokenizer(["The capital of France is"], return_tensors="pt")
+    free = reference.generate(**prompt, max_new_tokens=20, do_sample=False)
+    text = tokenizer.decode(free[0, prompt.input_ids.shape[1]:])
+    return prompt, dict(stop_strings=[text[len(text) // 2:len(text) // 2 + 3]], tokenizer=tokenizer)
+
+
+#: Hugging Face generate options outside the native loop: (name, options, seed for sampling or None); each runs
+#: transformers' generate on the fused model, which must give the reference's tokens (the same seed, the same samples)
+FALLBACK_CASES = [
+    ("num_return_sequences", dict(do_sample=True, num_return_sequences=2), 5),
+    ("no_repeat_ngram_size", dict(no_repeat_ngram_size=2), None),
+    ("bad_words_ids", dict(bad_words_ids=[[5], [9, 10]]), None),
+    ("min_p", dict(do_sample=True, min_p=0.1), 3),
+    ("typical_p", dict(do_sample=True, typical_p=0.8), 3),
+    ("sequence_bias", dict(sequence_bias={(5,): 10.0, (9, 10): -5.0}), None),
+    ("suppress_tokens", dict(suppress_tokens=[5, 6, 7]), None),
+    ("begin_suppress_tokens", dict(begin_suppress_tokens=[5, 6]), None),
+    ("forced_eos_token_id", dict(forced_eos_token_id=2, eos_token_id=2), None),
+    ("renormalize_logits", dict(do_sample=True, top_k=10, renormalize_logits=True), 4),
+    ("logits_processor", dict(do_sample=True, logits_processor=LogitsProcessorList([TopKLogitsWarper(5)])), 2),
+    ("stopping_criteria", dict(stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(14)])), None),
+    ("prompt_lookup_num_tokens", dict(prompt_lookup_num_tokens=3), None),
+]
+
+
+@pytest.mark.parametrize("options, seed", [case[1:] for case in FALLBACK_CASES], ids=[c[0] for c in FALLBACK_CASES])
+def test_options_outside_the_native_loop_give_hf_s_tokens_through_the_engine(options, seed):
+    reference = build_family("llama")
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
+    ids, mask = padded_batch()
+    if "prompt_lookup_num_tokens" in options:  # one row (HF's candidate generator's limit), a repeated prompt
+        ids, mask = ids[:1].repeat(1, 2), mask[:1].repeat(1, 2)
+    options = dict(max_new_tokens=10, eos_token_id=None) | options
+    outputs = []
+    for model in (reference, engine):
+        if seed is not None:
+            torch.manual_seed(seed)
+        outputs.append(model.generate(ids, attention_mask=mask, **options))
+    assert isinstance(plan_request(engine.module, ids, None, {"attention_mask": mask, **options}), str)
+    assert torch.equal(outputs[1], outputs[0])
+
+
+def test_stop_strings_and_speculative_decoding_give_hf_s_tokens_through_the_engine():
+    reference = snippet_llama()
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
+    prompt, stop = _stop_string_case(reference)
+    expected = reference.generate(**prompt, max_new_tokens=20, do_sample=False, **stop)
+    got = engine.generate(**prompt, max_new_tokens=20, do_sample=False, **stop)
+    assert torch.equal(got, expected) and got.shape[1] < prompt.input_ids.shape[1] + 20
+    assistant = snippet_llama(seed=1)
+    options = dict(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    expected = reference.generate(**prompt, **options)
+    assert torch.equal(engine.generate(**prompt, assistant_model=assistant, **options), expected)
+    assert torch.equal(reference.generate(**prompt, assistant_model=engine.module, **options), expected)

@@ -260,9 +260,10 @@ def non_native_options(config: GenerationConfig) -> list[str]:
 
 
 def special_tokens(config: GenerationConfig, device) -> tuple[torch.Tensor | None, int | None]:
-    """eos ids as a tensor and the pad id, defaulting pad to the first eos as Hugging Face does."""
+    """eos ids as a tensor and the pad id, defaulting pad to the first eos as Hugging Face does. eos ids given as a
+    tensor are taken as they are (Hugging Face's generate moves them, without copy-constructing and its warning)."""
     eos_ids = config.eos_token_id
-    eos = None if eos_ids is None else torch.tensor(eos_ids, device=device).view(-1)
+    eos = None if eos_ids is None else torch.as_tensor(eos_ids, dtype=torch.long, device=device).view(-1)
     pad = config.pad_token_id
     if pad is None and eos is not None:
         pad = int(eos[0])
