@@ -221,3 +221,32 @@ def test_a_skeleton_that_does_not_fit_is_refused_before_any_change(tmp_path, ove
     assert not any(isinstance(m, QuantizedLinear) for m in skeleton.modules())
     after = skeleton.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_an_already_quantized_skeleton_is_refused_before_any_change(tmp_path):
+    """Loading an int4 folder into an int8-quantized model would swap its layers under another scheme."""
+    model_config = tiny_llama_config()
+    model = build_tiny(model_config)
+    quantize(model, QuantConfig(bits=4, group_size=32))
+    save_quantized(model, tmp_path, QuantConfig(bits=4, group_size=32))
+    skeleton = build_tiny(model_config, seed=1)
+    quantize(skeleton, QuantConfig(bits=8))
+    kinds = [type(module) for module in skeleton.modules()]
+    with pytest.raises(ValueError, match="needs a float skeleton.*int8_weight_only"):
+        load_quantized(skeleton, tmp_path)
+    assert [type(module) for module in skeleton.modules()] == kinds
+
+
+def test_a_skeleton_in_another_float_dtype_is_refused_before_any_change(tmp_path):
+    """An fp32 folder loaded into a bf16 skeleton would round its norms and embeddings silently."""
+    model_config = tiny_llama_config()
+    model = build_tiny(model_config)
+    quantize(model, QuantConfig(bits=4, group_size=32))
+    save_quantized(model, tmp_path, QuantConfig(bits=4, group_size=32))
+    skeleton = build_tiny(model_config, seed=1).to(torch.bfloat16)
+    norm = skeleton.model.norm.weight.clone()
+    with pytest.raises(ValueError, match="model.embed_tokens.weight: saved torch.float32, the model holds "
+                                         "torch.bfloat16"):
+        load_quantized(skeleton, tmp_path)
+    assert not any(isinstance(module, QuantizedLinear) for module in skeleton.modules())
+    assert torch.equal(skeleton.model.norm.weight, norm)

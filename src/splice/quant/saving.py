@@ -71,6 +71,7 @@ def load_quantized(model: nn.Module, directory: str | os.PathLike, config: Quant
     if config is not None and config != saved:
         raise ValueError(f"{folder} holds weights quantized as {saved}, but {config} was asked for; re-quantize "
                          "from the float model, or load with the saved scheme (splice.quant.read_scheme)")
+    _check_skeleton_is_float(model, folder)
     _check_layers_exist(model, folder, record["layers"])
     layers = {name: _empty_layer(model, name, layer, saved, torch.device(device))
               for name, layer in record["layers"].items()}
@@ -78,6 +79,8 @@ def load_quantized(model: nn.Module, directory: str | os.PathLike, config: Quant
     for alias, kept in record["tied"].items():
         state[alias] = state[kept]
     _check_state_fits(model, layers, state, folder)
+    if not has_meta_tensors(model):  # a meta skeleton takes the saved tensors as they are (assign=True)
+        _check_float_dtypes(model, layers, state, folder)
     for name, layer in layers.items():
         model.set_submodule(name, layer)
     model.load_state_dict(state, strict=True, assign=has_meta_tensors(model))
@@ -109,6 +112,32 @@ def _module_and_scheme(model: nn.Module, config: QuantConfig | None) -> tuple[nn
         raise ValueError("save_quantized was given an engine that was not quantized; allowed: an engine made with "
                          "dtype=torch.int8 or quant={...}")
     return model.module, config
+
+
+def _check_skeleton_is_float(model: nn.Module, folder: Path) -> None:
+    """A ``ValueError`` where ``model`` already holds quantized layers: loading would swap them for the folder's
+    (another scheme, say) while an engine kept describing its own scheme."""
+    quantized = [name for name, module in model.named_modules() if isinstance(module, QuantizedLinear)]
+    if quantized:
+        raise ValueError(f"load_quantized needs a float skeleton, but layer {quantized[0]} (and "
+                         f"{len(quantized) - 1} more) is already {model.get_submodule(quantized[0]).kind}; allowed: "
+                         f"a model or engine built without quantization (no dtype=torch.int8 or quant={{...}}); "
+                         f"{folder} brings its own scheme")
+
+
+def _check_float_dtypes(model: nn.Module, layers: dict[str, QuantizedLinear], state: dict[str, torch.Tensor],
+                        folder: Path) -> None:
+    """A ``ValueError`` where a float tensor outside the quantized layers (embeddings, norms) was saved in another
+    float dtype than the skeleton holds: ``load_state_dict`` would round it silently, and the reloaded model would
+    no longer compute what the saved one did."""
+    current = {key: t.dtype for key, t in model.state_dict(keep_vars=True).items()
+               if key.rpartition(".")[0] not in layers and t.is_floating_point()}
+    wrong = [f"{key}: saved {state[key].dtype}, the model holds {dtype}" for key, dtype in current.items()
+             if key in state and state[key].dtype != dtype]
+    if wrong:
+        raise ValueError(f"{folder} does not fit this model's dtype ({wrong[0]}, {len(wrong)} tensors in all); "
+                         "allowed: a skeleton in the saved model's float dtype (for dtype=torch.int8: "
+                         "dtype=torch.bfloat16)")
 
 
 def _check_layers_exist(model: nn.Module, folder: Path, layers: dict) -> None:
