@@ -529,3 +529,55 @@ def test_info_tp_refuses_options_a_plan_does_not_use(tiny_cli, capsys, outside_t
     code, out, err = run_cli(["info", "--tp", "2", *option], capsys)
     assert code == 2 and out == "" and tiny_cli == []  # refused before any model loads
     assert f"which {option[0]} does not change; allowed with it: --model, --config, --kernel-inject, --json" in err
+
+
+# ---- --tp N: launch errors before the model loads, one message per torchrun job ------------------------------------
+@pytest.fixture
+def loading_fails(monkeypatch):
+    """``splice.load`` failing loudly: a command that reaches it did not refuse its launch first."""
+    import splice
+
+    def load(name, *args, **kwargs):
+        raise AssertionError(f"the model {name} was loaded before the launch was checked")
+
+    monkeypatch.setattr(splice, "load", load)
+
+
+def as_torchrun_rank(monkeypatch, rank: int, world: int) -> None:
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+
+
+def test_tp_outside_torchrun_is_refused_before_the_model_loads(loading_fails, capsys, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    code, _, err = run_cli(["generate", "--tp", "2", "Hi"], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "not started by torchrun" in err and "torchrun --nproc-per-node 2 -m splice.cli generate" in err
+    assert "tp_group" not in err  # a command line cannot pass one
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_launch_error_under_torchrun_is_said_by_rank_zero_alone(loading_fails, capsys, monkeypatch, rank):
+    as_torchrun_rank(monkeypatch, rank, world=2)
+    code, _, err = run_cli(["generate", "--tp", "4", "Hi"], capsys)
+    said = "splice: error: tensor_parallel.tp_size=4 is larger than the world size 2"
+    assert code == 2 and (err == "" if rank else err.startswith(said) and err.count("\n") == 1), err
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_under_torchrun_an_error_names_its_rank_and_ctrl_c_is_said_once(tiny_cli, capsys, monkeypatch, rank):
+    from splice.engine import InferenceEngine
+
+    as_torchrun_rank(monkeypatch, rank, world=2)
+    code, _, err = run_cli(["generate", "--temperature", "0", "--top-k", "3", "Hi"], capsys)
+    assert code == 2 and err.startswith(f"splice: error: {'rank 1: ' if rank else ''}--temperature 0"), err
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(InferenceEngine, "generate", interrupted)
+    code, _, err = run_cli(["generate", "Hi", "--max-new-tokens", "2"], capsys)
+    assert code == 130 and err == ("" if rank else "splice: interrupted\n"), err

@@ -35,19 +35,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         with one_line_warnings():
             return args.run(args) or 0
     except KeyboardInterrupt:  # Ctrl-C: the user stopped it, no traceback (serve handles its own signals)
-        print("splice: interrupted", file=sys.stderr, flush=True)
+        if launched_rank() == 0:  # torchrun passes Ctrl-C to every rank: the job says it once
+            print("splice: interrupted", file=sys.stderr, flush=True)
         return 130  # as a shell reports a process ended by SIGINT
     except (ValueError, TypeError, NotImplementedError) as error:  # bad input, named by the check that refused it
         if debugging():
             raise
-        print(f"splice: error: {error_message(str(error), args)}", file=sys.stderr, flush=True)
+        if not said_by_rank_zero(error):
+            print(f"splice: error: {rank_prefix()}{error_message(str(error), args)}", file=sys.stderr, flush=True)
         return 2
     except Exception as error:  # anything else (the environment, a bug): one line; SPLICE_DEBUG=1 shows the traceback
         if debugging():
             raise
         message = error_message(" ".join(f"{type(error).__name__}: {error}".split()), args)  # on one line
-        print(f"splice: error: {message} (SPLICE_DEBUG=1 shows where)", file=sys.stderr, flush=True)
+        print(f"splice: error: {rank_prefix()}{message} (SPLICE_DEBUG=1 shows where)", file=sys.stderr, flush=True)
         return 1
+
+
+def launched_rank() -> int:
+    """This process's global rank under torchrun (from its environment, so known before any group exists), else 0."""
+    return int(os.environ.get("RANK", 0)) if "WORLD_SIZE" in os.environ else 0
+
+
+def rank_prefix() -> str:
+    """``rank N: `` on the ranks other than 0 under torchrun, whose errors interleave with rank 0's."""
+    rank = launched_rank()
+    return f"rank {rank}: " if rank else ""
+
+
+def said_by_rank_zero(error: BaseException) -> bool:
+    """A launch error (too few processes, a world tp_size does not divide) is the same on every rank: rank 0 prints
+    it for the job, the others only exit non-zero."""
+    from .distributed import LaunchError
+
+    return isinstance(error, LaunchError) and launched_rank() != 0
 
 
 @contextlib.contextmanager
@@ -173,11 +194,14 @@ def build_engine(args: argparse.Namespace):
 
     from . import native
     from .config import resolve_config
+    from .distributed import check_launch, user_group
     from .plan import check_graphs, resolve_device
 
     config = resolve_config(args.config_file, **config_from_args(args))  # checked before the model loads
     device = resolve_device(config)
     check_graphs(config, device, config.tensor_parallel.tp_size)  # the checks that need no model
+    if user_group(config.tensor_parallel) is None:
+        check_launch(config.tensor_parallel.tp_size, f"-m splice.cli {args.run.__name__.removeprefix('run_')} ...")
     if runs_native_kernels(config, device):
         native.available()  # build (once per machine) and load the native kernels before anything is timed
     model, tokenizer = splice.load(args.model or DEFAULT_MODEL)

@@ -32,6 +32,11 @@ DEFAULT_TIMEOUT_S = 30.0
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
+class LaunchError(ValueError):
+    """The processes torchrun started cannot run ``tp_size`` (not started by torchrun, too few, a world it does not
+    divide): decided from the environment alone, so every rank raises the same error."""
+
+
 @dataclass(frozen=True)
 class ParallelContext:
     """Who this process is within its tensor-parallel group.
@@ -147,11 +152,7 @@ def init_default_group(device: torch.device, tp: int) -> None:
     """Initialise the default process group from torchrun's environment, unless it already is."""
     if dist.is_initialized():
         return
-    missing = [key for key in _TORCHRUN_ENV if key not in os.environ]
-    if missing:
-        raise ValueError(f"tensor_parallel.tp_size={tp} needs torch.distributed, but this process was not started "
-                         f"by torchrun (environment lacks {', '.join(missing)}); launch it with "
-                         f"`torchrun --nproc-per-node {tp} your_script.py`, or pass tp_group")
+    check_launch(tp)
     if device.type == "cuda":  # one GPU per process: LOCAL_RANK's (resolve_device afterwards picks it up)
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -160,6 +161,21 @@ def init_default_group(device: torch.device, tp: int) -> None:
     # with it open can abort in its communication threads' destructors ("terminate called without an active
     # exception") after its work is done.
     atexit.register(_destroy_default_group)
+
+
+def check_launch(tp: int, command: str | None = None) -> None:
+    """Raise :class:`LaunchError` unless torchrun's environment can run ``tp`` ranks: callers check it before loading
+    a model, which a refused launch would load for nothing. ``command``: what the advice runs under torchrun (the
+    command line's own), else a user script, which may pass its own tp_group instead."""
+    if tp == 1 or dist.is_initialized():
+        return
+    missing = [key for key in _TORCHRUN_ENV if key not in os.environ]
+    if missing:
+        how = f"`torchrun --nproc-per-node {tp} {command}`" if command else \
+            f"`torchrun --nproc-per-node {tp} your_script.py`, or pass tp_group"
+        raise LaunchError(f"tensor_parallel.tp_size={tp} needs torch.distributed, but this process was not started "
+                          f"by torchrun (environment lacks {', '.join(missing)}); launch it with {how}")
+    tp_groups(int(os.environ["WORLD_SIZE"]), tp)
 
 
 def _destroy_default_group() -> None:
@@ -178,17 +194,17 @@ def local_device(device: torch.device | str) -> torch.device:
 def tp_groups(world: int, tp: int) -> list[list[int]]:
     """Consecutive groups of ``tp`` ranks: world 4, tp 2 -> [[0, 1], [2, 3]]."""
     if tp > world:
-        raise ValueError(f"tensor_parallel.tp_size={tp} is larger than the world size {world} (processes started); "
-                         f"allowed: 1..{world}, or start {tp} processes (torchrun --nproc-per-node {tp})")
+        raise LaunchError(f"tensor_parallel.tp_size={tp} is larger than the world size {world} (processes started); "
+                          f"allowed: 1..{world}, or start {tp} processes (torchrun --nproc-per-node {tp})")
     groups = [list(range(start, start + tp)) for start in range(0, world - world % tp, tp)]
     if world % tp:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
         left = list(range(world - world % tp, world))
         fits = [world - world % tp, world - world % tp + tp] if world >= tp else [tp]
-        raise ValueError(f"tensor_parallel.tp_size={tp} does not divide the world size {world}: the consecutive "
-                         f"tensor-parallel groups {groups} would leave rank(s) {left} with no group; allowed "
-                         f"tp_size values for {world} processes: {divisors}, or start a multiple of {tp} processes "
-                         f"({' or '.join(map(str, fits))})")
+        raise LaunchError(f"tensor_parallel.tp_size={tp} does not divide the world size {world}: the consecutive "
+                          f"tensor-parallel groups {groups} would leave rank(s) {left} with no group; allowed "
+                          f"tp_size values for {world} processes: {divisors}, or start a multiple of {tp} processes "
+                          f"({' or '.join(map(str, fits))})")
     return groups
 
 

@@ -52,3 +52,12 @@ def test_torchrun_parity_then_a_failing_rank_ends_the_group():
     assert "PARITY ok rank 0" in done.stdout and "PARITY ok rank 1" in done.stdout, done.stderr[-3000:]
     assert done.returncode != 0 and time.monotonic() - start < 60
     assert "rank 1 fails on purpose" in done.stderr
+
+
+def test_torchrun_cli_with_more_tp_than_processes_says_so_once():
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                           str(free_port()), "-m", "splice.cli", "generate", "--tp", "4", "--model", "no-such-model",
+                           "Hi"], capture_output=True, text=True, timeout=120)
+    said = [line for line in done.stderr.splitlines() if line.startswith("splice: error:")]
+    assert done.returncode != 0 and len(said) == 1, done.stderr[-3000:]
+    assert "tp_size=4 is larger than the world size 2" in said[0]  # before the (unknown) model is looked up
