@@ -178,12 +178,16 @@ class SpliceBlock(nn.Module):
         queries at the last ``q_len`` slots (``q_slots`` None: an unpadded prompt, :func:`alibi_bias`)."""
         if self.alibi_slopes is None:
             return None
-        scale = self.scale if self.layout.alibi_scaled else 1.0
         if self.layout.alibi_bf16:
-            return rounded_alibi_bias(self.alibi_slopes, valid, scale)
+            return rounded_alibi_bias(self.alibi_slopes, valid, self.alibi_scale)
         if q_slots is None:
-            return alibi_bias(self.alibi_slopes, kv_len, q_len) * scale
-        return row_alibi_bias(self.alibi_slopes, valid, q_slots) * scale
+            return alibi_bias(self.alibi_slopes, kv_len, q_len) * self.alibi_scale
+        return row_alibi_bias(self.alibi_slopes, valid, q_slots) * self.alibi_scale
+
+    @property
+    def alibi_scale(self) -> float:
+        """What ALiBi's bias is multiplied by: the score scale where the family scales it with the scores (Falcon)."""
+        return self.scale if self.layout.alibi_scaled else 1.0
 
     def hf_alibi(self, mask: torch.Tensor | None, q_len: int, kv_len: int) -> torch.Tensor | None:
         """ALiBi's bias for the HF path (:meth:`alibi`), each key's position in its row read from the HF model's
@@ -195,8 +199,7 @@ class SpliceBlock(nn.Module):
         visible = visible[:, 0, -q_len:, :kv_len]  # [batch, q_len, kv_len]
         keys = visible[:, -1].long().cumsum(-1) - 1
         queries = visible.sum(-1) - 1  # each query's own position: the real keys it sees, itself included
-        scale = self.scale if self.layout.alibi_scaled else 1.0
-        return positions_alibi_bias(self.alibi_slopes, keys, queries) * scale
+        return positions_alibi_bias(self.alibi_slopes, keys, queries) * self.alibi_scale
 
     def attend(self, q, k, v, mask, causal: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``q`` over ``k, v`` under ``mask`` (None: causal where ``causal``, else none), ``bias``

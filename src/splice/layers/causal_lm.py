@@ -104,14 +104,6 @@ class SpliceCausalLM:
             self._rope[index] = table
         return table
 
-    def rotary(self, index: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin of table ``index`` at ``positions [batch, seq]`` (grown when longer than the table)."""
-        table = self.rope(index)
-        if int(positions.max()) >= table.length:
-            table = build_table(self.ropes[index], self.config, self.dims.head_dim, int(positions.max()) + 1,
-                                self.dtype, self.device)
-        return table.lookup(positions)
-
     def new_cache(self, batch: int) -> StaticKVCache:
         block = self.blocks[0].shape
         return StaticKVCache(len(self.blocks), batch, block.n_kv_heads, self.max_len, block.head_dim, self.dtype,
@@ -122,10 +114,7 @@ class SpliceCausalLM:
         graph); its stale contents are never attended to, as ``start`` marks every slot empty."""
         cache = self._cache
         if cache is None or cache.batch != batch or cache.keys.device != self.device or cache.keys.dtype != self.dtype:
-            self._cache = None  # release the old buffers before allocating the new ones
-            if self.graphs is not None:  # and the graphs that write into them
-                self.graphs.clear()
-            self._direct_steps.clear()  # keyed by the cache's id, which a new cache may reuse
+            self.release()  # the old buffers, and the graphs that write into them, before allocating the new ones
             cache = self._cache = self.new_cache(batch)
         return cache
 
@@ -253,7 +242,7 @@ class SpliceCausalLM:
         self._cache = None
         if self.graphs is not None:
             self.graphs.clear()
-        self._direct_steps.clear()
+        self._direct_steps.clear()  # keyed by the cache's id, which a new cache may reuse
 
     def compile_decode(self, cpp_wrapper: bool = True, **options) -> None:
         """Compile the decode step with ``torch.compile`` (opt-in: compiling takes tens of seconds on a small CPU).
