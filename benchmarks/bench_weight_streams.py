@@ -1,11 +1,14 @@
 """Decode GEMVs with one of their read settings on and off: one, two and four weight streams per thread (``--compare
 streams``, the default; ``native.use_weight_streams``), or static shares against threads taking each other's last
-pieces (``--compare stealing``; ``native.use_work_stealing``). First the kernels alone at one and two threads and one
-and two rows (GB/s of weights read), then one engine per format (``--model``, llama-1b by default), its decode step
+pieces (``--compare stealing``; ``native.use_work_stealing``), or a software prefetch in every GEMV against none
+(``--compare prefetch``; ``native.use_software_prefetch``). First the kernels alone at one and two threads and one
+and two rows (GB/s of weights read; the weights on 2 MiB pages, as a kernel-injected model's), then one engine per
+format (``--model``, llama-1b by default), its decode step
 compiled; the two settings take turns within each round; decode tok/s per round.
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_weight_streams.py --quant int4-sym,int4,int8
     PYTHONPATH=src .venv/bin/python benchmarks/bench_weight_streams.py --compare stealing --model smollm2-135m-instruct
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_weight_streams.py --compare prefetch --quant bf16,int8,int4-sym
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch
 import splice
 from splice import native
 from splice.bench import QUANT_SCHEMES, load_model
+from splice.native.memory import gather_on_huge_pages
 
 from bench_decode_attention import engine_options, time_contexts  # the same engines and turn-taking timing
 
@@ -29,6 +33,7 @@ LAYER_SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
 SETTINGS = {
     "streams": (native.use_weight_streams, {"1 stream": 1, "2 streams": 2, "4 streams": 4}),
     "stealing": (native.use_work_stealing, {"static shares": False, "stealing": True}),
+    "prefetch": (native.use_software_prefetch, {"prefetch": True, "no prefetch": False}),
 }
 
 
@@ -79,10 +84,12 @@ def int8_layers(layers: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
 
 
 def kernel_rounds(rows: int, rounds: int = 6, compare: str = "streams") -> None:
-    """int4 (symmetric g32), int8 and bf16 decode GEMVs over 11, 6 and 3 layers' worth of llama-1b weights."""
+    """int4 (symmetric g32), int8 and bf16 decode GEMVs over 11, 6 and 3 layers' worth of llama-1b weights, on 2 MiB
+    pages where Linux grants them."""
     torch.manual_seed(0)
     int4, int8 = int4_layers(11), int8_layers(6)
     bf16 = [(k, torch.randn(n, k).bfloat16()) for n, k in LAYER_SHAPES * 3]
+    gather_on_huge_pages([t for _, *tensors in int4 + int8 + bf16 for t in tensors])
     x = {k: torch.randn(rows, k).bfloat16() for k in (2048, 5632)}
     kernels = {
         "int4_dot_gemv": (lambda: [torch.ops.splice_kernels.int4_dot_gemv(x[k], w, s, 32) for k, w, s in int4],

@@ -80,6 +80,21 @@ def test_native_section_follows_the_native_module():
         with native.use_weight_streams(1):
             assert machine.describe_machine()["native"]["weight_streams_chosen_by"] == \
                 "set in this process (splice.native.use_weight_streams)"
+        assert info["software_prefetch"] == list(native.software_prefetch())
+        with native.use_software_prefetch(False):
+            assert machine.describe_machine()["native"]["software_prefetch"] == []
+
+
+def test_software_prefetch_names_what_chose_it(monkeypatch):
+    if not native.available():
+        pytest.skip(f"splice's native kernels are not available here: {NATIVE_MISSING}")
+    monkeypatch.delenv("SPLICE_SOFTWARE_PREFETCH", raising=False)
+    with native.use_software_prefetch(native.default_software_prefetch()):
+        assert machine.software_prefetch_chosen_by() == f"the default for {native._cpu_vendor() or 'this CPU'}"
+        monkeypatch.setenv("SPLICE_SOFTWARE_PREFETCH", "none")
+        assert machine.software_prefetch_chosen_by() == "set in this process (splice.native.use_software_prefetch)"
+    with native.use_software_prefetch(False):
+        assert machine.software_prefetch_chosen_by() == "SPLICE_SOFTWARE_PREFETCH=none"
 
 
 def test_weight_streams_name_what_chose_them(monkeypatch):

@@ -21,7 +21,8 @@ from .quant import kernels, qmath
 #: The CPU flags (``/proc/cpuinfo`` names) splice's kernels or torch's use, reported present or absent.
 ISA_FEATURES = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16",
                 "avx512_vnni", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
-NATIVE_ENV = ("SPLICE_NATIVE_KERNELS", "SPLICE_NATIVE_ISA", "SPLICE_NATIVE_AMX")
+NATIVE_ENV = ("SPLICE_NATIVE_KERNELS", "SPLICE_NATIVE_ISA", "SPLICE_NATIVE_AMX", "SPLICE_WEIGHT_STREAMS",
+              "SPLICE_SOFTWARE_PREFETCH")
 THP_MODE_FILE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 PREFILL_WHY = "prefill: the weight de-quantised to bf16 into a kept buffer, then one GEMM"
 WIDENED_WHY = ("no bf16 arithmetic in oneDNN on this CPU: float32 GEMMs, each on a slab of the weight widened into a "
@@ -117,6 +118,8 @@ def describe_native() -> dict[str, Any]:
         "max_rows": dict(native.MAX_ROWS) if available else None,
         "weight_streams": native.weight_streams() if available else None,
         "weight_streams_chosen_by": weight_streams_chosen_by() if available else None,
+        "software_prefetch": list(native.software_prefetch()) if available else None,
+        "software_prefetch_chosen_by": software_prefetch_chosen_by() if available else None,
     }
 
 
@@ -126,6 +129,15 @@ def weight_streams_chosen_by() -> str:
         return "set in this process (splice.native.use_weight_streams)"
     value = os.environ.get("SPLICE_WEIGHT_STREAMS", "").strip()
     return f"SPLICE_WEIGHT_STREAMS={value}" if value else f"the default for {native._cpu_vendor() or 'this CPU'}"
+
+
+def software_prefetch_chosen_by() -> str:
+    """What set the kinds of weight prefetched in software: the CPU's vendor, SPLICE_SOFTWARE_PREFETCH, or this
+    process."""
+    if native.software_prefetch() != native.initial_software_prefetch():
+        return "set in this process (splice.native.use_software_prefetch)"
+    value = os.environ.get("SPLICE_SOFTWARE_PREFETCH", "").strip()
+    return f"SPLICE_SOFTWARE_PREFETCH={value}" if value else f"the default for {native._cpu_vendor() or 'this CPU'}"
 
 
 def native_unavailable_reason() -> str:
@@ -351,7 +363,10 @@ def native_lines(info: dict[str, Any]) -> list[tuple[str, str]]:
               for level in info["levels"] if not level["runs_here"]],
             ("max rows", f"{limits} (most rows each native GEMV serves)"),
             ("weight streams", f"{info['weight_streams']} a thread for 1-2 rows of x ({info['weight_streams_chosen_by']}; "
-                               "kernels whose registers hold fewer walk 2)")]
+                               "kernels whose registers hold fewer walk 2)"),
+            ("prefetch", f"in software in the {', '.join(info['software_prefetch']) or 'none of the'} GEMVs "
+                         f"({info['software_prefetch_chosen_by']}; the others leave their weight streams to the "
+                         "hardware prefetcher)")]
 
 
 def _gib(size: int | None) -> str:

@@ -252,6 +252,74 @@ def test_weight_streams_from_the_environment(monkeypatch):
 
 
 @needs_native
+@pytest.mark.parametrize("rows", (1, 2, 3, 8))
+@pytest.mark.parametrize("streams", (1, 2, 4))
+def test_software_prefetch_gives_the_same_output(isa, rows, streams):
+    """Prefetching a weight stream in software or not changes when its lines arrive, not what is computed: bit for
+    bit the same outputs from every GEMV (int4 on integer and float products, AMX tiles included where the level has
+    them; int8 on both; bf16) with every kind's prefetch on, off, and each alone."""
+    k, n = 256, 16 * 9 + 2
+    x, _, _, w4, sz = _int4_operands(rows, 16 * 9, k, 64, symmetric=False, seed=rows)
+    x8, w8, s8 = torch.randn(rows, k).bfloat16(), torch.randint(-127, 128, (n, k), dtype=torch.int8), \
+        torch.rand(n).bfloat16()
+    wb = torch.randn(n, k).bfloat16()
+    before = native.software_prefetch()
+    results = []
+    with _threads(2), native.use_weight_streams(streams):
+        for kinds in (True, False, ("bf16",), ("int8",), ("int4",)):
+            with native.use_software_prefetch(kinds):
+                assert native.software_prefetch() == (native.PREFETCH_KINDS if kinds is True else
+                                                      () if kinds is False else kinds)
+                results.append((torch.ops.splice_kernels.int4_dot_gemv(x, w4, sz, 64),
+                                torch.ops.splice_kernels.int4_gemv(x, w4, sz, 64),
+                                torch.ops.splice_kernels.int8_dot_gemv(x8, w8, s8),
+                                torch.ops.splice_kernels.int8_gemv(x8, w8, s8),
+                                torch.ops.splice_kernels.bf16_gemv(x8, wb)))
+    assert native.software_prefetch() == before
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+
+
+def test_software_prefetch_refuses_unknown_kinds():
+    if not native.available():
+        pytest.skip("splice's native kernels are not available here")
+    before = native.software_prefetch()
+    with pytest.raises(ValueError, match="'fp8' is not a kind of weight; allowed: bf16, int8, int4"):
+        with native.use_software_prefetch(["int4", "fp8"]):
+            pass
+    assert native.software_prefetch() == before
+    with pytest.raises(RuntimeError, match="is not a mask of PREFETCH_BF16"):
+        torch.ops.splice_kernels.set_software_prefetch(8)
+    assert native.software_prefetch() == before
+
+
+@pytest.mark.parametrize("vendor, kinds", (("GenuineIntel", ("bf16", "int8", "int4")), ("AuthenticAMD", ("int4",)),
+                                           (None, ("bf16", "int8", "int4"))))
+def test_default_software_prefetch_follows_the_cpu_vendor(monkeypatch, vendor, kinds):
+    """On AMD only int4 prefetches in software (bf16 and int8 read faster on the hardware prefetcher alone there);
+    every kind elsewhere and where /proc/cpuinfo names no vendor."""
+    monkeypatch.setattr(native, "_cpu_vendor", lambda: vendor)
+    monkeypatch.delenv("SPLICE_SOFTWARE_PREFETCH", raising=False)
+    assert native.default_software_prefetch() == native.initial_software_prefetch() == kinds
+
+
+def test_software_prefetch_from_the_environment(monkeypatch):
+    """SPLICE_SOFTWARE_PREFETCH overrides the CPU's default with all, none or kinds (any case and order, spaces
+    ignored) and refuses anything else, naming what it takes."""
+    for value, kinds in ((" ALL ", ("bf16", "int8", "int4")), ("none", ()), ("int4, bf16", ("bf16", "int4")),
+                         ("int8", ("int8",))):
+        monkeypatch.setenv("SPLICE_SOFTWARE_PREFETCH", value)
+        assert native.initial_software_prefetch() == kinds, value
+    monkeypatch.setenv("SPLICE_SOFTWARE_PREFETCH", "")
+    assert native.initial_software_prefetch() == native.default_software_prefetch()
+    for bad in ("yes", "int4,fp16", "0"):
+        monkeypatch.setenv("SPLICE_SOFTWARE_PREFETCH", bad)
+        with pytest.raises(ValueError, match=f"SPLICE_SOFTWARE_PREFETCH='{bad}'.* is not a kind of weight; allowed: "
+                                             "bf16, int8, int4 \\(or, in the variable, all or none\\)"):
+            native.initial_software_prefetch()
+
+
+@needs_native
 @pytest.mark.parametrize("rows", (1, 2, 4, 5))
 def test_avx2_dot_products_are_the_same_with_and_without_avx_vnni(rows):
     """At the avx2 level AVX-VNNI's vpdpbusd replaces vpmaddubsw + vpmaddwd: the same integer sums, bit for bit the
@@ -643,6 +711,13 @@ def test_the_kernels_start_with_the_weight_streams_the_environment_names():
     result = _run_with_env("from splice import native; assert native.available(); print(native.weight_streams())",
                            SPLICE_WEIGHT_STREAMS="1")
     assert result.returncode == 0 and result.stdout.strip() == "1", result.stderr[-2000:]
+
+
+@needs_native
+def test_the_kernels_start_with_the_software_prefetch_the_environment_names():
+    result = _run_with_env("from splice import native; assert native.available(); print(native.software_prefetch())",
+                           SPLICE_SOFTWARE_PREFETCH="bf16,int8")
+    assert result.returncode == 0 and result.stdout.strip() == "('bf16', 'int8')", result.stderr[-2000:]
 
 
 @needs_native

@@ -34,7 +34,7 @@ import tempfile
 import warnings
 from functools import cache
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -68,10 +68,16 @@ ROW_LIMITS = {
 MAX_ROWS = dict(ROW_LIMITS["avx512"])
 #: Weight streams per thread of the decode GEMVs (``weight_streams``) where four read faster than two, by
 #: ``/proc/cpuinfo`` vendor: measured on an Intel Xeon with AVX-512 (``docs/kernels.md``, "Weight streams per
-#: thread"). Elsewhere two: on an AMD Zen 3 four streams a power of two apart read at two thirds of one, and four
-#: streams in the GEMVs' own placement were not measured there.
+#: thread"). Elsewhere two: on an AMD Zen 3 four streams a power of two apart read at two thirds of one, and on an
+#: AMD Zen 4 the GEMVs read faster as two streams than as four.
 WEIGHT_STREAMS_BY_VENDOR = {"GenuineIntel": 4}
 WEIGHT_STREAM_COUNTS = ("1", "2", "4")  # what SPLICE_WEIGHT_STREAMS (and set_weight_streams) take
+#: The kinds of weight whose decode GEMVs can prefetch in software (``software_prefetch``), in gemv.cpp's bit order.
+PREFETCH_KINDS = ("bf16", "int8", "int4")
+#: The kinds prefetched in software where that is not all of them, by ``/proc/cpuinfo`` vendor: on an AMD Zen 4 the
+#: bf16 and int8 GEMVs read faster leaving their streams to the hardware prefetcher, while int4 (more arithmetic per
+#: byte) still gains from the software prefetch (``docs/kernels.md``, "Software prefetch").
+SOFTWARE_PREFETCH_BY_VENDOR = {"AuthenticAMD": ("int4",)}
 CFLAGS = ["-O3", "-fopenmp"]  # baseline x86-64: gemv.cpp enables each level's instructions in its own regions
 INT4_TILE = 16  # weight rows per int4 tile
 INT4_CHUNK = 8  # input columns per int32 word of a tile row
@@ -105,6 +111,7 @@ def available() -> bool:
     if reason is None:
         set_isa(_initial_isa(requested))
         torch.ops.splice_kernels.set_weight_streams(initial_weight_streams())
+        _set_software_prefetch(initial_software_prefetch())
         if switched_off("SPLICE_NATIVE_AVX_VNNI"):
             torch.ops.splice_kernels.set_avx_vnni(False)
         return True
@@ -227,6 +234,53 @@ def use_work_stealing(on: bool) -> contextlib.AbstractContextManager[None]:
     if not available():
         raise RuntimeError("splice's native kernels are not available here")
     return _kernel_setting(work_stealing, torch.ops.splice_kernels.set_work_stealing, on)
+
+
+def software_prefetch() -> tuple[str, ...]:
+    """The kinds of weight (of :data:`PREFETCH_KINDS`) whose decode GEMVs prefetch each weight stream a few KiB
+    ahead in software; the others leave the reads to the CPU's hardware prefetcher alone
+    (:func:`initial_software_prefetch`). The outputs are the same either way."""
+    mask = torch.ops.splice_kernels.software_prefetch()
+    return tuple(kind for bit, kind in enumerate(PREFETCH_KINDS) if mask >> bit & 1)
+
+
+def use_software_prefetch(kinds: bool | Iterable[str]) -> contextlib.AbstractContextManager[None]:
+    """Software prefetch for ``kinds`` (names of :data:`PREFETCH_KINDS`; True: all, False: none) inside the block
+    (tests, benchmarks), then as before. Raises ValueError for another name."""
+    if not available():
+        raise RuntimeError("splice's native kernels are not available here")
+    chosen = PREFETCH_KINDS if kinds is True else () if kinds is False else _prefetch_kinds(tuple(kinds), "kinds")
+    return _kernel_setting(software_prefetch, _set_software_prefetch, chosen)
+
+
+def default_software_prefetch() -> tuple[str, ...]:
+    """The kinds of weight prefetched in software on this CPU unless told otherwise:
+    :data:`SOFTWARE_PREFETCH_BY_VENDOR` for its vendor, else all of them."""
+    return SOFTWARE_PREFETCH_BY_VENDOR.get(_cpu_vendor() or "", PREFETCH_KINDS)
+
+
+def initial_software_prefetch() -> tuple[str, ...]:
+    """The kinds the kernels start with: ``SPLICE_SOFTWARE_PREFETCH`` where set (``all``, ``none`` or kinds
+    separated by commas, e.g. ``int4`` or ``bf16,int8``), else :func:`default_software_prefetch`. Raises ValueError
+    for any other value."""
+    value = os.environ.get("SPLICE_SOFTWARE_PREFETCH", "").strip().lower()
+    if not value:
+        return default_software_prefetch()
+    if value in ("all", "none"):
+        return PREFETCH_KINDS if value == "all" else ()
+    return _prefetch_kinds(tuple(part.strip() for part in value.split(",")), f"SPLICE_SOFTWARE_PREFETCH={value!r}")
+
+
+def _prefetch_kinds(kinds: tuple[str, ...], what: str) -> tuple[str, ...]:
+    unknown = [kind for kind in kinds if kind not in PREFETCH_KINDS]
+    if unknown:
+        raise ValueError(f"{what}: {', '.join(map(repr, unknown))} is not a kind of weight; allowed: "
+                         f"{', '.join(PREFETCH_KINDS)} (or, in the variable, all or none)")
+    return tuple(kind for kind in PREFETCH_KINDS if kind in kinds)
+
+
+def _set_software_prefetch(kinds: tuple[str, ...]) -> None:
+    torch.ops.splice_kernels.set_software_prefetch(sum(1 << PREFETCH_KINDS.index(kind) for kind in kinds))
 
 
 @contextlib.contextmanager

@@ -59,7 +59,33 @@ constexpr int64_t MAX_ROWS = 4;  // rows of x per pass over a block of weights (
 constexpr int64_t PREFETCH_BYTES = 4096;
 constexpr int TILE = 16;  // weight rows per int4 tile
 
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+// The kernels' software prefetch, PREFETCH_BYTES ahead in each weight stream, per kind of weight (a mask of
+// PREFETCH_BF16, PREFETCH_INT8 and PREFETCH_INT4: set_software_prefetch). Whether it helps depends on the CPU and on
+// the kernel's arithmetic per byte: where the hardware prefetcher follows a sequential stream well on its own, the
+// extra requests only take fill buffers from it; a kernel with more arithmetic per byte keeps fewer reads in flight
+// by itself and gains from them.
+enum PrefetchKind : int64_t { PREFETCH_BF16 = 1, PREFETCH_INT8 = 2, PREFETCH_INT4 = 4 };
+constexpr int64_t PREFETCH_ALL = PREFETCH_BF16 | PREFETCH_INT8 | PREFETCH_INT4;
+std::atomic<int64_t> software_prefetch_setting{PREFETCH_ALL};
+
+int64_t software_prefetch() { return software_prefetch_setting.load(std::memory_order_relaxed); }
+
+void set_software_prefetch(int64_t kinds) {
+  TORCH_CHECK(kinds >= 0 && kinds <= PREFETCH_ALL, "set_software_prefetch: ", kinds,
+              " is not a mask of PREFETCH_BF16 (1), PREFETCH_INT8 (2) and PREFETCH_INT4 (4)");
+  software_prefetch_setting.store(kinds, std::memory_order_relaxed);
+}
+
+template <int64_t KIND>
+inline void prefetch(const void* p) {
+  if (software_prefetch() & KIND) _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+}
+
+// The prefetch kind of a row-major weight of element type T (bf16 or int8).
+template <typename T>
+constexpr int64_t prefetch_kind() {
+  return std::is_same_v<T, at::BFloat16> ? PREFETCH_BF16 : PREFETCH_INT8;
+}
 
 // ---- instruction-set levels -----------------------------------------------------------------------------------------
 enum Isa : int64_t { ISA_NONE = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AMX = 3 };
@@ -303,13 +329,14 @@ inline void prefetch_step(const at::BFloat16* const row_at[R], int64_t k, int64_
   static_assert(STEP == 32, "a bf16 step is one line per row");
   constexpr int per_block = R < 4 ? R : 4;
   for (int r = 0; r < R; ++r)
-    prefetch(reinterpret_cast<const char*>(row_at[r / 4 * 4]) + per_block * c * 2 + PREFETCH_BYTES + 64 * (r % 4));
+    prefetch<PREFETCH_BF16>(reinterpret_cast<const char*>(row_at[r / 4 * 4]) + per_block * c * 2 + PREFETCH_BYTES +
+                            64 * (r % 4));
 }
 
 template <int R, int STEP>
 inline void prefetch_step(const int8_t* const row_at[R], int64_t k, int64_t c) {
   constexpr int lines = R * STEP / 64 > 1 ? R * STEP / 64 : 1;
-  for (int i = 0; i < lines; ++i) prefetch(row_at[(lines * (c / STEP) + i) % R] + 4 * k + c);
+  for (int i = 0; i < lines; ++i) prefetch<PREFETCH_INT8>(row_at[(lines * (c / STEP) + i) % R] + 4 * k + c);
 }
 
 // Blocks of four weight rows split over the threads, f(Int<x rows>, Int<weight rows>, RowBlock, first x row) in chunks
@@ -566,7 +593,7 @@ void bf16_row_sets(const at::BFloat16* x, const at::BFloat16* w, int64_t k, RowB
       const int64_t left = k - c;
       __m512i wv[S];
       for (int t = 0; t < S; ++t) {
-        prefetch(row_at[t] + c + PREFETCH_BYTES / 2);
+        prefetch<PREFETCH_BF16>(row_at[t] + c + PREFETCH_BYTES / 2);
         wv[t] = load_bf16_pairs(row_at[t] + c, left);
       }
       for (int64_t m = 0; m < M; ++m) {
@@ -652,7 +679,7 @@ void int8_amx_blocks(const int32_t* x_pairs, int64_t m, const int8_t* w, const a
       for (int64_t r = 0; r < 16; ++r) {
         __m512i bytes = _mm512_setzero_si512();
         if (r < rows) {
-          prefetch(base + r * k + c + PREFETCH_BYTES / 8);
+          prefetch<PREFETCH_INT8>(base + r * k + c + PREFETCH_BYTES / 8);
           bytes = _mm512_maskz_loadu_epi8(mask, base + r * k + c);
         }
         __m512 f[4];
@@ -821,7 +848,7 @@ void int8_dot_row_sets(const DotActivations& a, int64_t m0, const int8_t* w, con
       const __mmask64 mask = left >= DOT_STEP ? ~__mmask64(0) : ((__mmask64(1) << left) - 1);
       __m512i wv[S];
       for (int t = 0; t < S; ++t) {
-        prefetch(row_at[t] + c + PREFETCH_BYTES);
+        prefetch<PREFETCH_INT8>(row_at[t] + c + PREFETCH_BYTES);
         wv[t] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, row_at[t] + c), flip);
       }
       for (int m = 0; m < M; ++m) {
@@ -943,7 +970,7 @@ void int4_tile(const at::BFloat16* x, const float* xsum, const int32_t* w, const
     for (int m = 0; m < M; ++m)
       for (int p = 0; p < 4; ++p) dot[m][p] = _mm512_setzero_ps();
     for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-      prefetch(stream + c * 64 + PREFETCH_BYTES);
+      prefetch<PREFETCH_INT4>(stream + c * 64 + PREFETCH_BYTES);
       __m512i pairs[4];
       int4_pairs(_mm512_loadu_si512(base + c * TILE), pairs);
       for (int64_t m = 0; m < m_rows; ++m) {
@@ -992,7 +1019,7 @@ void int4_amx_tiles(const at::BFloat16* x, int64_t m, const float* xsum, const i
     for (int64_t r = 0; r < m; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       for (int64_t c = g * group / 8, i = 0; i < slices * 4; ++c, ++i) {
-        prefetch(stream + c * 64 + PREFETCH_BYTES);
+        prefetch<PREFETCH_INT4>(stream + c * 64 + PREFETCH_BYTES);
         int4_pairs(_mm512_loadu_si512(base + c * TILE), &decoded[4 * i]);
       }
       __m512 scale, offset;
@@ -1093,7 +1120,7 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
           for (int h = 0; h < CHAINS; ++h) sums[m][t][h] = _mm512_setzero_si512();
       for (int64_t c = b * 4; c < b * 4 + 4; ++c)
         for (int t = 0; t < T; ++t) {
-          prefetch(reinterpret_cast<const char*>(base[t] + c * TILE) + PREFETCH_BYTES);
+          prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(base[t] + c * TILE) + PREFETCH_BYTES);
           const __m512i words = _mm512_loadu_si512(base[t] + c * TILE);
           const __m512i low = _mm512_and_si512(words, nibbles);
           const __m512i high = _mm512_and_si512(_mm512_srli_epi32(words, 4), nibbles);
@@ -1525,7 +1552,7 @@ void rows_dot(const float* x, const T* const row_at[R], int64_t k, float sums[M]
   int64_t c = 0;
   for (; c < k32; c += 32) {
     if constexpr (APART) {
-      for (int r = 0; r < R; ++r) prefetch(row_at[r] + c + PREFETCH_BYTES / sizeof(T));
+      for (int r = 0; r < R; ++r) prefetch<prefetch_kind<T>()>(row_at[r] + c + PREFETCH_BYTES / sizeof(T));
     } else {
       prefetch_step<R, 32>(row_at, k, c);
     }
@@ -1717,7 +1744,7 @@ void int8_dot_row_pairs(const DotRows& a, int64_t m0, const int8_t* w, const at:
       const int64_t c = b * DOT_BLOCK;
       __m256i wv[2], magnitude[2];
       for (int t = 0; t < 2; ++t) {
-        if (b % 2 == 0) prefetch(row_at[t] + c + PREFETCH_BYTES);  // a line every other block
+        if (b % 2 == 0) prefetch<PREFETCH_INT8>(row_at[t] + c + PREFETCH_BYTES);  // a line every other block
         wv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_at[t] + c));
         magnitude[t] = _mm256_abs_epi8(wv[t]);
       }
@@ -1816,7 +1843,7 @@ void int4_tile(const float* x, const float* xsum, const int32_t* w, const Int4Sc
     for (int m = 0; m < M; ++m)
       for (int h = 0; h < 2; ++h) dot[m][h][0] = dot[m][h][1] = _mm256_setzero_ps();
     for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-      prefetch(stream + c * 64 + PREFETCH_BYTES);
+      prefetch<PREFETCH_INT4>(stream + c * 64 + PREFETCH_BYTES);
       const __m256i q[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + c * TILE)),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + c * TILE + 8))};
       for (int s = 0; s < 8; ++s) {
@@ -1895,7 +1922,7 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
         for (int t = 0; t < T; ++t) sums[m][t][0] = sums[m][t][1] = _mm256_setzero_si256();
       for (int64_t c = b * 4; c < b * 4 + 4; ++c)
         for (int t = 0; t < T; ++t) {
-          prefetch(reinterpret_cast<const char*>(base[t] + c * TILE) + PREFETCH_BYTES);
+          prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(base[t] + c * TILE) + PREFETCH_BYTES);
           for (int h = 0; h < 2; ++h) {
             const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base[t] + c * TILE + 8 * h));
             const __m256i low = _mm256_and_si256(words, nibbles);
@@ -2029,7 +2056,8 @@ uint64_t stream_read(const uint8_t* p, int64_t bytes, bool ahead) {
     for (int64_t line = 0; line < part; ++line)
       for (int64_t s = 0; s < S; ++s) {
         const uint8_t* q = p + ((s * (lines / S)) + begin + line) * 64;
-        if (ahead) prefetch(q + PREFETCH_BYTES);
+        // the probe's own choice, whatever the kernels' software_prefetch setting
+        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(q) + PREFETCH_BYTES, _MM_HINT_T0);
         acc[s] = _mm256_xor_si256(acc[s], _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(q)),
                                                            _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 32))));
       }
@@ -2634,6 +2662,8 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("set_weight_streams(int streams) -> ()", &set_weight_streams);
   lib.def("work_stealing() -> bool", &work_stealing);
   lib.def("set_work_stealing(bool on) -> ()", &set_work_stealing);
+  lib.def("software_prefetch() -> int", &software_prefetch);
+  lib.def("set_software_prefetch(int kinds) -> ()", &set_software_prefetch);
 }
 
 TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
