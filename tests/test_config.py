@@ -557,3 +557,20 @@ def test_docs_config_table_is_current():
     end = docs.index("<!-- config-reference:end -->")
     assert docs[start:end] == reference_markdown(), \
         "regenerate docs/configuration.md's table with `python -m splice.config`"
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"mp_size": 2},  # deprecated: moved to tensor_parallel.tp_size
+    {"triangular_masking": False},  # accepted, no effect
+    {"quant": {"enabled": True, "activation": {"q_groups": 2}}},  # activation settings with activations off
+    {"quant": {"enabled": True, "weight": {"enabled": False, "num_bits": 4}}},  # weight settings with weights off
+    {"quant": {"enabled": False, "weight": {"num_bits": 4}}},  # settings of a quant section that is off
+])
+def test_config_warnings_point_at_the_callers_line(kwargs):
+    """Each warning names the line that gave the option (this file), not the validator deep in splice or pydantic
+    that noticed it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resolve_config(**kwargs)
+    ours = [w for w in caught if issubclass(w.category, (SpliceDeprecationWarning, SpliceIgnoredOptionWarning))]
+    assert ours and all(w.filename == __file__ for w in ours), [(w.filename, w.lineno, str(w.message)) for w in ours]

@@ -115,6 +115,24 @@ def test_folder_without_config_or_with_pickles_is_refused(tmp_path):
         models.load(tmp_path)
 
 
+@pytest.mark.parametrize("rank, bar", (("1", False), ("0", True), (None, True)))
+def test_the_loading_bar_prints_on_rank_zero_alone(tmp_path, monkeypatch, capsys, rank, bar):
+    """Under torchrun each rank loads the checkpoint; transformers' "Loading weights" bar prints on rank 0 (or
+    without torchrun) only, and the bars are on again after the load."""
+    from transformers.utils import logging as hf_logging
+
+    build_tiny(tiny_llama_config()).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    assert hf_logging.is_progress_bar_enabled()
+    models.load(tmp_path)
+    assert ("Loading weights" in capsys.readouterr().err) == bar
+    assert hf_logging.is_progress_bar_enabled()
+
+
 def test_checkpoint_folder_loads_in_its_own_dtype_unless_asked(tmp_path):
     reference = build_tiny(tiny_llama_config(), dtype=torch.bfloat16)
     reference.save_pretrained(tmp_path)

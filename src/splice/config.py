@@ -13,11 +13,14 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import sys
+import sysconfig
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, NamedTuple, get_args
 
+import pydantic
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
@@ -478,7 +481,8 @@ class InferenceConfig(_Section):
             return self
         warnings.warn(f"{', '.join(settings)} has no effect in splice: nothing is quantized (quant.enabled="
                       f"{self.quant.enabled}, dtype={self.dtype}); allowed: quant.enabled=True, or dtype=int8 with "
-                      "quant.enabled unset, to quantize with these settings", SpliceIgnoredOptionWarning, stacklevel=2)
+                      "quant.enabled unset, to quantize with these settings", SpliceIgnoredOptionWarning,
+                      stacklevel=caller_stacklevel())
         return self
 
     @model_validator(mode="after")
@@ -491,8 +495,21 @@ class InferenceConfig(_Section):
             if support == UNSUPPORTED:
                 raise ValueError(f"{path}={value!r} is not supported by splice: {note}")
             warnings.warn(f"{path}={value!r} has no effect in splice: {note}", SpliceIgnoredOptionWarning,
-                          stacklevel=2)
+                          stacklevel=caller_stacklevel())
         return self
+
+
+def caller_stacklevel() -> int:
+    """The ``stacklevel`` for a warning raised here that points at the user's line: the first frame outside splice,
+    pydantic and the standard library, however deep in validation the warning is raised (called by the function that
+    calls ``warnings.warn``)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+_LIBRARY_DIRS = (str(Path(__file__).parent), str(Path(pydantic.__file__).parent), sysconfig.get_paths()["stdlib"])
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -548,7 +565,7 @@ def _move_deprecated(data: dict) -> dict:
                              f"({old}={data[old]!r}, {new}={current[key]!r}); keep only '{new}'")
         value = data.pop(old)
         warnings.warn(f"'{old}' is deprecated; use '{new}' (moved {old}={value!r} there)", SpliceDeprecationWarning,
-                      stacklevel=2)
+                      stacklevel=caller_stacklevel())
         data[section] = {**current, key: value}
     return data
 
@@ -603,7 +620,8 @@ def _warn_idle_activation_settings(quant: QuantizationConfig, settings: list[str
     if idle and not quant.activation.enabled:
         warnings.warn(f"{', '.join(idle)} has no effect in splice: activations are not quantized "
                       "(quant.activation.enabled=False); allowed: quant.activation.enabled=True to quantize them "
-                      "with these settings, or remove them", SpliceIgnoredOptionWarning, stacklevel=3)
+                      "with these settings, or remove them", SpliceIgnoredOptionWarning,
+                      stacklevel=caller_stacklevel())
 
 
 def _warn_idle_weight_settings(quant: QuantizationConfig, settings: list[str], int8: bool) -> None:
@@ -615,7 +633,7 @@ def _warn_idle_weight_settings(quant: QuantizationConfig, settings: list[str], i
     if idle:
         warnings.warn(f"{', '.join(idle)} has no effect in splice: nothing is quantized (quant.weight.enabled=False); "
                       "allowed: quant.weight.enabled=True to quantize with these settings, or remove them",
-                      SpliceIgnoredOptionWarning, stacklevel=3)
+                      SpliceIgnoredOptionWarning, stacklevel=caller_stacklevel())
 
 
 def _covered(path: str) -> bool:

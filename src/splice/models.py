@@ -133,13 +133,29 @@ def load(name_or_path: str | os.PathLike, dtype: Any = None) -> tuple[nn.Module,
 
     shapes = checkpoint_shapes(folder)  # the file headers, read once for both checks
     _check_shapes_fit_config(folder, shapes)
-    with _loader_errors(folder, "its model"):
+    with _loader_errors(folder, "its model"), _progress_bars_on_rank_zero():
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, local_files_only=True)
     _check_loaded_dtypes(model, folder, shapes)
     with _loader_errors(folder, "its tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     log.info("splice: loaded %s from %s in %.1f s", name_or_path, folder, time.perf_counter() - start)
     return model.eval(), tokenizer
+
+
+@contextlib.contextmanager
+def _progress_bars_on_rank_zero() -> Iterator[None]:
+    """transformers' progress bars ("Loading weights") on rank 0 alone under torchrun (``RANK`` set and not 0): every
+    rank loads the same checkpoint, and one bar per rank would print the same line over each other."""
+    from transformers.utils import logging as hf_logging
+
+    quiet = os.environ.get("RANK", "0").strip() != "0" and hf_logging.is_progress_bar_enabled()
+    if quiet:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if quiet:
+            hf_logging.enable_progress_bar()
 
 
 def resolve_checkpoint(name_or_path: str | os.PathLike) -> tuple[Path, torch.dtype | str]:
