@@ -284,6 +284,9 @@ def test_software_prefetch_refuses_unknown_kinds():
     if not native.available():
         pytest.skip("splice's native kernels are not available here")
     before = native.software_prefetch()
+    with native.use_software_prefetch("int4"):  # one name, not its letters
+        assert native.software_prefetch() == ("int4",)
+    assert native.software_prefetch() == before
     with pytest.raises(ValueError, match="'fp8' is not a kind of weight; allowed: bf16, int8, int4"):
         with native.use_software_prefetch(["int4", "fp8"]):
             pass

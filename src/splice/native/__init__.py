@@ -244,12 +244,15 @@ def software_prefetch() -> tuple[str, ...]:
     return tuple(kind for bit, kind in enumerate(PREFETCH_KINDS) if mask >> bit & 1)
 
 
-def use_software_prefetch(kinds: bool | Iterable[str]) -> contextlib.AbstractContextManager[None]:
-    """Software prefetch for ``kinds`` (names of :data:`PREFETCH_KINDS`; True: all, False: none) inside the block
-    (tests, benchmarks), then as before. Raises ValueError for another name."""
+def use_software_prefetch(kinds: bool | str | Iterable[str]) -> contextlib.AbstractContextManager[None]:
+    """Software prefetch for ``kinds`` (a name of :data:`PREFETCH_KINDS` or several; True: all, False: none) inside the
+    block (tests, benchmarks), then as before. Raises ValueError for another name."""
     if not available():
         raise RuntimeError("splice's native kernels are not available here")
-    chosen = PREFETCH_KINDS if kinds is True else () if kinds is False else _prefetch_kinds(tuple(kinds), "kinds")
+    if isinstance(kinds, bool):
+        chosen = PREFETCH_KINDS if kinds else ()
+    else:
+        chosen = _prefetch_kinds((kinds,) if isinstance(kinds, str) else tuple(kinds), "kinds")
     return _kernel_setting(software_prefetch, _set_software_prefetch, chosen)
 
 
