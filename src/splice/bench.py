@@ -5,7 +5,9 @@ random ``--prompt``-token prompt. Reported: prefill ms, decode tokens/s (after t
 during the run, speedup over HF eager, and a roofline: the machine's read bandwidth (the fastest of the probes read
 before the rows, before each configuration and its quantized rows, and after the rows, each streaming 1 GiB on 2 MiB
 pages on every thread in a few read patterns) divided by the bytes a decode step reads (weights as stored, quantized
-or not, the lm_head included; and the KV cache slots attention reads), and each row's share of it.
+or not, the lm_head included; and the KV cache slots attention reads), and each row's share of it. The report keeps
+every probe reading, and the table's head names the slowest beside the fastest (and says when they are far apart:
+the host's load moved during the run).
 """
 from __future__ import annotations
 
@@ -90,7 +92,7 @@ def run_bench(args: argparse.Namespace) -> int:
                     rows += plain_rows + bench_quantized(at_context, dtype, batch, schemes, readings[0], hf_speed)
     readings.append(read_bandwidth_gbs())
     rows, bandwidth = against_the_fastest_probe(rows, readings)
-    machine = machine_info(bandwidth)
+    machine = machine_info(bandwidth, readings)
     print(describe_machine(machine))
     print(format_table(rows))
     settings = {"prompt": args.context or args.prompt, "new": args.new, "compile": args.compile}
@@ -105,6 +107,11 @@ def run_bench(args: argparse.Namespace) -> int:
         plot(rows, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+#: Probe readings whose slowest is below this share of the fastest mean the host's load moved during the run (said
+#: under the table's head).
+MOVED_BANDWIDTH = 0.8
 
 
 def against_the_fastest_probe(rows: list[Row], readings: list[float]) -> tuple[list[Row], float]:
@@ -527,9 +534,12 @@ def plot(rows: list[Row], path: str) -> None:
     plt.close(fig)
 
 
-def machine_info(bandwidth: float) -> dict:
+def machine_info(bandwidth: float, readings: list[float] | None = None) -> dict:
+    """The machine section of the report; ``readings``: every probe reading of the run (the bandwidth is the fastest),
+    so a reader sees how far the host's bandwidth moved while the rows ran."""
     return {"cpu": describe_cpu()["model"], "threads": torch.get_num_threads(),
             "torch": torch.__version__, "read_bandwidth_gbs": round(bandwidth, 2),
+            "bandwidth_readings_gbs": [round(r, 2) for r in readings or [bandwidth]],
             "bandwidth_probe": _native_probe() if native.available() else "fp32 GEMV (torch.mv)",
             "bandwidth_probe_pages": "2 MiB" if native.huge_pages_supported() else "4 KiB"}
 
@@ -543,8 +553,15 @@ def _native_probe() -> str:
 
 def describe_machine(info: dict) -> str:
     """One line for the table's head: threads and the measured read bandwidth the roofline column divides."""
-    return (f"{info['cpu']}, {info['threads']} threads, torch {info['torch']}; read bandwidth "
-            f"{info['read_bandwidth_gbs']:.1f} GB/s ({info['bandwidth_probe']}, {info['bandwidth_probe_pages']} pages)")
+    readings = info.get("bandwidth_readings_gbs") or [info["read_bandwidth_gbs"]]
+    spread = "" if len(readings) < 2 else f"; fastest of {len(readings)} readings, the slowest {min(readings):.1f}"
+    line = (f"{info['cpu']}, {info['threads']} threads, torch {info['torch']}; read bandwidth "
+            f"{info['read_bandwidth_gbs']:.1f} GB/s ({info['bandwidth_probe']}, {info['bandwidth_probe_pages']} pages"
+            f"{spread})")
+    if min(readings) < MOVED_BANDWIDTH * max(readings):
+        line += ("\nthe host's read bandwidth moved during the run: the % of bw column is against its fastest reading; "
+                 "compare rows by ratios taken in one run")
+    return line
 
 
 def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
