@@ -125,8 +125,10 @@ def test_the_loading_bar_prints_on_rank_zero_alone(tmp_path, monkeypatch, capsys
     tiny_tokenizer().save_pretrained(tmp_path)
     if rank is None:
         monkeypatch.delenv("RANK", raising=False)
-    else:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:  # torchrun's environment for rank `rank` of two
         monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
     assert hf_logging.is_progress_bar_enabled()
     models.load(tmp_path)
     assert ("Loading weights" in capsys.readouterr().err) == bar

@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
-from .cli_options import DEFAULT_MODEL, QUANT_SCHEMES, add_bench_parser
+from .cli_options import DEFAULT_MODEL, QUANT_SCHEMES, add_bench_parser, launched_rank
 
 if TYPE_CHECKING:
     import torch
@@ -50,11 +50,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = error_message(" ".join(f"{type(error).__name__}: {error}".split()), args)  # on one line
         print(f"splice: error: {rank_prefix()}{message} (SPLICE_DEBUG=1 shows where)", file=sys.stderr, flush=True)
         return 1
-
-
-def launched_rank() -> int:
-    """This process's global rank under torchrun (from its environment, so known before any group exists), else 0."""
-    return int(os.environ.get("RANK", 0)) if "WORLD_SIZE" in os.environ else 0
 
 
 def rank_prefix() -> str:

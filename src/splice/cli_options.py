@@ -1,5 +1,5 @@
-"""What the command line's parser needs, without torch: the default model, ``splice bench``'s modes and quantization
-schemes, and the ``bench`` subcommand's options.
+"""What the command line needs without torch: the default model, ``splice bench``'s modes and quantization schemes,
+the ``bench`` subcommand's options, and this process's rank under torchrun (its error handling reads it).
 
 ``splice --help`` and argparse errors build the whole parser; importing torch (through ``splice.bench`` or
 ``splice.models``) for that would make them take seconds. ``splice.bench`` and ``splice.models`` import these names
@@ -8,6 +8,7 @@ from here.
 from __future__ import annotations
 
 import argparse
+import os
 
 #: The model ``splice generate | serve | info | bench`` run when none is given (a built-in of ``splice.models``).
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -73,3 +74,8 @@ def positive_int_list(text: str) -> list[int]:
     """``"1,4"`` -> ``[1, 4]``; an empty list (refused by the caller) for anything but integers >= 1."""
     values = [int(part) for part in split_commas(text)]  # ValueError for a non-integer
     return values if values and min(values) >= 1 else []
+
+
+def launched_rank() -> int:
+    """This process's global rank under torchrun (from its environment, so known before any group exists), else 0."""
+    return int(os.environ.get("RANK", 0)) if "WORLD_SIZE" in os.environ else 0

@@ -144,11 +144,11 @@ def load(name_or_path: str | os.PathLike, dtype: Any = None) -> tuple[nn.Module,
 
 @contextlib.contextmanager
 def _progress_bars_on_rank_zero() -> Iterator[None]:
-    """transformers' progress bars ("Loading weights") on rank 0 alone under torchrun (``RANK`` set and not 0): every
-    rank loads the same checkpoint, and one bar per rank would print the same line over each other."""
+    """transformers' progress bars ("Loading weights") on rank 0 alone under torchrun: every rank loads the same
+    checkpoint, and one bar per rank would print the same line over each other."""
     from transformers.utils import logging as hf_logging
 
-    quiet = os.environ.get("RANK", "0").strip() != "0" and hf_logging.is_progress_bar_enabled()
+    quiet = cli_options.launched_rank() != 0 and hf_logging.is_progress_bar_enabled()
     if quiet:
         hf_logging.disable_progress_bar()
     try:
