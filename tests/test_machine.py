@@ -85,28 +85,24 @@ def test_native_section_follows_the_native_module():
             assert machine.describe_machine()["native"]["software_prefetch"] == []
 
 
-def test_software_prefetch_names_what_chose_it(monkeypatch):
+@pytest.mark.parametrize("variable, value, setting, use, default, chosen_by", [
+    ("SPLICE_WEIGHT_STREAMS", "1", 1, "use_weight_streams", "default_weight_streams", "weight_streams_chosen_by"),
+    ("SPLICE_SOFTWARE_PREFETCH", "none", False, "use_software_prefetch", "default_software_prefetch",
+     "software_prefetch_chosen_by"),
+])
+def test_kernel_settings_name_what_chose_them(monkeypatch, variable, value, setting, use, default, chosen_by):
+    """The CPU vendor's default, the environment variable, or a switch in this process: whichever set the kernels'
+    weight streams and software prefetch is what `splice info --machine` names."""
     if not native.available():
         pytest.skip(f"splice's native kernels are not available here: {NATIVE_MISSING}")
-    monkeypatch.delenv("SPLICE_SOFTWARE_PREFETCH", raising=False)
-    with native.use_software_prefetch(native.default_software_prefetch()):
-        assert machine.software_prefetch_chosen_by() == f"the default for {native._cpu_vendor() or 'this CPU'}"
-        monkeypatch.setenv("SPLICE_SOFTWARE_PREFETCH", "none")
-        assert machine.software_prefetch_chosen_by() == "set in this process (splice.native.use_software_prefetch)"
-    with native.use_software_prefetch(False):
-        assert machine.software_prefetch_chosen_by() == "SPLICE_SOFTWARE_PREFETCH=none"
-
-
-def test_weight_streams_name_what_chose_them(monkeypatch):
-    if not native.available():
-        pytest.skip(f"splice's native kernels are not available here: {NATIVE_MISSING}")
-    monkeypatch.delenv("SPLICE_WEIGHT_STREAMS", raising=False)
-    with native.use_weight_streams(native.default_weight_streams()):
-        assert machine.weight_streams_chosen_by() == f"the default for {native._cpu_vendor() or 'this CPU'}"
-        monkeypatch.setenv("SPLICE_WEIGHT_STREAMS", "1")
-        assert machine.weight_streams_chosen_by() == "set in this process (splice.native.use_weight_streams)"
-    with native.use_weight_streams(1):
-        assert machine.weight_streams_chosen_by() == "SPLICE_WEIGHT_STREAMS=1"
+    use, named = getattr(native, use), getattr(machine, chosen_by)
+    monkeypatch.delenv(variable, raising=False)
+    with use(getattr(native, default)()):
+        assert named() == f"the default for {native._cpu_vendor() or 'this CPU'}"
+        monkeypatch.setenv(variable, value)
+        assert named() == f"set in this process (splice.native.{use.__name__})"
+    with use(setting):
+        assert named() == f"{variable}={value}"
 
 
 def test_kernel_table_row_ranges_run_from_one_row_to_no_limit():

@@ -125,19 +125,24 @@ def describe_native() -> dict[str, Any]:
 
 def weight_streams_chosen_by() -> str:
     """What set the decode GEMVs' weight streams: the CPU's vendor, SPLICE_WEIGHT_STREAMS, or this process."""
-    if native.weight_streams() != native.initial_weight_streams():
-        return "set in this process (splice.native.use_weight_streams)"
-    value = os.environ.get("SPLICE_WEIGHT_STREAMS", "").strip()
-    return f"SPLICE_WEIGHT_STREAMS={value}" if value else f"the default for {native._cpu_vendor() or 'this CPU'}"
+    return _setting_chosen_by(native.weight_streams() != native.initial_weight_streams(), "SPLICE_WEIGHT_STREAMS",
+                              "splice.native.use_weight_streams")
 
 
 def software_prefetch_chosen_by() -> str:
     """What set the kinds of weight prefetched in software: the CPU's vendor, SPLICE_SOFTWARE_PREFETCH, or this
     process."""
-    if native.software_prefetch() != native.initial_software_prefetch():
-        return "set in this process (splice.native.use_software_prefetch)"
-    value = os.environ.get("SPLICE_SOFTWARE_PREFETCH", "").strip()
-    return f"SPLICE_SOFTWARE_PREFETCH={value}" if value else f"the default for {native._cpu_vendor() or 'this CPU'}"
+    return _setting_chosen_by(native.software_prefetch() != native.initial_software_prefetch(),
+                              "SPLICE_SOFTWARE_PREFETCH", "splice.native.use_software_prefetch")
+
+
+def _setting_chosen_by(switched: bool, variable: str, switch: str) -> str:
+    """A kernel setting's origin: ``switch`` in this process where ``switched`` (it differs from what the kernels
+    started with), else the environment ``variable`` where set, else the CPU vendor's default."""
+    if switched:
+        return f"set in this process ({switch})"
+    value = os.environ.get(variable, "").strip()
+    return f"{variable}={value}" if value else f"the default for {native._cpu_vendor() or 'this CPU'}"
 
 
 def native_unavailable_reason() -> str:
