@@ -137,7 +137,7 @@ def test_bandwidth_probe_reads_from_huge_pages_as_the_weights_do(monkeypatch):
     monkeypatch.setattr(bench, "gather_on_huge_pages", lambda tensors: gathered.extend(tensors) or 0)
     bench.read_bandwidth_gbs(gib=0.01, repeats=1)
     assert len(gathered) == 1 and gathered[0].numel() * gathered[0].element_size() >= 0.0099 * 2**30
-    pages = bench.machine_info(1.0)["bandwidth_probe_pages"]
+    pages = bench.machine_info([1.0])["bandwidth_probe_pages"]
     assert pages == ("2 MiB" if bench.native.huge_pages_supported() else "4 KiB")
 
 
@@ -392,12 +392,12 @@ def test_checking_an_existing_output_leaves_it_as_it_was(tmp_path):
 def test_the_machine_line_shows_how_far_the_probe_readings_spread():
     """Every probe reading goes into the report; the head line names the fastest (the roofline's), how many readings
     and the slowest, and says so when the host's bandwidth moved by more than a fifth during the run."""
-    steady = bench.machine_info(30.0, [29.0, 30.0, 28.5])
+    steady = bench.machine_info([29.0, 30.0, 28.5])
     assert steady["bandwidth_readings_gbs"] == [29.0, 30.0, 28.5]
     line = bench.describe_machine(steady)
     assert "read bandwidth 30.0 GB/s" in line and "fastest of 3 readings, the slowest 28.5" in line
     assert "moved" not in line
-    moved = bench.describe_machine(bench.machine_info(60.0, [33.0, 60.0]))
+    moved = bench.describe_machine(bench.machine_info([33.0, 60.0]))
     assert "the slowest 33.0" in moved and "the host's read bandwidth moved during the run" in moved
-    single = bench.describe_machine(bench.machine_info(30.0))
+    single = bench.describe_machine(bench.machine_info([30.0]))
     assert "readings" not in single and "moved" not in single
