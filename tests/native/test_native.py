@@ -71,6 +71,28 @@ def test_int8_dot_gemv_rounds_x_per_block_and_sums_exactly(isa, rows, n, k):
 
 
 @needs_native
+@pytest.mark.parametrize("rows", (3, 6, 8, 11))
+def test_int8_dot_gemv_from_three_rows_is_within_one_rounding_of_the_exact_sums(isa, rows):
+    """From three rows of x the VNNI level transposes 16 weight rows in registers and sums each block exactly in
+    int32: every output is the exact product of the rounded activations and the weights, rounded to bf16 (half a
+    bf16 step) after float32 sums over the blocks (their rounding bounded by the sum of the blocks' magnitudes); weight
+    rows past the last 16 (here 9) and a half step of columns (k = 352) take the row kernels, as do fewer rows, which
+    give the same outputs within those bounds."""
+    torch.manual_seed(rows)
+    n, k = 16 * 5 + 9, 352
+    x = torch.randn(rows, k).bfloat16() * torch.linspace(0.1, 10, k).bfloat16()
+    w, scales = torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16() + 0.5
+    rounded = qmath.round_activations(x.float()).double()
+    exact = (rounded @ w.double().T) * scales.double()
+    magnitude = (rounded.abs() @ w.double().abs().T) * scales.double()
+    bound = exact.abs() * 2.0 ** -8 + magnitude * 2.0 ** -20
+    got = torch.ops.splice_kernels.int8_dot_gemv(x, w, scales).double()
+    assert ((got - exact).abs() <= bound).all(), ((got - exact).abs() / bound).max()
+    one_at_a_time = torch.cat([torch.ops.splice_kernels.int8_dot_gemv(row[None], w, scales) for row in x]).double()
+    assert ((got - one_at_a_time).abs() <= 2 * bound).all()
+
+
+@needs_native
 def test_dot_products_round_x_exactly_as_the_reference(isa):
     """Through identity weights (int8: 1 on the diagonal; int4: code 9 there, 8 elsewhere, scale 1, zero 0) output j
     is the rounded activation ``q_j * d``: every level's rounding, byte order and block sums give

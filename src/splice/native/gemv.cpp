@@ -866,6 +866,126 @@ void int8_dot_row_sets(const DotActivations& a, int64_t m0, const int8_t* w, con
   });
 }
 
+// From TRANSPOSED_MIN_ROWS rows of x the kernels above are bound by their float work: every vpdpbusd's 16 lanes (four
+// columns each) converted and scaled by their block's d, once per row of x. Here 16 weight rows at a time are
+// transposed in registers, 64 columns a step (a 16 x 16 dword transpose, shared by every row of x), so each lane is
+// one weight row: a block's eight vpdpbusd (x's dwords broadcast) sum its exact integer dot product per lane, which
+// is converted and scaled once per block and row of x. Outputs: scale * sum_b d_b * dot_b, summed over the blocks in
+// order (the same integers as the kernels above; their float sums differ only in rounding).
+constexpr int64_t TRANSPOSED_MIN_ROWS = 3, TRANSPOSED_ROWS = 8;  // rows of x: from, and at most per pass
+constexpr int64_t TRANSPOSED_WEIGHT_ROWS = 16;
+
+// r[i] dword j -> r[j] dword i.
+inline void transpose_dwords(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // u[4g + c]'s 128-bit lane L: rows 4g .. 4g + 3 at dword 4L + c
+  __m512i u[16];
+  for (int g = 0; g < 16; g += 4) {
+    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i even0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), odd0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+    const __m512i even1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i odd1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_i32x4(even0, even1, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(even0, even1, 0xDD);
+    r[4 + c] = _mm512_shuffle_i32x4(odd0, odd1, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(odd0, odd1, 0xDD);
+  }
+}
+
+// Per row of x and block: d and -128 * the sum of its codes (the flipped weights' excess, as a block's first term).
+struct BlockTerms {
+  std::vector<float> d;         // [m, k / DOT_BLOCK]
+  std::vector<int32_t> unflip;  // [m, k / DOT_BLOCK]
+};
+
+BlockTerms block_terms(const DotActivations& a, int64_t m, int64_t k) {
+  const int64_t blocks = k / DOT_BLOCK, steps = a.padded / DOT_STEP;
+  BlockTerms terms{std::vector<float>(m * blocks), std::vector<int32_t>(m * blocks)};
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t b = 0; b < blocks; ++b) {
+      terms.d[i * blocks + b] = a.d[(i * steps + b / 2) * 16 + (b % 2) * 8];
+      terms.unflip[i * blocks + b] = -128 * block_sum(a.q.data() + i * a.padded + b * DOT_BLOCK);
+    }
+  return terms;
+}
+
+// One block's integer dot products of 16 weight rows (lanes) with one row of x: eight broadcast dwords of x against
+// the transposed vectors v[0..7], in CHAINS independent sums.
+template <int CHAINS>
+__attribute__((target("avx512vnni")))
+inline __m512i block_dots(const __m512i* v, const int32_t* x_dwords, int32_t unflip) {
+  __m512i sums[CHAINS];
+  sums[0] = _mm512_set1_epi32(unflip);
+  for (int h = 1; h < CHAINS; ++h) sums[h] = _mm512_setzero_si512();
+  for (int j = 0; j < 8; ++j) sums[j % CHAINS] = _mm512_dpbusd_epi32(sums[j % CHAINS], v[j], _mm512_set1_epi32(x_dwords[j]));
+  for (int h = 1; h < CHAINS; ++h) sums[0] = _mm512_add_epi32(sums[0], sums[h]);
+  return sums[0];
+}
+
+template <int M>
+__attribute__((target("avx512vnni")))
+void int8_dot_transposed(const DotActivations& a, const BlockTerms& terms, int64_t m0, const int8_t* w,
+                         const at::BFloat16* scales, int64_t k, int64_t n0, at::BFloat16* out, int64_t n_total) {
+  constexpr int CHAINS = M < 6 ? 2 : 1;  // enough independent sums in flight for vpdpbusd's latency
+  const int64_t blocks = k / DOT_BLOCK;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < k; c += DOT_STEP) {
+    const bool both = k - c >= DOT_STEP;  // else only the step's first block is in the row
+    const __mmask64 mask = both ? ~__mmask64(0) : (__mmask64(1) << DOT_BLOCK) - 1;
+    // the 16 rows are read 16 places at once: the next 16 rows are fetched ahead in order, 16 lines a step
+    const char* ahead = reinterpret_cast<const char*>(w + (n0 + 16) * k) + c / DOT_STEP * 16 * 64;
+    for (int i = 0; i < 16; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T0);
+    __m512i v[16];
+    for (int r = 0; r < 16; ++r) v[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + (n0 + r) * k + c), flip);
+    transpose_dwords(v);
+    const int64_t b = c / DOT_BLOCK;
+    for (int m = 0; m < M; ++m) {
+      const auto* x_dwords = reinterpret_cast<const int32_t*>(a.q.data() + (m0 + m) * a.padded + c);
+      const int64_t at = (m0 + m) * blocks + b;
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_dots<CHAINS>(v, x_dwords, terms.unflip[at])),
+                               _mm512_set1_ps(terms.d[at]), acc[m]);
+      if (both)
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_dots<CHAINS>(v + 8, x_dwords + 8, terms.unflip[at + 1])),
+                                 _mm512_set1_ps(terms.d[at + 1]), acc[m]);
+    }
+  }
+  const __m512 scale = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + n0)));
+  for (int m = 0; m < M; ++m)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n_total + n0),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[m], scale)));
+}
+
+// int8_dot_gemv from TRANSPOSED_MIN_ROWS rows of x: the transposed kernel over every 16 weight rows, chunks of up to
+// TRANSPOSED_ROWS rows of x; the last n % 16 weight rows on int8_dot_rows.
+void int8_dot_gemv_transposed(const DotActivations& a, int64_t m, const int8_t* w, const at::BFloat16* scales,
+                              int64_t n, int64_t k, at::BFloat16* out) {
+  const BlockTerms terms = block_terms(a, m, k);
+  parallel_streams<1>(n / TRANSPOSED_WEIGHT_ROWS, m, [&](auto, int64_t unit, int64_t) {
+    for_x_chunks<TRANSPOSED_ROWS>(m, [&](auto m_c, int64_t m0) {
+      int8_dot_transposed<decltype(m_c)::value>(a, terms, m0, w, scales, k, unit * TRANSPOSED_WEIGHT_ROWS,
+                                                out + m0 * n, n);
+    });
+  });
+  for (int64_t row = n / TRANSPOSED_WEIGHT_ROWS * TRANSPOSED_WEIGHT_ROWS; row < n; row += 4)
+    with_rows(std::min<int64_t>(4, n - row), [&](auto r_c) {
+      for_x_chunks<MAX_ROWS>(m, [&](auto m_c, int64_t m0) {
+        int8_dot_rows<decltype(m_c)::value, decltype(r_c)::value>(a, m0, w, scales, k, RowBlock{row, 0},
+                                                                  out + m0 * n, n);
+      });
+    });
+}
+
 at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
   const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
   DotActivations a = round_rows(x.data_ptr<at::BFloat16>(), m, k);
@@ -874,6 +994,10 @@ at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const auto* sp = scales.data_ptr<at::BFloat16>();
   const int8_t* wp = w.data_ptr<int8_t>();
   auto* op = out.data_ptr<at::BFloat16>();
+  if (m >= TRANSPOSED_MIN_ROWS) {
+    int8_dot_gemv_transposed(a, m, wp, sp, n, k, op);
+    return out;
+  }
   for_row_blocks<MAX_ROWS, 4>(m, n, [&](auto m_c, auto r_c, RowBlock rows, int64_t m0) {
     constexpr int R = decltype(r_c)::value;
     if constexpr (R > 4)
@@ -1096,13 +1220,15 @@ Int4DotActivations round_rows_for_int4(const at::BFloat16* x, int64_t m, int64_t
   return int4_dot_activations(a.q.data(), a.padded, std::move(d), m, k, group);
 }
 
+constexpr int64_t INT4_DOT_ROWS = 8;  // rows of x per pass over a tile (one stream)
+
 // T tiles at once (T weight streams, for_spans): tile first + i * step for i < T.
 template <int M, int T>
 __attribute__((target("avx512vnni")))
 void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
                     int64_t group, int64_t first, int64_t step, at::BFloat16* out, int64_t n_total) {
   const int64_t chunks = k / 8, groups = k / group, blocks = k / DOT_BLOCK, blocks_per_group = group / DOT_BLOCK;
-  constexpr int CHAINS = T == 1 ? 2 : 1;  // independent dependency chains per row of x: two per tile at least
+  constexpr int CHAINS = T == 1 && M < 6 ? 2 : 1;  // independent dependency chains: two per tile at least
   const int32_t* base[T];
   for (int t = 0; t < T; ++t) base[t] = w + (first + t * step) * chunks * TILE;
   const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
@@ -1163,7 +1289,8 @@ at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   auto* op = out.data_ptr<at::BFloat16>();
   parallel_streams<4>(tiles, m, [&](auto t_c, int64_t first, int64_t step) {
     constexpr int T = decltype(t_c)::value;
-    for_x_chunks<std::max<int64_t>(TWO_STREAM_ROWS, MAX_ROWS / T)>(m, [&](auto m_c, int64_t m0) {  // tiles stay in cache
+    // up to 8 rows of x per pass over a tile (its unpacked nibbles serve them all), fewer with more streams
+    for_x_chunks<std::max<int64_t>(TWO_STREAM_ROWS, INT4_DOT_ROWS / T)>(m, [&](auto m_c, int64_t m0) {
       int4_dot_tiles<decltype(m_c)::value, T>(a, m0, wp, zp, k, group, first, step, op + m0 * n, n);
     });
   });
