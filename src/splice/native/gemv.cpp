@@ -55,6 +55,10 @@
 
 namespace {
 
+// Before a kernel's loops over its registers' rows, tiles and chains: unrolled in full, their sums stay in registers
+// (a loop GCC leaves rolled indexes them, so they live on the stack, a store and a load per step).
+#define UNROLLED _Pragma("GCC unroll 16")
+
 constexpr int64_t MAX_ROWS = 4;  // rows of x per pass over a block of weights (AVX-512)
 constexpr int64_t PREFETCH_BYTES = 4096;
 constexpr int TILE = 16;  // weight rows per int4 tile
@@ -925,9 +929,10 @@ __attribute__((target("avx512vnni")))
 inline __m512i block_dots(const __m512i* v, const int32_t* x_dwords, int32_t unflip) {
   __m512i sums[CHAINS];
   sums[0] = _mm512_set1_epi32(unflip);
-  for (int h = 1; h < CHAINS; ++h) sums[h] = _mm512_setzero_si512();
-  for (int j = 0; j < 8; ++j) sums[j % CHAINS] = _mm512_dpbusd_epi32(sums[j % CHAINS], v[j], _mm512_set1_epi32(x_dwords[j]));
-  for (int h = 1; h < CHAINS; ++h) sums[0] = _mm512_add_epi32(sums[0], sums[h]);
+  UNROLLED for (int h = 1; h < CHAINS; ++h) sums[h] = _mm512_setzero_si512();
+  UNROLLED for (int j = 0; j < 8; ++j)
+    sums[j % CHAINS] = _mm512_dpbusd_epi32(sums[j % CHAINS], v[j], _mm512_set1_epi32(x_dwords[j]));
+  UNROLLED for (int h = 1; h < CHAINS; ++h) sums[0] = _mm512_add_epi32(sums[0], sums[h]);
   return sums[0];
 }
 
@@ -939,7 +944,7 @@ void int8_dot_transposed(const DotActivations& a, const BlockTerms& terms, int64
   const int64_t blocks = k / DOT_BLOCK;
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  UNROLLED for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t c = 0; c < k; c += DOT_STEP) {
     const bool both = k - c >= DOT_STEP;  // else only the step's first block is in the row
     const __mmask64 mask = both ? ~__mmask64(0) : (__mmask64(1) << DOT_BLOCK) - 1;
@@ -947,10 +952,11 @@ void int8_dot_transposed(const DotActivations& a, const BlockTerms& terms, int64
     const char* ahead = reinterpret_cast<const char*>(w + (n0 + 16) * k) + c / DOT_STEP * 16 * 64;
     for (int i = 0; i < 16; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T0);
     __m512i v[16];
-    for (int r = 0; r < 16; ++r) v[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + (n0 + r) * k + c), flip);
+    UNROLLED for (int r = 0; r < 16; ++r)
+      v[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + (n0 + r) * k + c), flip);
     transpose_dwords(v);
     const int64_t b = c / DOT_BLOCK;
-    for (int m = 0; m < M; ++m) {
+    UNROLLED for (int m = 0; m < M; ++m) {
       const auto* x_dwords = reinterpret_cast<const int32_t*>(a.q.data() + (m0 + m) * a.padded + c);
       const int64_t at = (m0 + m) * blocks + b;
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_dots<CHAINS>(v, x_dwords, terms.unflip[at])),
@@ -961,7 +967,7 @@ void int8_dot_transposed(const DotActivations& a, const BlockTerms& terms, int64
     }
   }
   const __m512 scale = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + n0)));
-  for (int m = 0; m < M; ++m)
+  UNROLLED for (int m = 0; m < M; ++m)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n_total + n0),
                         (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[m], scale)));
 }
@@ -1230,52 +1236,54 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
   const int64_t chunks = k / 8, groups = k / group, blocks = k / DOT_BLOCK, blocks_per_group = group / DOT_BLOCK;
   constexpr int CHAINS = T == 1 && M < 6 ? 2 : 1;  // independent dependency chains: two per tile at least
   const int32_t* base[T];
-  for (int t = 0; t < T; ++t) base[t] = w + (first + t * step) * chunks * TILE;
+  UNROLLED for (int t = 0; t < T; ++t) base[t] = w + (first + t * step) * chunks * TILE;
   const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
   __m512 acc[M][T];
-  for (int m = 0; m < M; ++m)
-    for (int t = 0; t < T; ++t) acc[m][t] = _mm512_setzero_ps();
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int t = 0; t < T; ++t) acc[m][t] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512 dots[M][T];
-    for (int m = 0; m < M; ++m)
-      for (int t = 0; t < T; ++t) dots[m][t] = _mm512_setzero_ps();
+    UNROLLED for (int m = 0; m < M; ++m)
+      UNROLLED for (int t = 0; t < T; ++t) dots[m][t] = _mm512_setzero_ps();
     for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
       __m512i sums[M][T][CHAINS];
-      for (int m = 0; m < M; ++m)
-        for (int t = 0; t < T; ++t)
-          for (int h = 0; h < CHAINS; ++h) sums[m][t][h] = _mm512_setzero_si512();
-      for (int64_t c = b * 4; c < b * 4 + 4; ++c)
-        for (int t = 0; t < T; ++t) {
+      UNROLLED for (int m = 0; m < M; ++m)
+        UNROLLED for (int t = 0; t < T; ++t)
+          UNROLLED for (int h = 0; h < CHAINS; ++h) sums[m][t][h] = _mm512_setzero_si512();
+      UNROLLED for (int i = 0; i < 4; ++i) {
+        const int64_t c = b * 4 + i;
+        UNROLLED for (int t = 0; t < T; ++t) {
           prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(base[t] + c * TILE) + PREFETCH_BYTES);
           const __m512i words = _mm512_loadu_si512(base[t] + c * TILE);
           const __m512i low = _mm512_and_si512(words, nibbles);
           const __m512i high = _mm512_and_si512(_mm512_srli_epi32(words, 4), nibbles);
-          for (int m = 0; m < M; ++m) {
+          UNROLLED for (int m = 0; m < M; ++m) {
             const int32_t* xp = a.pairs.data() + ((m0 + m) * chunks + c) * 2;
-            __m512i& sum = sums[m][t][c % CHAINS];
+            __m512i& sum = sums[m][t][i % CHAINS];
             sum = _mm512_dpbusd_epi32(sum, low, _mm512_set1_epi32(xp[0]));
             sum = _mm512_dpbusd_epi32(sum, high, _mm512_set1_epi32(xp[1]));
           }
         }
-      for (int m = 0; m < M; ++m) {
+      }
+      UNROLLED for (int m = 0; m < M; ++m) {
         const __m512 d = _mm512_set1_ps(a.d[(m0 + m) * blocks + b]);
-        for (int t = 0; t < T; ++t) {
+        UNROLLED for (int t = 0; t < T; ++t) {
           const __m512i block = CHAINS == 2 ? _mm512_add_epi32(sums[m][t][0], sums[m][t][CHAINS - 1]) : sums[m][t][0];
           dots[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block), d, dots[m][t]);
         }
       }
     }
-    for (int t = 0; t < T; ++t) {
+    UNROLLED for (int t = 0; t < T; ++t) {
       __m512 scale, offset;
       int4_scale_offset(sz, first + t * step, g, 8.0f, scale, offset);
-      for (int m = 0; m < M; ++m) {
+      UNROLLED for (int m = 0; m < M; ++m) {
         acc[m][t] = _mm512_fmadd_ps(dots[m][t], scale, acc[m][t]);
         acc[m][t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.sums[(m0 + m) * groups + g]), acc[m][t]);
       }
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int t = 0; t < T; ++t)
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int t = 0; t < T; ++t)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n_total + (first + t * step) * TILE),
                           (__m256i)_mm512_cvtneps_pbh(acc[m][t]));
 }
@@ -2034,27 +2042,28 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
                     int64_t group, int64_t first, int64_t step, at::BFloat16* out, int64_t n_total) {
   const int64_t chunks = k / 8, groups = k / group, blocks = k / DOT_BLOCK, blocks_per_group = group / DOT_BLOCK;
   const int32_t* base[T];
-  for (int t = 0; t < T; ++t) base[t] = w + (first + t * step) * chunks * TILE;
+  UNROLLED for (int t = 0; t < T; ++t) base[t] = w + (first + t * step) * chunks * TILE;
   const __m256i nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[M][T][2];
-  for (int m = 0; m < M; ++m)
-    for (int t = 0; t < T; ++t) acc[m][t][0] = acc[m][t][1] = _mm256_setzero_ps();
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int t = 0; t < T; ++t) acc[m][t][0] = acc[m][t][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m256 dots[M][T][2];
-    for (int m = 0; m < M; ++m)
-      for (int t = 0; t < T; ++t) dots[m][t][0] = dots[m][t][1] = _mm256_setzero_ps();
+    UNROLLED for (int m = 0; m < M; ++m)
+      UNROLLED for (int t = 0; t < T; ++t) dots[m][t][0] = dots[m][t][1] = _mm256_setzero_ps();
     for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
       __m256i sums[M][T][2];  // [x row][tile][half]: the block's 16-bit pair sums (with VNNI its int32 sums)
-      for (int m = 0; m < M; ++m)
-        for (int t = 0; t < T; ++t) sums[m][t][0] = sums[m][t][1] = _mm256_setzero_si256();
-      for (int64_t c = b * 4; c < b * 4 + 4; ++c)
-        for (int t = 0; t < T; ++t) {
+      UNROLLED for (int m = 0; m < M; ++m)
+        UNROLLED for (int t = 0; t < T; ++t) sums[m][t][0] = sums[m][t][1] = _mm256_setzero_si256();
+      UNROLLED for (int i = 0; i < 4; ++i) {
+        const int64_t c = b * 4 + i;
+        UNROLLED for (int t = 0; t < T; ++t) {
           prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(base[t] + c * TILE) + PREFETCH_BYTES);
-          for (int h = 0; h < 2; ++h) {
+          UNROLLED for (int h = 0; h < 2; ++h) {
             const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base[t] + c * TILE + 8 * h));
             const __m256i low = _mm256_and_si256(words, nibbles);
             const __m256i high = _mm256_and_si256(_mm256_srli_epi32(words, 4), nibbles);
-            for (int m = 0; m < M; ++m) {
+            UNROLLED for (int m = 0; m < M; ++m) {
               const int32_t* xp = a.pairs.data() + ((m0 + m) * chunks + c) * 2;
               const __m256i x_low = _mm256_set1_epi32(xp[0]), x_high = _mm256_set1_epi32(xp[1]);
               __m256i& sum = sums[m][t][h];
@@ -2067,29 +2076,30 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
             }
           }
         }
-      for (int m = 0; m < M; ++m) {
+      }
+      UNROLLED for (int m = 0; m < M; ++m) {
         const __m256 d = _mm256_set1_ps(a.d[(m0 + m) * blocks + b]);
-        for (int t = 0; t < T; ++t)
-          for (int h = 0; h < 2; ++h) {
+        UNROLLED for (int t = 0; t < T; ++t)
+          UNROLLED for (int h = 0; h < 2; ++h) {
             const __m256i block = VNNI ? sums[m][t][h] : _mm256_madd_epi16(sums[m][t][h], ones);
             dots[m][t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block), d, dots[m][t][h]);
           }
       }
     }
-    for (int t = 0; t < T; ++t)
-      for (int h = 0; h < 2; ++h) {
+    UNROLLED for (int t = 0; t < T; ++t)
+      UNROLLED for (int h = 0; h < 2; ++h) {
         __m256 scale, zero;
         half_scale_zero(sz, first + t * step, g, h, scale, zero);
         const __m256 offset = _mm256_fnmadd_ps(scale, _mm256_set1_ps(8.0f), zero);
-        for (int m = 0; m < M; ++m) {
+        UNROLLED for (int m = 0; m < M; ++m) {
           acc[m][t][h] = _mm256_fmadd_ps(dots[m][t][h], scale, acc[m][t][h]);
           acc[m][t][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.sums[(m0 + m) * groups + g]), acc[m][t][h]);
         }
       }
   }
-  for (int t = 0; t < T; ++t) {
+  UNROLLED for (int t = 0; t < T; ++t) {
     __m256 tile_acc[M][2];
-    for (int m = 0; m < M; ++m) tile_acc[m][0] = acc[m][t][0], tile_acc[m][1] = acc[m][t][1];
+    UNROLLED for (int m = 0; m < M; ++m) tile_acc[m][0] = acc[m][t][0], tile_acc[m][1] = acc[m][t][1];
     store_tile<M>(tile_acc, out, n_total, first + t * step);
   }
 }
