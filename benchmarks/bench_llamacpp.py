@@ -19,7 +19,8 @@ llama.cpp: ``llama-bench`` runs a ``--prompt``-token prefill from an empty conte
 --modes inject --compile --quant ...``, the rows with the decode step compiled; its prefill is the time to the first
 token. Each engine keeps its best repetition (``llama-bench -r``, ``splice bench --repeat``), and the table shows the
 best of the sittings; ``--sittings`` alternates the engines (llama.cpp, splice, llama.cpp, ...) so load from other
-processes hits both. The ratio is splice / llama.cpp (above 1: splice is faster).
+processes hits both. The ratio is splice / llama.cpp (above 1: splice is faster); the last column gives it per sitting
+as well, each engine's figure of that sitting alone, whose spread shows how much the host moved.
 
 The first run downloads the ``llama-cpp-python`` source distribution (pinned below) from PyPI, builds ``llama-bench``
 and ``llama-quantize`` from the llama.cpp it vendors, converts the checkpoint to a BF16 GGUF with the vendored
@@ -84,6 +85,9 @@ class Row:
     splice_prefill: float
     decode_ratio: float
     prefill_ratio: float
+    #: splice / llama.cpp decode within each sitting (the two engines minutes apart, not the best of each): on a host
+    #: whose bandwidth moves, their spread shows how far the best-of ratio can be trusted
+    decode_ratio_by_sitting: list[float] = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------------- arguments
@@ -350,24 +354,27 @@ def best_of(sittings: list[dict[str, dict[str, float]]], name: str, phase: str) 
 
 
 def make_rows(llamacpp: list[dict], splice: list[dict], formats: list[str]) -> list[Row]:
-    """One row per format: each figure the best of its sittings."""
+    """One row per format: each figure the best of its sittings, and the decode ratio of each sitting."""
     rows = []
     for name in formats:
         theirs = {phase: best_of(llamacpp, name, phase) for phase in PHASES}
         ours = {phase: best_of(splice, name, phase) for phase in PHASES}
+        by_sitting = [s[name]["decode"] / t[name]["decode"] for t, s in zip(llamacpp, splice)
+                      if "decode" in t.get(name, {}) and "decode" in s.get(name, {})]
         rows.append(Row(FORMATS[name].label, theirs["decode"], theirs["prefill"], ours["decode"], ours["prefill"],
-                        ours["decode"] / theirs["decode"], ours["prefill"] / theirs["prefill"]))
+                        ours["decode"] / theirs["decode"], ours["prefill"] / theirs["prefill"], by_sitting))
     return rows
 
 
 def format_table(rows: list[Row], cpu: str, threads: int) -> str:
     width = max([len("format")] + [len(r.format) for r in rows])
     header = (f"{'format':<{width}} {'llama.cpp decode':>16} {'prefill':>9} {'splice decode':>14} {'prefill':>9} "
-              f"{'decode x':>9} {'prefill x':>9}")
+              f"{'decode x':>9} {'prefill x':>9}  decode x by sitting")
     lines = [f"CPU: {cpu}, {threads} threads (tokens/s; x = splice / llama.cpp)", header, "-" * len(header)]
     for r in rows:
+        by_sitting = " ".join(f"{ratio:.2f}x" for ratio in r.decode_ratio_by_sitting)
         lines.append(f"{r.format:<{width}} {r.llamacpp_decode:>16.2f} {r.llamacpp_prefill:>9.1f} {r.splice_decode:>14.2f} "
-                     f"{r.splice_prefill:>9.1f} {r.decode_ratio:>8.2f}x {r.prefill_ratio:>8.2f}x")
+                     f"{r.splice_prefill:>9.1f} {r.decode_ratio:>8.2f}x {r.prefill_ratio:>8.2f}x  {by_sitting}".rstrip())
     return "\n".join(lines)
 
 

@@ -87,22 +87,23 @@ def test_rows_take_the_best_sitting_and_the_ratio_is_splice_over_llamacpp():
     llamacpp = [{"int8": {"decode": 10.0, "prefill": 100.0}}, {"int8": {"decode": 12.0, "prefill": 80.0}}]
     splice = [{"int8": {"decode": 9.0, "prefill": 50.0}}, {"int8": {"decode": 6.0, "prefill": 60.0}}]
     [row] = bl.make_rows(llamacpp, splice, ["int8"])
-    assert row == bl.Row("int8 vs Q8_0", 12.0, 100.0, 9.0, 60.0, 0.75, 0.6)
+    assert row == bl.Row("int8 vs Q8_0", 12.0, 100.0, 9.0, 60.0, 0.75, 0.6, [0.9, 0.5])
 
 
 def test_a_missing_figure_is_nan_not_an_error():
     [row] = bl.make_rows([{}], [{"int4": {"decode": 9.0, "prefill": 50.0}}], ["int4"])
-    assert math.isnan(row.llamacpp_decode) and math.isnan(row.decode_ratio)
+    assert math.isnan(row.llamacpp_decode) and math.isnan(row.decode_ratio) and row.decode_ratio_by_sitting == []
 
 
 def test_table_names_cpu_threads_and_every_format():
-    rows = [bl.Row("bf16", 5.0, 50.0, 6.0, 40.0, 1.2, 0.8), bl.Row("int4 g32 vs Q4_0", 20.0, 90.0, 15.0, 45.0, 0.75,
-                                                                   0.5)]
+    rows = [bl.Row("bf16", 5.0, 50.0, 6.0, 40.0, 1.2, 0.8, [1.2, 0.96]),
+            bl.Row("int4 g32 vs Q4_0", 20.0, 90.0, 15.0, 45.0, 0.75, 0.5)]
     table = bl.format_table(rows, "Intel(R) Xeon(R) Processor", 2)
     lines = table.splitlines()
     assert lines[0].startswith("CPU: Intel(R) Xeon(R) Processor, 2 threads")
     assert "llama.cpp decode" in lines[1] and "splice decode" in lines[1]
-    assert lines[3].split()[:3] == ["bf16", "5.00", "50.0"] and lines[3].endswith("1.20x     0.80x")
+    assert lines[3].split()[:3] == ["bf16", "5.00", "50.0"] and lines[3].endswith("1.20x     0.80x  1.20x 0.96x")
+    assert "decode x by sitting" in lines[1] and lines[4].endswith("0.50x")
     assert lines[4].startswith("int4 g32 vs Q4_0") and "0.75x" in lines[4]
 
 

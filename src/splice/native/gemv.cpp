@@ -566,22 +566,23 @@ void bf16_rows(const at::BFloat16* x, const at::BFloat16* w, int64_t k, RowBlock
                int64_t n_total) {
   constexpr int m_rows = M, rows = R;
   __m512 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
   const at::BFloat16* row_at[R];
   row_pointers<R>(w, k, block, row_at);
   for (int64_t c = 0; c < k; c += 32) {
     const int64_t left = k - c;
     prefetch_step<R, 32>(row_at, k, c);
     __m512i wv[R];
-    for (int r = 0; r < rows; ++r) wv[r] = load_bf16_pairs(row_at[r] + c, left);
-    for (int64_t m = 0; m < m_rows; ++m) {
+    UNROLLED for (int r = 0; r < rows; ++r) wv[r] = load_bf16_pairs(row_at[r] + c, left);
+    UNROLLED for (int64_t m = 0; m < m_rows; ++m) {
       __m512bh xv = (__m512bh)load_bf16_pairs(x + m * k + c, left);
-      for (int r = 0; r < rows; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, (__m512bh)wv[r]);
+      UNROLLED for (int r = 0; r < rows; ++r) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, (__m512bh)wv[r]);
     }
   }
-  for (int64_t m = 0; m < m_rows; ++m)
-    for (int r = 0; r < rows; ++r) out[m * n_total + block.row(r)] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]));
+  UNROLLED for (int64_t m = 0; m < m_rows; ++m)
+    UNROLLED for (int r = 0; r < rows; ++r)
+      out[m * n_total + block.row(r)] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]));
 }
 
 // The S weight streams' rows as sets (for_row_sets), each stream prefetched in itself; each row's arithmetic is
@@ -591,22 +592,22 @@ void bf16_row_sets(const at::BFloat16* x, const at::BFloat16* w, int64_t k, RowB
                    int64_t n_total) {
   for_row_sets<S>(w, k, block, [&](const int64_t rows[S], const at::BFloat16* const row_at[S]) {
     __m512 acc[M][S];
-    for (int m = 0; m < M; ++m)
-      for (int t = 0; t < S; ++t) acc[m][t] = _mm512_setzero_ps();
+    UNROLLED for (int m = 0; m < M; ++m)
+      UNROLLED for (int t = 0; t < S; ++t) acc[m][t] = _mm512_setzero_ps();
     for (int64_t c = 0; c < k; c += 32) {
       const int64_t left = k - c;
       __m512i wv[S];
-      for (int t = 0; t < S; ++t) {
+      UNROLLED for (int t = 0; t < S; ++t) {
         prefetch<PREFETCH_BF16>(row_at[t] + c + PREFETCH_BYTES / 2);
         wv[t] = load_bf16_pairs(row_at[t] + c, left);
       }
-      for (int64_t m = 0; m < M; ++m) {
+      UNROLLED for (int64_t m = 0; m < M; ++m) {
         __m512bh xv = (__m512bh)load_bf16_pairs(x + m * k + c, left);
-        for (int t = 0; t < S; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], xv, (__m512bh)wv[t]);
+        UNROLLED for (int t = 0; t < S; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], xv, (__m512bh)wv[t]);
       }
     }
-    for (int64_t m = 0; m < M; ++m)
-      for (int t = 0; t < S; ++t) out[m * n_total + rows[t]] = at::BFloat16(_mm512_reduce_add_ps(acc[m][t]));
+    UNROLLED for (int64_t m = 0; m < M; ++m)
+      UNROLLED for (int t = 0; t < S; ++t) out[m * n_total + rows[t]] = at::BFloat16(_mm512_reduce_add_ps(acc[m][t]));
   });
 }
 
@@ -634,8 +635,8 @@ void int8_rows(const float* x, const int8_t* w, const at::BFloat16* scales, int6
                at::BFloat16* out, int64_t n_total) {
   constexpr int m_rows = M, rows = R;
   __m512 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
   const int8_t* row_at[R];
   row_pointers<R>(w, k, block, row_at);
   for (int64_t c = 0; c < k; c += 16) {
@@ -643,15 +644,15 @@ void int8_rows(const float* x, const int8_t* w, const at::BFloat16* scales, int6
     const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
     prefetch_step<R, 16>(row_at, k, c);
     __m512 wv[R];
-    for (int r = 0; r < rows; ++r)
+    UNROLLED for (int r = 0; r < rows; ++r)
       wv[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, row_at[r] + c)));
-    for (int64_t m = 0; m < m_rows; ++m) {
+    UNROLLED for (int64_t m = 0; m < m_rows; ++m) {
       __m512 xv = _mm512_maskz_loadu_ps(mask, x + m * k + c);
-      for (int r = 0; r < rows; ++r) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
+      UNROLLED for (int r = 0; r < rows; ++r) acc[m][r] = _mm512_fmadd_ps(wv[r], xv, acc[m][r]);
     }
   }
-  for (int64_t m = 0; m < m_rows; ++m)
-    for (int r = 0; r < rows; ++r)
+  UNROLLED for (int64_t m = 0; m < m_rows; ++m)
+    UNROLLED for (int r = 0; r < rows; ++r)
       out[m * n_total + block.row(r)] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]) *
                                                      static_cast<float>(scales[block.row(r)]));
 }
@@ -807,8 +808,8 @@ void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const a
   const float* xd = a.d.data() + m0 * steps * 16;
   const int32_t* xu = a.unflip.data() + m0 * steps * 16;
   __m512 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
   const int8_t* row_at[R];
   row_pointers<R>(w, k, block, row_at);
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
@@ -817,17 +818,18 @@ void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const a
     const __mmask64 mask = left >= DOT_STEP ? ~__mmask64(0) : ((__mmask64(1) << left) - 1);
     prefetch_step<R, DOT_STEP>(row_at, k, c);
     __m512i wv[R];
-    for (int r = 0; r < rows; ++r) wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, row_at[r] + c), flip);
-    for (int m = 0; m < m_rows; ++m) {
+    UNROLLED for (int r = 0; r < rows; ++r)
+      wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, row_at[r] + c), flip);
+    UNROLLED for (int m = 0; m < m_rows; ++m) {
       const __m512i xv = _mm512_loadu_si512(xq + m * a.padded + c);
       const __m512 dv = _mm512_loadu_ps(xd + (m * steps + c / DOT_STEP) * 16);
       const __m512i uv = _mm512_loadu_si512(xu + (m * steps + c / DOT_STEP) * 16);
-      for (int r = 0; r < rows; ++r)
+      UNROLLED for (int r = 0; r < rows; ++r)
         acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(uv, wv[r], xv)), dv, acc[m][r]);
     }
   }
-  for (int m = 0; m < m_rows; ++m)
-    for (int r = 0; r < rows; ++r)
+  UNROLLED for (int m = 0; m < m_rows; ++m)
+    UNROLLED for (int r = 0; r < rows; ++r)
       out[m * n_total + block.row(r)] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]) *
                                                      static_cast<float>(scales[block.row(r)]));
 }
@@ -845,26 +847,26 @@ void int8_dot_row_sets(const DotActivations& a, int64_t m0, const int8_t* w, con
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   for_row_sets<S>(w, k, block, [&](const int64_t rows[S], const int8_t* const row_at[S]) {
     __m512 acc[M][S];
-    for (int m = 0; m < M; ++m)
-      for (int t = 0; t < S; ++t) acc[m][t] = _mm512_setzero_ps();
+    UNROLLED for (int m = 0; m < M; ++m)
+      UNROLLED for (int t = 0; t < S; ++t) acc[m][t] = _mm512_setzero_ps();
     for (int64_t c = 0; c < k; c += DOT_STEP) {
       const int64_t left = k - c;
       const __mmask64 mask = left >= DOT_STEP ? ~__mmask64(0) : ((__mmask64(1) << left) - 1);
       __m512i wv[S];
-      for (int t = 0; t < S; ++t) {
+      UNROLLED for (int t = 0; t < S; ++t) {
         prefetch<PREFETCH_INT8>(row_at[t] + c + PREFETCH_BYTES);
         wv[t] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, row_at[t] + c), flip);
       }
-      for (int m = 0; m < M; ++m) {
+      UNROLLED for (int m = 0; m < M; ++m) {
         const __m512i xv = _mm512_loadu_si512(xq + m * a.padded + c);
         const __m512 dv = _mm512_loadu_ps(xd + (m * steps + c / DOT_STEP) * 16);
         const __m512i uv = _mm512_loadu_si512(xu + (m * steps + c / DOT_STEP) * 16);
-        for (int t = 0; t < S; ++t)
+        UNROLLED for (int t = 0; t < S; ++t)
           acc[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(uv, wv[t], xv)), dv, acc[m][t]);
       }
     }
-    for (int m = 0; m < M; ++m)
-      for (int t = 0; t < S; ++t)
+    UNROLLED for (int m = 0; m < M; ++m)
+      UNROLLED for (int t = 0; t < S; ++t)
         out[m * n_total + rows[t]] = at::BFloat16(_mm512_reduce_add_ps(acc[m][t]) *
                                                   static_cast<float>(scales[rows[t]]));
   });
@@ -1094,16 +1096,16 @@ void int4_tile(const at::BFloat16* x, const float* xsum, const int32_t* w, const
   const int32_t* base = w + tile * chunks * TILE;
   const char* stream = reinterpret_cast<const char*>(base);
   __m512 acc[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  UNROLLED for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512 dot[M][4];  // one accumulator per column pair: four independent dependency chains
-    for (int m = 0; m < M; ++m)
+    UNROLLED for (int m = 0; m < M; ++m)
       for (int p = 0; p < 4; ++p) dot[m][p] = _mm512_setzero_ps();
     for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
       prefetch<PREFETCH_INT4>(stream + c * 64 + PREFETCH_BYTES);
       __m512i pairs[4];
       int4_pairs(_mm512_loadu_si512(base + c * TILE), pairs);
-      for (int64_t m = 0; m < m_rows; ++m) {
+      UNROLLED for (int64_t m = 0; m < m_rows; ++m) {
         const int32_t* xpairs = reinterpret_cast<const int32_t*>(x + m * k + c * 8);
         for (int p = 0; p < 4; ++p)
           dot[m][p] = _mm512_dpbf16_ps(dot[m][p], (__m512bh)pairs[p], (__m512bh)_mm512_set1_epi32(xpairs[p]));
@@ -1111,13 +1113,13 @@ void int4_tile(const at::BFloat16* x, const float* xsum, const int32_t* w, const
     }
     __m512 scale, offset;
     int4_scale_offset(sz, tile, g, 136.0f, scale, offset);
-    for (int64_t m = 0; m < m_rows; ++m) {
+    UNROLLED for (int64_t m = 0; m < m_rows; ++m) {
       const __m512 dot_m = _mm512_add_ps(_mm512_add_ps(dot[m][0], dot[m][1]), _mm512_add_ps(dot[m][2], dot[m][3]));
       acc[m] = _mm512_fmadd_ps(dot_m, scale, acc[m]);
       acc[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[m * groups + g]), acc[m]);
     }
   }
-  for (int64_t m = 0; m < m_rows; ++m)
+  UNROLLED for (int64_t m = 0; m < m_rows; ++m)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n_total + tile * TILE), (__m256i)_mm512_cvtneps_pbh(acc[m]));
 }
 
@@ -1681,35 +1683,35 @@ inline __m256 widen(const int8_t* p) { return int8x8_to_f32(p); }
 template <int M, int R, typename T, bool APART = false>
 void rows_dot(const float* x, const T* const row_at[R], int64_t k, float sums[M][R]) {
   __m256 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
   const int64_t k32 = k / 32 * 32, k8 = k / 8 * 8;
   int64_t c = 0;
   for (; c < k32; c += 32) {
     if constexpr (APART) {
-      for (int r = 0; r < R; ++r) prefetch<prefetch_kind<T>()>(row_at[r] + c + PREFETCH_BYTES / sizeof(T));
+      UNROLLED for (int r = 0; r < R; ++r) prefetch<prefetch_kind<T>()>(row_at[r] + c + PREFETCH_BYTES / sizeof(T));
     } else {
       prefetch_step<R, 32>(row_at, k, c);
     }
     for (int64_t j = 0; j < 32; j += 8) {
       __m256 wv[R];
-      for (int r = 0; r < R; ++r) wv[r] = widen(row_at[r] + c + j);
-      for (int m = 0; m < M; ++m) {
+      UNROLLED for (int r = 0; r < R; ++r) wv[r] = widen(row_at[r] + c + j);
+      UNROLLED for (int m = 0; m < M; ++m) {
         const __m256 xv = _mm256_loadu_ps(x + m * k + c + j);
-        for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
+        UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
       }
     }
   }
   for (; c < k8; c += 8) {
     __m256 wv[R];
-    for (int r = 0; r < R; ++r) wv[r] = widen(row_at[r] + c);
-    for (int m = 0; m < M; ++m) {
+    UNROLLED for (int r = 0; r < R; ++r) wv[r] = widen(row_at[r] + c);
+    UNROLLED for (int m = 0; m < M; ++m) {
       const __m256 xv = _mm256_loadu_ps(x + m * k + c);
-      for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
+      UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
     }
   }
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) {
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int r = 0; r < R; ++r) {
       float total = horizontal_sum(acc[m][r]);
       for (int64_t t = k8; t < k; ++t) total += x[m * k + t] * static_cast<float>(row_at[r][t]);
       sums[m][r] = total;
@@ -1723,7 +1725,7 @@ void bf16_rows(const float* x, const at::BFloat16* w, int64_t k, RowBlock block,
     for_row_sets<2>(w, k, block, [&](const int64_t rows[2], const at::BFloat16* const row_at[2]) {
       float sums[M][2];
       rows_dot<M, 2, at::BFloat16, true>(x, row_at, k, sums);
-      for (int m = 0; m < M; ++m)
+      UNROLLED for (int m = 0; m < M; ++m)
         for (int t = 0; t < 2; ++t) out[m * n_total + rows[t]] = at::BFloat16(sums[m][t]);
     });
   } else {
@@ -1731,8 +1733,8 @@ void bf16_rows(const float* x, const at::BFloat16* w, int64_t k, RowBlock block,
     row_pointers<R>(w, k, block, row_at);
     float sums[M][R];
     rows_dot<M, R>(x, row_at, k, sums);
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < R; ++r) out[m * n_total + block.row(r)] = at::BFloat16(sums[m][r]);
+    UNROLLED for (int m = 0; m < M; ++m)
+      UNROLLED for (int r = 0; r < R; ++r) out[m * n_total + block.row(r)] = at::BFloat16(sums[m][r]);
   }
 }
 
@@ -1758,8 +1760,8 @@ void int8_rows(const float* x, const int8_t* w, const at::BFloat16* scales, int6
   row_pointers<R>(w, k, block, row_at);
   float sums[M][R];
   rows_dot<M, R>(x, row_at, k, sums);
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r)
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int r = 0; r < R; ++r)
       out[m * n_total + block.row(r)] = at::BFloat16(sums[m][r] * static_cast<float>(scales[block.row(r)]));
 }
 
@@ -1838,20 +1840,20 @@ void int8_dot_rows(const DotRows& a, int64_t m0, const int8_t* w, const at::BFlo
   row_pointers<R>(w, k, block, row_at);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[M][R];
-  for (int m = 0; m < M; ++m)
-    for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t c = b * DOT_BLOCK;
     prefetch_step<R, DOT_BLOCK>(row_at, k, c);
     __m256i wv[R], magnitude[R];
-    for (int r = 0; r < rows; ++r) {
+    UNROLLED for (int r = 0; r < rows; ++r) {
       wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_at[r] + c));
       magnitude[r] = _mm256_abs_epi8(wv[r]);
     }
-    for (int m = 0; m < m_rows; ++m) {
+    UNROLLED for (int m = 0; m < m_rows; ++m) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (m0 + m) * k + c));
       const __m256 d = _mm256_set1_ps(a.d[(m0 + m) * blocks + b]);
-      for (int r = 0; r < rows; ++r) {
+      UNROLLED for (int r = 0; r < rows; ++r) {
         const __m256i signed_x = _mm256_sign_epi8(xv, wv[r]);
         const __m256i block = VNNI ? dpbusd_avx(_mm256_setzero_si256(), magnitude[r], signed_x)
                                    : _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[r], signed_x), ones);
@@ -1859,8 +1861,8 @@ void int8_dot_rows(const DotRows& a, int64_t m0, const int8_t* w, const at::BFlo
       }
     }
   }
-  for (int m = 0; m < m_rows; ++m)
-    for (int r = 0; r < rows; ++r)
+  UNROLLED for (int m = 0; m < m_rows; ++m)
+    UNROLLED for (int r = 0; r < rows; ++r)
       out[m * n_total + block.row(r)] = at::BFloat16(horizontal_sum(acc[m][r]) *
                                                      static_cast<float>(scales[block.row(r)]));
 }
@@ -1874,7 +1876,7 @@ void int8_dot_row_pairs(const DotRows& a, int64_t m0, const int8_t* w, const at:
   const __m256i ones = _mm256_set1_epi16(1);
   for_row_sets<2>(w, k, block, [&](const int64_t rows[2], const int8_t* const row_at[2]) {
     __m256 acc[M][2];
-    for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+    UNROLLED for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t c = b * DOT_BLOCK;
       __m256i wv[2], magnitude[2];
@@ -1883,7 +1885,7 @@ void int8_dot_row_pairs(const DotRows& a, int64_t m0, const int8_t* w, const at:
         wv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_at[t] + c));
         magnitude[t] = _mm256_abs_epi8(wv[t]);
       }
-      for (int m = 0; m < M; ++m) {
+      UNROLLED for (int m = 0; m < M; ++m) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (m0 + m) * k + c));
         const __m256 d = _mm256_set1_ps(a.d[(m0 + m) * blocks + b]);
         for (int t = 0; t < 2; ++t) {
@@ -1894,7 +1896,7 @@ void int8_dot_row_pairs(const DotRows& a, int64_t m0, const int8_t* w, const at:
         }
       }
     }
-    for (int m = 0; m < M; ++m)
+    UNROLLED for (int m = 0; m < M; ++m)
       for (int t = 0; t < 2; ++t)
         out[m * n_total + rows[t]] = at::BFloat16(horizontal_sum(acc[m][t]) * static_cast<float>(scales[rows[t]]));
   });
@@ -1972,10 +1974,10 @@ void int4_tile(const float* x, const float* xsum, const int32_t* w, const Int4Sc
   const char* stream = reinterpret_cast<const char*>(base);
   const __m256i nibble = _mm256_set1_epi32(0x000F0000), one = _mm256_set1_epi32(0x3F800000);
   __m256 acc[M][2];
-  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  UNROLLED for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m256 dot[M][2][2];  // [x row][half][even/odd slot]: independent dependency chains
-    for (int m = 0; m < M; ++m)
+    UNROLLED for (int m = 0; m < M; ++m)
       for (int h = 0; h < 2; ++h) dot[m][h][0] = dot[m][h][1] = _mm256_setzero_ps();
     for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
       prefetch<PREFETCH_INT4>(stream + c * 64 + PREFETCH_BYTES);
@@ -1988,7 +1990,7 @@ void int4_tile(const float* x, const float* xsum, const int32_t* w, const Int4Sc
                                       : s == 4 ? q[h] : _mm256_srli_epi32(q[h], 4 * s - 16);
           v[h] = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(at_16, nibble), one));
         }
-        for (int m = 0; m < M; ++m) {
+        UNROLLED for (int m = 0; m < M; ++m) {
           const __m256 xv = _mm256_broadcast_ss(x + m * k + c * 8 + ORDER[s]);
           for (int h = 0; h < 2; ++h) dot[m][h][s & 1] = _mm256_fmadd_ps(v[h], xv, dot[m][h][s & 1]);
         }
@@ -1999,7 +2001,7 @@ void int4_tile(const float* x, const float* xsum, const int32_t* w, const Int4Sc
       half_scale_zero(sz, tile, g, h, scale, zero);
       const __m256 offset = _mm256_fnmadd_ps(scale, _mm256_set1_ps(136.0f), zero);
       const __m256 dot_scale = _mm256_mul_ps(scale, _mm256_set1_ps(128.0f));
-      for (int m = 0; m < M; ++m) {
+      UNROLLED for (int m = 0; m < M; ++m) {
         acc[m][h] = _mm256_fmadd_ps(_mm256_add_ps(dot[m][h][0], dot[m][h][1]), dot_scale, acc[m][h]);
         acc[m][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xsum[m * groups + g]), acc[m][h]);
       }
