@@ -347,8 +347,8 @@ class InferenceConfig(_Section):
         "Replay CUDA graphs (CUDA, tp_size 1): generate's decode step (kernel-injected models; one graph per batch "
         "size and attended length) and engine(...) calls (one graph per argument signature), each captured when "
         "first called; what cannot be captured runs eagerly and the log says so."),
-        json_schema_extra=_note("written, not yet run on a GPU; DeepSpeed replays one graph of the first "
-                                "engine(...) call's shapes and hands back its static output, splice a copy"))
+        json_schema_extra=_note("run on an H200 (benchmarks/device_check.sh); DeepSpeed replays one graph of the "
+                                "first engine(...) call's shapes and hands back its static output, splice a copy"))
     compile_decode: bool = Field(False, description=(
         "Compile splice's decode step with torch.compile (static shapes; needs replace_with_kernel_inject=True). "
         "It attends over the filled KV-cache slots rounded up to a power of two (at least 256): one graph per such "

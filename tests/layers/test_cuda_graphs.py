@@ -22,6 +22,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import splice
 import splice.plan
+from splice.layers import cuda_graphs
 from splice.layers.cuda_graphs import GraphReplayer, copy_out, signature, type_not_tensor
 
 from ..arch.tiny_models import build_family, padded_batch
@@ -84,6 +85,7 @@ def test_replayer_runs_eagerly_what_it_cannot_capture(caplog):
         torch.testing.assert_close(replayer(x), x * 4)
     assert not replayer.graphs and "runs eagerly" in caplog.text and "capture failed" in caplog.text
     assert torch.cuda.current_stream() == stream
+    assert torch.randn(4, device="cuda").shape == (4,)  # the device's generator left the failed capture's phase
 
 
 @needs_cuda
@@ -240,15 +242,36 @@ class EmulatedCapture:
     def __enter__(self):
         self.before, self.streams.current = self.streams.current, EmulatedStreams.Stream()
         EmulatedCapture.capturing = True
+        EmulatedGenerator.default.state.capturing = True
         self.recorder.__enter__()
 
     def __exit__(self, kind, error, traceback):
         self.recorder.__exit__(kind, error, traceback)
         EmulatedCapture.capturing = False
-        if error is not None:
+        if error is not None:  # torch raises before its generators leave their capture phase
             raise RuntimeError("operation failed due to a previous error during capture")
+        EmulatedGenerator.default.state.capturing = False
         self.graph.ops = self.recorder.ops
         self.streams.current = self.before
+
+
+class EmulatedGenerator:
+    """A device's default generator as a capture sees it: a capture puts its state in the capture phase and a capture
+    that ends normally takes it out; ``clone_state`` and ``graphsafe_set_state`` as torch.Generator's."""
+
+    default: EmulatedGenerator
+
+    class State:
+        capturing = False
+
+    def __init__(self, state=None):
+        self.state = state or self.State()
+
+    def clone_state(self):
+        return EmulatedGenerator()
+
+    def graphsafe_set_state(self, other):
+        self.state = other.state
 
 
 @pytest.fixture
@@ -261,6 +284,8 @@ def emulated_graphs(monkeypatch):
                             graph=lambda graph, pool=None: EmulatedCapture(graph, streams, pool),
                             is_current_stream_capturing=lambda: EmulatedCapture.capturing).items():
         monkeypatch.setattr(torch.cuda, name, value)
+    EmulatedGenerator.default = EmulatedGenerator()
+    monkeypatch.setattr(cuda_graphs, "default_generator", lambda: EmulatedGenerator.default)
     monkeypatch.setattr(splice.plan, "check_graphs", lambda *args: None)
     return streams
 
@@ -364,6 +389,7 @@ def test_emulated_failed_capture_runs_eagerly_on_the_caller_s_stream(emulated_gr
         torch.testing.assert_close(replayer(torch.ones(4)), torch.full((4,), 4.0))
     assert torch.cuda.current_stream() is stream and not replayer.graphs
     assert "capture failed (operation not permitted when stream is capturing" in caplog.text
+    assert not EmulatedGenerator.default.state.capturing  # random operators on the device work again
 
 
 def test_emulated_clear_lets_go_of_what_eager_signatures_held(emulated_graphs):

@@ -158,6 +158,41 @@ def test_state_dict_of_another_scheme_is_refused():
         other.load_state_dict(layer.state_dict())
 
 
+@pytest.mark.parametrize("use_native", [False, True])
+@pytest.mark.parametrize("scheme", ["int4-g32", "int4-g64-asym"])
+def test_int4_state_dict_padded_for_cuda_loads_on_the_cpu_and_back(scheme, use_native):
+    """CPU and CUDA pad N and K differently: a saved form padded as CUDA's kernels pad it (N to 8, K to 128 here)
+    loads into a CPU layer, and the CPU layer's saved form cut to that padding loads back, the weights unchanged."""
+    linear, layer = _layer(scheme, use_native=use_native)
+    config = SCHEMES[scheme]
+    saved = layer.state_dict()
+    n_multiple, k_multiple = kernels.int4_padding(torch.device("cuda"), config.group_for(linear.in_features))
+    n, k = -(-linear.out_features // n_multiple) * n_multiple, -(-linear.in_features // k_multiple) * k_multiple
+    group = config.group_for(linear.in_features)
+    as_cuda = {**saved, "qweight": qmath.fit_to(saved["qweight"], (n, k // 2)),
+               "scales_and_zeros": qmath.fit_to(saved["scales_and_zeros"], (k // group, n, 2))}
+    assert as_cuda["qweight"].shape != saved["qweight"].shape
+    fresh = _empty_like(layer, config, use_native)
+    fresh.load_state_dict(as_cuda)
+    torch.testing.assert_close(fresh.dequantize(), layer.dequantize(), rtol=0, atol=0)
+    x = torch.randn(3, linear.in_features)
+    torch.testing.assert_close(fresh(x), layer(x), rtol=0, atol=0)
+    assert fresh.state_dict()["qweight"].shape == saved["qweight"].shape  # saved again in this device's padding
+
+
+def test_int4_state_dict_of_another_group_size_is_refused_whatever_its_padding():
+    _, layer = _layer("int4-g32")
+    other = Int4WeightOnlyLinear.empty(320, 200, True, QuantConfig(bits=4, group_size=64), torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="scales_and_zeros"):
+        other.load_state_dict(layer.state_dict())
+
+
+def test_fit_to_cuts_and_zero_pads_each_dim():
+    x = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal(qmath.fit_to(x, (3, 2)), torch.tensor([[0.0, 1.0], [3.0, 4.0], [0.0, 0.0]]))
+    assert qmath.fit_to(x, (2, 3)) is x
+
+
 def test_conv1d_is_quantized_like_a_linear():
     from transformers.pytorch_utils import Conv1D
 

@@ -40,6 +40,33 @@ def test_round_trip_without_requantizing(tmp_path, monkeypatch, config):
     torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), rtol=0, atol=0)
 
 
+def test_an_int4_checkpoint_padded_for_cuda_loads_on_the_cpu(tmp_path):
+    """A checkpoint written on a GPU holds int4 weights padded for CUDA's kernels (N to 8, K to 128): rewritten so
+    here, it passes load_quantized's checks and gives the saved model's logits."""
+    from safetensors.torch import save_file
+
+    from splice.quant import kernels, qmath
+
+    config = QuantConfig(bits=4, group_size=32, symmetric=False)
+    model_config = tiny_llama_config()
+    model = build_tiny(model_config)
+    quantize(model, config)
+    save_quantized(model, tmp_path, config)
+    state = load_file(tmp_path / "model.safetensors")
+    n_multiple, k_multiple = kernels.int4_padding(torch.device("cuda"), 32)
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            n = -(-module.out_features // n_multiple) * n_multiple
+            k = -(-module.in_features // k_multiple) * k_multiple
+            state[f"{name}.qweight"] = qmath.fit_to(state[f"{name}.qweight"], (n, k // 2)).contiguous()
+            state[f"{name}.scales_and_zeros"] = qmath.fit_to(state[f"{name}.scales_and_zeros"],
+                                                             (k // 32, n, 2)).contiguous()
+    save_file(state, tmp_path / "model.safetensors")
+    loaded = load_quantized(build_tiny(model_config, seed=1), tmp_path, config)
+    ids = torch.randint(0, 128, (1, 12))
+    torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), rtol=0, atol=0)
+
+
 def test_loads_into_a_meta_skeleton(tmp_path):
     model_config = tiny_llama_config(tie_word_embeddings=True)
     model = build_tiny(model_config)

@@ -242,6 +242,22 @@ def test_an_injected_engine_pickles_and_still_records_hidden_states_as_hf(tmp_pa
         assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got.hidden_states, want.hidden_states))
 
 
+def test_hidden_states_are_recorded_as_hf_under_the_registry_of_earlier_transformers_5(monkeypatch):
+    """Earlier transformers 5 releases keep ``_can_record_outputs`` in a plain dict keyed by the class's name, with no
+    ``get`` that takes a module: kernel injection under it still gives the fused blocks HF's hidden-state recorder."""
+    output_capturing = pytest.importorskip("transformers.utils.output_capturing")
+    model = build_family("llama")
+    reference = copy.deepcopy(model)
+    with monkeypatch.context() as patch:
+        patch.setattr(output_capturing, "_CAN_RECORD_REGISTRY", dict(output_capturing._CAN_RECORD_REGISTRY))
+        engine = splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=32)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        got, want = engine(ids, output_hidden_states=True), reference(ids, output_hidden_states=True)
+    assert len(got.hidden_states) == len(want.hidden_states) == model.config.num_hidden_layers + 1
+    assert all(torch.allclose(g, w, atol=1e-5) for g, w in zip(got.hidden_states, want.hidden_states))
+
+
 @pytest.mark.parametrize("name", ["gptj", "llama"])
 def test_the_decode_runtime_and_its_cache_go_with_the_engine(name):
     """Nothing the fused model keeps (GPT-J's rotary lookup for the HF path included) refers to the decode runtime:

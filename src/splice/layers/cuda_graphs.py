@@ -94,12 +94,17 @@ class GraphReplayer:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.current_stream()
+        generator = default_generator()
+        generator_before = generator.clone_state()
         try:
             with torch.cuda.graph(graph, pool=self.pool):
                 output = self.fn(*static_args)
         except RuntimeError as error:
             # torch.cuda.graph leaves its capture stream current when ending the capture raises: back to the caller's
             torch.cuda.set_stream(stream)
+            # and the device's default generator, which every capture enlists, stays in its capture phase, so every
+            # later random operator on the device would raise: it gets back its state from before the capture
+            generator.graphsafe_set_state(generator_before)
             torch.cuda.synchronize()
             cause = error.__context__ or error  # the error inside the capture, before the one ending it
             return self.run_eagerly(key, f"capture failed ({str(cause).splitlines()[0]})")
@@ -119,6 +124,11 @@ class GraphReplayer:
         with self.lock:
             self.graphs = {}
             self.eager = set()
+
+
+def default_generator() -> torch.Generator:
+    """The current device's default random generator: a capture enlists it, whatever the captured call draws."""
+    return torch.cuda.default_generators[torch.cuda.current_device()]
 
 
 def signature(args: tuple) -> tuple:

@@ -68,6 +68,11 @@ class QuantizedLinear(nn.Module):
         """Shape and dtype of every tensor ``state_dict()`` holds (to check a checkpoint before loading it)."""
         return {name: (tuple(t.shape), t.dtype) for name, t in self.state_dict().items()}
 
+    def takes_saved(self, name: str, saved: torch.Tensor) -> bool:
+        """Whether ``saved``, a checkpoint's tensor ``name`` of this layer, loads into it."""
+        shape, dtype = self.saved_specs()[name]
+        return fits_spec(saved, shape, dtype)
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
@@ -171,7 +176,7 @@ class _RepackedWeight(QuantizedLinear):
                 unexpected_keys.remove(key)
             if key not in state_dict:
                 missing_keys.append(key)
-            elif fits_spec(state_dict[key], shape, dtype):
+            elif self.takes_saved(name, state_dict[key]):
                 saved[name] = state_dict[key].to(self.packed.device)
             else:
                 error_msgs.append(f"{key}: saved {tuple(state_dict[key].shape)} {state_dict[key].dtype} does not fit "
@@ -189,10 +194,10 @@ class Int4WeightOnlyLinear(_RepackedWeight):
     """int4 weights in a kernel's layout, ``group`` input elements per bf16 scale and zero: splice's native tiles
     (``native``), else torch's int4 layout for the device.
 
-    ``N`` and ``K`` are zero-padded to what torch's kernel needs (the same whichever kernel runs, so checkpoints keep
-    their shapes). Saved form: ``qweight [N', K' / 2]`` uint8 (two values per byte, see ``qmath.pack_nibbles``) and
-    ``scales_and_zeros [K' / group, N', 2]``; the layer holds only the packed weight and scales (``packed``,
-    ``packed_scales``) and converts on saving and loading.
+    ``N`` and ``K`` are zero-padded to what the device's kernels need (CPU and CUDA differ). Saved form: ``qweight
+    [N', K' / 2]`` uint8 (two values per byte, see ``qmath.pack_nibbles``) and ``scales_and_zeros [K' / group, N',
+    2]``; the layer holds only the packed weight and scales (``packed``, ``packed_scales``) and converts on saving and
+    loading. A saved form padded for another device loads too: its padding is cut or zero-extended to this layer's.
     """
 
     kind = "int4_weight_only"
@@ -264,8 +269,30 @@ class Int4WeightOnlyLinear(_RepackedWeight):
         n, k = self.padded_shape
         return {"qweight": ((n, k // 2), torch.uint8), "scales_and_zeros": ((k // self.group, n, 2), torch.bfloat16)}
 
+    def takes_saved(self, name: str, saved: torch.Tensor) -> bool:
+        """The saved weight and scales as any device's kernels pad them (so a checkpoint of another group size, whose
+        padded shapes differ, is still refused)."""
+        if name == "qweight":
+            return (saved.dtype == torch.uint8 and saved.dim() == 2
+                    and (saved.shape[0], 2 * saved.shape[1]) in self._padded_shapes())
+        if name == "scales_and_zeros":
+            return (saved.is_floating_point() and saved.dim() == 3 and saved.shape[2] == 2
+                    and (saved.shape[1], saved.shape[0] * self.group) in self._padded_shapes())
+        return super().takes_saved(name, saved)
+
+    def _padded_shapes(self) -> set[tuple[int, int]]:
+        """``(N', K')`` of this layer's features as each device's kernels pad them."""
+        shapes = set()
+        for device in ("cpu", "cuda"):
+            n_multiple, k_multiple = kernels.int4_padding(torch.device(device), self.group)
+            shapes.add((-(-self.out_features // n_multiple) * n_multiple,
+                        -(-self.in_features // k_multiple) * k_multiple))
+        return shapes
+
     def _load_saved_form(self, saved: dict[str, torch.Tensor]) -> None:
-        self._pack(qmath.unpack_nibbles(saved["qweight"]), saved["scales_and_zeros"])
+        n, k = self.padded_shape
+        self._pack(qmath.fit_to(qmath.unpack_nibbles(saved["qweight"]), (n, k)),
+                   qmath.fit_to(saved["scales_and_zeros"], (k // self.group, n, 2)))
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         self._check_device(x)

@@ -11,6 +11,15 @@ import torch.nn.functional as F
 _EPS = 1e-12
 
 
+def fit_to(tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``tensor`` cut, or zero-padded, at the end of each dim to ``shape`` (itself where it has that shape)."""
+    if tuple(tensor.shape) == tuple(shape):
+        return tensor
+    cut = tensor[tuple(slice(0, size) for size in shape)]
+    pad = [amount for dim in reversed(range(len(shape))) for amount in (0, shape[dim] - cut.shape[dim])]
+    return F.pad(cut, pad) if any(pad) else cut
+
+
 def pad_to(tensor: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     """``tensor`` zero-padded at the end of ``dim`` up to a multiple of ``multiple`` (unchanged if it already is)."""
     extra = -tensor.shape[dim] % multiple

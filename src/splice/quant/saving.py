@@ -162,11 +162,19 @@ def _check_state_fits(model: nn.Module, layers: dict[str, QuantizedLinear], stat
     problems += [f"unexpected {key}" for key in state if key not in expected]
     problems += [f"{key}: saved {tuple(state[key].shape)} {state[key].dtype}, the model takes {shape} {dtype}"
                  for key, (shape, dtype) in expected.items()
-                 if key in state and not fits_spec(state[key], shape, dtype)]
+                 if key in state and not _takes(layers, key, state[key], shape, dtype)]
     if problems:
         shown = "; ".join(problems[:3]) + (f" and {len(problems) - 3} more" if len(problems) > 3 else "")
         raise ValueError(f"{folder} does not fit this model ({shown}); allowed: a skeleton of the saved model's "
                          "architecture and sizes, built as the saved one was")
+
+
+def _takes(layers: dict[str, QuantizedLinear], key: str, saved: torch.Tensor, shape: tuple[int, ...],
+           dtype: torch.dtype) -> bool:
+    """Whether the checkpoint's tensor ``key`` loads: its quantized layer decides (int4 takes another device's
+    padding); any other tensor needs ``shape`` and ``dtype``."""
+    name, _, leaf = key.rpartition(".")
+    return layers[name].takes_saved(leaf, saved) if name in layers else fits_spec(saved, shape, dtype)
 
 
 def _expected_specs(model: nn.Module, layers: dict[str, QuantizedLinear]) -> dict:

@@ -114,7 +114,9 @@ def hidden_states_recorder(model: nn.Module, layer: nn.Module):
     except ImportError:
         return None
     for owner in model.modules():
-        specs = _CAN_RECORD_REGISTRY.get(owner).get("hidden_states")
+        # keyed by the class's name; earlier transformers 5 releases (the GPU check's machine has one) keep a plain
+        # dict, whose ``get`` takes no module
+        specs = (dict.get(_CAN_RECORD_REGISTRY, str(owner.__class__)) or {}).get("hidden_states")
         for spec in specs if isinstance(specs, list) else [specs]:
             if isinstance(spec, type):
                 spec = OutputRecorder(target_class=spec)
