@@ -3,7 +3,6 @@ patch). Nothing here builds llama.cpp or downloads anything, except the one end-
 ``SPLICE_TEST_LLAMACPP=1`` turns on."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -12,15 +11,13 @@ from pathlib import Path
 
 import pytest
 
+from .benchmark_scripts import load_benchmark
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_llamacpp.py"
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("bench_llamacpp", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_llamacpp")
 
 
 bl = load_script()

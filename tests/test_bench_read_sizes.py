@@ -1,7 +1,6 @@
 """``benchmarks/bench_read_sizes.py``: the bandwidth probe on reads the size of a decode step's matrices."""
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import subprocess
@@ -12,17 +11,14 @@ import pytest
 
 from splice import native
 
+from .benchmark_scripts import load_benchmark
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_read_sizes.py"
 needs_native = pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
 
 
 def load_script():
-    if str(SCRIPT.parent) not in sys.path:  # as when run: its sibling benchmarks import from the script's folder
-        sys.path.insert(0, str(SCRIPT.parent))
-    spec = importlib.util.spec_from_file_location("bench_read_sizes", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_read_sizes")
 
 
 def test_slices_cover_the_region_in_reads_of_the_size():
