@@ -2,7 +2,8 @@
 on a kernel-injected llama-1b (random weights), inductor's kernels named; the direct children of the compiled
 graph's call are summed by name over the decode steps (the prefill left out), and the time the graph spends between
 them is reported beside. Finer than ``splice bench --profile``'s stages (which put the fused kernels and the time
-between calls together in "other")::
+between calls together in "other"). Naming the kernels keeps inductor's Python wrapper, whose calls the profiler
+sees; the step splice runs has the C++ wrapper, with less time between calls::
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_step_calls.py --quant int4-sym
 """
