@@ -93,7 +93,8 @@ echo "decode timing exit status $?"
 
 echo "== 3/3 quantized linears vs bf16"
 timeout 60 python3 - <<'PY'
-"""Batch-1 and batch-8 time of one TinyLlama-shaped block's fused projections (x22 layers), bf16 vs quantized."""
+"""Batch-1 and batch-8 time of one TinyLlama-shaped block's fused projections (x22 layers), bf16 vs quantized (and
+int8 widened to bf16 per call, against torch's int8 kernel)."""
 import torch
 from splice.quant import HANDLERS, QuantConfig
 
@@ -108,6 +109,21 @@ for layer, w in zip(rows["bf16"], weights):
     layer.weight.data.copy_(w)
 for name, config in schemes.items():
     rows[name] = [HANDLERS[config.kind].from_float(w, None, config) for w in weights]
+
+
+class Widened(torch.nn.Module):
+    """An int8 layer's weight widened to bf16 on every call, then one matmul: the alternative to torch's int8 kernel
+    on CUDA, timed beside it."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer, self.in_features = layer, layer.in_features
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.layer.qweight.to(x.dtype)) * self.layer.scales.to(x.dtype)
+
+
+rows["int8 widened"] = [Widened(layer) for layer in rows["int8"]]
 for batch in (1, 8):
     xs = {k: torch.randn(batch, k, device="cuda", dtype=torch.bfloat16) for k in (2048, 5632)}
     times = {}
