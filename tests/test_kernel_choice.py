@@ -37,7 +37,17 @@ def test_grouped_int8_and_cuda_run_torch_kernels_and_say_why():
     grouped = kernel_choice.quant_kernel(QuantConfig(group_size=64), "cpu")
     assert grouped.kernel == "torch" and "group" in grouped.reason
     cuda = kernel_choice.quant_kernel(QuantConfig(), "cuda")
-    assert cuda.kernel == "torch" and "cuda" in cuda.reason
+    assert cuda.kernel == "torch" and "cuda" in cuda.reason and "widened" in cuda.reason
+    assert "int4 kernels for cuda" in kernel_choice.quant_kernel(QuantConfig(bits=4, group_size=32), "cuda").reason
+
+
+def test_cuda_int8_layers_widen_the_weight_rather_than_call_torch_s_int8_kernel():
+    """On CUDA torch's int8 kernel ran several times slower than a widened weight and one matmul: int8_weight_mm
+    never calls it there, whatever the rows; on the CPU it still takes the rows it suits."""
+    from splice.quant import kernels
+
+    assert not kernels._int8pack_runs(torch.device("cuda"), 1, 2048)
+    assert kernels._int8pack_runs(torch.device("cpu"), 1, kernels.INT8PACK_CPU_K_MULTIPLE * 4)
 
 
 def test_float_kernel_names_the_level_and_any_override(monkeypatch):

@@ -110,6 +110,9 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
                                 dot_products=True)
         return KernelChoice("native", f"splice's {ROW_LIMIT_OF[kind]} GEMV up to {limit} rows, de-quantise + "
                                       f"{prompt_gemm()} above; {native_level()}")
+    if kind != "int4_weight_only" and device.type == "cuda":
+        return KernelChoice("torch", f"the int8 weight widened to the activations' dtype on every call, then torch's "
+                                     f"matmul on cuda (torch's int8 kernel is slower there; {why_not_native(device)})")
     return KernelChoice("torch", f"torch's {'int4' if kind == 'int4_weight_only' else 'int8'} kernels for "
                                  f"{device.type} ({why_not_native(device)})")
 

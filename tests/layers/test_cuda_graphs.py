@@ -508,3 +508,29 @@ def test_graphs_and_cache_go_with_the_engine():
     gc.collect()
     assert all(ref() is None for ref in held)
     assert torch.cuda.memory_allocated() < with_graphs  # the KV cache and the graphs' outputs went back
+
+
+def test_clear_lets_the_memory_pool_go_with_the_graphs():
+    """A pool goes back to the allocator with its last graph: clearing must not keep its handle for the next
+    capture (on CUDA that capture fails an allocator check and the step runs eagerly)."""
+    replayer = GraphReplayer(lambda x: x * 2, "double")
+    replayer.pool = (0, 1)
+    replayer.clear()
+    assert replayer.pool is None
+
+
+@needs_cuda
+def test_a_new_batch_size_captures_again_after_the_last_one_s_graphs_went(caplog):
+    """Another batch size takes a new KV cache, and the old one's graphs (and their pool) go: the new batch size's
+    step is captured again, not run eagerly, and gives HF's tokens."""
+    reference = build_family("llama").cuda()
+    ids, mask = (t.cuda() for t in padded_batch(vocab=reference.config.vocab_size))
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, enable_cuda_graph=True,
+                                   max_out_tokens=64)
+    greedy = dict(max_new_tokens=8, do_sample=False)
+    with caplog.at_level(logging.INFO, logger="splice"):
+        engine.generate(ids[:1], attention_mask=mask[:1], **greedy)
+        got = engine.generate(ids, attention_mask=mask, **greedy)
+    assert torch.equal(got, reference.generate(ids, attention_mask=mask, **greedy))
+    assert caplog.text.count("captured a CUDA graph of the decode step") == 2 and "eagerly" not in caplog.text
+    assert len(engine.runtime.graphs.graphs) == 1

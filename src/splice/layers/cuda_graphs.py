@@ -124,6 +124,8 @@ class GraphReplayer:
         with self.lock:
             self.graphs = {}
             self.eager = set()
+            # the pool goes with its last graph: a capture into its handle afterwards fails torch's allocator check
+            self.pool = None
 
 
 def default_generator() -> torch.Generator:

@@ -110,8 +110,10 @@ def int8_grouped_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
 
 def _int8pack_runs(device: torch.device, rows: int, k: int) -> bool:
     """Whether ``_weight_int8pack_mm`` suits ``[rows, k]`` inputs: at most ``INT8_KERNEL_MAX_ROWS`` rows, a kernel for
-    the device, and on CPU ``k`` a multiple of ``INT8PACK_CPU_K_MULTIPLE``."""
-    if rows > INT8_KERNEL_MAX_ROWS:
+    the device, and on CPU ``k`` a multiple of ``INT8PACK_CPU_K_MULTIPLE``. Never on CUDA: there torch's kernel runs
+    several times slower than widening the weight to the activations' dtype and one matmul (docs/benchmarks.md, "CUDA
+    graph replay on an H200")."""
+    if rows > INT8_KERNEL_MAX_ROWS or device.type == "cuda":
         return False
     if device.type == "cpu":
         return k % INT8PACK_CPU_K_MULTIPLE == 0
