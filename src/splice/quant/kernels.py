@@ -128,6 +128,12 @@ def int4_padding(device: torch.device, group: int) -> tuple[int, int]:
     return CPU_INT4_BLOCK_N, group
 
 
+def int4_padded_shape(out_features: int, in_features: int, group: int, device: torch.device) -> tuple[int, int]:
+    """``(N', K')``: the features zero-padded as the int4 kernels of ``device`` need them."""
+    n_multiple, k_multiple = int4_padding(device, group)
+    return -(-out_features // n_multiple) * n_multiple, -(-in_features // k_multiple) * k_multiple
+
+
 def int4_pack(q: torch.Tensor, use_native: bool = False) -> torch.Tensor:
     """``q [N, K]`` (0..15, already padded) -> the kernel layout: splice's native tiles (``use_native``, CPU), else
     torch's layout for ``q``'s device."""

@@ -236,8 +236,7 @@ class Int4WeightOnlyLinear(_RepackedWeight):
               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
               native: bool = False, dot_products: bool = False) -> Int4WeightOnlyLinear:
         group = config.group_for(in_features)
-        n_multiple, k_multiple = kernels.int4_padding(torch.device(device), group)
-        n, k = -(-out_features // n_multiple) * n_multiple, -(-in_features // k_multiple) * k_multiple
+        n, k = kernels.int4_padded_shape(out_features, in_features, group, torch.device(device))
         return cls(in_features, out_features, _zero_bias(bias, out_features, device, dtype),
                    torch.zeros(n, k, dtype=torch.uint8, device=device), torch.zeros(k // group, n, 2, device=device),
                    group, native, dot_products)
@@ -282,12 +281,8 @@ class Int4WeightOnlyLinear(_RepackedWeight):
 
     def _padded_shapes(self) -> set[tuple[int, int]]:
         """``(N', K')`` of this layer's features as each device's kernels pad them."""
-        shapes = set()
-        for device in ("cpu", "cuda"):
-            n_multiple, k_multiple = kernels.int4_padding(torch.device(device), self.group)
-            shapes.add((-(-self.out_features // n_multiple) * n_multiple,
-                        -(-self.in_features // k_multiple) * k_multiple))
-        return shapes
+        return {kernels.int4_padded_shape(self.out_features, self.in_features, self.group, torch.device(device))
+                for device in ("cpu", "cuda")}
 
     def _load_saved_form(self, saved: dict[str, torch.Tensor]) -> None:
         n, k = self.padded_shape

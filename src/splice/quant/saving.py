@@ -171,10 +171,12 @@ def _check_state_fits(model: nn.Module, layers: dict[str, QuantizedLinear], stat
 
 def _takes(layers: dict[str, QuantizedLinear], key: str, saved: torch.Tensor, shape: tuple[int, ...],
            dtype: torch.dtype) -> bool:
-    """Whether the checkpoint's tensor ``key`` loads: its quantized layer decides (int4 takes another device's
-    padding); any other tensor needs ``shape`` and ``dtype``."""
+    """Whether the checkpoint's tensor ``key`` loads: ``shape`` and ``dtype``, or else what its quantized layer takes
+    besides (int4: another device's padding)."""
+    if fits_spec(saved, shape, dtype):
+        return True
     name, _, leaf = key.rpartition(".")
-    return layers[name].takes_saved(leaf, saved) if name in layers else fits_spec(saved, shape, dtype)
+    return name in layers and layers[name].takes_saved(leaf, saved)
 
 
 def _expected_specs(model: nn.Module, layers: dict[str, QuantizedLinear]) -> dict:
