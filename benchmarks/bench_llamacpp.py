@@ -22,6 +22,20 @@ best of the sittings; ``--sittings`` alternates the engines (llama.cpp, splice, 
 processes hits both. The ratio is splice / llama.cpp (above 1: splice is faster); the last column gives it per sitting
 as well, each engine's figure of that sitting alone, whose spread shows how much the host moved.
 
+Each row also gives the bytes one decode step reads in each engine's format (llama.cpp: the GGUF's tensors but the
+token embedding, plus its f16 KV cache; splice: ``splice bench``'s step bytes, weights and KV cache) and the read
+speed each engine's decode reached with them (bytes a token x tokens/s). "bytes x" is llama.cpp's bytes over
+splice's: the decode ratio at which both engines read at the same speed, so where both are bound by the memory's
+speed that is about the ratio to expect.
+
+``--pairs N`` measures decode only, in pairs seconds apart instead of sittings minutes apart: one splice process
+holds every format's compiled engine, and each round runs, per format, one ``llama-bench`` decode and one splice
+decode of the same length back to back (which goes first alternates by round). Each pair's ratio is taken while the
+host's bandwidth is about the same for both; the table gives the median of the pairs' ratios and their range, each
+engine's median tokens/s and read speed::
+
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_llamacpp.py --pairs 5
+
 The first run downloads the ``llama-cpp-python`` source distribution (pinned below) from PyPI, builds ``llama-bench``
 and ``llama-quantize`` from the llama.cpp it vendors, converts the checkpoint to a BF16 GGUF with the vendored
 ``convert_hf_to_gguf.py`` and quantizes it to Q8_0, Q4_0 and Q4_1; all of it is cached under
@@ -35,9 +49,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -85,6 +101,10 @@ class Row:
     splice_prefill: float
     decode_ratio: float
     prefill_ratio: float
+    #: bytes one decode step reads (weights, KV cache) in each engine's format, and their ratio llama.cpp / splice
+    llamacpp_step_bytes: float = math.nan
+    splice_step_bytes: float = math.nan
+    bytes_ratio: float = math.nan
     #: splice / llama.cpp decode within each sitting (the two engines minutes apart, not the best of each): on a host
     #: whose bandwidth moves, their spread shows how far the best-of ratio can be trusted
     decode_ratio_by_sitting: list[float] = field(default_factory=list)
@@ -100,6 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens (default 128)")
     parser.add_argument("--sittings", type=int, default=2, help="rounds of llama.cpp then splice (default 2)")
     parser.add_argument("--reps", type=int, default=3, help="llama-bench repetitions per test (default 3)")
+    parser.add_argument("--pairs", type=int, default=0,
+                        help="decode only, in N rounds of back-to-back llama.cpp / splice pairs (default 0: sittings)")
+    parser.add_argument("--splice-worker", action="store_true", help=argparse.SUPPRESS)  # the pairs' splice process
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated subset of {','.join(FORMATS)}")
     parser.add_argument("--json", default="bench_out/llamacpp.json", help="where to write the results")
     args = parser.parse_args(argv)
@@ -111,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def validate(args: argparse.Namespace) -> None:
     """Bad numbers fail here, before anything is built; ``--new`` needs 2 (splice's decode rate leaves out the first
     token, which the prefill produces)."""
-    least = {"threads": 1, "new": 2, "prompt": 1, "sittings": 1, "reps": 1}
+    least = {"threads": 1, "new": 2, "prompt": 1, "sittings": 1, "reps": 1, "pairs": 0}
     for name, minimum in least.items():
         value = getattr(args, name)
         if value < minimum:
@@ -303,6 +326,34 @@ def _phase(record: dict) -> str | None:
     return None
 
 
+def gguf_step_bytes(path: Path, slots: float) -> int:
+    """Bytes one llama.cpp decode step reads from a GGUF: every tensor but the token embedding (a lookup reads one row;
+    without an ``output.weight`` the embedding is also the output head and counts), plus the f16 KV cache (llama-bench's
+    default) over ``slots`` positions."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    names = {t.name for t in reader.tensors}
+    tied = "output.weight" not in names
+    weights = sum(int(t.n_bytes) for t in reader.tensors if tied or t.name != "token_embd.weight")
+    arch = reader.fields["general.architecture"].contents()
+
+    def value(key: str):
+        field = reader.fields.get(f"{arch}.{key}")
+        return None if field is None else field.contents()
+
+    heads = value("attention.head_count")
+    head_dim = value("attention.key_length") or value("embedding_length") // heads
+    kv_heads = value("attention.head_count_kv") or heads
+    return int(weights + 2 * value("block_count") * kv_heads * head_dim * 2 * slots)
+
+
+def decode_slots(args: argparse.Namespace) -> float:
+    """KV positions llama-bench's decode steps attend over, on average: ``--prompt`` of context, growing by one a
+    step."""
+    return args.prompt + (args.new - 1) / 2
+
+
 def run_splice(args: argparse.Namespace) -> dict:
     """``splice bench``'s JSON report for llama-1b bf16, kernel-injected, decode step compiled, with the quantized
     formats asked for (the bf16 rows run even when bf16 is not asked for: they are splice bench's base)."""
@@ -325,7 +376,151 @@ def parse_splice(report: dict, formats: list[str], prompt: int) -> dict[str, dic
         if row is None:
             raise ValueError(f"splice bench report has no {FORMATS[name].splice_mode!r} row; it has {sorted(rows)}")
         result[name] = {"decode": row["decode_tok_s"], "prefill": prompt / (row["prefill_ms"] / 1e3)}
+        if row.get("step_bytes"):
+            result[name]["step_bytes"] = row["step_bytes"]
     return result
+
+
+# ---------------------------------------------------------------------------------------------------- pairs
+
+#: The splice worker's answer lines start with this; anything else it prints (progress bars, warnings) is not read.
+ANSWER = "splice-pair "
+
+
+def splice_worker(args: argparse.Namespace) -> None:
+    """The pairs' splice side: every format's kernel-injected engine, decode step compiled and warmed up once; then
+    one format name per line of stdin, each answered with one timed decode (a ``generate`` of ``--new`` tokens after
+    ``--prompt``; tokens/s over the steps after the first), the bytes a step reads, and the bandwidth probe read just
+    before it (``splice bench``'s, on half a GiB)."""
+    import torch
+
+    import splice
+    from splice.bench import (QUANT_SCHEMES, attended_slots, kv_bytes_per_step, load_model, read_bandwidth_gbs,
+                              stored_weight_bytes, time_generate)
+
+    torch.set_num_threads(args.threads)
+    prompt = torch.randint(100, 32000, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    engines, step_bytes = {}, {}
+    for name in args.formats:
+        scheme = FORMATS[name].splice_quant
+        engine = splice.init_inference(load_model("llama-1b", "bf16"), replace_with_kernel_inject=True,
+                                       max_out_tokens=args.prompt + args.new,
+                                       **(QUANT_SCHEMES[scheme] if scheme else {}))
+        engine.runtime.compile_decode()
+        time_generate(engine.generate, prompt, args.new, 1)  # compiles, then one run
+        engines[name] = engine
+        slots = attended_slots(argparse.Namespace(prompt=args.prompt, new=args.new), "compile")
+        step_bytes[name] = stored_weight_bytes(engine.module) + kv_bytes_per_step(engine.module, 1, slots)
+    print(ANSWER + json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        name = line.strip()
+        probe = read_bandwidth_gbs(gib=0.5, repeats=2)
+        _, decode, _ = time_generate(engines[name].generate, prompt, args.new, 1)
+        print(ANSWER + json.dumps({"format": name, "decode": decode, "step_bytes": step_bytes[name],
+                                   "probe_gbs": probe}), flush=True)
+
+
+class SpliceWorker:
+    """The parent's handle on :func:`splice_worker`, a child process of this script."""
+
+    def __init__(self, args: argparse.Namespace):
+        command = [sys.executable, str(Path(__file__).resolve()), "--splice-worker",
+                   "--formats", ",".join(args.formats), "--prompt", str(args.prompt), "--new", str(args.new),
+                   "--threads", str(args.threads)]
+        self.process = subprocess.Popen(command, env=splice_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        text=True)
+        self.answer()  # ready
+
+    def answer(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith(ANSWER):
+                return json.loads(line[len(ANSWER):])
+        raise RuntimeError(f"the splice worker ended (exit status {self.process.wait()}) without answering")
+
+    def decode(self, name: str) -> dict:
+        self.process.stdin.write(name + "\n")
+        self.process.stdin.flush()
+        return self.answer()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def llamacpp_decode(tool: Path, path: Path, args: argparse.Namespace) -> float:
+    """One ``llama-bench`` decode of ``--new`` tokens after ``--prompt`` of context, tokens/s."""
+    command = [str(tool), "-m", str(path), "-t", str(args.threads), "-r", "1", "-o", "json", "-p", "0",
+               "-n", str(args.new), "-d", str(args.prompt)]
+    [record] = json.loads(run(command, capture=True))
+    return max(record["samples_ts"])
+
+
+def run_pairs(args: argparse.Namespace, bench: Path, files: dict[str, Path]) -> dict[str, list[dict]]:
+    """``{format: [{"llama.cpp": tok/s, "splice": tok/s, "splice_step_bytes": bytes, "probe_gbs": GB/s}, ...]}``,
+    one entry per round;
+    within a round each format's two runs go back to back, llama.cpp first in even rounds, splice first in odd."""
+    pairs: dict[str, list[dict]] = {name: [] for name in args.formats}
+    worker = SpliceWorker(args)
+    try:
+        for round_ in range(args.pairs):
+            print(f"round {round_ + 1}/{args.pairs}", flush=True)
+            for name in args.formats:
+                first_llamacpp = round_ % 2 == 0
+                theirs = llamacpp_decode(bench, files[name], args) if first_llamacpp else None
+                ours = worker.decode(name)
+                if not first_llamacpp:
+                    theirs = llamacpp_decode(bench, files[name], args)
+                pairs[name].append({"llama.cpp": theirs, "splice": ours["decode"],
+                                    "splice_step_bytes": ours["step_bytes"], "probe_gbs": ours["probe_gbs"]})
+    finally:
+        worker.close()
+    return pairs
+
+
+@dataclass
+class PairRow:
+    format: str
+    llamacpp_decode: float  # medians of the pairs
+    splice_decode: float
+    ratio: float  # the median of the pairs' splice / llama.cpp ratios
+    ratio_low: float
+    ratio_high: float
+    llamacpp_step_bytes: float
+    splice_step_bytes: float
+    probe_gbs: float  # the median of the probe's readings, one before each splice decode
+    llamacpp_share: float  # the median of each pair's read speed over its probe reading
+    splice_share: float
+
+
+def make_pair_rows(pairs: dict[str, list[dict]], llamacpp_bytes: dict[str, int]) -> list[PairRow]:
+    rows = []
+    for name, runs in pairs.items():
+        ratios = [r["splice"] / r["llama.cpp"] for r in runs]
+        theirs, ours = float(llamacpp_bytes[name]), float(runs[0]["splice_step_bytes"])
+        rows.append(PairRow(FORMATS[name].label, statistics.median(r["llama.cpp"] for r in runs),
+                            statistics.median(r["splice"] for r in runs), statistics.median(ratios), min(ratios),
+                            max(ratios), theirs, ours, statistics.median(r["probe_gbs"] for r in runs),
+                            statistics.median(r["llama.cpp"] * theirs / 1e9 / r["probe_gbs"] for r in runs),
+                            statistics.median(r["splice"] * ours / 1e9 / r["probe_gbs"] for r in runs)))
+    return rows
+
+
+def format_pair_table(rows: list[PairRow], cpu: str, threads: int, pairs: int) -> str:
+    width = max([len("format")] + [len(r.format) for r in rows])
+    header = (f"{'format':<{width}} {'llama.cpp tok/s':>15} {'GB/s':>6} {'splice tok/s':>12} {'GB/s':>6} "
+              f"{'decode x':>9} {'range':>13} {'bytes x':>8} {'probe GB/s':>10} {'llama.cpp %':>11} {'splice %':>8}")
+    lines = [f"CPU: {cpu}, {threads} threads; decode in {pairs} back-to-back pairs per format (medians; x = splice / "
+             "llama.cpp, the median of the pairs' ratios and their range; bytes x = llama.cpp's bytes a step / "
+             "splice's; % = each engine's read speed over the probe read before the pair's splice run)", header,
+             "-" * len(header)]
+    for r in rows:
+        their_speed, our_speed = r.llamacpp_decode * r.llamacpp_step_bytes, r.splice_decode * r.splice_step_bytes
+        lines.append(f"{r.format:<{width}} {r.llamacpp_decode:>15.2f} {their_speed / 1e9:>6.1f} "
+                     f"{r.splice_decode:>12.2f} {our_speed / 1e9:>6.1f} "
+                     f"{r.ratio:>8.2f}x {f'{r.ratio_low:.2f}-{r.ratio_high:.2f}x':>13} "
+                     f"{r.llamacpp_step_bytes / r.splice_step_bytes:>7.2f}x {r.probe_gbs:>10.1f} "
+                     f"{r.llamacpp_share:>10.0%} {r.splice_share:>8.0%}")
+    return "\n".join(lines)
 
 
 def splice_env() -> dict[str, str]:
@@ -353,28 +548,45 @@ def best_of(sittings: list[dict[str, dict[str, float]]], name: str, phase: str) 
     return max(values) if values else float("nan")
 
 
-def make_rows(llamacpp: list[dict], splice: list[dict], formats: list[str]) -> list[Row]:
-    """One row per format: each figure the best of its sittings, and the decode ratio of each sitting."""
+def make_rows(llamacpp: list[dict], splice: list[dict], formats: list[str],
+              llamacpp_bytes: dict[str, int] | None = None) -> list[Row]:
+    """One row per format: each figure the best of its sittings, the decode ratio of each sitting, and the bytes a
+    decode step reads in each engine (``llamacpp_bytes``: :func:`gguf_step_bytes` per format; splice's from its
+    report)."""
     rows = []
     for name in formats:
         theirs = {phase: best_of(llamacpp, name, phase) for phase in PHASES}
         ours = {phase: best_of(splice, name, phase) for phase in PHASES}
         by_sitting = [s[name]["decode"] / t[name]["decode"] for t, s in zip(llamacpp, splice)
                       if "decode" in t.get(name, {}) and "decode" in s.get(name, {})]
+        their_bytes = float((llamacpp_bytes or {}).get(name, math.nan))
+        our_bytes = float(next((s[name]["step_bytes"] for s in splice if "step_bytes" in s.get(name, {})), math.nan))
         rows.append(Row(FORMATS[name].label, theirs["decode"], theirs["prefill"], ours["decode"], ours["prefill"],
-                        ours["decode"] / theirs["decode"], ours["prefill"] / theirs["prefill"], by_sitting))
+                        ours["decode"] / theirs["decode"], ours["prefill"] / theirs["prefill"],
+                        llamacpp_step_bytes=their_bytes, splice_step_bytes=our_bytes,
+                        bytes_ratio=their_bytes / our_bytes, decode_ratio_by_sitting=by_sitting))
     return rows
 
 
 def format_table(rows: list[Row], cpu: str, threads: int) -> str:
+    """The tokens/s table, then the bytes each engine's decode step reads and the speed it read them at."""
     width = max([len("format")] + [len(r.format) for r in rows])
     header = (f"{'format':<{width}} {'llama.cpp decode':>16} {'prefill':>9} {'splice decode':>14} {'prefill':>9} "
               f"{'decode x':>9} {'prefill x':>9}  decode x by sitting")
     lines = [f"CPU: {cpu}, {threads} threads (tokens/s; x = splice / llama.cpp)", header, "-" * len(header)]
     for r in rows:
         by_sitting = " ".join(f"{ratio:.2f}x" for ratio in r.decode_ratio_by_sitting)
-        lines.append(f"{r.format:<{width}} {r.llamacpp_decode:>16.2f} {r.llamacpp_prefill:>9.1f} {r.splice_decode:>14.2f} "
-                     f"{r.splice_prefill:>9.1f} {r.decode_ratio:>8.2f}x {r.prefill_ratio:>8.2f}x  {by_sitting}".rstrip())
+        lines.append(f"{r.format:<{width}} {r.llamacpp_decode:>16.2f} {r.llamacpp_prefill:>9.1f} "
+                     f"{r.splice_decode:>14.2f} {r.splice_prefill:>9.1f} {r.decode_ratio:>8.2f}x "
+                     f"{r.prefill_ratio:>8.2f}x  {by_sitting}".rstrip())
+    header = (f"{'format':<{width}} {'llama.cpp MB/token':>18} {'GB/s':>6} {'splice MB/token':>15} {'GB/s':>6} "
+              f"{'bytes x':>8}")
+    lines += ["", "bytes one decode step reads, the read speed it reached (MB/token x tokens/s), and bytes x = "
+              "llama.cpp's MB/token / splice's (the decode x at equal read speeds)", header, "-" * len(header)]
+    for r in rows:
+        lines.append(f"{r.format:<{width}} {r.llamacpp_step_bytes / 1e6:>18.1f} "
+                     f"{r.llamacpp_step_bytes * r.llamacpp_decode / 1e9:>6.1f} {r.splice_step_bytes / 1e6:>15.1f} "
+                     f"{r.splice_step_bytes * r.splice_decode / 1e9:>6.1f} {r.bytes_ratio:>7.2f}x")
     return "\n".join(lines)
 
 
@@ -436,15 +648,37 @@ def report(args: argparse.Namespace, facts: dict, done: Sittings, rows: list[Row
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.splice_worker:
+        splice_worker(args)
+        return 0
     facts, tools, files = prepare(args)
+    if args.pairs:
+        return main_pairs(args, facts, tools, files)
     done = run_sittings(args, tools["llama-bench"], files)
-    rows = make_rows(done.llamacpp, done.splice, args.formats)
+    step_bytes = {name: gguf_step_bytes(files[name], decode_slots(args)) for name in args.formats}
+    rows = make_rows(done.llamacpp, done.splice, args.formats, step_bytes)
     cpu = cpu_model()
     print(f"llama.cpp {facts['commit']} (llama-cpp-python {LLAMA_CPP_PYTHON}), splice decode step compiled")
     print(format_table(rows, cpu, args.threads))
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report(args, facts, done, rows, cpu), indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+def main_pairs(args: argparse.Namespace, facts: dict, tools: dict[str, Path], files: dict[str, Path]) -> int:
+    pairs = run_pairs(args, tools["llama-bench"], files)
+    step_bytes = {name: gguf_step_bytes(files[name], decode_slots(args)) for name in args.formats}
+    rows = make_pair_rows(pairs, step_bytes)
+    cpu = cpu_model()
+    print(f"llama.cpp {facts['commit']} (llama-cpp-python {LLAMA_CPP_PYTHON}), splice decode step compiled")
+    print(format_pair_table(rows, cpu, args.threads, args.pairs))
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"cpu": cpu, "threads": args.threads,
+                               "settings": {"prompt": args.prompt, "new": args.new, "pairs": args.pairs},
+                               "llama_cpp": facts, "rows": [asdict(r) for r in rows], "pairs": pairs}, indent=2))
     print(f"wrote {out}")
     return 0
 

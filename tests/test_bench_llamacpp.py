@@ -84,7 +84,52 @@ def test_rows_take_the_best_sitting_and_the_ratio_is_splice_over_llamacpp():
     llamacpp = [{"int8": {"decode": 10.0, "prefill": 100.0}}, {"int8": {"decode": 12.0, "prefill": 80.0}}]
     splice = [{"int8": {"decode": 9.0, "prefill": 50.0}}, {"int8": {"decode": 6.0, "prefill": 60.0}}]
     [row] = bl.make_rows(llamacpp, splice, ["int8"])
-    assert row == bl.Row("int8 vs Q8_0", 12.0, 100.0, 9.0, 60.0, 0.75, 0.6, [0.9, 0.5])
+    assert (row.format, row.llamacpp_decode, row.llamacpp_prefill, row.splice_decode, row.splice_prefill,
+            row.decode_ratio, row.prefill_ratio, row.decode_ratio_by_sitting) == ("int8 vs Q8_0", 12.0, 100.0, 9.0,
+                                                                                60.0, 0.75, 0.6, [0.9, 0.5])
+    assert math.isnan(row.bytes_ratio)  # neither engine's bytes given
+
+
+def test_rows_give_both_engines_bytes_and_their_ratio():
+    llamacpp = [{"int8": {"decode": 10.0, "prefill": 100.0}}]
+    splice = [{"int8": {"decode": 9.0, "prefill": 50.0, "step_bytes": 1_000_000_000}}]
+    [row] = bl.make_rows(llamacpp, splice, ["int8"], {"int8": 1_100_000_000})
+    assert (row.llamacpp_step_bytes, row.splice_step_bytes) == (1.1e9, 1e9) and row.bytes_ratio == pytest.approx(1.1)
+    table = bl.format_table([row], "AMD EPYC", 2).splitlines()
+    assert "bytes x" in table[-3] and table[-1].split() == ["int8", "vs", "Q8_0", "1100.0", "11.0", "1000.0", "9.0",
+                                                            "1.10x"]
+
+
+def test_splice_step_bytes_come_from_its_report():
+    rows = [{"mode": "inject+int8+compile", "prefill_ms": 1000.0, "decode_tok_s": 6.0, "step_bytes": 123}]
+    assert bl.parse_splice({"results": rows}, ["int8"], prompt=100)["int8"]["step_bytes"] == 123
+
+
+def test_gguf_step_bytes_leave_out_the_embedding_unless_it_is_the_head(tmp_path):
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+
+    def write(path, with_head):
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_block_count(2)
+        writer.add_embedding_length(64)
+        writer.add_head_count(4)
+        writer.add_head_count_kv(2)
+        writer.add_tensor("token_embd.weight", np.zeros((100, 64), dtype=np.float32))
+        writer.add_tensor("blk.0.attn_q.weight", np.zeros((64, 64), dtype=np.float16))
+        if with_head:
+            writer.add_tensor("output.weight", np.zeros((100, 64), dtype=np.float16))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+    write(tmp_path / "head.gguf", True)
+    write(tmp_path / "tied.gguf", False)
+    kv = 2 * 2 * 2 * 16 * 2 * 10  # K and V, 2 layers, 2 KV heads of 16, f16, 10 positions
+    assert bl.gguf_step_bytes(tmp_path / "head.gguf", 10) == 64 * 64 * 2 + 100 * 64 * 2 + kv
+    assert bl.gguf_step_bytes(tmp_path / "tied.gguf", 10) == 64 * 64 * 2 + 100 * 64 * 4 + kv
+    assert bl.decode_slots(bl.parse_args(["--prompt", "128", "--new", "65"])) == 160
 
 
 def test_a_missing_figure_is_nan_not_an_error():
@@ -93,7 +138,7 @@ def test_a_missing_figure_is_nan_not_an_error():
 
 
 def test_table_names_cpu_threads_and_every_format():
-    rows = [bl.Row("bf16", 5.0, 50.0, 6.0, 40.0, 1.2, 0.8, [1.2, 0.96]),
+    rows = [bl.Row("bf16", 5.0, 50.0, 6.0, 40.0, 1.2, 0.8, decode_ratio_by_sitting=[1.2, 0.96]),
             bl.Row("int4 g32 vs Q4_0", 20.0, 90.0, 15.0, 45.0, 0.75, 0.5)]
     table = bl.format_table(rows, "Intel(R) Xeon(R) Processor", 2)
     lines = table.splitlines()
@@ -149,3 +194,83 @@ def test_end_to_end(tmp_path):
     assert bl.main(argv) == 0
     [row] = json.loads(out.read_text())["rows"]
     assert row["format"] == "int4 g32 vs Q4_1" and row["llamacpp_decode"] > 0 and row["splice_decode"] > 0
+    assert row["llamacpp_step_bytes"] > 0 and row["splice_step_bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("SPLICE_TEST_LLAMACPP") != "1",
+                    reason="builds llama.cpp and runs both engines on llama-1b: set SPLICE_TEST_LLAMACPP=1")
+def test_end_to_end_pairs(tmp_path):
+    out = tmp_path / "pairs.json"
+    argv = ["--pairs", "2", "--new", "4", "--prompt", "16", "--formats", "int4", "--json", str(out)]
+    assert bl.main(argv) == 0
+    report = json.loads(out.read_text())
+    [row] = report["rows"]
+    assert row["format"] == "int4 g32 vs Q4_1" and row["ratio_low"] <= row["ratio"] <= row["ratio_high"]
+    assert len(report["pairs"]["int4"]) == 2 and all(p["llama.cpp"] > 0 and p["splice"] > 0
+                                                     for p in report["pairs"]["int4"])
+
+
+def test_pairs_argument():
+    assert bl.parse_args([]).pairs == 0 and bl.parse_args(["--pairs", "3"]).pairs == 3
+    with pytest.raises(ValueError, match="--pairs=-1"):
+        bl.parse_args(["--pairs", "-1"])
+
+
+def test_pairs_alternate_which_engine_goes_first(monkeypatch):
+    calls = []
+
+    class FakeWorker:
+        def __init__(self, args):
+            calls.append("start")
+
+        def decode(self, name):
+            calls.append(f"splice {name}")
+            return {"decode": 20.0, "step_bytes": 1000, "probe_gbs": 30.0}
+
+        def close(self):
+            calls.append("close")
+
+    def fake_llamacpp(tool, path, args):
+        calls.append(f"llama.cpp {path.name}")
+        return 10.0
+
+    monkeypatch.setattr(bl, "SpliceWorker", FakeWorker)
+    monkeypatch.setattr(bl, "llamacpp_decode", fake_llamacpp)
+    args = bl.parse_args(["--pairs", "2", "--formats", "int8,int4"])
+    pairs = bl.run_pairs(args, Path("/c/llama-bench"), FILES)
+    assert calls == ["start", "llama.cpp llama-1b-q8_0.gguf", "splice int8", "llama.cpp llama-1b-q4_0.gguf",
+                     "splice int4", "splice int8", "llama.cpp llama-1b-q8_0.gguf", "splice int4",
+                     "llama.cpp llama-1b-q4_0.gguf", "close"]
+    assert pairs["int8"] == [{"llama.cpp": 10.0, "splice": 20.0, "splice_step_bytes": 1000, "probe_gbs": 30.0}] * 2
+
+
+def test_pair_rows_take_the_median_of_the_pairs_ratios():
+    runs = [{"llama.cpp": 10.0, "splice": 12.0, "splice_step_bytes": 1e9, "probe_gbs": 20.0},
+            {"llama.cpp": 20.0, "splice": 20.0, "splice_step_bytes": 1e9, "probe_gbs": 40.0},
+            {"llama.cpp": 10.0, "splice": 15.0, "splice_step_bytes": 1e9, "probe_gbs": 25.0}]
+    [row] = bl.make_pair_rows({"int8": runs}, {"int8": 1.1e9})
+    # the median ratio is 1.2 (of 1.2, 1.0, 1.5), not the ratio of the medians (15 / 10)
+    assert (row.llamacpp_decode, row.splice_decode, row.ratio, row.ratio_low, row.ratio_high) == (10.0, 15.0, 1.2,
+                                                                                                  1.0, 1.5)
+    # shares per pair: llama.cpp 11/20, 22/40, 11/25; splice 12/20, 20/40, 15/25
+    assert row.probe_gbs == 25.0 and row.llamacpp_share == pytest.approx(0.55) and row.splice_share == 0.6
+    table = bl.format_pair_table([row], "AMD EPYC", 2, 3).splitlines()
+    assert "3 back-to-back pairs" in table[0]
+    assert table[-1].split() == ["int8", "vs", "Q8_0", "10.00", "11.0", "15.00", "15.0", "1.20x", "1.00-1.50x", "1.10x",
+                                 "25.0", "55%", "60%"]
+
+
+def test_the_worker_handle_reads_answers_past_other_output():
+    worker = bl.SpliceWorker.__new__(bl.SpliceWorker)
+
+    class Process:
+        stdout = iter(["Loading weights: 100%\n", bl.ANSWER + '{"format": "int8", "decode": 5.0}\n'])
+
+        def wait(self):
+            return 1
+
+    worker.process = Process()
+    assert worker.answer() == {"format": "int8", "decode": 5.0}
+    with pytest.raises(RuntimeError, match="exit status 1"):
+        worker.answer()
