@@ -91,6 +91,7 @@ def test_only_plain_arguments_key_a_cuda_graph():
     ids = PROMPTS
     assert _capturable((ids,), dict(attention_mask=ids, use_cache=False, output_hidden_states=True))
     assert not _capturable((ids,), dict(past_key_values=DynamicCache()))
+    assert not _capturable((ids,), dict(cache=DynamicCache()))  # the argument's name from transformers 5.25
     assert not _capturable(((ids, ids),), {})
 
 
