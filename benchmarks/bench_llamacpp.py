@@ -30,9 +30,10 @@ speed that is about the ratio to expect.
 
 ``--pairs N`` measures decode only, in pairs seconds apart instead of sittings minutes apart: one splice process
 holds every format's compiled engine, and each round runs, per format, one ``llama-bench`` decode and one splice
-decode of the same length back to back (which goes first alternates by round). Each pair's ratio is taken while the
-host's bandwidth is about the same for both; the table gives the median of the pairs' ratios and their range, each
-engine's median tokens/s and read speed::
+decode of the same length back to back (which goes first alternates by round). Each pair's ratio is taken before the
+host's bandwidth has had minutes to move (on a shared host it still moves within seconds). The table gives the median
+of the pairs' ratios and their range, each engine's median tokens/s and read speed, and each one's share of splice's
+bandwidth probe, read right before and right after each pair::
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_llamacpp.py --pairs 5
 
@@ -389,9 +390,9 @@ ANSWER = "splice-pair "
 
 def splice_worker(args: argparse.Namespace) -> None:
     """The pairs' splice side: every format's kernel-injected engine, decode step compiled and warmed up once; then
-    one format name per line of stdin, each answered with one timed decode (a ``generate`` of ``--new`` tokens after
-    ``--prompt``; tokens/s over the steps after the first), the bytes a step reads, and the bandwidth probe read just
-    before it (``splice bench``'s, on half a GiB)."""
+    one request per line of stdin: a format name, answered with one timed decode (a ``generate`` of ``--new`` tokens
+    after ``--prompt``; tokens/s over the steps after the first) and the bytes a step reads, or ``probe``, answered
+    with one reading of ``splice bench``'s bandwidth probe (on half a GiB)."""
     import torch
 
     import splice
@@ -414,10 +415,11 @@ def splice_worker(args: argparse.Namespace) -> None:
     print(ANSWER + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         name = line.strip()
-        probe = read_bandwidth_gbs(gib=0.5, repeats=2)
+        if name == "probe":
+            print(ANSWER + json.dumps({"probe_gbs": read_bandwidth_gbs(gib=0.5, repeats=2)}), flush=True)
+            continue
         _, decode, _ = time_generate(engines[name].generate, prompt, args.new, 1)
-        print(ANSWER + json.dumps({"format": name, "decode": decode, "step_bytes": step_bytes[name],
-                                   "probe_gbs": probe}), flush=True)
+        print(ANSWER + json.dumps({"format": name, "decode": decode, "step_bytes": step_bytes[name]}), flush=True)
 
 
 class SpliceWorker:
@@ -437,10 +439,16 @@ class SpliceWorker:
                 return json.loads(line[len(ANSWER):])
         raise RuntimeError(f"the splice worker ended (exit status {self.process.wait()}) without answering")
 
-    def decode(self, name: str) -> dict:
-        self.process.stdin.write(name + "\n")
+    def ask(self, request: str) -> dict:
+        self.process.stdin.write(request + "\n")
         self.process.stdin.flush()
         return self.answer()
+
+    def decode(self, name: str) -> dict:
+        return self.ask(name)
+
+    def probe(self) -> float:
+        return self.ask("probe")["probe_gbs"]
 
     def close(self) -> None:
         self.process.stdin.close()
@@ -456,9 +464,10 @@ def llamacpp_decode(tool: Path, path: Path, args: argparse.Namespace) -> float:
 
 
 def run_pairs(args: argparse.Namespace, bench: Path, files: dict[str, Path]) -> dict[str, list[dict]]:
-    """``{format: [{"llama.cpp": tok/s, "splice": tok/s, "splice_step_bytes": bytes, "probe_gbs": GB/s}, ...]}``,
-    one entry per round;
-    within a round each format's two runs go back to back, llama.cpp first in even rounds, splice first in odd."""
+    """``{format: [{"llama.cpp": tok/s, "splice": tok/s, "splice_step_bytes": bytes, "probe_gbs": GB/s,
+    "probe_before_after": [GB/s, GB/s]}, ...]}``, one entry per round; within a round each format's two runs go back
+    to back, llama.cpp first in even rounds, splice first in odd, with the probe read right before and right after the
+    pair (``probe_gbs``: their mean)."""
     pairs: dict[str, list[dict]] = {name: [] for name in args.formats}
     worker = SpliceWorker(args)
     try:
@@ -466,12 +475,15 @@ def run_pairs(args: argparse.Namespace, bench: Path, files: dict[str, Path]) -> 
             print(f"round {round_ + 1}/{args.pairs}", flush=True)
             for name in args.formats:
                 first_llamacpp = round_ % 2 == 0
+                before = worker.probe()
                 theirs = llamacpp_decode(bench, files[name], args) if first_llamacpp else None
                 ours = worker.decode(name)
                 if not first_llamacpp:
                     theirs = llamacpp_decode(bench, files[name], args)
+                after = worker.probe()
                 pairs[name].append({"llama.cpp": theirs, "splice": ours["decode"],
-                                    "splice_step_bytes": ours["step_bytes"], "probe_gbs": ours["probe_gbs"]})
+                                    "splice_step_bytes": ours["step_bytes"], "probe_gbs": (before + after) / 2,
+                                    "probe_before_after": [before, after]})
     finally:
         worker.close()
     return pairs
@@ -487,7 +499,7 @@ class PairRow:
     ratio_high: float
     llamacpp_step_bytes: float
     splice_step_bytes: float
-    probe_gbs: float  # the median of the probe's readings, one before each splice decode
+    probe_gbs: float  # the median of the pairs' probe readings (each the mean of one before and one after the pair)
     llamacpp_share: float  # the median of each pair's read speed over its probe reading
     splice_share: float
 
@@ -511,7 +523,7 @@ def format_pair_table(rows: list[PairRow], cpu: str, threads: int, pairs: int) -
               f"{'decode x':>9} {'range':>13} {'bytes x':>8} {'probe GB/s':>10} {'llama.cpp %':>11} {'splice %':>8}")
     lines = [f"CPU: {cpu}, {threads} threads; decode in {pairs} back-to-back pairs per format (medians; x = splice / "
              "llama.cpp, the median of the pairs' ratios and their range; bytes x = llama.cpp's bytes a step / "
-             "splice's; % = each engine's read speed over the probe read before the pair's splice run)", header,
+             "splice's; % = each engine's read speed over the probe read around its pair)", header,
              "-" * len(header)]
     for r in rows:
         their_speed, our_speed = r.llamacpp_decode * r.llamacpp_step_bytes, r.splice_decode * r.splice_step_bytes

@@ -226,7 +226,11 @@ def test_pairs_alternate_which_engine_goes_first(monkeypatch):
 
         def decode(self, name):
             calls.append(f"splice {name}")
-            return {"decode": 20.0, "step_bytes": 1000, "probe_gbs": 30.0}
+            return {"decode": 20.0, "step_bytes": 1000}
+
+        def probe(self):
+            calls.append("probe")
+            return 30.0 + len(calls)
 
         def close(self):
             calls.append("close")
@@ -239,10 +243,15 @@ def test_pairs_alternate_which_engine_goes_first(monkeypatch):
     monkeypatch.setattr(bl, "llamacpp_decode", fake_llamacpp)
     args = bl.parse_args(["--pairs", "2", "--formats", "int8,int4"])
     pairs = bl.run_pairs(args, Path("/c/llama-bench"), FILES)
-    assert calls == ["start", "llama.cpp llama-1b-q8_0.gguf", "splice int8", "llama.cpp llama-1b-q4_0.gguf",
-                     "splice int4", "splice int8", "llama.cpp llama-1b-q8_0.gguf", "splice int4",
-                     "llama.cpp llama-1b-q4_0.gguf", "close"]
-    assert pairs["int8"] == [{"llama.cpp": 10.0, "splice": 20.0, "splice_step_bytes": 1000, "probe_gbs": 30.0}] * 2
+    assert calls == ["start", "probe", "llama.cpp llama-1b-q8_0.gguf", "splice int8", "probe",
+                     "probe", "llama.cpp llama-1b-q4_0.gguf", "splice int4", "probe",
+                     "probe", "splice int8", "llama.cpp llama-1b-q8_0.gguf", "probe",
+                     "probe", "splice int4", "llama.cpp llama-1b-q4_0.gguf", "probe", "close"]
+    # the probe around each pair (30 + the calls so far): before and after, and their mean
+    assert pairs["int8"] == [{"llama.cpp": 10.0, "splice": 20.0, "splice_step_bytes": 1000, "probe_gbs": 33.5,
+                              "probe_before_after": [32.0, 35.0]},
+                             {"llama.cpp": 10.0, "splice": 20.0, "splice_step_bytes": 1000, "probe_gbs": 41.5,
+                              "probe_before_after": [40.0, 43.0]}]
 
 
 def test_pair_rows_take_the_median_of_the_pairs_ratios():
