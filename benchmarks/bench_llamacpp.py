@@ -410,7 +410,7 @@ def splice_worker(args: argparse.Namespace) -> None:
         engine.runtime.compile_decode()
         time_generate(engine.generate, prompt, args.new, 1)  # compiles, then one run
         engines[name] = engine
-        slots = attended_slots(argparse.Namespace(prompt=args.prompt, new=args.new), "compile")
+        slots = attended_slots(args, "compile")
         step_bytes[name] = stored_weight_bytes(engine.module) + kv_bytes_per_step(engine.module, 1, slots)
     print(ANSWER + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -418,7 +418,7 @@ def splice_worker(args: argparse.Namespace) -> None:
         if name == "probe":
             print(ANSWER + json.dumps({"probe_gbs": read_bandwidth_gbs(gib=0.5, repeats=2)}), flush=True)
             continue
-        _, decode, _ = time_generate(engines[name].generate, prompt, args.new, 1)
+        _, decode, _ = time_generate(engines[name].generate, prompt, args.new, 1, warm_up=False)
         print(ANSWER + json.dumps({"format": name, "decode": decode, "step_bytes": step_bytes[name]}), flush=True)
 
 
@@ -474,11 +474,12 @@ def run_pairs(args: argparse.Namespace, bench: Path, files: dict[str, Path]) -> 
         for round_ in range(args.pairs):
             print(f"round {round_ + 1}/{args.pairs}", flush=True)
             for name in args.formats:
-                first_llamacpp = round_ % 2 == 0
                 before = worker.probe()
-                theirs = llamacpp_decode(bench, files[name], args) if first_llamacpp else None
-                ours = worker.decode(name)
-                if not first_llamacpp:
+                if round_ % 2 == 0:
+                    theirs = llamacpp_decode(bench, files[name], args)
+                    ours = worker.decode(name)
+                else:
+                    ours = worker.decode(name)
                     theirs = llamacpp_decode(bench, files[name], args)
                 after = worker.probe()
                 pairs[name].append({"llama.cpp": theirs, "splice": ours["decode"],
@@ -670,13 +671,17 @@ def main(argv: list[str] | None = None) -> int:
     step_bytes = {name: gguf_step_bytes(files[name], decode_slots(args)) for name in args.formats}
     rows = make_rows(done.llamacpp, done.splice, args.formats, step_bytes)
     cpu = cpu_model()
-    print(f"llama.cpp {facts['commit']} (llama-cpp-python {LLAMA_CPP_PYTHON}), splice decode step compiled")
-    print(format_table(rows, cpu, args.threads))
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report(args, facts, done, rows, cpu), indent=2))
-    print(f"wrote {out}")
+    publish(facts, format_table(rows, cpu, args.threads), report(args, facts, done, rows, cpu), Path(args.json))
     return 0
+
+
+def publish(facts: dict, table: str, report_: dict, out: Path) -> None:
+    """The table under a line naming both engines, and the JSON report written to ``out``."""
+    print(f"llama.cpp {facts['commit']} (llama-cpp-python {LLAMA_CPP_PYTHON}), splice decode step compiled")
+    print(table)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report_, indent=2))
+    print(f"wrote {out}")
 
 
 def main_pairs(args: argparse.Namespace, facts: dict, tools: dict[str, Path], files: dict[str, Path]) -> int:
@@ -684,14 +689,10 @@ def main_pairs(args: argparse.Namespace, facts: dict, tools: dict[str, Path], fi
     step_bytes = {name: gguf_step_bytes(files[name], decode_slots(args)) for name in args.formats}
     rows = make_pair_rows(pairs, step_bytes)
     cpu = cpu_model()
-    print(f"llama.cpp {facts['commit']} (llama-cpp-python {LLAMA_CPP_PYTHON}), splice decode step compiled")
-    print(format_pair_table(rows, cpu, args.threads, args.pairs))
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"cpu": cpu, "threads": args.threads,
-                               "settings": {"prompt": args.prompt, "new": args.new, "pairs": args.pairs},
-                               "llama_cpp": facts, "rows": [asdict(r) for r in rows], "pairs": pairs}, indent=2))
-    print(f"wrote {out}")
+    publish(facts, format_pair_table(rows, cpu, args.threads, args.pairs),
+            {"cpu": cpu, "threads": args.threads,
+             "settings": {"prompt": args.prompt, "new": args.new, "pairs": args.pairs}, "llama_cpp": facts,
+             "rows": [asdict(r) for r in rows], "pairs": pairs}, Path(args.json))
     return 0
 
 

@@ -401,3 +401,19 @@ def test_the_machine_line_shows_how_far_the_probe_readings_spread():
     assert "the slowest 33.0" in moved and "the host's read bandwidth moved during the run" in moved
     single = bench.describe_machine(bench.machine_info([30.0]))
     assert "readings" not in single and "moved" not in single
+
+
+def test_time_generate_warms_up_once_unless_told_it_was_done():
+    calls = []
+
+    def generate(prompt, streamer, **options):
+        calls.append(options["max_new_tokens"])
+        streamer.put(prompt)
+        for _ in range(options["max_new_tokens"]):
+            streamer.put(prompt[:, :1])
+
+    _, tok_s, _ = bench.time_generate(generate, torch.zeros(1, 4, dtype=torch.long), 3, repeat=2)
+    assert calls == [3, 3, 3] and tok_s > 0  # a warm-up, then the two timed runs
+    calls.clear()
+    bench.time_generate(generate, torch.zeros(1, 4, dtype=torch.long), 3, repeat=1, warm_up=False)
+    assert calls == [3]

@@ -298,13 +298,16 @@ def time_first_run(generate, prompt: torch.Tensor, new: int) -> float:
     return time.perf_counter() - start
 
 
-def time_generate(generate, prompt: torch.Tensor, new: int, repeat: int) -> tuple[float, float, float]:
+def time_generate(generate, prompt: torch.Tensor, new: int, repeat: int, warm_up: bool = True
+                  ) -> tuple[float, float, float]:
     """(prefill ms, decode tokens/s over the batch excluding the first token, peak RSS MiB): the best of ``repeat``
-    runs after a warm-up run (which also compiles, when asked); on a shared machine the best run is the least noisy."""
+    runs after a warm-up run (which also compiles, when asked; ``warm_up=False`` for a caller that warmed up already);
+    on a shared machine the best run is the least noisy."""
     from .streaming import StepClock  # here, not at the top: transformers' streamers would slow every `splice` start
 
     options = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, attention_mask=torch.ones_like(prompt))
-    generate(prompt, **options, streamer=StepClock())
+    if warm_up:
+        generate(prompt, **options, streamer=StepClock())
     prefill, decode, peak = float("inf"), 0.0, 0.0
     for _ in range(max(1, repeat)):
         clock = StepClock()
