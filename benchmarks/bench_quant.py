@@ -2,11 +2,12 @@
 
 Every transformer block's projections (hidden 2048, intermediate 5632, 32 heads, 4 KV heads) for ``--layers`` blocks,
 random weights: fused into QKV, o, gate+up, down as kernel injection runs them (``--separate``: the seven of the model).
-Rows: bf16 ``nn.Linear`` (torch's oneDNN linear), bf16 on splice's native GEMV, and each quantized scheme; all weights
-gathered on 2 MiB pages as ``init_inference`` places them. One "step" runs every projection once on a ``[batch, in]``
-input, as a decode step does (attention, norms and lm_head left out), so at batch 1 it reads every weight once from
-memory. Schemes run interleaved, round after round, and the median is kept, so load from other processes hits them
-alike. Writes JSON (default ``bench_out/quant.json``)::
+Rows: bf16 ``nn.Linear`` (torch's oneDNN linear), bf16 on splice's native GEMV, and each quantized scheme (where int8
+weight-only rounds its decode rows to int16, the avx2 level without AVX-VNNI, also "int8-act8": the same layers with
+int8 activations, as on other CPUs); all weights gathered on 2 MiB pages as ``init_inference`` places them. One
+"step" runs every projection once on a ``[batch, in]`` input, as a decode step does (attention, norms and lm_head
+left out), so at batch 1 it reads every weight once from memory. Schemes run interleaved, round after round, and the
+median is kept, so load from other processes hits them alike. Writes JSON (default ``bench_out/quant.json``)::
 
     .venv/bin/python benchmarks/bench_quant.py                 # 22 layers, batch 1 and 8
     .venv/bin/python benchmarks/bench_quant.py --layers 4 --rounds 5 --batch 1 8 32
@@ -15,6 +16,7 @@ alike. Writes JSON (default ``bench_out/quant.json``)::
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -62,6 +64,8 @@ def build_stacks(layers: int, schemes: list[str], shapes: dict[str, tuple[int, i
                 stacks.setdefault(name, []).append(_quantized(linear, SCHEMES[name], first[name], proj))
     if native.available():  # splice's bf16 decode path: the same weights through the native GEMV
         stacks["bf16-native"] = [NativeLinear(linear) for linear in stacks["bf16"]]
+    if "int8" in stacks and quant_kernel(SCHEMES["int8"], "cpu").dot_products == 16:
+        stacks["int8-act8"] = [_with_int8_activations(layer) for layer in stacks["int8"]]
     gather_on_huge_pages([t for stack in stacks.values() for m in stack for t in [*m.parameters(), *m.buffers()]
                           if t.nbytes >= 1 << 16])  # as init_inference places injected and quantized weights
     return stacks
@@ -78,6 +82,14 @@ def _quantized(linear: nn.Linear, config: QuantConfig, first: dict[str, nn.Modul
     layer = handler.empty(linear.in_features, linear.out_features, False, config, **kernels)
     layer.load_state_dict(first[proj].state_dict())
     return layer
+
+
+def _with_int8_activations(layer: nn.Module) -> nn.Module:
+    """The same int8 weight-only layer (its weights shared) with decode rows rounded to int8 per block of 32, as
+    elsewhere, where the kernel choice rounds them to int16 (``kernel_choice.int16_activations``): both side by side."""
+    other = copy.copy(layer)
+    other.use_dot_products = 8 if layer.use_dot_products else 0
+    return other
 
 
 def step(stack: list[nn.Module], inputs: dict[int, torch.Tensor]) -> None:

@@ -14,8 +14,9 @@ needs_native = pytest.mark.skipif(not native.available(), reason="splice's nativ
 @pytest.mark.parametrize("level", native.ISA_LEVELS)
 def test_dot_products_at_every_level_unless_switched_off(monkeypatch, config, level):
     """int8 and int4 weight-only decode on integer dot products at every level, the reason naming the instructions:
-    vpdpbusd where the level and CPU have AVX512-VNNI, else AVX-VNNI's where the CPU has it, else AVX2's vpmaddubsw;
-    SPLICE_NATIVE_DOT=0 keeps float products and says so."""
+    vpdpbusd where the level and CPU have AVX512-VNNI, else AVX-VNNI's where the CPU has it, else AVX2's vpmaddubsw,
+    or for int8 weight-only there vpmaddwd on activations rounded to int16; SPLICE_NATIVE_DOT=0 keeps float products
+    and says so."""
     if level not in native.supported_isas():
         pytest.skip(f"this CPU cannot run the {level} kernels")
     with native.use_isa(level):
@@ -23,14 +24,32 @@ def test_dot_products_at_every_level_unless_switched_off(monkeypatch, config, le
         vnni = level != "avx2" and "avx512_vnni" in native._cpu_flags()
         avx_vnni = "AVX-VNNI vpdpbusd, 256-bit" if "avx_vnni" in native._cpu_flags() else "AVX2 vpmaddubsw"
         instructions = "AVX512-VNNI vpdpbusd" if vnni else avx_vnni
-        assert choice.native and choice.dot_products and kernel_choice.dot_instructions() == instructions
-        assert f"integer dot products ({instructions}" in choice.reason and f"level {level}" in choice.reason
+        assert choice.native and kernel_choice.dot_instructions() == instructions
+        int16 = config.bits == 8 and instructions == "AVX2 vpmaddubsw"
+        assert choice.dot_products == (16 if int16 else 8) and f"level {level}" in choice.reason
+        assert (f"integer dot products ({'AVX2 vpmaddwd' if int16 else instructions}; each row of activations rounded "
+                f"to int{16 if int16 else 8} per block of {256 if int16 else 32})") in choice.reason
         monkeypatch.setenv("SPLICE_NATIVE_DOT", "0")
         off = kernel_choice.quant_kernel(config, "cpu")
         assert off.native and not off.dot_products and "SPLICE_NATIVE_DOT=0" in off.reason
         assert "dot products" not in off.reason
         w8a8 = kernel_choice.quant_kernel(QuantConfig(activations=True), "cpu")  # always rounds its activations
         assert w8a8.native and f"integer dot products ({instructions})" in w8a8.reason
+
+
+@needs_native
+def test_int8_weight_only_rounds_to_int16_at_the_avx2_level_only_without_avx_vnni():
+    """int16 activations where the avx2 level has no AVX-VNNI (vpmaddubsw's int8 product costs about as much
+    arithmetic as bf16's); with AVX-VNNI (where the CPU has it) and at the VNNI levels, int8 ones."""
+    int8 = QuantConfig()
+    with native.use_isa("avx2"), native.use_avx_vnni(False):
+        assert kernel_choice.int16_activations() and kernel_choice.quant_kernel(int8, "cpu").dot_products == 16
+    if "avx_vnni" in native._cpu_flags():
+        with native.use_isa("avx2"), native.use_avx_vnni(True):
+            assert kernel_choice.quant_kernel(int8, "cpu").dot_products == 8
+    for level in native.supported_isas()[1:]:
+        with native.use_isa(level):
+            assert not kernel_choice.int16_activations() and kernel_choice.quant_kernel(int8, "cpu").dot_products == 8
 
 
 def test_grouped_int8_and_cuda_run_torch_kernels_and_say_why():

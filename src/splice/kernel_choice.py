@@ -35,6 +35,8 @@ if TYPE_CHECKING:
 #: The environment variables that change which native kernels run (named in the reasons when set).
 NATIVE_ENV = ("SPLICE_NATIVE_KERNELS", "SPLICE_NATIVE_ISA", "SPLICE_NATIVE_AMX", "SPLICE_NATIVE_DOT",
               "SPLICE_NATIVE_AVX_VNNI")
+#: The instructions int8 weight-only multiplies its int16 activations with (:func:`int16_activations`).
+INT16_DOT = "AVX2 vpmaddwd"
 #: Which entry of ``native.MAX_ROWS`` bounds each quantization kind's native GEMV.
 ROW_LIMIT_OF = {"int8_weight_only": "int8", "int8_dynamic": "int8", "int4_weight_only": "int4"}
 
@@ -45,7 +47,9 @@ class KernelChoice:
 
     kernel: str
     reason: str
-    dot_products: bool = False  # decode rows rounded to int8 per block and summed in integers
+    #: decode rows summed in integers: 8, rounded to int8 per block of 32; 16 (int8 weight-only only), to int16 per
+    #: block of 256 (:func:`int16_activations`); 0, float products
+    dot_products: int = 0
 
     @property
     def native(self) -> bool:
@@ -104,10 +108,12 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
                 first = (native.amx_thresholds()["int4_dot_min_rows"] if bits == "int4"
                          else native.MAX_ROWS["int8_dot"] + 1)
                 tiles = f" (from {first} rows, AMX tiles on x as it is)"
+            wide = bits == "int8" and int16_activations()
+            rounding = (f"{INT16_DOT}; each row of activations rounded to int16 per block of 256" if wide else
+                        f"{dot}; each row of activations rounded to int8 per block of 32")
             return KernelChoice("native", f"splice's {bits} GEMV up to {limit} rows on integer dot products "
-                                          f"({dot}; each row of activations rounded to int8 per block of 32)"
-                                          f"{tiles}, de-quantise + {prompt_gemm()} above; {native_level()}",
-                                dot_products=True)
+                                          f"({rounding}){tiles}, de-quantise + {prompt_gemm()} above; "
+                                          f"{native_level()}", dot_products=16 if wide else 8)
         return KernelChoice("native", f"splice's {ROW_LIMIT_OF[kind]} GEMV up to {limit} rows, de-quantise + "
                                       f"{prompt_gemm()} above; {native_level()}")
     if kind != "int4_weight_only" and device.type == "cuda":
@@ -121,6 +127,15 @@ def dot_products() -> str:
     """:func:`dot_instructions`, or "" with ``SPLICE_NATIVE_DOT=0`` (float products for int8 and int4 weight-only, to
     compare the two)."""
     return "" if native.switched_off("SPLICE_NATIVE_DOT") else dot_instructions()
+
+
+def int16_activations() -> bool:
+    """Whether int8 weight-only's decode rows round their activations to int16 (``int8_dot16_gemv``, :data:`INT16_DOT`)
+    rather than to int8: at the avx2 level without AVX-VNNI. There an int8 x int8 product takes vpmaddubsw, vpmaddwd
+    and a float multiply-add per block of 32 columns, little less arithmetic than bf16's multiply-adds, so a batch
+    bound by arithmetic gains little from int8; int16 activations need two vpmaddwd and two adds per 32 columns, and
+    their rounding error is far smaller (``docs/kernels.md``)."""
+    return native.isa() == "avx2" and not native.avx_vnni_ready()
 
 
 def dot_instructions() -> str:

@@ -258,16 +258,19 @@ def _packed_or_plain(dtype: torch.dtype) -> str:
 
 def _decode_op(bits: str) -> str:
     """The native decode GEMV the quantized layers call: the integer dot-product one where the kernel choice takes
-    them (``kernel_choice.dot_products``), else the float one."""
-    from .kernel_choice import dot_products
+    them (``kernel_choice.dot_products``; for int8 on int16 activations where ``kernel_choice.int16_activations``),
+    else the float one."""
+    from .kernel_choice import dot_products, int16_activations
 
-    return f"{bits}_dot_gemv" if dot_products() else f"{bits}_gemv"
+    if not dot_products():
+        return f"{bits}_gemv"
+    return "int8_dot16_gemv" if bits == "int8" and int16_activations() else f"{bits}_dot_gemv"
 
 
 def int8_native_rows() -> list[dict[str, Any]]:
     native_max, torch_max = native.MAX_ROWS["int8"], kernels.INT8_KERNEL_MAX_ROWS
-    if _decode_op("int8") == "int8_dot_gemv":  # the dot products up to their limit, then AMX tiles where present
-        steps = _amx_split(native.MAX_ROWS["int8_dot"], "int8_dot_gemv")
+    if _decode_op("int8") != "int8_gemv":  # the dot products up to their limit, then AMX tiles where present
+        steps = _amx_split(native.MAX_ROWS["int8_dot"], _decode_op("int8"))
         if native.amx_ready():
             steps.append((native_max, "splice_kernels.int8_gemv", "native GEMV on AMX tiles, x as it is (past the "
                                                                   "rows the dot products take)"))
@@ -297,7 +300,9 @@ def _amx_split(native_max: int, op: str) -> list[tuple[int | None, str, str]]:
     vector = f"native GEMV ({_vector_description()} vector code)"
     if op.endswith("_dot_gemv"):
         vector += ", x rounded to int8 per block of 32, integer dot products"
-    if not native.amx_ready() or op == "int8_dot_gemv":
+    elif op == "int8_dot16_gemv":
+        vector += ", x rounded to int16 per block of 256, integer dot products"
+    if not native.amx_ready() or op in ("int8_dot_gemv", "int8_dot16_gemv"):
         return [(native_max, kernel, vector)]
     amx = native.amx_thresholds()
     amx_min = {"int4_gemv": amx["int4_min_rows"], "int4_dot_gemv": amx["int4_dot_min_rows"],

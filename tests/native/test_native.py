@@ -92,6 +92,52 @@ def test_int8_dot_gemv_from_three_rows_is_within_one_rounding_of_the_exact_sums(
     assert ((got - one_at_a_time).abs() <= 2 * bound).all()
 
 
+def round16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as ``int8_dot16_gemv`` rounds it (int16 per row and block of 256), in float64."""
+    return qmath.round_activations(x.float(), qmath.WIDE_ACTIVATION_BLOCK, qmath.WIDE_ACTIVATION_LEVELS).double()
+
+
+@needs_native
+@pytest.mark.parametrize("rows", (1, 2, 3, 8, 11, 17))  # chunks of two rows, passes of eight
+@pytest.mark.parametrize("n, k", [(64, 256), (37, 96), (5, 32), (130, 576), (70, 2080)])  # K: whole and part blocks
+def test_int8_dot16_gemv_rounds_x_to_int16_per_block_and_sums_exactly(isa, rows, n, k):
+    """int8 weight-only's decode op without VNNI: x rounded as ``qmath.round_activations`` does with int16's levels
+    per block of 256 (the last block what is left of K), then the int8 product. Each block's integer sums are exact,
+    so every output is the exact product of the rounded x, rounded once to bf16 after float32 sums over the blocks;
+    a row's outputs do not depend on the rows beside it. The rounding's own error, against x as it is, is a small part
+    of int8 rounding's (per block of 32)."""
+    torch.manual_seed(rows * k)
+    x = torch.randn(rows, k).bfloat16() * torch.linspace(0.1, 10, k).bfloat16()  # blocks of different scales
+    w, scales = torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16() + 0.5
+    exact = (round16(x) @ w.double().T) * scales.double()
+    magnitude = (round16(x).abs() @ w.double().abs().T) * scales.double()
+    bound = exact.abs() * 2.0 ** -8 + magnitude * 2.0 ** -20
+    got = torch.ops.splice_kernels.int8_dot16_gemv(x, w, scales).double()
+    assert ((got - exact).abs() <= bound).all(), ((got - exact).abs() / bound).max()
+    one_at_a_time = torch.cat([torch.ops.splice_kernels.int8_dot16_gemv(row[None], w, scales) for row in x]).double()
+    assert torch.equal(got, one_at_a_time)
+    as_is = ((x.double() @ w.double().T) * scales.double()).float()
+    int8_rounded = (qmath.round_activations(x.float()).double() @ w.double().T) * scales.double()
+    assert relative_error(exact, as_is) < relative_error(int8_rounded, as_is) / 20
+
+
+@needs_native
+def test_int8_dot16_gemv_rounds_x_exactly_as_the_reference(isa):
+    """Through identity weights output j is the rounded activation ``q_j * d``, rounded once to bf16: the reference's
+    codes in every block, a tiny block beside a large one, an all-zero row, blocks of 256 and the last of 64."""
+    torch.manual_seed(0)
+    k = 576
+    x = torch.randn(3, k) * torch.logspace(-3, 3, k)
+    x[1, :256] = torch.linspace(900, 1000, 256)
+    x[1, 256:512] = torch.linspace(-3e-5, 2e-5, 256)  # a tiny block: its own scale
+    x[2] = 0
+    x = x.bfloat16()
+    got = torch.ops.splice_kernels.int8_dot16_gemv(x, torch.eye(k, dtype=torch.int8), torch.ones(k).bfloat16())
+    expected = qmath.round_activations(x.float(), qmath.WIDE_ACTIVATION_BLOCK, qmath.WIDE_ACTIVATION_LEVELS)
+    torch.testing.assert_close(got.float(), expected.bfloat16().float(), rtol=0, atol=0)
+    assert not torch.equal(expected, x.float())  # the rounding is there to see
+
+
 @needs_native
 def test_dot_products_round_x_exactly_as_the_reference(isa):
     """Through identity weights (int8: 1 on the diagonal; int4: code 9 there, 8 elsewhere, scale 1, zero 0) output j
@@ -462,6 +508,8 @@ def test_dot_products_give_nan_where_x_has_a_nan(isa, rows):
     q, sz = torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.randn(k // group, n, 2).bfloat16()
     rounded = qmath.round_activations(x.float())
     cases = ((torch.ops.splice_kernels.int8_dot_gemv(x, w8, scales), (rounded @ w8.float().T) * scales.float()),
+             (torch.ops.splice_kernels.int8_dot16_gemv(x, w8, scales),
+              (round16(x).float() @ w8.float().T) * scales.float()),
              (torch.ops.splice_kernels.int4_dot_gemv(x, native.int4_tile_pack(q), native.int4_tile_scales(sz), group),
               rounded @ qmath.dequantize_int4(q, sz).T))
     for got, expected in cases:
@@ -488,10 +536,11 @@ def test_quant_kernels_dispatch_only_shapes_the_native_ops_take(isa):
 
 
 @needs_native
-def test_int8_dot_gemv_refuses_in_features_off_the_block():
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        torch.ops.splice_kernels.int8_dot_gemv(torch.randn(1, 48).bfloat16(), torch.zeros(4, 48, dtype=torch.int8),
-                                               torch.ones(4).bfloat16())
+@pytest.mark.parametrize("op", ["int8_dot_gemv", "int8_dot16_gemv"])
+def test_int8_dot_gemv_refuses_in_features_off_the_block(op):
+    with pytest.raises(RuntimeError, match=f"{op}: in_features must be a multiple of 32, got 48"):
+        getattr(torch.ops.splice_kernels, op)(torch.randn(1, 48).bfloat16(), torch.zeros(4, 48, dtype=torch.int8),
+                                              torch.ones(4).bfloat16())
 
 
 

@@ -282,6 +282,28 @@ def test_int8_decode_rows_on_dot_products_round_activations_per_block(rows):
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [1, 3, 8, 40])
+def test_int8_decode_rows_on_int16_dot_products_at_the_avx2_level(rows):
+    """``dot_products=16`` (the kernel choice at the avx2 level without AVX-VNNI): decode rows are rounded to int16 per
+    block of 256 and summed in integers (``int8_dot16_gemv``), whatever level runs the layer later; prefill rows
+    keep bf16 activations. in_features off the block of 256 (the last block shorter)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(320, 200)
+    with native.use_isa("avx2"):
+        layer = HANDLERS["int8_weight_only"].from_float(linear.weight.detach(), linear.bias, SCHEMES["int8"],
+                                                        native=True, dot_products=16)
+    assert layer.use_dot_products == 16
+    x = torch.randn(rows, 320)
+    decode = rows <= native.MAX_ROWS["int8_dot"]
+    rounded = qmath.round_activations(x.bfloat16().float(), qmath.WIDE_ACTIVATION_BLOCK, qmath.WIDE_ACTIVATION_LEVELS)
+    expected = F.linear(rounded if decode else _reference_input(x, "int8"), layer.dequantize(), linear.bias)
+    with _spy("int8_dot16_gemv") as calls, _spy("int8_dot_gemv") as int8_calls:
+        out = layer(x)
+    assert calls.call_count == decode and int8_calls.call_count == 0
+    assert (out - expected).norm() / expected.norm() < 5e-3
+
+
+@needs_native
 @pytest.mark.parametrize("rows", [1, 2, 40])
 @pytest.mark.parametrize("scheme", ["int4-g32", "int4-g128"])
 def test_int4_decode_rows_on_dot_products_round_activations_per_block(scheme, rows):

@@ -554,6 +554,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("splice_kernels::bf16_gemv")(lambda x, w: fake_rows(x, w.shape[0]))
     torch.library.register_fake("splice_kernels::int8_gemv")(lambda x, w, scales: fake_rows(x, w.shape[0]))
     torch.library.register_fake("splice_kernels::int8_dot_gemv")(lambda x, w, scales: fake_rows(x, w.shape[0]))
+    torch.library.register_fake("splice_kernels::int8_dot16_gemv")(lambda x, w, scales: fake_rows(x, w.shape[0]))
     torch.library.register_fake("splice_kernels::int4_gemv")(
         lambda x, w, scales_and_zeros, group: fake_rows(x, w.shape[0] * INT4_TILE))
     torch.library.register_fake("splice_kernels::int4_dot_gemv")(

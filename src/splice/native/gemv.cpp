@@ -11,6 +11,8 @@
 //   int8_gemv(x bf16 [M, K], w int8 [N, K], scales bf16 [N])      per-output-channel scales
 //   int8_dot_gemv(x, w, scales)  the same product with x rounded to int8 per row and block of 32 (W8A8): integer
 //       dot products with AVX512-VNNI, else AVX-VNNI, else vpmaddubsw
+//   int8_dot16_gemv(x, w, scales)  the same product with x rounded to int16 per row and block of 256: int8
+//       weight-only's decode rows at the avx2 level without AVX-VNNI (vpmaddwd, the AVX2 code at every level)
 //   int4_gemv(x bf16 [M, K], w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group)
 //       tiles of 16 rows; dword (tile, c, r) holds q[r, 8c .. 8c+7] as nibbles in the order k = 0,2,4,6,1,3,5,7
 //       (so k and k+1 sit 16 bits apart); value = (q - 8) * scale + zero per (row, group). A symmetric weight (every
@@ -29,7 +31,8 @@
 // Instruction sets: the file is compiled for baseline x86-64; each kernel exists once per ISA level, in a region
 // compiled for that level (#pragma GCC target), and the ops dispatch at run time on the active level:
 //   ISA_AVX2    AVX2 + FMA: weights widened to float32 and multiply-added (8 lanes); int8 x int8 and int4 x int8
-//               dot products with vpmaddubsw, or AVX-VNNI's 256-bit vpdpbusd where the CPU has it
+//               dot products with vpmaddubsw, or AVX-VNNI's 256-bit vpdpbusd where the CPU has it; int8 x int16
+//               with vpmaddwd
 //   ISA_AVX512  AVX-512 F/BW/VL/DQ + BF16: bf16 dot products (16 lanes, two products per lane and instruction)
 //   ISA_AMX     ISA_AVX512, and AMX tiles for int4 (from 3 rows) and int8 (5-16 rows) GEMVs
 // The active level starts at the best the CPU (and Linux, for AMX tile state) allows; set_isa lowers it, so every
@@ -388,6 +391,7 @@ void for_row_sets(const T* w, int64_t k, RowBlock block, F&& f) {
 // the same arithmetic: d = block's absolute max / 127, q = round(x / d) in -127..127), rearranged here once per call
 // into the nibble order of the int4 tiles, so every level sums exactly the same integers.
 constexpr int64_t DOT_BLOCK = 32;  // columns per activation scale (qmath.ACTIVATION_BLOCK)
+constexpr int64_t DOT16_BLOCK = 256;  // columns per int16 activation scale (qmath.WIDE_ACTIVATION_BLOCK)
 
 struct Int4DotActivations {
   std::vector<int32_t> pairs;  // [m, k / 8, 2]: per chunk the bytes of q at columns (0, 4, 1, 5) and (2, 6, 3, 7)
@@ -1919,6 +1923,168 @@ at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   return out;
 }
 
+// ---- int8 x int16 dot products (vpmaddwd): int8 weight-only's decode rows at the avx2 level without AVX-VNNI ------
+// Without VNNI, int8_dot_gemv's product of 32 columns per weight row and row of x is five vector instructions (a sign,
+// vpmaddubsw, vpmaddwd with ones, a conversion, the block scale's multiply-add), against bf16's four multiply-adds
+// (and its widening, shared by the rows of x): a batch bound by arithmetic gains little over bf16. Here x is rounded
+// to int16 per row and block of DOT16_BLOCK columns (d = amax / 32767, round to nearest even), and a step of 16
+// weights is sign-extended to int16 once for two rows of x: per 32 columns, weight row and row of x, two vpmaddwd and
+// two adds into int32 sums, converted and scaled once per block. Its step is finer than int8's per block of 32
+// wherever a block of 32 holds more than 1/258 of its block of 256's amax. A block's sums stay below
+// 16 steps * 2 * 128 * 32767 < 2^28.
+constexpr int64_t DOT16_X_ROWS = 8;  // rows of x per pass over a block of weight rows
+constexpr int DOT16_CHUNK_ROWS = 2;  // rows of x whose sums share the registers with two weight rows' widened step
+
+struct Dot16Rows {
+  at::Tensor q;           // [m, k] int16 (ATen's CPU buffers start on a cache line: no load of a step splits one)
+  std::vector<float> d;   // [m, blocks]
+  int64_t blocks;         // ceil(k / DOT16_BLOCK): the last block holds what is left
+};
+
+// x rounded as qmath.round_activations rounds it with WIDE_ACTIVATION_LEVELS: d = amax / 32767 per row and block (a
+// NaN in the block makes d NaN), q = round-to-nearest-even(x / d) clamped to -32767..32767.
+Dot16Rows round_rows16(const at::BFloat16* x, int64_t m, int64_t k) {
+  Dot16Rows a;
+  a.blocks = (k + DOT16_BLOCK - 1) / DOT16_BLOCK;
+  a.q = at::empty({m, k}, at::kShort);
+  a.d.resize(m * a.blocks);
+  int16_t* q = a.q.data_ptr<int16_t>();
+  const __m256 low = _mm256_set1_ps(-32767.f), high = _mm256_set1_ps(32767.f);
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t b = 0; b < a.blocks; ++b) {
+      const int64_t c0 = b * DOT16_BLOCK, c1 = std::min(c0 + DOT16_BLOCK, k);
+      const at::BFloat16* row = x + i * k;
+      __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+      for (int64_t c = c0; c < c1; c += 8) {
+        const __m256 v = bf16x8_to_f32(row + c);
+        amax = _mm256_max_ps(_mm256_andnot_ps(sign, v), amax);  // a NaN lane keeps amax
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      }
+      const float d = _mm256_movemask_ps(nan) ? NAN : std::max(horizontal_max(amax), 1e-12f) / 32767.f;
+      const __m256 dv = _mm256_set1_ps(d);
+      for (int64_t c = c0; c < c1; c += 16) {
+        __m256i codes[2];
+        for (int j = 0; j < 2; ++j) {
+          const __m256 rounded = _mm256_round_ps(_mm256_div_ps(bf16x8_to_f32(row + c + 8 * j), dv),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          codes[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(rounded, low), high));
+        }
+        const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(codes[0], codes[1]), 0xD8);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * k + c), words);
+      }
+      a.d[i * a.blocks + b] = d;
+    }
+  return a;
+}
+
+// One 16-column step of the weight rows as int16: int8 ones sign-extended, int16 ones (already widened) as they are.
+inline __m256i widen16(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i widen16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// C rows of x (x, the first of them; rows k apart) against R weight rows (row_at, from column c0 of each) over
+// `columns` columns: their int32 pair sums in acc.
+template <int C, int R, typename W>
+inline void dot16_chunk(const int16_t* x, int64_t k, const W* const row_at[R], int64_t columns, __m256i acc[C][R]) {
+  UNROLLED for (int m = 0; m < C; ++m)
+    UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_si256();
+  for (int64_t c = 0; c < columns; c += 32) {
+    UNROLLED for (int h = 0; h < 32; h += 16) {
+      __m256i wv[R];
+      UNROLLED for (int r = 0; r < R; ++r) wv[r] = widen16(row_at[r] + c + h);
+      UNROLLED for (int m = 0; m < C; ++m) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * k + c + h));
+        UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(wv[r], xv));
+      }
+    }
+  }
+}
+
+// f(Int<first>, Int<size>) for [0, N) in pieces of STEP (the last one shorter), unrolled.
+template <int N, int STEP, int FIRST = 0, typename F>
+inline void for_pieces(F&& f) {
+  if constexpr (FIRST < N) {
+    f(Int<FIRST>{}, Int<(N - FIRST < STEP ? N - FIRST : STEP)>{});
+    for_pieces<N, STEP, FIRST + STEP>(f);
+  }
+}
+
+// R weight rows against M rows of x (a.q from row m0): sums[m][r] in float32. APART as rows_dot's. Each block of
+// columns is taken by every row of x, in chunks of DOT16_CHUNK_ROWS rows against two weight rows at a time, before
+// the next block, so the block's weights and x stay in L1.
+template <int M, int R, bool APART>
+void dot16_rows(const Dot16Rows& a, int64_t m0, const int8_t* const row_at[R], int64_t k, float sums[M][R]) {
+  __m256 total[M][R];
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int r = 0; r < R; ++r) total[m][r] = _mm256_setzero_ps();
+  const int16_t* x = a.q.data_ptr<int16_t>() + m0 * k;
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    const int64_t c0 = b * DOT16_BLOCK, columns = std::min(DOT16_BLOCK, k - c0);
+    for (int64_t c = c0; c < c0 + columns; c += 32) {
+      if constexpr (APART) {
+        if (c % 64 == 0)
+          UNROLLED for (int r = 0; r < R; ++r) prefetch<PREFETCH_INT8>(row_at[r] + c + PREFETCH_BYTES);
+      } else {
+        prefetch_step<R, 32>(row_at, k, c);
+      }
+    }
+    for_pieces<R, 2>([&](auto r0_c, auto g_c) {
+      constexpr int R0 = decltype(r0_c)::value, G = decltype(g_c)::value;
+      const int8_t* group_at[G];
+      UNROLLED for (int g = 0; g < G; ++g) group_at[g] = row_at[R0 + g] + c0;
+      for_pieces<M, DOT16_CHUNK_ROWS>([&](auto mc_c, auto c_c) {
+        constexpr int MC = decltype(mc_c)::value, C = decltype(c_c)::value;
+        __m256i acc[C][G];
+        dot16_chunk<C, G>(x + MC * k + c0, k, group_at, columns, acc);
+        UNROLLED for (int m = 0; m < C; ++m) {
+          const __m256 d = _mm256_set1_ps(a.d[(m0 + MC + m) * a.blocks + b]);
+          UNROLLED for (int g = 0; g < G; ++g)
+            total[MC + m][R0 + g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][g]), d, total[MC + m][R0 + g]);
+        }
+      });
+    });
+  }
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int r = 0; r < R; ++r) sums[m][r] = horizontal_sum(total[m][r]);
+}
+
+template <int M, int R>
+void int8_dot16_block(const Dot16Rows& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k,
+                      RowBlock block, at::BFloat16* out, int64_t n_total) {
+  if constexpr (R == 8) {
+    for_row_sets<2>(w, k, block, [&](const int64_t rows[2], const int8_t* const row_at[2]) {
+      float sums[M][2];
+      dot16_rows<M, 2, true>(a, m0, row_at, k, sums);
+      UNROLLED for (int m = 0; m < M; ++m)
+        for (int t = 0; t < 2; ++t)
+          out[m * n_total + rows[t]] = at::BFloat16(sums[m][t] * static_cast<float>(scales[rows[t]]));
+    });
+  } else {
+    const int8_t* row_at[R];
+    row_pointers<R>(w, k, block, row_at);
+    float sums[M][R];
+    dot16_rows<M, R, false>(a, m0, row_at, k, sums);
+    UNROLLED for (int m = 0; m < M; ++m)
+      UNROLLED for (int r = 0; r < R; ++r)
+        out[m * n_total + block.row(r)] = at::BFloat16(sums[m][r] * static_cast<float>(scales[block.row(r)]));
+  }
+}
+
+at::Tensor int8_dot16_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
+  const Dot16Rows a = round_rows16(x.data_ptr<at::BFloat16>(), m, k);
+  auto out = at::empty({m, n}, x.options());
+  const auto* sp = scales.data_ptr<at::BFloat16>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  for_row_blocks<DOT16_X_ROWS>(m, n, [&](auto m_c, auto r_c, RowBlock rows, int64_t m0) {
+    int8_dot16_block<decltype(m_c)::value, decltype(r_c)::value>(a, m0, wp, sp, k, rows, op + m0 * n, n);
+  });
+  return out;
+}
+
 // int4: lanes are weight rows, a 16-row tile is two halves of 8. Nibble slot s of a word (column ORDER[s] of the
 // chunk) is shifted to bits 16-19 and OR-ed into the float 1.0, which gives 1 + q / 128 exactly (no conversion
 // instruction; its product with a bf16 x is exact in float32), multiply-added with the broadcast x column. So the
@@ -2552,6 +2718,17 @@ at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   return avx_vnni_ready() ? avx2::int8_dot_gemv<true>(x, w, scales) : avx2::int8_dot_gemv<false>(x, w, scales);
 }
 
+// int8 weight-only's decode product where the CPU has no VNNI: x rounded to int16 per row and block of 256, vpmaddwd.
+at::Tensor int8_dot16_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  check_isa("int8_dot16_gemv");
+  check_int8_weight(w, "int8_dot16_gemv");
+  check_rows(x, w.size(1), "int8_dot16_gemv");
+  check_int8_scales(scales, w.size(0), "int8_dot16_gemv");
+  TORCH_CHECK(w.size(1) % DOT_BLOCK == 0, "int8_dot16_gemv: in_features must be a multiple of ",
+              DOT_BLOCK, ", got ", w.size(1));
+  return avx2::int8_dot16_gemv(x, w, scales);
+}
+
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
   check_isa("int4_gemv");
   check_int4_tiles(w, sz, group, "int4_gemv");
@@ -2773,6 +2950,7 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("bf16_gemv(Tensor x, Tensor w) -> Tensor");
   lib.def("int8_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int8_dot_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  lib.def("int8_dot16_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int4_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("int4_dot_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("stream_read(Tensor t, int streams=4, bool prefetch=True) -> int");
@@ -2809,6 +2987,7 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("bf16_gemv", &bf16_gemv);
   lib.impl("int8_gemv", &int8_gemv);
   lib.impl("int8_dot_gemv", &int8_dot_gemv);
+  lib.impl("int8_dot16_gemv", &int8_dot16_gemv);
   lib.impl("int4_gemv", &int4_gemv);
   lib.impl("stream_read", &stream_read);
   lib.impl("gptq_columns", &gptq_columns);

@@ -84,15 +84,17 @@ class Int8WeightOnlyLinear(QuantizedLinear):
     kind = "int8_weight_only"
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, qweight: torch.Tensor,
-                 scales: torch.Tensor, native: bool = False, dot_products: bool = False) -> None:
+                 scales: torch.Tensor, native: bool = False, dot_products: bool | int = False) -> None:
         super().__init__(in_features, out_features, bias)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales.to(kernels.COMPUTE_DTYPE))
         # Per channel, same layout either way: the native GEMV runs for the rows it fits, torch's kernels otherwise.
         self.use_native = native and qweight.dim() == 2
         self.widen_prompts = self.use_native and _prompts_widened()
-        # Decode rows rounded to int8 per block and multiplied in integers (whole blocks of input only).
-        self.use_dot_products = self.use_native and dot_products and in_features % qmath.ACTIVATION_BLOCK == 0
+        # Decode rows multiplied in integers (whole blocks of 32 inputs only): 8 (or True) rounds them to int8 per
+        # block of 32, 16 to int16 per block of 256 (kernel_choice.int16_activations); 0 keeps float products.
+        dots = self.use_native and dot_products and in_features % qmath.ACTIVATION_BLOCK == 0
+        self.use_dot_products = (16 if dot_products == 16 else 8) if dots else 0
         _check_native(native, qweight.device)
 
     @classmethod
@@ -209,7 +211,7 @@ class Int4WeightOnlyLinear(_RepackedWeight):
         self.use_native = native
         self.widen_prompts = native and _prompts_widened()
         # Decode rows rounded to int8 per block and multiplied in integers (groups of whole blocks only).
-        self.use_dot_products = native and dot_products and group % qmath.ACTIVATION_BLOCK == 0
+        self.use_dot_products = 8 if native and dot_products and group % qmath.ACTIVATION_BLOCK == 0 else 0
         _check_native(native, q.device)
         self.register_buffer("packed", torch.empty(0, dtype=torch.uint8), persistent=False)
         self.register_buffer("packed_scales", torch.empty(0, dtype=kernels.COMPUTE_DTYPE), persistent=False)

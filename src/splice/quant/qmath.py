@@ -189,16 +189,19 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 
 ACTIVATION_BLOCK = 32  # input elements per activation scale in W8A8 (llama.cpp's Q8_0 block)
+#: int8 weight-only's decode rows on AVX2 without VNNI (``int8_dot16_gemv``): activations rounded to int16 (this many
+#: levels each side of zero) per row and block of this many input elements
+WIDE_ACTIVATION_LEVELS, WIDE_ACTIVATION_BLOCK = 32767, 256
 
 
-def round_activations(x: torch.Tensor, block: int = ACTIVATION_BLOCK) -> torch.Tensor:
+def round_activations(x: torch.Tensor, block: int = ACTIVATION_BLOCK, levels: int = 127) -> torch.Tensor:
     """``x [M, K]`` rounded to symmetric int8 per row and block of ``block`` input elements (``K`` zero-padded): each
     block's values become ``q * scale`` with ``q`` in -127..127 and ``scale`` = the block's absolute max / 127, returned
-    in ``x``'s dtype."""
+    in ``x``'s dtype. ``levels``: another range for ``q`` (-levels..levels; 32767 for int16)."""
     rows, k = x.shape
     blocks = pad_to(x.float(), 1, block).reshape(rows, -1, block)
-    scales = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=_EPS) / 127
-    q = torch.round(blocks / scales).clamp_(-127, 127)
+    scales = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=_EPS) / levels
+    q = torch.round(blocks / scales).clamp_(-levels, levels)
     return (q * scales).reshape(rows, -1)[:, :k].to(x.dtype)
 
 
