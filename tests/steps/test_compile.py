@@ -1,6 +1,7 @@
 """The compile step: ``compile_decode=True`` compiles splice's decode step; it must not change a single greedy token."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -216,6 +217,36 @@ def test_compiled_decode_runs_the_bf16_weights_eager_runs(native_kernels, monkey
     got, expected = (engine.generate(ids, attention_mask=mask, **options) for engine in (compiled, eager))
     # bf16: inductor keeps fused intermediates in fp32 where eager rounds each op, so compare the first decode step's
     # logits (step 0 is the eager prefill in both) and the tokens up to it, not 20 tokens of a random tiny model
+    decode_error = (got.logits[1] - expected.logits[1]).abs().max() / expected.logits[1].std()
+    assert decode_error < 0.05
+    assert torch.equal(got.sequences[:, :14], expected.sequences[:, :14])
+
+
+@pytest.mark.parametrize("level", ["avx2", "best"])
+def test_compiled_decode_runs_the_int8_layers_eager_runs(level):
+    """int8 weight-only's decode rows on integer dot products inside the compiled step: int8 activations, or int16
+    ones at the avx2 level without AVX-VNNI (``int8_dot16_gemv``); the compiled step gives the eager step's logits."""
+    from splice import native
+    from splice.kernel_choice import dot_products, int16_activations
+    from splice.quant import Int8WeightOnlyLinear
+
+    if not dot_products():
+        pytest.skip("splice's native integer dot products do not run here (no native kernels, or SPLICE_NATIVE_DOT=0)")
+    if level == "avx2" and "avx2" not in native.supported_isas():
+        pytest.skip("this CPU cannot run the avx2 kernels")
+    with contextlib.ExitStack() as at_level:
+        if level == "avx2":
+            at_level.enter_context(native.use_isa("avx2"))
+            at_level.enter_context(native.use_avx_vnni(False))
+        reference = build_family("llama", dtype=torch.bfloat16)
+        engines = [splice.init_inference(copy.deepcopy(reference), dtype=torch.int8, replace_with_kernel_inject=True,
+                                         compile_decode=compiled, max_out_tokens=64) for compiled in (True, False)]
+        layers = [m for m in engines[0].module.modules() if isinstance(m, Int8WeightOnlyLinear)]
+        assert layers and {m.use_dot_products for m in layers} == {16 if int16_activations() else 8}
+        assert int16_activations() or level != "avx2"
+        ids, mask = padded_batch(batch=1, length=12)
+        options = dict(GREEDY, return_dict_in_generate=True, output_logits=True)
+        got, expected = (engine.generate(ids, attention_mask=mask, **options) for engine in engines)
     decode_error = (got.logits[1] - expected.logits[1]).abs().max() / expected.logits[1].std()
     assert decode_error < 0.05
     assert torch.equal(got.sequences[:, :14], expected.sequences[:, :14])
