@@ -1978,16 +1978,16 @@ Dot16Rows round_rows16(const at::BFloat16* x, int64_t m, int64_t k) {
   return a;
 }
 
-// One 16-column step of the weight rows as int16: int8 ones sign-extended, int16 ones (already widened) as they are.
+// 16 int8 weights sign-extended to int16.
 inline __m256i widen16(const int8_t* p) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
-inline __m256i widen16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
-// C rows of x (x, the first of them; rows k apart) against R weight rows (row_at, from column c0 of each) over
-// `columns` columns: their int32 pair sums in acc.
-template <int C, int R, typename W>
-inline void dot16_chunk(const int16_t* x, int64_t k, const W* const row_at[R], int64_t columns, __m256i acc[C][R]) {
+// C rows of x (x, the first of them; rows k apart) against R weight rows (row_at) over `columns` columns, both from
+// the same column: their int32 pair sums in acc.
+template <int C, int R>
+inline void dot16_chunk(const int16_t* x, int64_t k, const int8_t* const row_at[R], int64_t columns,
+                        __m256i acc[C][R]) {
   UNROLLED for (int m = 0; m < C; ++m)
     UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_si256();
   for (int64_t c = 0; c < columns; c += 32) {
