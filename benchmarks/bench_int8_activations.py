@@ -17,8 +17,8 @@ import torch
 from splice import native
 from splice.native.memory import gather_on_huge_pages
 
-#: (out, in) of one llama-1b block's fused weights: QKV, o, gate+up, down
-LLAMA_1B = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632))
+from bench_quant import FUSED
+
 KERNELS = ("bf16", "int8 activations", "int16 activations")
 RATIOS = (("int8 activations", "int16 activations"), ("bf16", "int16 activations"), ("bf16", "int8 activations"))
 
@@ -68,7 +68,7 @@ def main() -> None:
     if not native.available():
         raise SystemExit("splice's native kernels are not available here")
     torch.set_num_threads(args.threads)
-    matrices = weights(LLAMA_1B, args.layers)
+    matrices = weights(FUSED.values(), args.layers)
     with native.use_isa(args.level):
         print(f"{args.layers} llama-1b blocks, level {args.level}, {args.threads} threads, median of {args.rounds} "
               "rounds' time ratios (range)")

@@ -269,8 +269,9 @@ def _decode_op(bits: str) -> str:
 
 def int8_native_rows() -> list[dict[str, Any]]:
     native_max, torch_max = native.MAX_ROWS["int8"], kernels.INT8_KERNEL_MAX_ROWS
-    if _decode_op("int8") != "int8_gemv":  # the dot products up to their limit, then AMX tiles where present
-        steps = _amx_split(native.MAX_ROWS["int8_dot"], _decode_op("int8"))
+    decode_op = _decode_op("int8")
+    if decode_op != "int8_gemv":  # the dot products up to their limit, then AMX tiles where present
+        steps = _amx_split(native.MAX_ROWS["int8_dot"], decode_op)
         if native.amx_ready():
             steps.append((native_max, "splice_kernels.int8_gemv", "native GEMV on AMX tiles, x as it is (past the "
                                                                   "rows the dot products take)"))

@@ -1801,30 +1801,41 @@ struct DotRows {
   std::vector<float> d;   // [m, k / 32]
 };
 
-// Eight lanes at a time, each step as qmath.round_activations takes it (d = amax / 127, q = round-to-nearest-even(x /
-// d) clamped to -127..127; a NaN lane gives -127 and its block the scale NaN), so the same bytes as round_rows at
-// every level.
+// The rounding scale of one block of x (n columns, a multiple of 8), as qmath.round_activations takes it: the absolute
+// max (at least 1e-12) / levels; NaN where the block holds a NaN (a vector max would drop it), so its products are NaN
+// as qmath's are.
+inline float block_scale(const at::BFloat16* x, int64_t n, float levels) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+  for (int64_t c = 0; c < n; c += 8) {
+    const __m256 v = bf16x8_to_f32(x + c);
+    amax = _mm256_max_ps(_mm256_andnot_ps(sign, v), amax);  // a NaN lane keeps amax
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  return _mm256_movemask_ps(nan) ? NAN : std::max(horizontal_max(amax), 1e-12f) / levels;
+}
+
+// Eight columns of x as codes (int32 lanes): round-to-nearest-even(x / d) clamped to -levels..levels (a NaN lane
+// gives -levels).
+inline __m256i round8(const at::BFloat16* x, __m256 d, __m256 levels) {
+  const __m256 rounded =
+      _mm256_round_ps(_mm256_div_ps(bf16x8_to_f32(x), d), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 low = _mm256_sub_ps(_mm256_setzero_ps(), levels);
+  return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(rounded, low), levels));
+}
+
+// Eight lanes at a time, each step as qmath.round_activations takes it (block_scale with 127 levels, round8), so the
+// same bytes as round_rows at every level.
 DotRows round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
   DotRows a;
   a.q.resize(m * k);
   a.d.resize(m * k / DOT_BLOCK);
-  const __m256 low = _mm256_set1_ps(-127.f), high = _mm256_set1_ps(127.f);
-  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 levels = _mm256_set1_ps(127.f);
   for (int64_t b = 0; b < m * k / DOT_BLOCK; ++b) {
-    __m256 values[DOT_BLOCK / 8], amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-    for (int64_t j = 0; j < DOT_BLOCK / 8; ++j) {
-      values[j] = bf16x8_to_f32(x + b * DOT_BLOCK + 8 * j);
-      amax = _mm256_max_ps(_mm256_andnot_ps(sign, values[j]), amax);  // a NaN lane keeps amax
-      nan = _mm256_or_ps(nan, _mm256_cmp_ps(values[j], values[j], _CMP_UNORD_Q));
-    }
-    // a NaN in the block makes its scale NaN, so its products are NaN as qmath's are
-    const float d = _mm256_movemask_ps(nan) ? NAN : std::max(horizontal_max(amax), 1e-12f) / 127.f;
+    const float d = block_scale(x + b * DOT_BLOCK, DOT_BLOCK, 127.f);
     const __m256 dv = _mm256_set1_ps(d);
     __m256i codes[DOT_BLOCK / 8];
-    for (int64_t j = 0; j < DOT_BLOCK / 8; ++j) {
-      const __m256 rounded = _mm256_round_ps(_mm256_div_ps(values[j], dv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      codes[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(rounded, low), high));
-    }
+    for (int64_t j = 0; j < DOT_BLOCK / 8; ++j) codes[j] = round8(x + b * DOT_BLOCK + 8 * j, dv, levels);
     // int32 -> int8 (packs saturate, but every code is already in -127..127), back in column order
     const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(codes[0], codes[1]), 0xD8);
     const __m256i words2 = _mm256_permute4x64_epi64(_mm256_packs_epi32(codes[2], codes[3]), 0xD8);
@@ -1941,35 +1952,23 @@ struct Dot16Rows {
   int64_t blocks;         // ceil(k / DOT16_BLOCK): the last block holds what is left
 };
 
-// x rounded as qmath.round_activations rounds it with WIDE_ACTIVATION_LEVELS: d = amax / 32767 per row and block (a
-// NaN in the block makes d NaN), q = round-to-nearest-even(x / d) clamped to -32767..32767.
+// x rounded as qmath.round_activations rounds it with WIDE_ACTIVATION_LEVELS (block_scale with 32767 levels, round8)
+// per row and block of DOT16_BLOCK.
 Dot16Rows round_rows16(const at::BFloat16* x, int64_t m, int64_t k) {
   Dot16Rows a;
   a.blocks = (k + DOT16_BLOCK - 1) / DOT16_BLOCK;
   a.q = at::empty({m, k}, at::kShort);
   a.d.resize(m * a.blocks);
   int16_t* q = a.q.data_ptr<int16_t>();
-  const __m256 low = _mm256_set1_ps(-32767.f), high = _mm256_set1_ps(32767.f);
-  const __m256 sign = _mm256_set1_ps(-0.f);
+  const __m256 levels = _mm256_set1_ps(32767.f);
   for (int64_t i = 0; i < m; ++i)
     for (int64_t b = 0; b < a.blocks; ++b) {
       const int64_t c0 = b * DOT16_BLOCK, c1 = std::min(c0 + DOT16_BLOCK, k);
       const at::BFloat16* row = x + i * k;
-      __m256 amax = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
-      for (int64_t c = c0; c < c1; c += 8) {
-        const __m256 v = bf16x8_to_f32(row + c);
-        amax = _mm256_max_ps(_mm256_andnot_ps(sign, v), amax);  // a NaN lane keeps amax
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-      }
-      const float d = _mm256_movemask_ps(nan) ? NAN : std::max(horizontal_max(amax), 1e-12f) / 32767.f;
+      const float d = block_scale(row + c0, c1 - c0, 32767.f);
       const __m256 dv = _mm256_set1_ps(d);
       for (int64_t c = c0; c < c1; c += 16) {
-        __m256i codes[2];
-        for (int j = 0; j < 2; ++j) {
-          const __m256 rounded = _mm256_round_ps(_mm256_div_ps(bf16x8_to_f32(row + c + 8 * j), dv),
-                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-          codes[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(rounded, low), high));
-        }
+        const __m256i codes[2] = {round8(row + c, dv, levels), round8(row + c + 8, dv, levels)};
         const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(codes[0], codes[1]), 0xD8);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * k + c), words);
       }
@@ -2706,26 +2705,26 @@ void set_avx_vnni(bool on) {
 bool int8_dot_ready() { return isa() >= ISA_AVX2; }
 bool int4_dot_ready() { return isa() >= ISA_AVX2; }
 
+// The arguments of an int8 weight's integer dot products (int8_dot_gemv, int8_dot16_gemv): K whole blocks of 32.
+void check_int8_dot(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const char* name) {
+  check_isa(name);
+  check_int8_weight(w, name);
+  check_rows(x, w.size(1), name);
+  check_int8_scales(scales, w.size(0), name);
+  TORCH_CHECK(w.size(1) % DOT_BLOCK == 0, name, ": in_features must be a multiple of ", DOT_BLOCK, ", got ",
+              w.size(1));
+}
+
 // W8A8's decode product in integers: AVX512-VNNI where vnni_ready(), else vpmaddubsw.
 at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
-  check_isa("int8_dot_gemv");
-  check_int8_weight(w, "int8_dot_gemv");
-  check_rows(x, w.size(1), "int8_dot_gemv");
-  check_int8_scales(scales, w.size(0), "int8_dot_gemv");
-  TORCH_CHECK(w.size(1) % DOT_BLOCK == 0, "int8_dot_gemv: in_features must be a multiple of ",
-              DOT_BLOCK, ", got ", w.size(1));
+  check_int8_dot(x, w, scales, "int8_dot_gemv");
   if (vnni_ready()) return avx512::int8_dot_gemv(x, w, scales);
   return avx_vnni_ready() ? avx2::int8_dot_gemv<true>(x, w, scales) : avx2::int8_dot_gemv<false>(x, w, scales);
 }
 
 // int8 weight-only's decode product where the CPU has no VNNI: x rounded to int16 per row and block of 256, vpmaddwd.
 at::Tensor int8_dot16_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
-  check_isa("int8_dot16_gemv");
-  check_int8_weight(w, "int8_dot16_gemv");
-  check_rows(x, w.size(1), "int8_dot16_gemv");
-  check_int8_scales(scales, w.size(0), "int8_dot16_gemv");
-  TORCH_CHECK(w.size(1) % DOT_BLOCK == 0, "int8_dot16_gemv: in_features must be a multiple of ",
-              DOT_BLOCK, ", got ", w.size(1));
+  check_int8_dot(x, w, scales, "int8_dot16_gemv");
   return avx2::int8_dot16_gemv(x, w, scales);
 }
 
