@@ -6,6 +6,7 @@ between calls together in "other"). Naming the kernels keeps inductor's Python w
 sees; the step splice runs has the C++ wrapper, with less time between calls::
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_step_calls.py --quant int4-sym
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_step_calls.py --quant int8 --batch 8
 """
 from __future__ import annotations
 
@@ -61,18 +62,19 @@ def main() -> None:
     parser.add_argument("--quant", default="int4-sym", help="a splice bench --quant scheme, or bf16")
     parser.add_argument("--new", type=int, default=17, help="new tokens (the first is the prefill's)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1, help="prompts decoded together")
     parser.add_argument("--top", type=int, default=20, help="calls listed")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch._inductor.config.cpp.enable_kernel_profile = True
     engine = splice.init_inference(load_model("llama-1b", "bf16"), replace_with_kernel_inject=True,
                                    compile_decode=True, max_out_tokens=256, **engine_options(args.quant))
-    prompt = torch.randint(0, engine.module.config.vocab_size, (1, 128))
+    prompt = torch.randint(0, engine.module.config.vocab_size, (args.batch, 128))
     with torch.inference_mode():
         engine.generate(prompt, max_new_tokens=8, do_sample=False)  # compiles the step
     steps, step_ms, between_ms, times, counts = step_calls(engine, prompt, args.new)
-    print(f"llama-1b {args.quant}, {args.threads} threads: {steps} decode steps, {step_ms:.2f} ms a step, "
-          f"{between_ms:.2f} ms of it between the compiled graph's calls")
+    print(f"llama-1b {args.quant}, batch {args.batch}, {args.threads} threads: {steps} decode steps, "
+          f"{step_ms:.2f} ms a step, {between_ms:.2f} ms of it between the compiled graph's calls")
     for name, ms in sorted(times.items(), key=lambda item: -item[1])[:args.top]:
         print(f"{ms:8.3f} ms {counts[name]:5d} calls  {name[:100]}")
 

@@ -73,19 +73,33 @@ constexpr int TILE = 16;  // weight rows per int4 tile
 // by itself and gains from them.
 enum PrefetchKind : int64_t { PREFETCH_BF16 = 1, PREFETCH_INT8 = 2, PREFETCH_INT4 = 4 };
 constexpr int64_t PREFETCH_ALL = PREFETCH_BF16 | PREFETCH_INT8 | PREFETCH_INT4;
-std::atomic<int64_t> software_prefetch_setting{PREFETCH_ALL};
+// A plain variable, set between kernel calls (native.use_software_prefetch): read inside a kernel's loop it stays in a
+// register, where an atomic read would be made again on every step, and with it every pointer the loop reads.
+int64_t software_prefetch_setting = PREFETCH_ALL;
 
-int64_t software_prefetch() { return software_prefetch_setting.load(std::memory_order_relaxed); }
+int64_t software_prefetch() { return software_prefetch_setting; }
 
 void set_software_prefetch(int64_t kinds) {
   TORCH_CHECK(kinds >= 0 && kinds <= PREFETCH_ALL, "set_software_prefetch: ", kinds,
               " is not a mask of PREFETCH_BF16 (1), PREFETCH_INT8 (2) and PREFETCH_INT4 (4)");
-  software_prefetch_setting.store(kinds, std::memory_order_relaxed);
+  software_prefetch_setting = kinds;
 }
 
 template <int64_t KIND>
 inline void prefetch(const void* p) {
   if (software_prefetch() & KIND) _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+}
+
+// Keeps loaded values in registers: GCC otherwise folds each use of a loaded value into a memory operand of its own,
+// loading it again for every weight row it meets, and a GEMV of one row of x is then bound by its loads.
+template <typename T>
+inline void keep_in_register(T& value) {
+  asm("" : "+v"(value));
+}
+
+template <typename... T>
+inline void keep_in_registers(T&... values) {
+  (keep_in_register(values), ...);
 }
 
 // The prefetch kind of a row-major weight of element type T (bf16 or int8).
@@ -839,36 +853,55 @@ void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const a
 }
 
 // The S weight streams' rows as sets (for_row_sets), each set over every column, with a software prefetch
-// PREFETCH_BYTES ahead in each stream. Each row's arithmetic is int8_dot_rows', so the outputs are the same bits.
+// PREFETCH_BYTES ahead in each stream. Each row's arithmetic is int8_dot_rows', so the outputs are the same bits. With
+// one or two rows of x a step is a few vector instructions per weight row, so the loop keeps its bookkeeping out of
+// them: whole steps unmasked (the masked tail once after them), the prefetch setting read once, x's codes, scales and
+// unflip terms loaded once a step for every weight row.
+template <int M, int S, bool PREFETCH>
+__attribute__((target("avx512vnni"), always_inline))
+inline void int8_dot_set_steps(const int8_t* xq, int64_t x_stride, const float* xd, const int32_t* xu,
+                               int64_t u_stride, const int8_t* const row_at[S], int64_t first, int64_t last,
+                               __mmask64 mask, __m512 acc[M][S]) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int8_t* rows[S];
+  UNROLLED for (int t = 0; t < S; ++t) rows[t] = row_at[t];
+  for (int64_t s = first; s < last; ++s) {
+    const int64_t c = s * DOT_STEP;
+    __m512i wv[S];
+    UNROLLED for (int t = 0; t < S; ++t) {
+      if constexpr (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(rows[t] + c + PREFETCH_BYTES), _MM_HINT_T0);
+      wv[t] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, rows[t] + c), flip);
+    }
+    UNROLLED for (int m = 0; m < M; ++m) {
+      __m512i xv = _mm512_loadu_si512(xq + m * x_stride + c);
+      __m512 dv = _mm512_loadu_ps(xd + m * u_stride + s * 16);
+      __m512i uv = _mm512_loadu_si512(xu + m * u_stride + s * 16);
+      keep_in_registers(xv, dv, uv);
+      UNROLLED for (int t = 0; t < S; ++t)
+        acc[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(uv, wv[t], xv)), dv, acc[m][t]);
+    }
+  }
+}
+
 template <int M, int S>
 __attribute__((target("avx512vnni")))
 void int8_dot_row_sets(const DotActivations& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k,
                        RowBlock block, at::BFloat16* out, int64_t n_total) {
-  const int64_t steps = a.padded / DOT_STEP;
-  const int8_t* xq = a.q.data() + m0 * a.padded;
-  const float* xd = a.d.data() + m0 * steps * 16;
-  const int32_t* xu = a.unflip.data() + m0 * steps * 16;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const int64_t steps = a.padded / DOT_STEP, whole = k / DOT_STEP, x_stride = a.padded, u_stride = steps * 16;
+  const int8_t* const xq = a.q.data() + m0 * a.padded;
+  const float* const xd = a.d.data() + m0 * u_stride;
+  const int32_t* const xu = a.unflip.data() + m0 * u_stride;
+  const bool prefetch = software_prefetch() & PREFETCH_INT8;
+  const __mmask64 tail = (__mmask64(1) << (k - whole * DOT_STEP)) - 1;
   for_row_sets<S>(w, k, block, [&](const int64_t rows[S], const int8_t* const row_at[S]) {
     __m512 acc[M][S];
     UNROLLED for (int m = 0; m < M; ++m)
       UNROLLED for (int t = 0; t < S; ++t) acc[m][t] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < k; c += DOT_STEP) {
-      const int64_t left = k - c;
-      const __mmask64 mask = left >= DOT_STEP ? ~__mmask64(0) : ((__mmask64(1) << left) - 1);
-      __m512i wv[S];
-      UNROLLED for (int t = 0; t < S; ++t) {
-        prefetch<PREFETCH_INT8>(row_at[t] + c + PREFETCH_BYTES);
-        wv[t] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, row_at[t] + c), flip);
-      }
-      UNROLLED for (int m = 0; m < M; ++m) {
-        const __m512i xv = _mm512_loadu_si512(xq + m * a.padded + c);
-        const __m512 dv = _mm512_loadu_ps(xd + (m * steps + c / DOT_STEP) * 16);
-        const __m512i uv = _mm512_loadu_si512(xu + (m * steps + c / DOT_STEP) * 16);
-        UNROLLED for (int t = 0; t < S; ++t)
-          acc[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(uv, wv[t], xv)), dv, acc[m][t]);
-      }
-    }
+    if (prefetch)
+      int8_dot_set_steps<M, S, true>(xq, x_stride, xd, xu, u_stride, row_at, 0, whole, ~__mmask64(0), acc);
+    else
+      int8_dot_set_steps<M, S, false>(xq, x_stride, xd, xu, u_stride, row_at, 0, whole, ~__mmask64(0), acc);
+    if (whole < steps) int8_dot_set_steps<M, S, false>(xq, x_stride, xd, xu, u_stride, row_at, whole, steps, tail, acc);
     UNROLLED for (int m = 0; m < M; ++m)
       UNROLLED for (int t = 0; t < S; ++t)
         out[m * n_total + rows[t]] = at::BFloat16(_mm512_reduce_add_ps(acc[m][t]) *
@@ -1244,6 +1277,7 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
   const int32_t* base[T];
   UNROLLED for (int t = 0; t < T; ++t) base[t] = w + (first + t * step) * chunks * TILE;
   const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+  const bool prefetch = software_prefetch() & PREFETCH_INT4;
   __m512 acc[M][T];
   UNROLLED for (int m = 0; m < M; ++m)
     UNROLLED for (int t = 0; t < T; ++t) acc[m][t] = _mm512_setzero_ps();
@@ -1259,8 +1293,9 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
       UNROLLED for (int i = 0; i < 4; ++i) {
         const int64_t c = b * 4 + i;
         UNROLLED for (int t = 0; t < T; ++t) {
-          prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(base[t] + c * TILE) + PREFETCH_BYTES);
-          const __m512i words = _mm512_loadu_si512(base[t] + c * TILE);
+          if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(base[t] + c * TILE) + PREFETCH_BYTES, _MM_HINT_T0);
+          __m512i words = _mm512_loadu_si512(base[t] + c * TILE);
+          keep_in_registers(words);
           const __m512i low = _mm512_and_si512(words, nibbles);
           const __m512i high = _mm512_and_si512(_mm512_srli_epi32(words, 4), nibbles);
           UNROLLED for (int m = 0; m < M; ++m) {
