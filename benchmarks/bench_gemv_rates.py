@@ -1,0 +1,152 @@
+"""The decode GEMVs alone, at one instruction-set level: in the cache, GMAC/s (one thread by default), where the
+instructions a kernel issues bound it; and from memory, each kernel's read speed over the bandwidth probe's, the two
+taking turns so each round's ratio sees one state of the host, where the reads should bound it. The int8 kernel is
+the one int8 weight-only layers call at that level (int16 activations at the avx2 level without AVX-VNNI, else int8
+ones); int4 is asymmetric, groups of 32. Run it before and after a kernel change::
+
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_gemv_rates.py
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_gemv_rates.py --level avx2 --memory-layers 0
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+
+from splice import native
+from splice.bench import PROBE_PATTERNS
+from splice.kernel_choice import int16_activations
+from splice.native.memory import gather_on_huge_pages
+
+from bench_quant import FUSED
+
+KINDS = ("bf16", "int8", "int4")
+GROUP = 32
+
+
+def operands(kind: str, n: int, k: int) -> tuple:
+    """A random weight of ``kind`` [n, k] in the layout its decode GEMV takes."""
+    if kind == "bf16":
+        return ((torch.randn(n, k) * 0.02).bfloat16(),)
+    if kind == "int8":
+        return torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16() * 0.01
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales_and_zeros = torch.stack([torch.rand(k // GROUP, n) * 0.01, torch.randn(k // GROUP, n) * 0.01], -1)
+    return native.int4_tile_pack(codes), native.int4_tile_scales(scales_and_zeros)
+
+
+def call(kind: str, x: torch.Tensor, weight: tuple) -> torch.Tensor:
+    ops = torch.ops.splice_kernels
+    if kind == "bf16":
+        return ops.bf16_gemv(x, *weight)
+    if kind == "int8":
+        return (ops.int8_dot16_gemv if int16_activations() else ops.int8_dot_gemv)(x, *weight)
+    return ops.int4_dot_gemv(x, *weight, GROUP)
+
+
+def weight_bytes(weight: tuple) -> int:
+    return sum(t.numel() * t.element_size() for t in weight)
+
+
+def cache_rates(shapes, rows: int, reps: int, kinds=KINDS) -> dict[tuple[tuple[int, int], str], float]:
+    """{(shape, kind): GMAC/s}, the median of 7 timings of ``reps`` calls on a weight small enough to stay cached."""
+    out = {}
+    for n, k in shapes:
+        x = torch.randn(rows, k).bfloat16()
+        for kind in kinds:
+            weight = operands(kind, n, k)
+            call(kind, x, weight)
+            times = []
+            for _ in range(7):
+                start = time.perf_counter()
+                for _ in range(reps):
+                    call(kind, x, weight)
+                times.append((time.perf_counter() - start) / reps)
+            out[((n, k), kind)] = rows * n * k / statistics.median(times) / 1e9
+    return out
+
+
+def probe_read(buffer: torch.Tensor) -> float:
+    """Seconds of the fastest of the native streaming read's patterns over ``buffer`` (as ``bench`` probes)."""
+    best = float("inf")
+    for streams, ahead in PROBE_PATTERNS:
+        start = time.perf_counter()
+        torch.ops.splice_kernels.stream_read(buffer, streams, ahead)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def memory_shares(layers: int, rows: int, rounds: int, kinds=KINDS,
+                  shapes=None) -> dict[str, list[tuple[float, float]]]:
+    """{kind: [(GB/s, GB/s over the probe's) per round]}: ``layers`` llama-1b blocks' fused weights of each kind
+    (``shapes`` instead, where given) on 2 MiB pages, every matrix once a round, and the probe over a buffer as large
+    as the int8 weights, in turns (the order reversed every other round)."""
+    shapes = list(FUSED.values()) * layers if shapes is None else shapes
+    weights = {kind: [operands(kind, n, k) for n, k in shapes] for kind in kinds}
+    probe = torch.ones(max(1, sum(n * k for n, k in shapes) // (4 * 8192)), 8192)
+    gather_on_huge_pages([t for each in weights.values() for weight in each for t in weight] + [probe])
+    inputs = [torch.randn(rows, k).bfloat16() for _, k in shapes]
+    sizes = {kind: sum(weight_bytes(w) for w in each) for kind, each in weights.items()}
+    out = {kind: [] for kind in kinds}
+    for i in range(rounds):
+        seconds = {}
+        for name in (("probe",) + tuple(kinds))[:: 1 if i % 2 else -1]:
+            if name == "probe":
+                seconds[name] = probe_read(probe)
+                continue
+            start = time.perf_counter()
+            for x, weight in zip(inputs, weights[name]):
+                call(name, x, weight)
+            seconds[name] = time.perf_counter() - start
+        probe_speed = probe.numel() * 4 / seconds["probe"]
+        for kind in kinds:
+            speed = sizes[kind] / seconds[kind]
+            out[kind].append((speed / 1e9, speed / probe_speed))
+    return out
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    try:
+        shapes = [tuple(int(v) for v in item.split("x")) for item in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 2 or min(s) <= 0 or s[1] % 256 or s[0] % 16 for s in shapes):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NxK[,NxK...], N a multiple of 16, K of 256")
+    return shapes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--level", default=None, choices=native.ISA_LEVELS, help="default: the best level here")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2], help="rows of x (batch)")
+    parser.add_argument("--cache-shapes", type=parse_shapes, default=parse_shapes("1024x2048,512x5632"))
+    parser.add_argument("--cache-threads", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=300, help="calls per cache timing")
+    parser.add_argument("--memory-layers", type=int, default=8, help="llama-1b blocks from memory (0: skip)")
+    parser.add_argument("--memory-threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=11)
+    args = parser.parse_args()
+    if not native.available():
+        raise SystemExit("splice's native kernels are not available here")
+    with native.use_isa(args.level) if args.level else contextlib.nullcontext():
+        level = native.isa()
+        torch.set_num_threads(args.cache_threads)
+        for rows in args.rows:
+            rates = cache_rates(args.cache_shapes, rows, args.reps)
+            print(f"{level}, in cache, {args.cache_threads} thread(s), {rows} row(s), GMAC/s: " + "  ".join(
+                f"{kind} {n}x{k} {rate:.1f}" for ((n, k), kind), rate in rates.items()))
+        if args.memory_layers:
+            torch.set_num_threads(args.memory_threads)
+            for rows in args.rows:
+                shares = memory_shares(args.memory_layers, rows, args.rounds)
+                print(f"{level}, {args.memory_layers} llama-1b blocks from memory, {args.memory_threads} threads, "
+                      f"{rows} row(s), median of {args.rounds} rounds: " + "  ".join(
+                          f"{kind} {statistics.median(s for s, _ in v):.1f} GB/s = "
+                          f"{statistics.median(r for _, r in v):.3f} of the probe" for kind, v in shares.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""``benchmarks/bench_gemv_rates.py``: the decode GEMVs alone, in the cache and from memory against the probe."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from splice import native
+
+from .benchmark_scripts import load_benchmark
+
+needs_native = pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
+
+
+@needs_native
+def test_each_kind_calls_the_kernel_its_layers_call_at_the_level():
+    bench = load_benchmark("bench_gemv_rates")
+    x = torch.randn(2, 256).bfloat16()
+    w8, scales = bench.operands("int8", 32, 256)
+    with native.use_isa("avx2"), native.use_avx_vnni(False):  # int8 weight-only's int16 activations
+        assert torch.equal(bench.call("int8", x, (w8, scales)), torch.ops.splice_kernels.int8_dot16_gemv(x, w8, scales))
+    if native.supported_isas()[-1] != "avx2" or native.avx_vnni_ready():
+        with native.use_isa(native.supported_isas()[-1]):
+            assert torch.equal(bench.call("int8", x, (w8, scales)),
+                               torch.ops.splice_kernels.int8_dot_gemv(x, w8, scales))
+    tiles, sz = bench.operands("int4", 32, 256)
+    assert torch.equal(bench.call("int4", x, (tiles, sz)), torch.ops.splice_kernels.int4_dot_gemv(x, tiles, sz, 32))
+    assert bench.call("bf16", x, bench.operands("bf16", 32, 256)).shape == (2, 32)
+
+
+@needs_native
+def test_rates_in_cache_and_shares_of_the_probe_per_round():
+    bench = load_benchmark("bench_gemv_rates")
+    rates = bench.cache_rates([(32, 256), (16, 512)], rows=1, reps=2)
+    assert set(rates) == {(shape, kind) for shape in ((32, 256), (16, 512)) for kind in bench.KINDS}
+    assert all(rate > 0 for rate in rates.values())
+    shares = bench.memory_shares(layers=1, rows=2, rounds=3, shapes=[(64, 512), (32, 256)])
+    assert set(shares) == set(bench.KINDS)
+    assert all(len(rounds) == 3 and all(speed > 0 and share > 0 for speed, share in rounds)
+               for rounds in shares.values())
+
+
+@pytest.mark.parametrize("text", ["1024x2048,5x512", "1024", "axb", "64x300", ""])
+def test_bad_shapes_are_refused_naming_the_value(text):
+    bench = load_benchmark("bench_gemv_rates")
+    with pytest.raises(argparse.ArgumentTypeError, match="NxK"):
+        bench.parse_shapes(text)
+    assert bench.parse_shapes("1024x2048,16x256") == [(1024, 2048), (16, 256)]
