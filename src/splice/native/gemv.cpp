@@ -855,9 +855,9 @@ void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const a
 // The S weight streams' rows as sets (for_row_sets), each set over every column, with a software prefetch
 // PREFETCH_BYTES ahead in each stream. Each row's arithmetic is int8_dot_rows', so the outputs are the same bits. With
 // one or two rows of x a step is a few vector instructions per weight row, so the loop keeps its bookkeeping out of
-// them: whole steps unmasked (the masked tail once after them), the prefetch setting read once, x's codes, scales and
-// unflip terms loaded once a step for every weight row.
-template <int M, int S, bool PREFETCH>
+// them: whole steps unmasked (the masked tail once after them), x's codes, scales and unflip terms loaded once a step
+// for every weight row.
+template <int M, int S>
 __attribute__((target("avx512vnni"), always_inline))
 inline void int8_dot_set_steps(const int8_t* xq, int64_t x_stride, const float* xd, const int32_t* xu,
                                int64_t u_stride, const int8_t* const row_at[S], int64_t first, int64_t last,
@@ -869,7 +869,7 @@ inline void int8_dot_set_steps(const int8_t* xq, int64_t x_stride, const float* 
     const int64_t c = s * DOT_STEP;
     __m512i wv[S];
     UNROLLED for (int t = 0; t < S; ++t) {
-      if constexpr (PREFETCH) _mm_prefetch(reinterpret_cast<const char*>(rows[t] + c + PREFETCH_BYTES), _MM_HINT_T0);
+      prefetch<PREFETCH_INT8>(rows[t] + c + PREFETCH_BYTES);
       wv[t] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, rows[t] + c), flip);
     }
     UNROLLED for (int m = 0; m < M; ++m) {
@@ -891,17 +891,13 @@ void int8_dot_row_sets(const DotActivations& a, int64_t m0, const int8_t* w, con
   const int8_t* const xq = a.q.data() + m0 * a.padded;
   const float* const xd = a.d.data() + m0 * u_stride;
   const int32_t* const xu = a.unflip.data() + m0 * u_stride;
-  const bool prefetch = software_prefetch() & PREFETCH_INT8;
   const __mmask64 tail = (__mmask64(1) << (k - whole * DOT_STEP)) - 1;
   for_row_sets<S>(w, k, block, [&](const int64_t rows[S], const int8_t* const row_at[S]) {
     __m512 acc[M][S];
     UNROLLED for (int m = 0; m < M; ++m)
       UNROLLED for (int t = 0; t < S; ++t) acc[m][t] = _mm512_setzero_ps();
-    if (prefetch)
-      int8_dot_set_steps<M, S, true>(xq, x_stride, xd, xu, u_stride, row_at, 0, whole, ~__mmask64(0), acc);
-    else
-      int8_dot_set_steps<M, S, false>(xq, x_stride, xd, xu, u_stride, row_at, 0, whole, ~__mmask64(0), acc);
-    if (whole < steps) int8_dot_set_steps<M, S, false>(xq, x_stride, xd, xu, u_stride, row_at, whole, steps, tail, acc);
+    int8_dot_set_steps<M, S>(xq, x_stride, xd, xu, u_stride, row_at, 0, whole, ~__mmask64(0), acc);
+    if (whole < steps) int8_dot_set_steps<M, S>(xq, x_stride, xd, xu, u_stride, row_at, whole, steps, tail, acc);
     UNROLLED for (int m = 0; m < M; ++m)
       UNROLLED for (int t = 0; t < S; ++t)
         out[m * n_total + rows[t]] = at::BFloat16(_mm512_reduce_add_ps(acc[m][t]) *
@@ -1277,7 +1273,6 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
   const int32_t* base[T];
   UNROLLED for (int t = 0; t < T; ++t) base[t] = w + (first + t * step) * chunks * TILE;
   const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
-  const bool prefetch = software_prefetch() & PREFETCH_INT4;
   __m512 acc[M][T];
   UNROLLED for (int m = 0; m < M; ++m)
     UNROLLED for (int t = 0; t < T; ++t) acc[m][t] = _mm512_setzero_ps();
@@ -1293,7 +1288,7 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
       UNROLLED for (int i = 0; i < 4; ++i) {
         const int64_t c = b * 4 + i;
         UNROLLED for (int t = 0; t < T; ++t) {
-          if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(base[t] + c * TILE) + PREFETCH_BYTES, _MM_HINT_T0);
+          prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(base[t] + c * TILE) + PREFETCH_BYTES);
           __m512i words = _mm512_loadu_si512(base[t] + c * TILE);
           keep_in_registers(words);
           const __m512i low = _mm512_and_si512(words, nibbles);
