@@ -17,11 +17,11 @@ import time
 import torch
 
 from splice import native
-from splice.bench import PROBE_PATTERNS
 from splice.kernel_choice import int16_activations
 from splice.native.memory import gather_on_huge_pages
 
 from bench_quant import FUSED
+from bench_read_sizes import best_gbs  # the probe's read patterns, the fastest taken
 
 KINDS = ("bf16", "int8", "int4")
 GROUP = 32
@@ -69,16 +69,6 @@ def cache_rates(shapes, rows: int, reps: int, kinds=KINDS) -> dict[tuple[tuple[i
     return out
 
 
-def probe_read(buffer: torch.Tensor) -> float:
-    """Seconds of the fastest of the native streaming read's patterns over ``buffer`` (as ``bench`` probes)."""
-    best = float("inf")
-    for streams, ahead in PROBE_PATTERNS:
-        start = time.perf_counter()
-        torch.ops.splice_kernels.stream_read(buffer, streams, ahead)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def memory_shares(layers: int, rows: int, rounds: int, kinds=KINDS,
                   shapes=None) -> dict[str, list[tuple[float, float]]]:
     """{kind: [(GB/s, GB/s over the probe's) per round]}: ``layers`` llama-1b blocks' fused weights of each kind
@@ -86,25 +76,23 @@ def memory_shares(layers: int, rows: int, rounds: int, kinds=KINDS,
     as the int8 weights, in turns (the order reversed every other round)."""
     shapes = list(FUSED.values()) * layers if shapes is None else shapes
     weights = {kind: [operands(kind, n, k) for n, k in shapes] for kind in kinds}
-    probe = torch.ones(max(1, sum(n * k for n, k in shapes) // (4 * 8192)), 8192)
+    probe = torch.ones(sum(n * k for n, k in shapes), dtype=torch.uint8)
     gather_on_huge_pages([t for each in weights.values() for weight in each for t in weight] + [probe])
     inputs = [torch.randn(rows, k).bfloat16() for _, k in shapes]
     sizes = {kind: sum(weight_bytes(w) for w in each) for kind, each in weights.items()}
     out = {kind: [] for kind in kinds}
     for i in range(rounds):
-        seconds = {}
+        speeds = {}
         for name in (("probe",) + tuple(kinds))[:: 1 if i % 2 else -1]:
             if name == "probe":
-                seconds[name] = probe_read(probe)
+                speeds[name] = best_gbs([probe], rounds=1)
                 continue
             start = time.perf_counter()
             for x, weight in zip(inputs, weights[name]):
                 call(name, x, weight)
-            seconds[name] = time.perf_counter() - start
-        probe_speed = probe.numel() * 4 / seconds["probe"]
+            speeds[name] = sizes[name] / (time.perf_counter() - start) / 1e9
         for kind in kinds:
-            speed = sizes[kind] / seconds[kind]
-            out[kind].append((speed / 1e9, speed / probe_speed))
+            out[kind].append((speeds[kind], speeds[kind] / speeds["probe"]))
     return out
 
 
