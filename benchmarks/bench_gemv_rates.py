@@ -106,19 +106,28 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+def positive(text: str) -> int:
+    value = int(text) if text.isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of at least 1")
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--level", default=None, choices=native.ISA_LEVELS, help="default: the best level here")
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2], help="rows of x (batch)")
+    parser.add_argument("--rows", type=positive, nargs="+", default=[1, 2], help="rows of x (batch)")
     parser.add_argument("--cache-shapes", type=parse_shapes, default=parse_shapes("1024x2048,512x5632"))
-    parser.add_argument("--cache-threads", type=int, default=1)
-    parser.add_argument("--reps", type=int, default=300, help="calls per cache timing")
+    parser.add_argument("--cache-threads", type=positive, default=1)
+    parser.add_argument("--reps", type=positive, default=300, help="calls per cache timing")
     parser.add_argument("--memory-layers", type=int, default=8, help="llama-1b blocks from memory (0: skip)")
-    parser.add_argument("--memory-threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--memory-threads", type=positive, default=2)
+    parser.add_argument("--rounds", type=positive, default=11)
     args = parser.parse_args()
     if not native.available():
         raise SystemExit("splice's native kernels are not available here")
+    if args.level and args.level not in native.supported_isas():
+        parser.error(f"--level {args.level} does not run here; allowed: {', '.join(native.supported_isas())}")
     with native.use_isa(args.level) if args.level else contextlib.nullcontext():
         level = native.isa()
         torch.set_num_threads(args.cache_threads)

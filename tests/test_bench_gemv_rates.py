@@ -47,3 +47,17 @@ def test_bad_shapes_are_refused_naming_the_value(text):
     with pytest.raises(argparse.ArgumentTypeError, match="NxK"):
         bench.parse_shapes(text)
     assert bench.parse_shapes("1024x2048,16x256") == [(1024, 2048), (16, 256)]
+
+
+@pytest.mark.parametrize("argv, named", [(["--rows", "0"], "'0'"), (["--rounds", "two"], "'two'"),
+                                         (["--level", "amx"], "amx")])
+def test_bad_arguments_are_refused_naming_the_value(argv, named, monkeypatch, capsys):
+    bench = load_benchmark("bench_gemv_rates")
+    if argv[0] == "--level" and "amx" in native.supported_isas():
+        pytest.skip("this machine runs the amx level, so --level amx is allowed here")
+    if argv[0] == "--level" and not native.available():
+        pytest.skip("splice's native kernels are not available here")
+    monkeypatch.setattr("sys.argv", ["bench_gemv_rates.py", *argv, "--memory-layers", "0"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main()
+    assert exit_info.value.code == 2 and named in capsys.readouterr().err
