@@ -2,7 +2,8 @@
 instructions a kernel issues bound it; and from memory, each kernel's read speed over the bandwidth probe's, the two
 taking turns so each round's ratio sees one state of the host, where the reads should bound it. The int8 kernel is
 the one int8 weight-only layers call at that level (int16 activations at the avx2 level without AVX-VNNI, else int8
-ones); int4 is asymmetric, groups of 32. Run it before and after a kernel change::
+ones); int4 is asymmetric (a scale and zero per group), int4-sym symmetric (the scale alone), groups of 32. Run it
+before and after a kernel change::
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_gemv_rates.py
     PYTHONPATH=src .venv/bin/python benchmarks/bench_gemv_rates.py --level avx2 --memory-layers 0
@@ -23,7 +24,7 @@ from splice.native.memory import gather_on_huge_pages
 from bench_quant import FUSED
 from bench_read_sizes import best_gbs  # the probe's read patterns, the fastest taken
 
-KINDS = ("bf16", "int8", "int4")
+KINDS = ("bf16", "int8", "int4", "int4-sym")
 GROUP = 32
 
 
@@ -34,7 +35,8 @@ def operands(kind: str, n: int, k: int) -> tuple:
     if kind == "int8":
         return torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16() * 0.01
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-    scales_and_zeros = torch.stack([torch.rand(k // GROUP, n) * 0.01, torch.randn(k // GROUP, n) * 0.01], -1)
+    zeros = torch.zeros(k // GROUP, n) if kind == "int4-sym" else torch.randn(k // GROUP, n) * 0.01
+    scales_and_zeros = torch.stack([torch.rand(k // GROUP, n) * 0.01, zeros], -1)
     return native.int4_tile_pack(codes), native.int4_tile_scales(scales_and_zeros)
 
 

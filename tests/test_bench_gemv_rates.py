@@ -26,6 +26,10 @@ def test_each_kind_calls_the_kernel_its_layers_call_at_the_level():
                                torch.ops.splice_kernels.int8_dot_gemv(x, w8, scales))
     tiles, sz = bench.operands("int4", 32, 256)
     assert torch.equal(bench.call("int4", x, (tiles, sz)), torch.ops.splice_kernels.int4_dot_gemv(x, tiles, sz, 32))
+    tiles_sym, sz_sym = bench.operands("int4-sym", 32, 256)
+    assert sz_sym.nbytes * 2 == sz.nbytes  # symmetric: the scales alone
+    assert torch.equal(bench.call("int4-sym", x, (tiles_sym, sz_sym)),
+                       torch.ops.splice_kernels.int4_dot_gemv(x, tiles_sym, sz_sym, 32))
     assert bench.call("bf16", x, bench.operands("bf16", 32, 256)).shape == (2, 32)
 
 

@@ -239,9 +239,11 @@ def _threads(count: int):
 def test_weight_streams_give_the_same_output_as_one(isa, rows, n):
     """Walking two or four parts of each thread's weights side by side changes the order of the reads, not the
     arithmetic: bit for bit the same outputs (int4 and int8 on integer dot products, int8 and bf16 on float ones), at
-    every level, with tiles or row blocks left over by the streams and a tail of rows, one thread and two."""
+    every level, with tiles or row blocks left over by the streams and a tail of rows, one thread and two; int4 in
+    groups of 64 and of one block (32, a loop of its own), with and without zeros."""
     k = 256
     x, _, _, w4, sz = _int4_operands(rows, n // 16 * 16, k, 64, symmetric=rows % 2 == 1, seed=rows)
+    _, _, _, w32, sz32 = _int4_operands(rows, n // 16 * 16, k, 32, symmetric=rows % 2 == 0, seed=rows)
     x8, w8, s8 = torch.randn(rows, k).bfloat16(), torch.randint(-127, 128, (n, k), dtype=torch.int8), \
         torch.rand(n).bfloat16()
     wb = torch.randn(n, k).bfloat16()
@@ -252,6 +254,7 @@ def test_weight_streams_give_the_same_output_as_one(isa, rows, n):
             for streams in (1, 2, 4):
                 with native.use_weight_streams(streams):
                     results[streams] = (torch.ops.splice_kernels.int4_dot_gemv(x, w4, sz, 64),
+                                        torch.ops.splice_kernels.int4_dot_gemv(x, w32, sz32, 32),
                                         torch.ops.splice_kernels.int8_dot_gemv(x8, w8, s8),
                                         torch.ops.splice_kernels.int8_gemv(x8, w8, s8),
                                         torch.ops.splice_kernels.bf16_gemv(x8, wb))
@@ -325,9 +328,10 @@ def test_weight_streams_from_the_environment(monkeypatch):
 def test_software_prefetch_gives_the_same_output(isa, rows, streams):
     """Prefetching a weight stream in software or not changes when its lines arrive, not what is computed: bit for
     bit the same outputs from every GEMV (int4 on integer and float products, AMX tiles included where the level has
-    them; int8 on both; bf16) with every kind's prefetch on, off, and each alone."""
+    them; int8 on both; bf16) with every kind's prefetch on, off, and each alone; int4 in groups of 64 and 32."""
     k, n = 256, 16 * 9 + 2
     x, _, _, w4, sz = _int4_operands(rows, 16 * 9, k, 64, symmetric=False, seed=rows)
+    _, _, _, w32, sz32 = _int4_operands(rows, 16 * 9, k, 32, symmetric=rows % 2 == 1, seed=rows)
     x8, w8, s8 = torch.randn(rows, k).bfloat16(), torch.randint(-127, 128, (n, k), dtype=torch.int8), \
         torch.rand(n).bfloat16()
     wb = torch.randn(n, k).bfloat16()
@@ -339,6 +343,7 @@ def test_software_prefetch_gives_the_same_output(isa, rows, streams):
                 assert native.software_prefetch() == (native.PREFETCH_KINDS if kinds is True else
                                                       () if kinds is False else kinds)
                 results.append((torch.ops.splice_kernels.int4_dot_gemv(x, w4, sz, 64),
+                                torch.ops.splice_kernels.int4_dot_gemv(x, w32, sz32, 32),
                                 torch.ops.splice_kernels.int4_gemv(x, w4, sz, 64),
                                 torch.ops.splice_kernels.int8_dot_gemv(x8, w8, s8),
                                 torch.ops.splice_kernels.int8_gemv(x8, w8, s8),

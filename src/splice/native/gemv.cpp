@@ -411,6 +411,7 @@ struct Int4DotActivations {
   std::vector<int32_t> pairs;  // [m, k / 8, 2]: per chunk the bytes of q at columns (0, 4, 1, 5) and (2, 6, 3, 7)
   std::vector<float> d;        // [m, k / 32]
   std::vector<float> sums;     // [m, k / group]: sum_b d_b * sum(q_b) over the group's blocks
+  std::vector<int32_t> offsets;  // [m, k / 32]: -8 * sum(q_b), what a block's codes' offset of 8 adds to its dot
 };
 
 // One row's q bytes in the tiles' nibble order: per chunk of 8, columns (0, 4, 1, 5) then (2, 6, 3, 7) (every level's
@@ -450,15 +451,41 @@ Int4DotActivations int4_dot_activations(const int8_t* q_rows, int64_t stride, st
   out.pairs.resize(m * chunks * 2);
   out.d = std::move(d);
   out.sums.assign(m * (k / group), 0.f);
+  out.offsets.resize(m * blocks);
   for (int64_t i = 0; i < m; ++i) {
     const int8_t* q = q_rows + i * stride;
     nibble_order(q, chunks, out.pairs.data() + i * chunks * 2);
-    for (int64_t b = 0; b < blocks; ++b)  // each group's blocks added in column order (every level's float sums)
-      out.sums[i * (k / group) + b * DOT_BLOCK / group] +=
-          out.d[i * blocks + b] * static_cast<float>(block_sum(q + b * DOT_BLOCK));
+    for (int64_t b = 0; b < blocks; ++b) {  // each group's blocks added in column order (every level's float sums)
+      const int32_t sum = block_sum(q + b * DOT_BLOCK);
+      out.sums[i * (k / group) + b * DOT_BLOCK / group] += out.d[i * blocks + b] * static_cast<float>(sum);
+      out.offsets[i * blocks + b] = -8 * sum;
+    }
   }
   return out;
 }
+
+// What each level's int4_dot_blocks walks by block index (every group one block): T streams' tile words and scales
+// (tiles first + t * step), and M rows of x from m0: row m's nibble-ordered pairs at x + m * chunks * 2, its block
+// scales, sums and offsets at d, x_sums and offsets + m * blocks.
+template <int T>
+struct Int4BlockWalk {
+  const int32_t* weights[T];
+  const at::BFloat16* scales[T];
+  const int32_t* x;
+  const float* d;
+  const float* x_sums;
+  const int32_t* offsets;
+
+  Int4BlockWalk(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
+                int64_t first, int64_t step)
+      : x(a.pairs.data() + m0 * (k / 8) * 2), d(a.d.data() + m0 * (k / DOT_BLOCK)),
+        x_sums(a.sums.data() + m0 * (k / DOT_BLOCK)), offsets(a.offsets.data() + m0 * (k / DOT_BLOCK)) {
+    for (int t = 0; t < T; ++t) {
+      weights[t] = w + (first + t * step) * (k / 8) * TILE;
+      scales[t] = sz.line(first + t * step, 0);
+    }
+  }
+};
 
 // ---- attention for one query per row (decode) ------------------------------------------------------------------
 // decode_attention splits each row's keys into parts; one part of one row, for the query heads that share a KV head,
@@ -1250,8 +1277,9 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // Decode rows of x rounded to int8 per row and block of 32 (as int8_dot_gemv), times the int4 tiles with vpdpbusd:
 // the nibbles are already unsigned, so a tile word masked with 0x0F0F0F0F gives each row's columns 0, 4, 1, 5 of the
 // chunk as bytes and shifted by 4 its columns 2, 6, 3, 7 (the nibble order above), against x's bytes in the same order
-// broadcast to the 16 rows. Per block of 32 the int32 sums get the block's scale d; per group,
-// y += scale * sum_b d_b * dot_b + (zero - 8 * scale) * sum_b d_b * sum(q_b).
+// broadcast to the 16 rows. A block's int32 sum starts from -8 * sum(q_b), so it is the exact dot of the codes less 8
+// with q_b, and gets the block's scale d; per group, y += scale * sum_b d_b * dot_b, and where the scales come with
+// zeros, zero * sum_b d_b * sum(q_b).
 Int4DotActivations round_rows_for_int4(const at::BFloat16* x, int64_t m, int64_t k, int64_t group) {
   const DotActivations a = round_rows(x, m, k);
   const int64_t blocks = k / DOT_BLOCK, steps = a.padded / DOT_STEP;
@@ -1263,16 +1291,72 @@ Int4DotActivations round_rows_for_int4(const at::BFloat16* x, int64_t m, int64_t
 
 constexpr int64_t INT4_DOT_ROWS = 8;  // rows of x per pass over a tile (one stream)
 
+// A block's int32 sum from int4_block_sums' chains: with more than one, the even chains hold the low nibbles'
+// products and the odd ones 16 times the high nibbles' (exact: every term a multiple of 16, at most 4 * 240 * 127 a
+// vpdpbusd lane, four chunks a block); with one, both in place.
+template <int CHAINS>
+__attribute__((target("avx512f"))) inline __m512i block_sum(const __m512i (&sums)[CHAINS]) {
+  static_assert(CHAINS == 1 || CHAINS == 2 || CHAINS == 4, "chains alternate low and high nibbles");
+  if constexpr (CHAINS == 1) {
+    return sums[0];
+  } else if constexpr (CHAINS == 2) {
+    return _mm512_add_epi32(sums[0], _mm512_srai_epi32(sums[1], 4));
+  } else {
+    return _mm512_add_epi32(_mm512_add_epi32(sums[0], sums[2]),
+                            _mm512_srai_epi32(_mm512_add_epi32(sums[1], sums[3]), 4));
+  }
+}
+
+// Block b's int32 sums for M rows of x (row m's nibble-ordered pairs at x + m * row_stride, its block offsets at
+// offsets + m * blocks) and T tiles (weights[t]): sums[m][t] in CHAINS chains, independent so that enough vpdpbusd
+// chains are in flight for its latency; the first starts from the block's offset, so block_sum gives the exact sum
+// of (code - 8) * q. With more than one chain, the high nibbles stay in place (16 times their value) until then.
+template <int M, int T, int CHAINS>
+__attribute__((target("avx512vnni")))
+inline void int4_block_sums(const int32_t* const (&weights)[T], const int32_t* x, int64_t row_stride,
+                            const int32_t* offsets, int64_t blocks, int64_t b, __m512i (&sums)[M][T][CHAINS]) {
+  const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+  UNROLLED for (int m = 0; m < M; ++m) {
+    const __m512i offset = _mm512_set1_epi32(offsets[m * blocks + b]);
+    UNROLLED for (int t = 0; t < T; ++t)
+      UNROLLED for (int h = 0; h < CHAINS; ++h) sums[m][t][h] = h ? _mm512_setzero_si512() : offset;
+  }
+  UNROLLED for (int i = 0; i < 4; ++i) {
+    const int64_t c = b * 4 + i;
+    UNROLLED for (int t = 0; t < T; ++t) {
+      prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(weights[t] + c * TILE) + PREFETCH_BYTES);
+      __m512i words = _mm512_loadu_si512(weights[t] + c * TILE);
+      keep_in_registers(words);
+      const __m512i low = _mm512_and_si512(words, nibbles);
+      const __m512i high = CHAINS > 1 ? _mm512_andnot_si512(nibbles, words)
+                                      : _mm512_and_si512(_mm512_srli_epi32(words, 4), nibbles);
+      UNROLLED for (int m = 0; m < M; ++m) {
+        const int32_t* xp = x + m * row_stride + c * 2;
+        __m512i& low_sum = sums[m][t][(2 * i) % CHAINS];
+        low_sum = _mm512_dpbusd_epi32(low_sum, low, _mm512_set1_epi32(xp[0]));
+        __m512i& high_sum = sums[m][t][(2 * i + 1) % CHAINS];
+        high_sum = _mm512_dpbusd_epi32(high_sum, high, _mm512_set1_epi32(xp[1]));
+      }
+    }
+  }
+}
+
+// Independent int32 sums per row and tile of int4_block_sums: with few rows and tiles, low and high nibbles (and
+// alternate chunks) add into sums of their own.
+template <int M, int T>
+constexpr int INT4_CHAINS = M * T <= 2 ? 4 : M * T <= 4 ? 2 : 1;
+
 // T tiles at once (T weight streams, for_spans): tile first + i * step for i < T.
 template <int M, int T>
 __attribute__((target("avx512vnni")))
 void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
                     int64_t group, int64_t first, int64_t step, at::BFloat16* out, int64_t n_total) {
   const int64_t chunks = k / 8, groups = k / group, blocks = k / DOT_BLOCK, blocks_per_group = group / DOT_BLOCK;
-  constexpr int CHAINS = T == 1 && M < 6 ? 2 : 1;  // independent dependency chains: two per tile at least
+  constexpr int CHAINS = INT4_CHAINS<M, T>;
   const int32_t* base[T];
   UNROLLED for (int t = 0; t < T; ++t) base[t] = w + (first + t * step) * chunks * TILE;
-  const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
+  const int32_t* x = a.pairs.data() + m0 * chunks * 2;
+  const int32_t* offsets = a.offsets.data() + m0 * blocks;
   __m512 acc[M][T];
   UNROLLED for (int m = 0; m < M; ++m)
     UNROLLED for (int t = 0; t < T; ++t) acc[m][t] = _mm512_setzero_ps();
@@ -1282,39 +1366,69 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
       UNROLLED for (int t = 0; t < T; ++t) dots[m][t] = _mm512_setzero_ps();
     for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
       __m512i sums[M][T][CHAINS];
-      UNROLLED for (int m = 0; m < M; ++m)
-        UNROLLED for (int t = 0; t < T; ++t)
-          UNROLLED for (int h = 0; h < CHAINS; ++h) sums[m][t][h] = _mm512_setzero_si512();
-      UNROLLED for (int i = 0; i < 4; ++i) {
-        const int64_t c = b * 4 + i;
-        UNROLLED for (int t = 0; t < T; ++t) {
-          prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(base[t] + c * TILE) + PREFETCH_BYTES);
-          __m512i words = _mm512_loadu_si512(base[t] + c * TILE);
-          keep_in_registers(words);
-          const __m512i low = _mm512_and_si512(words, nibbles);
-          const __m512i high = _mm512_and_si512(_mm512_srli_epi32(words, 4), nibbles);
-          UNROLLED for (int m = 0; m < M; ++m) {
-            const int32_t* xp = a.pairs.data() + ((m0 + m) * chunks + c) * 2;
-            __m512i& sum = sums[m][t][i % CHAINS];
-            sum = _mm512_dpbusd_epi32(sum, low, _mm512_set1_epi32(xp[0]));
-            sum = _mm512_dpbusd_epi32(sum, high, _mm512_set1_epi32(xp[1]));
-          }
-        }
-      }
+      int4_block_sums<M, T, CHAINS>(base, x, chunks * 2, offsets, blocks, b, sums);
       UNROLLED for (int m = 0; m < M; ++m) {
         const __m512 d = _mm512_set1_ps(a.d[(m0 + m) * blocks + b]);
         UNROLLED for (int t = 0; t < T; ++t) {
-          const __m512i block = CHAINS == 2 ? _mm512_add_epi32(sums[m][t][0], sums[m][t][CHAINS - 1]) : sums[m][t][0];
+          const __m512i block = block_sum<CHAINS>(sums[m][t]);
           dots[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block), d, dots[m][t]);
         }
       }
     }
     UNROLLED for (int t = 0; t < T; ++t) {
-      __m512 scale, offset;
-      int4_scale_offset(sz, first + t * step, g, 8.0f, scale, offset);
+      __m512 scale, zero;
+      int4_scale_zero(sz, first + t * step, g, scale, zero);
+      UNROLLED for (int m = 0; m < M; ++m) acc[m][t] = _mm512_fmadd_ps(dots[m][t], scale, acc[m][t]);
+      if (sz.pairs) {
+        UNROLLED for (int m = 0; m < M; ++m)
+          acc[m][t] = _mm512_fmadd_ps(zero, _mm512_set1_ps(a.sums[(m0 + m) * groups + g]), acc[m][t]);
+      }
+    }
+  }
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int t = 0; t < T; ++t)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n_total + (first + t * step) * TILE),
+                          (__m256i)_mm512_cvtneps_pbh(acc[m][t]));
+}
+
+// int4_dot_tiles where every group is one block (group == DOT_BLOCK, the common g32): the same float steps in the same
+// order, so the same bits, without the group loop around the block loop; each stream's weight and scales, and each
+// row's x, are walked by the block index, and whether the scales come with zeros is fixed at compile time. Per block
+// the scale handling is as long as the four chunks' products, so these few instructions are worth a loop of their own.
+template <bool PAIRS>
+inline void block_scale_zero(const at::BFloat16* line, __m512& scale, __m512& zero) {
+  if constexpr (PAIRS) {
+    const __m512i s_z = _mm512_loadu_si512(line);
+    scale = _mm512_castsi512_ps(_mm512_slli_epi32(s_z, 16));
+    zero = _mm512_castsi512_ps(_mm512_and_si512(s_z, _mm512_set1_epi32(0xFFFF0000)));
+  } else {
+    scale = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(line)));
+  }
+}
+
+template <int M, int T, bool PAIRS>
+__attribute__((target("avx512vnni")))
+void int4_dot_blocks(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
+                     int64_t first, int64_t step, at::BFloat16* out, int64_t n_total) {
+  const int64_t chunks = k / 8, blocks = k / DOT_BLOCK;
+  constexpr int CHAINS = INT4_CHAINS<M, T>;
+  constexpr int64_t LINE = TILE * (PAIRS ? 2 : 1);  // bf16 values of a tile's scales (and zeros) in one block
+  const Int4BlockWalk<T> walk(a, m0, w, sz, k, first, step);
+  __m512 acc[M][T];
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int t = 0; t < T; ++t) acc[m][t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i sums[M][T][CHAINS];
+    int4_block_sums<M, T, CHAINS>(walk.weights, walk.x, chunks * 2, walk.offsets, blocks, b, sums);
+    UNROLLED for (int t = 0; t < T; ++t) {
+      __m512 scale, zero;
+      block_scale_zero<PAIRS>(walk.scales[t] + b * LINE, scale, zero);
       UNROLLED for (int m = 0; m < M; ++m) {
-        acc[m][t] = _mm512_fmadd_ps(dots[m][t], scale, acc[m][t]);
-        acc[m][t] = _mm512_fmadd_ps(offset, _mm512_set1_ps(a.sums[(m0 + m) * groups + g]), acc[m][t]);
+        const __m512 dots = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_sum<CHAINS>(sums[m][t])),
+                                            _mm512_set1_ps(walk.d[m * blocks + b]), _mm512_setzero_ps());
+        acc[m][t] = _mm512_fmadd_ps(dots, scale, acc[m][t]);
+        if constexpr (PAIRS)
+          acc[m][t] = _mm512_fmadd_ps(zero, _mm512_set1_ps(walk.x_sums[m * blocks + b]), acc[m][t]);
       }
     }
   }
@@ -1335,7 +1449,10 @@ at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
     constexpr int T = decltype(t_c)::value;
     // up to 8 rows of x per pass over a tile (its unpacked nibbles serve them all), fewer with more streams
     for_x_chunks<std::max<int64_t>(TWO_STREAM_ROWS, INT4_DOT_ROWS / T)>(m, [&](auto m_c, int64_t m0) {
-      int4_dot_tiles<decltype(m_c)::value, T>(a, m0, wp, zp, k, group, first, step, op + m0 * n, n);
+      constexpr int M = decltype(m_c)::value;
+      if (group != DOT_BLOCK) int4_dot_tiles<M, T>(a, m0, wp, zp, k, group, first, step, op + m0 * n, n);
+      else if (zp.pairs) int4_dot_blocks<M, T, true>(a, m0, wp, zp, k, first, step, op + m0 * n, n);
+      else int4_dot_blocks<M, T, false>(a, m0, wp, zp, k, first, step, op + m0 * n, n);
     });
   });
   return out;
@@ -2234,13 +2351,52 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // magnitude (nibbles 0..15, x in -127..127), and a block's 8 pair sums per 16-bit lane (4 chunks, low and high
 // nibbles) at most 8 * 3810 = 30480 < 2^15, so they add in 16 bits and one vpmaddwd with ones per block widens each
 // row's two 16-bit lanes to its int32 block sum.
+// Block b's sums for M rows of x (row m's nibble-ordered pairs at x + m * row_stride) and T tiles (weights[t]), per
+// half of 8 rows: sums[m][t][h], 16-bit pair sums (with VNNI int32 sums) of code * q.
+template <bool VNNI, int M, int T>
+inline void int4_block_sums(const int32_t* const (&weights)[T], const int32_t* x, int64_t row_stride, int64_t b,
+                            __m256i (&sums)[M][T][2]) {
+  const __m256i nibbles = _mm256_set1_epi8(0x0F);
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int t = 0; t < T; ++t) sums[m][t][0] = sums[m][t][1] = _mm256_setzero_si256();
+  UNROLLED for (int i = 0; i < 4; ++i) {
+    const int64_t c = b * 4 + i;
+    UNROLLED for (int t = 0; t < T; ++t) {
+      prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(weights[t] + c * TILE) + PREFETCH_BYTES);
+      UNROLLED for (int h = 0; h < 2; ++h) {
+        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights[t] + c * TILE + 8 * h));
+        const __m256i low = _mm256_and_si256(words, nibbles);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi32(words, 4), nibbles);
+        UNROLLED for (int m = 0; m < M; ++m) {
+          const int32_t* xp = x + m * row_stride + c * 2;
+          const __m256i x_low = _mm256_set1_epi32(xp[0]), x_high = _mm256_set1_epi32(xp[1]);
+          __m256i& sum = sums[m][t][h];
+          if constexpr (VNNI) {
+            sum = dpbusd_avx(dpbusd_avx(sum, low, x_low), high, x_high);
+          } else {
+            sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(low, x_low));
+            sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(high, x_high));
+          }
+        }
+      }
+    }
+  }
+}
+
+// A block's exact sum of (code - 8) * q for one row, tile and half, in float: its sums widened to int32 (one vpmaddwd
+// with ones without VNNI) plus the row's block offset (-8 * sum(q_b)).
+template <bool VNNI>
+inline __m256 int4_block_dot(__m256i sums, int32_t offset) {
+  const __m256i block = VNNI ? sums : _mm256_madd_epi16(sums, _mm256_set1_epi16(1));
+  return _mm256_cvtepi32_ps(_mm256_add_epi32(block, _mm256_set1_epi32(offset)));
+}
+
 template <bool VNNI, int M, int T>  // T tiles at once: first + i * step (for_spans)
 void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
                     int64_t group, int64_t first, int64_t step, at::BFloat16* out, int64_t n_total) {
   const int64_t chunks = k / 8, groups = k / group, blocks = k / DOT_BLOCK, blocks_per_group = group / DOT_BLOCK;
   const int32_t* base[T];
   UNROLLED for (int t = 0; t < T; ++t) base[t] = w + (first + t * step) * chunks * TILE;
-  const __m256i nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   __m256 acc[M][T][2];
   UNROLLED for (int m = 0; m < M; ++m)
     UNROLLED for (int t = 0; t < T; ++t) acc[m][t][0] = acc[m][t][1] = _mm256_setzero_ps();
@@ -2249,48 +2405,71 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
     UNROLLED for (int m = 0; m < M; ++m)
       UNROLLED for (int t = 0; t < T; ++t) dots[m][t][0] = dots[m][t][1] = _mm256_setzero_ps();
     for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
-      __m256i sums[M][T][2];  // [x row][tile][half]: the block's 16-bit pair sums (with VNNI its int32 sums)
-      UNROLLED for (int m = 0; m < M; ++m)
-        UNROLLED for (int t = 0; t < T; ++t) sums[m][t][0] = sums[m][t][1] = _mm256_setzero_si256();
-      UNROLLED for (int i = 0; i < 4; ++i) {
-        const int64_t c = b * 4 + i;
-        UNROLLED for (int t = 0; t < T; ++t) {
-          prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(base[t] + c * TILE) + PREFETCH_BYTES);
-          UNROLLED for (int h = 0; h < 2; ++h) {
-            const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base[t] + c * TILE + 8 * h));
-            const __m256i low = _mm256_and_si256(words, nibbles);
-            const __m256i high = _mm256_and_si256(_mm256_srli_epi32(words, 4), nibbles);
-            UNROLLED for (int m = 0; m < M; ++m) {
-              const int32_t* xp = a.pairs.data() + ((m0 + m) * chunks + c) * 2;
-              const __m256i x_low = _mm256_set1_epi32(xp[0]), x_high = _mm256_set1_epi32(xp[1]);
-              __m256i& sum = sums[m][t][h];
-              if constexpr (VNNI) {
-                sum = dpbusd_avx(dpbusd_avx(sum, low, x_low), high, x_high);
-              } else {
-                sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(low, x_low));
-                sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(high, x_high));
-              }
-            }
-          }
-        }
-      }
+      __m256i sums[M][T][2];  // [x row][tile][half]
+      int4_block_sums<VNNI, M, T>(base, a.pairs.data() + m0 * chunks * 2, chunks * 2, b, sums);
       UNROLLED for (int m = 0; m < M; ++m) {
         const __m256 d = _mm256_set1_ps(a.d[(m0 + m) * blocks + b]);
+        const int32_t offset = a.offsets[(m0 + m) * blocks + b];
         UNROLLED for (int t = 0; t < T; ++t)
-          UNROLLED for (int h = 0; h < 2; ++h) {
-            const __m256i block = VNNI ? sums[m][t][h] : _mm256_madd_epi16(sums[m][t][h], ones);
-            dots[m][t][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block), d, dots[m][t][h]);
-          }
+          UNROLLED for (int h = 0; h < 2; ++h)
+            dots[m][t][h] = _mm256_fmadd_ps(int4_block_dot<VNNI>(sums[m][t][h], offset), d, dots[m][t][h]);
       }
     }
     UNROLLED for (int t = 0; t < T; ++t)
       UNROLLED for (int h = 0; h < 2; ++h) {
         __m256 scale, zero;
         half_scale_zero(sz, first + t * step, g, h, scale, zero);
-        const __m256 offset = _mm256_fnmadd_ps(scale, _mm256_set1_ps(8.0f), zero);
+        UNROLLED for (int m = 0; m < M; ++m) acc[m][t][h] = _mm256_fmadd_ps(dots[m][t][h], scale, acc[m][t][h]);
+        if (sz.pairs) {
+          UNROLLED for (int m = 0; m < M; ++m)
+            acc[m][t][h] = _mm256_fmadd_ps(zero, _mm256_set1_ps(a.sums[(m0 + m) * groups + g]), acc[m][t][h]);
+        }
+      }
+  }
+  UNROLLED for (int t = 0; t < T; ++t) {
+    __m256 tile_acc[M][2];
+    UNROLLED for (int m = 0; m < M; ++m) tile_acc[m][0] = acc[m][t][0], tile_acc[m][1] = acc[m][t][1];
+    store_tile<M>(tile_acc, out, n_total, first + t * step);
+  }
+}
+
+// int4_dot_tiles where every group is one block (group == DOT_BLOCK): the same steps in the same order, so the same
+// bits, without the group loop around the block loop; streams and rows are walked by the block index, and whether the
+// scales come with zeros is fixed at compile time (as the AVX-512 kernel's int4_dot_blocks).
+template <bool PAIRS>
+inline void half_block_scale_zero(const at::BFloat16* line, int h, __m256& scale, __m256& zero) {
+  if constexpr (PAIRS) {
+    const __m256i s_z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 16 * h));
+    scale = _mm256_castsi256_ps(_mm256_slli_epi32(s_z, 16));
+    zero = _mm256_castsi256_ps(_mm256_and_si256(s_z, _mm256_set1_epi32(0xFFFF0000)));
+  } else {
+    const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 8 * h));
+    scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(s), 16));
+  }
+}
+
+template <bool VNNI, int M, int T, bool PAIRS>
+void int4_dot_blocks(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
+                     int64_t first, int64_t step, at::BFloat16* out, int64_t n_total) {
+  const int64_t chunks = k / 8, blocks = k / DOT_BLOCK;
+  constexpr int64_t LINE = TILE * (PAIRS ? 2 : 1);  // bf16 values of a tile's scales (and zeros) in one block
+  const Int4BlockWalk<T> walk(a, m0, w, sz, k, first, step);
+  __m256 acc[M][T][2];
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int t = 0; t < T; ++t) acc[m][t][0] = acc[m][t][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256i sums[M][T][2];  // [x row][tile][half]
+    int4_block_sums<VNNI, M, T>(walk.weights, walk.x, chunks * 2, b, sums);
+    UNROLLED for (int t = 0; t < T; ++t)
+      UNROLLED for (int h = 0; h < 2; ++h) {
+        __m256 scale, zero;
+        half_block_scale_zero<PAIRS>(walk.scales[t] + b * LINE, h, scale, zero);
         UNROLLED for (int m = 0; m < M; ++m) {
-          acc[m][t][h] = _mm256_fmadd_ps(dots[m][t][h], scale, acc[m][t][h]);
-          acc[m][t][h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(a.sums[(m0 + m) * groups + g]), acc[m][t][h]);
+          const __m256 dots = _mm256_fmadd_ps(int4_block_dot<VNNI>(sums[m][t][h], walk.offsets[m * blocks + b]),
+                                              _mm256_set1_ps(walk.d[m * blocks + b]), _mm256_setzero_ps());
+          acc[m][t][h] = _mm256_fmadd_ps(dots, scale, acc[m][t][h]);
+          if constexpr (PAIRS)
+            acc[m][t][h] = _mm256_fmadd_ps(zero, _mm256_set1_ps(walk.x_sums[m * blocks + b]), acc[m][t][h]);
         }
       }
   }
@@ -2313,7 +2492,10 @@ at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   parallel_streams(tiles, m, [&](auto t_c, int64_t first, int64_t step) {
     constexpr int T = decltype(t_c)::value;
     for_x_chunks<MAX_ROWS / T>(m, [&](auto m_c, int64_t m0) {  // 4 rows x 1 tile: 8 sums in the 16 registers
-      int4_dot_tiles<VNNI, decltype(m_c)::value, T>(a, m0, wp, zp, k, group, first, step, op + m0 * n, n);
+      constexpr int M = decltype(m_c)::value;
+      if (group != DOT_BLOCK) int4_dot_tiles<VNNI, M, T>(a, m0, wp, zp, k, group, first, step, op + m0 * n, n);
+      else if (zp.pairs) int4_dot_blocks<VNNI, M, T, true>(a, m0, wp, zp, k, first, step, op + m0 * n, n);
+      else int4_dot_blocks<VNNI, M, T, false>(a, m0, wp, zp, k, first, step, op + m0 * n, n);
     });
   });
   return out;
