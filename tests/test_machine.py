@@ -96,6 +96,8 @@ def test_kernel_settings_name_what_chose_them(monkeypatch, variable, value, sett
     if not native.available():
         pytest.skip(f"splice's native kernels are not available here: {NATIVE_MISSING}")
     use, named = getattr(native, use), getattr(machine, chosen_by)
+    if variable == "SPLICE_SOFTWARE_PREFETCH" and not native.default_software_prefetch():
+        value, setting = "all", True  # a setting other than this CPU's default (none on AMD)
     monkeypatch.delenv(variable, raising=False)
     with use(getattr(native, default)()):
         assert named() == f"the default for {native._cpu_vendor() or 'this CPU'}"
@@ -202,3 +204,11 @@ def test_text_form_names_the_cpu_the_level_and_every_linear():
     assert (f"level            {report['native']['level']}" in text if report["native"]["available"]
             else report["native"]["reason"] in text)
     assert all(entry["linear"] in text and entry["kernel"] in text for entry in report["kernels"])
+
+
+def test_the_prefetch_line_names_the_kinds_or_says_none():
+    assert machine.prefetch_line(["int4"], "the default for AuthenticAMD") == (
+        "in software in the int4 GEMVs (the default for AuthenticAMD; the others leave their weight streams to the "
+        "hardware prefetcher)")
+    assert machine.prefetch_line([], "SPLICE_SOFTWARE_PREFETCH=none") == (
+        "none: every GEMV leaves its weight streams to the hardware prefetcher (SPLICE_SOFTWARE_PREFETCH=none)")

@@ -375,9 +375,15 @@ def native_lines(info: dict[str, Any]) -> list[tuple[str, str]]:
             ("max rows", f"{limits} (most rows each native GEMV serves)"),
             ("weight streams", f"{info['weight_streams']} a thread for 1-2 rows of x ({info['weight_streams_chosen_by']}; "
                                "kernels whose registers hold fewer walk 2)"),
-            ("prefetch", f"in software in the {', '.join(info['software_prefetch']) or 'none of the'} GEMVs "
-                         f"({info['software_prefetch_chosen_by']}; the others leave their weight streams to the "
-                         "hardware prefetcher)")]
+            ("prefetch", prefetch_line(info["software_prefetch"], info["software_prefetch_chosen_by"]))]
+
+
+def prefetch_line(kinds: list[str], chosen_by: str) -> str:
+    """``splice info --machine``'s line on software prefetch: which kinds' GEMVs prefetch, and what chose that."""
+    if not kinds:
+        return f"none: every GEMV leaves its weight streams to the hardware prefetcher ({chosen_by})"
+    return (f"in software in the {', '.join(kinds)} GEMVs ({chosen_by}; the others leave their weight streams to the "
+            "hardware prefetcher)")
 
 
 def _gib(size: int | None) -> str:

@@ -369,11 +369,11 @@ def test_software_prefetch_refuses_unknown_kinds():
     assert native.software_prefetch() == before
 
 
-@pytest.mark.parametrize("vendor, kinds", (("GenuineIntel", ("bf16", "int8", "int4")), ("AuthenticAMD", ("int4",)),
+@pytest.mark.parametrize("vendor, kinds", (("GenuineIntel", ("bf16", "int8", "int4")), ("AuthenticAMD", ()),
                                            (None, ("bf16", "int8", "int4"))))
 def test_default_software_prefetch_follows_the_cpu_vendor(monkeypatch, vendor, kinds):
-    """On AMD only int4 prefetches in software (bf16 and int8 read faster on the hardware prefetcher alone there);
-    every kind elsewhere and where /proc/cpuinfo names no vendor."""
+    """On AMD no kind prefetches in software (every kind reads faster on the hardware prefetcher alone there); every
+    kind elsewhere and where /proc/cpuinfo names no vendor."""
     monkeypatch.setattr(native, "_cpu_vendor", lambda: vendor)
     monkeypatch.delenv("SPLICE_SOFTWARE_PREFETCH", raising=False)
     assert native.default_software_prefetch() == native.initial_software_prefetch() == kinds

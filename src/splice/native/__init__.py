@@ -74,10 +74,10 @@ WEIGHT_STREAMS_BY_VENDOR = {"GenuineIntel": 4}
 WEIGHT_STREAM_COUNTS = ("1", "2", "4")  # what SPLICE_WEIGHT_STREAMS (and set_weight_streams) take
 #: The kinds of weight whose decode GEMVs can prefetch in software (``software_prefetch``), in gemv.cpp's bit order.
 PREFETCH_KINDS = ("bf16", "int8", "int4")
-#: The kinds prefetched in software where that is not all of them, by ``/proc/cpuinfo`` vendor: on an AMD Zen 4 the
-#: bf16 and int8 GEMVs read faster leaving their streams to the hardware prefetcher, while int4 (more arithmetic per
-#: byte) still gains from the software prefetch (``docs/kernels.md``, "Software prefetch").
-SOFTWARE_PREFETCH_BY_VENDOR = {"AuthenticAMD": ("int4",)}
+#: The kinds prefetched in software where that is not all of them, by ``/proc/cpuinfo`` vendor: on an AMD Zen 4 every
+#: kind's GEMVs read faster leaving their streams to the hardware prefetcher (``docs/kernels.md``, "Software
+#: prefetch").
+SOFTWARE_PREFETCH_BY_VENDOR = {"AuthenticAMD": ()}
 CFLAGS = ["-O3", "-fopenmp"]  # baseline x86-64: gemv.cpp enables each level's instructions in its own regions
 INT4_TILE = 16  # weight rows per int4 tile
 INT4_CHUNK = 8  # input columns per int32 word of a tile row
