@@ -98,6 +98,14 @@ def memory_shares(layers: int, rows: int, rounds: int, kinds=KINDS,
     return out
 
 
+def merged_shapes(layers: int) -> list[tuple[int, int]]:
+    """The weights of ``layers`` llama-1b blocks as one matrix per input width: the same bytes as their per-layer
+    matrices in two calls, so a call's fixed costs (rounding x, waking the threads, each stream's first reads) all but
+    vanish beside the reads."""
+    widths = sorted({k for _, k in FUSED.values()})
+    return [(layers * sum(n for n, k in FUSED.values() if k == width), width) for width in widths]
+
+
 def parse_shapes(text: str) -> list[tuple[int, int]]:
     try:
         shapes = [tuple(int(v) for v in item.split("x")) for item in text.split(",")]
@@ -125,6 +133,9 @@ def main() -> None:
     parser.add_argument("--memory-layers", type=int, default=8, help="llama-1b blocks from memory (0: skip)")
     parser.add_argument("--memory-threads", type=positive, default=2)
     parser.add_argument("--rounds", type=positive, default=11)
+    parser.add_argument("--merged", action="store_true",
+                        help="from memory, also the same weights as one matrix per input width, in turns with the "
+                             "per-layer calls (what a call's fixed costs take)")
     args = parser.parse_args()
     if not native.available():
         raise SystemExit("splice's native kernels are not available here")
@@ -139,12 +150,14 @@ def main() -> None:
                 f"{kind} {n}x{k} {rate:.1f}" for ((n, k), kind), rate in rates.items()))
         if args.memory_layers:
             torch.set_num_threads(args.memory_threads)
+            layouts = {"per layer": None, "merged": merged_shapes(args.memory_layers)} if args.merged else {"": None}
             for rows in args.rows:
-                shares = memory_shares(args.memory_layers, rows, args.rounds)
-                print(f"{level}, {args.memory_layers} llama-1b blocks from memory, {args.memory_threads} threads, "
-                      f"{rows} row(s), median of {args.rounds} rounds: " + "  ".join(
-                          f"{kind} {statistics.median(s for s, _ in v):.1f} GB/s = "
-                          f"{statistics.median(r for _, r in v):.3f} of the probe" for kind, v in shares.items()))
+                for layout, shapes in layouts.items():
+                    shares = memory_shares(args.memory_layers, rows, args.rounds, shapes=shapes)
+                    print(f"{level}, {args.memory_layers} llama-1b blocks from memory{' ' + layout if layout else ''}, "
+                          f"{args.memory_threads} threads, {rows} row(s), median of {args.rounds} rounds: " + "  ".join(
+                              f"{kind} {statistics.median(s for s, _ in v):.1f} GB/s = "
+                              f"{statistics.median(r for _, r in v):.3f} of the probe" for kind, v in shares.items()))
 
 
 if __name__ == "__main__":

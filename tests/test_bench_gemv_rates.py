@@ -65,3 +65,11 @@ def test_bad_arguments_are_refused_naming_the_value(argv, named, monkeypatch, ca
     with pytest.raises(SystemExit) as exit_info:
         bench.main()
     assert exit_info.value.code == 2 and named in capsys.readouterr().err
+
+
+def test_merged_shapes_hold_the_blocks_bytes_in_one_matrix_per_input_width():
+    bench = load_benchmark("bench_gemv_rates")
+    per_layer = list(bench.FUSED.values()) * 3
+    merged = bench.merged_shapes(3)
+    assert sorted({k for _, k in merged}) == sorted({k for _, k in per_layer}) and len(merged) == len(set(merged))
+    assert sum(n * k for n, k in merged) == sum(n * k for n, k in per_layer)

@@ -2351,6 +2351,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // magnitude (nibbles 0..15, x in -127..127), and a block's 8 pair sums per 16-bit lane (4 chunks, low and high
 // nibbles) at most 8 * 3810 = 30480 < 2^15, so they add in 16 bits and one vpmaddwd with ones per block widens each
 // row's two 16-bit lanes to its int32 block sum.
+
 // Block b's sums for M rows of x (row m's nibble-ordered pairs at x + m * row_stride) and T tiles (weights[t]), per
 // half of 8 rows: sums[m][t][h], 16-bit pair sums (with VNNI int32 sums) of code * q.
 template <bool VNNI, int M, int T>
