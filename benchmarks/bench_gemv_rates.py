@@ -116,11 +116,17 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
-def positive(text: str) -> int:
-    value = int(text) if text.isdigit() else 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of at least 1")
-    return value
+def at_least(minimum: int):
+    """An argparse type: a whole number of at least ``minimum``, else an error naming the value."""
+    def parse(text: str) -> int:
+        value = int(text) if text.isdigit() else None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of at least {minimum}")
+        return value
+    return parse
+
+
+positive = at_least(1)
 
 
 def main() -> None:

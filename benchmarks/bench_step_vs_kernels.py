@@ -26,6 +26,8 @@ from splice.cli_options import QUANT_SCHEMES
 from splice.layers.native_linear import NativeLinear
 from splice.quant.layers import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 
+from bench_gemv_rates import at_least  # argparse counts that name a bad value
+
 PROMPT = 64
 PROBE_GIB = 0.5  # the probe's buffer: well past the last-level cache, quick enough to read every round
 
@@ -110,16 +112,6 @@ def beside_the_probe(timing) -> tuple[float, float]:
 def share(nbytes: int, ms: float, probe_gbs: float) -> float:
     """Read speed (``nbytes`` in ``ms``) over the probe's."""
     return nbytes / (ms * 1e-3) / 1e9 / probe_gbs
-
-
-def at_least(minimum: int):
-    """An argparse type: a whole number of at least ``minimum``, else an error naming the value."""
-    def parse(text: str) -> int:
-        value = int(text) if text.isdigit() else None
-        if value is None or value < minimum:
-            raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of at least {minimum}")
-        return value
-    return parse
 
 
 def main() -> None:

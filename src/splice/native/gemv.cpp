@@ -1291,11 +1291,11 @@ Int4DotActivations round_rows_for_int4(const at::BFloat16* x, int64_t m, int64_t
 
 constexpr int64_t INT4_DOT_ROWS = 8;  // rows of x per pass over a tile (one stream)
 
-// A block's int32 sum from int4_block_sums' chains: with more than one, the even chains hold the low nibbles'
-// products and the odd ones 16 times the high nibbles' (exact: every term a multiple of 16, at most 4 * 240 * 127 a
-// vpdpbusd lane, four chunks a block); with one, both in place.
+// A block's int32 sum from int4_block_sums' chains (block_sum above sums a block of int8 values): with more than one,
+// the even chains hold the low nibbles' products and the odd ones 16 times the high nibbles' (exact: every term a
+// multiple of 16, at most 4 * 240 * 127 a vpdpbusd lane, four chunks a block); with one, both in place.
 template <int CHAINS>
-__attribute__((target("avx512f"))) inline __m512i block_sum(const __m512i (&sums)[CHAINS]) {
+__attribute__((target("avx512f"))) inline __m512i chains_sum(const __m512i (&sums)[CHAINS]) {
   static_assert(CHAINS == 1 || CHAINS == 2 || CHAINS == 4, "chains alternate low and high nibbles");
   if constexpr (CHAINS == 1) {
     return sums[0];
@@ -1309,7 +1309,7 @@ __attribute__((target("avx512f"))) inline __m512i block_sum(const __m512i (&sums
 
 // Block b's int32 sums for M rows of x (row m's nibble-ordered pairs at x + m * row_stride, its block offsets at
 // offsets + m * blocks) and T tiles (weights[t]): sums[m][t] in CHAINS chains, independent so that enough vpdpbusd
-// chains are in flight for its latency; the first starts from the block's offset, so block_sum gives the exact sum
+// chains are in flight for its latency; the first starts from the block's offset, so chains_sum gives the exact sum
 // of (code - 8) * q. With more than one chain, the high nibbles stay in place (16 times their value) until then.
 template <int M, int T, int CHAINS>
 __attribute__((target("avx512vnni")))
@@ -1341,6 +1341,15 @@ inline void int4_block_sums(const int32_t* const (&weights)[T], const int32_t* x
   }
 }
 
+// M rows of T tiles' 16 outputs (tiles first + t * step), rounded to bf16.
+template <int M, int T>
+inline void store_tiles(const __m512 (&acc)[M][T], at::BFloat16* out, int64_t n_total, int64_t first, int64_t step) {
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int t = 0; t < T; ++t)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n_total + (first + t * step) * TILE),
+                          (__m256i)_mm512_cvtneps_pbh(acc[m][t]));
+}
+
 // Independent int32 sums per row and tile of int4_block_sums: with few rows and tiles, low and high nibbles (and
 // alternate chunks) add into sums of their own.
 template <int M, int T>
@@ -1370,7 +1379,7 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
       UNROLLED for (int m = 0; m < M; ++m) {
         const __m512 d = _mm512_set1_ps(a.d[(m0 + m) * blocks + b]);
         UNROLLED for (int t = 0; t < T; ++t) {
-          const __m512i block = block_sum<CHAINS>(sums[m][t]);
+          const __m512i block = chains_sum<CHAINS>(sums[m][t]);
           dots[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block), d, dots[m][t]);
         }
       }
@@ -1385,10 +1394,7 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
       }
     }
   }
-  UNROLLED for (int m = 0; m < M; ++m)
-    UNROLLED for (int t = 0; t < T; ++t)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n_total + (first + t * step) * TILE),
-                          (__m256i)_mm512_cvtneps_pbh(acc[m][t]));
+  store_tiles<M, T>(acc, out, n_total, first, step);
 }
 
 // int4_dot_tiles where every group is one block (group == DOT_BLOCK, the common g32): the same float steps in the same
@@ -1424,7 +1430,7 @@ void int4_dot_blocks(const Int4DotActivations& a, int64_t m0, const int32_t* w, 
       __m512 scale, zero;
       block_scale_zero<PAIRS>(walk.scales[t] + b * LINE, scale, zero);
       UNROLLED for (int m = 0; m < M; ++m) {
-        const __m512 dots = _mm512_fmadd_ps(_mm512_cvtepi32_ps(block_sum<CHAINS>(sums[m][t])),
+        const __m512 dots = _mm512_fmadd_ps(_mm512_cvtepi32_ps(chains_sum<CHAINS>(sums[m][t])),
                                             _mm512_set1_ps(walk.d[m * blocks + b]), _mm512_setzero_ps());
         acc[m][t] = _mm512_fmadd_ps(dots, scale, acc[m][t]);
         if constexpr (PAIRS)
@@ -1432,10 +1438,7 @@ void int4_dot_blocks(const Int4DotActivations& a, int64_t m0, const int32_t* w, 
       }
     }
   }
-  UNROLLED for (int m = 0; m < M; ++m)
-    UNROLLED for (int t = 0; t < T; ++t)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n_total + (first + t * step) * TILE),
-                          (__m256i)_mm512_cvtneps_pbh(acc[m][t]));
+  store_tiles<M, T>(acc, out, n_total, first, step);
 }
 
 at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
@@ -2352,6 +2355,17 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // nibbles) at most 8 * 3810 = 30480 < 2^15, so they add in 16 bits and one vpmaddwd with ones per block widens each
 // row's two 16-bit lanes to its int32 block sum.
 
+// M rows of T tiles' outputs (tiles first + t * step, two halves of 8 each), rounded to bf16.
+template <int M, int T>
+inline void store_tiles(const __m256 (&acc)[M][T][2], at::BFloat16* out, int64_t n_total, int64_t first,
+                        int64_t step) {
+  UNROLLED for (int t = 0; t < T; ++t) {
+    __m256 tile_acc[M][2];
+    UNROLLED for (int m = 0; m < M; ++m) tile_acc[m][0] = acc[m][t][0], tile_acc[m][1] = acc[m][t][1];
+    store_tile<M>(tile_acc, out, n_total, first + t * step);
+  }
+}
+
 // Block b's sums for M rows of x (row m's nibble-ordered pairs at x + m * row_stride) and T tiles (weights[t]), per
 // half of 8 rows: sums[m][t][h], 16-bit pair sums (with VNNI int32 sums) of code * q.
 template <bool VNNI, int M, int T>
@@ -2427,11 +2441,7 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
         }
       }
   }
-  UNROLLED for (int t = 0; t < T; ++t) {
-    __m256 tile_acc[M][2];
-    UNROLLED for (int m = 0; m < M; ++m) tile_acc[m][0] = acc[m][t][0], tile_acc[m][1] = acc[m][t][1];
-    store_tile<M>(tile_acc, out, n_total, first + t * step);
-  }
+  store_tiles<M, T>(acc, out, n_total, first, step);
 }
 
 // int4_dot_tiles where every group is one block (group == DOT_BLOCK): the same steps in the same order, so the same
@@ -2474,11 +2484,7 @@ void int4_dot_blocks(const Int4DotActivations& a, int64_t m0, const int32_t* w, 
         }
       }
   }
-  UNROLLED for (int t = 0; t < T; ++t) {
-    __m256 tile_acc[M][2];
-    UNROLLED for (int m = 0; m < M; ++m) tile_acc[m][0] = acc[m][t][0], tile_acc[m][1] = acc[m][t][1];
-    store_tile<M>(tile_acc, out, n_total, first + t * step);
-  }
+  store_tiles<M, T>(acc, out, n_total, first, step);
 }
 
 template <bool VNNI>
