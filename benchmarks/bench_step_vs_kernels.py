@@ -40,7 +40,8 @@ def gemv_call(linear):
         return (lambda x: op(x, linear.packed, linear.packed_scales, linear.group)), linear.in_features, \
             linear.weight_nbytes()
     if isinstance(linear, Int8WeightOnlyLinear):
-        op = ops.int8_dot_gemv if linear.use_dot_products else ops.int8_gemv
+        # 16: activations rounded to int16 (the avx2 level without AVX-VNNI), 8: to int8, 0: float products
+        op = {16: ops.int8_dot16_gemv, 8: ops.int8_dot_gemv}.get(linear.use_dot_products, ops.int8_gemv)
         return (lambda x: op(x, linear.qweight, linear.scales)), linear.in_features, linear.weight_nbytes()
     if isinstance(linear, NativeLinear):
         return (lambda x: ops.bf16_gemv(x, linear.weight)), linear.in_features, linear.weight.nbytes
