@@ -14,7 +14,8 @@ from splice import machine, native
 from splice.quant import kernels
 
 REPORT_KEYS = {"cpu", "isa_features", "native", "kernels", "huge_pages", "memory"}
-GEMV_KINDS = {"bf16": ("bf16_gemv",), "int8": ("int8_dot_gemv", "int8_gemv"), "int4": ("int4_dot_gemv",)}  # decode
+GEMV_KINDS = {"bf16": ("bf16_gemv",), "int8": ("int8_dot_gemv", "int8_dot16_gemv", "int8_gemv"),  # decode
+              "int4": ("int4_dot_gemv",)}
 NATIVE_MISSING = None if native.available() else machine.native_unavailable_reason()
 needs_native = pytest.mark.skipif(NATIVE_MISSING is not None,
                                   reason=f"splice's native kernels are not available here: {NATIVE_MISSING}")
