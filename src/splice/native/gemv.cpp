@@ -1705,6 +1705,70 @@ inline void softmax_scores_bf16(const AttentionPart<at::BFloat16>& a, const uint
   });
 }
 
+// The query's bf16 pair at p (two columns) as one dword, to broadcast.
+inline int32_t bf16_pair(const at::BFloat16* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return pair;
+}
+
+// Heads h0 .. h0 + H - 1's softmaxes from bf16 query and keys, the keys in lanes: per block of 16 keys and 32 columns,
+// the keys' column pairs (dwords) are transposed in registers (transpose_dwords) so that kt[c] holds pair c of the 16
+// keys, and each head's vdpbf16ps with its own pair c broadcast adds that pair's products to its 16 keys' dots. The
+// transposition is shared by the H heads, and no sum across lanes is left to do (softmax_scores_bf16 sums 16 vectors
+// per block and head).
+template <int H>
+void softmax_scores_bf16_heads(const AttentionPart<at::BFloat16>& a, const uint32_t* seen, int64_t h0, float* p) {
+  const int64_t n = a.keys, pairs = a.dim / 2;
+  __m512 top[H];
+  UNROLLED for (int h = 0; h < H; ++h) top[h] = _mm512_set1_ps(-INFINITY);
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const __mmask16 visible = static_cast<__mmask16>(seen[j0 / 16]);
+    __m512 dots[H];
+    UNROLLED for (int h = 0; h < H; ++h) dots[h] = _mm512_setzero_ps();
+    for (int64_t c0 = 0; visible && c0 < pairs; c0 += 16) {
+      const __mmask16 columns = score_lanes(pairs - c0);  // the pairs c0 .. c0 + 15 the head has
+      __m512i kt[16];
+      UNROLLED for (int i = 0; i < 16; ++i)  // keys past the part's are masked out (and their loads not made)
+        kt[i] = _mm512_maskz_loadu_epi32(j0 + i < n ? columns : 0, a.k + (j0 + i) * a.k_stride + 2 * c0);
+      transpose_dwords(kt);
+      UNROLLED for (int c = 0; c < 16; ++c) {
+        if (c0 + c >= pairs) break;
+        UNROLLED for (int h = 0; h < H; ++h) {
+          const __m512i q_pair = _mm512_set1_epi32(bf16_pair(a.q + (h0 + h) * a.q_head_stride + 2 * (c0 + c)));
+          dots[h] = _mm512_dpbf16_ps(dots[h], (__m512bh)kt[c], (__m512bh)q_pair);
+        }
+      }
+    }
+    UNROLLED for (int h = 0; h < H; ++h) {
+      const __m512 scores = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), visible, dots[h], _mm512_set1_ps(a.scale));
+      _mm512_mask_storeu_ps(p + (h0 + h) * n + j0, score_lanes(n - j0), scores);
+      top[h] = _mm512_max_ps(top[h], scores);
+    }
+  }
+  UNROLLED for (int h = 0; h < H; ++h) finish_softmax(a, h0 + h, p + (h0 + h) * n, top[h]);
+}
+
+// From this many query heads per KV head the keys-in-lanes scores (softmax_scores_bf16_group) are the faster: their
+// transposition (64 shuffles a block and 32 columns) is shared by the heads, where softmax_scores_bf16's sum of 16
+// dot vectors (45 shuffles and adds a block) is per head; with one or two heads the transposition costs more.
+constexpr int64_t KEYS_IN_LANES_MIN_HEADS = 3;
+
+// Every head of the part's group through softmax_scores_bf16_heads, up to 8 at a time.
+inline void softmax_scores_bf16_group(const AttentionPart<at::BFloat16>& a, const uint32_t* seen, float* p) {
+  int64_t h0 = 0;
+  for (; h0 + 8 <= a.heads; h0 += 8) softmax_scores_bf16_heads<8>(a, seen, h0, p);
+  switch (a.heads - h0) {
+    case 1: return softmax_scores_bf16_heads<1>(a, seen, h0, p);
+    case 2: return softmax_scores_bf16_heads<2>(a, seen, h0, p);
+    case 3: return softmax_scores_bf16_heads<3>(a, seen, h0, p);
+    case 4: return softmax_scores_bf16_heads<4>(a, seen, h0, p);
+    case 5: return softmax_scores_bf16_heads<5>(a, seen, h0, p);
+    case 6: return softmax_scores_bf16_heads<6>(a, seen, h0, p);
+    case 7: return softmax_scores_bf16_heads<7>(a, seen, h0, p);
+  }
+}
+
 // Head h's softmax from float32 query and keys (the part's own, or widened copies).
 template <typename T>
 inline void softmax_scores_float(const AttentionPart<T>& a, const FloatPart& f, const uint32_t* seen, int64_t h,
@@ -1766,8 +1830,9 @@ void weighted_values_in_place(const AttentionPart<T>& a, const float* p, const u
 }
 
 // Every head's softmax, then the weighted values. Where weighted_values_in_place has the head size, the values are
-// read where they are and the keys too (bf16 by vdpbf16ps; fp32 need no copy); else the part's keys and values are
-// widened into float32 buffers and each head's values summed alone (weighted_values).
+// read where they are and the keys too (bf16 by vdpbf16ps, with the keys in lanes for groups of
+// KEYS_IN_LANES_MIN_HEADS heads or more; fp32 need no copy); else the part's keys and values are widened into float32
+// buffers and each head's values summed alone (weighted_values).
 template <typename T>
 void attend_part(const AttentionPart<T>& a, AttentionScratch& scratch) {
   const int64_t d = a.dim, n = a.keys, vectors = d / 16;
@@ -1777,7 +1842,10 @@ void attend_part(const AttentionPart<T>& a, AttentionScratch& scratch) {
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (in_place) {
       visible_bits(a.visible, a.visible_stride, n, scratch.seen);
-      for (int64_t h = 0; h < a.heads; ++h) softmax_scores_bf16(a, scratch.seen.data(), h, p + h * n);
+      if (a.heads >= KEYS_IN_LANES_MIN_HEADS)
+        softmax_scores_bf16_group(a, scratch.seen.data(), p);
+      else
+        for (int64_t h = 0; h < a.heads; ++h) softmax_scores_bf16(a, scratch.seen.data(), h, p + h * n);
       return weighted_values_in_place(a, p, scratch.seen.data());
     }
   }
