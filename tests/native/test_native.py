@@ -420,7 +420,7 @@ def test_avx2_dot_products_are_the_same_with_and_without_avx_vnni(rows):
 ATTENTION_SHAPES = (  # (rows, query heads, KV heads, keys, head_dim): GQA, MHA, one KV head, parts, tails; groups of
     # 1-2 heads and of 3 or more (keys in lanes at the avx512 level: 8 heads at a time and the rest, part column chunks)
     (1, 8, 2, 300, 64), (3, 6, 3, 1100, 32), (2, 4, 4, 17, 128), (1, 4, 1, 2600, 80), (2, 2, 1, 1, 16),
-    (2, 9, 3, 40, 64), (1, 11, 1, 70, 16))
+    (2, 9, 3, 40, 64), (1, 11, 1, 70, 16), (1, 6, 2, 33, 96))
 
 
 @needs_native
@@ -443,6 +443,27 @@ def test_decode_attention_matches_float64_softmax_attention(isa, dtype, rows, he
         expected = _reference_attention(q, k, v, visible, 0.3)
         tolerance = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("heads, dim", ((8, 64), (2, 32), (4, 128), (3, 80)))
+def test_decode_attention_ignores_what_masked_keys_hold(isa, dtype, heads, dim):
+    """Masked cache slots may hold anything (a static cache's unused rows): NaN and infinite keys and values there
+    change nothing, whichever path the group size and head_dim take."""
+    generator = torch.Generator().manual_seed(dim)
+    keys = 45
+    k, v = (torch.randn(1, 1, keys, dim, generator=generator) for _ in range(2))
+    q = torch.randn(1, heads, 1, dim, generator=generator)
+    mask = torch.rand(1, 1, 1, keys, generator=generator) > 0.5
+    mask[..., 0] = True
+    poisoned_k, poisoned_v = k.clone(), v.clone()
+    poisoned_k[..., ~mask[0, 0, 0], :] = float("nan")
+    poisoned_v[..., ~mask[0, 0, 0], :] = float("inf")
+    clean = torch.ops.splice_kernels.decode_attention(q.to(dtype), k.to(dtype), v.to(dtype), mask, 0.2)
+    got = torch.ops.splice_kernels.decode_attention(q.to(dtype), poisoned_k.to(dtype), poisoned_v.to(dtype), mask, 0.2)
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, clean)
 
 
 def _reference_attention(q, k, v, mask, scale):

@@ -512,6 +512,7 @@ constexpr float EXP_FLOOR = -87.3f;  // e^x of lower scores is taken as e^EXP_FL
 struct AttentionScratch {  // one thread's buffers, reused across parts
   std::vector<float> scores, q, keys, values;  // [heads][keys]; [heads][dim]; bf16 keys and values as float
   std::vector<uint32_t> seen;                  // per block of 16 keys, a bit per visible key
+  std::vector<at::BFloat16> probabilities;     // [heads][keys rounded up to 32]: the weights of bf16 values, rounded
 };
 
 // The part's keys (or values) as float rows: fp32 ones where they are, bf16 ones widened into buffer (every head of
@@ -1812,6 +1813,87 @@ void weighted_values_in_place(const AttentionPart<T>& a, const float* p, const u
   }
 }
 
+// out rows of heads h0 .. h0 + HEADS - 1 from bf16 values, two keys at a time: each 32 columns of the two value rows
+// are interleaved into column pairs (vpunpcklwd / vpunpckhwd, keys past the part or not visible read as 0), and each
+// head's vdpbf16ps with its two probabilities (pb, rounded to bf16 as Hugging Face's bf16 attention rounds them)
+// broadcast adds both keys' products to 16 columns; the interleaving is shared by the heads, and the columns it
+// permutes within each 128-bit lane are put back in order once at the end. V (head_dim / 16) is even.
+template <int V, int HEADS>
+void weighted_heads_in_pairs(const AttentionPart<at::BFloat16>& a, const at::BFloat16* pb, int64_t pb_stride,
+                             const uint32_t* seen, int64_t h0) {
+  static_assert(V % 2 == 0, "32 columns a step");
+  const int64_t d = a.dim, n = a.keys;
+  __m512 acc[HEADS][V];
+  UNROLLED for (int h = 0; h < HEADS; ++h)
+    UNROLLED for (int c = 0; c < V; ++c) acc[h][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 2) {
+    const uint32_t bits = seen[j / 16] >> (j % 16);  // j even: j and j + 1 are in one block of 16
+    if ((bits & 3) == 0) continue;
+    const __mmask32 first = (bits & 1) ? ~__mmask32(0) : 0, second = (bits & 2) ? ~__mmask32(0) : 0;
+    __m512bh weights[HEADS];
+    UNROLLED for (int h = 0; h < HEADS; ++h)
+      weights[h] = (__m512bh)_mm512_set1_epi32(bf16_pair(pb + (h0 + h) * pb_stride + j));
+    UNROLLED for (int c = 0; c < V / 2; ++c) {
+      const __m512i row0 = _mm512_maskz_loadu_epi16(first, a.v + j * a.v_stride + 32 * c);
+      const __m512i row1 = _mm512_maskz_loadu_epi16(second, a.v + (j + 1) * a.v_stride + 32 * c);
+      const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(row0, row1), high = (__m512bh)_mm512_unpackhi_epi16(row0, row1);
+      UNROLLED for (int h = 0; h < HEADS; ++h) {
+        acc[h][2 * c] = _mm512_dpbf16_ps(acc[h][2 * c], low, weights[h]);
+        acc[h][2 * c + 1] = _mm512_dpbf16_ps(acc[h][2 * c + 1], high, weights[h]);
+      }
+    }
+  }
+  // lane 4L + i of low holds column 8L + i of the 32, of high column 8L + 4 + i (L the 128-bit lane, i < 4)
+  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  UNROLLED for (int h = 0; h < HEADS; ++h)
+    UNROLLED for (int c = 0; c < V / 2; ++c) {
+      float* out = a.out + (h0 + h) * (d + 2) + 32 * c;
+      _mm512_storeu_ps(out, _mm512_permutex2var_ps(acc[h][2 * c], first_half, acc[h][2 * c + 1]));
+      _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(acc[h][2 * c], second_half, acc[h][2 * c + 1]));
+    }
+}
+
+// The group's heads from h0 through weighted_heads_in_pairs, H at a time, the rest as one chunk (as
+// weighted_values_in_place).
+template <int V, int H>
+void heads_in_pairs(const AttentionPart<at::BFloat16>& a, const at::BFloat16* pb, int64_t pb_stride,
+                    const uint32_t* seen, int64_t h0 = 0) {
+  for (; h0 + H <= a.heads; h0 += H) weighted_heads_in_pairs<V, H>(a, pb, pb_stride, seen, h0);
+  if constexpr (H > 1) {
+    if (h0 < a.heads) heads_in_pairs<V, H - 1>(a, pb, pb_stride, seen, h0);
+  }
+}
+
+// The group's weighted values through weighted_heads_in_pairs, up to H heads at a time (at most 16 accumulators),
+// after rounding their probabilities to bf16 (two keys a dword; a part's odd last key gets a 0 beside it).
+template <int V, int H = std::max(1, std::min(8, 16 / V))>
+void weighted_values_in_pairs(const AttentionPart<at::BFloat16>& a, const float* p, const uint32_t* seen,
+                              std::vector<at::BFloat16>& rounded) {
+  const int64_t n = a.keys, stride = (n + 31) / 32 * 32;
+  rounded.resize(a.heads * stride);
+  for (int64_t h = 0; h < a.heads; ++h)
+    for (int64_t j = 0; j < stride; j += 32) {
+      const __m512 low = _mm512_maskz_loadu_ps(score_lanes(n - j), p + h * n + j);
+      const __m512 high = _mm512_maskz_loadu_ps(n - j > 16 ? score_lanes(n - j - 16) : 0, p + h * n + j + 16);
+      _mm512_storeu_si512(rounded.data() + h * stride + j, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+  heads_in_pairs<V, H>(a, rounded.data(), stride, seen);
+}
+
+// Whether weighted_values_in_pairs has a version for head_dim = 16 * vectors.
+inline bool values_in_pairs(int64_t vectors) { return vectors == 2 || vectors == 4 || vectors == 6 || vectors == 8; }
+
+inline void weighted_values_in_pairs(const AttentionPart<at::BFloat16>& a, const float* p, const uint32_t* seen,
+                                     std::vector<at::BFloat16>& rounded) {
+  switch (a.dim / 16) {
+    case 2: return weighted_values_in_pairs<2>(a, p, seen, rounded);
+    case 4: return weighted_values_in_pairs<4>(a, p, seen, rounded);
+    case 6: return weighted_values_in_pairs<6>(a, p, seen, rounded);
+    case 8: return weighted_values_in_pairs<8>(a, p, seen, rounded);
+  }
+}
+
 // Whether weighted_values_in_place has a version for head_dim = 16 * vectors.
 inline bool values_in_place(int64_t vectors) { return vectors <= 6 || vectors == 8 || vectors == 16; }
 
@@ -1831,8 +1913,9 @@ void weighted_values_in_place(const AttentionPart<T>& a, const float* p, const u
 
 // Every head's softmax, then the weighted values. Where weighted_values_in_place has the head size, the values are
 // read where they are and the keys too (bf16 by vdpbf16ps, with the keys in lanes for groups of
-// KEYS_IN_LANES_MIN_HEADS heads or more; fp32 need no copy); else the part's keys and values are widened into float32
-// buffers and each head's values summed alone (weighted_values).
+// KEYS_IN_LANES_MIN_HEADS heads or more, and the values two keys at a time where head_dim is a multiple of 32 up to
+// 128; fp32 need no copy); else the part's keys and values are widened into float32 buffers and each head's values
+// summed alone (weighted_values).
 template <typename T>
 void attend_part(const AttentionPart<T>& a, AttentionScratch& scratch) {
   const int64_t d = a.dim, n = a.keys, vectors = d / 16;
@@ -1846,6 +1929,7 @@ void attend_part(const AttentionPart<T>& a, AttentionScratch& scratch) {
         softmax_scores_bf16_group(a, scratch.seen.data(), p);
       else
         for (int64_t h = 0; h < a.heads; ++h) softmax_scores_bf16(a, scratch.seen.data(), h, p + h * n);
+      if (values_in_pairs(vectors)) return weighted_values_in_pairs(a, p, scratch.seen.data(), scratch.probabilities);
       return weighted_values_in_place(a, p, scratch.seen.data());
     }
   }
