@@ -6,12 +6,13 @@ the same weights from memory (llama-1b's fused layer shapes, on 2 MiB pages) in 
 between two readings of the bandwidth probe. ``--set NAME=VALUE`` then changes one setting of the working tree's
 build alone, so the same source compares two settings the same way (``--set software_prefetch=4``: int4's software
 prefetch against none), and ``--attention-keys N`` adds each block's decode attention over a bf16 KV cache of N keys
-(llama-1b's 32 query and 4 KV heads), as a step calls it between the block's GEMVs. Per kind and row count it prints the median of the rounds' speed ratios
-(working tree over base), overall and split at the median probe reading (the host's high and low phases), and each
-build's median share of the probe::
+(llama-1b's 32 query and 4 KV heads), as a step calls it between the block's GEMVs. Per kind and row count it
+prints the median of the rounds' speed ratios (working tree over base), overall and split at the median probe reading
+(the host's high and low phases), and each build's median share of the probe::
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_two_builds.py --base HEAD --kinds int4-sym,int8 --rows 1 8
     PYTHONPATH=src .venv/bin/python benchmarks/bench_two_builds.py --kinds int4-sym --set software_prefetch=4
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_two_builds.py --kinds int4-sym --attention-keys 4096
 """
 from __future__ import annotations
 

@@ -1836,7 +1836,8 @@ void weighted_heads_in_pairs(const AttentionPart<at::BFloat16>& a, const at::BFl
     UNROLLED for (int c = 0; c < V / 2; ++c) {
       const __m512i row0 = _mm512_maskz_loadu_epi16(first, a.v + j * a.v_stride + 32 * c);
       const __m512i row1 = _mm512_maskz_loadu_epi16(second, a.v + (j + 1) * a.v_stride + 32 * c);
-      const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(row0, row1), high = (__m512bh)_mm512_unpackhi_epi16(row0, row1);
+      const __m512bh low = (__m512bh)_mm512_unpacklo_epi16(row0, row1);
+      const __m512bh high = (__m512bh)_mm512_unpackhi_epi16(row0, row1);
       UNROLLED for (int h = 0; h < HEADS; ++h) {
         acc[h][2 * c] = _mm512_dpbf16_ps(acc[h][2 * c], low, weights[h]);
         acc[h][2 * c + 1] = _mm512_dpbf16_ps(acc[h][2 * c + 1], high, weights[h]);
