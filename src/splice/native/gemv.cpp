@@ -1127,17 +1127,24 @@ std::vector<float> group_sums(const at::BFloat16* x, int64_t m, int64_t k, int64
   return sums;
 }
 
-// (scale, zero) of a tile's 16 rows in one group, from its bf16 (scale, zero) pairs or scales alone.
-inline void int4_scale_zero(const Int4Scales& sz, int64_t tile, int64_t g, __m512& scale, __m512& zero) {
-  const at::BFloat16* line = sz.line(tile, g);
-  if (!sz.pairs) {
+// (scale, zero) of a tile's 16 rows from one line of its scales (Int4Scales::line): bf16 (scale, zero) pairs where
+// PAIRS, else scales alone (zero 0).
+template <bool PAIRS>
+inline void line_scale_zero(const at::BFloat16* line, __m512& scale, __m512& zero) {
+  if constexpr (PAIRS) {
+    const __m512i s_z = _mm512_loadu_si512(line);
+    scale = _mm512_castsi512_ps(_mm512_slli_epi32(s_z, 16));
+    zero = _mm512_castsi512_ps(_mm512_and_si512(s_z, _mm512_set1_epi32(0xFFFF0000)));
+  } else {
     scale = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(line)));
     zero = _mm512_setzero_ps();
-    return;
   }
-  const __m512i s_z = _mm512_loadu_si512(line);
-  scale = _mm512_castsi512_ps(_mm512_slli_epi32(s_z, 16));
-  zero = _mm512_castsi512_ps(_mm512_and_si512(s_z, _mm512_set1_epi32(0xFFFF0000)));
+}
+
+// (scale, zero) of a tile's 16 rows in one group.
+inline void int4_scale_zero(const Int4Scales& sz, int64_t tile, int64_t g, __m512& scale, __m512& zero) {
+  if (sz.pairs) return line_scale_zero<true>(sz.line(tile, g), scale, zero);
+  line_scale_zero<false>(sz.line(tile, g), scale, zero);
 }
 
 // (scale, zero - bias * scale) of a tile's 16 rows in one group: the factor of a dot product of codes offset by
@@ -1402,17 +1409,6 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
 // order, so the same bits, without the group loop around the block loop; each stream's weight and scales, and each
 // row's x, are walked by the block index, and whether the scales come with zeros is fixed at compile time. Per block
 // the scale handling is as long as the four chunks' products, so these few instructions are worth a loop of their own.
-template <bool PAIRS>
-inline void block_scale_zero(const at::BFloat16* line, __m512& scale, __m512& zero) {
-  if constexpr (PAIRS) {
-    const __m512i s_z = _mm512_loadu_si512(line);
-    scale = _mm512_castsi512_ps(_mm512_slli_epi32(s_z, 16));
-    zero = _mm512_castsi512_ps(_mm512_and_si512(s_z, _mm512_set1_epi32(0xFFFF0000)));
-  } else {
-    scale = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(line)));
-  }
-}
-
 template <int M, int T, bool PAIRS>
 __attribute__((target("avx512vnni")))
 void int4_dot_blocks(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
@@ -1429,7 +1425,7 @@ void int4_dot_blocks(const Int4DotActivations& a, int64_t m0, const int32_t* w, 
     int4_block_sums<M, T, CHAINS>(walk.weights, walk.x, chunks * 2, walk.offsets, blocks, b, sums);
     UNROLLED for (int t = 0; t < T; ++t) {
       __m512 scale, zero;
-      block_scale_zero<PAIRS>(walk.scales[t] + b * LINE, scale, zero);
+      line_scale_zero<PAIRS>(walk.scales[t] + b * LINE, scale, zero);
       UNROLLED for (int m = 0; m < M; ++m) {
         const __m512 dots = _mm512_fmadd_ps(_mm512_cvtepi32_ps(chains_sum<CHAINS>(sums[m][t])),
                                             _mm512_set1_ps(walk.d[m * blocks + b]), _mm512_setzero_ps());
@@ -1676,6 +1672,16 @@ inline void finish_softmax(const AttentionPart<T>& a, int64_t h, float* s, __m51
   out[d + 1] = _mm512_reduce_add_ps(total);
 }
 
+// One block of 16 keys' scores from their dot products: scaled where visible, -inf elsewhere, stored at s (as many as
+// the part has left) and taken into the running max top.
+template <typename T>
+inline void keep_scores(const AttentionPart<T>& a, __mmask16 visible, __m512 dots, float* s, int64_t left,
+                        __m512& top) {
+  const __m512 scores = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), visible, dots, _mm512_set1_ps(a.scale));
+  _mm512_mask_storeu_ps(s, score_lanes(left), scores);
+  top = _mm512_max_ps(top, scores);
+}
+
 // Head h's scores 16 keys at a time (dots_of(j0, keys_here, dots) the block's dot products; blocks with no visible key
 // skipped), scaled and masked, then finish_softmax.
 template <typename T, typename Dots>
@@ -1684,14 +1690,9 @@ inline void softmax_scores(const AttentionPart<T>& a, const uint32_t* seen, int6
   __m512 top = _mm512_set1_ps(-INFINITY);
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     const __mmask16 visible = static_cast<__mmask16>(seen[j0 / 16]);
-    __m512 scores = _mm512_set1_ps(-INFINITY);
-    if (visible) {
-      __m512 dots[16];
-      dots_of(j0, std::min<int64_t>(16, n - j0), dots);
-      scores = _mm512_mask_mul_ps(scores, visible, sum16(dots), _mm512_set1_ps(a.scale));
-    }
-    _mm512_mask_storeu_ps(s + j0, score_lanes(n - j0), scores);
-    top = _mm512_max_ps(top, scores);
+    __m512 dots[16];
+    if (visible) dots_of(j0, std::min<int64_t>(16, n - j0), dots);
+    keep_scores(a, visible, visible ? sum16(dots) : _mm512_setzero_ps(), s + j0, n - j0, top);
   }
   finish_softmax(a, h, s, top);
 }
@@ -1741,11 +1742,7 @@ void softmax_scores_bf16_heads(const AttentionPart<at::BFloat16>& a, const uint3
         }
       }
     }
-    UNROLLED for (int h = 0; h < H; ++h) {
-      const __m512 scores = _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), visible, dots[h], _mm512_set1_ps(a.scale));
-      _mm512_mask_storeu_ps(p + (h0 + h) * n + j0, score_lanes(n - j0), scores);
-      top[h] = _mm512_max_ps(top[h], scores);
-    }
+    UNROLLED for (int h = 0; h < H; ++h) keep_scores(a, visible, dots[h], p + (h0 + h) * n + j0, n - j0, top[h]);
   }
   UNROLLED for (int h = 0; h < H; ++h) finish_softmax(a, h0 + h, p + (h0 + h) * n, top[h]);
 }
@@ -1755,18 +1752,13 @@ void softmax_scores_bf16_heads(const AttentionPart<at::BFloat16>& a, const uint3
 // dot vectors (45 shuffles and adds a block) is per head; with one or two heads the transposition costs more.
 constexpr int64_t KEYS_IN_LANES_MIN_HEADS = 3;
 
-// Every head of the part's group through softmax_scores_bf16_heads, up to 8 at a time.
-inline void softmax_scores_bf16_group(const AttentionPart<at::BFloat16>& a, const uint32_t* seen, float* p) {
-  int64_t h0 = 0;
-  for (; h0 + 8 <= a.heads; h0 += 8) softmax_scores_bf16_heads<8>(a, seen, h0, p);
-  switch (a.heads - h0) {
-    case 1: return softmax_scores_bf16_heads<1>(a, seen, h0, p);
-    case 2: return softmax_scores_bf16_heads<2>(a, seen, h0, p);
-    case 3: return softmax_scores_bf16_heads<3>(a, seen, h0, p);
-    case 4: return softmax_scores_bf16_heads<4>(a, seen, h0, p);
-    case 5: return softmax_scores_bf16_heads<5>(a, seen, h0, p);
-    case 6: return softmax_scores_bf16_heads<6>(a, seen, h0, p);
-    case 7: return softmax_scores_bf16_heads<7>(a, seen, h0, p);
+// The part's group's heads from h0 through softmax_scores_bf16_heads, H at a time, the rest as one chunk (as
+// weighted_values_in_place).
+template <int H = 8>
+void softmax_scores_bf16_group(const AttentionPart<at::BFloat16>& a, const uint32_t* seen, float* p, int64_t h0 = 0) {
+  for (; h0 + H <= a.heads; h0 += H) softmax_scores_bf16_heads<H>(a, seen, h0, p);
+  if constexpr (H > 1) {
+    if (h0 < a.heads) softmax_scores_bf16_group<H - 1>(a, seen, p, h0);
   }
 }
 
@@ -2409,18 +2401,24 @@ std::vector<float> group_sums(const float* x, int64_t m, int64_t k, int64_t grou
   return sums;
 }
 
-// Tile half h's (scale, zero) in group g, from its 8 rows' bf16 (scale, zero) pairs (scale in each dword's low half)
-// or scales alone.
-inline void half_scale_zero(const Int4Scales& sz, int64_t tile, int64_t g, int h, __m256& scale, __m256& zero) {
-  if (!sz.pairs) {
-    const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sz.line(tile, g) + 8 * h));
-    scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(s), 16));
+// Tile half h's (scale, zero) from one line of its scales (Int4Scales::line): its 8 rows' bf16 (scale, zero) pairs
+// (scale in each dword's low half) where PAIRS, else scales alone (zero 0).
+template <bool PAIRS>
+inline void half_line_scale_zero(const at::BFloat16* line, int h, __m256& scale, __m256& zero) {
+  if constexpr (PAIRS) {
+    const __m256i s_z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 16 * h));
+    scale = _mm256_castsi256_ps(_mm256_slli_epi32(s_z, 16));
+    zero = _mm256_castsi256_ps(_mm256_and_si256(s_z, _mm256_set1_epi32(0xFFFF0000)));
+  } else {
+    scale = bf16x8_to_f32(line + 8 * h);
     zero = _mm256_setzero_ps();
-    return;
   }
-  const __m256i s_z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz.line(tile, g) + 16 * h));
-  scale = _mm256_castsi256_ps(_mm256_slli_epi32(s_z, 16));
-  zero = _mm256_castsi256_ps(_mm256_and_si256(s_z, _mm256_set1_epi32(0xFFFF0000)));
+}
+
+// Tile half h's (scale, zero) in group g.
+inline void half_scale_zero(const Int4Scales& sz, int64_t tile, int64_t g, int h, __m256& scale, __m256& zero) {
+  if (sz.pairs) return half_line_scale_zero<true>(sz.line(tile, g), h, scale, zero);
+  half_line_scale_zero<false>(sz.line(tile, g), h, scale, zero);
 }
 
 // M rows of a tile's 16 outputs (two halves of 8), rounded to bf16.
@@ -2600,18 +2598,6 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
 // int4_dot_tiles where every group is one block (group == DOT_BLOCK): the same steps in the same order, so the same
 // bits, without the group loop around the block loop; streams and rows are walked by the block index, and whether the
 // scales come with zeros is fixed at compile time (as the AVX-512 kernel's int4_dot_blocks).
-template <bool PAIRS>
-inline void half_block_scale_zero(const at::BFloat16* line, int h, __m256& scale, __m256& zero) {
-  if constexpr (PAIRS) {
-    const __m256i s_z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(line + 16 * h));
-    scale = _mm256_castsi256_ps(_mm256_slli_epi32(s_z, 16));
-    zero = _mm256_castsi256_ps(_mm256_and_si256(s_z, _mm256_set1_epi32(0xFFFF0000)));
-  } else {
-    const __m128i s = _mm_loadu_si128(reinterpret_cast<const __m128i*>(line + 8 * h));
-    scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(s), 16));
-  }
-}
-
 template <bool VNNI, int M, int T, bool PAIRS>
 void int4_dot_blocks(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
                      int64_t first, int64_t step, at::BFloat16* out, int64_t n_total) {
@@ -2627,7 +2613,7 @@ void int4_dot_blocks(const Int4DotActivations& a, int64_t m0, const int32_t* w, 
     UNROLLED for (int t = 0; t < T; ++t)
       UNROLLED for (int h = 0; h < 2; ++h) {
         __m256 scale, zero;
-        half_block_scale_zero<PAIRS>(walk.scales[t] + b * LINE, h, scale, zero);
+        half_line_scale_zero<PAIRS>(walk.scales[t] + b * LINE, h, scale, zero);
         UNROLLED for (int m = 0; m < M; ++m) {
           const __m256 dots = _mm256_fmadd_ps(int4_block_dot<VNNI>(sums[m][t][h], walk.offsets[m * blocks + b]),
                                               _mm256_set1_ps(walk.d[m * blocks + b]), _mm256_setzero_ps());
