@@ -40,8 +40,9 @@ def operands(kind: str, n: int, k: int) -> tuple:
     return native.int4_tile_pack(codes), native.int4_tile_scales(scales_and_zeros)
 
 
-def call(kind: str, x: torch.Tensor, weight: tuple) -> torch.Tensor:
-    ops = torch.ops.splice_kernels
+def call(kind: str, x: torch.Tensor, weight: tuple, ops=None) -> torch.Tensor:
+    """``kind``'s decode GEMV, from ``ops`` (splice's op library by default; bench_two_builds passes another build's)."""
+    ops = torch.ops.splice_kernels if ops is None else ops
     if kind == "bf16":
         return ops.bf16_gemv(x, *weight)
     if kind == "int8":

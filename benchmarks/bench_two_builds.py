@@ -27,11 +27,10 @@ from pathlib import Path
 import torch
 
 from splice import native
-from splice.kernel_choice import int16_activations
 from splice.models import cache_subfolder
 from splice.native.memory import gather_on_huge_pages
 
-from bench_gemv_rates import GROUP, KINDS, at_least, operands, positive, weight_bytes
+from bench_gemv_rates import KINDS, at_least, call, operands, positive, weight_bytes
 from bench_quant import FUSED, HEAD_DIM, HEADS, KV_HEADS
 from bench_read_sizes import best_gbs
 
@@ -90,15 +89,6 @@ def parse_setting(text: str) -> tuple[str, int]:
     return name, int(value)
 
 
-def call(ops, kind: str, x: torch.Tensor, weight: tuple) -> torch.Tensor:
-    """``kind``'s decode GEMV of ``ops`` (either build), as bench_gemv_rates.call picks it."""
-    if kind == "bf16":
-        return ops.bf16_gemv(x, *weight)
-    if kind == "int8":
-        return (ops.int8_dot16_gemv if int16_activations() else ops.int8_dot_gemv)(x, *weight)
-    return ops.int4_dot_gemv(x, *weight, GROUP)
-
-
 @dataclass(frozen=True)
 class Round:
     probe: float  # GB/s, the mean of the readings before and after
@@ -123,7 +113,7 @@ def rounds(base, here, kind: str, rows: int, layers: int, count: int, shapes=Non
 
     def one_pass(ops) -> None:
         for i, (x, weight) in enumerate(zip(inputs, weights)):
-            call(ops, kind, x, weight)
+            call(kind, x, weight, ops)
             if caches and i % len(FUSED) == len(FUSED) - 1:
                 cache = caches[i // len(FUSED)]
                 ops.decode_attention(query, cache[0], cache[1], None, HEAD_DIM ** -0.5)

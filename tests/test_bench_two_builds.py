@@ -71,7 +71,7 @@ def test_the_same_source_built_as_the_base_gives_the_same_outputs_and_is_timed_i
         for kind in bench.KINDS:
             x = torch.randn(3, 256).bfloat16()
             weight = bench.operands(kind, 64, 256)
-            assert torch.equal(bench.call(base, kind, x, weight), bench.call(here, kind, x, weight)), kind
+            assert torch.equal(bench.call(kind, x, weight, base), bench.call(kind, x, weight, here)), kind
     results = bench.rounds(base, here, "int4-sym", rows=1, layers=1, count=2, shapes=[(64, 512), (32, 256)])
     assert len(results) == 2 and all(r.probe > 0 and r.base > 0 and r.here > 0 for r in results)
     shapes = [(32, 256)] * len(bench.FUSED) * 2  # two blocks' worth: two attention calls, one after every fourth GEMV
@@ -83,7 +83,7 @@ def test_attention_runs_after_each_blocks_gemvs_and_its_cache_counts(monkeypatch
     bench = load_benchmark("bench_two_builds")
     events = []
     ops = types.SimpleNamespace(decode_attention=lambda q, k, v, mask, scale: events.append(("attention", k.shape)))
-    monkeypatch.setattr(bench, "call", lambda ops, kind, x, weight: events.append(("gemv", x.shape[1])))
+    monkeypatch.setattr(bench, "call", lambda kind, x, weight, ops: events.append(("gemv", x.shape[1])))
     monkeypatch.setattr(bench, "gather_on_huge_pages", lambda tensors: None)
     monkeypatch.setattr(bench, "best_gbs", lambda parts, rounds: 10.0)
     sizes = []
