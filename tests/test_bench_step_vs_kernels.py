@@ -52,11 +52,11 @@ def test_generate_s_time_a_token_leaves_the_prefill_out():
         assert bench.ms_per_token(engine, prompt, 5) > 0
 
 
-def test_a_share_is_the_read_speed_over_the_probe_s():
+def test_a_share_is_the_read_speed_over_the_probe_s(monkeypatch):
     bench = load_benchmark("bench_step_vs_kernels")
     assert bench.share(50_000_000, 2.0, 50.0) == pytest.approx(0.5)  # 25 GB/s against 50
     readings = iter([40.0, 60.0])
-    bench.read_bandwidth_gbs = lambda gib, repeats: next(readings)
+    monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda gib, repeats: next(readings))
     assert bench.beside_the_probe(lambda: 3.0) == (3.0, 50.0)  # the mean of the readings before and after
 
 
