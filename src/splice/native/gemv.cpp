@@ -530,6 +530,14 @@ const float* rows_as_float(const T* rows, int64_t& stride, int64_t n, int64_t d,
   }
 }
 
+// The float scores (and, at the avx2 level, the values) take the part's keys a block at a time, every head of the
+// group reading a block before the next: a block's rows (widened where bf16) stay in the core's L1 cache for the
+// heads, where the part's whole rows would be read from L2 by each head. A block holds KEY_BLOCK_FLOATS floats at
+// most and a multiple of `lanes` keys.
+constexpr int64_t KEY_BLOCK_FLOATS = 4096;
+
+inline int64_t key_block(int64_t d, int64_t lanes) { return std::max(lanes, KEY_BLOCK_FLOATS / d / lanes * lanes); }
+
 // Visibility bits of the part's keys, 16 to a block (bit i: key 16 * block + i is visible and exists).
 inline void visible_bits(const bool* visible, int64_t stride, int64_t n,
                          std::vector<uint32_t>& seen) {
@@ -547,17 +555,23 @@ struct FloatPart {
   int64_t k_stride, v_stride;
 };
 
-template <typename T, typename Widen>
-FloatPart part_as_float(const AttentionPart<T>& a, AttentionScratch& scratch, Widen widen) {
-  const int64_t d = a.dim, n = a.keys;
-  scratch.scores.resize(a.heads * n);
+// The part's query heads as float rows [heads][dim] and its visibility bits, in scratch; the scores buffer sized.
+template <typename T>
+void part_queries(const AttentionPart<T>& a, AttentionScratch& scratch) {
+  const int64_t d = a.dim;
+  scratch.scores.resize(a.heads * a.keys);
   scratch.q.resize(a.heads * d);
   for (int64_t h = 0; h < a.heads; ++h)
     for (int64_t i = 0; i < d; ++i) scratch.q[h * d + i] = static_cast<float>(a.q[h * a.q_head_stride + i]);
+  visible_bits(a.visible, a.visible_stride, a.keys, scratch.seen);
+}
+
+template <typename T, typename Widen>
+FloatPart part_as_float(const AttentionPart<T>& a, AttentionScratch& scratch, Widen widen) {
+  part_queries(a, scratch);
   FloatPart f{scratch.q.data(), nullptr, nullptr, a.k_stride, a.v_stride};
-  f.keys = rows_as_float(a.k, f.k_stride, n, d, scratch.keys, widen);
-  f.values = rows_as_float(a.v, f.v_stride, n, d, scratch.values, widen);
-  visible_bits(a.visible, a.visible_stride, n, scratch.seen);
+  f.keys = rows_as_float(a.k, f.k_stride, a.keys, a.dim, scratch.keys, widen);
+  f.values = rows_as_float(a.v, f.v_stride, a.keys, a.dim, scratch.values, widen);
   return f;
 }
 
@@ -1762,14 +1776,27 @@ void softmax_scores_bf16_group(const AttentionPart<at::BFloat16>& a, const uint3
   }
 }
 
-// Head h's softmax from float32 query and keys (the part's own, or widened copies).
+// Every head's softmax from float32 query and keys (the part's own, or widened copies) into p [heads][keys]: the
+// scores block by block of keys (key_block), every head's for one block before the next, each head's largest score
+// so far kept in its out row; then each head's finish_softmax.
 template <typename T>
-inline void softmax_scores_float(const AttentionPart<T>& a, const FloatPart& f, const uint32_t* seen, int64_t h,
-                                 float* s) {
-  const int64_t d = a.dim;
-  softmax_scores(a, seen, h, s, [&](int64_t j0, int64_t keys_here, __m512 (&dots)[16]) {
-    key_dots<16>(f.q + h * d, f.keys + j0 * f.k_stride, f.k_stride, keys_here, d / 16, dots);
-  });
+void softmax_scores_float(const AttentionPart<T>& a, const FloatPart& f, const uint32_t* seen, float* p) {
+  const int64_t d = a.dim, n = a.keys, block = key_block(d, 16);
+  for (int64_t h = 0; h < a.heads; ++h) a.out[h * (d + 2) + d] = -INFINITY;
+  for (int64_t b0 = 0; b0 < n; b0 += block)
+    for (int64_t h = 0; h < a.heads; ++h) {
+      float& largest = a.out[h * (d + 2) + d];
+      __m512 top = _mm512_set1_ps(largest);
+      for (int64_t j0 = b0; j0 < std::min(b0 + block, n); j0 += 16) {
+        const __mmask16 visible = static_cast<__mmask16>(seen[j0 / 16]);
+        __m512 dots[16];
+        if (visible) key_dots<16>(f.q + h * d, f.keys + j0 * f.k_stride, f.k_stride, std::min<int64_t>(16, n - j0),
+                                  d / 16, dots);
+        keep_scores(a, visible, visible ? sum16(dots) : _mm512_setzero_ps(), p + h * n + j0, n - j0, top);
+      }
+      largest = _mm512_reduce_max_ps(top);
+    }
+  for (int64_t h = 0; h < a.heads; ++h) finish_softmax(a, h, p + h * n, _mm512_set1_ps(a.out[h * (d + 2) + d]));
 }
 
 // out rows of heads h0 .. h0 + HEADS - 1: sum over the visible keys j of p[h][j] * values[j] (V vectors of 16), each
@@ -1927,14 +1954,12 @@ void attend_part(const AttentionPart<T>& a, AttentionScratch& scratch) {
     }
   }
   const FloatPart f = part_as_float(a, scratch, widen_row);
-  for (int64_t h = 0; h < a.heads; ++h) {
-    softmax_scores_float(a, f, scratch.seen.data(), h, p + h * n);
-    if (!in_place)
-      with_vectors(vectors, [&](auto v) {
-        weighted_values<decltype(v)::value>(p + h * n, f.values, f.v_stride, n, vectors, a.out + h * (d + 2));
-      });
-  }
-  if (in_place) weighted_values_in_place(a, p, scratch.seen.data());
+  softmax_scores_float(a, f, scratch.seen.data(), p);
+  if (in_place) return weighted_values_in_place(a, p, scratch.seen.data());
+  for (int64_t h = 0; h < a.heads; ++h)
+    with_vectors(vectors, [&](auto v) {
+      weighted_values<decltype(v)::value>(p + h * n, f.values, f.v_stride, n, vectors, a.out + h * (d + 2));
+    });
 }
 
 }  // namespace avx512
@@ -2793,12 +2818,63 @@ inline void widen_row(const at::BFloat16* src, float* dst, int64_t d) {
   for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load_f32x8(src + i));
 }
 
-// out[:d] = sum_j p[j] * values[j] (V vectors of 16 per row, as two of 8 here; V = 0: given at run time).
-template <int64_t V>
-void weighted_values(const float* p, const float* values, int64_t stride, int64_t n, int64_t vectors, float* out) {
-  const int64_t count = 2 * (V > 0 ? V : vectors);
-  __m256 acc[V > 0 ? 2 * V : MAX_HEAD_DIM / 8];
-  for (int64_t c = 0; c < count; ++c) acc[c] = _mm256_setzero_ps();
+// Lanes i whose bit i is set in bits, as all-ones lanes.
+inline __m256 lanes_of(uint32_t bits) {
+  const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lane_bits),
+                                                lane_bits));
+}
+
+// Stores the first min(left, 8) lanes of v at p.
+inline void store_lanes(float* p, __m256 v, int64_t left) {
+  if (left >= 8) return _mm256_storeu_ps(p, v);
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  std::copy(lanes, lanes + left, p);
+}
+
+// Head q's scores q . k * scale of the part's keys j0 .. j0 + here (rows at keys, stride apart; j0 a multiple of 8)
+// into s[j0 ..], -inf for keys not visible; top: the largest score so far, raised to this block's.
+inline void block_scores(const float* q, const float* keys, int64_t stride, int64_t j0, int64_t here,
+                         int64_t halves, float scale, const uint32_t* seen_bits, float* s, float& top) {
+  __m256 best = _mm256_set1_ps(top);
+  for (int64_t j = 0; j < here; j += 8) {
+    const uint32_t seen = seen_bits[(j0 + j) / 16] >> ((j0 + j) % 16) & 0xFF;
+    __m256 block = _mm256_set1_ps(-INFINITY);
+    if (seen) {
+      __m256 dots[8];
+      key_dots<8>(q, keys + j * stride, stride, std::min<int64_t>(8, here - j), halves, dots);
+      block = _mm256_blendv_ps(block, _mm256_mul_ps(sum8(dots), _mm256_set1_ps(scale)), lanes_of(seen));
+    }
+    store_lanes(s + j0 + j, block, here - j);
+    best = _mm256_max_ps(best, block);
+  }
+  top = horizontal_max(best);
+}
+
+// e^(s[j] - m) in place for the n scores of one head, the largest m (-inf: no key visible, every weight 0); returns
+// their sum.
+inline float exponentials(float* s, int64_t n, float m) {
+  if (m == -INFINITY) {
+    std::fill(s, s + n, 0.f);
+    return 0.f;
+  }
+  __m256 total = _mm256_setzero_ps();
+  for (int64_t j = 0; j < n; j += 8) {
+    const __m256 p = exp_scores(_mm256_sub_ps(load_scores(s + j, n - j), _mm256_set1_ps(m)));
+    total = _mm256_add_ps(total, p);
+    store_lanes(s + j, p, n - j);
+  }
+  return horizontal_sum(total);
+}
+
+// out[:8 * COLUMNS] += sum_j p[j] * values[j][:8 * COLUMNS] (COLUMNS = 0: count, given at run time, up to 8), keys of
+// weight 0 skipped (so a masked slot's value, whatever it holds, adds nothing).
+template <int64_t COLUMNS>
+void add_weighted_values(const float* p, const float* values, int64_t stride, int64_t n, int64_t count, float* out) {
+  if constexpr (COLUMNS > 0) count = COLUMNS;
+  __m256 acc[COLUMNS > 0 ? COLUMNS : 8];
+  for (int64_t c = 0; c < count; ++c) acc[c] = _mm256_loadu_ps(out + 8 * c);
   for (int64_t j = 0; j < n; ++j) {
     if (p[j] == 0.f) continue;
     const __m256 w = _mm256_set1_ps(p[j]);
@@ -2807,40 +2883,45 @@ void weighted_values(const float* p, const float* values, int64_t stride, int64_
   for (int64_t c = 0; c < count; ++c) _mm256_storeu_ps(out + 8 * c, acc[c]);
 }
 
+// add_weighted_values over a head's d columns, 64 at a time (the accumulators of more would not fit the 16 registers).
+inline void add_weighted_values(const float* p, const float* values, int64_t stride, int64_t n, int64_t d,
+                                float* out) {
+  for (int64_t c = 0; c < d; c += 64) {
+    const int64_t count = std::min<int64_t>(64, d - c) / 8;
+    if (count == 8) add_weighted_values<8>(p, values + c, stride, n, count, out + c);
+    else if (count == 4) add_weighted_values<4>(p, values + c, stride, n, count, out + c);
+    else add_weighted_values<0>(p, values + c, stride, n, count, out + c);
+  }
+}
+
+// avx512::attend_part's result with 8 lanes: every head's scores, block by block of keys (key_block); each head's
+// softmax; then the weighted values, block by block of values. Each head's sums run over the keys in order, so the
+// blocks change no bit of them.
 template <typename T>
 void attend_part(const AttentionPart<T>& a, AttentionScratch& scratch) {
-  const int64_t d = a.dim, n = a.keys, halves = d / 8;
-  const FloatPart f = part_as_float(a, scratch, widen_row);
-  const float *q32 = f.q, *keys = f.keys, *values = f.values;
-  const int64_t k_stride = f.k_stride, v_stride = f.v_stride;
+  const int64_t d = a.dim, n = a.keys, block = key_block(d, 8);
+  part_queries(a, scratch);
+  float* scores = scratch.scores.data();
+  for (int64_t h = 0; h < a.heads; ++h) a.out[h * (d + 2) + d] = -INFINITY;  // each head's largest score so far
+  for (int64_t j0 = 0; j0 < n; j0 += block) {
+    const int64_t here = std::min(block, n - j0);
+    int64_t stride = a.k_stride;
+    const float* keys = rows_as_float(a.k + j0 * a.k_stride, stride, here, d, scratch.keys, widen_row);
+    for (int64_t h = 0; h < a.heads; ++h)
+      block_scores(scratch.q.data() + h * d, keys, stride, j0, here, d / 8, a.scale, scratch.seen.data(),
+                   scores + h * n, a.out[h * (d + 2) + d]);
+  }
   for (int64_t h = 0; h < a.heads; ++h) {
-    float* s = scratch.scores.data() + h * n;
-    __m256 top = _mm256_set1_ps(-INFINITY);
-    for (int64_t j0 = 0; j0 < n; j0 += 8) {  // scores of 8 keys at a time
-      const uint32_t seen = scratch.seen[j0 / 16] >> (j0 % 16) & 0xFF;
-      alignas(32) float block[8];
-      if (seen) {
-        __m256 dots[8];
-        key_dots<8>(q32 + h * d, keys + j0 * k_stride, k_stride, std::min<int64_t>(8, n - j0), halves, dots);
-        _mm256_store_ps(block, _mm256_mul_ps(sum8(dots), _mm256_set1_ps(a.scale)));
-      }
-      for (int64_t i = 0; i < 8; ++i) block[i] = seen >> i & 1 ? block[i] : -INFINITY;
-      for (int64_t i = 0; i < 8 && j0 + i < n; ++i) s[j0 + i] = block[i];
-      top = _mm256_max_ps(top, _mm256_load_ps(block));
-    }
-    const float m = horizontal_max(top);
-    __m256 total = _mm256_setzero_ps();
-    for (int64_t j = 0; m != -INFINITY && j < n; j += 8) {
-      alignas(32) float p[8];
-      _mm256_store_ps(p, exp_scores(_mm256_sub_ps(load_scores(s + j, n - j), _mm256_set1_ps(m))));
-      total = _mm256_add_ps(total, _mm256_load_ps(p));
-      for (int64_t i = 0; i < 8 && j + i < n; ++i) s[j + i] = p[i];
-    }
     float* out = a.out + h * (d + 2);
-    if (m == -INFINITY) std::fill(s, s + n, 0.f);  // no visible key in this part: it adds nothing
-    with_vectors(d / 16, [&](auto v) { weighted_values<decltype(v)::value>(s, values, v_stride, n, d / 16, out); });
-    out[d] = m;
-    out[d + 1] = horizontal_sum(total);
+    out[d + 1] = exponentials(scores + h * n, n, out[d]);
+    std::fill(out, out + d, 0.f);
+  }
+  for (int64_t j0 = 0; j0 < n; j0 += block) {
+    const int64_t here = std::min(block, n - j0);
+    int64_t stride = a.v_stride;
+    const float* values = rows_as_float(a.v + j0 * a.v_stride, stride, here, d, scratch.values, widen_row);
+    for (int64_t h = 0; h < a.heads; ++h)
+      add_weighted_values(scores + h * n + j0, values, stride, here, d, a.out + h * (d + 2));
   }
 }
 
