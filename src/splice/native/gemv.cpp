@@ -2003,12 +2003,26 @@ inline __m256 widen(const int8_t* p) { return int8x8_to_f32(p); }
 
 // Four weight rows (R) against M rows of x; 32 columns per step, then 8 at a time, then one: sums[m][r] in float32.
 // APART: the rows are far apart (one per weight stream, as the row pairs below walk them), each prefetched
-// PREFETCH_BYTES ahead in itself; else they are a block's neighbours (prefetch_step).
+// PREFETCH_BYTES ahead in itself; else they are a block's neighbours (prefetch_step). With one row of x each sum runs
+// in two chains (columns c .. c + 7 to chain (c / 8) % 2), else the multiply-adds of one or two weight rows would wait
+// on each other's latency; with two rows of x there are chains enough, and two a sum would not fit the 16 registers.
+// So every R (weight streams) gives an output the same bits, and a row of x computed alone may differ from one
+// computed beside another in the last bits.
 template <int M, int R, typename T, bool APART = false>
 void rows_dot(const float* x, const T* const row_at[R], int64_t k, float sums[M][R]) {
-  __m256 acc[M][R];
+  constexpr int CHAINS = M == 1 ? 2 : 1;
+  __m256 acc[M][R][CHAINS];
   UNROLLED for (int m = 0; m < M; ++m)
-    UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
+    UNROLLED for (int r = 0; r < R; ++r)
+      UNROLLED for (int h = 0; h < CHAINS; ++h) acc[m][r][h] = _mm256_setzero_ps();
+  const auto step = [&](int64_t c, int chain) {  // columns c .. c + 7 into chain
+    __m256 wv[R];
+    UNROLLED for (int r = 0; r < R; ++r) wv[r] = widen(row_at[r] + c);
+    UNROLLED for (int m = 0; m < M; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * k + c);
+      UNROLLED for (int r = 0; r < R; ++r) acc[m][r][chain] = _mm256_fmadd_ps(wv[r], xv, acc[m][r][chain]);
+    }
+  };
   const int64_t k32 = k / 32 * 32, k8 = k / 8 * 8;
   int64_t c = 0;
   for (; c < k32; c += 32) {
@@ -2017,26 +2031,14 @@ void rows_dot(const float* x, const T* const row_at[R], int64_t k, float sums[M]
     } else {
       prefetch_step<R, 32>(row_at, k, c);
     }
-    for (int64_t j = 0; j < 32; j += 8) {
-      __m256 wv[R];
-      UNROLLED for (int r = 0; r < R; ++r) wv[r] = widen(row_at[r] + c + j);
-      UNROLLED for (int m = 0; m < M; ++m) {
-        const __m256 xv = _mm256_loadu_ps(x + m * k + c + j);
-        UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
-      }
-    }
+    UNROLLED for (int j = 0; j < 4; ++j) step(c + 8 * j, j % CHAINS);
   }
-  for (; c < k8; c += 8) {
-    __m256 wv[R];
-    UNROLLED for (int r = 0; r < R; ++r) wv[r] = widen(row_at[r] + c);
-    UNROLLED for (int m = 0; m < M; ++m) {
-      const __m256 xv = _mm256_loadu_ps(x + m * k + c);
-      UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm256_fmadd_ps(wv[r], xv, acc[m][r]);
-    }
-  }
+  for (; c < k8; c += 8) step(c, c / 8 % CHAINS);
   UNROLLED for (int m = 0; m < M; ++m)
     UNROLLED for (int r = 0; r < R; ++r) {
-      float total = horizontal_sum(acc[m][r]);
+      __m256 chains = acc[m][r][0];
+      UNROLLED for (int h = 1; h < CHAINS; ++h) chains = _mm256_add_ps(chains, acc[m][r][h]);
+      float total = horizontal_sum(chains);
       for (int64_t t = k8; t < k; ++t) total += x[m * k + t] * static_cast<float>(row_at[r][t]);
       sums[m][r] = total;
     }
