@@ -805,15 +805,18 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // multiplied with integer dot products (vpdpbusd: 64 byte products per instruction, summed in int32), so the weight is
 // never widened to float. vpdpbusd takes one unsigned operand: the weight bytes are flipped to w + 128 as they stream
 // (one xor), which adds 128 * (the lane's four codes) to each int32 lane. That does not depend on the weight row, so
-// it is worked out once per call and each lane's sum starts from its negative: every block's integer dot product is
-// exact before it is scaled, y = scale * sum_b d_b * dot_b.
+// its scaled sum over the row of x is worked out once per call (add_unflip) and taken off each output after the
+// loop: y = scale * (sum_b d_b * flipped_b - sum_b d_b * 128 * codes_b). The kernels' steps then read only x's codes
+// and scales beside the weights (starting each vpdpbusd from the excess of its lanes cost a third load a step and
+// a sixth of the one-row kernel's speed); each lane's int32 sum is still exact, its product with d rounded at the
+// size of the flipped sum.
 constexpr int64_t DOT_STEP = 64;   // columns per vpdpbusd (two blocks: 8 int32 lanes each)
 
 struct DotActivations {
   int64_t padded;               // columns of q, k rounded up to DOT_STEP (zeros past k)
   std::vector<int8_t> q;        // [m, padded]
   std::vector<float> d;         // [m, padded / DOT_STEP, 16]: each lane's block scale (8 lanes per block)
-  std::vector<int32_t> unflip;  // [m, padded / DOT_STEP, 16]: -128 * each lane's four codes (int8_dot_gemv's only)
+  std::vector<float> unflip;    // [m]: what the flipped weights' excess takes off each row's sum (int8_dot_gemv's only)
 };
 
 DotActivations round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
@@ -845,16 +848,26 @@ DotActivations round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
   return a;
 }
 
-// a.unflip from a.q: vpdpbusd of the bytes 128 (unsigned) with the codes gives 128 * each lane's four codes.
+// a.unflip from a.q and a.d: per row of x, the sum over its lanes of d * -128 * the lane's four codes (vpdpbusd of
+// the bytes 128 with the codes gives 128 * each lane's four codes), in float64, then rounded once.
 __attribute__((target("avx512vnni")))
 void add_unflip(DotActivations& a, int64_t m) {
   const int64_t steps = a.padded / DOT_STEP;
-  a.unflip.resize(m * steps * 16);
+  a.unflip.assign(m, 0.f);
   const __m512i bytes_128 = _mm512_set1_epi8(static_cast<char>(0x80));
-  for (int64_t s = 0; s < m * steps; ++s) {
-    const __m512i codes = _mm512_loadu_si512(a.q.data() + s * DOT_STEP);
-    const __m512i flipped = _mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes_128, codes);
-    _mm512_storeu_si512(a.unflip.data() + s * 16, _mm512_sub_epi32(_mm512_setzero_si512(), flipped));
+  for (int64_t i = 0; i < m; ++i) {
+    __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
+    for (int64_t s = i * steps; s < (i + 1) * steps; ++s) {
+      const __m512i codes = _mm512_loadu_si512(a.q.data() + s * DOT_STEP);
+      const __m512 excess = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes_128, codes));
+      const __m512 d = _mm512_loadu_ps(a.d.data() + s * 16);
+      low = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(d)),
+                            _mm512_cvtps_pd(_mm512_castps512_ps256(excess)), low);
+      high = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d), 1))),
+                             _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(excess), 1))),
+                             high);
+    }
+    a.unflip[i] = static_cast<float>(-_mm512_reduce_add_pd(_mm512_add_pd(low, high)));
   }
 }
 
@@ -866,7 +879,6 @@ void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const a
   const int64_t steps = a.padded / DOT_STEP;
   const int8_t* xq = a.q.data() + m0 * a.padded;
   const float* xd = a.d.data() + m0 * steps * 16;
-  const int32_t* xu = a.unflip.data() + m0 * steps * 16;
   __m512 acc[M][R];
   UNROLLED for (int m = 0; m < M; ++m)
     UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
@@ -883,27 +895,27 @@ void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const a
     UNROLLED for (int m = 0; m < m_rows; ++m) {
       const __m512i xv = _mm512_loadu_si512(xq + m * a.padded + c);
       const __m512 dv = _mm512_loadu_ps(xd + (m * steps + c / DOT_STEP) * 16);
-      const __m512i uv = _mm512_loadu_si512(xu + (m * steps + c / DOT_STEP) * 16);
       UNROLLED for (int r = 0; r < rows; ++r)
-        acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(uv, wv[r], xv)), dv, acc[m][r]);
+        acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[r], xv)), dv,
+                                    acc[m][r]);
     }
   }
   UNROLLED for (int m = 0; m < m_rows; ++m)
     UNROLLED for (int r = 0; r < rows; ++r)
-      out[m * n_total + block.row(r)] = at::BFloat16(_mm512_reduce_add_ps(acc[m][r]) *
+      out[m * n_total + block.row(r)] = at::BFloat16((_mm512_reduce_add_ps(acc[m][r]) + a.unflip[m0 + m]) *
                                                      static_cast<float>(scales[block.row(r)]));
 }
 
 // The S weight streams' rows as sets (for_row_sets), each set over every column, with a software prefetch
 // PREFETCH_BYTES ahead in each stream. Each row's arithmetic is int8_dot_rows', so the outputs are the same bits. With
 // one or two rows of x a step is a few vector instructions per weight row, so the loop keeps its bookkeeping out of
-// them: whole steps unmasked (the masked tail once after them), x's codes, scales and unflip terms loaded once a step
-// for every weight row.
+// them: whole steps unmasked (the masked tail once after them), x's codes and scales loaded once a step for every
+// weight row.
 template <int M, int S>
 __attribute__((target("avx512vnni"), always_inline))
-inline void int8_dot_set_steps(const int8_t* xq, int64_t x_stride, const float* xd, const int32_t* xu,
-                               int64_t u_stride, const int8_t* const row_at[S], int64_t first, int64_t last,
-                               __mmask64 mask, __m512 acc[M][S]) {
+inline void int8_dot_set_steps(const int8_t* xq, int64_t x_stride, const float* xd, int64_t d_stride,
+                               const int8_t* const row_at[S], int64_t first, int64_t last, __mmask64 mask,
+                               __m512 acc[M][S]) {
   const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   const int8_t* rows[S];
   UNROLLED for (int t = 0; t < S; ++t) rows[t] = row_at[t];
@@ -916,11 +928,11 @@ inline void int8_dot_set_steps(const int8_t* xq, int64_t x_stride, const float* 
     }
     UNROLLED for (int m = 0; m < M; ++m) {
       __m512i xv = _mm512_loadu_si512(xq + m * x_stride + c);
-      __m512 dv = _mm512_loadu_ps(xd + m * u_stride + s * 16);
-      __m512i uv = _mm512_loadu_si512(xu + m * u_stride + s * 16);
-      keep_in_registers(xv, dv, uv);
+      __m512 dv = _mm512_loadu_ps(xd + m * d_stride + s * 16);
+      keep_in_registers(xv, dv);
       UNROLLED for (int t = 0; t < S; ++t)
-        acc[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(uv, wv[t], xv)), dv, acc[m][t]);
+        acc[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[t], xv)), dv,
+                                    acc[m][t]);
     }
   }
 }
@@ -929,20 +941,19 @@ template <int M, int S>
 __attribute__((target("avx512vnni")))
 void int8_dot_row_sets(const DotActivations& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k,
                        RowBlock block, at::BFloat16* out, int64_t n_total) {
-  const int64_t steps = a.padded / DOT_STEP, whole = k / DOT_STEP, x_stride = a.padded, u_stride = steps * 16;
+  const int64_t steps = a.padded / DOT_STEP, whole = k / DOT_STEP, x_stride = a.padded, d_stride = steps * 16;
   const int8_t* const xq = a.q.data() + m0 * a.padded;
-  const float* const xd = a.d.data() + m0 * u_stride;
-  const int32_t* const xu = a.unflip.data() + m0 * u_stride;
+  const float* const xd = a.d.data() + m0 * d_stride;
   const __mmask64 tail = (__mmask64(1) << (k - whole * DOT_STEP)) - 1;
   for_row_sets<S>(w, k, block, [&](const int64_t rows[S], const int8_t* const row_at[S]) {
     __m512 acc[M][S];
     UNROLLED for (int m = 0; m < M; ++m)
       UNROLLED for (int t = 0; t < S; ++t) acc[m][t] = _mm512_setzero_ps();
-    int8_dot_set_steps<M, S>(xq, x_stride, xd, xu, u_stride, row_at, 0, whole, ~__mmask64(0), acc);
-    if (whole < steps) int8_dot_set_steps<M, S>(xq, x_stride, xd, xu, u_stride, row_at, whole, steps, tail, acc);
+    int8_dot_set_steps<M, S>(xq, x_stride, xd, d_stride, row_at, 0, whole, ~__mmask64(0), acc);
+    if (whole < steps) int8_dot_set_steps<M, S>(xq, x_stride, xd, d_stride, row_at, whole, steps, tail, acc);
     UNROLLED for (int m = 0; m < M; ++m)
       UNROLLED for (int t = 0; t < S; ++t)
-        out[m * n_total + rows[t]] = at::BFloat16(_mm512_reduce_add_ps(acc[m][t]) *
+        out[m * n_total + rows[t]] = at::BFloat16((_mm512_reduce_add_ps(acc[m][t]) + a.unflip[m0 + m]) *
                                                   static_cast<float>(scales[rows[t]]));
   });
 }
