@@ -806,10 +806,9 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // never widened to float. vpdpbusd takes one unsigned operand: the weight bytes are flipped to w + 128 as they stream
 // (one xor), which adds 128 * (the lane's four codes) to each int32 lane. That does not depend on the weight row, so
 // its scaled sum over the row of x is worked out once per call (add_unflip) and taken off each output after the
-// loop: y = scale * (sum_b d_b * flipped_b - sum_b d_b * 128 * codes_b). The kernels' steps then read only x's codes
-// and scales beside the weights (starting each vpdpbusd from the excess of its lanes cost a third load a step and
-// a sixth of the one-row kernel's speed); each lane's int32 sum is still exact, its product with d rounded at the
-// size of the flipped sum.
+// loop: y = scale * (sum_b d_b * flipped_b - sum_b d_b * 128 * codes_b). So a step reads only x's codes and scales
+// beside the weights, not a third vector of the lanes' excesses to start each vpdpbusd from; each lane's int32 sum is
+// still exact, its product with d rounded at the size of the flipped sum.
 constexpr int64_t DOT_STEP = 64;   // columns per vpdpbusd (two blocks: 8 int32 lanes each)
 
 struct DotActivations {
