@@ -862,9 +862,8 @@ void add_unflip(DotActivations& a, int64_t m) {
       const __m512 d = _mm512_loadu_ps(a.d.data() + s * 16);
       low = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(d)),
                             _mm512_cvtps_pd(_mm512_castps512_ps256(excess)), low);
-      high = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(d), 1))),
-                             _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(excess), 1))),
-                             high);
+      high = _mm512_fmadd_pd(_mm512_cvtps_pd(_mm512_extractf32x8_ps(d, 1)),
+                             _mm512_cvtps_pd(_mm512_extractf32x8_ps(excess, 1)), high);
     }
     a.unflip[i] = static_cast<float>(-_mm512_reduce_add_pd(_mm512_add_pd(low, high)));
   }
@@ -1706,18 +1705,25 @@ inline void keep_scores(const AttentionPart<T>& a, __mmask16 visible, __m512 dot
   top = _mm512_max_ps(top, scores);
 }
 
-// Head h's scores 16 keys at a time (dots_of(j0, keys_here, dots) the block's dot products; blocks with no visible key
-// skipped), scaled and masked, then finish_softmax.
+// One head's scores of the part's keys first .. end - 1 (first a multiple of 16), 16 keys at a time (dots_of(j0,
+// keys_here, dots) the block's dot products; blocks with no visible key skipped), scaled and masked into its row s
+// and its running max top (keep_scores).
 template <typename T, typename Dots>
-inline void softmax_scores(const AttentionPart<T>& a, const uint32_t* seen, int64_t h, float* s, Dots dots_of) {
-  const int64_t n = a.keys;
-  __m512 top = _mm512_set1_ps(-INFINITY);
-  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+inline void scores_of_keys(const AttentionPart<T>& a, const uint32_t* seen, int64_t first, int64_t end, float* s,
+                           __m512& top, Dots dots_of) {
+  for (int64_t j0 = first; j0 < end; j0 += 16) {
     const __mmask16 visible = static_cast<__mmask16>(seen[j0 / 16]);
     __m512 dots[16];
-    if (visible) dots_of(j0, std::min<int64_t>(16, n - j0), dots);
-    keep_scores(a, visible, visible ? sum16(dots) : _mm512_setzero_ps(), s + j0, n - j0, top);
+    if (visible) dots_of(j0, std::min<int64_t>(16, a.keys - j0), dots);
+    keep_scores(a, visible, visible ? sum16(dots) : _mm512_setzero_ps(), s + j0, a.keys - j0, top);
   }
+}
+
+// Head h's scores of every key (scores_of_keys), then finish_softmax.
+template <typename T, typename Dots>
+inline void softmax_scores(const AttentionPart<T>& a, const uint32_t* seen, int64_t h, float* s, Dots dots_of) {
+  __m512 top = _mm512_set1_ps(-INFINITY);
+  scores_of_keys(a, seen, 0, a.keys, s, top, dots_of);
   finish_softmax(a, h, s, top);
 }
 
@@ -1797,13 +1803,10 @@ void softmax_scores_float(const AttentionPart<T>& a, const FloatPart& f, const u
     for (int64_t h = 0; h < a.heads; ++h) {
       float& largest = a.out[h * (d + 2) + d];
       __m512 top = _mm512_set1_ps(largest);
-      for (int64_t j0 = b0; j0 < std::min(b0 + block, n); j0 += 16) {
-        const __mmask16 visible = static_cast<__mmask16>(seen[j0 / 16]);
-        __m512 dots[16];
-        if (visible) key_dots<16>(f.q + h * d, f.keys + j0 * f.k_stride, f.k_stride, std::min<int64_t>(16, n - j0),
-                                  d / 16, dots);
-        keep_scores(a, visible, visible ? sum16(dots) : _mm512_setzero_ps(), p + h * n + j0, n - j0, top);
-      }
+      scores_of_keys(a, seen, b0, std::min(b0 + block, n), p + h * n, top,
+                     [&](int64_t j0, int64_t keys_here, __m512 (&dots)[16]) {
+                       key_dots<16>(f.q + h * d, f.keys + j0 * f.k_stride, f.k_stride, keys_here, d / 16, dots);
+                     });
       largest = _mm512_reduce_max_ps(top);
     }
   for (int64_t h = 0; h < a.heads; ++h) finish_softmax(a, h, p + h * n, _mm512_set1_ps(a.out[h * (d + 2) + d]));
@@ -2043,7 +2046,8 @@ void rows_dot(const float* x, const T* const row_at[R], int64_t k, float sums[M]
     }
     UNROLLED for (int j = 0; j < 4; ++j) step(c + 8 * j, j % CHAINS);
   }
-  for (; c < k8; c += 8) step(c, c / 8 % CHAINS);
+  UNROLLED for (int j = 0; j < 3; ++j)  // up to three groups of 8 past the last 32; k32 / 8 is even, so chain j % 2
+    if (c + 8 * j < k8) step(c + 8 * j, j % CHAINS);
   UNROLLED for (int m = 0; m < M; ++m)
     UNROLLED for (int r = 0; r < R; ++r) {
       __m256 chains = acc[m][r][0];
