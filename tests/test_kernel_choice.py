@@ -87,3 +87,17 @@ def test_attention_kernel_is_native_for_float32_and_bfloat16_on_cpu_only():
     assert fp16.kernel == "torch" and ("float16" in fp16.reason or not native.available())
     cuda = kernel_choice.attention_kernel(torch.bfloat16, torch.device("cuda"))
     assert cuda.kernel == "torch" and "cuda" in cuda.reason
+
+
+def test_layer_kernel_is_native_for_bfloat16_on_cpu_unless_switched_off(monkeypatch):
+    bf16 = kernel_choice.layer_kernel(torch.bfloat16, torch.device("cpu"))
+    assert bf16.native == native.available()
+    if native.available():
+        assert "one native call a block" in bf16.reason
+    fp32 = kernel_choice.layer_kernel(torch.float32, torch.device("cpu"))
+    assert fp32.kernel == "torch" and ("float32" in fp32.reason or not native.available())
+    cuda = kernel_choice.layer_kernel(torch.bfloat16, torch.device("cuda"))
+    assert cuda.kernel == "torch" and "cuda" in cuda.reason
+    monkeypatch.setenv("SPLICE_NATIVE_LAYER", "0")
+    off = kernel_choice.layer_kernel(torch.bfloat16, torch.device("cpu"))
+    assert off.kernel == "torch" and ("SPLICE_NATIVE_LAYER=0" in off.reason or not native.available())

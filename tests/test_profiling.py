@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import splice
+from splice import native
 from splice.profiling import STAGES, ForwardTimer, profile_decode
 
 from .arch.tiny_models import build_family
@@ -30,13 +31,26 @@ def test_eager_step_profile_covers_every_stage_and_leaves_no_hooks():
     profile = profile_decode(engine, PROMPT, new_tokens=5)
     assert profile.step == "eager" and profile.steps == 4
     assert set(profile.stages) == set(STAGES)
-    timed = [s for s in STAGES if s != "other"]
+    timed = [s for s in STAGES if s not in ("other", "blocks")]  # float32: no block runs as one native call
     assert all(profile.stages[s] > 0 for s in timed), profile.stages
+    assert profile.stages["blocks"] == 0
     assert sum(profile.stages.values()) == pytest.approx(profile.step_ms)
     # nothing stays installed: the blocks run their own methods, no module keeps a hook
     for block in engine.runtime.blocks:
-        assert "attend" not in vars(block) and "project" not in vars(block)
+        assert not {"attend", "project", "native_step"} & set(vars(block))
     assert installed_hooks(engine.module) == hooks_before
+
+
+@pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_blocks_in_one_native_call_are_one_stage(compiled, fresh_compiles):
+    engine = splice.init_inference(build_family("llama"), dtype=torch.bfloat16, replace_with_kernel_inject=True,
+                                   compile_decode=compiled, max_out_tokens=32)
+    profile = profile_decode(engine, PROMPT, new_tokens=5)
+    assert profile.stages["blocks"] > 0 and profile.stages["lm_head"] > 0
+    assert all(profile.stages[s] == 0 for s in ("qkv", "attention", "o", "gate_up", "down")), profile.stages
+    assert any(note.startswith("blocks: whole blocks in one native call") for note in profile.notes)
+    assert sum(profile.stages.values()) == pytest.approx(profile.step_ms)
 
 
 def installed_hooks(model) -> dict[str, tuple]:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 #: The environment variables that change which native kernels run (named in the reasons when set).
 NATIVE_ENV = ("SPLICE_NATIVE_KERNELS", "SPLICE_NATIVE_ISA", "SPLICE_NATIVE_AMX", "SPLICE_NATIVE_DOT",
-              "SPLICE_NATIVE_AVX_VNNI")
+              "SPLICE_NATIVE_AVX_VNNI", "SPLICE_NATIVE_LAYER")
 #: The instructions int8 weight-only multiplies its int16 activations with (:func:`int16_activations`).
 INT16_DOT = "AVX2 vpmaddwd"
 #: Which entry of ``native.MAX_ROWS`` bounds each quantization kind's native GEMV.
@@ -86,6 +86,20 @@ def attention_kernel(dtype: torch.dtype | None, device: torch.device | str) -> K
     why = f"it takes float32 and bfloat16, not {dtype}" if native.available_on(device) else why_not_native(device)
     return KernelChoice("torch", f"SDPA (a compiled step: inductor's fused loops), not splice's attention kernel "
                                  f"({why})")
+
+
+def layer_kernel(dtype: torch.dtype | None, device: torch.device | str) -> KernelChoice:
+    """Whether a fused decoder's decode steps run each block as one native call (``layers.native_layer``): bf16 on
+    CPU with the native kernels; each block then takes it where its structure and layers allow (the kernels step
+    says which did and why the others did not)."""
+    if dtype != torch.bfloat16 or not native.available_on(device):
+        why = f"it takes bfloat16, not {dtype}" if native.available_on(device) else why_not_native(device)
+        return KernelChoice("torch", f"each block's own ops ({why})")
+    if native.switched_off("SPLICE_NATIVE_LAYER"):
+        return KernelChoice("torch", "each block's own ops (SPLICE_NATIVE_LAYER=0)")
+    return KernelChoice("native", "decode steps: one native call a block (norms, GEMVs, rotary, cache writes, "
+                                  "attention, residual adds and activation), for pre-norm blocks with a gated SiLU MLP "
+                                  f"and RMSNorm whose linears all run native GEMVs; {native_level()}")
 
 
 def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoice:

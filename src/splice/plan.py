@@ -21,7 +21,7 @@ from .arch.paths import misfits
 from .checkpoint import check_checkpoint, has_meta_tensors, load_policy_files
 from .config import InferenceConfig, SpliceIgnoredOptionWarning, TensorParallelConfig
 from .distributed import ParallelContext
-from .kernel_choice import KernelChoice, attention_kernel, float_kernel, quant_kernel
+from .kernel_choice import KernelChoice, attention_kernel, float_kernel, layer_kernel, quant_kernel
 from .layers.block import activation, has_fused_blocks
 from .native import onednn_computes_in
 from .quant import QuantConfig
@@ -59,6 +59,7 @@ class Plan:
     float_kernel: KernelChoice  # the float linears of a fused model
     quant_kernel: KernelChoice | None  # the quantized linears (None without quantization)
     attention_kernel: KernelChoice  # a fused decoder's decode-step attention
+    layer_kernel: KernelChoice  # a fused decoder's decode-step blocks: one native call each, or their own ops
     compile_decode: bool
     cuda_graph: bool = False
 
@@ -82,7 +83,8 @@ def resolve(config: InferenceConfig, model: nn.Module, parallel: ParallelContext
     calibration_ids = resolve_quantization(model, quant, config)
     check_graphs(config, device, tp)
     compute_dtype = dtype or _model_float_dtype(model)
-    fused_float, fused_attention = fused_kernels(compute_dtype, device, bool(config.replace_with_kernel_inject))
+    fused_float, fused_attention, fused_layer = fused_kernels(compute_dtype, device,
+                                                              bool(config.replace_with_kernel_inject))
     return Plan(
         config=config, device=device, home=torch.device("cpu") if config.keep_module_on_host else device,
         keep_on_host=bool(config.keep_module_on_host),
@@ -93,6 +95,7 @@ def resolve(config: InferenceConfig, model: nn.Module, parallel: ParallelContext
         fuse=bool(config.replace_with_kernel_inject), max_out_tokens=config.max_out_tokens, quant=quant,
         calibration_ids=calibration_ids, float_kernel=fused_float,
         quant_kernel=None if quant is None else quant_kernel(quant, device), attention_kernel=fused_attention,
+        layer_kernel=fused_layer,
         compile_decode=bool(config.compile_decode), cuda_graph=bool(config.enable_cuda_graph))
 
 
@@ -349,12 +352,14 @@ def describe_tensor_parallel(model: nn.Module, tp_size: int, injection_policy: d
 UNFUSED = KernelChoice("torch", "not fused (replace_with_kernel_inject=False): the model's own layers")
 
 
-def fused_kernels(dtype: torch.dtype | None, device: torch.device, fuse: bool) -> tuple[KernelChoice, KernelChoice]:
-    """(float linears, decode-step attention) of a kernel-injected model. A model left as it is keeps its own layers,
-    which never run splice's native kernels: nothing is chosen for it, so nothing is built for it either."""
+def fused_kernels(dtype: torch.dtype | None, device: torch.device,
+                  fuse: bool) -> tuple[KernelChoice, KernelChoice, KernelChoice]:
+    """(float linears, decode-step attention, decode-step blocks) of a kernel-injected model. A model left as it is
+    keeps its own layers, which never run splice's native kernels: nothing is chosen for it, so nothing is built for
+    it either."""
     if not fuse:
-        return UNFUSED, UNFUSED
-    return float_kernel(dtype, device), attention_kernel(dtype, device)
+        return UNFUSED, UNFUSED, UNFUSED
+    return float_kernel(dtype, device), attention_kernel(dtype, device), layer_kernel(dtype, device)
 
 
 def check_fusable(model: nn.Module, config: InferenceConfig) -> None:

@@ -102,13 +102,14 @@ def _on_cuda(module: nn.Module) -> bool:
 
 # ---- where one decode step's time goes (``splice bench --profile``) --------------------------------------------------
 #: the stages of a decode step, in the order they are reported
-STAGES = ("qkv", "attention", "o", "gate_up", "down", "norms", "rotary", "lm_head", "sampling", "other")
+STAGES = ("blocks", "qkv", "attention", "o", "gate_up", "down", "norms", "rotary", "lm_head", "sampling", "other")
 #: a fused block's submodules and the stage each one's time counts to
 BLOCK_MODULES = {"qkv": "qkv", "o": "o", "gate_up": "gate_up", "down": "down", "attn_norm": "norms",
                  "mlp_norm": "norms", "qk_norm": "norms", "attn_out_norm": "norms", "mlp_out_norm": "norms"}
 #: the fused block's methods timed as stages: ``project``'s own time (its norm and QKV GEMV are timed apart) is the
-#: rotary embedding and the head split
-BLOCK_METHODS = {"attend": "attention", "project": "rotary"}
+#: rotary embedding and the head split; ``native_step`` is a whole block in one native call (``layers.native_layer``),
+#: whose parts cannot be timed apart
+BLOCK_METHODS = {"attend": "attention", "project": "rotary", "native_step": "blocks"}
 #: the torch.profiler range each forward of a profiled compiled step runs in
 FORWARD_RANGE = "splice.forward"
 #: operators of a compiled step that are GEMVs (the custom ops inductor calls as they are)
@@ -116,8 +117,14 @@ GEMV_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "splice::packed_linear", "mk
             "splice_kernels::")
 #: operators of a compiled step that attend (splice's decode-step kernel, SDPA), counted to attention
 ATTENTION_OPS = ("splice_kernels::decode_attention", "aten::_scaled_dot_product")
+#: the operator that computes a whole block (``layers.native_layer``), counted to blocks
+LAYER_OP = "splice_kernels::decode_layer"
 #: words in the name of one of inductor's fused kernels -> the stage it is counted to, first match wins
 FUSED_KERNEL_WORDS = (("softmax", "attention"), ("rsqrt", "norms"))
+
+
+BLOCKS_NOTE = ("blocks: whole blocks in one native call each (their norms, GEMVs, attention and the rest cannot be "
+               "told apart; SPLICE_NATIVE_LAYER=0 runs them as separate ops)")
 
 
 @dataclass
@@ -213,6 +220,8 @@ def profile_decode(engine, prompt: torch.Tensor, new_tokens: int) -> StepProfile
     stages["other"] = step_ms - sum(v for k, v in stages.items() if k not in ("sampling", "other"))
     notes = ["sampling: the time between forwards (logits processors, argmax, the loop's bookkeeping)",
              "other: the embedding, KV-cache writes, residual adds, the MLP's activation, Python between the stages"]
+    if stages["blocks"]:
+        notes.append(BLOCKS_NOTE)
     return StepProfile("eager", len(steps), step_ms + stages["sampling"], stages, notes)
 
 
@@ -279,16 +288,19 @@ def _profile_compiled(engine, prompt: torch.Tensor, options: dict, synchronize) 
     for step in ranges:
         inside = [e for e in events if e.name != FORWARD_RANGE and step.start <= e.time_range.start
                   and e.time_range.end <= step.end]
-        gemvs = [e for e in inside if e.name.startswith(GEMV_OPS) and not e.name.startswith(ATTENTION_OPS)
+        gemvs = [e for e in inside if e.name.startswith(GEMV_OPS) and not e.name.startswith((*ATTENTION_OPS, LAYER_OP))
                  and not _under(e, GEMV_OPS)]
-        order = ["qkv", "o", "gate_up", "down"] * layers + ["lm_head"]
+        native = sum(e.name == LAYER_OP for e in inside)
+        order = ["qkv", "o", "gate_up", "down"] * (layers - native) + ["lm_head"]
         if len(gemvs) == len(order):
             for stage, event in zip(order, gemvs):
                 stages[stage] += event.time_range.elapsed_us() * 1e-3
         else:
             unmatched += 1
         for event in inside:
-            if event.name.startswith(ATTENTION_OPS) and not _under(event, ATTENTION_OPS):
+            if event.name == LAYER_OP:
+                stages["blocks"] += event.time_range.elapsed_us() * 1e-3
+            elif event.name.startswith(ATTENTION_OPS) and not _under(event, ATTENTION_OPS):
                 stages["attention"] += event.time_range.elapsed_us() * 1e-3
             elif "cpp_fused" in event.name or "triton_" in event.name:
                 kernel_names = True
@@ -303,6 +315,8 @@ def _profile_compiled(engine, prompt: torch.Tensor, options: dict, synchronize) 
              "its attention kernel where splice's does not run), and the residual adds into the norms; they cannot "
              "be told apart (rotary 0 here)",
              "times include torch.profiler's cost per operator"]
+    if stages["blocks"]:
+        notes.append(BLOCKS_NOTE)
     if not kernel_names:
         notes.append("inductor's kernels were not named (compile with torch._inductor.config.cpp."
                      "enable_kernel_profile=True): attention and norms are in 'other'")

@@ -2992,6 +2992,94 @@ int64_t argmax_row(const float* x, int64_t n) {
   return scalar_from(i, top);
 }
 
+
+// 8 floats rounded to the nearest bf16 (ties to even), as floats.
+inline __m256 f32x8_rounded(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// ---- a decoder layer's elementwise work (decode_layer), 8 lanes: every level's CPU runs AVX2 -----------------------
+// Each rounds to bf16 where the fused block's eager ops round (torch computes bf16 ops in float32, rounding each
+// result once).
+
+// out = bf16(bf16(x * r) * w), r = 1 / sqrt(mean(x^2) + eps) in float32 (RMSNorm as splice.layers.norm rounds it).
+void rms_norm_row(const at::BFloat16* x, const at::BFloat16* w, int64_t n, float eps, at::BFloat16* out) {
+  __m256 squares = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = bf16x8_to_f32(x + i);
+    squares = _mm256_fmadd_ps(v, v, squares);
+  }
+  float total = horizontal_sum(squares);
+  for (; i < n; ++i) total += static_cast<float>(x[i]) * static_cast<float>(x[i]);
+  const float r = 1.0f / std::sqrt(total / static_cast<float>(n) + eps);
+  const __m256 rv = _mm256_set1_ps(r);
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 normed = f32x8_rounded(_mm256_mul_ps(bf16x8_to_f32(x + i), rv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), f32x8_to_bf16(_mm256_mul_ps(normed, bf16x8_to_f32(w + i))));
+  }
+  for (; i < n; ++i) {
+    const float normed = static_cast<float>(at::BFloat16(static_cast<float>(x[i]) * r));
+    out[i] = at::BFloat16(normed * static_cast<float>(w[i]));
+  }
+}
+
+// x[0 .. rotary) = x * cos + rotate_half(x) * sin for one head, rounded as apply_rotary_ rounds it: each product to
+// bf16, then their sum (sin carries rotate_half's sign). Eight lanes of each half at a time where the half is a
+// multiple of 8.
+void rotate_head(at::BFloat16* x, const at::BFloat16* cos, const at::BFloat16* sin, int64_t rotary) {
+  const int64_t half = rotary / 2;
+  if (half % 8 == 0) {
+    for (int64_t i = 0; i < half; i += 8) {
+      const __m256 low = bf16x8_to_f32(x + i), high = bf16x8_to_f32(x + half + i);
+      const __m256 new_low = _mm256_add_ps(f32x8_rounded(_mm256_mul_ps(low, bf16x8_to_f32(cos + i))),
+                                           f32x8_rounded(_mm256_mul_ps(high, bf16x8_to_f32(sin + i))));
+      const __m256 new_high = _mm256_add_ps(f32x8_rounded(_mm256_mul_ps(high, bf16x8_to_f32(cos + half + i))),
+                                            f32x8_rounded(_mm256_mul_ps(low, bf16x8_to_f32(sin + half + i))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(x + i), f32x8_to_bf16(new_low));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(x + half + i), f32x8_to_bf16(new_high));
+    }
+    return;
+  }
+  float original[MAX_HEAD_DIM];
+  for (int64_t i = 0; i < rotary; ++i) original[i] = static_cast<float>(x[i]);
+  for (int64_t i = 0; i < rotary; ++i) {
+    const float rolled = original[i < half ? i + half : i - half];
+    const float turned = static_cast<float>(at::BFloat16(rolled * static_cast<float>(sin[i])));
+    const float kept = static_cast<float>(at::BFloat16(original[i] * static_cast<float>(cos[i])));
+    x[i] = at::BFloat16(kept + turned);
+  }
+}
+
+// out = bf16(a + b).
+void add_row(const at::BFloat16* a, const at::BFloat16* b, int64_t n, at::BFloat16* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     f32x8_to_bf16(_mm256_add_ps(bf16x8_to_f32(a + i), bf16x8_to_f32(b + i))));
+  for (; i < n; ++i) out[i] = at::BFloat16(static_cast<float>(a[i]) + static_cast<float>(b[i]));
+}
+
+// out = bf16(bf16(silu(gate)) * up), silu(g) = g / (1 + e^-g) (e^-g capped at e^88: the quotient is -0 either way,
+// to within float's smallest normal).
+void silu_mul_row(const at::BFloat16* gate, const at::BFloat16* up, int64_t n, at::BFloat16* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g = bf16x8_to_f32(gate + i);
+    const __m256 e = exp_scores(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), g), _mm256_set1_ps(88.0f)));
+    const __m256 silu = f32x8_rounded(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), f32x8_to_bf16(_mm256_mul_ps(silu, bf16x8_to_f32(up + i))));
+  }
+  for (; i < n; ++i) {
+    const float g = static_cast<float>(gate[i]);
+    const float silu = static_cast<float>(at::BFloat16(g / (1.0f + std::exp(std::min(-g, 88.0f)))));
+    out[i] = at::BFloat16(silu * static_cast<float>(up[i]));
+  }
+}
+
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -3398,6 +3486,177 @@ int64_t stream_read(const at::Tensor& t, int64_t streams, bool prefetch_ahead) {
   return static_cast<int64_t>(sum);
 }
 
+
+// ---- one decoder layer of a decode step ----------------------------------------------------------------------------
+// decode_layer computes a pre-norm decoder layer with a gated SiLU MLP (Llama's and its relatives') for one new token
+// per row, in one call: RMSNorm, the QKV GEMV, rotary on q and k, the keys and values written into the layer's cache
+// at their slots, decode_attention, the o GEMV and residual add, RMSNorm, the gate+up GEMV, SiLU(gate) * up, the down
+// GEMV and residual add. The fused block's ops make a dozen calls for that, each with its dispatch, allocations and
+// threads to wake: in a small model those cost more than reading the weights. The arithmetic is theirs: the same
+// GEMVs and attention, and each elementwise result rounded to bf16 where the block's eager ops round it.
+//
+// Each linear is three entries of `tensors` (weight, scales, bias: None where absent) plus its GEMV kind and int4
+// group; a bias is added in bf16 after the GEMV, as the linear layers add it.
+enum LayerGemv : int64_t { GEMV_BF16, GEMV_INT8, GEMV_INT8_DOT, GEMV_INT8_DOT16, GEMV_INT4, GEMV_INT4_DOT, GEMV_KINDS };
+constexpr int64_t LAYER_LINEARS = 4, TENSORS_PER_LINEAR = 3;  // qkv, o, gate_up, down; weight, scales, bias
+
+struct LayerLinear {
+  int64_t kind = GEMV_BF16, group = 0;
+  at::Tensor w, scales, bias;
+};
+
+// The GEMV of one linear for rows x, its output checked to have `n` columns.
+at::Tensor layer_gemv(const LayerLinear& l, const at::Tensor& x, int64_t n, const char* name) {
+  at::Tensor y;
+  switch (l.kind) {
+    case GEMV_BF16: y = bf16_gemv(x, l.w); break;
+    case GEMV_INT8: y = int8_gemv(x, l.w, l.scales); break;
+    case GEMV_INT8_DOT: y = int8_dot_gemv(x, l.w, l.scales); break;
+    case GEMV_INT8_DOT16: y = int8_dot16_gemv(x, l.w, l.scales); break;
+    case GEMV_INT4: y = int4_gemv(x, l.w, l.scales, l.group); break;
+    default: y = int4_dot_gemv(x, l.w, l.scales, l.group); break;
+  }
+  TORCH_CHECK(y.size(1) == n, "decode_layer: the ", name, " linear gives ", y.size(1), " outputs, the layer needs ", n);
+  if (l.bias.defined()) {
+    TORCH_CHECK(l.bias.numel() == n, "decode_layer: the ", name, " linear's bias has ", l.bias.numel(),
+                " values for ", n, " outputs");
+    const at::Tensor bias = l.bias.to(at::kBFloat16).contiguous();
+    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+    for (int64_t m = 0; m < y.size(0); ++m) avx2::add_row(yp + m * n, bias.data_ptr<at::BFloat16>(), n, yp + m * n);
+  }
+  return y;
+}
+
+std::vector<LayerLinear> layer_linears(const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds,
+                                       at::IntArrayRef groups) {
+  TORCH_CHECK(tensors.size() == LAYER_LINEARS * TENSORS_PER_LINEAR && kinds.size() == LAYER_LINEARS &&
+                  groups.size() == LAYER_LINEARS,
+              "decode_layer: ", LAYER_LINEARS, " linears (qkv, o, gate_up, down) of ", TENSORS_PER_LINEAR,
+              " tensors each (weight, scales, bias), kinds and groups; got ", tensors.size(), " tensors, ",
+              kinds.size(), " kinds, ", groups.size(), " groups");
+  std::vector<LayerLinear> linears(LAYER_LINEARS);
+  for (int64_t i = 0; i < LAYER_LINEARS; ++i) {
+    LayerLinear& l = linears[i];
+    l.kind = kinds[i];
+    l.group = groups[i];
+    TORCH_CHECK(0 <= l.kind && l.kind < GEMV_KINDS, "decode_layer: GEMV kind ", l.kind, "; allowed: 0 .. ",
+                GEMV_KINDS - 1);
+    const std::optional<at::Tensor> w = tensors.get(i * TENSORS_PER_LINEAR);
+    const std::optional<at::Tensor> scales = tensors.get(i * TENSORS_PER_LINEAR + 1);
+    const std::optional<at::Tensor> bias = tensors.get(i * TENSORS_PER_LINEAR + 2);
+    TORCH_CHECK(w.has_value() && (l.kind == GEMV_BF16 || scales.has_value()), "decode_layer: linear ", i,
+                " needs its weight", l.kind == GEMV_BF16 ? "" : " and scales");
+    l.w = *w;
+    if (scales) l.scales = *scales;
+    if (bias) l.bias = *bias;
+  }
+  return linears;
+}
+
+void check_layer_inputs(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                        int64_t kv_len, const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
+                        const at::Tensor& attn_norm, const at::Tensor& mlp_norm, int64_t n_heads, int64_t n_kv_heads) {
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.size(0) >= 1 && x.scalar_type() == at::kBFloat16 &&
+                  x.is_contiguous() && x.device().is_cpu(),
+              "decode_layer: x must be a contiguous bf16 CPU tensor [B, 1, hidden], got ", x.scalar_type(), " ",
+              x.sizes());
+  const int64_t batch = x.size(0), hidden = x.size(2);
+  TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.size(0) == batch &&
+                  keys.size(1) == n_kv_heads && keys.scalar_type() == at::kBFloat16 &&
+                  values.scalar_type() == at::kBFloat16 && keys.stride(3) == 1 && values.stride(3) == 1 &&
+                  keys.size(3) <= MAX_HEAD_DIM,
+              "decode_layer: keys and values must be bf16 [", batch, ", ", n_kv_heads, ", L, head_dim <= ",
+              MAX_HEAD_DIM, "], contiguous in head_dim; got ", keys.sizes(), " and ", values.sizes());
+  TORCH_CHECK(n_kv_heads >= 1 && n_heads % n_kv_heads == 0, "decode_layer: ", n_heads,
+              " query heads are not a multiple of ", n_kv_heads, " KV heads");
+  TORCH_CHECK(1 <= kv_len && kv_len <= keys.size(2), "decode_layer: kv_len ", kv_len, " outside 1 .. ", keys.size(2));
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
+                  ((slots.dim() == 1 && slots.numel() == 1) ||
+                   (slots.dim() == 2 && slots.size(0) == batch && slots.size(1) == 1)),
+              "decode_layer: slots must be int64 [1] or [", batch, ", 1], got ", slots.scalar_type(), " ",
+              slots.sizes());
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "decode_layer: cos and sin come together");
+  if (cos) {
+    const int64_t rotary = cos->size(-1);
+    TORCH_CHECK(cos->sizes() == sin->sizes() && cos->numel() == batch * rotary && rotary % 2 == 0 &&
+                    rotary <= keys.size(3) && cos->scalar_type() == at::kBFloat16 &&
+                    sin->scalar_type() == at::kBFloat16 && cos->is_contiguous() && sin->is_contiguous(),
+                "decode_layer: cos and sin must be contiguous bf16 with ", batch,
+                " rows of an even rotary size up to head_dim, got ", cos->sizes(), " and ", sin->sizes());
+  }
+  for (const at::Tensor* norm : {&attn_norm, &mlp_norm})
+    TORCH_CHECK(norm->dim() == 1 && norm->size(0) == hidden && norm->scalar_type() == at::kBFloat16 &&
+                    norm->is_contiguous(),
+                "decode_layer: the norms' weights must be contiguous bf16 [", hidden, "], got ", norm->scalar_type(),
+                " ", norm->sizes());
+}
+
+at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
+                        const std::optional<at::Tensor>& mask, int64_t kv_len, const std::optional<at::Tensor>& cos,
+                        const std::optional<at::Tensor>& sin, const at::Tensor& attn_norm, double attn_eps,
+                        const at::Tensor& mlp_norm, double mlp_eps, const c10::List<std::optional<at::Tensor>>& tensors,
+                        at::IntArrayRef kinds, at::IntArrayRef groups, int64_t n_heads, int64_t n_kv_heads,
+                        double scale) {
+  check_isa("decode_layer");
+  check_layer_inputs(x, keys, values, slots, kv_len, cos, sin, attn_norm, mlp_norm, n_heads, n_kv_heads);
+  const std::vector<LayerLinear> linears = layer_linears(tensors, kinds, groups);
+  const int64_t batch = x.size(0), hidden = x.size(2), dim = keys.size(3);
+  const int64_t width = (n_heads + 2 * n_kv_heads) * dim;
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+
+  at::Tensor normed = at::empty({batch, hidden}, x.options());
+  at::BFloat16* np = normed.data_ptr<at::BFloat16>();
+  for (int64_t m = 0; m < batch; ++m)
+    avx2::rms_norm_row(xp + m * hidden, attn_norm.data_ptr<at::BFloat16>(), hidden, static_cast<float>(attn_eps),
+                       np + m * hidden);
+  at::Tensor qkv = layer_gemv(linears[0], normed, width, "qkv");
+  at::BFloat16* qp = qkv.data_ptr<at::BFloat16>();
+  if (cos) {
+    const int64_t rotary = cos->size(-1);
+    const at::BFloat16* cp = cos->data_ptr<at::BFloat16>();
+    const at::BFloat16* snp = sin->data_ptr<at::BFloat16>();
+    for (int64_t m = 0; m < batch; ++m)
+      for (int64_t head = 0; head < n_heads + n_kv_heads; ++head)
+        avx2::rotate_head(qp + m * width + head * dim, cp + m * rotary, snp + m * rotary, rotary);
+  }
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  at::BFloat16* kp = keys.data_ptr<at::BFloat16>();
+  at::BFloat16* vp = values.data_ptr<at::BFloat16>();
+  for (int64_t m = 0; m < batch; ++m) {
+    const int64_t slot = sp[slots.dim() == 2 ? m : 0];
+    TORCH_CHECK(0 <= slot && slot < keys.size(2), "decode_layer: slot ", slot, " outside the cache's 0 .. ",
+                keys.size(2) - 1);
+    for (int64_t h = 0; h < n_kv_heads; ++h) {
+      const at::BFloat16* k = qp + m * width + (n_heads + h) * dim;
+      std::copy(k, k + dim, kp + m * keys.stride(0) + h * keys.stride(1) + slot * keys.stride(2));
+      std::copy(k + n_kv_heads * dim, k + (n_kv_heads + 1) * dim,
+                vp + m * values.stride(0) + h * values.stride(1) + slot * values.stride(2));
+    }
+  }
+  const at::Tensor q = qkv.view({batch, 1, n_heads + 2 * n_kv_heads, dim}).narrow(2, 0, n_heads).transpose(1, 2);
+  const at::Tensor attended = decode_attention(q, keys.narrow(2, 0, kv_len), values.narrow(2, 0, kv_len), mask, scale);
+  const at::Tensor o = layer_gemv(linears[1], attended.view({batch, n_heads * dim}), hidden, "o");
+
+  at::Tensor out = at::empty_like(x);
+  at::BFloat16* outp = out.data_ptr<at::BFloat16>();
+  for (int64_t m = 0; m < batch; ++m)
+    avx2::add_row(xp + m * hidden, o.data_ptr<at::BFloat16>() + m * hidden, hidden, outp + m * hidden);
+  for (int64_t m = 0; m < batch; ++m)
+    avx2::rms_norm_row(outp + m * hidden, mlp_norm.data_ptr<at::BFloat16>(), hidden, static_cast<float>(mlp_eps),
+                       np + m * hidden);
+  const int64_t ffn = linears[3].kind >= GEMV_INT4 ? linears[3].w.size(1) * 8 : linears[3].w.size(1);
+  const at::Tensor gate_up = layer_gemv(linears[2], normed, 2 * ffn, "gate_up");
+  at::Tensor act = at::empty({batch, ffn}, x.options());
+  for (int64_t m = 0; m < batch; ++m) {
+    const at::BFloat16* g = gate_up.data_ptr<at::BFloat16>() + m * 2 * ffn;
+    avx2::silu_mul_row(g, g + ffn, ffn, act.data_ptr<at::BFloat16>() + m * ffn);
+  }
+  const at::Tensor down = layer_gemv(linears[3], act, hidden, "down");
+  for (int64_t m = 0; m < batch; ++m)
+    avx2::add_row(outp + m * hidden, down.data_ptr<at::BFloat16>() + m * hidden, hidden, outp + m * hidden);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(splice_kernels, lib) {
@@ -3416,6 +3675,9 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("widened_linear(Tensor x, Tensor w) -> Tensor");
   lib.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
   lib.def("argmax_rows(Tensor x) -> Tensor");
+  lib.def("decode_layer(Tensor x, Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor? mask, int kv_len, "
+          "Tensor? cos, Tensor? sin, Tensor attn_norm, float attn_eps, Tensor mlp_norm, float mlp_eps, "
+          "Tensor?[] tensors, int[] kinds, int[] groups, int n_heads, int n_kv_heads, float scale) -> Tensor");
   // no tensors: one kernel for every backend
   lib.def("amx_ready() -> bool", &amx_ready);
   lib.def("int8_dot_ready() -> bool", &int8_dot_ready);
@@ -3452,4 +3714,5 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("widened_linear", &widened_linear);
   lib.impl("decode_attention", &decode_attention);
   lib.impl("argmax_rows", &argmax_rows);
+  lib.impl("decode_layer", &decode_layer);
 }

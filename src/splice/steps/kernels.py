@@ -1,5 +1,7 @@
 """kernels: make each linear of a fused model compute with the kernel the plan chose for its kind, and say which;
-the same for the fused decoder blocks' decode-step attention (``plan.attention_kernel``).
+the same for the fused decoder blocks' decode-step attention (``plan.attention_kernel``) and for their decode steps
+as one native call each (``plan.layer_kernel``: the blocks whose structure and layers allow it,
+``layers.native_layer``).
 
 Fusing and quantizing produce weights; ``splice.kernel_choice`` decided (in ``plan.resolve``) how each kind of linear
 computes. This step wraps each plain float linear of the fused blocks and the lm_head (the ones quantization left in
@@ -17,6 +19,7 @@ from torch import nn
 
 from ..layers.block import SpliceBlock
 from ..layers.causal_lm import SpliceCausalLM
+from ..layers.native_layer import row_limits, unfit_reason
 from ..layers.native_linear import NativeLinear
 from ..layers.packed_linear import PackedLinear
 from ..layers.widened_linear import WidenedLinear
@@ -52,6 +55,7 @@ class KernelsReport(StepReport):
     quantized_linears: LinearKernels | None  # None without quantization
     huge_page_bytes: int  # float weights gathered on 2 MiB pages for the native GEMV
     attention: str | None = None  # the decode steps' attention and why (None: no fused decoder blocks)
+    layers: str | None = None  # how the decode steps' blocks run, and why (None: no fused decoder blocks)
 
     def summary(self) -> str:
         pages = f", weights on 2 MiB pages ({self.huge_page_bytes / 2**20:.0f} MiB)" if self.huge_page_bytes else ""
@@ -60,6 +64,8 @@ class KernelsReport(StepReport):
             parts.append(self.quantized_linears.summary())
         if self.attention is not None:
             parts.append(f"attention: {self.attention}")
+        if self.layers is not None:
+            parts.append(f"blocks: {self.layers}")
         return "; ".join(parts)
 
 
@@ -85,12 +91,34 @@ def select_kernels(stage: Stage, plan: Plan) -> tuple[Stage, KernelsReport]:
     quant = None
     if plan.quant is not None:
         quant = LinearKernels(plan.quant.kind, quantized, plan.quant_kernel.kernel, plan.quant_kernel.reason)
-    attention = None
+    attention = layers = None
     if fused and stage.runtime is not None:
         for block in stage.runtime.blocks:
             block.native_attention = plan.attention_kernel.native
         attention = plan.attention_kernel.reason
-    return stage, KernelsReport("kernels", floats, quant, moved, attention)
+        layers = choose_native_layers(stage.runtime.blocks, plan)
+    return stage, KernelsReport("kernels", floats, quant, moved, attention, layers)
+
+
+def choose_native_layers(blocks, plan: Plan) -> str:
+    """Mark the blocks whose decode steps run as one native call (``plan.layer_kernel``, on native attention, where
+    ``unfit_reason`` finds nothing against it); say how many did and why the others did not."""
+    choice = plan.layer_kernel
+    if not choice.native:
+        return choice.reason
+    if not plan.attention_kernel.native:
+        return "each block's own ops (decode steps do not attend on splice's attention kernel)"
+    reasons = {}
+    for block in blocks:
+        reason = unfit_reason(block)
+        block.native_layer = row_limits(block) if reason is None else ()
+        if reason is not None:
+            reasons.setdefault(reason, block.layer_idx)
+    taken = sum(bool(block.native_layer) for block in blocks)
+    if not reasons:
+        return f"{choice.reason} (all {taken})"
+    others = "; ".join(f"{reason} (block {index})" for reason, index in reasons.items())
+    return f"{taken} of {len(blocks)} in one native call each, the others their own ops: {others}"
 
 
 def wrap_linears(model: nn.Module, runtime: SpliceCausalLM | None, wrapper: type[nn.Module]) -> int:

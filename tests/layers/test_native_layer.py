@@ -1,0 +1,175 @@
+"""Decode steps as one native call a block (``splice_kernels.decode_layer``), against the same blocks' own ops."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import splice
+from splice import native
+from splice.cli_options import QUANT_SCHEMES
+from splice.layers import native_layer
+from splice.layers.native_layer import LINEARS, layer_gemv, unfit_reason
+
+from ..arch.tiny_models import build_family, padded_batch
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
+
+STEPS = 4
+
+
+def engine_of(family: str, scheme: str = "bf16", **kwargs):
+    options = {"dtype": torch.bfloat16, **(QUANT_SCHEMES[scheme] if scheme != "bf16" else {})}
+    return splice.init_inference(build_family(family), replace_with_kernel_inject=True, max_out_tokens=64, **options,
+                                 **kwargs)
+
+
+def decode(engine, native_layers: bool, per_row_slots: bool = False):
+    """A left-padded batch's prompt, then STEPS greedy decode steps with the blocks' native calls on or off: each
+    step's logits, and the KV cache after them."""
+    runtime = engine.runtime
+    chosen = [block.native_layer for block in runtime.blocks]
+    for block in runtime.blocks:
+        block.native_layer = block.native_layer if native_layers else ()
+    ids, mask = padded_batch(batch=2, length=9)
+    try:
+        with torch.inference_mode():
+            cache = runtime.new_cache(2)
+            cache.start(mask)
+            length = ids.shape[1]
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = [runtime(ids, positions, cache.slot_ids[:length], cache, length)]
+            position = positions[:, -1:]
+            for step in range(STEPS):
+                slot = cache.slot_ids[length + step: length + step + 1]
+                kv_len = length + step + 1
+                if per_row_slots:  # the second row writes STEPS slots further on
+                    slot = torch.stack([slot, slot + STEPS])
+                    kv_len += STEPS
+                    cache.valid[torch.arange(2), slot[:, 0]] = True
+                else:
+                    cache.mark(slot)
+                position = position + 1
+                token = logits[-1].argmax(-1, keepdim=True)
+                logits.append(runtime.decode_step(token, position, slot, cache, kv_len))
+        return torch.stack(logits).float(), cache.keys.clone(), cache.values.clone()
+    finally:
+        for block, was in zip(runtime.blocks, chosen):
+            block.native_layer = was
+
+
+def layer_calls(engine, native_layers: bool) -> int:
+    with torch.profiler.profile() as profile:
+        decode(engine, native_layers)
+    return sum(event.name == "splice_kernels::decode_layer" for event in profile.events())
+
+
+def assert_same_steps(engine, per_row_slots: bool = False) -> None:
+    """The native calls' logits and cache against the blocks' own ops (the same kernels and roundings; a norm's sum
+    may round its last bit otherwise, so within a few bf16 steps rather than bit for bit)."""
+    logits, keys, values = decode(engine, True, per_row_slots)
+    expected, expected_keys, expected_values = decode(engine, False, per_row_slots)
+    scale = expected.abs().max().item()
+    assert (logits - expected).abs().max().item() <= 0.02 * scale
+    assert (logits.argmax(-1) == expected.argmax(-1)).all()
+    for got, want in ((keys, expected_keys), (values, expected_values)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "mistral"])
+def test_families_blocks_step_as_their_own_ops_do(family):
+    """Llama; qkv biases and a sliding window (qwen2); rotary on half of each head (phi3); a window (mistral)."""
+    engine = engine_of(family)
+    assert all(block.native_layer for block in engine.runtime.blocks)
+    assert_same_steps(engine)
+    layers = len(engine.runtime.blocks)
+    assert layer_calls(engine, True) == STEPS * layers and layer_calls(engine, False) == 0
+
+
+@pytest.mark.parametrize("scheme", ["int8", "w8a8", "int4", "int4-sym"])
+def test_quantized_blocks_step_as_their_own_ops_do(scheme):
+    engine = engine_of("llama", scheme)
+    assert all(block.native_layer for block in engine.runtime.blocks)
+    assert_same_steps(engine)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_float_product_gemvs_step_as_their_own_ops_do(monkeypatch, scheme):
+    """With SPLICE_NATIVE_DOT=0 the quantized linears multiply in floats (int8_gemv, int4_gemv)."""
+    monkeypatch.setenv("SPLICE_NATIVE_DOT", "0")
+    engine = engine_of("llama", scheme)
+    kinds = {layer_gemv(getattr(block, name)).kind for block in engine.runtime.blocks for name in LINEARS}
+    assert kinds == {native_layer.GEMV_INT8 if scheme == "int8" else native_layer.GEMV_INT4}
+    assert_same_steps(engine)
+
+
+def test_rows_at_their_own_slots_step_as_their_own_ops_do():
+    """Slots per row ([batch, 1], the serving scheduler's continuous batch), a different one in each row."""
+    assert_same_steps(engine_of("llama", "int4-sym"), per_row_slots=True)
+
+
+def test_a_compiled_step_matches_the_eager_native_calls(fresh_compiles):
+    engine = engine_of("llama", "int4-sym")
+    eager = decode(engine, True)
+    engine.runtime.compile_decode()
+    compiled = decode(engine, True)
+    torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=0.02 * eager[0].abs().max().item())
+    assert torch.equal(compiled[1], eager[1]) and torch.equal(compiled[2], eager[2])
+
+
+@pytest.mark.parametrize("family, reason", [
+    ("qwen3", "it has qk_norm"),
+    ("gemma", "not SiLU"),
+    ("gpt2", "not a causal pre-norm block"),
+    ("gpt_neox", "not a causal pre-norm block"),
+])
+def test_blocks_it_does_not_fit_keep_their_own_ops_and_the_report_says_why(family, reason):
+    engine = engine_of(family)
+    assert not any(block.native_layer for block in engine.runtime.blocks)
+    assert reason in unfit_reason(engine.runtime.blocks[0])
+    assert reason in engine.step_report("kernels").summary()
+
+
+def test_padded_int4_weights_and_grouped_int8_keep_their_own_ops():
+    """An int4 weight whose input is padded to the group (hidden 64, group 128) runs more than its GEMV."""
+    engine = engine_of("llama", "int4-g128")
+    assert not any(block.native_layer for block in engine.runtime.blocks)
+    assert "runs no native GEMV for decode rows" in engine.step_report("kernels").summary()
+
+
+def test_float32_and_switched_off_models_keep_their_own_ops(monkeypatch):
+    fp32 = splice.init_inference(build_family("llama"), replace_with_kernel_inject=True, max_out_tokens=32)
+    assert not any(block.native_layer for block in fp32.runtime.blocks)
+    summary = fp32.step_report("kernels").summary()
+    assert "blocks: each block's own ops (it takes bfloat16, not torch.float32)" in summary
+    monkeypatch.setenv("SPLICE_NATIVE_LAYER", "0")
+    off = engine_of("llama")
+    assert not any(block.native_layer for block in off.runtime.blocks)
+    assert "SPLICE_NATIVE_LAYER=0" in off.step_report("kernels").summary()
+
+
+def test_the_op_names_bad_inputs():
+    engine = engine_of("llama")
+    block = engine.runtime.blocks[0]
+    cache = engine.runtime.new_cache(1)
+    keys, values = cache.layer(0)
+    x = torch.randn(1, 1, 64).to(torch.bfloat16)
+    slots = torch.tensor([3])
+    cos, sin = engine.runtime.rope().lookup(torch.tensor([[3]]))
+    native_layer.decode_layer(block, x, cos, sin, keys, values, slots, None, 4)  # fits
+    with pytest.raises(RuntimeError, match="x must be a contiguous bf16 CPU tensor"):
+        native_layer.decode_layer(block, x.float(), cos, sin, keys, values, slots, None, 4)
+    with pytest.raises(RuntimeError, match="kv_len 65 outside 1 .. 64"):
+        native_layer.decode_layer(block, x, cos, sin, keys, values, slots, None, 65)
+    with pytest.raises(RuntimeError, match="slot 64 outside the cache's 0 .. 63"):
+        native_layer.decode_layer(block, x, cos, sin, keys, values, torch.tensor([64]), None, 4)
+    with pytest.raises(RuntimeError, match="cos and sin come together"):
+        native_layer.decode_layer(block, x, cos, None, keys, values, slots, None, 4)
+    gemvs = [layer_gemv(getattr(block, name)) for name in LINEARS]
+    tensors = [t for g in gemvs for t in (g.weight, g.scales, g.bias)]
+    args = (x, keys, values, slots, None, 4, cos, sin, block.attn_norm.weight, 1e-5, block.mlp_norm.weight, 1e-5)
+    with pytest.raises(RuntimeError, match="GEMV kind 9; allowed: 0 .. 5"):
+        torch.ops.splice_kernels.decode_layer(*args, tensors, [0, 0, 9, 0], [0] * 4, 4, 2, 0.25)
+    with pytest.raises(RuntimeError, match="4 linears .* got 11 tensors"):
+        torch.ops.splice_kernels.decode_layer(*args, tensors[:11], [0] * 4, [0] * 4, 4, 2, 0.25)
+    with pytest.raises(RuntimeError, match="the qkv linear gives 128 outputs, the layer needs 96"):
+        torch.ops.splice_kernels.decode_layer(*args, tensors, [0] * 4, [0] * 4, 2, 2, 0.25)
