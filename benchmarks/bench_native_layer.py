@@ -32,7 +32,7 @@ def engine_of(model_name: str, quant: str, native_layers: bool, compiled: bool, 
                                    compile_decode=compiled, **options)
     if not native_layers:
         for block in engine.runtime.blocks:
-            block.native_layer = ()
+            block.native_layer = False
     return engine
 
 

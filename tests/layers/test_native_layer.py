@@ -29,7 +29,7 @@ def decode(engine, native_layers: bool, per_row_slots: bool = False):
     runtime = engine.runtime
     chosen = [block.native_layer for block in runtime.blocks]
     for block in runtime.blocks:
-        block.native_layer = block.native_layer if native_layers else ()
+        block.native_layer = block.native_layer and native_layers
     ids, mask = padded_batch(batch=2, length=9)
     try:
         with torch.inference_mode():
@@ -107,6 +107,18 @@ def test_rows_at_their_own_slots_step_as_their_own_ops_do():
     assert_same_steps(engine_of("llama", "int4-sym"), per_row_slots=True)
 
 
+def test_the_calls_read_the_weights_a_layer_holds_now():
+    """Loading a state dict repacks int4 weights into new tensors: the native calls compute with those."""
+    engine, other = engine_of("llama", "int4-sym"), splice.init_inference(
+        build_family("llama", seed=1), replace_with_kernel_inject=True, max_out_tokens=64, dtype=torch.bfloat16,
+        **QUANT_SCHEMES["int4-sym"])
+    packed = engine.runtime.blocks[0].qkv.packed
+    engine.module.load_state_dict(other.module.state_dict())
+    assert engine.runtime.blocks[0].qkv.packed is not packed
+    expected = decode(other, True)[0]
+    assert torch.equal(decode(engine, True)[0], expected)
+
+
 def test_a_compiled_step_matches_the_eager_native_calls(fresh_compiles):
     engine = engine_of("llama", "int4-sym")
     eager = decode(engine, True)
@@ -155,17 +167,18 @@ def test_the_op_names_bad_inputs():
     x = torch.randn(1, 1, 64).to(torch.bfloat16)
     slots = torch.tensor([3])
     cos, sin = engine.runtime.rope().lookup(torch.tensor([[3]]))
-    native_layer.decode_layer(block, x, cos, sin, keys, values, slots, None, 4)  # fits
+    gemvs = native_layer.layer_gemvs(block)
+    native_layer.decode_layer(block, gemvs, x, cos, sin, keys, values, slots, None, 4)  # fits
     with pytest.raises(RuntimeError, match="x must be a contiguous bf16 CPU tensor"):
-        native_layer.decode_layer(block, x.float(), cos, sin, keys, values, slots, None, 4)
+        native_layer.decode_layer(block, gemvs, x.float(), cos, sin, keys, values, slots, None, 4)
     with pytest.raises(RuntimeError, match="kv_len 65 outside 1 .. 64"):
-        native_layer.decode_layer(block, x, cos, sin, keys, values, slots, None, 65)
+        native_layer.decode_layer(block, gemvs, x, cos, sin, keys, values, slots, None, 65)
     with pytest.raises(RuntimeError, match="slot 64 outside the cache's 0 .. 63"):
-        native_layer.decode_layer(block, x, cos, sin, keys, values, torch.tensor([64]), None, 4)
+        native_layer.decode_layer(block, gemvs, x, cos, sin, keys, values, torch.tensor([64]), None, 4)
     with pytest.raises(RuntimeError, match="cos and sin come together"):
-        native_layer.decode_layer(block, x, cos, None, keys, values, slots, None, 4)
-    gemvs = [layer_gemv(getattr(block, name)) for name in LINEARS]
-    tensors = [t for g in gemvs for t in (g.weight, g.scales, g.bias)]
+        native_layer.decode_layer(block, gemvs, x, cos, None, keys, values, slots, None, 4)
+    tensors = [getattr(getattr(block, linear), name) if name else None
+               for linear, gemv in zip(LINEARS, gemvs) for name in gemv.tensors]
     args = (x, keys, values, slots, None, 4, cos, sin, block.attn_norm.weight, 1e-5, block.mlp_norm.weight, 1e-5)
     with pytest.raises(RuntimeError, match="GEMV kind 9; allowed: 0 .. 5"):
         torch.ops.splice_kernels.decode_layer(*args, tensors, [0, 0, 9, 0], [0] * 4, 4, 2, 0.25)

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..layers.block import SpliceBlock
 from ..layers.causal_lm import SpliceCausalLM
-from ..layers.native_layer import row_limits, unfit_reason
+from ..layers.native_layer import unfit_reason
 from ..layers.native_linear import NativeLinear
 from ..layers.packed_linear import PackedLinear
 from ..layers.widened_linear import WidenedLinear
@@ -111,10 +111,10 @@ def choose_native_layers(blocks, plan: Plan) -> str:
     reasons = {}
     for block in blocks:
         reason = unfit_reason(block)
-        block.native_layer = row_limits(block) if reason is None else ()
+        block.native_layer = reason is None
         if reason is not None:
             reasons.setdefault(reason, block.layer_idx)
-    taken = sum(bool(block.native_layer) for block in blocks)
+    taken = sum(block.native_layer for block in blocks)
     if not reasons:
         return f"{choice.reason} (all {taken})"
     others = "; ".join(f"{reason} (block {index})" for reason, index in reasons.items())
