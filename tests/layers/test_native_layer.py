@@ -107,6 +107,15 @@ def test_rows_at_their_own_slots_step_as_their_own_ops_do():
     assert_same_steps(engine_of("llama", "int4-sym"), per_row_slots=True)
 
 
+def test_rows_past_a_gemvs_limit_take_the_blocks_own_ops(monkeypatch):
+    """A step with more rows than one of the block's GEMVs takes runs the block's own ops, with the same outputs."""
+    engine = engine_of("llama")
+    monkeypatch.setitem(native.MAX_ROWS, "bf16", 1)  # the batch of decode() has 2 rows
+    assert layer_calls(engine, True) == 0
+    got, expected = decode(engine, True), decode(engine, False)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
 def test_the_calls_read_the_weights_a_layer_holds_now():
     """Loading a state dict repacks int4 weights into new tensors: the native calls compute with those."""
     engine, other = engine_of("llama", "int4-sym"), splice.init_inference(
@@ -184,5 +193,6 @@ def test_the_op_names_bad_inputs():
         torch.ops.splice_kernels.decode_layer(*args, tensors, [0, 0, 9, 0], [0] * 4, 4, 2, 0.25)
     with pytest.raises(RuntimeError, match="4 linears .* got 11 tensors"):
         torch.ops.splice_kernels.decode_layer(*args, tensors[:11], [0] * 4, [0] * 4, 4, 2, 0.25)
-    with pytest.raises(RuntimeError, match="the qkv linear gives 128 outputs, the layer needs 96"):
+    shapes = r"the qkv linear is \[128, 64\] \(outputs, inputs\); the layer needs \[96, 64\]"
+    with pytest.raises(RuntimeError, match=shapes):
         torch.ops.splice_kernels.decode_layer(*args, tensors, [0] * 4, [0] * 4, 2, 2, 0.25)

@@ -3505,7 +3505,7 @@ struct LayerLinear {
   at::Tensor w, scales, bias;
 };
 
-// The GEMV of one linear for rows x, its output checked to have `n` columns.
+// The GEMV of one linear for rows x (its `n` outputs checked beforehand: check_layer_linears), and its bias.
 at::Tensor layer_gemv(const LayerLinear& l, const at::Tensor& x, int64_t n, const char* name) {
   at::Tensor y;
   switch (l.kind) {
@@ -3516,7 +3516,6 @@ at::Tensor layer_gemv(const LayerLinear& l, const at::Tensor& x, int64_t n, cons
     case GEMV_INT4: y = int4_gemv(x, l.w, l.scales, l.group); break;
     default: y = int4_dot_gemv(x, l.w, l.scales, l.group); break;
   }
-  TORCH_CHECK(y.size(1) == n, "decode_layer: the ", name, " linear gives ", y.size(1), " outputs, the layer needs ", n);
   if (l.bias.defined()) {
     TORCH_CHECK(l.bias.numel() == n, "decode_layer: the ", name, " linear's bias has ", l.bias.numel(),
                 " values for ", n, " outputs");
@@ -3575,6 +3574,10 @@ void check_layer_inputs(const at::Tensor& x, const at::Tensor& keys, const at::T
                    (slots.dim() == 2 && slots.size(0) == batch && slots.size(1) == 1)),
               "decode_layer: slots must be int64 [1] or [", batch, ", 1], got ", slots.scalar_type(), " ",
               slots.sizes());
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < slots.numel(); ++i)
+    TORCH_CHECK(0 <= sp[i] && sp[i] < keys.size(2), "decode_layer: slot ", sp[i], " outside the cache's 0 .. ",
+                keys.size(2) - 1);
   TORCH_CHECK(cos.has_value() == sin.has_value(), "decode_layer: cos and sin come together");
   if (cos) {
     const int64_t rotary = cos->size(-1);
@@ -3591,6 +3594,68 @@ void check_layer_inputs(const at::Tensor& x, const at::Tensor& keys, const at::T
                 " ", norm->sizes());
 }
 
+// A linear's [outputs, inputs] as its GEMV reads them (int4 tiles: 16 rows a tile, 8 columns a word).
+std::pair<int64_t, int64_t> linear_shape(const LayerLinear& l) {
+  return l.kind >= GEMV_INT4 ? std::make_pair(l.w.size(0) * TILE, l.w.size(1) * 8)
+                             : std::make_pair(l.w.size(0), l.w.size(1));
+}
+
+// Every linear's shape against the layer's, before anything is written: qkv [width, hidden], o [hidden, heads * dim],
+// gate_up [2 ffn, hidden], down [hidden, ffn] (ffn from down).
+void check_layer_linears(const std::vector<LayerLinear>& linears, int64_t hidden, int64_t width, int64_t attended) {
+  const int64_t ffn = linear_shape(linears[3]).second;
+  const std::pair<int64_t, int64_t> wanted[LAYER_LINEARS] = {
+      {width, hidden}, {hidden, attended}, {2 * ffn, hidden}, {hidden, ffn}};
+  const char* names[LAYER_LINEARS] = {"qkv", "o", "gate_up", "down"};
+  for (int64_t i = 0; i < LAYER_LINEARS; ++i) {
+    const auto [n, k] = linear_shape(linears[i]);
+    TORCH_CHECK(n == wanted[i].first && k == wanted[i].second, "decode_layer: the ", names[i], " linear is [", n,
+                ", ", k, "] (outputs, inputs); the layer needs [", wanted[i].first, ", ", wanted[i].second, "]");
+  }
+}
+
+// RMSNorm of each of the rows of x [rows, hidden] into out.
+void rms_norm_rows(const at::BFloat16* x, int64_t rows, int64_t hidden, const at::Tensor& weight, double eps,
+                   at::BFloat16* out) {
+  for (int64_t m = 0; m < rows; ++m)
+    avx2::rms_norm_row(x + m * hidden, weight.data_ptr<at::BFloat16>(), hidden, static_cast<float>(eps),
+                       out + m * hidden);
+}
+
+// out[m] = a[m] + b[m] for rows of `width`, in bf16.
+void add_rows(const at::BFloat16* a, const at::BFloat16* b, int64_t rows, int64_t width, at::BFloat16* out) {
+  for (int64_t m = 0; m < rows; ++m) avx2::add_row(a + m * width, b + m * width, width, out + m * width);
+}
+
+// Rotary on each row's q and k heads of qkv [rows, (heads + 2 kv_heads) * dim], then its k and v heads written into
+// keys and values [rows, kv_heads, L, dim] at the row's slot.
+void rotate_and_store(at::Tensor& qkv, const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
+                      const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots, int64_t n_heads,
+                      int64_t n_kv_heads) {
+  const int64_t rows = qkv.size(0), width = qkv.size(1), dim = keys.size(3);
+  at::BFloat16* qp = qkv.data_ptr<at::BFloat16>();
+  if (cos) {
+    const int64_t rotary = cos->size(-1);
+    const at::BFloat16* cp = cos->data_ptr<at::BFloat16>();
+    const at::BFloat16* snp = sin->data_ptr<at::BFloat16>();
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t head = 0; head < n_heads + n_kv_heads; ++head)
+        avx2::rotate_head(qp + m * width + head * dim, cp + m * rotary, snp + m * rotary, rotary);
+  }
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  at::BFloat16* kp = keys.data_ptr<at::BFloat16>();
+  at::BFloat16* vp = values.data_ptr<at::BFloat16>();
+  for (int64_t m = 0; m < rows; ++m) {
+    const int64_t slot = sp[slots.dim() == 2 ? m : 0];
+    for (int64_t h = 0; h < n_kv_heads; ++h) {
+      const at::BFloat16* k = qp + m * width + (n_heads + h) * dim;
+      std::copy(k, k + dim, kp + m * keys.stride(0) + h * keys.stride(1) + slot * keys.stride(2));
+      std::copy(k + n_kv_heads * dim, k + (n_kv_heads + 1) * dim,
+                vp + m * values.stride(0) + h * values.stride(1) + slot * values.stride(2));
+    }
+  }
+}
+
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
                         const std::optional<at::Tensor>& mask, int64_t kv_len, const std::optional<at::Tensor>& cos,
                         const std::optional<at::Tensor>& sin, const at::Tensor& attn_norm, double attn_eps,
@@ -3601,50 +3666,21 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& keys, const at::T
   check_layer_inputs(x, keys, values, slots, kv_len, cos, sin, attn_norm, mlp_norm, n_heads, n_kv_heads);
   const std::vector<LayerLinear> linears = layer_linears(tensors, kinds, groups);
   const int64_t batch = x.size(0), hidden = x.size(2), dim = keys.size(3);
-  const int64_t width = (n_heads + 2 * n_kv_heads) * dim;
-  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const int64_t width = (n_heads + 2 * n_kv_heads) * dim, ffn = linear_shape(linears[3]).second;
+  check_layer_linears(linears, hidden, width, n_heads * dim);
 
   at::Tensor normed = at::empty({batch, hidden}, x.options());
-  at::BFloat16* np = normed.data_ptr<at::BFloat16>();
-  for (int64_t m = 0; m < batch; ++m)
-    avx2::rms_norm_row(xp + m * hidden, attn_norm.data_ptr<at::BFloat16>(), hidden, static_cast<float>(attn_eps),
-                       np + m * hidden);
+  rms_norm_rows(x.data_ptr<at::BFloat16>(), batch, hidden, attn_norm, attn_eps, normed.data_ptr<at::BFloat16>());
   at::Tensor qkv = layer_gemv(linears[0], normed, width, "qkv");
-  at::BFloat16* qp = qkv.data_ptr<at::BFloat16>();
-  if (cos) {
-    const int64_t rotary = cos->size(-1);
-    const at::BFloat16* cp = cos->data_ptr<at::BFloat16>();
-    const at::BFloat16* snp = sin->data_ptr<at::BFloat16>();
-    for (int64_t m = 0; m < batch; ++m)
-      for (int64_t head = 0; head < n_heads + n_kv_heads; ++head)
-        avx2::rotate_head(qp + m * width + head * dim, cp + m * rotary, snp + m * rotary, rotary);
-  }
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  at::BFloat16* kp = keys.data_ptr<at::BFloat16>();
-  at::BFloat16* vp = values.data_ptr<at::BFloat16>();
-  for (int64_t m = 0; m < batch; ++m) {
-    const int64_t slot = sp[slots.dim() == 2 ? m : 0];
-    TORCH_CHECK(0 <= slot && slot < keys.size(2), "decode_layer: slot ", slot, " outside the cache's 0 .. ",
-                keys.size(2) - 1);
-    for (int64_t h = 0; h < n_kv_heads; ++h) {
-      const at::BFloat16* k = qp + m * width + (n_heads + h) * dim;
-      std::copy(k, k + dim, kp + m * keys.stride(0) + h * keys.stride(1) + slot * keys.stride(2));
-      std::copy(k + n_kv_heads * dim, k + (n_kv_heads + 1) * dim,
-                vp + m * values.stride(0) + h * values.stride(1) + slot * values.stride(2));
-    }
-  }
+  rotate_and_store(qkv, cos, sin, keys, values, slots, n_heads, n_kv_heads);
   const at::Tensor q = qkv.view({batch, 1, n_heads + 2 * n_kv_heads, dim}).narrow(2, 0, n_heads).transpose(1, 2);
   const at::Tensor attended = decode_attention(q, keys.narrow(2, 0, kv_len), values.narrow(2, 0, kv_len), mask, scale);
   const at::Tensor o = layer_gemv(linears[1], attended.view({batch, n_heads * dim}), hidden, "o");
 
   at::Tensor out = at::empty_like(x);
   at::BFloat16* outp = out.data_ptr<at::BFloat16>();
-  for (int64_t m = 0; m < batch; ++m)
-    avx2::add_row(xp + m * hidden, o.data_ptr<at::BFloat16>() + m * hidden, hidden, outp + m * hidden);
-  for (int64_t m = 0; m < batch; ++m)
-    avx2::rms_norm_row(outp + m * hidden, mlp_norm.data_ptr<at::BFloat16>(), hidden, static_cast<float>(mlp_eps),
-                       np + m * hidden);
-  const int64_t ffn = linears[3].kind >= GEMV_INT4 ? linears[3].w.size(1) * 8 : linears[3].w.size(1);
+  add_rows(x.data_ptr<at::BFloat16>(), o.data_ptr<at::BFloat16>(), batch, hidden, outp);
+  rms_norm_rows(outp, batch, hidden, mlp_norm, mlp_eps, normed.data_ptr<at::BFloat16>());
   const at::Tensor gate_up = layer_gemv(linears[2], normed, 2 * ffn, "gate_up");
   at::Tensor act = at::empty({batch, ffn}, x.options());
   for (int64_t m = 0; m < batch; ++m) {
@@ -3652,8 +3688,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& keys, const at::T
     avx2::silu_mul_row(g, g + ffn, ffn, act.data_ptr<at::BFloat16>() + m * ffn);
   }
   const at::Tensor down = layer_gemv(linears[3], act, hidden, "down");
-  for (int64_t m = 0; m < batch; ++m)
-    avx2::add_row(outp + m * hidden, down.data_ptr<at::BFloat16>() + m * hidden, hidden, outp + m * hidden);
+  add_rows(outp, down.data_ptr<at::BFloat16>(), batch, hidden, outp);
   return out;
 }
 
