@@ -196,3 +196,17 @@ def test_the_op_names_bad_inputs():
     shapes = r"the qkv linear is \[128, 64\] \(outputs, inputs\); the layer needs \[96, 64\]"
     with pytest.raises(RuntimeError, match=shapes):
         torch.ops.splice_kernels.decode_layer(*args, tensors, [0] * 4, [0] * 4, 2, 2, 0.25)
+    # a bad later linear is refused before the cache is written (slot 5: the call above wrote slot 3)
+    before = keys.clone(), values.clone()
+    wrong_o = list(tensors)
+    wrong_o[3] = wrong_o[3].float()  # o's weight, for a bf16 GEMV
+    with pytest.raises(RuntimeError, match="decode_layer: the o linear: w must be a contiguous bf16"):
+        torch.ops.splice_kernels.decode_layer(x, keys, values, torch.tensor([5]), *args[4:], wrong_o, [0] * 4,
+                                              [0] * 4, 4, 2, 0.25)
+    wrong_bias = list(tensors)
+    wrong_bias[11] = torch.zeros(3, dtype=torch.bfloat16)  # down's bias, for 64 outputs
+    bias = r"the down linear: the bias must be a float tensor of 64 values, got \[3\]"
+    with pytest.raises(RuntimeError, match=bias):
+        torch.ops.splice_kernels.decode_layer(x, keys, values, torch.tensor([5]), *args[4:], wrong_bias, [0] * 4,
+                                              [0] * 4, 4, 2, 0.25)
+    assert torch.equal(keys, before[0]) and torch.equal(values, before[1])

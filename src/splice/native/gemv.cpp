@@ -2703,12 +2703,23 @@ void int8_to_bf16_into(const int8_t* src, int64_t numel, at::BFloat16* dst) {
   });
 }
 
-// 8 floats -> 8 bf16, rounded to nearest even (as at::BFloat16 and the AVX-512 conversion round finite values).
-inline __m128i f32x8_to_bf16(__m256 v) {
+// 8 floats' bits with half a bf16 step added (ties to even): their upper 16 bits are the nearest bf16s (as at::BFloat16
+// and the AVX-512 conversion round finite values).
+inline __m256i bf16_rounding(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  return _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
+}
+
+// 8 floats -> 8 bf16, rounded to nearest even.
+inline __m128i f32x8_to_bf16(__m256 v) {
+  const __m256i rounded = _mm256_srli_epi32(bf16_rounding(v), 16);
   return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+}
+
+// 8 floats rounded to the nearest bf16, as floats.
+inline __m256 f32x8_rounded(__m256 v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(bf16_rounding(v), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
 // One tile row's chunk (8 columns) at a time: the word broadcast to 8 lanes, each lane shifted to its column's
@@ -2993,14 +3004,6 @@ int64_t argmax_row(const float* x, int64_t n) {
 }
 
 
-// 8 floats rounded to the nearest bf16 (ties to even), as floats.
-inline __m256 f32x8_rounded(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i up = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF)));
-  return _mm256_castsi256_ps(_mm256_and_si256(up, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
 // ---- a decoder layer's elementwise work (decode_layer), 8 lanes: every level's CPU runs AVX2 -----------------------
 // Each rounds to bf16 where the fused block's eager ops round (torch computes bf16 ops in float32, rounding each
 // result once).
@@ -3249,13 +3252,18 @@ bool int8_dot_ready() { return isa() >= ISA_AVX2; }
 bool int4_dot_ready() { return isa() >= ISA_AVX2; }
 
 // The arguments of an int8 weight's integer dot products (int8_dot_gemv, int8_dot16_gemv): K whole blocks of 32.
-void check_int8_dot(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const char* name) {
-  check_isa(name);
+// The weight and scales the integer dot products of an int8 weight take (whole blocks of DOT_BLOCK inputs).
+void check_int8_dot_weight(const at::Tensor& w, const at::Tensor& scales, const char* name) {
   check_int8_weight(w, name);
-  check_rows(x, w.size(1), name);
   check_int8_scales(scales, w.size(0), name);
   TORCH_CHECK(w.size(1) % DOT_BLOCK == 0, name, ": in_features must be a multiple of ", DOT_BLOCK, ", got ",
               w.size(1));
+}
+
+void check_int8_dot(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const char* name) {
+  check_isa(name);
+  check_int8_dot_weight(w, scales, name);
+  check_rows(x, w.size(1), name);
 }
 
 // W8A8's decode product in integers: AVX512-VNNI where vnni_ready(), else vpmaddubsw.
@@ -3505,8 +3513,8 @@ struct LayerLinear {
   at::Tensor w, scales, bias;
 };
 
-// The GEMV of one linear for rows x (its `n` outputs checked beforehand: check_layer_linears), and its bias.
-at::Tensor layer_gemv(const LayerLinear& l, const at::Tensor& x, int64_t n, const char* name) {
+// The GEMV of one linear for rows x, and its bias (the linear checked beforehand: check_layer_linears).
+at::Tensor layer_gemv(const LayerLinear& l, const at::Tensor& x) {
   at::Tensor y;
   switch (l.kind) {
     case GEMV_BF16: y = bf16_gemv(x, l.w); break;
@@ -3517,8 +3525,7 @@ at::Tensor layer_gemv(const LayerLinear& l, const at::Tensor& x, int64_t n, cons
     default: y = int4_dot_gemv(x, l.w, l.scales, l.group); break;
   }
   if (l.bias.defined()) {
-    TORCH_CHECK(l.bias.numel() == n, "decode_layer: the ", name, " linear's bias has ", l.bias.numel(),
-                " values for ", n, " outputs");
+    const int64_t n = y.size(1);
     const at::Tensor bias = l.bias.to(at::kBFloat16).contiguous();
     at::BFloat16* yp = y.data_ptr<at::BFloat16>();
     for (int64_t m = 0; m < y.size(0); ++m) avx2::add_row(yp + m * n, bias.data_ptr<at::BFloat16>(), n, yp + m * n);
@@ -3600,13 +3607,33 @@ std::pair<int64_t, int64_t> linear_shape(const LayerLinear& l) {
                              : std::make_pair(l.w.size(0), l.w.size(1));
 }
 
-// Every linear's shape against the layer's, before anything is written: qkv [width, hidden], o [hidden, heads * dim],
-// gate_up [2 ffn, hidden], down [hidden, ffn] (ffn from down).
+// One linear's tensors as its GEMV's own checks want them, and its bias's size.
+void check_layer_linear(const LayerLinear& l, const std::string& name) {
+  if (l.kind == GEMV_BF16) {
+    check_bf16_weight(l.w, name.c_str());
+  } else if (l.kind >= GEMV_INT4) {
+    check_int4_tiles(l.w, l.scales, l.group, name.c_str());
+  } else if (l.kind == GEMV_INT8) {
+    check_int8_weight(l.w, name.c_str());
+    check_int8_scales(l.scales, l.w.size(0), name.c_str());
+  } else {
+    check_int8_dot_weight(l.w, l.scales, name.c_str());
+  }
+  const int64_t n = linear_shape(l).first;
+  TORCH_CHECK(!l.bias.defined() || (l.bias.numel() == n && l.bias.is_floating_point()), name,
+              ": the bias must be a float tensor of ", n, " values, got ",
+              l.bias.defined() ? l.bias.sizes() : at::IntArrayRef());
+}
+
+// Every linear, and its shape against the layer's, before anything is written: qkv [width, hidden], o [hidden,
+// heads * dim], gate_up [2 ffn, hidden], down [hidden, ffn] (ffn from down).
 void check_layer_linears(const std::vector<LayerLinear>& linears, int64_t hidden, int64_t width, int64_t attended) {
+  const char* names[LAYER_LINEARS] = {"qkv", "o", "gate_up", "down"};
+  for (int64_t i = 0; i < LAYER_LINEARS; ++i)
+    check_layer_linear(linears[i], std::string("decode_layer: the ") + names[i] + " linear");
   const int64_t ffn = linear_shape(linears[3]).second;
   const std::pair<int64_t, int64_t> wanted[LAYER_LINEARS] = {
       {width, hidden}, {hidden, attended}, {2 * ffn, hidden}, {hidden, ffn}};
-  const char* names[LAYER_LINEARS] = {"qkv", "o", "gate_up", "down"};
   for (int64_t i = 0; i < LAYER_LINEARS; ++i) {
     const auto [n, k] = linear_shape(linears[i]);
     TORCH_CHECK(n == wanted[i].first && k == wanted[i].second, "decode_layer: the ", names[i], " linear is [", n,
@@ -3666,28 +3693,28 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& keys, const at::T
   check_layer_inputs(x, keys, values, slots, kv_len, cos, sin, attn_norm, mlp_norm, n_heads, n_kv_heads);
   const std::vector<LayerLinear> linears = layer_linears(tensors, kinds, groups);
   const int64_t batch = x.size(0), hidden = x.size(2), dim = keys.size(3);
-  const int64_t width = (n_heads + 2 * n_kv_heads) * dim, ffn = linear_shape(linears[3]).second;
-  check_layer_linears(linears, hidden, width, n_heads * dim);
+  check_layer_linears(linears, hidden, (n_heads + 2 * n_kv_heads) * dim, n_heads * dim);
+  const int64_t ffn = linear_shape(linears[3]).second;
 
   at::Tensor normed = at::empty({batch, hidden}, x.options());
   rms_norm_rows(x.data_ptr<at::BFloat16>(), batch, hidden, attn_norm, attn_eps, normed.data_ptr<at::BFloat16>());
-  at::Tensor qkv = layer_gemv(linears[0], normed, width, "qkv");
+  at::Tensor qkv = layer_gemv(linears[0], normed);
   rotate_and_store(qkv, cos, sin, keys, values, slots, n_heads, n_kv_heads);
   const at::Tensor q = qkv.view({batch, 1, n_heads + 2 * n_kv_heads, dim}).narrow(2, 0, n_heads).transpose(1, 2);
   const at::Tensor attended = decode_attention(q, keys.narrow(2, 0, kv_len), values.narrow(2, 0, kv_len), mask, scale);
-  const at::Tensor o = layer_gemv(linears[1], attended.view({batch, n_heads * dim}), hidden, "o");
+  const at::Tensor o = layer_gemv(linears[1], attended.view({batch, n_heads * dim}));
 
   at::Tensor out = at::empty_like(x);
   at::BFloat16* outp = out.data_ptr<at::BFloat16>();
   add_rows(x.data_ptr<at::BFloat16>(), o.data_ptr<at::BFloat16>(), batch, hidden, outp);
   rms_norm_rows(outp, batch, hidden, mlp_norm, mlp_eps, normed.data_ptr<at::BFloat16>());
-  const at::Tensor gate_up = layer_gemv(linears[2], normed, 2 * ffn, "gate_up");
+  const at::Tensor gate_up = layer_gemv(linears[2], normed);
   at::Tensor act = at::empty({batch, ffn}, x.options());
   for (int64_t m = 0; m < batch; ++m) {
     const at::BFloat16* g = gate_up.data_ptr<at::BFloat16>() + m * 2 * ffn;
     avx2::silu_mul_row(g, g + ffn, ffn, act.data_ptr<at::BFloat16>() + m * ffn);
   }
-  const at::Tensor down = layer_gemv(linears[3], act, hidden, "down");
+  const at::Tensor down = layer_gemv(linears[3], act);
   add_rows(outp, down.data_ptr<at::BFloat16>(), batch, hidden, outp);
   return out;
 }
