@@ -1,4 +1,4 @@
-"""Decode steps with each block as one native call (``decode_layer``) against the blocks' own ops, in one process, in
+"""Decode steps with the blocks in one native call (``decode_layers``) against the blocks' own ops, in one process, in
 turns: two kernel-injected engines of the same model, one with ``SPLICE_NATIVE_LAYER=0``'s choice (every block its
 own ops), each round timing a run of decode steps of each (the order alternating, as the host's bandwidth moves within
 seconds). Eager steps (what ``splice generate`` runs) or compiled ones (``--compile``); ms a step, and the ratio::

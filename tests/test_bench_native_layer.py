@@ -1,4 +1,4 @@
-"""``benchmarks/bench_native_layer.py``: decode steps with each block as one native call against the blocks' own ops."""
+"""``benchmarks/bench_native_layer.py``: decode steps with the blocks in one native call against the blocks' own ops."""
 from __future__ import annotations
 
 import pytest

@@ -93,7 +93,7 @@ def test_layer_kernel_is_native_for_bfloat16_on_cpu_unless_switched_off(monkeypa
     bf16 = kernel_choice.layer_kernel(torch.bfloat16, torch.device("cpu"))
     assert bf16.native == native.available()
     if native.available():
-        assert "one native call a block" in bf16.reason
+        assert "a run of blocks in one native call" in bf16.reason
     fp32 = kernel_choice.layer_kernel(torch.float32, torch.device("cpu"))
     assert fp32.kernel == "torch" and ("float32" in fp32.reason or not native.available())
     cuda = kernel_choice.layer_kernel(torch.bfloat16, torch.device("cuda"))

@@ -31,7 +31,7 @@ def test_eager_step_profile_covers_every_stage_and_leaves_no_hooks():
     profile = profile_decode(engine, PROMPT, new_tokens=5)
     assert profile.step == "eager" and profile.steps == 4
     assert set(profile.stages) == set(STAGES)
-    timed = [s for s in STAGES if s not in ("other", "blocks")]  # float32: no block runs as one native call
+    timed = [s for s in STAGES if s not in ("other", "blocks")]  # float32: no block runs in a native call
     assert all(profile.stages[s] > 0 for s in timed), profile.stages
     assert profile.stages["blocks"] == 0
     assert sum(profile.stages.values()) == pytest.approx(profile.step_ms)
@@ -49,7 +49,7 @@ def test_blocks_in_one_native_call_are_one_stage(compiled, fresh_compiles):
     profile = profile_decode(engine, PROMPT, new_tokens=5)
     assert profile.stages["blocks"] > 0 and profile.stages["lm_head"] > 0
     assert all(profile.stages[s] == 0 for s in ("qkv", "attention", "o", "gate_up", "down")), profile.stages
-    assert any(note.startswith("blocks: whole blocks in one native call") for note in profile.notes)
+    assert any(note.startswith("blocks: whole blocks in native calls") for note in profile.notes)
     assert sum(profile.stages.values()) == pytest.approx(profile.step_ms)
 
 

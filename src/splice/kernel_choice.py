@@ -89,7 +89,7 @@ def attention_kernel(dtype: torch.dtype | None, device: torch.device | str) -> K
 
 
 def layer_kernel(dtype: torch.dtype | None, device: torch.device | str) -> KernelChoice:
-    """Whether a fused decoder's decode steps run each block as one native call (``layers.native_layer``): bf16 on
+    """Whether a fused decoder's decode steps run its blocks in native calls (``layers.native_layer``): bf16 on
     CPU with the native kernels; each block then takes it where its structure and layers allow (the kernels step
     says which did and why the others did not)."""
     if dtype != torch.bfloat16 or not native.available_on(device):
@@ -97,9 +97,9 @@ def layer_kernel(dtype: torch.dtype | None, device: torch.device | str) -> Kerne
         return KernelChoice("torch", f"each block's own ops ({why})")
     if native.switched_off("SPLICE_NATIVE_LAYER"):
         return KernelChoice("torch", "each block's own ops (SPLICE_NATIVE_LAYER=0)")
-    return KernelChoice("native", "decode steps: one native call a block (norms, GEMVs, rotary, cache writes, "
-                                  "attention, residual adds and activation), for pre-norm blocks with a gated SiLU MLP "
-                                  f"and RMSNorm whose linears all run native GEMVs; {native_level()}")
+    return KernelChoice("native", "decode steps: a run of blocks in one native call (norms, GEMVs, rotary, cache "
+                                  "writes, attention, residual adds and activation), for pre-norm blocks with a gated "
+                                  f"SiLU MLP and RMSNorm whose linears all run native GEMVs; {native_level()}")
 
 
 def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoice:

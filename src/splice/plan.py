@@ -59,7 +59,7 @@ class Plan:
     float_kernel: KernelChoice  # the float linears of a fused model
     quant_kernel: KernelChoice | None  # the quantized linears (None without quantization)
     attention_kernel: KernelChoice  # a fused decoder's decode-step attention
-    layer_kernel: KernelChoice  # a fused decoder's decode-step blocks: one native call each, or their own ops
+    layer_kernel: KernelChoice  # a fused decoder's decode-step blocks: native calls, or their own ops
     compile_decode: bool
     cuda_graph: bool = False
 

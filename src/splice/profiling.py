@@ -107,9 +107,11 @@ STAGES = ("blocks", "qkv", "attention", "o", "gate_up", "down", "norms", "rotary
 BLOCK_MODULES = {"qkv": "qkv", "o": "o", "gate_up": "gate_up", "down": "down", "attn_norm": "norms",
                  "mlp_norm": "norms", "qk_norm": "norms", "attn_out_norm": "norms", "mlp_out_norm": "norms"}
 #: the fused block's methods timed as stages: ``project``'s own time (its norm and QKV GEMV are timed apart) is the
-#: rotary embedding and the head split; ``native_step`` is a whole block in one native call (``layers.native_layer``),
-#: whose parts cannot be timed apart
-BLOCK_METHODS = {"attend": "attention", "project": "rotary", "native_step": "blocks"}
+#: rotary embedding and the head split
+BLOCK_METHODS = {"attend": "attention", "project": "rotary"}
+#: the runtime's methods timed as stages: ``native_blocks`` runs whole blocks in one native call
+#: (``layers.native_layer``), whose parts cannot be timed apart
+RUNTIME_METHODS = {"native_blocks": "blocks"}
 #: the torch.profiler range each forward of a profiled compiled step runs in
 FORWARD_RANGE = "splice.forward"
 #: operators of a compiled step that are GEMVs (the custom ops inductor calls as they are)
@@ -117,14 +119,14 @@ GEMV_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "splice::packed_linear", "mk
             "splice_kernels::")
 #: operators of a compiled step that attend (splice's decode-step kernel, SDPA), counted to attention
 ATTENTION_OPS = ("splice_kernels::decode_attention", "aten::_scaled_dot_product")
-#: the operator that computes a whole block (``layers.native_layer``), counted to blocks
-LAYER_OP = "splice_kernels::decode_layer"
+#: the operator that computes whole blocks (``layers.native_layer``), counted to blocks
+LAYER_OP = "splice_kernels::decode_layers"
 #: words in the name of one of inductor's fused kernels -> the stage it is counted to, first match wins
 FUSED_KERNEL_WORDS = (("softmax", "attention"), ("rsqrt", "norms"))
 
 
-BLOCKS_NOTE = ("blocks: whole blocks in one native call each (their norms, GEMVs, attention and the rest cannot be "
-               "told apart; SPLICE_NATIVE_LAYER=0 runs them as separate ops)")
+BLOCKS_NOTE = ("blocks: whole blocks in native calls, a run of blocks in one (their norms, GEMVs, attention and the "
+               "rest cannot be told apart; SPLICE_NATIVE_LAYER=0 runs them as separate ops)")
 
 
 @dataclass
@@ -241,6 +243,9 @@ def _stage_hooks(runtime, clock: _StageClock) -> Iterator[None]:
         for name, stage in BLOCK_METHODS.items():
             setattr(block, name, _timed(getattr(block, name), stage, clock))
             wrapped.append((block, name))
+    for name, stage in RUNTIME_METHODS.items():
+        setattr(runtime, name, _timed(getattr(runtime, name), stage, clock))
+        wrapped.append((runtime, name))
     if runtime.norm is not None:
         hook(runtime.norm, "norms")
     hook(runtime.lm_head, "lm_head")
@@ -249,8 +254,8 @@ def _stage_hooks(runtime, clock: _StageClock) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
-        for block, name in wrapped:
-            delattr(block, name)  # the class's method again
+        for owner, name in wrapped:
+            delattr(owner, name)  # the class's method again
 
 
 def _timed(method, stage: str, clock: _StageClock):
@@ -282,6 +287,7 @@ def _profile_compiled(engine, prompt: torch.Tensor, options: dict, synchronize) 
     events = sorted(prof.events(), key=lambda e: e.time_range.start)
     ranges = [e.time_range for e in events if e.name == FORWARD_RANGE][1:]  # the prefill left out
     layers = len(runtime.blocks)
+    native_blocks = sum(block.native_layer for block in runtime.blocks)
     stages = dict.fromkeys(STAGES, 0.0)
     unmatched = 0
     kernel_names = False
@@ -290,7 +296,9 @@ def _profile_compiled(engine, prompt: torch.Tensor, options: dict, synchronize) 
                   and e.time_range.end <= step.end]
         gemvs = [e for e in inside if e.name.startswith(GEMV_OPS) and not e.name.startswith((*ATTENTION_OPS, LAYER_OP))
                  and not _under(e, GEMV_OPS)]
-        native = sum(e.name == LAYER_OP for e in inside)
+        # the blocks the kernels step chose run in the native calls where a step has them; the others run their
+        # four projections' GEMVs; then the lm_head
+        native = native_blocks if any(e.name == LAYER_OP for e in inside) else 0
         order = ["qkv", "o", "gate_up", "down"] * (layers - native) + ["lm_head"]
         if len(gemvs) == len(order):
             for stage, event in zip(order, gemvs):

@@ -1,4 +1,5 @@
-"""Decode steps as one native call a block (``splice_kernels.decode_layer``), against the same blocks' own ops."""
+"""Decode steps with runs of blocks as one native call (``splice_kernels.decode_layers``), against the same blocks'
+own ops."""
 from __future__ import annotations
 
 import pytest
@@ -10,7 +11,7 @@ from splice.cli_options import QUANT_SCHEMES
 from splice.layers import native_layer
 from splice.layers.native_layer import LINEARS, layer_gemv, unfit_reason
 
-from ..arch.tiny_models import build_family, padded_batch
+from ..arch.tiny_models import build_family, build_tiny, padded_batch, randomised_vectors, tiny_config
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
 
@@ -60,7 +61,7 @@ def decode(engine, native_layers: bool, per_row_slots: bool = False):
 def layer_calls(engine, native_layers: bool) -> int:
     with torch.profiler.profile() as profile:
         decode(engine, native_layers)
-    return sum(event.name == "splice_kernels::decode_layer" for event in profile.events())
+    return sum(event.name == "splice_kernels::decode_layers" for event in profile.events())
 
 
 def assert_same_steps(engine, per_row_slots: bool = False) -> None:
@@ -81,8 +82,23 @@ def test_families_blocks_step_as_their_own_ops_do(family):
     engine = engine_of(family)
     assert all(block.native_layer for block in engine.runtime.blocks)
     assert_same_steps(engine)
-    layers = len(engine.runtime.blocks)
-    assert layer_calls(engine, True) == STEPS * layers and layer_calls(engine, False) == 0
+    assert layer_calls(engine, True) == STEPS and layer_calls(engine, False) == 0  # every block in one call a step
+
+
+def test_a_block_on_its_own_ops_splits_the_run():
+    """A block in the middle that runs its own ops: the blocks before it and after it make a call each."""
+    config = tiny_config("llama", num_hidden_layers=3)
+    engine = splice.init_inference(randomised_vectors(build_tiny(config), seed=0), replace_with_kernel_inject=True,
+                                   max_out_tokens=64, dtype=torch.bfloat16)
+    blocks = engine.runtime.blocks
+    assert len(blocks) == 3 and all(block.native_layer for block in blocks)
+    expected = decode(engine, False)
+    blocks[1].native_layer = False
+    assert layer_calls(engine, True) == 2 * STEPS
+    got = decode(engine, True)
+    scale = expected[0].abs().max().item()
+    assert (got[0] - expected[0]).abs().max().item() <= 0.02 * scale
+    assert (got[0].argmax(-1) == expected[0].argmax(-1)).all()
 
 
 @pytest.mark.parametrize("scheme", ["int8", "w8a8", "int4", "int4-sym"])
@@ -170,43 +186,49 @@ def test_float32_and_switched_off_models_keep_their_own_ops(monkeypatch):
 
 def test_the_op_names_bad_inputs():
     engine = engine_of("llama")
-    block = engine.runtime.blocks[0]
-    cache = engine.runtime.new_cache(1)
-    keys, values = cache.layer(0)
+    runtime = engine.runtime
+    cache = runtime.new_cache(1)
     x = torch.randn(1, 1, 64).to(torch.bfloat16)
     slots = torch.tensor([3])
-    cos, sin = engine.runtime.rope().lookup(torch.tensor([[3]]))
-    gemvs = native_layer.layer_gemvs(block)
-    native_layer.decode_layer(block, gemvs, x, cos, sin, keys, values, slots, None, 4)  # fits
+    cos, sin = runtime.rope().lookup(torch.tensor([[3]]))
+    calls = [native_layer.layer_call(block, 1, None, cos, sin) for block in runtime.blocks]
+    assert len(calls) >= 2 and all(calls)
+
+    def run(calls, x=x, slots=slots, kv_len=4):
+        return native_layer.decode_layers(calls, x, cache.keys, cache.values, slots, kv_len)
+
+    run(calls)  # fits
     with pytest.raises(RuntimeError, match="x must be a contiguous bf16 CPU tensor"):
-        native_layer.decode_layer(block, gemvs, x.float(), cos, sin, keys, values, slots, None, 4)
+        run(calls, x=x.float())
     with pytest.raises(RuntimeError, match="kv_len 65 outside 1 .. 64"):
-        native_layer.decode_layer(block, gemvs, x, cos, sin, keys, values, slots, None, 65)
+        run(calls, kv_len=65)
     with pytest.raises(RuntimeError, match="slot 64 outside the cache's 0 .. 63"):
-        native_layer.decode_layer(block, gemvs, x, cos, sin, keys, values, torch.tensor([64]), None, 4)
+        run(calls, slots=torch.tensor([64]))
     with pytest.raises(RuntimeError, match="cos and sin come together"):
-        native_layer.decode_layer(block, gemvs, x, cos, None, keys, values, slots, None, 4)
-    tensors = [getattr(getattr(block, linear), name) if name else None
-               for linear, gemv in zip(LINEARS, gemvs) for name in gemv.tensors]
-    args = (x, keys, values, slots, None, 4, cos, sin, block.attn_norm.weight, 1e-5, block.mlp_norm.weight, 1e-5)
+        run([calls[0]._replace(sin=None)])
     with pytest.raises(RuntimeError, match="GEMV kind 9; allowed: 0 .. 5"):
-        torch.ops.splice_kernels.decode_layer(*args, tensors, [0, 0, 9, 0], [0] * 4, 4, 2, 0.25)
-    with pytest.raises(RuntimeError, match="4 linears .* got 11 tensors"):
-        torch.ops.splice_kernels.decode_layer(*args, tensors[:11], [0] * 4, [0] * 4, 4, 2, 0.25)
-    shapes = r"the qkv linear is \[128, 64\] \(outputs, inputs\); the layer needs \[96, 64\]"
+        run([calls[0]._replace(kinds=[0, 0, 9, 0])])
+    with pytest.raises(RuntimeError, match="cache layer 7 outside 0 .. 1"):
+        run([calls[0]._replace(layer=7)])
+    with pytest.raises(RuntimeError, match=r"2 layers take 24 tensors \(12 a layer\), got 23"):
+        torch.ops.splice_kernels.decode_layers(
+            x, cache.keys, cache.values, [0, 1], slots, [None, None], 4, [cos, cos], [sin, sin],
+            [t for call in calls for t in call.norms], [1e-5] * 4, [t for call in calls for t in call.tensors][:23],
+            [0] * 8, [0] * 8, [4, 2] * 2, [0.25] * 2)
+    shapes = r"layer 0: the qkv linear is \[128, 64\] \(outputs, inputs\); the layer needs \[96, 64\]"
     with pytest.raises(RuntimeError, match=shapes):
-        torch.ops.splice_kernels.decode_layer(*args, tensors, [0] * 4, [0] * 4, 2, 2, 0.25)
-    # a bad later linear is refused before the cache is written (slot 5: the call above wrote slot 3)
-    before = keys.clone(), values.clone()
-    wrong_o = list(tensors)
+        run([calls[0]._replace(heads=(2, 2))])
+    with pytest.raises(RuntimeError, match=r"the mask must be bool \[1 or 1, 1, 1, 4\]"):
+        run([calls[0]._replace(mask=torch.ones(1, 1, 1, 5, dtype=torch.bool))])
+    # a bad later layer or linear is refused before any layer's cache is written (slot 5: the call above wrote slot 3)
+    before = cache.keys.clone(), cache.values.clone()
+    wrong_o = list(calls[1].tensors)
     wrong_o[3] = wrong_o[3].float()  # o's weight, for a bf16 GEMV
-    with pytest.raises(RuntimeError, match="decode_layer: the o linear: w must be a contiguous bf16"):
-        torch.ops.splice_kernels.decode_layer(x, keys, values, torch.tensor([5]), *args[4:], wrong_o, [0] * 4,
-                                              [0] * 4, 4, 2, 0.25)
-    wrong_bias = list(tensors)
+    with pytest.raises(RuntimeError, match="decode_layers: layer 1: the o linear: w must be a contiguous bf16"):
+        run([calls[0], calls[1]._replace(tensors=wrong_o)], slots=torch.tensor([5]))
+    wrong_bias = list(calls[0].tensors)
     wrong_bias[11] = torch.zeros(3, dtype=torch.bfloat16)  # down's bias, for 64 outputs
-    bias = r"the down linear: the bias must be a float tensor of 64 values, got \[3\]"
+    bias = r"layer 0: the down linear: the bias must be a float tensor of 64 values, got \[3\]"
     with pytest.raises(RuntimeError, match=bias):
-        torch.ops.splice_kernels.decode_layer(x, keys, values, torch.tensor([5]), *args[4:], wrong_bias, [0] * 4,
-                                              [0] * 4, 4, 2, 0.25)
-    assert torch.equal(keys, before[0]) and torch.equal(values, before[1])
+        run([calls[0]._replace(tensors=wrong_bias)], slots=torch.tensor([5]))
+    assert torch.equal(cache.keys, before[0]) and torch.equal(cache.values, before[1])

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import native
-from . import native_layer
 from .kv_cache import StaticKVCache
 from .norm import HeadRMSNorm
 from .rotary import apply_rotary_, signed_sin
@@ -101,7 +100,7 @@ class SpliceBlock(nn.Module):
         self.attn_out_norm, self.mlp_out_norm = attn_out_norm, mlp_out_norm
         self.scale = layout.scale if layout.scale is not None else shape.head_dim ** -0.5
         self.native_attention = False  # decode steps on splice's attention kernel (the kernels step's choice)
-        self.native_layer = False  # decode steps as one native call (native_layer; the kernels step's choice)
+        self.native_layer = False  # decode steps in native calls (layers.native_layer; the kernels step's choice)
         if alibi_slopes is not None:
             self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
         else:
@@ -151,21 +150,10 @@ class SpliceBlock(nn.Module):
         ``cache`` at ``slots``.
 
         ``mask`` None means plain causal attention over the first ``kv_len`` slots (an unpadded prompt)."""
-        if self.native_layer:
-            gemvs = native_layer.layer_gemvs(self)
-            if native_layer.takes_step(x, mask, gemvs):
-                return self.native_step(gemvs, x, cos, sin, cache, slots, mask, kv_len)
         q, k, v, h = self.project(x, cos, sin)
         k, v = cache.update(self.layer_idx, k, v, slots, kv_len)
         bias = self.alibi(q.shape[2], kv_len, cache.valid[:, :kv_len], None if mask is None else slots)
         return self.finish(x, h, self.attend(q, k, v, mask, mask is None, bias))
-
-    def native_step(self, gemvs: tuple, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
-                    cache: StaticKVCache, slots: torch.Tensor, mask: torch.Tensor | None, kv_len: int) -> torch.Tensor:
-        """:meth:`step` as one native call on the linears' ``gemvs`` (``layers.native_layer``); returns the new hidden
-        states."""
-        keys, values = cache.layer(self.layer_idx)
-        return native_layer.decode_layer(self, gemvs, x, cos, sin, keys, values, slots, mask, kv_len)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None):
         """q ``[B, heads, S, D]``, k and v ``[B, kv_heads, S, D]``, rotary applied in place to q and k together; and

@@ -19,6 +19,7 @@ from torch import nn
 
 from ..arch.record import ModelDims
 from .cuda_graphs import GraphReplayer
+from . import native_layer
 from .kv_cache import StaticKVCache
 from .rotary import RopeTable, build_table
 
@@ -132,9 +133,19 @@ class SpliceCausalLM:
         rotary = [self.rope(index).lookup(positions) for index in range(len(self.ropes))]
         masks = {window: None if dense and window is None else cache.mask(slots, kv_len, window)
                  for window in self.windows}
+        read, natively = native_layer.attribute_reader(), native_layer.step_takes_calls(x)
+        calls = []  # consecutive blocks that step in one native call
         for block in self.blocks:
             cos, sin = rotary[block.layout.rope_index] if rotary else (None, None)
+            call = native_layer.layer_call(block, x.shape[0], masks[block.window], cos, sin, read) if natively else None
+            if call is not None:
+                calls.append(call)
+                continue
+            if calls:
+                x, calls = self.native_blocks(calls, x, cache, slots, kv_len), []
             x = block.step(x, cos, sin, cache, slots, masks[block.window], kv_len)
+        if calls:
+            x = self.native_blocks(calls, x, cache, slots, kv_len)
         if last is not None:
             return self.head(x[torch.arange(x.shape[0], device=x.device), last])
         if last_only:
@@ -143,6 +154,11 @@ class SpliceCausalLM:
         return logits[:, -1] if last_only else logits
 
     __call__ = forward
+
+    def native_blocks(self, calls: list, x: torch.Tensor, cache: StaticKVCache, slots: torch.Tensor,
+                      kv_len: int) -> torch.Tensor:
+        """A run of blocks' decode step in one native call (``calls``: :func:`native_layer.layer_call` of each)."""
+        return native_layer.decode_layers(calls, x, cache.keys, cache.values, slots, kv_len)
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, cache: StaticKVCache,
                     kv_len: int) -> torch.Tensor:

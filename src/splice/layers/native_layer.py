@@ -1,14 +1,15 @@
-"""A fused block's decode step as one native call (``splice_kernels.decode_layer``).
+"""A decode step's fused blocks as native calls (``splice_kernels.decode_layers``): a run of consecutive blocks in one.
 
 A pre-norm block with a gated SiLU MLP (Llama's and its relatives') makes a dozen calls a decode step through its
 modules: norms, four GEMVs, rotary, the cache writes, attention, residual adds, the activation. Each has its dispatch,
-allocations and threads to wake, and in a small model those cost more than reading the weights. ``decode_layer`` does
-the same work in one call, with the same GEMVs and attention kernel, rounding each elementwise result to bf16 where the
-block's eager ops round it.
+allocations and threads to wake, and in a small model those, and the Python around them, cost more than reading the
+weights. ``decode_layers`` does the same work for every block of a run in one call, with the same GEMVs and attention
+kernel, rounding each elementwise result to bf16 where the block's eager ops round it.
 
 :func:`unfit_reason` says whether a block's structure and layers allow it (the kernels step asks once per block);
-:func:`takes_step` whether a given step does (one new token per row, bf16, every linear on a native GEMV that takes its
-rows, as :func:`layer_gemvs` finds them at each step); :func:`decode_layer` runs it.
+:func:`step_takes_calls` and :func:`layer_call` whether a given step does (one new token per row, bf16, every linear on
+a native GEMV that takes its rows, as :func:`layer_gemv` finds them at each step) and what the call takes of the block;
+:func:`decode_layers` runs the calls of a run of blocks.
 """
 from __future__ import annotations
 
@@ -23,9 +24,9 @@ from ..quant.qmath import ACTIVATION_BLOCK
 from .native_linear import NativeLinear
 from .norm import RMSNorm
 
-#: decode_layer's GEMV kinds (gemv.cpp's LayerGemv)
+#: decode_layers' GEMV kinds (gemv.cpp's LayerGemv)
 GEMV_BF16, GEMV_INT8, GEMV_INT8_DOT, GEMV_INT8_DOT16, GEMV_INT4, GEMV_INT4_DOT = range(6)
-#: the block's linears, in decode_layer's order
+#: the block's linears, in decode_layers' order
 LINEARS = ("qkv", "o", "gate_up", "down")
 
 
@@ -40,32 +41,33 @@ class LayerGemv(NamedTuple):
     rows: str
 
 
+#: the GEMVs of the float and int8 linears that run one (layer_gemv), made once: a step looks each linear's up
+BF16_GEMV = LayerGemv(GEMV_BF16, ("weight", "", "bias"), 0, "bf16")
+W8A8_GEMV = LayerGemv(GEMV_INT8_DOT, ("qweight", "scales", "bias"), 0, "int8")
+INT8_GEMVS = {products: LayerGemv(kind, ("qweight", "scales", "bias"), 0, rows)
+              for products, kind, rows in ((16, GEMV_INT8_DOT16, "int8_dot"), (8, GEMV_INT8_DOT, "int8_dot"),
+                                           (0, GEMV_INT8, "int8"))}
+
+
 def layer_gemv(linear: nn.Module) -> LayerGemv | None:
     """The native GEMV ``linear`` computes decode rows with, as its own forward picks it; None where it runs none (or
     where its forward does more, such as padding an int4 weight's input)."""
     if isinstance(linear, NativeLinear):
-        return LayerGemv(GEMV_BF16, ("weight", "", "bias"), 0, "bf16")
-    if isinstance(linear, Int8DynamicLinear):
-        if not linear.use_native or linear.in_features % ACTIVATION_BLOCK:
-            return None
-        return LayerGemv(GEMV_INT8_DOT, ("qweight", "scales", "bias"), 0, "int8")
-    if isinstance(linear, Int8WeightOnlyLinear):
-        if not linear.use_native or linear.grouped:
-            return None
-        kind = {16: GEMV_INT8_DOT16, 8: GEMV_INT8_DOT}.get(linear.use_dot_products, GEMV_INT8)
-        return LayerGemv(kind, ("qweight", "scales", "bias"), 0, "int8_dot" if kind != GEMV_INT8 else "int8")
+        return BF16_GEMV
     if isinstance(linear, Int4WeightOnlyLinear):
         if not linear.use_native or linear.padded_shape != (linear.out_features, linear.in_features):
             return None
         kind = GEMV_INT4_DOT if linear.use_dot_products else GEMV_INT4
         return LayerGemv(kind, ("packed", "packed_scales", "bias"), linear.group, "int4")
+    if isinstance(linear, Int8DynamicLinear):
+        if not linear.use_native or linear.in_features % ACTIVATION_BLOCK:
+            return None
+        return W8A8_GEMV
+    if isinstance(linear, Int8WeightOnlyLinear):
+        if not linear.use_native or linear.grouped:
+            return None
+        return INT8_GEMVS.get(linear.use_dot_products, INT8_GEMVS[0])
     return None
-
-
-def layer_gemvs(block: nn.Module) -> tuple[LayerGemv | None, ...]:
-    """The GEMVs of the block's linears as they are now (a linear replaced since the kernels step, say by loading a
-    quantized checkpoint into a float engine, gives its own, or None)."""
-    return tuple(layer_gemv(held(block, name)) for name in LINEARS)
 
 
 def unfit_reason(block: nn.Module) -> str | None:
@@ -90,46 +92,76 @@ def unfit_reason(block: nn.Module) -> str | None:
     return None
 
 
-def takes_step(x: torch.Tensor, mask: torch.Tensor | None, gemvs: tuple[LayerGemv | None, ...]) -> bool:
-    """Whether this step (``x [batch, seq, hidden]``) runs as one native call: one token per row, bf16 on CPU, a
-    boolean mask or none, and every linear on a native GEMV (``gemvs``: :func:`layer_gemvs`) that takes these rows.
+def step_takes_calls(x: torch.Tensor) -> bool:
+    """Whether a step on ``x [batch, seq, hidden]`` may run blocks in native calls: one token per row, bf16 on CPU.
     Shapes only, so ``torch.compile`` traces it."""
-    if x.shape[1] != 1 or x.dtype != torch.bfloat16 or x.device.type != "cpu":
-        return False
-    if mask is not None and mask.dtype != torch.bool:
-        return False
-    return all(gemv is not None and x.shape[0] <= native.MAX_ROWS[gemv.rows] for gemv in gemvs)
+    return x.shape[1] == 1 and x.dtype == torch.bfloat16 and x.device.type == "cpu"
 
 
-def decode_layer(block: nn.Module, gemvs: tuple[LayerGemv, ...], x: torch.Tensor, cos: torch.Tensor | None,
-                 sin: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
-                 mask: torch.Tensor | None, kv_len: int) -> torch.Tensor:
-    """The block's decode step on its linears' ``gemvs`` (:func:`layer_gemvs`): keys and values written into ``keys,
-    values [batch, kv_heads, L, head_dim]`` (the layer's cache) at ``slots``; returns the new hidden states (``x`` is
-    left as it is)."""
-    tensors = [held(linear, name) if name else None
-               for linear, gemv in zip((held(block, name) for name in LINEARS), gemvs)
-               for name in gemv.tensors]
-    attn_norm, mlp_norm = held(block, "attn_norm"), held(block, "mlp_norm")
-    return torch.ops.splice_kernels.decode_layer(
-        x.contiguous(), keys, values, slots, mask, kv_len, cos, sin, held(attn_norm, "weight"), attn_norm.eps,
-        held(mlp_norm, "weight"), mlp_norm.eps, tensors, [gemv.kind for gemv in gemvs], [gemv.group for gemv in gemvs],
-        block.shape.n_heads, block.shape.n_kv_heads, block.scale)
+class LayerCall(NamedTuple):
+    """What ``decode_layers`` takes of one block for a step: its cache layer, mask and rotary rows, its norms' weights
+    and eps, its linears' tensors (weight, scales, bias each), GEMV kinds and int4 groups, its query and KV heads and
+    its attention scale."""
+
+    layer: int
+    mask: torch.Tensor | None
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    norms: tuple[torch.Tensor, torch.Tensor]
+    eps: tuple[float, float]
+    tensors: list[torch.Tensor | None]
+    kinds: list[int]
+    groups: list[int]
+    heads: tuple[int, int]
+    scale: float
 
 
-MODULE_TABLES = ("_parameters", "_buffers", "_modules")
+def layer_call(block: nn.Module, rows: int, mask: torch.Tensor | None, cos: torch.Tensor | None,
+               sin: torch.Tensor | None, read=getattr) -> LayerCall | None:
+    """The block's part of a ``decode_layers`` call for a step of ``rows`` rows that takes calls
+    (:func:`step_takes_calls`), or None where it runs its own ops: not chosen by the kernels step, a float mask, or a
+    linear without a native GEMV that takes these rows. The linears are read as they are now (one replaced since the
+    kernels step, say by loading a quantized checkpoint into a float engine, gives its own GEMV or None); ``read``
+    reads attributes (:func:`attribute_reader`)."""
+    if not block.native_layer or (mask is not None and mask.dtype != torch.bool):
+        return None
+    linears = [read(block, name) for name in LINEARS]
+    gemvs = [layer_gemv(linear) for linear in linears]
+    if not all(gemv is not None and rows <= native.MAX_ROWS[gemv.rows] for gemv in gemvs):
+        return None
+    tensors = [read(linear, name) if name else None for linear, gemv in zip(linears, gemvs) for name in gemv.tensors]
+    attn_norm, mlp_norm = read(block, "attn_norm"), read(block, "mlp_norm")
+    shape = block.shape
+    return LayerCall(block.layer_idx, mask, cos, sin, (read(attn_norm, "weight"), read(mlp_norm, "weight")),
+                     (attn_norm.eps, mlp_norm.eps), tensors, [gemv.kind for gemv in gemvs],
+                     [gemv.group for gemv in gemvs], (shape.n_heads, shape.n_kv_heads), block.scale)
+
+
+def decode_layers(calls: list[LayerCall], x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  slots: torch.Tensor, kv_len: int) -> torch.Tensor:
+    """The decode step of the blocks of ``calls`` (consecutive, in order) on ``x``: each block's keys and values
+    written into its layer of ``keys, values [layers, batch, kv_heads, L, head_dim]`` (the cache) at ``slots``; returns
+    the last block's hidden states (``x`` is left as it is)."""
+    return torch.ops.splice_kernels.decode_layers(
+        x.contiguous(), keys, values, [call.layer for call in calls], slots, [call.mask for call in calls], kv_len,
+        [call.cos for call in calls], [call.sin for call in calls], [t for call in calls for t in call.norms],
+        [e for call in calls for e in call.eps], [t for call in calls for t in call.tensors],
+        [k for call in calls for k in call.kinds], [g for call in calls for g in call.groups],
+        [h for call in calls for h in call.heads], [call.scale for call in calls])
+
+
+def attribute_reader():
+    """How :func:`layer_call` reads a step's attributes: from the modules' own tables in eager steps
+    (:func:`held`: ``nn.Module.__getattr__`` costs most of a microsecond a call, and a block's call reads twenty), with
+    ``getattr`` itself in a compiled step's trace."""
+    return getattr if torch.compiler.is_compiling() else held
 
 
 def held(module: nn.Module, name: str):
-    """``getattr(module, name)`` for an attribute, parameter, buffer or submodule, read from the module's own tables
-    in eager steps: ``nn.Module.__getattr__`` costs most of a microsecond a call, and a block's native call reads
-    twenty. A compiled step traces ``getattr`` itself."""
-    if torch.compiler.is_compiling():
-        return getattr(module, name)
-    own = vars(module)
-    if name in own:  # a plain attribute comes first, as for getattr
-        return own[name]
-    for table in MODULE_TABLES:
-        if name in own[table]:
-            return own[table][name]
-    return getattr(module, name)
+    """``getattr(module, name)`` for a parameter, buffer, submodule or attribute, read from the module's own
+    tables."""
+    own = module.__dict__
+    for table in (own["_parameters"], own["_buffers"], own["_modules"]):
+        if name in table:  # registering a name takes it out of the plain attributes: no name is in both
+            return table[name]
+    return own[name] if name in own else getattr(module, name)

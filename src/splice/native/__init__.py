@@ -569,7 +569,7 @@ def _register_fakes() -> None:
                                                        dtype=torch.bfloat16))
     torch.library.register_fake("splice_kernels::decode_attention")(
         lambda q, k, v, mask, scale: q.new_empty((q.shape[0], q.shape[1], 1, q.shape[3])))
-    torch.library.register_fake("splice_kernels::decode_layer")(lambda x, keys, values, *rest: x.new_empty(x.shape))
+    torch.library.register_fake("splice_kernels::decode_layers")(lambda x, keys, values, *rest: x.new_empty(x.shape))
 
 
 def attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:

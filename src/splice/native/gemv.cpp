@@ -3004,7 +3004,7 @@ int64_t argmax_row(const float* x, int64_t n) {
 }
 
 
-// ---- a decoder layer's elementwise work (decode_layer), 8 lanes: every level's CPU runs AVX2 -----------------------
+// ---- a decoder layer's elementwise work (decode_layers), 8 lanes: every level's CPU runs AVX2 -----------------------
 // Each rounds to bf16 where the fused block's eager ops round (torch computes bf16 ops in float32, rounding each
 // result once).
 
@@ -3496,10 +3496,10 @@ int64_t stream_read(const at::Tensor& t, int64_t streams, bool prefetch_ahead) {
 
 
 // ---- one decoder layer of a decode step ----------------------------------------------------------------------------
-// decode_layer computes a pre-norm decoder layer with a gated SiLU MLP (Llama's and its relatives') for one new token
-// per row, in one call: RMSNorm, the QKV GEMV, rotary on q and k, the keys and values written into the layer's cache
-// at their slots, decode_attention, the o GEMV and residual add, RMSNorm, the gate+up GEMV, SiLU(gate) * up, the down
-// GEMV and residual add. The fused block's ops make a dozen calls for that, each with its dispatch, allocations and
+// A pre-norm decoder layer with a gated SiLU MLP (Llama's and its relatives') for one new token per row, as one
+// function (layer_step, run by decode_layers below): RMSNorm, the QKV GEMV, rotary on q and k, the keys and values
+// written into the layer's cache at their slots, decode_attention, the o GEMV and residual add, RMSNorm, the gate+up
+// GEMV, SiLU(gate) * up, the down GEMV and residual add. The fused block's ops make a dozen calls for that, each with its dispatch, allocations and
 // threads to wake: in a small model those cost more than reading the weights. The arithmetic is theirs: the same
 // GEMVs and attention, and each elementwise result rounded to bf16 where the block's eager ops round it.
 //
@@ -3533,24 +3533,21 @@ at::Tensor layer_gemv(const LayerLinear& l, const at::Tensor& x) {
   return y;
 }
 
+// Layer `layer`'s four linears from decode_layers' lists (the list sizes checked beforehand).
 std::vector<LayerLinear> layer_linears(const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds,
-                                       at::IntArrayRef groups) {
-  TORCH_CHECK(tensors.size() == LAYER_LINEARS * TENSORS_PER_LINEAR && kinds.size() == LAYER_LINEARS &&
-                  groups.size() == LAYER_LINEARS,
-              "decode_layer: ", LAYER_LINEARS, " linears (qkv, o, gate_up, down) of ", TENSORS_PER_LINEAR,
-              " tensors each (weight, scales, bias), kinds and groups; got ", tensors.size(), " tensors, ",
-              kinds.size(), " kinds, ", groups.size(), " groups");
+                                       at::IntArrayRef groups, int64_t layer, const std::string& who) {
   std::vector<LayerLinear> linears(LAYER_LINEARS);
   for (int64_t i = 0; i < LAYER_LINEARS; ++i) {
+    const int64_t at = layer * LAYER_LINEARS + i, first = at * TENSORS_PER_LINEAR;
     LayerLinear& l = linears[i];
-    l.kind = kinds[i];
-    l.group = groups[i];
-    TORCH_CHECK(0 <= l.kind && l.kind < GEMV_KINDS, "decode_layer: GEMV kind ", l.kind, "; allowed: 0 .. ",
+    l.kind = kinds[at];
+    l.group = groups[at];
+    TORCH_CHECK(0 <= l.kind && l.kind < GEMV_KINDS, who, ": GEMV kind ", l.kind, "; allowed: 0 .. ",
                 GEMV_KINDS - 1);
-    const std::optional<at::Tensor> w = tensors.get(i * TENSORS_PER_LINEAR);
-    const std::optional<at::Tensor> scales = tensors.get(i * TENSORS_PER_LINEAR + 1);
-    const std::optional<at::Tensor> bias = tensors.get(i * TENSORS_PER_LINEAR + 2);
-    TORCH_CHECK(w.has_value() && (l.kind == GEMV_BF16 || scales.has_value()), "decode_layer: linear ", i,
+    const std::optional<at::Tensor> w = tensors.get(first);
+    const std::optional<at::Tensor> scales = tensors.get(first + 1);
+    const std::optional<at::Tensor> bias = tensors.get(first + 2);
+    TORCH_CHECK(w.has_value() && (l.kind == GEMV_BF16 || scales.has_value()), who, ": linear ", i,
                 " needs its weight", l.kind == GEMV_BF16 ? "" : " and scales");
     l.w = *w;
     if (scales) l.scales = *scales;
@@ -3561,43 +3558,44 @@ std::vector<LayerLinear> layer_linears(const c10::List<std::optional<at::Tensor>
 
 void check_layer_inputs(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
                         int64_t kv_len, const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
-                        const at::Tensor& attn_norm, const at::Tensor& mlp_norm, int64_t n_heads, int64_t n_kv_heads) {
+                        const at::Tensor& attn_norm, const at::Tensor& mlp_norm, int64_t n_heads, int64_t n_kv_heads,
+                        const std::string& who) {
   TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.size(0) >= 1 && x.scalar_type() == at::kBFloat16 &&
                   x.is_contiguous() && x.device().is_cpu(),
-              "decode_layer: x must be a contiguous bf16 CPU tensor [B, 1, hidden], got ", x.scalar_type(), " ",
+              who, ": x must be a contiguous bf16 CPU tensor [B, 1, hidden], got ", x.scalar_type(), " ",
               x.sizes());
   const int64_t batch = x.size(0), hidden = x.size(2);
   TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.size(0) == batch &&
                   keys.size(1) == n_kv_heads && keys.scalar_type() == at::kBFloat16 &&
                   values.scalar_type() == at::kBFloat16 && keys.stride(3) == 1 && values.stride(3) == 1 &&
                   keys.size(3) <= MAX_HEAD_DIM,
-              "decode_layer: keys and values must be bf16 [", batch, ", ", n_kv_heads, ", L, head_dim <= ",
+              who, ": keys and values must be bf16 [", batch, ", ", n_kv_heads, ", L, head_dim <= ",
               MAX_HEAD_DIM, "], contiguous in head_dim; got ", keys.sizes(), " and ", values.sizes());
-  TORCH_CHECK(n_kv_heads >= 1 && n_heads % n_kv_heads == 0, "decode_layer: ", n_heads,
+  TORCH_CHECK(n_kv_heads >= 1 && n_heads % n_kv_heads == 0, who, ": ", n_heads,
               " query heads are not a multiple of ", n_kv_heads, " KV heads");
-  TORCH_CHECK(1 <= kv_len && kv_len <= keys.size(2), "decode_layer: kv_len ", kv_len, " outside 1 .. ", keys.size(2));
+  TORCH_CHECK(1 <= kv_len && kv_len <= keys.size(2), who, ": kv_len ", kv_len, " outside 1 .. ", keys.size(2));
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   ((slots.dim() == 1 && slots.numel() == 1) ||
                    (slots.dim() == 2 && slots.size(0) == batch && slots.size(1) == 1)),
-              "decode_layer: slots must be int64 [1] or [", batch, ", 1], got ", slots.scalar_type(), " ",
+              who, ": slots must be int64 [1] or [", batch, ", 1], got ", slots.scalar_type(), " ",
               slots.sizes());
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < slots.numel(); ++i)
-    TORCH_CHECK(0 <= sp[i] && sp[i] < keys.size(2), "decode_layer: slot ", sp[i], " outside the cache's 0 .. ",
+    TORCH_CHECK(0 <= sp[i] && sp[i] < keys.size(2), who, ": slot ", sp[i], " outside the cache's 0 .. ",
                 keys.size(2) - 1);
-  TORCH_CHECK(cos.has_value() == sin.has_value(), "decode_layer: cos and sin come together");
+  TORCH_CHECK(cos.has_value() == sin.has_value(), who, ": cos and sin come together");
   if (cos) {
     const int64_t rotary = cos->size(-1);
     TORCH_CHECK(cos->sizes() == sin->sizes() && cos->numel() == batch * rotary && rotary % 2 == 0 &&
                     rotary <= keys.size(3) && cos->scalar_type() == at::kBFloat16 &&
                     sin->scalar_type() == at::kBFloat16 && cos->is_contiguous() && sin->is_contiguous(),
-                "decode_layer: cos and sin must be contiguous bf16 with ", batch,
+                who, ": cos and sin must be contiguous bf16 with ", batch,
                 " rows of an even rotary size up to head_dim, got ", cos->sizes(), " and ", sin->sizes());
   }
   for (const at::Tensor* norm : {&attn_norm, &mlp_norm})
     TORCH_CHECK(norm->dim() == 1 && norm->size(0) == hidden && norm->scalar_type() == at::kBFloat16 &&
                     norm->is_contiguous(),
-                "decode_layer: the norms' weights must be contiguous bf16 [", hidden, "], got ", norm->scalar_type(),
+                who, ": the norms' weights must be contiguous bf16 [", hidden, "], got ", norm->scalar_type(),
                 " ", norm->sizes());
 }
 
@@ -3627,16 +3625,17 @@ void check_layer_linear(const LayerLinear& l, const std::string& name) {
 
 // Every linear, and its shape against the layer's, before anything is written: qkv [width, hidden], o [hidden,
 // heads * dim], gate_up [2 ffn, hidden], down [hidden, ffn] (ffn from down).
-void check_layer_linears(const std::vector<LayerLinear>& linears, int64_t hidden, int64_t width, int64_t attended) {
+void check_layer_linears(const std::vector<LayerLinear>& linears, int64_t hidden, int64_t width, int64_t attended,
+                         const std::string& who) {
   const char* names[LAYER_LINEARS] = {"qkv", "o", "gate_up", "down"};
   for (int64_t i = 0; i < LAYER_LINEARS; ++i)
-    check_layer_linear(linears[i], std::string("decode_layer: the ") + names[i] + " linear");
+    check_layer_linear(linears[i], who + ": the " + names[i] + " linear");
   const int64_t ffn = linear_shape(linears[3]).second;
   const std::pair<int64_t, int64_t> wanted[LAYER_LINEARS] = {
       {width, hidden}, {hidden, attended}, {2 * ffn, hidden}, {hidden, ffn}};
   for (int64_t i = 0; i < LAYER_LINEARS; ++i) {
     const auto [n, k] = linear_shape(linears[i]);
-    TORCH_CHECK(n == wanted[i].first && k == wanted[i].second, "decode_layer: the ", names[i], " linear is [", n,
+    TORCH_CHECK(n == wanted[i].first && k == wanted[i].second, who, ": the ", names[i], " linear is [", n,
                 ", ", k, "] (outputs, inputs); the layer needs [", wanted[i].first, ", ", wanted[i].second, "]");
   }
 }
@@ -3683,31 +3682,64 @@ void rotate_and_store(at::Tensor& qkv, const std::optional<at::Tensor>& cos, con
   }
 }
 
-at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
-                        const std::optional<at::Tensor>& mask, int64_t kv_len, const std::optional<at::Tensor>& cos,
-                        const std::optional<at::Tensor>& sin, const at::Tensor& attn_norm, double attn_eps,
-                        const at::Tensor& mlp_norm, double mlp_eps, const c10::List<std::optional<at::Tensor>>& tensors,
-                        at::IntArrayRef kinds, at::IntArrayRef groups, int64_t n_heads, int64_t n_kv_heads,
-                        double scale) {
-  check_isa("decode_layer");
-  check_layer_inputs(x, keys, values, slots, kv_len, cos, sin, attn_norm, mlp_norm, n_heads, n_kv_heads);
-  const std::vector<LayerLinear> linears = layer_linears(tensors, kinds, groups);
-  const int64_t batch = x.size(0), hidden = x.size(2), dim = keys.size(3);
-  check_layer_linears(linears, hidden, (n_heads + 2 * n_kv_heads) * dim, n_heads * dim);
-  const int64_t ffn = linear_shape(linears[3]).second;
+// One layer of a decode_layers call, unpacked from its lists.
+struct LayerCall {
+  at::Tensor keys, values;  // the layer's cache [B, kv_heads, L, head_dim]
+  std::optional<at::Tensor> mask, cos, sin;
+  at::Tensor attn_norm, mlp_norm;
+  double attn_eps = 0, mlp_eps = 0, scale = 0;
+  int64_t n_heads = 0, n_kv_heads = 0;
+  std::vector<LayerLinear> linears;
+};
 
+// Checks that the list arguments of decode_layers hold `n` layers' entries.
+void check_layer_lists(int64_t n, const c10::List<std::optional<at::Tensor>>& masks,
+                       const c10::List<std::optional<at::Tensor>>& cos, const c10::List<std::optional<at::Tensor>>& sin,
+                       at::TensorList norms, at::ArrayRef<double> eps,
+                       const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds, at::IntArrayRef groups,
+                       at::IntArrayRef heads, at::ArrayRef<double> scales) {
+  TORCH_CHECK(n >= 1, "decode_layers: no layers");
+  const int64_t got[] = {static_cast<int64_t>(masks.size()), static_cast<int64_t>(cos.size()),
+                         static_cast<int64_t>(sin.size()), static_cast<int64_t>(norms.size()),
+                         static_cast<int64_t>(eps.size()), static_cast<int64_t>(tensors.size()),
+                         static_cast<int64_t>(kinds.size()), static_cast<int64_t>(groups.size()),
+                         static_cast<int64_t>(heads.size()), static_cast<int64_t>(scales.size())};
+  const int64_t per_layer[] = {1, 1, 1, 2, 2, LAYER_LINEARS * TENSORS_PER_LINEAR, LAYER_LINEARS, LAYER_LINEARS, 2, 1};
+  const char* names[] = {"masks", "cos", "sin", "norms", "eps", "tensors", "kinds", "groups", "heads", "scales"};
+  for (int i = 0; i < 10; ++i)
+    TORCH_CHECK(got[i] == per_layer[i] * n, "decode_layers: ", n, " layers take ", per_layer[i] * n, " ", names[i],
+                " (", per_layer[i], " a layer), got ", got[i]);
+}
+
+// A layer's mask: bool [B or 1, 1, 1, >= kv_len] (its first kv_len slots are read).
+void check_layer_mask(const std::optional<at::Tensor>& mask, int64_t batch, int64_t kv_len, const std::string& who) {
+  if (!mask) return;
+  const at::Tensor& m = *mask;
+  TORCH_CHECK(m.scalar_type() == at::kBool && m.dim() == 4 && m.size(1) == 1 && m.size(2) == 1 &&
+                  m.size(3) == kv_len && (m.size(0) == 1 || m.size(0) == batch),
+              who, ": the mask must be bool [", batch, " or 1, 1, 1, ", kv_len, "], got ", m.scalar_type(), " ",
+              m.sizes());
+}
+
+// The layer's step for rows x [B, 1, hidden] (checked: check_layer_call): its keys and values written at slots, the
+// new hidden states returned (x is left as it is).
+at::Tensor layer_step(const at::Tensor& x, const LayerCall& l, const at::Tensor& slots, int64_t kv_len) {
+  const std::vector<LayerLinear>& linears = l.linears;
+  const int64_t batch = x.size(0), hidden = x.size(2), dim = l.keys.size(3), ffn = linear_shape(linears[3]).second;
   at::Tensor normed = at::empty({batch, hidden}, x.options());
-  rms_norm_rows(x.data_ptr<at::BFloat16>(), batch, hidden, attn_norm, attn_eps, normed.data_ptr<at::BFloat16>());
+  rms_norm_rows(x.data_ptr<at::BFloat16>(), batch, hidden, l.attn_norm, l.attn_eps, normed.data_ptr<at::BFloat16>());
   at::Tensor qkv = layer_gemv(linears[0], normed);
-  rotate_and_store(qkv, cos, sin, keys, values, slots, n_heads, n_kv_heads);
-  const at::Tensor q = qkv.view({batch, 1, n_heads + 2 * n_kv_heads, dim}).narrow(2, 0, n_heads).transpose(1, 2);
-  const at::Tensor attended = decode_attention(q, keys.narrow(2, 0, kv_len), values.narrow(2, 0, kv_len), mask, scale);
-  const at::Tensor o = layer_gemv(linears[1], attended.view({batch, n_heads * dim}));
+  rotate_and_store(qkv, l.cos, l.sin, l.keys, l.values, slots, l.n_heads, l.n_kv_heads);
+  const at::Tensor q =
+      qkv.view({batch, 1, l.n_heads + 2 * l.n_kv_heads, dim}).narrow(2, 0, l.n_heads).transpose(1, 2);
+  const at::Tensor attended =
+      decode_attention(q, l.keys.narrow(2, 0, kv_len), l.values.narrow(2, 0, kv_len), l.mask, l.scale);
+  const at::Tensor o = layer_gemv(linears[1], attended.view({batch, l.n_heads * dim}));
 
   at::Tensor out = at::empty_like(x);
   at::BFloat16* outp = out.data_ptr<at::BFloat16>();
   add_rows(x.data_ptr<at::BFloat16>(), o.data_ptr<at::BFloat16>(), batch, hidden, outp);
-  rms_norm_rows(outp, batch, hidden, mlp_norm, mlp_eps, normed.data_ptr<at::BFloat16>());
+  rms_norm_rows(outp, batch, hidden, l.mlp_norm, l.mlp_eps, normed.data_ptr<at::BFloat16>());
   const at::Tensor gate_up = layer_gemv(linears[2], normed);
   at::Tensor act = at::empty({batch, ffn}, x.options());
   for (int64_t m = 0; m < batch; ++m) {
@@ -3717,6 +3749,54 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& keys, const at::T
   const at::Tensor down = layer_gemv(linears[3], act);
   add_rows(outp, down.data_ptr<at::BFloat16>(), batch, hidden, outp);
   return out;
+}
+
+// decode_layers runs consecutive decoder layers (each as layer_step, above) on rows x [B, 1,
+// hidden], one after another, in one call: a step's Python and dispatch per layer cost more than a small layer's
+// weights take to read. Layer i reads and writes the KV cache's layer layers[i] (keys, values: the whole cache
+// [cache layers, B, kv_heads, L, head_dim]); its mask, cos and sin are entry i of their lists, its norms' weights and
+// eps entries 2i and 2i + 1, its linears 4i .. 4i + 3 (three tensors each: weight, scales, bias), its query and KV
+// heads entries 2i and 2i + 1 of heads, its scale entry i. Every layer is checked before any is run.
+at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, at::IntArrayRef layers,
+                         const at::Tensor& slots, const c10::List<std::optional<at::Tensor>>& masks, int64_t kv_len,
+                         const c10::List<std::optional<at::Tensor>>& cos,
+                         const c10::List<std::optional<at::Tensor>>& sin, at::TensorList norms,
+                         at::ArrayRef<double> eps, const c10::List<std::optional<at::Tensor>>& tensors,
+                         at::IntArrayRef kinds, at::IntArrayRef groups, at::IntArrayRef heads,
+                         at::ArrayRef<double> scales) {
+  check_isa("decode_layers");
+  const int64_t n = static_cast<int64_t>(layers.size());
+  check_layer_lists(n, masks, cos, sin, norms, eps, tensors, kinds, groups, heads, scales);
+  TORCH_CHECK(keys.dim() == 5 && values.dim() == 5, "decode_layers: keys and values must be the whole cache [layers, B,"
+              " kv_heads, L, head_dim], got ", keys.sizes(), " and ", values.sizes());
+  std::vector<LayerCall> calls(n);
+  for (int64_t i = 0; i < n; ++i) {
+    const std::string who = "decode_layers: layer " + std::to_string(i);
+    TORCH_CHECK(0 <= layers[i] && layers[i] < keys.size(0), who, ": cache layer ", layers[i], " outside 0 .. ",
+                keys.size(0) - 1);
+    LayerCall& l = calls[i];
+    l.keys = keys.select(0, layers[i]);
+    l.values = values.select(0, layers[i]);
+    l.mask = masks.get(i);
+    l.cos = cos.get(i);
+    l.sin = sin.get(i);
+    l.attn_norm = norms[2 * i];
+    l.mlp_norm = norms[2 * i + 1];
+    l.attn_eps = eps[2 * i];
+    l.mlp_eps = eps[2 * i + 1];
+    l.n_heads = heads[2 * i];
+    l.n_kv_heads = heads[2 * i + 1];
+    l.scale = scales[i];
+    check_layer_inputs(x, l.keys, l.values, slots, kv_len, l.cos, l.sin, l.attn_norm, l.mlp_norm, l.n_heads,
+                       l.n_kv_heads, who);
+    check_layer_mask(l.mask, x.size(0), kv_len, who);
+    l.linears = layer_linears(tensors, kinds, groups, i, who);
+    check_layer_linears(l.linears, x.size(2), (l.n_heads + 2 * l.n_kv_heads) * l.keys.size(3),
+                        l.n_heads * l.keys.size(3), who);
+  }
+  at::Tensor h = x;
+  for (const LayerCall& l : calls) h = layer_step(h, l, slots, kv_len);
+  return h;
 }
 
 }  // namespace
@@ -3737,9 +3817,9 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("widened_linear(Tensor x, Tensor w) -> Tensor");
   lib.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
   lib.def("argmax_rows(Tensor x) -> Tensor");
-  lib.def("decode_layer(Tensor x, Tensor(a!) keys, Tensor(b!) values, Tensor slots, Tensor? mask, int kv_len, "
-          "Tensor? cos, Tensor? sin, Tensor attn_norm, float attn_eps, Tensor mlp_norm, float mlp_eps, "
-          "Tensor?[] tensors, int[] kinds, int[] groups, int n_heads, int n_kv_heads, float scale) -> Tensor");
+  lib.def("decode_layers(Tensor x, Tensor(a!) keys, Tensor(b!) values, int[] layers, Tensor slots, Tensor?[] masks, "
+          "int kv_len, Tensor?[] cos, Tensor?[] sin, Tensor[] norms, float[] eps, Tensor?[] tensors, int[] kinds, "
+          "int[] groups, int[] heads, float[] scales) -> Tensor");
   // no tensors: one kernel for every backend
   lib.def("amx_ready() -> bool", &amx_ready);
   lib.def("int8_dot_ready() -> bool", &int8_dot_ready);
@@ -3776,5 +3856,5 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("widened_linear", &widened_linear);
   lib.impl("decode_attention", &decode_attention);
   lib.impl("argmax_rows", &argmax_rows);
-  lib.impl("decode_layer", &decode_layer);
+  lib.impl("decode_layers", &decode_layers);
 }
