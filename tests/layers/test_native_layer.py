@@ -144,6 +144,21 @@ def test_the_calls_read_the_weights_a_layer_holds_now():
     assert torch.equal(decode(engine, True)[0], expected)
 
 
+def test_eager_steps_gather_the_calls_once_a_prompt(monkeypatch):
+    """The first decode step after a prompt gathers its blocks' calls; the later ones reuse them, and the next prompt
+    gathers them again."""
+    engine = engine_of("llama", "int4-sym")
+    gathered = []
+    layer_call = native_layer.layer_call
+    monkeypatch.setattr(native_layer, "layer_call", lambda block, *args: gathered.append(block) or
+                        layer_call(block, *args))
+    expected = decode(engine, True)
+    layers = len(engine.runtime.blocks)
+    assert len(gathered) == layers  # STEPS steps, one gathering
+    assert all(torch.equal(a, b) for a, b in zip(decode(engine, True), expected))
+    assert len(gathered) == 2 * layers
+
+
 def test_a_compiled_step_matches_the_eager_native_calls(fresh_compiles):
     engine = engine_of("llama", "int4-sym")
     eager = decode(engine, True)
@@ -190,45 +205,45 @@ def test_the_op_names_bad_inputs():
     cache = runtime.new_cache(1)
     x = torch.randn(1, 1, 64).to(torch.bfloat16)
     slots = torch.tensor([3])
-    cos, sin = runtime.rope().lookup(torch.tensor([[3]]))
-    calls = [native_layer.layer_call(block, 1, None, cos, sin) for block in runtime.blocks]
+    rotary = [runtime.rope().lookup(torch.tensor([[3]]))]
+    masks = {None: None}
+    calls = [native_layer.layer_call(block, 1) for block in runtime.blocks]
     assert len(calls) >= 2 and all(calls)
+    (both,) = native_layer.step_plan(runtime.blocks, 1, masks)
+    first = native_layer.native_run(runtime.blocks[:1], calls[:1])
 
-    def run(calls, x=x, slots=slots, kv_len=4):
-        return native_layer.decode_layers(calls, x, cache.keys, cache.values, slots, kv_len)
+    def run(run=both, x=x, slots=slots, kv_len=4, masks=masks, rotary=rotary):
+        return native_layer.decode_layers(run, x, cache.keys, cache.values, slots, masks, kv_len, rotary)
 
-    run(calls)  # fits
+    run()  # fits
     with pytest.raises(RuntimeError, match="x must be a contiguous bf16 CPU tensor"):
-        run(calls, x=x.float())
+        run(x=x.float())
     with pytest.raises(RuntimeError, match="kv_len 65 outside 1 .. 64"):
-        run(calls, kv_len=65)
+        run(kv_len=65)
     with pytest.raises(RuntimeError, match="slot 64 outside the cache's 0 .. 63"):
-        run(calls, slots=torch.tensor([64]))
+        run(slots=torch.tensor([64]))
     with pytest.raises(RuntimeError, match="cos and sin come together"):
-        run([calls[0]._replace(sin=None)])
+        run(rotary=[(rotary[0][0], None)])
     with pytest.raises(RuntimeError, match="GEMV kind 9; allowed: 0 .. 5"):
-        run([calls[0]._replace(kinds=[0, 0, 9, 0])])
+        run(first._replace(kinds=[0, 0, 9, 0]))
     with pytest.raises(RuntimeError, match="cache layer 7 outside 0 .. 1"):
-        run([calls[0]._replace(layer=7)])
+        run(first._replace(layers=[7]))
     with pytest.raises(RuntimeError, match=r"2 layers take 24 tensors \(12 a layer\), got 23"):
-        torch.ops.splice_kernels.decode_layers(
-            x, cache.keys, cache.values, [0, 1], slots, [None, None], 4, [cos, cos], [sin, sin],
-            [t for call in calls for t in call.norms], [1e-5] * 4, [t for call in calls for t in call.tensors][:23],
-            [0] * 8, [0] * 8, [4, 2] * 2, [0.25] * 2)
+        run(both._replace(tensors=both.tensors[:23]))
     shapes = r"layer 0: the qkv linear is \[128, 64\] \(outputs, inputs\); the layer needs \[96, 64\]"
     with pytest.raises(RuntimeError, match=shapes):
-        run([calls[0]._replace(heads=(2, 2))])
+        run(first._replace(heads=[2, 2]))
     with pytest.raises(RuntimeError, match=r"the mask must be bool \[1 or 1, 1, 1, 4\]"):
-        run([calls[0]._replace(mask=torch.ones(1, 1, 1, 5, dtype=torch.bool))])
+        run(masks={None: torch.ones(1, 1, 1, 5, dtype=torch.bool)})
     # a bad later layer or linear is refused before any layer's cache is written (slot 5: the call above wrote slot 3)
     before = cache.keys.clone(), cache.values.clone()
-    wrong_o = list(calls[1].tensors)
-    wrong_o[3] = wrong_o[3].float()  # o's weight, for a bf16 GEMV
+    wrong_o = list(both.tensors)
+    wrong_o[12 + 3] = wrong_o[12 + 3].float()  # the second layer's o weight, for a bf16 GEMV
     with pytest.raises(RuntimeError, match="decode_layers: layer 1: the o linear: w must be a contiguous bf16"):
-        run([calls[0], calls[1]._replace(tensors=wrong_o)], slots=torch.tensor([5]))
-    wrong_bias = list(calls[0].tensors)
-    wrong_bias[11] = torch.zeros(3, dtype=torch.bfloat16)  # down's bias, for 64 outputs
+        run(both._replace(tensors=wrong_o), slots=torch.tensor([5]))
+    wrong_bias = list(both.tensors)
+    wrong_bias[11] = torch.zeros(3, dtype=torch.bfloat16)  # the first layer's down bias, for 64 outputs
     bias = r"layer 0: the down linear: the bias must be a float tensor of 64 values, got \[3\]"
     with pytest.raises(RuntimeError, match=bias):
-        run([calls[0]._replace(tensors=wrong_bias)], slots=torch.tensor([5]))
+        run(both._replace(tensors=wrong_bias), slots=torch.tensor([5]))
     assert torch.equal(cache.keys, before[0]) and torch.equal(cache.values, before[1])

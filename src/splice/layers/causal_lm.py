@@ -86,6 +86,7 @@ class SpliceCausalLM:
         # the compiled step's smallest attended length: below it, reading the empty slots costs less than a compile
         self.min_attended = MIN_ATTENDED
         self._cache: StaticKVCache | None = None
+        self._step_plans: dict[tuple, list] = {}  # (rows, which masks are boolean) -> an eager decode step's plan
         self.graphs: GraphReplayer | None = None  # the decode step's CUDA graphs (capture_graphs)
 
     @property
@@ -129,23 +130,18 @@ class SpliceCausalLM:
         ``dense``: a prompt without padding filling slots ``0 .. kv_len-1``, so full-attention layers need no mask
         (SDPA's causal kernel); a right-padded row's real tokens attend to nothing after them either.
         """
+        if tokens.shape[1] != 1:
+            self._step_plans.clear()  # a prompt: the next decode step gathers its blocks' native calls again
         x = self.embed_inputs(tokens, positions)
         rotary = [self.rope(index).lookup(positions) for index in range(len(self.ropes))]
         masks = {window: None if dense and window is None else cache.mask(slots, kv_len, window)
                  for window in self.windows}
-        read, natively = native_layer.attribute_reader(), native_layer.step_takes_calls(x)
-        calls = []  # consecutive blocks that step in one native call
-        for block in self.blocks:
-            cos, sin = rotary[block.layout.rope_index] if rotary else (None, None)
-            call = native_layer.layer_call(block, x.shape[0], masks[block.window], cos, sin, read) if natively else None
-            if call is not None:
-                calls.append(call)
+        for item in self.step_plan(x, masks):
+            if isinstance(item, native_layer.NativeRun):
+                x = self.native_blocks(item, x, cache, slots, masks, kv_len, rotary)
                 continue
-            if calls:
-                x, calls = self.native_blocks(calls, x, cache, slots, kv_len), []
-            x = block.step(x, cos, sin, cache, slots, masks[block.window], kv_len)
-        if calls:
-            x = self.native_blocks(calls, x, cache, slots, kv_len)
+            cos, sin = rotary[item.layout.rope_index] if rotary else (None, None)
+            x = item.step(x, cos, sin, cache, slots, masks[item.window], kv_len)
         if last is not None:
             return self.head(x[torch.arange(x.shape[0], device=x.device), last])
         if last_only:
@@ -155,10 +151,26 @@ class SpliceCausalLM:
 
     __call__ = forward
 
-    def native_blocks(self, calls: list, x: torch.Tensor, cache: StaticKVCache, slots: torch.Tensor,
-                      kv_len: int) -> torch.Tensor:
-        """A run of blocks' decode step in one native call (``calls``: :func:`native_layer.layer_call` of each)."""
-        return native_layer.decode_layers(calls, x, cache.keys, cache.values, slots, kv_len)
+    def step_plan(self, x: torch.Tensor, masks: dict) -> list:
+        """The blocks in the order a step on ``x`` runs them, runs of them in native calls (``native_layer.step_plan``).
+        An eager step keeps its plan until the next prompt (one a batch size): gathering the calls reads a few hundred
+        module attributes, and after a step has streamed its weights through the caches each read misses them. A prompt
+        drops the plans, so linears or weights replaced between ``generate`` calls are the ones that compute. A
+        compiled step's trace gathers its own."""
+        if not native_layer.step_takes_calls(x):
+            return list(self.blocks)
+        if torch.compiler.is_compiling():
+            return native_layer.step_plan(self.blocks, x.shape[0], masks)
+        key = (x.shape[0], tuple(mask is None or mask.dtype == torch.bool for mask in masks.values()))
+        plan = self._step_plans.get(key)
+        if plan is None:
+            plan = self._step_plans[key] = native_layer.step_plan(self.blocks, x.shape[0], masks, native_layer.held)
+        return plan
+
+    def native_blocks(self, run: native_layer.NativeRun, x: torch.Tensor, cache: StaticKVCache, slots: torch.Tensor,
+                      masks: dict, kv_len: int, rotary: list) -> torch.Tensor:
+        """A run of blocks' decode step in one native call (``native_layer.decode_layers``)."""
+        return native_layer.decode_layers(run, x, cache.keys, cache.values, slots, masks, kv_len, rotary)
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, cache: StaticKVCache,
                     kv_len: int) -> torch.Tensor:
@@ -259,6 +271,7 @@ class SpliceCausalLM:
         if self.graphs is not None:
             self.graphs.clear()
         self._direct_steps.clear()  # keyed by the cache's id, which a new cache may reuse
+        self._step_plans.clear()
 
     def compile_decode(self, cpp_wrapper: bool = True, **options) -> None:
         """Compile the decode step with ``torch.compile`` (opt-in: compiling takes tens of seconds on a small CPU).

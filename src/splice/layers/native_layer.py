@@ -8,8 +8,8 @@ kernel, rounding each elementwise result to bf16 where the block's eager ops rou
 
 :func:`unfit_reason` says whether a block's structure and layers allow it (the kernels step asks once per block);
 :func:`step_takes_calls` and :func:`layer_call` whether a given step does (one new token per row, bf16, every linear on
-a native GEMV that takes its rows, as :func:`layer_gemv` finds them at each step) and what the call takes of the block;
-:func:`decode_layers` runs the calls of a run of blocks.
+a native GEMV that takes its rows, as :func:`layer_gemv` finds them) and what the call takes of the block;
+:func:`step_plan` puts a step's blocks into runs, and :func:`decode_layers` runs a run's call.
 """
 from __future__ import annotations
 
@@ -99,14 +99,11 @@ def step_takes_calls(x: torch.Tensor) -> bool:
 
 
 class LayerCall(NamedTuple):
-    """What ``decode_layers`` takes of one block for a step: its cache layer, mask and rotary rows, its norms' weights
-    and eps, its linears' tensors (weight, scales, bias each), GEMV kinds and int4 groups, its query and KV heads and
-    its attention scale."""
+    """What ``decode_layers`` takes of one block, besides a step's mask and rotary rows: its cache layer, its norms'
+    weights and eps, its linears' tensors (weight, scales, bias each), GEMV kinds and int4 groups, its query and KV
+    heads and its attention scale."""
 
     layer: int
-    mask: torch.Tensor | None
-    cos: torch.Tensor | None
-    sin: torch.Tensor | None
     norms: tuple[torch.Tensor, torch.Tensor]
     eps: tuple[float, float]
     tensors: list[torch.Tensor | None]
@@ -116,14 +113,13 @@ class LayerCall(NamedTuple):
     scale: float
 
 
-def layer_call(block: nn.Module, rows: int, mask: torch.Tensor | None, cos: torch.Tensor | None,
-               sin: torch.Tensor | None, read=getattr) -> LayerCall | None:
-    """The block's part of a ``decode_layers`` call for a step of ``rows`` rows that takes calls
-    (:func:`step_takes_calls`), or None where it runs its own ops: not chosen by the kernels step, a float mask, or a
-    linear without a native GEMV that takes these rows. The linears are read as they are now (one replaced since the
-    kernels step, say by loading a quantized checkpoint into a float engine, gives its own GEMV or None); ``read``
-    reads attributes (:func:`attribute_reader`)."""
-    if not block.native_layer or (mask is not None and mask.dtype != torch.bool):
+def layer_call(block: nn.Module, rows: int, read=getattr) -> LayerCall | None:
+    """The block's part of a ``decode_layers`` call for steps of ``rows`` rows that take calls
+    (:func:`step_takes_calls`), or None where it runs its own ops: not chosen by the kernels step, or a linear without a
+    native GEMV that takes these rows. The linears are read as they are now (one replaced since the kernels step, say
+    by loading a quantized checkpoint into a float engine, gives its own GEMV or None); ``read`` reads attributes
+    (:func:`attribute_reader`)."""
+    if not block.native_layer:
         return None
     linears = [read(block, name) for name in LINEARS]
     gemvs = [layer_gemv(linear) for linear in linears]
@@ -132,22 +128,67 @@ def layer_call(block: nn.Module, rows: int, mask: torch.Tensor | None, cos: torc
     tensors = [read(linear, name) if name else None for linear, gemv in zip(linears, gemvs) for name in gemv.tensors]
     attn_norm, mlp_norm = read(block, "attn_norm"), read(block, "mlp_norm")
     shape = block.shape
-    return LayerCall(block.layer_idx, mask, cos, sin, (read(attn_norm, "weight"), read(mlp_norm, "weight")),
+    return LayerCall(block.layer_idx, (read(attn_norm, "weight"), read(mlp_norm, "weight")),
                      (attn_norm.eps, mlp_norm.eps), tensors, [gemv.kind for gemv in gemvs],
                      [gemv.group for gemv in gemvs], (shape.n_heads, shape.n_kv_heads), block.scale)
 
 
-def decode_layers(calls: list[LayerCall], x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                  slots: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """The decode step of the blocks of ``calls`` (consecutive, in order) on ``x``: each block's keys and values
-    written into its layer of ``keys, values [layers, batch, kv_heads, L, head_dim]`` (the cache) at ``slots``; returns
-    the last block's hidden states (``x`` is left as it is)."""
+class NativeRun(NamedTuple):
+    """Consecutive blocks that step in one ``decode_layers`` call: each one's window and rotary table (which pick its
+    mask and rotary rows at each step), and their calls' lists as the op takes them."""
+
+    windows: list[int | None]
+    ropes: list[int]
+    layers: list[int]
+    norms: list[torch.Tensor]
+    eps: list[float]
+    tensors: list[torch.Tensor | None]
+    kinds: list[int]
+    groups: list[int]
+    heads: list[int]
+    scales: list[float]
+
+
+def native_run(blocks: list[nn.Module], calls: list[LayerCall]) -> NativeRun:
+    return NativeRun([block.window for block in blocks], [block.layout.rope_index for block in blocks],
+                     [call.layer for call in calls], [t for call in calls for t in call.norms],
+                     [e for call in calls for e in call.eps], [t for call in calls for t in call.tensors],
+                     [k for call in calls for k in call.kinds], [g for call in calls for g in call.groups],
+                     [h for call in calls for h in call.heads], [call.scale for call in calls])
+
+
+def step_plan(blocks, rows: int, masks: dict, read=getattr) -> list:
+    """A decode step's blocks in the order it runs them (``rows`` rows, a step that takes calls): each run of
+    consecutive blocks that step in one native call as a :class:`NativeRun`, each other block itself (a float mask,
+    ``masks[block.window]``, sends its block to its own ops)."""
+    plan, run, calls = [], [], []
+    for block in blocks:
+        mask = masks[block.window]
+        call = layer_call(block, rows, read) if mask is None or mask.dtype == torch.bool else None
+        if call is not None:
+            run.append(block)
+            calls.append(call)
+            continue
+        if run:
+            plan.append(native_run(run, calls))
+            run, calls = [], []
+        plan.append(block)
+    if run:
+        plan.append(native_run(run, calls))
+    return plan
+
+
+def decode_layers(run: NativeRun, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                  masks: dict, kv_len: int, rotary: list) -> torch.Tensor:
+    """The decode step of the blocks of ``run`` on ``x``: each block's keys and values written into its layer of
+    ``keys, values [layers, batch, kv_heads, L, head_dim]`` (the cache) at ``slots``, attending under its window's
+    mask (``masks``) with its table's rotary rows (``rotary``: cos and sin of each table; empty without rotary);
+    returns the last block's hidden states (``x`` is left as it is)."""
+    cos = [rotary[index][0] for index in run.ropes] if rotary else [None] * len(run.layers)
+    sin = [rotary[index][1] for index in run.ropes] if rotary else [None] * len(run.layers)
     return torch.ops.splice_kernels.decode_layers(
-        x.contiguous(), keys, values, [call.layer for call in calls], slots, [call.mask for call in calls], kv_len,
-        [call.cos for call in calls], [call.sin for call in calls], [t for call in calls for t in call.norms],
-        [e for call in calls for e in call.eps], [t for call in calls for t in call.tensors],
-        [k for call in calls for k in call.kinds], [g for call in calls for g in call.groups],
-        [h for call in calls for h in call.heads], [call.scale for call in calls])
+        x.contiguous(), keys, values, run.layers, slots, [masks[window] for window in run.windows], kv_len, cos, sin,
+        run.norms, run.eps, run.tensors, run.kinds, run.groups, run.heads, run.scales)
 
 
 def attribute_reader():
