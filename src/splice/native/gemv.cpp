@@ -54,6 +54,7 @@
 #include <mutex>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -310,6 +311,27 @@ void parallel_streams(int64_t units, int64_t rows, F&& f) {
     });
   });
 }
+
+// A GEMV's output: a new tensor, or the one its caller set for it on this thread (OutputInto: decode_layers writes
+// each layer's GEMVs into buffers it allocated once for all its layers).
+thread_local const at::Tensor* next_output = nullptr;
+
+at::Tensor kernel_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  if (const at::Tensor* out = std::exchange(next_output, nullptr)) {
+    TORCH_CHECK(out->sizes() == sizes && out->is_contiguous() && out->dtype() == options.dtype(),
+                "kernel_output: the output set is ", out->sizes(), ", the kernel's is ", sizes);
+    return *out;
+  }
+  return at::empty(sizes, options);
+}
+
+// Sets the next GEMV's output on this thread, for the scope's lifetime.
+struct OutputInto {
+  explicit OutputInto(const at::Tensor& out) { next_output = &out; }
+  ~OutputInto() { next_output = nullptr; }
+  OutputInto(const OutputInto&) = delete;
+  OutputInto& operator=(const OutputInto&) = delete;
+};
 
 template <int64_t X = 4, typename F>
 void with_rows(int64_t m, F&& f) {  // calls f(Int<m>) for m in 1 .. X (only those are instantiated)
@@ -673,7 +695,7 @@ void bf16_row_sets(const at::BFloat16* x, const at::BFloat16* w, int64_t k, RowB
 
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
-  auto out = at::empty({m, n}, x.options());
+  auto out = kernel_output({m, n}, x.options());
   const auto* xp = x.data_ptr<at::BFloat16>();
   const auto* wp = w.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
@@ -773,7 +795,7 @@ at::Tensor int8_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   // to whole 64-column steps
   const int64_t padded = (k + 2 * AMX_COLUMNS - 1) / (2 * AMX_COLUMNS) * (2 * AMX_COLUMNS);
   const at::Tensor x_pairs = at::constant_pad_nd(x, {0, padded - k}).view(at::kInt).t().contiguous();
-  auto out = at::empty({m, n}, x.options());
+  auto out = kernel_output({m, n}, x.options());
   const int32_t* xp = x_pairs.data_ptr<int32_t>();
   const int8_t* wp = w.data_ptr<int8_t>();
   const auto* sp = scales.data_ptr<at::BFloat16>();
@@ -788,7 +810,7 @@ at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
   if (m >= INT8_AMX_MIN_ROWS && m <= AMX_ROWS && amx_ready()) return int8_amx(x, w, scales);
   auto xf = x.to(at::kFloat).contiguous();
-  auto out = at::empty({m, n}, x.options());
+  auto out = kernel_output({m, n}, x.options());
   const float* xp = xf.data_ptr<float>();
   const auto* sp = scales.data_ptr<at::BFloat16>();
   const int8_t* wp = w.data_ptr<int8_t>();
@@ -1082,7 +1104,7 @@ at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
   DotActivations a = round_rows(x.data_ptr<at::BFloat16>(), m, k);
   add_unflip(a, m);
-  auto out = at::empty({m, n}, x.options());
+  auto out = kernel_output({m, n}, x.options());
   const auto* sp = scales.data_ptr<at::BFloat16>();
   const int8_t* wp = w.data_ptr<int8_t>();
   auto* op = out.data_ptr<at::BFloat16>();
@@ -1274,7 +1296,7 @@ at::Tensor int4_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   if (m > AMX_ROWS && m % AMX_ROWS) rows = at::constant_pad_nd(x, {0, 0, 0, AMX_ROWS - m % AMX_ROWS});
   const auto* xp = rows.data_ptr<at::BFloat16>();
   const std::vector<float> xsum = group_sums(xp, m, k, group);
-  auto out = at::empty({m, n}, x.options());
+  auto out = kernel_output({m, n}, x.options());
   const int32_t* wp = w.data_ptr<int32_t>();
   const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
@@ -1289,7 +1311,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   if (m >= AMX_MIN_ROWS && group % AMX_COLUMNS == 0 && amx_ready()) return int4_amx(x, w, sz, group);
   const auto* xp = x.data_ptr<at::BFloat16>();
   const std::vector<float> xsum = group_sums(xp, m, k, group);
-  auto out = at::empty({m, n}, x.options());
+  auto out = kernel_output({m, n}, x.options());
   const float* sp = xsum.data();
   const int32_t* wp = w.data_ptr<int32_t>();
   const Int4Scales zp(sz);
@@ -1464,7 +1486,7 @@ void int4_dot_blocks(const Int4DotActivations& a, int64_t m0, const int32_t* w, 
 at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
   const int64_t tiles = w.size(0), k = w.size(1) * 8, m = x.size(0), n = tiles * TILE;
   const Int4DotActivations a = round_rows_for_int4(x.data_ptr<at::BFloat16>(), m, k, group);
-  auto out = at::empty({m, n}, x.options());
+  auto out = kernel_output({m, n}, x.options());
   const int32_t* wp = w.data_ptr<int32_t>();
   const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
@@ -2081,7 +2103,7 @@ void bf16_rows(const float* x, const at::BFloat16* w, int64_t k, RowBlock block,
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
   const at::Tensor xf = to_float(x);
-  auto out = at::empty({m, n}, x.options());
+  auto out = kernel_output({m, n}, x.options());
   const float* xp = xf.data_ptr<float>();
   const auto* wp = w.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
@@ -2108,7 +2130,7 @@ void int8_rows(const float* x, const int8_t* w, const at::BFloat16* scales, int6
 at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
   const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
   const at::Tensor xf = to_float(x);
-  auto out = at::empty({m, n}, x.options());
+  auto out = kernel_output({m, n}, x.options());
   const float* xp = xf.data_ptr<float>();
   const auto* sp = scales.data_ptr<at::BFloat16>();
   const int8_t* wp = w.data_ptr<int8_t>();
@@ -2257,7 +2279,7 @@ template <bool VNNI>
 at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
   const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
   const DotRows a = round_rows(x.data_ptr<at::BFloat16>(), m, k);
-  auto out = at::empty({m, n}, x.options());
+  auto out = kernel_output({m, n}, x.options());
   const auto* sp = scales.data_ptr<at::BFloat16>();
   const int8_t* wp = w.data_ptr<int8_t>();
   auto* op = out.data_ptr<at::BFloat16>();
@@ -2410,7 +2432,7 @@ void int8_dot16_block(const Dot16Rows& a, int64_t m0, const int8_t* w, const at:
 at::Tensor int8_dot16_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
   const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
   const Dot16Rows a = round_rows16(x.data_ptr<at::BFloat16>(), m, k);
-  auto out = at::empty({m, n}, x.options());
+  auto out = kernel_output({m, n}, x.options());
   const auto* sp = scales.data_ptr<at::BFloat16>();
   const int8_t* wp = w.data_ptr<int8_t>();
   auto* op = out.data_ptr<at::BFloat16>();
@@ -2522,7 +2544,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const at::Tensor xf = to_float(x);
   const float* xp = xf.data_ptr<float>();
   const std::vector<float> xsum = group_sums(xp, m, k, group);
-  auto out = at::empty({m, n}, x.options());
+  auto out = kernel_output({m, n}, x.options());
   const float* sp = xsum.data();
   const int32_t* wp = w.data_ptr<int32_t>();
   const Int4Scales zp(sz);
@@ -2672,7 +2694,7 @@ at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   const int64_t tiles = w.size(0), k = w.size(1) * 8, m = x.size(0), n = tiles * TILE;
   DotRows rows = round_rows(x.data_ptr<at::BFloat16>(), m, k);
   const Int4DotActivations a = int4_dot_activations(rows.q.data(), k, std::move(rows.d), m, k, group);
-  auto out = at::empty({m, n}, x.options());
+  auto out = kernel_output({m, n}, x.options());
   const int32_t* wp = w.data_ptr<int32_t>();
   const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
@@ -3130,50 +3152,78 @@ void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   }
 }
 
+// decode_attention's inputs as pointers and strides: q [B, heads, 1, dim], keys and values [B, kv_heads, keys, dim],
+// the mask bool [B or 1, 1, 1, keys] or none (mask_b 0: one row for every row).
 template <typename T>
-at::Tensor decode_attention_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const std::optional<at::Tensor>& mask, double scale) {
-  const int64_t batch = q.size(0), heads = q.size(1), dim = q.size(3), kv = k.size(1), keys = k.size(2);
-  const int64_t group = heads / kv, threads = at::get_num_threads();
-  const int64_t parts = std::max((keys + MAX_PART_KEYS - 1) / MAX_PART_KEYS,
-                                 std::clamp<int64_t>((2 * threads + batch * kv - 1) / (batch * kv), 1,
-                                                     std::max<int64_t>(1, keys / MIN_PART_KEYS)));
-  const int64_t part_keys = (keys + parts - 1) / parts, units = batch * kv * parts, row = dim + 2;
-  std::vector<float> partial(units * group * row);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k.data_ptr<T>();
-  const T* vp = v.data_ptr<T>();
+struct AttentionInputs {
+  const T* q;
+  int64_t q_b, q_h;
+  const T* k;
+  int64_t k_b, k_h, k_j;
+  const T* v;
+  int64_t v_b, v_h, v_j;
+  const bool* mask;
+  int64_t mask_b, mask_j;
+  int64_t batch, heads, kv, keys, dim;
+  float scale;
+};
+
+template <typename T>
+AttentionInputs<T> attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const std::optional<at::Tensor>& mask, double scale) {
   const bool* mp = mask ? mask->data_ptr<bool>() : nullptr;
+  return {q.data_ptr<T>(), q.stride(0), q.stride(1), k.data_ptr<T>(), k.stride(0), k.stride(1), k.stride(2),
+          v.data_ptr<T>(), v.stride(0), v.stride(1), v.stride(2), mp,
+          mask && mask->size(0) > 1 ? mask->stride(0) : 0, mask ? mask->stride(3) : 1, q.size(0), q.size(1),
+          k.size(1), k.size(2), q.size(3), static_cast<float>(scale)};
+}
+
+// How many parts decode_attention splits each row's keys into (every (row, KV head) a unit per part) for `threads`.
+int64_t attention_parts(int64_t batch, int64_t kv, int64_t keys, int64_t threads) {
+  return std::max((keys + MAX_PART_KEYS - 1) / MAX_PART_KEYS,
+                  std::clamp<int64_t>((2 * threads + batch * kv - 1) / (batch * kv), 1,
+                                      std::max<int64_t>(1, keys / MIN_PART_KEYS)));
+}
+
+// The floats attend_into's partial sums take: per (row, query head, part) the head's weighted sum, top score and sum.
+int64_t attention_partial_floats(int64_t batch, int64_t heads, int64_t dim, int64_t parts) {
+  return batch * heads * parts * (dim + 2);
+}
+
+// decode_attention into out [B, heads, 1, dim] (contiguous): each (row, KV head, part) of the keys attended into
+// partial, then the parts merged.
+template <typename T>
+void attend_into(const AttentionInputs<T>& in, int64_t parts, float* partial, T* op) {
+  const int64_t batch = in.batch, heads = in.heads, dim = in.dim, kv = in.kv, keys = in.keys, group = heads / kv;
+  const int64_t part_keys = (keys + parts - 1) / parts, units = batch * kv * parts, row = dim + 2;
   at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
     // kept per thread between calls: fresh buffers would be allocated and zero-filled for every layer of every step
     thread_local AttentionScratch scratch;
     for (int64_t u = begin; u < end; ++u) {
       const int64_t b = u / (kv * parts), h = u / parts % kv, first = u % parts * part_keys;
-      AttentionPart<T> a{qp + b * q.stride(0) + h * group * q.stride(1), q.stride(1),
-                         kp + b * k.stride(0) + h * k.stride(1) + first * k.stride(2),
-                         vp + b * v.stride(0) + h * v.stride(1) + first * v.stride(2), k.stride(2), v.stride(2),
+      AttentionPart<T> a{in.q + b * in.q_b + h * group * in.q_h, in.q_h,
+                         in.k + b * in.k_b + h * in.k_h + first * in.k_j,
+                         in.v + b * in.v_b + h * in.v_h + first * in.v_j, in.k_j, in.v_j,
                          nullptr, 0, std::max<int64_t>(0, std::min(part_keys, keys - first)), dim, group,
-                         static_cast<float>(scale), partial.data() + u * group * row};
-      if (mp) {
-        a.visible = mp + (mask->size(0) == 1 ? 0 : b * mask->stride(0)) + first * mask->stride(3);
-        a.visible_stride = mask->stride(3);
+                         in.scale, partial + u * group * row};
+      if (in.mask) {
+        a.visible = in.mask + b * in.mask_b + first * in.mask_j;
+        a.visible_stride = in.mask_j;
       }
       if (isa() >= ISA_AVX512) avx512::attend_part(a, scratch);
       else avx2::attend_part(a, scratch);
     }
   });
-  auto out = at::empty({batch, heads, 1, dim}, q.options());
-  T* op = out.data_ptr<T>();
   // the merge reads parts * dim floats a head: below MERGE_GRAIN of them in all, waking the threads costs more
   const int64_t grain = std::max<int64_t>(1, MERGE_GRAIN / (parts * dim));
   at::parallel_for(0, batch * heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> sum(dim);
+    float sum[MAX_HEAD_DIM];
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / heads, h = bh % heads;
-      const float* first = partial.data() + ((b * kv + h / group) * parts * group + h % group) * row;
+      const float* first = partial + ((b * kv + h / group) * parts * group + h % group) * row;
       float top = -INFINITY, total = 0.f;
       for (int64_t p = 0; p < parts; ++p) top = std::max(top, first[p * group * row + dim]);
-      std::fill(sum.begin(), sum.end(), 0.f);
+      std::fill(sum, sum + dim, 0.f);
       for (int64_t p = 0; p < parts; ++p) {
         const float* part = first + p * group * row;
         if (part[dim] == -INFINITY) continue;
@@ -3184,6 +3234,16 @@ at::Tensor decode_attention_of(const at::Tensor& q, const at::Tensor& k, const a
       for (int64_t i = 0; i < dim; ++i) op[bh * dim + i] = static_cast<T>(sum[i] / total);
     }
   });
+}
+
+template <typename T>
+at::Tensor decode_attention_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const std::optional<at::Tensor>& mask, double scale) {
+  const AttentionInputs<T> in = attention_inputs<T>(q, k, v, mask, scale);
+  const int64_t parts = attention_parts(in.batch, in.kv, in.keys, at::get_num_threads());
+  std::vector<float> partial(attention_partial_floats(in.batch, in.heads, in.dim, parts));
+  const at::Tensor out = at::empty({in.batch, in.heads, 1, in.dim}, q.options());
+  attend_into<T>(in, parts, partial.data(), out.data_ptr<T>());
   return out;
 }
 
@@ -3513,24 +3573,25 @@ struct LayerLinear {
   at::Tensor w, scales, bias;
 };
 
-// The GEMV of one linear for rows x, and its bias (the linear checked beforehand: check_layer_linears).
-at::Tensor layer_gemv(const LayerLinear& l, const at::Tensor& x) {
-  at::Tensor y;
-  switch (l.kind) {
-    case GEMV_BF16: y = bf16_gemv(x, l.w); break;
-    case GEMV_INT8: y = int8_gemv(x, l.w, l.scales); break;
-    case GEMV_INT8_DOT: y = int8_dot_gemv(x, l.w, l.scales); break;
-    case GEMV_INT8_DOT16: y = int8_dot16_gemv(x, l.w, l.scales); break;
-    case GEMV_INT4: y = int4_gemv(x, l.w, l.scales, l.group); break;
-    default: y = int4_dot_gemv(x, l.w, l.scales, l.group); break;
+// The GEMV of one linear for rows x into y [rows, outputs], and its bias (the linear checked beforehand:
+// check_layer_linears; the bias bf16 and contiguous).
+void layer_gemv_into(const LayerLinear& l, const at::Tensor& x, const at::Tensor& y) {
+  {
+    const OutputInto into(y);
+    switch (l.kind) {
+      case GEMV_BF16: bf16_gemv(x, l.w); break;
+      case GEMV_INT8: int8_gemv(x, l.w, l.scales); break;
+      case GEMV_INT8_DOT: int8_dot_gemv(x, l.w, l.scales); break;
+      case GEMV_INT8_DOT16: int8_dot16_gemv(x, l.w, l.scales); break;
+      case GEMV_INT4: int4_gemv(x, l.w, l.scales, l.group); break;
+      default: int4_dot_gemv(x, l.w, l.scales, l.group); break;
+    }
   }
-  if (l.bias.defined()) {
-    const int64_t n = y.size(1);
-    const at::Tensor bias = l.bias.to(at::kBFloat16).contiguous();
-    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-    for (int64_t m = 0; m < y.size(0); ++m) avx2::add_row(yp + m * n, bias.data_ptr<at::BFloat16>(), n, yp + m * n);
-  }
-  return y;
+  if (!l.bias.defined()) return;
+  const int64_t n = y.size(1);
+  const at::BFloat16* bias = l.bias.data_ptr<at::BFloat16>();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  for (int64_t m = 0; m < y.size(0); ++m) avx2::add_row(yp + m * n, bias, n, yp + m * n);
 }
 
 // Layer `layer`'s four linears from decode_layers' lists (the list sizes checked beforehand).
@@ -3721,34 +3782,65 @@ void check_layer_mask(const std::optional<at::Tensor>& mask, int64_t batch, int6
               m.sizes());
 }
 
-// The layer's step for rows x [B, 1, hidden] (checked: check_layer_call): its keys and values written at slots, the
-// new hidden states returned (x is left as it is).
-at::Tensor layer_step(const at::Tensor& x, const LayerCall& l, const at::Tensor& slots, int64_t kv_len) {
+// The buffers a layer's step writes between its kernels, allocated once for a decode_layers call and used by each of
+// its layers in turn (made again only where a layer's shapes differ from the one before).
+struct LayerBuffers {
+  at::Tensor normed, qkv, attended, o, gate_up, act, down;
+  std::vector<float> partial;  // attention's partial sums
+  int64_t parts = 0;
+
+  bool fits(int64_t width, int64_t attended_width, int64_t ffn) const {
+    return qkv.defined() && qkv.size(1) == width && attended.size(1) == attended_width && act.size(1) == ffn;
+  }
+};
+
+void make_buffers(LayerBuffers& b, const at::Tensor& x, const LayerCall& l, int64_t ffn, int64_t kv_len) {
+  const int64_t batch = x.size(0), hidden = x.size(2), dim = l.keys.size(3);
+  const at::TensorOptions options = x.options();
+  b.normed = at::empty({batch, hidden}, options);
+  b.qkv = at::empty({batch, (l.n_heads + 2 * l.n_kv_heads) * dim}, options);
+  b.attended = at::empty({batch, l.n_heads * dim}, options);
+  b.o = at::empty({batch, hidden}, options);
+  b.gate_up = at::empty({batch, 2 * ffn}, options);
+  b.act = at::empty({batch, ffn}, options);
+  b.down = at::empty({batch, hidden}, options);
+  b.parts = attention_parts(batch, l.n_kv_heads, kv_len, at::get_num_threads());
+  b.partial.resize(attention_partial_floats(batch, l.n_heads, dim, b.parts));
+}
+
+// The layer's step for rows x [B, 1, hidden] (checked: decode_layers) into out (the same shape; not x): its keys and
+// values written at slots.
+void layer_step(const at::Tensor& x, const LayerCall& l, const at::Tensor& slots, int64_t kv_len, LayerBuffers& b,
+                const at::Tensor& out) {
   const std::vector<LayerLinear>& linears = l.linears;
   const int64_t batch = x.size(0), hidden = x.size(2), dim = l.keys.size(3), ffn = linear_shape(linears[3]).second;
-  at::Tensor normed = at::empty({batch, hidden}, x.options());
-  rms_norm_rows(x.data_ptr<at::BFloat16>(), batch, hidden, l.attn_norm, l.attn_eps, normed.data_ptr<at::BFloat16>());
-  at::Tensor qkv = layer_gemv(linears[0], normed);
-  rotate_and_store(qkv, l.cos, l.sin, l.keys, l.values, slots, l.n_heads, l.n_kv_heads);
-  const at::Tensor q =
-      qkv.view({batch, 1, l.n_heads + 2 * l.n_kv_heads, dim}).narrow(2, 0, l.n_heads).transpose(1, 2);
-  const at::Tensor attended =
-      decode_attention(q, l.keys.narrow(2, 0, kv_len), l.values.narrow(2, 0, kv_len), l.mask, l.scale);
-  const at::Tensor o = layer_gemv(linears[1], attended.view({batch, l.n_heads * dim}));
+  const int64_t width = (l.n_heads + 2 * l.n_kv_heads) * dim;
+  if (!b.fits(width, l.n_heads * dim, ffn)) make_buffers(b, x, l, ffn, kv_len);
+  at::BFloat16* normed = b.normed.data_ptr<at::BFloat16>();
+  rms_norm_rows(x.data_ptr<at::BFloat16>(), batch, hidden, l.attn_norm, l.attn_eps, normed);
+  layer_gemv_into(linears[0], b.normed, b.qkv);
+  rotate_and_store(b.qkv, l.cos, l.sin, l.keys, l.values, slots, l.n_heads, l.n_kv_heads);
+  const at::BFloat16* qkv = b.qkv.data_ptr<at::BFloat16>();
+  const at::BFloat16* keys = l.keys.data_ptr<at::BFloat16>();
+  const at::BFloat16* values = l.values.data_ptr<at::BFloat16>();
+  const AttentionInputs<at::BFloat16> in{
+      qkv, width, dim, keys, l.keys.stride(0), l.keys.stride(1), l.keys.stride(2), values, l.values.stride(0),
+      l.values.stride(1), l.values.stride(2), l.mask ? l.mask->data_ptr<bool>() : nullptr,
+      l.mask && l.mask->size(0) > 1 ? l.mask->stride(0) : 0, l.mask ? l.mask->stride(3) : 1, batch, l.n_heads,
+      l.n_kv_heads, kv_len, dim, static_cast<float>(l.scale)};
+  attend_into(in, b.parts, b.partial.data(), b.attended.data_ptr<at::BFloat16>());
+  layer_gemv_into(linears[1], b.attended, b.o);
 
-  at::Tensor out = at::empty_like(x);
   at::BFloat16* outp = out.data_ptr<at::BFloat16>();
-  add_rows(x.data_ptr<at::BFloat16>(), o.data_ptr<at::BFloat16>(), batch, hidden, outp);
-  rms_norm_rows(outp, batch, hidden, l.mlp_norm, l.mlp_eps, normed.data_ptr<at::BFloat16>());
-  const at::Tensor gate_up = layer_gemv(linears[2], normed);
-  at::Tensor act = at::empty({batch, ffn}, x.options());
-  for (int64_t m = 0; m < batch; ++m) {
-    const at::BFloat16* g = gate_up.data_ptr<at::BFloat16>() + m * 2 * ffn;
-    avx2::silu_mul_row(g, g + ffn, ffn, act.data_ptr<at::BFloat16>() + m * ffn);
-  }
-  const at::Tensor down = layer_gemv(linears[3], act);
-  add_rows(outp, down.data_ptr<at::BFloat16>(), batch, hidden, outp);
-  return out;
+  add_rows(x.data_ptr<at::BFloat16>(), b.o.data_ptr<at::BFloat16>(), batch, hidden, outp);
+  rms_norm_rows(outp, batch, hidden, l.mlp_norm, l.mlp_eps, normed);
+  layer_gemv_into(linears[2], b.normed, b.gate_up);
+  const at::BFloat16* gate_up = b.gate_up.data_ptr<at::BFloat16>();
+  at::BFloat16* act = b.act.data_ptr<at::BFloat16>();
+  for (int64_t m = 0; m < batch; ++m) avx2::silu_mul_row(gate_up + m * 2 * ffn, gate_up + m * 2 * ffn + ffn, ffn,
+                                                          act + m * ffn);
+  layer_gemv_into(linears[3], b.act, b.down);
+  add_rows(outp, b.down.data_ptr<at::BFloat16>(), batch, hidden, outp);
 }
 
 // decode_layers runs consecutive decoder layers (each as layer_step, above) on rows x [B, 1,
@@ -3794,9 +3886,20 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::
     check_layer_linears(l.linears, x.size(2), (l.n_heads + 2 * l.n_kv_heads) * l.keys.size(3),
                         l.n_heads * l.keys.size(3), who);
   }
+  for (LayerCall& l : calls)
+    for (LayerLinear& linear : l.linears)
+      if (linear.bias.defined()) linear.bias = linear.bias.to(at::kBFloat16).contiguous();
+  // the hidden states go back and forth between two buffers, the last layer's into the one returned
+  const at::Tensor out = at::empty_like(x);
+  at::Tensor between[2] = {at::empty_like(x), n > 2 ? at::empty_like(x) : at::Tensor()};
+  LayerBuffers buffers;
   at::Tensor h = x;
-  for (const LayerCall& l : calls) h = layer_step(h, l, slots, kv_len);
-  return h;
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor next = i == n - 1 ? out : between[i % 2];
+    layer_step(h, calls[i], slots, kv_len, buffers, next);
+    h = next;
+  }
+  return out;
 }
 
 }  // namespace
