@@ -144,6 +144,27 @@ def test_the_calls_read_the_weights_a_layer_holds_now():
     assert torch.equal(decode(engine, True)[0], expected)
 
 
+@pytest.mark.parametrize("family, scheme, threads, per_row_slots", [
+    ("llama", "bf16", 2, False), ("llama", "int8", 2, False), ("llama", "w8a8", 2, True), ("llama", "int4", 2, False),
+    ("llama", "int4-sym", 3, True), ("qwen2", "bf16", 3, False), ("llama", "int4-sym", 1, False),
+])
+def test_one_parallel_region_a_call_gives_the_same_bits(family, scheme, threads, per_row_slots):
+    """The layers of a call in one parallel region (every thread's share of each kernel, barriers between them)
+    against a region a kernel: the same logits and cache, bit for bit; with more threads than this CPU runs at once
+    (3) too."""
+    engine = engine_of(family, scheme)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with native.use_layer_region(True):
+            got = decode(engine, True, per_row_slots)
+        with native.use_layer_region(False):
+            expected = decode(engine, True, per_row_slots)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
 def test_eager_steps_gather_the_calls_once_a_prompt(monkeypatch):
     """The first decode step after a prompt gathers its blocks' calls; the later ones reuse them, and the next prompt
     gathers them again."""

@@ -236,6 +236,20 @@ def use_work_stealing(on: bool) -> contextlib.AbstractContextManager[None]:
     return _kernel_setting(work_stealing, torch.ops.splice_kernels.set_work_stealing, on)
 
 
+def layer_region() -> bool:
+    """Whether ``decode_layers`` runs its layers in one parallel region (the default): every thread takes its share of
+    each kernel in turn and the threads meet at barriers between the kernels, rather than each kernel waking the
+    threads and joining them. The outputs are the same either way."""
+    return torch.ops.splice_kernels.layer_region()
+
+
+def use_layer_region(on: bool) -> contextlib.AbstractContextManager[None]:
+    """One parallel region a ``decode_layers`` call on or off inside the block (tests, benchmarks), then as before."""
+    if not available():
+        raise RuntimeError("splice's native kernels are not available here")
+    return _kernel_setting(layer_region, torch.ops.splice_kernels.set_layer_region, on)
+
+
 def software_prefetch() -> tuple[str, ...]:
     """The kinds of weight (of :data:`PREFETCH_KINDS`) whose decode GEMVs prefetch each weight stream a few KiB
     ahead in software; the others leave the reads to the CPU's hardware prefetcher alone

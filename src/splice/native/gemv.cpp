@@ -42,6 +42,7 @@
 #include <torch/library.h>
 #include <cpuid.h>
 #include <immintrin.h>
+#include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -53,6 +54,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -280,34 +282,144 @@ struct alignas(64) StreamShare {
   int64_t begin = 0, span = 0, steps = 0, piece = 1;
 };
 
+// Thread t's share of `units` among `threads`, for S streams: step i < span computes units begin + i + j * span,
+// j < S; the steps after, one unit at a time.
+template <int S>
+void set_share(StreamShare& share, int64_t units, int64_t t, int64_t threads) {
+  share.begin = units * t / threads;
+  const int64_t count = units * (t + 1) / threads - share.begin;
+  share.span = S > 1 ? count / S : 0;
+  share.steps = count - (S - 1) * share.span;
+  share.piece = std::max<int64_t>(1, (share.steps + STEAL_PIECES - 1) / STEAL_PIECES);
+  share.next.store(0, std::memory_order_relaxed);
+}
+
+// Claims pieces of `share` until none is left, computing each claimed step with f (as parallel_streams').
+template <int S, typename F>
+void claim_pieces(StreamShare& share, F& f) {
+  for (int64_t i; (i = share.next.fetch_add(share.piece, std::memory_order_relaxed)) < share.steps;)
+    for (int64_t step = i; step < std::min(i + share.piece, share.steps); ++step) {
+      if (step < share.span)
+        f(Int<S>{}, share.begin + step, share.span);
+      else
+        f(Int<1>{}, share.begin + (S - 1) * share.span + step, int64_t{0});
+    }
+}
+
+// ---- a team: one parallel region's threads running a sequence of kernels (decode_layers') --------------------------
+// A kernel called on its own opens a parallel region: its threads wake, and the work before and after its loop (x's
+// rounding, a tail of rows) runs on the calling thread while the others wait, and they join at its end. A team
+// (run_as_team) runs a whole sequence of kernels in one region instead: every thread calls each kernel in turn, a
+// kernel's parallel loop (parallel_streams, parallel_units) gives each thread its share, the work before the loop runs
+// on every thread into buffers of its own, the serial work after it on the team's leader (leads_team), and the
+// team's caller puts a barrier (team_barrier) wherever one kernel's output feeds the next. Each thread sets a
+// kernel's output to the same tensor (OutputInto).
+struct Team {
+  int64_t size;
+  std::unique_ptr<StreamShare[]> shares;  // parallel_streams' shares, one a thread, set again by every call
+  std::atomic<int64_t> arrived{0}, generation{0};
+  std::atomic<bool> failed{false};  // a thread threw: the barriers let every thread through, and the region ends
+
+  explicit Team(int64_t threads) : size(threads), shares(new StreamShare[threads]) {}
+
+  void barrier() {
+    const int64_t seen = generation.load(std::memory_order_acquire);
+    if (arrived.fetch_add(1, std::memory_order_acq_rel) == size - 1) {
+      arrived.store(0, std::memory_order_relaxed);
+      generation.store(seen + 1, std::memory_order_release);
+      return;
+    }
+    // spin (a step's phases are microseconds apart); yield when the team has more threads than the CPU runs at once
+    for (int64_t spins = 0;
+         generation.load(std::memory_order_acquire) == seen && !failed.load(std::memory_order_relaxed); ++spins)
+      if (spins < 4096) _mm_pause();
+      else std::this_thread::yield();
+  }
+};
+
+struct TeamSeat {
+  Team* team = nullptr;
+  int64_t rank = 0;
+};
+thread_local TeamSeat seat;
+
+std::atomic<bool> layer_region_setting{true};  // set_layer_region(false): decode_layers' kernels open their own regions
+
+bool layer_region() { return layer_region_setting.load(std::memory_order_relaxed); }
+void set_layer_region(bool on) { layer_region_setting.store(on, std::memory_order_relaxed); }
+
+bool leads_team() { return seat.team == nullptr || seat.rank == 0; }  // the thread that runs a kernel's serial work
+
+void team_barrier() {
+  if (seat.team) seat.team->barrier();
+}
+
+bool team_failed() { return seat.team != nullptr && seat.team->failed.load(std::memory_order_relaxed); }
+
+// Runs f on every thread of one parallel region as a team; or on this thread alone (each kernel then opening its own
+// region) with one thread, inside another region, or with set_layer_region(false). f must take every thread through
+// the same barriers; an exception from any thread is rethrown here once the region ends.
+template <typename F>
+void run_as_team(F&& f) {
+  at::internal::lazy_init_num_threads();
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1 || at::in_parallel_region() || !layer_region()) return f();
+  Team team(threads);
+  std::exception_ptr error;
+  std::atomic_flag error_taken = ATOMIC_FLAG_INIT;
+#pragma omp parallel
+  {
+#pragma omp single
+    team.size = omp_get_num_threads();  // the threads OpenMP gave (the single's end is a barrier)
+    const int64_t rank = omp_get_thread_num();
+    at::internal::ThreadIdGuard thread_id(rank);
+    c10::ParallelGuard in_region(true);
+    seat = TeamSeat{&team, rank};
+    try {
+      f();
+    } catch (...) {
+      team.failed.store(true, std::memory_order_relaxed);
+      if (!error_taken.test_and_set()) error = std::current_exception();
+    }
+    seat = TeamSeat{};
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+// at::parallel_for(begin, end, grain, f), or in a team this thread's part of [begin, end) (the grain aside: the team's
+// threads are awake already).
+template <typename F>
+void parallel_units(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (const Team* team = seat.team) {
+    const int64_t n = end - begin;
+    const int64_t first = begin + n * seat.rank / team->size, last = begin + n * (seat.rank + 1) / team->size;
+    if (first < last) f(first, last);
+    return;
+  }
+  at::parallel_for(begin, end, grain, f);
+}
+
 template <int MAX_S = 2, typename F>
 void parallel_streams(int64_t units, int64_t rows, F&& f) {
   with_streams<MAX_S>(rows, [&](auto s_c) {
     constexpr int S = decltype(s_c)::value;
+    if (Team* team = seat.team) {  // its own share, then the others' pieces; the caller's barrier ends the kernel
+      set_share<S>(team->shares[seat.rank], units, seat.rank, team->size);
+      team->barrier();
+      claim_pieces<S>(team->shares[seat.rank], f);
+      if (work_stealing())
+        for (int64_t other = 1; other < team->size; ++other)
+          claim_pieces<S>(team->shares[(seat.rank + other) % team->size], f);
+      return;
+    }
     const int64_t threads = std::min<int64_t>(at::get_num_threads(), units);
     if (threads <= 1 || at::in_parallel_region()) return for_spans<S>(0, units, f);
     std::unique_ptr<StreamShare[]> shares(new StreamShare[threads]);
-    for (int64_t t = 0; t < threads; ++t) {  // step i < span: units begin + i + j * span, j < S; then one at a time
-      StreamShare& share = shares[t];
-      share.begin = units * t / threads;
-      const int64_t count = units * (t + 1) / threads - share.begin;
-      share.span = S > 1 ? count / S : 0;
-      share.steps = count - (S - 1) * share.span;
-      share.piece = std::max<int64_t>(1, (share.steps + STEAL_PIECES - 1) / STEAL_PIECES);
-    }
-    const auto claim_pieces = [&](StreamShare& share) {
-      for (int64_t i; (i = share.next.fetch_add(share.piece, std::memory_order_relaxed)) < share.steps;)
-        for (int64_t step = i; step < std::min(i + share.piece, share.steps); ++step) {
-          if (step < share.span)
-            f(Int<S>{}, share.begin + step, share.span);
-          else
-            f(Int<1>{}, share.begin + (S - 1) * share.span + step, int64_t{0});
-        }
-    };
+    for (int64_t t = 0; t < threads; ++t) set_share<S>(shares[t], units, t, threads);
     at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) claim_pieces(shares[t]);
+      for (int64_t t = begin; t < end; ++t) claim_pieces<S>(shares[t], f);
       if (work_stealing())
-        for (int64_t other = 1; other < threads; ++other) claim_pieces(shares[(begin + other) % threads]);
+        for (int64_t other = 1; other < threads; ++other) claim_pieces<S>(shares[(begin + other) % threads], f);
     });
   });
 }
@@ -399,7 +511,7 @@ void for_row_blocks(int64_t m, int64_t n, F&& f) {
     }
   });
   const int64_t tail = n % 4;
-  if (tail)
+  if (tail && leads_team())
     with_rows(tail, [&](auto r_c) {
       for_x_chunks<X>(m, [&](auto m_c, int64_t m0) { f(m_c, r_c, RowBlock{n - tail, 0}, m0); });
     });
@@ -800,7 +912,7 @@ at::Tensor int8_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   const int8_t* wp = w.data_ptr<int8_t>();
   const auto* sp = scales.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, (n + 15) / 16, 1, [&](int64_t begin, int64_t end) {
+  parallel_units(0, (n + 15) / 16, 1, [&](int64_t begin, int64_t end) {
     int8_amx_blocks(xp, m, wp, sp, n, k, begin, end, op);
   });
   return out;
@@ -1091,6 +1203,7 @@ void int8_dot_gemv_transposed(const DotActivations& a, int64_t m, const int8_t* 
                                                 out + m0 * n, n);
     });
   });
+  if (!leads_team()) return;
   for (int64_t row = n / TRANSPOSED_WEIGHT_ROWS * TRANSPOSED_WEIGHT_ROWS; row < n; row += 4)
     with_rows(std::min<int64_t>(4, n - row), [&](auto r_c) {
       for_x_chunks<MAX_ROWS>(m, [&](auto m_c, int64_t m0) {
@@ -1300,7 +1413,7 @@ at::Tensor int4_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   const int32_t* wp = w.data_ptr<int32_t>();
   const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  parallel_units(0, tiles, 1, [&](int64_t begin, int64_t end) {
     int4_amx_tiles(xp, m, xsum.data(), wp, zp, k, group, begin, end, op, n);
   });
   return out;
@@ -1317,7 +1430,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
   const int64_t groups = k / group;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  parallel_units(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for_x_chunks<MAX_ROWS>(m, [&](auto m_c, int64_t m0) {
         int4_tile<decltype(m_c)::value>(xp + m0 * k, sp + m0 * groups, wp, zp, k, group, t, op + m0 * n, n);
@@ -2550,7 +2663,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
   const int64_t groups = k / group;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  parallel_units(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for_x_chunks<X_ROWS>(m, [&](auto m_c, int64_t m0) {
         int4_tile<decltype(m_c)::value>(xp + m0 * k, sp + m0 * groups, wp, zp, k, group, t, op + m0 * n, n);
@@ -3191,12 +3304,12 @@ int64_t attention_partial_floats(int64_t batch, int64_t heads, int64_t dim, int6
 }
 
 // decode_attention into out [B, heads, 1, dim] (contiguous): each (row, KV head, part) of the keys attended into
-// partial, then the parts merged.
+// partial, then the parts merged (in a team, each thread its share of both; out complete at the team's next barrier).
 template <typename T>
 void attend_into(const AttentionInputs<T>& in, int64_t parts, float* partial, T* op) {
   const int64_t batch = in.batch, heads = in.heads, dim = in.dim, kv = in.kv, keys = in.keys, group = heads / kv;
   const int64_t part_keys = (keys + parts - 1) / parts, units = batch * kv * parts, row = dim + 2;
-  at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+  parallel_units(0, units, 1, [&](int64_t begin, int64_t end) {
     // kept per thread between calls: fresh buffers would be allocated and zero-filled for every layer of every step
     thread_local AttentionScratch scratch;
     for (int64_t u = begin; u < end; ++u) {
@@ -3214,9 +3327,10 @@ void attend_into(const AttentionInputs<T>& in, int64_t parts, float* partial, T*
       else avx2::attend_part(a, scratch);
     }
   });
+  team_barrier();  // in a team, the merge reads parts other threads wrote
   // the merge reads parts * dim floats a head: below MERGE_GRAIN of them in all, waking the threads costs more
   const int64_t grain = std::max<int64_t>(1, MERGE_GRAIN / (parts * dim));
-  at::parallel_for(0, batch * heads, grain, [&](int64_t begin, int64_t end) {
+  parallel_units(0, batch * heads, grain, [&](int64_t begin, int64_t end) {
     float sum[MAX_HEAD_DIM];
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / heads, h = bh % heads;
@@ -3574,7 +3688,8 @@ struct LayerLinear {
 };
 
 // The GEMV of one linear for rows x into y [rows, outputs], and its bias (the linear checked beforehand:
-// check_layer_linears; the bias bf16 and contiguous).
+// check_layer_linears; the bias bf16 and contiguous). In a team every thread calls it, and y is complete when it
+// returns.
 void layer_gemv_into(const LayerLinear& l, const at::Tensor& x, const at::Tensor& y) {
   {
     const OutputInto into(y);
@@ -3587,11 +3702,15 @@ void layer_gemv_into(const LayerLinear& l, const at::Tensor& x, const at::Tensor
       default: int4_dot_gemv(x, l.w, l.scales, l.group); break;
     }
   }
+  team_barrier();  // every thread's rows (and the leader's tail) written
   if (!l.bias.defined()) return;
-  const int64_t n = y.size(1);
-  const at::BFloat16* bias = l.bias.data_ptr<at::BFloat16>();
-  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  for (int64_t m = 0; m < y.size(0); ++m) avx2::add_row(yp + m * n, bias, n, yp + m * n);
+  if (leads_team()) {
+    const int64_t n = y.size(1);
+    const at::BFloat16* bias = l.bias.data_ptr<at::BFloat16>();
+    at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+    for (int64_t m = 0; m < y.size(0); ++m) avx2::add_row(yp + m * n, bias, n, yp + m * n);
+  }
+  team_barrier();
 }
 
 // Layer `layer`'s four linears from decode_layers' lists (the list sizes checked beforehand).
@@ -3789,14 +3908,17 @@ struct LayerBuffers {
   std::vector<float> partial;  // attention's partial sums
   int64_t parts = 0;
 
-  bool fits(int64_t width, int64_t attended_width, int64_t ffn) const {
-    return qkv.defined() && qkv.size(1) == width && attended.size(1) == attended_width && act.size(1) == ffn;
+  bool fits(const LayerCall& l, int64_t ffn) const {
+    const int64_t dim = l.keys.size(3);
+    return qkv.size(1) == (l.n_heads + 2 * l.n_kv_heads) * dim && attended.size(1) == l.n_heads * dim &&
+           act.size(1) == ffn;
   }
 };
 
-void make_buffers(LayerBuffers& b, const at::Tensor& x, const LayerCall& l, int64_t ffn, int64_t kv_len) {
+LayerBuffers layer_buffers(const at::Tensor& x, const LayerCall& l, int64_t ffn, int64_t kv_len) {
   const int64_t batch = x.size(0), hidden = x.size(2), dim = l.keys.size(3);
   const at::TensorOptions options = x.options();
+  LayerBuffers b;
   b.normed = at::empty({batch, hidden}, options);
   b.qkv = at::empty({batch, (l.n_heads + 2 * l.n_kv_heads) * dim}, options);
   b.attended = at::empty({batch, l.n_heads * dim}, options);
@@ -3806,41 +3928,58 @@ void make_buffers(LayerBuffers& b, const at::Tensor& x, const LayerCall& l, int6
   b.down = at::empty({batch, hidden}, options);
   b.parts = attention_parts(batch, l.n_kv_heads, kv_len, at::get_num_threads());
   b.partial.resize(attention_partial_floats(batch, l.n_heads, dim, b.parts));
+  return b;
 }
 
-// The layer's step for rows x [B, 1, hidden] (checked: decode_layers) into out (the same shape; not x): its keys and
-// values written at slots.
+// SiLU(gate) * up of each row of gate_up [rows, 2 ffn] into act [rows, ffn]; in a team each thread a part of the
+// columns, in whole 256-column chunks (so every element takes the path it takes in one pass).
+void silu_mul_rows(const at::Tensor& gate_up, int64_t ffn, const at::Tensor& act) {
+  constexpr int64_t CHUNK = 256;
+  const int64_t rows = gate_up.size(0), chunks = (ffn + CHUNK - 1) / CHUNK;
+  const at::BFloat16* gp = gate_up.data_ptr<at::BFloat16>();
+  at::BFloat16* ap = act.data_ptr<at::BFloat16>();
+  const int64_t units = rows * chunks;
+  parallel_units(0, units, units, [&](int64_t begin, int64_t end) {  // one grain: on its own, on this thread
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t m = u / chunks, c = u % chunks * CHUNK;
+      avx2::silu_mul_row(gp + m * 2 * ffn + c, gp + m * 2 * ffn + ffn + c, std::min(CHUNK, ffn - c), ap + m * ffn + c);
+    }
+  });
+}
+
+// The layer's step for rows x [B, 1, hidden] (checked: decode_layers) into out (the same shape; not x), with its
+// buffers b: its keys and values written at slots. In a team every thread calls it; the leader runs the small ops
+// between the kernels, and out is complete (on the leader) when it returns.
 void layer_step(const at::Tensor& x, const LayerCall& l, const at::Tensor& slots, int64_t kv_len, LayerBuffers& b,
                 const at::Tensor& out) {
   const std::vector<LayerLinear>& linears = l.linears;
   const int64_t batch = x.size(0), hidden = x.size(2), dim = l.keys.size(3), ffn = linear_shape(linears[3]).second;
-  const int64_t width = (l.n_heads + 2 * l.n_kv_heads) * dim;
-  if (!b.fits(width, l.n_heads * dim, ffn)) make_buffers(b, x, l, ffn, kv_len);
   at::BFloat16* normed = b.normed.data_ptr<at::BFloat16>();
-  rms_norm_rows(x.data_ptr<at::BFloat16>(), batch, hidden, l.attn_norm, l.attn_eps, normed);
+  at::BFloat16* outp = out.data_ptr<at::BFloat16>();
+  if (leads_team()) rms_norm_rows(x.data_ptr<at::BFloat16>(), batch, hidden, l.attn_norm, l.attn_eps, normed);
+  team_barrier();
   layer_gemv_into(linears[0], b.normed, b.qkv);
-  rotate_and_store(b.qkv, l.cos, l.sin, l.keys, l.values, slots, l.n_heads, l.n_kv_heads);
-  const at::BFloat16* qkv = b.qkv.data_ptr<at::BFloat16>();
-  const at::BFloat16* keys = l.keys.data_ptr<at::BFloat16>();
-  const at::BFloat16* values = l.values.data_ptr<at::BFloat16>();
+  if (leads_team()) rotate_and_store(b.qkv, l.cos, l.sin, l.keys, l.values, slots, l.n_heads, l.n_kv_heads);
+  team_barrier();
   const AttentionInputs<at::BFloat16> in{
-      qkv, width, dim, keys, l.keys.stride(0), l.keys.stride(1), l.keys.stride(2), values, l.values.stride(0),
-      l.values.stride(1), l.values.stride(2), l.mask ? l.mask->data_ptr<bool>() : nullptr,
+      b.qkv.data_ptr<at::BFloat16>(), b.qkv.size(1), dim, l.keys.data_ptr<at::BFloat16>(), l.keys.stride(0),
+      l.keys.stride(1), l.keys.stride(2), l.values.data_ptr<at::BFloat16>(), l.values.stride(0), l.values.stride(1),
+      l.values.stride(2), l.mask ? l.mask->data_ptr<bool>() : nullptr,
       l.mask && l.mask->size(0) > 1 ? l.mask->stride(0) : 0, l.mask ? l.mask->stride(3) : 1, batch, l.n_heads,
       l.n_kv_heads, kv_len, dim, static_cast<float>(l.scale)};
   attend_into(in, b.parts, b.partial.data(), b.attended.data_ptr<at::BFloat16>());
+  team_barrier();
   layer_gemv_into(linears[1], b.attended, b.o);
-
-  at::BFloat16* outp = out.data_ptr<at::BFloat16>();
-  add_rows(x.data_ptr<at::BFloat16>(), b.o.data_ptr<at::BFloat16>(), batch, hidden, outp);
-  rms_norm_rows(outp, batch, hidden, l.mlp_norm, l.mlp_eps, normed);
+  if (leads_team()) {
+    add_rows(x.data_ptr<at::BFloat16>(), b.o.data_ptr<at::BFloat16>(), batch, hidden, outp);
+    rms_norm_rows(outp, batch, hidden, l.mlp_norm, l.mlp_eps, normed);
+  }
+  team_barrier();
   layer_gemv_into(linears[2], b.normed, b.gate_up);
-  const at::BFloat16* gate_up = b.gate_up.data_ptr<at::BFloat16>();
-  at::BFloat16* act = b.act.data_ptr<at::BFloat16>();
-  for (int64_t m = 0; m < batch; ++m) avx2::silu_mul_row(gate_up + m * 2 * ffn, gate_up + m * 2 * ffn + ffn, ffn,
-                                                          act + m * ffn);
+  silu_mul_rows(b.gate_up, ffn, b.act);
+  team_barrier();
   layer_gemv_into(linears[3], b.act, b.down);
-  add_rows(outp, b.down.data_ptr<at::BFloat16>(), batch, hidden, outp);
+  if (leads_team()) add_rows(outp, b.down.data_ptr<at::BFloat16>(), batch, hidden, outp);
 }
 
 // decode_layers runs consecutive decoder layers (each as layer_step, above) on rows x [B, 1,
@@ -3889,16 +4028,26 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::
   for (LayerCall& l : calls)
     for (LayerLinear& linear : l.linears)
       if (linear.bias.defined()) linear.bias = linear.bias.to(at::kBFloat16).contiguous();
-  // the hidden states go back and forth between two buffers, the last layer's into the one returned
+  // every buffer made before the layers run: the hidden states go back and forth between two, the last layer's into
+  // the one returned
   const at::Tensor out = at::empty_like(x);
-  at::Tensor between[2] = {at::empty_like(x), n > 2 ? at::empty_like(x) : at::Tensor()};
-  LayerBuffers buffers;
-  at::Tensor h = x;
+  const at::Tensor between[2] = {at::empty_like(x), n > 2 ? at::empty_like(x) : at::Tensor()};
+  std::vector<LayerBuffers> buffers;
+  std::vector<int64_t> buffers_of(n);
   for (int64_t i = 0; i < n; ++i) {
-    const at::Tensor next = i == n - 1 ? out : between[i % 2];
-    layer_step(h, calls[i], slots, kv_len, buffers, next);
-    h = next;
+    const int64_t ffn = linear_shape(calls[i].linears[3]).second;
+    if (buffers.empty() || !buffers.back().fits(calls[i], ffn))
+      buffers.push_back(layer_buffers(x, calls[i], ffn, kv_len));
+    buffers_of[i] = static_cast<int64_t>(buffers.size()) - 1;
   }
+  run_as_team([&] {
+    const at::Tensor* h = &x;
+    for (int64_t i = 0; i < n && !team_failed(); ++i) {
+      const at::Tensor* next = i == n - 1 ? &out : &between[i % 2];
+      layer_step(*h, calls[i], slots, kv_len, buffers[buffers_of[i]], *next);
+      h = next;
+    }
+  });
   return out;
 }
 
@@ -3940,6 +4089,8 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("set_weight_streams(int streams) -> ()", &set_weight_streams);
   lib.def("work_stealing() -> bool", &work_stealing);
   lib.def("set_work_stealing(bool on) -> ()", &set_work_stealing);
+  lib.def("layer_region() -> bool", &layer_region);
+  lib.def("set_layer_region(bool on) -> ()", &set_layer_region);
   lib.def("software_prefetch() -> int", &software_prefetch);
   lib.def("set_software_prefetch(int kinds) -> ()", &set_software_prefetch);
 }
