@@ -180,6 +180,19 @@ def test_eager_steps_gather_the_calls_once_a_prompt(monkeypatch):
     assert len(gathered) == 2 * layers
 
 
+def test_a_one_token_prompt_gathers_the_calls_again():
+    """A prompt of one token is a prompt too: weights loaded after the last decode step are the ones that compute."""
+    engine, other = engine_of("llama", "int4-sym"), splice.init_inference(
+        build_family("llama", seed=1), replace_with_kernel_inject=True, max_out_tokens=64, dtype=torch.bfloat16,
+        **QUANT_SCHEMES["int4-sym"])
+    prompt = torch.tensor([[7]])
+    options = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    with torch.inference_mode():
+        engine.generate(prompt, **options)  # keeps its plan (the old weights)
+        engine.module.load_state_dict(other.module.state_dict())  # int4 repacked into new tensors
+        assert torch.equal(engine.generate(prompt, **options), other.generate(prompt, **options))
+
+
 def test_a_compiled_step_matches_the_eager_native_calls(fresh_compiles):
     engine = engine_of("llama", "int4-sym")
     eager = decode(engine, True)
@@ -254,6 +267,9 @@ def test_the_op_names_bad_inputs():
     shapes = r"layer 0: the qkv linear is \[128, 64\] \(outputs, inputs\); the layer needs \[96, 64\]"
     with pytest.raises(RuntimeError, match=shapes):
         run(first._replace(heads=[2, 2]))
+    odd = torch.zeros(2, 1, 2, 64, 72, dtype=torch.bfloat16)  # head_dim 72
+    with pytest.raises(RuntimeError, match="head_dim a multiple of 16 up to 256"):
+        native_layer.decode_layers(both, x, odd, odd.clone(), slots, masks, 4, rotary)
     with pytest.raises(RuntimeError, match=r"the mask must be bool \[1 or 1, 1, 1, 4\]"):
         run(masks={None: torch.ones(1, 1, 1, 5, dtype=torch.bool)})
     # a bad later layer or linear is refused before any layer's cache is written (slot 5: the call above wrote slot 3)

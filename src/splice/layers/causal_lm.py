@@ -17,9 +17,10 @@ import torch._inductor.config
 import torch.nn.functional as F
 from torch import nn
 
+from .. import native
 from ..arch.record import ModelDims
-from .cuda_graphs import GraphReplayer
 from . import native_layer
+from .cuda_graphs import GraphReplayer
 from .kv_cache import StaticKVCache
 from .rotary import RopeTable, build_table
 
@@ -130,7 +131,7 @@ class SpliceCausalLM:
         ``dense``: a prompt without padding filling slots ``0 .. kv_len-1``, so full-attention layers need no mask
         (SDPA's causal kernel); a right-padded row's real tokens attend to nothing after them either.
         """
-        if tokens.shape[1] != 1:
+        if tokens.shape[1] != 1 or dense:
             self._step_plans.clear()  # a prompt: the next decode step gathers its blocks' native calls again
         x = self.embed_inputs(tokens, positions)
         rotary = [self.rope(index).lookup(positions) for index in range(len(self.ropes))]
@@ -161,7 +162,8 @@ class SpliceCausalLM:
             return list(self.blocks)
         if torch.compiler.is_compiling():
             return native_layer.step_plan(self.blocks, x.shape[0], masks)
-        key = (x.shape[0], tuple(mask is None or mask.dtype == torch.bool for mask in masks.values()))
+        key = (x.shape[0], tuple(mask is None or mask.dtype == torch.bool for mask in masks.values()),
+               tuple(native.MAX_ROWS.values()))  # the active level's row limits (native.set_isa)
         plan = self._step_plans.get(key)
         if plan is None:
             plan = self._step_plans[key] = native_layer.step_plan(self.blocks, x.shape[0], masks, native_layer.held)

@@ -118,7 +118,7 @@ def layer_call(block: nn.Module, rows: int, read=getattr) -> LayerCall | None:
     (:func:`step_takes_calls`), or None where it runs its own ops: not chosen by the kernels step, or a linear without a
     native GEMV that takes these rows. The linears are read as they are now (one replaced since the kernels step, say
     by loading a quantized checkpoint into a float engine, gives its own GEMV or None); ``read`` reads attributes
-    (:func:`attribute_reader`)."""
+    (:func:`held` in eager steps, ``getattr`` in a compiled step's trace)."""
     if not block.native_layer:
         return None
     linears = [read(block, name) for name in LINEARS]
@@ -189,13 +189,6 @@ def decode_layers(run: NativeRun, x: torch.Tensor, keys: torch.Tensor, values: t
     return torch.ops.splice_kernels.decode_layers(
         x.contiguous(), keys, values, run.layers, slots, [masks[window] for window in run.windows], kv_len, cos, sin,
         run.norms, run.eps, run.tensors, run.kinds, run.groups, run.heads, run.scales)
-
-
-def attribute_reader():
-    """How :func:`layer_call` reads a step's attributes: from the modules' own tables in eager steps
-    (:func:`held`: ``nn.Module.__getattr__`` costs most of a microsecond a call, and a block's call reads twenty), with
-    ``getattr`` itself in a compiled step's trace."""
-    return getattr if torch.compiler.is_compiling() else held
 
 
 def held(module: nn.Module, name: str):

@@ -144,7 +144,15 @@ int64_t best_isa() {
 
 std::atomic<int64_t> active_isa{-1};  // -1: not chosen yet (the best level)
 
+// The settings a team's threads read (run_as_team, below): taken once when its region starts, so every thread takes
+// the same paths through the kernels (and the same barriers) whatever changes them meanwhile.
+struct TeamSettings {
+  int64_t isa, weight_streams;
+};
+thread_local const TeamSettings* team_settings = nullptr;
+
 int64_t isa() {
+  if (team_settings) return team_settings->isa;
   int64_t level = active_isa.load(std::memory_order_relaxed);
   return level < 0 ? best_isa() : level;
 }
@@ -227,7 +235,9 @@ using Int = std::integral_constant<int, V>;
 // (set_weight_streams; kernels that hold fewer streams' sums in their registers cap it: MAX_S below).
 std::atomic<int64_t> weight_streams_setting{2};
 
-int64_t weight_streams() { return weight_streams_setting.load(std::memory_order_relaxed); }
+int64_t weight_streams() {
+  return team_settings ? team_settings->weight_streams : weight_streams_setting.load(std::memory_order_relaxed);
+}
 
 void set_weight_streams(int64_t streams) {
   TORCH_CHECK(streams == 1 || streams == 2 || streams == 4, "set_weight_streams: ", streams,
@@ -314,15 +324,17 @@ void claim_pieces(StreamShare& share, F& f) {
 // on every thread into buffers of its own, the serial work after it on the team's leader (leads_team), and the
 // team's caller puts a barrier (team_barrier) wherever one kernel's output feeds the next. Each thread sets a
 // kernel's output to the same tensor (OutputInto).
-struct Team {
-  int64_t size;
-  std::unique_ptr<StreamShare[]> shares;  // parallel_streams' shares, one a thread, set again by every call
-  std::atomic<int64_t> arrived{0}, generation{0};
-  std::atomic<bool> failed{false};  // a thread threw: the barriers let every thread through, and the region ends
+struct TeamAborted {};  // thrown at a barrier once another thread of the team threw: every thread leaves the region
 
-  explicit Team(int64_t threads) : size(threads), shares(new StreamShare[threads]) {}
+struct Team {
+  int64_t size = 1;
+  std::unique_ptr<StreamShare[]> shares;  // parallel_streams' shares, one a thread, set again by every call
+  TeamSettings settings;
+  std::atomic<int64_t> arrived{0}, generation{0};
+  std::atomic<bool> failed{false};  // a thread threw
 
   void barrier() {
+    if (failed.load(std::memory_order_relaxed)) throw TeamAborted{};
     const int64_t seen = generation.load(std::memory_order_acquire);
     if (arrived.fetch_add(1, std::memory_order_acq_rel) == size - 1) {
       arrived.store(0, std::memory_order_relaxed);
@@ -330,10 +342,11 @@ struct Team {
       return;
     }
     // spin (a step's phases are microseconds apart); yield when the team has more threads than the CPU runs at once
-    for (int64_t spins = 0;
-         generation.load(std::memory_order_acquire) == seen && !failed.load(std::memory_order_relaxed); ++spins)
+    for (int64_t spins = 0; generation.load(std::memory_order_acquire) == seen; ++spins) {
+      if (failed.load(std::memory_order_relaxed)) throw TeamAborted{};
       if (spins < 4096) _mm_pause();
       else std::this_thread::yield();
+    }
   }
 };
 
@@ -354,33 +367,38 @@ void team_barrier() {
   if (seat.team) seat.team->barrier();
 }
 
-bool team_failed() { return seat.team != nullptr && seat.team->failed.load(std::memory_order_relaxed); }
-
 // Runs f on every thread of one parallel region as a team; or on this thread alone (each kernel then opening its own
 // region) with one thread, inside another region, or with set_layer_region(false). f must take every thread through
-// the same barriers; an exception from any thread is rethrown here once the region ends.
+// the same barriers. An exception on one thread stops the others at their next barrier, and is rethrown here once the
+// region ends.
 template <typename F>
 void run_as_team(F&& f) {
   at::internal::lazy_init_num_threads();
-  const int64_t threads = at::get_num_threads();
-  if (threads <= 1 || at::in_parallel_region() || !layer_region()) return f();
-  Team team(threads);
+  if (at::get_num_threads() <= 1 || at::in_parallel_region() || !layer_region()) return f();
+  Team team;
+  team.settings = TeamSettings{isa(), weight_streams()};
   std::exception_ptr error;
-  std::atomic_flag error_taken = ATOMIC_FLAG_INIT;
 #pragma omp parallel
   {
 #pragma omp single
-    team.size = omp_get_num_threads();  // the threads OpenMP gave (the single's end is a barrier)
+    {  // the threads OpenMP gave (the single's end is a barrier)
+      team.size = omp_get_num_threads();
+      team.shares.reset(new StreamShare[team.size]);
+    }
     const int64_t rank = omp_get_thread_num();
     at::internal::ThreadIdGuard thread_id(rank);
     c10::ParallelGuard in_region(true);
     seat = TeamSeat{&team, rank};
+    team_settings = &team.settings;
     try {
       f();
+    } catch (const TeamAborted&) {  // another thread threw first
     } catch (...) {
+#pragma omp critical(splice_team_error)
+      if (!error) error = std::current_exception();
       team.failed.store(true, std::memory_order_relaxed);
-      if (!error_taken.test_and_set()) error = std::current_exception();
     }
+    team_settings = nullptr;
     seat = TeamSeat{};
   }
   if (error) std::rethrow_exception(error);
@@ -3748,9 +3766,9 @@ void check_layer_inputs(const at::Tensor& x, const at::Tensor& keys, const at::T
   TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.size(0) == batch &&
                   keys.size(1) == n_kv_heads && keys.scalar_type() == at::kBFloat16 &&
                   values.scalar_type() == at::kBFloat16 && keys.stride(3) == 1 && values.stride(3) == 1 &&
-                  keys.size(3) <= MAX_HEAD_DIM,
-              who, ": keys and values must be bf16 [", batch, ", ", n_kv_heads, ", L, head_dim <= ",
-              MAX_HEAD_DIM, "], contiguous in head_dim; got ", keys.sizes(), " and ", values.sizes());
+                  keys.size(3) % 16 == 0 && keys.size(3) <= MAX_HEAD_DIM,
+              who, ": keys and values must be bf16 [", batch, ", ", n_kv_heads, ", L, head_dim], head_dim a multiple "
+              "of 16 up to ", MAX_HEAD_DIM, ", contiguous in head_dim; got ", keys.sizes(), " and ", values.sizes());
   TORCH_CHECK(n_kv_heads >= 1 && n_heads % n_kv_heads == 0, who, ": ", n_heads,
               " query heads are not a multiple of ", n_kv_heads, " KV heads");
   TORCH_CHECK(1 <= kv_len && kv_len <= keys.size(2), who, ": kv_len ", kv_len, " outside 1 .. ", keys.size(2));
@@ -3891,7 +3909,7 @@ void check_layer_lists(int64_t n, const c10::List<std::optional<at::Tensor>>& ma
                 " (", per_layer[i], " a layer), got ", got[i]);
 }
 
-// A layer's mask: bool [B or 1, 1, 1, >= kv_len] (its first kv_len slots are read).
+// A layer's mask: bool [B or 1, 1, 1, kv_len], or none.
 void check_layer_mask(const std::optional<at::Tensor>& mask, int64_t batch, int64_t kv_len, const std::string& who) {
   if (!mask) return;
   const at::Tensor& m = *mask;
@@ -4031,7 +4049,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::
   // every buffer made before the layers run: the hidden states go back and forth between two, the last layer's into
   // the one returned
   const at::Tensor out = at::empty_like(x);
-  const at::Tensor between[2] = {at::empty_like(x), n > 2 ? at::empty_like(x) : at::Tensor()};
+  const at::Tensor between[2] = {n > 1 ? at::empty_like(x) : at::Tensor(), n > 2 ? at::empty_like(x) : at::Tensor()};
   std::vector<LayerBuffers> buffers;
   std::vector<int64_t> buffers_of(n);
   for (int64_t i = 0; i < n; ++i) {
@@ -4042,7 +4060,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::
   }
   run_as_team([&] {
     const at::Tensor* h = &x;
-    for (int64_t i = 0; i < n && !team_failed(); ++i) {
+    for (int64_t i = 0; i < n; ++i) {
       const at::Tensor* next = i == n - 1 ? &out : &between[i % 2];
       layer_step(*h, calls[i], slots, kv_len, buffers[buffers_of[i]], *next);
       h = next;
