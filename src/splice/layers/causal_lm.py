@@ -87,7 +87,7 @@ class SpliceCausalLM:
         # the compiled step's smallest attended length: below it, reading the empty slots costs less than a compile
         self.min_attended = MIN_ATTENDED
         self._cache: StaticKVCache | None = None
-        self._step_plans: dict[tuple, list] = {}  # (rows, which masks are boolean) -> an eager decode step's plan
+        self._step_plans: dict[tuple, list] = {}  # (rows, boolean masks, row limits) -> an eager decode step's plan
         self.graphs: GraphReplayer | None = None  # the decode step's CUDA graphs (capture_graphs)
 
     @property

@@ -61,10 +61,6 @@ class StaticKVCache(nn.Module):
         """Mark ``slots`` as holding real tokens (the tokens being generated), without a host sync."""
         self.valid.index_fill_(1, slots, True)
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s keys and values ``[batch, kv_heads, max_len, head_dim]`` (views of the buffers)."""
-        return self._keys[layer], self._values[layer]
-
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv_len: int):
         """Write ``k, v [batch, kv_heads, seq, head_dim]`` at ``slots`` (``[seq]``, or ``[batch, seq]`` per row); return
         the first ``kv_len`` slots."""

@@ -71,7 +71,7 @@ def layer_gemv(linear: nn.Module) -> LayerGemv | None:
 
 
 def unfit_reason(block: nn.Module) -> str | None:
-    """Why ``block`` (a :class:`~splice.layers.block.SpliceBlock`) cannot step as one native call, or None if it can."""
+    """Why ``block`` (a :class:`~splice.layers.block.SpliceBlock`) cannot step in a native call, or None if it can."""
     layout, shape = block.layout, block.shape
     if not (layout.causal and layout.norm_before and not layout.parallel and layout.gated):
         return "its layout is not a causal pre-norm block with a sequential residual and a gated MLP"

@@ -3299,14 +3299,16 @@ struct AttentionInputs {
   float scale;
 };
 
+// The queries given as `heads` heads of k's head_dim at q, a row q_b and a head q_h apart; the first `keys` slots of
+// k and v attended.
 template <typename T>
-AttentionInputs<T> attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                    const std::optional<at::Tensor>& mask, double scale) {
+AttentionInputs<T> attention_inputs(const T* q, int64_t q_b, int64_t q_h, int64_t heads, const at::Tensor& k,
+                                    const at::Tensor& v, int64_t keys, const std::optional<at::Tensor>& mask,
+                                    double scale) {
   const bool* mp = mask ? mask->data_ptr<bool>() : nullptr;
-  return {q.data_ptr<T>(), q.stride(0), q.stride(1), k.data_ptr<T>(), k.stride(0), k.stride(1), k.stride(2),
-          v.data_ptr<T>(), v.stride(0), v.stride(1), v.stride(2), mp,
-          mask && mask->size(0) > 1 ? mask->stride(0) : 0, mask ? mask->stride(3) : 1, q.size(0), q.size(1),
-          k.size(1), k.size(2), q.size(3), static_cast<float>(scale)};
+  return {q, q_b, q_h, k.data_ptr<T>(), k.stride(0), k.stride(1), k.stride(2), v.data_ptr<T>(), v.stride(0),
+          v.stride(1), v.stride(2), mp, mask && mask->size(0) > 1 ? mask->stride(0) : 0, mask ? mask->stride(3) : 1,
+          k.size(0), heads, k.size(1), keys, k.size(3), static_cast<float>(scale)};
 }
 
 // How many parts decode_attention splits each row's keys into (every (row, KV head) a unit per part) for `threads`.
@@ -3371,7 +3373,8 @@ void attend_into(const AttentionInputs<T>& in, int64_t parts, float* partial, T*
 template <typename T>
 at::Tensor decode_attention_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const std::optional<at::Tensor>& mask, double scale) {
-  const AttentionInputs<T> in = attention_inputs<T>(q, k, v, mask, scale);
+  const AttentionInputs<T> in =
+      attention_inputs<T>(q.data_ptr<T>(), q.stride(0), q.stride(1), q.size(1), k, v, k.size(2), mask, scale);
   const int64_t parts = attention_parts(in.batch, in.kv, in.keys, at::get_num_threads());
   std::vector<float> partial(attention_partial_floats(in.batch, in.heads, in.dim, parts));
   const at::Tensor out = at::empty({in.batch, in.heads, 1, in.dim}, q.options());
@@ -3443,7 +3446,6 @@ void set_avx_vnni(bool on) {
 bool int8_dot_ready() { return isa() >= ISA_AVX2; }
 bool int4_dot_ready() { return isa() >= ISA_AVX2; }
 
-// The arguments of an int8 weight's integer dot products (int8_dot_gemv, int8_dot16_gemv): K whole blocks of 32.
 // The weight and scales the integer dot products of an int8 weight take (whole blocks of DOT_BLOCK inputs).
 void check_int8_dot_weight(const at::Tensor& w, const at::Tensor& scales, const char* name) {
   check_int8_weight(w, name);
@@ -3452,6 +3454,7 @@ void check_int8_dot_weight(const at::Tensor& w, const at::Tensor& scales, const 
               w.size(1));
 }
 
+// The arguments of an int8 weight's integer dot products (int8_dot_gemv, int8_dot16_gemv): K whole blocks of 32.
 void check_int8_dot(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const char* name) {
   check_isa(name);
   check_int8_dot_weight(w, scales, name);
@@ -3691,9 +3694,10 @@ int64_t stream_read(const at::Tensor& t, int64_t streams, bool prefetch_ahead) {
 // A pre-norm decoder layer with a gated SiLU MLP (Llama's and its relatives') for one new token per row, as one
 // function (layer_step, run by decode_layers below): RMSNorm, the QKV GEMV, rotary on q and k, the keys and values
 // written into the layer's cache at their slots, decode_attention, the o GEMV and residual add, RMSNorm, the gate+up
-// GEMV, SiLU(gate) * up, the down GEMV and residual add. The fused block's ops make a dozen calls for that, each with its dispatch, allocations and
-// threads to wake: in a small model those cost more than reading the weights. The arithmetic is theirs: the same
-// GEMVs and attention, and each elementwise result rounded to bf16 where the block's eager ops round it.
+// GEMV, SiLU(gate) * up, the down GEMV and residual add. The fused block's ops make a dozen calls for that, each with
+// its dispatch, allocations and threads to wake: in a small model those cost more than reading the weights. The
+// arithmetic is theirs: the same GEMVs and attention, and each elementwise result rounded to bf16 where the block's
+// eager ops round it.
 //
 // Each linear is three entries of `tensors` (weight, scales, bias: None where absent) plus its GEMV kind and int4
 // group; a bias is added in bf16 after the GEMV, as the linear layers add it.
@@ -3894,8 +3898,8 @@ struct LayerCall {
 void check_layer_lists(int64_t n, const c10::List<std::optional<at::Tensor>>& masks,
                        const c10::List<std::optional<at::Tensor>>& cos, const c10::List<std::optional<at::Tensor>>& sin,
                        at::TensorList norms, at::ArrayRef<double> eps,
-                       const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds, at::IntArrayRef groups,
-                       at::IntArrayRef heads, at::ArrayRef<double> scales) {
+                       const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds,
+                       at::IntArrayRef groups, at::IntArrayRef heads, at::ArrayRef<double> scales) {
   TORCH_CHECK(n >= 1, "decode_layers: no layers");
   const int64_t got[] = {static_cast<int64_t>(masks.size()), static_cast<int64_t>(cos.size()),
                          static_cast<int64_t>(sin.size()), static_cast<int64_t>(norms.size()),
@@ -3960,7 +3964,8 @@ void silu_mul_rows(const at::Tensor& gate_up, int64_t ffn, const at::Tensor& act
   parallel_units(0, units, units, [&](int64_t begin, int64_t end) {  // one grain: on its own, on this thread
     for (int64_t u = begin; u < end; ++u) {
       const int64_t m = u / chunks, c = u % chunks * CHUNK;
-      avx2::silu_mul_row(gp + m * 2 * ffn + c, gp + m * 2 * ffn + ffn + c, std::min(CHUNK, ffn - c), ap + m * ffn + c);
+      const at::BFloat16* gate = gp + m * 2 * ffn + c;
+      avx2::silu_mul_row(gate, gate + ffn, std::min(CHUNK, ffn - c), ap + m * ffn + c);
     }
   });
 }
@@ -3979,12 +3984,9 @@ void layer_step(const at::Tensor& x, const LayerCall& l, const at::Tensor& slots
   layer_gemv_into(linears[0], b.normed, b.qkv);
   if (leads_team()) rotate_and_store(b.qkv, l.cos, l.sin, l.keys, l.values, slots, l.n_heads, l.n_kv_heads);
   team_barrier();
-  const AttentionInputs<at::BFloat16> in{
-      b.qkv.data_ptr<at::BFloat16>(), b.qkv.size(1), dim, l.keys.data_ptr<at::BFloat16>(), l.keys.stride(0),
-      l.keys.stride(1), l.keys.stride(2), l.values.data_ptr<at::BFloat16>(), l.values.stride(0), l.values.stride(1),
-      l.values.stride(2), l.mask ? l.mask->data_ptr<bool>() : nullptr,
-      l.mask && l.mask->size(0) > 1 ? l.mask->stride(0) : 0, l.mask ? l.mask->stride(3) : 1, batch, l.n_heads,
-      l.n_kv_heads, kv_len, dim, static_cast<float>(l.scale)};
+  // the queries are the first n_heads heads of each qkv row
+  const AttentionInputs<at::BFloat16> in = attention_inputs<at::BFloat16>(
+      b.qkv.data_ptr<at::BFloat16>(), b.qkv.size(1), dim, l.n_heads, l.keys, l.values, kv_len, l.mask, l.scale);
   attend_into(in, b.parts, b.partial.data(), b.attended.data_ptr<at::BFloat16>());
   team_barrier();
   layer_gemv_into(linears[1], b.attended, b.o);
@@ -4000,12 +4002,12 @@ void layer_step(const at::Tensor& x, const LayerCall& l, const at::Tensor& slots
   if (leads_team()) add_rows(outp, b.down.data_ptr<at::BFloat16>(), batch, hidden, outp);
 }
 
-// decode_layers runs consecutive decoder layers (each as layer_step, above) on rows x [B, 1,
-// hidden], one after another, in one call: a step's Python and dispatch per layer cost more than a small layer's
-// weights take to read. Layer i reads and writes the KV cache's layer layers[i] (keys, values: the whole cache
-// [cache layers, B, kv_heads, L, head_dim]); its mask, cos and sin are entry i of their lists, its norms' weights and
-// eps entries 2i and 2i + 1, its linears 4i .. 4i + 3 (three tensors each: weight, scales, bias), its query and KV
-// heads entries 2i and 2i + 1 of heads, its scale entry i. Every layer is checked before any is run.
+// decode_layers runs consecutive decoder layers (each as layer_step, above) on rows x [B, 1, hidden], one after
+// another, in one call: a step's Python and dispatch per layer cost more than a small layer's weights take to read.
+// Layer i reads and writes the KV cache's layer layers[i] (keys, values: the whole cache [cache layers, B, kv_heads,
+// L, head_dim]); its mask, cos and sin are entry i of their lists, its norms' weights and eps entries 2i and 2i + 1,
+// its linears 4i .. 4i + 3 (three tensors each: weight, scales, bias), its query and KV heads entries 2i and 2i + 1
+// of heads, its scale entry i. Every layer is checked before any is run.
 at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, at::IntArrayRef layers,
                          const at::Tensor& slots, const c10::List<std::optional<at::Tensor>>& masks, int64_t kv_len,
                          const c10::List<std::optional<at::Tensor>>& cos,

@@ -1,7 +1,6 @@
 """kernels: make each linear of a fused model compute with the kernel the plan chose for its kind, and say which;
 the same for the fused decoder blocks' decode-step attention (``plan.attention_kernel``) and for their decode steps
-as one native call each (``plan.layer_kernel``: the blocks whose structure and layers allow it,
-``layers.native_layer``).
+in native calls (``plan.layer_kernel``: the blocks whose structure and layers allow it, ``layers.native_layer``).
 
 Fusing and quantizing produce weights; ``splice.kernel_choice`` decided (in ``plan.resolve``) how each kind of linear
 computes. This step wraps each plain float linear of the fused blocks and the lm_head (the ones quantization left in
@@ -101,7 +100,7 @@ def select_kernels(stage: Stage, plan: Plan) -> tuple[Stage, KernelsReport]:
 
 
 def choose_native_layers(blocks, plan: Plan) -> str:
-    """Mark the blocks whose decode steps run as one native call (``plan.layer_kernel``, on native attention, where
+    """Mark the blocks whose decode steps run in native calls (``plan.layer_kernel``, on native attention, where
     ``unfit_reason`` finds nothing against it); say how many did and why the others did not."""
     choice = plan.layer_kernel
     if not choice.native:
@@ -118,7 +117,7 @@ def choose_native_layers(blocks, plan: Plan) -> str:
     if not reasons:
         return f"{choice.reason} (all {taken})"
     others = "; ".join(f"{reason} (block {index})" for reason, index in reasons.items())
-    return f"{taken} of {len(blocks)} in one native call each, the others their own ops: {others}"
+    return f"{taken} of {len(blocks)} in native calls, the others their own ops: {others}"
 
 
 def wrap_linears(model: nn.Module, runtime: SpliceCausalLM | None, wrapper: type[nn.Module]) -> int:
