@@ -1475,20 +1475,14 @@ Int4DotActivations round_rows_for_int4(const at::BFloat16* x, int64_t m, int64_t
 
 constexpr int64_t INT4_DOT_ROWS = 8;  // rows of x per pass over a tile (one stream)
 
-// A block's int32 sum from int4_block_sums' chains (block_sum above sums a block of int8 values): with more than one,
-// the even chains hold the low nibbles' products and the odd ones 16 times the high nibbles' (exact: every term a
-// multiple of 16, at most 4 * 240 * 127 a vpdpbusd lane, four chunks a block); with one, both in place.
+// A block's int32 sum from int4_block_sums' chains (block_sum above sums a block of int8 values): with two, the first
+// holds the low nibbles' products and the second 16 times the high nibbles' (exact: every term a multiple of 16, at
+// most 4 * 240 * 127 a vpdpbusd lane, four chunks a block); with one, both in place.
 template <int CHAINS>
 __attribute__((target("avx512f"))) inline __m512i chains_sum(const __m512i (&sums)[CHAINS]) {
-  static_assert(CHAINS == 1 || CHAINS == 2 || CHAINS == 4, "chains alternate low and high nibbles");
-  if constexpr (CHAINS == 1) {
-    return sums[0];
-  } else if constexpr (CHAINS == 2) {
-    return _mm512_add_epi32(sums[0], _mm512_srai_epi32(sums[1], 4));
-  } else {
-    return _mm512_add_epi32(_mm512_add_epi32(sums[0], sums[2]),
-                            _mm512_srai_epi32(_mm512_add_epi32(sums[1], sums[3]), 4));
-  }
+  static_assert(CHAINS == 1 || CHAINS == 2, "chains alternate low and high nibbles");
+  if constexpr (CHAINS == 1) return sums[0];
+  else return _mm512_add_epi32(sums[0], _mm512_srai_epi32(sums[1], 4));
 }
 
 // Block b's int32 sums for M rows of x (row m's nibble-ordered pairs at x + m * row_stride, its block offsets at
@@ -1534,10 +1528,12 @@ inline void store_tiles(const __m512 (&acc)[M][T], at::BFloat16* out, int64_t n_
                           (__m256i)_mm512_cvtneps_pbh(acc[m][t]));
 }
 
-// Independent int32 sums per row and tile of int4_block_sums: with few rows and tiles, low and high nibbles (and
-// alternate chunks) add into sums of their own.
+// Independent int32 sums per row and tile of int4_block_sums: with few rows and tiles, low and high nibbles add into
+// sums of their own (the high ones left in place: one instruction a load fewer, two more a block to join them). Four
+// chains a row and tile, alternate chunks apart, ran slower at one row: a block's sums need no longer chains for
+// vpdpbusd's latency, as the blocks themselves overlap.
 template <int M, int T>
-constexpr int INT4_CHAINS = M * T <= 2 ? 4 : M * T <= 4 ? 2 : 1;
+constexpr int INT4_CHAINS = M * T <= 4 ? 2 : 1;
 
 // T tiles at once (T weight streams, for_spans): tile first + i * step for i < T.
 template <int M, int T>
