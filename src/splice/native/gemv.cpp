@@ -566,12 +566,17 @@ struct Int4DotActivations {
   std::vector<int32_t> offsets;  // [m, k / 32]: -8 * sum(q_b), what a block's codes' offset of 8 adds to its dot
 };
 
-// One row's q bytes in the tiles' nibble order: per chunk of 8, columns (0, 4, 1, 5) then (2, 6, 3, 7) (every level's
-// CPU runs AVX2: one byte shuffle per 4 chunks).
+// The byte shuffle of four chunks of q (32 bytes) into the tiles' nibble order: per chunk of 8, columns (0, 4, 1, 5)
+// then (2, 6, 3, 7).
+__attribute__((target("avx2"))) inline __m256i nibble_order_shuffle() {
+  return _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
+                          0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+}
+
+// One row's q bytes in the tiles' nibble order (every level's CPU runs AVX2: one byte shuffle per 4 chunks).
 __attribute__((target("avx2")))
 void nibble_order(const int8_t* q, int64_t chunks, int32_t* pairs) {
-  const __m256i order = _mm256_setr_epi8(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15,
-                                         0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15);
+  const __m256i order = nibble_order_shuffle();
   int64_t c = 0;
   for (; c + 4 <= chunks; c += 4)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs + 2 * c),
@@ -970,25 +975,32 @@ struct DotActivations {
   std::vector<float> unflip;    // [m]: what the flipped weights' excess takes off each row's sum (int8_dot_gemv's only)
 };
 
+// One block of DOT_BLOCK values of x at src rounded as qmath.round_activations: its scale d (returned: the block's
+// absolute max / 127) and q = round(x / d) in -127..127 as 16 int32 lanes each of its first and second halves.
+inline float round_block(const at::BFloat16* src, __m512i& q_lo, __m512i& q_hi) {
+  const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
+  const __m512 lo = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  const __m512 hi = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16)));
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  // a NaN in the block makes its scale NaN (max drops NaNs), so its products are NaN as qmath's are
+  const bool nan = _mm512_cmp_ps_mask(lo, hi, _CMP_UNORD_Q) != 0;
+  const float d = nan ? NAN : std::max(amax, 1e-12f) / 127.f;
+  const __m512 dv = _mm512_set1_ps(d);
+  q_lo = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(lo, dv)), low), high);
+  q_hi = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(hi, dv)), low), high);
+  return d;
+}
+
 DotActivations round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
   DotActivations a;
   a.padded = (k + DOT_STEP - 1) / DOT_STEP * DOT_STEP;
   const int64_t steps = a.padded / DOT_STEP;
   a.q.assign(m * a.padded, 0);
   a.d.assign(m * steps * 16, 0.f);
-  const __m512i low = _mm512_set1_epi32(-127), high = _mm512_set1_epi32(127);
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t b = 0; b < k / DOT_BLOCK; ++b) {
-      const at::BFloat16* src = x + i * k + b * DOT_BLOCK;
-      const __m512 lo = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-      const __m512 hi = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16)));
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      // a NaN in the block makes its scale NaN (max drops NaNs), so its products are NaN as qmath's are
-      const bool nan = _mm512_cmp_ps_mask(lo, hi, _CMP_UNORD_Q) != 0;
-      const float d = nan ? NAN : std::max(amax, 1e-12f) / 127.f;
-      const __m512 dv = _mm512_set1_ps(d);
-      const __m512i q_lo = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(lo, dv)), low), high);
-      const __m512i q_hi = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_div_ps(hi, dv)), low), high);
+      __m512i q_lo, q_hi;
+      const float d = round_block(x + i * k + b * DOT_BLOCK, q_lo, q_hi);
       int8_t* dst = a.q.data() + i * a.padded + b * DOT_BLOCK;
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm512_cvtepi32_epi8(q_lo));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + 16), _mm512_cvtepi32_epi8(q_hi));
@@ -1464,13 +1476,30 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // broadcast to the 16 rows. A block's int32 sum starts from -8 * sum(q_b), so it is the exact dot of the codes less 8
 // with q_b, and gets the block's scale d; per group, y += scale * sum_b d_b * dot_b, and where the scales come with
 // zeros, zero * sum_b d_b * sum(q_b).
-Int4DotActivations round_rows_for_int4(const at::BFloat16* x, int64_t m, int64_t k, int64_t group) {
-  const DotActivations a = round_rows(x, m, k);
-  const int64_t blocks = k / DOT_BLOCK, steps = a.padded / DOT_STEP;
-  std::vector<float> d(m * blocks);
+
+// x's rows rounded for int4_dot_gemv into a, one pass a block: each block rounded as round_rows rounds it, its bytes
+// stored straight in the tiles' nibble order (a block is four chunks: one shuffle), with its scale, sum and
+// offset, so a holds what int4_dot_activations makes of round_rows' rows. a's buffers are reused from call to call.
+void round_rows_for_int4(const at::BFloat16* x, int64_t m, int64_t k, int64_t group, Int4DotActivations& a) {
+  const int64_t blocks = k / DOT_BLOCK, groups = k / group;
+  a.pairs.resize(m * blocks * DOT_BLOCK / 4);
+  a.d.resize(m * blocks);
+  a.sums.assign(m * groups, 0.f);
+  a.offsets.resize(m * blocks);
+  const __m256i order = nibble_order_shuffle();
   for (int64_t i = 0; i < m; ++i)
-    for (int64_t b = 0; b < blocks; ++b) d[i * blocks + b] = a.d[(i * steps + b / 2) * 16 + (b % 2) * 8];
-  return int4_dot_activations(a.q.data(), a.padded, std::move(d), m, k, group);
+    for (int64_t b = 0; b < blocks; ++b) {  // each group's blocks added in column order (every level's float sums)
+      __m512i q_lo, q_hi;
+      const float d = round_block(x + i * k + b * DOT_BLOCK, q_lo, q_hi);
+      const __m256i bytes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(q_lo)),
+                                                    _mm512_cvtepi32_epi8(q_hi), 1);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.pairs.data() + (i * blocks + b) * DOT_BLOCK / 4),
+                          _mm256_shuffle_epi8(bytes, order));
+      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
+      a.d[i * blocks + b] = d;
+      a.sums[i * groups + b * DOT_BLOCK / group] += d * static_cast<float>(sum);
+      a.offsets[i * blocks + b] = -8 * sum;
+    }
 }
 
 constexpr int64_t INT4_DOT_ROWS = 8;  // rows of x per pass over a tile (one stream)
@@ -1612,7 +1641,9 @@ void int4_dot_blocks(const Int4DotActivations& a, int64_t m0, const int32_t* w, 
 
 at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
   const int64_t tiles = w.size(0), k = w.size(1) * 8, m = x.size(0), n = tiles * TILE;
-  const Int4DotActivations a = round_rows_for_int4(x.data_ptr<at::BFloat16>(), m, k, group);
+  thread_local Int4DotActivations rounded;  // this thread's; its buffers kept from call to call
+  round_rows_for_int4(x.data_ptr<at::BFloat16>(), m, k, group, rounded);
+  const Int4DotActivations& a = rounded;
   auto out = kernel_output({m, n}, x.options());
   const int32_t* wp = w.data_ptr<int32_t>();
   const Int4Scales zp(sz);
