@@ -26,17 +26,17 @@ def engine_of(family: str, scheme: str = "bf16", **kwargs):
                                  **kwargs)
 
 
-def decode(engine, native_layers: bool, per_row_slots: bool = False):
-    """A left-padded batch's prompt, then STEPS greedy decode steps with the blocks' native calls on or off: each
+def decode(engine, native_layers: bool, per_row_slots: bool = False, batch: int = 2):
+    """A left-padded batch's prompt (``batch`` rows), then STEPS greedy decode steps with the blocks' native calls on or off: each
     step's logits, and the KV cache after them."""
     runtime = engine.runtime
     chosen = [block.native_layer for block in runtime.blocks]
     for block in runtime.blocks:
         block.native_layer = block.native_layer and native_layers
-    ids, mask = padded_batch(batch=2, length=9)
+    ids, mask = padded_batch(batch=batch, length=9)
     try:
         with torch.inference_mode():
-            cache = runtime.new_cache(2)
+            cache = runtime.new_cache(batch)
             cache.start(mask)
             length = ids.shape[1]
             positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -48,7 +48,7 @@ def decode(engine, native_layers: bool, per_row_slots: bool = False):
                 if per_row_slots:  # the second row writes STEPS slots further on
                     slot = torch.stack([slot, slot + STEPS])
                     kv_len += STEPS
-                    cache.valid[torch.arange(2), slot[:, 0]] = True
+                    cache.valid[torch.arange(batch), slot[:, 0]] = True
                 else:
                     cache.mark(slot)
                 position = position + 1
@@ -60,17 +60,17 @@ def decode(engine, native_layers: bool, per_row_slots: bool = False):
             block.native_layer = was
 
 
-def layer_calls(engine, native_layers: bool) -> int:
+def layer_calls(engine, native_layers: bool, batch: int = 2) -> int:
     with torch.profiler.profile() as profile:
-        decode(engine, native_layers)
+        decode(engine, native_layers, batch=batch)
     return sum(event.name == "splice_kernels::decode_layers" for event in profile.events())
 
 
-def assert_same_steps(engine, per_row_slots: bool = False) -> None:
+def assert_same_steps(engine, per_row_slots: bool = False, batch: int = 2) -> None:
     """The native calls' logits and cache against the blocks' own ops (the same kernels and roundings; a norm's sum
     may round its last bit otherwise, so within a few bf16 steps rather than bit for bit)."""
-    logits, keys, values = decode(engine, True, per_row_slots)
-    expected, expected_keys, expected_values = decode(engine, False, per_row_slots)
+    logits, keys, values = decode(engine, True, per_row_slots, batch)
+    expected, expected_keys, expected_values = decode(engine, False, per_row_slots, batch)
     scale = expected.abs().max().item()
     assert (logits - expected).abs().max().item() <= 0.02 * scale
     assert (logits.argmax(-1) == expected.argmax(-1)).all()
@@ -152,6 +152,17 @@ def test_float_product_gemvs_step_as_their_own_ops_do(monkeypatch, scheme):
 def test_rows_at_their_own_slots_step_as_their_own_ops_do():
     """Slots per row ([batch, 1], the serving scheduler's continuous batch), a different one in each row."""
     assert_same_steps(engine_of("llama", "int4-sym"), per_row_slots=True)
+
+
+@pytest.mark.parametrize("quant", ["bf16", "int8"])
+def test_sixteen_rows_step_as_their_own_ops_do(quant, monkeypatch):
+    """A batch of 16 rows in native calls (the avx512 level's bf16 and int8 limits where oneDNN has no AMX tiles; set
+    here, so every machine runs them)."""
+    engine = engine_of("llama", quant)
+    for kind in ("bf16", "int8", "int8_dot"):
+        monkeypatch.setitem(native.MAX_ROWS, kind, 16)
+    assert layer_calls(engine, True, batch=16) > 0
+    assert_same_steps(engine, batch=16)
 
 
 def test_rows_past_a_gemvs_limit_take_the_blocks_own_ops(monkeypatch):

@@ -209,7 +209,7 @@ def test_conv1d_is_quantized_like_a_linear():
 # ---- splice's native kernels (splice.native) ------------------------------------------------------------------------
 NATIVE_SCHEMES = ("int8", "w8a8", "int4-g32", "int4-g64-asym", "int4-g128")
 DECODE_OP = {"int8": "int8_gemv", "w8a8": "int8_dot_gemv"}  # int4: int4_gemv
-NATIVE_ROWS = (1, 3, 8, 12, 20)  # both sides of native.MAX_ROWS["int8_dot"] (8) and, with AMX, ["int8"] (16)
+NATIVE_ROWS = (1, 3, 8, 12, 20)  # both sides of native.MAX_ROWS["int8_dot"] (8 with AMX, else 16) and ["int8"] (16)
 
 
 @contextmanager

@@ -3,7 +3,7 @@
 The weight stays a plain ``[out, in]`` tensor — the very tensor the model had, so a tied lm_head keeps sharing the
 embedding table, nothing is copied, and the layer saves and deep-copies like ``nn.Linear``. Up to
 ``native.MAX_ROWS["bf16"]`` rows of input go to the native kernel (it streams the weight at memory speed); more rows
-(prefill) go to ``F.linear``, whose oneDNN/AMX GEMM wins there, or, on a CPU without bf16 arithmetic
+(prefill) go to ``F.linear``, whose oneDNN GEMM wins there, or, on a CPU without bf16 arithmetic
 (``native.prompts_widened``), to float32 GEMMs on slabs of the widened weight (``splice_kernels.widened_linear``).
 """
 from __future__ import annotations

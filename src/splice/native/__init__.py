@@ -51,17 +51,53 @@ ISA_FLAGS = {
     "avx512": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
     "amx": ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_tile", "amx_bf16"),
 }
+
+
+@cache
+def _cpu_flags() -> frozenset[str]:
+    return frozenset((_cpuinfo_value("flags") or "").split())
+
+
+@cache
+def _cpu_vendor() -> str | None:
+    return _cpuinfo_value("vendor_id")
+
+
+def _cpuinfo_value(name: str) -> str | None:
+    """The first ``name : value`` of /proc/cpuinfo, or None."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == name:
+            return value.strip()
+    return None
+
+
+def _onednn_has_tiles() -> bool:
+    """Whether oneDNN's bf16 GEMM runs on AMX tiles here (it does wherever the CPU has them, whatever splice's level)."""
+    return {"amx_tile", "amx_bf16"} <= _cpu_flags()
+
+
+#: bf16 rows the avx512 level's GEMV serves on a CPU without AMX tiles, where oneDNN's bf16 GEMM runs on AVX-512 (AMD
+#: Zen 4): the GEMV beats that GEMM up to 16 rows there (``docs/kernels.md``). With tiles the GEMM wins from 5 rows.
+AVX512_BF16_ROWS_WITHOUT_TILES = 16
+
+
 #: Most rows of activations each native GEMV serves, per level; more rows (prefill) go to one oneDNN GEMM (bf16), torch's
 #: int8 kernel and then de-quantise + GEMM (int8), or de-quantise + GEMM (int4). Measured crossovers, TinyLlama-shaped
 #: layers (``docs/kernels.md`` has the tables): with AMX the int8 GEMV runs 5-16 rows and the int4 GEMV 3 rows and more
-#: on tiles, so they serve more rows there. "int8_dot": the most rows int8 weight-only sends to the integer dot
-#: products (``int8_dot_gemv``); more, up to "int8", go to ``int8_gemv`` (on AMX, its tiles overtake the dot products
-#: from 9 rows: ``docs/kernels.md``). The avx2 level is what AVX2-only CPUs run, where oneDNN has no bf16 arithmetic
+#: on tiles, so the int4 GEMV serves more rows there. "int8_dot": the most rows int8 weight-only sends to the integer
+#: dot products (``int8_dot_gemv``, on a transposed kernel from 3 rows); more, up to "int8", go to ``int8_gemv`` (on
+#: AMX, its tiles overtake the dot products from 9 rows: ``docs/kernels.md``). The avx2 level is what AVX2-only CPUs run, where oneDNN has no bf16 arithmetic
 #: and prompts take float32 GEMMs on widened slabs (``prompts_widened``): those cost several times the GEMVs' time up
 #: to 32 rows, so the GEMVs serve up to 32 rows there.
 ROW_LIMITS = {
     "amx": {"bf16": 4, "int8": 16, "int8_dot": 8, "int4": 64},
-    "avx512": {"bf16": 4, "int8": 8, "int8_dot": 8, "int4": 15},
+    "avx512": {"bf16": 4 if _onednn_has_tiles() else AVX512_BF16_ROWS_WITHOUT_TILES, "int8": 16, "int8_dot": 16,
+               "int4": 15},
     "avx2": {"bf16": 32, "int8": 32, "int8_dot": 32, "int4": 32},
 }
 #: The active level's limits (updated by :func:`set_isa`); read by :func:`fits` and the quantized layers.
@@ -352,29 +388,6 @@ def unsupported_reason() -> str | None:
     missing = [flag for flag in ISA_FLAGS["avx2"] if flag not in _cpu_flags()]
     if missing:
         return f"this CPU lacks {', '.join(missing)}"
-    return None
-
-
-@cache
-def _cpu_flags() -> frozenset[str]:
-    return frozenset((_cpuinfo_value("flags") or "").split())
-
-
-@cache
-def _cpu_vendor() -> str | None:
-    return _cpuinfo_value("vendor_id")
-
-
-def _cpuinfo_value(name: str) -> str | None:
-    """The first ``name : value`` of /proc/cpuinfo, or None."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == name:
-            return value.strip()
     return None
 
 
