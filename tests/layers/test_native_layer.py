@@ -27,8 +27,8 @@ def engine_of(family: str, scheme: str = "bf16", **kwargs):
 
 
 def decode(engine, native_layers: bool, per_row_slots: bool = False, batch: int = 2):
-    """A left-padded batch's prompt (``batch`` rows), then STEPS greedy decode steps with the blocks' native calls on or off: each
-    step's logits, and the KV cache after them."""
+    """A left-padded batch's prompt (``batch`` rows), then STEPS greedy decode steps with the blocks' native calls on
+    or off: each step's logits, and the KV cache after them."""
     runtime = engine.runtime
     chosen = [block.native_layer for block in runtime.blocks]
     for block in runtime.blocks:

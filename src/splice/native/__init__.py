@@ -77,7 +77,7 @@ def _cpuinfo_value(name: str) -> str | None:
 
 
 def _onednn_has_tiles() -> bool:
-    """Whether oneDNN's bf16 GEMM runs on AMX tiles here (it does wherever the CPU has them, whatever splice's level)."""
+    """Whether oneDNN's bf16 GEMM runs on AMX tiles here (wherever the CPU has them, whatever splice's level)."""
     return {"amx_tile", "amx_bf16"} <= _cpu_flags()
 
 
@@ -91,9 +91,9 @@ AVX512_BF16_ROWS_WITHOUT_TILES = 16
 #: layers (``docs/kernels.md`` has the tables): with AMX the int8 GEMV runs 5-16 rows and the int4 GEMV 3 rows and more
 #: on tiles, so the int4 GEMV serves more rows there. "int8_dot": the most rows int8 weight-only sends to the integer
 #: dot products (``int8_dot_gemv``, on a transposed kernel from 3 rows); more, up to "int8", go to ``int8_gemv`` (on
-#: AMX, its tiles overtake the dot products from 9 rows: ``docs/kernels.md``). The avx2 level is what AVX2-only CPUs run, where oneDNN has no bf16 arithmetic
-#: and prompts take float32 GEMMs on widened slabs (``prompts_widened``): those cost several times the GEMVs' time up
-#: to 32 rows, so the GEMVs serve up to 32 rows there.
+#: AMX, its tiles overtake the dot products from 9 rows: ``docs/kernels.md``). The avx2 level is what AVX2-only CPUs
+#: run, where oneDNN has no bf16 arithmetic and prompts take float32 GEMMs on widened slabs (``prompts_widened``):
+#: those cost several times the GEMVs' time up to 32 rows, so the GEMVs serve up to 32 rows there.
 ROW_LIMITS = {
     "amx": {"bf16": 4, "int8": 16, "int8_dot": 8, "int4": 64},
     "avx512": {"bf16": 4 if _onednn_has_tiles() else AVX512_BF16_ROWS_WITHOUT_TILES, "int8": 16, "int8_dot": 16,

@@ -564,6 +564,24 @@ struct Int4DotActivations {
   std::vector<float> d;        // [m, k / 32]
   std::vector<float> sums;     // [m, k / group]: sum_b d_b * sum(q_b) over the group's blocks
   std::vector<int32_t> offsets;  // [m, k / 32]: -8 * sum(q_b), what a block's codes' offset of 8 adds to its dot
+  int64_t blocks = 0, groups = 0, group = 0;  // a row's blocks and groups, and the group's columns
+
+  // Sized for m rows of k columns in groups of `columns` (buffers kept from an earlier call reused), every sum 0.
+  void resize(int64_t m, int64_t k, int64_t columns) {
+    blocks = k / DOT_BLOCK, groups = k / columns, group = columns;
+    pairs.resize(m * k / 4);
+    d.resize(m * blocks);
+    sums.assign(m * groups, 0.f);
+    offsets.resize(m * blocks);
+  }
+
+  // Block b of row i: its scale and the sum of its int8 values. Each row's blocks come in column order, the order in
+  // which every level's float sums add them.
+  void add_block(int64_t i, int64_t b, float scale, int32_t sum) {
+    d[i * blocks + b] = scale;
+    sums[i * groups + b * DOT_BLOCK / group] += scale * static_cast<float>(sum);
+    offsets[i * blocks + b] = -8 * sum;
+  }
 };
 
 // The byte shuffle of four chunks of q (32 bytes) into the tiles' nibble order: per chunk of 8, columns (0, 4, 1, 5)
@@ -599,27 +617,21 @@ int32_t block_sum(const int8_t* q) {
          128 * static_cast<int32_t>(DOT_BLOCK);
 }
 
-// q: [m, stride] int8 (k columns used), d: [m, k / 32] block scales.
-Int4DotActivations int4_dot_activations(const int8_t* q_rows, int64_t stride, std::vector<float> d, int64_t m,
-                                        int64_t k, int64_t group) {
+// x's rows rounded to int8 (q: [m, stride], k columns used; d: [m, k / 32] block scales) into a, for int4_dot_gemv.
+void int4_dot_activations(const int8_t* q_rows, int64_t stride, const float* d, int64_t m, int64_t k, int64_t group,
+                          Int4DotActivations& a) {
   static_assert(DOT_BLOCK == 32, "block_sum reads one 32-byte vector");
-  const int64_t chunks = k / 8, blocks = k / DOT_BLOCK;
-  Int4DotActivations out;
-  out.pairs.resize(m * chunks * 2);
-  out.d = std::move(d);
-  out.sums.assign(m * (k / group), 0.f);
-  out.offsets.resize(m * blocks);
+  a.resize(m, k, group);
   for (int64_t i = 0; i < m; ++i) {
     const int8_t* q = q_rows + i * stride;
-    nibble_order(q, chunks, out.pairs.data() + i * chunks * 2);
-    for (int64_t b = 0; b < blocks; ++b) {  // each group's blocks added in column order (every level's float sums)
-      const int32_t sum = block_sum(q + b * DOT_BLOCK);
-      out.sums[i * (k / group) + b * DOT_BLOCK / group] += out.d[i * blocks + b] * static_cast<float>(sum);
-      out.offsets[i * blocks + b] = -8 * sum;
-    }
+    nibble_order(q, k / 8, a.pairs.data() + i * k / 4);
+    for (int64_t b = 0; b < a.blocks; ++b) a.add_block(i, b, d[i * a.blocks + b], block_sum(q + b * DOT_BLOCK));
   }
-  return out;
 }
+
+// Each thread's x rounded for int4_dot_gemv (every level's), its buffers kept from call to call: in a team every thread
+// rounds x for itself before each GEMV.
+thread_local Int4DotActivations rounded_for_int4;
 
 // What each level's int4_dot_blocks walks by block index (every group one block): T streams' tile words and scales
 // (tiles first + t * step), and M rows of x from m0: row m's nibble-ordered pairs at x + m * chunks * 2, its block
@@ -1478,27 +1490,20 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
 // zeros, zero * sum_b d_b * sum(q_b).
 
 // x's rows rounded for int4_dot_gemv into a, one pass a block: each block rounded as round_rows rounds it, its bytes
-// stored straight in the tiles' nibble order (a block is four chunks: one shuffle), with its scale, sum and
-// offset, so a holds what int4_dot_activations makes of round_rows' rows. a's buffers are reused from call to call.
+// stored straight in the tiles' nibble order (a block is four chunks: one shuffle), with its scale and sum, so a holds
+// what int4_dot_activations makes of round_rows' rows.
 void round_rows_for_int4(const at::BFloat16* x, int64_t m, int64_t k, int64_t group, Int4DotActivations& a) {
-  const int64_t blocks = k / DOT_BLOCK, groups = k / group;
-  a.pairs.resize(m * blocks * DOT_BLOCK / 4);
-  a.d.resize(m * blocks);
-  a.sums.assign(m * groups, 0.f);
-  a.offsets.resize(m * blocks);
+  a.resize(m, k, group);
   const __m256i order = nibble_order_shuffle();
   for (int64_t i = 0; i < m; ++i)
-    for (int64_t b = 0; b < blocks; ++b) {  // each group's blocks added in column order (every level's float sums)
+    for (int64_t b = 0; b < a.blocks; ++b) {
       __m512i q_lo, q_hi;
       const float d = round_block(x + i * k + b * DOT_BLOCK, q_lo, q_hi);
       const __m256i bytes = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm512_cvtepi32_epi8(q_lo)),
                                                     _mm512_cvtepi32_epi8(q_hi), 1);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.pairs.data() + (i * blocks + b) * DOT_BLOCK / 4),
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.pairs.data() + (i * a.blocks + b) * DOT_BLOCK / 4),
                           _mm256_shuffle_epi8(bytes, order));
-      const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi));
-      a.d[i * blocks + b] = d;
-      a.sums[i * groups + b * DOT_BLOCK / group] += d * static_cast<float>(sum);
-      a.offsets[i * blocks + b] = -8 * sum;
+      a.add_block(i, b, d, _mm512_reduce_add_epi32(_mm512_add_epi32(q_lo, q_hi)));
     }
 }
 
@@ -1641,9 +1646,8 @@ void int4_dot_blocks(const Int4DotActivations& a, int64_t m0, const int32_t* w, 
 
 at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
   const int64_t tiles = w.size(0), k = w.size(1) * 8, m = x.size(0), n = tiles * TILE;
-  thread_local Int4DotActivations rounded;  // this thread's; its buffers kept from call to call
-  round_rows_for_int4(x.data_ptr<at::BFloat16>(), m, k, group, rounded);
-  const Int4DotActivations& a = rounded;
+  Int4DotActivations& a = rounded_for_int4;
+  round_rows_for_int4(x.data_ptr<at::BFloat16>(), m, k, group, a);
   auto out = kernel_output({m, n}, x.options());
   const int32_t* wp = w.data_ptr<int32_t>();
   const Int4Scales zp(sz);
@@ -2850,8 +2854,9 @@ void int4_dot_blocks(const Int4DotActivations& a, int64_t m0, const int32_t* w, 
 template <bool VNNI>
 at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
   const int64_t tiles = w.size(0), k = w.size(1) * 8, m = x.size(0), n = tiles * TILE;
-  DotRows rows = round_rows(x.data_ptr<at::BFloat16>(), m, k);
-  const Int4DotActivations a = int4_dot_activations(rows.q.data(), k, std::move(rows.d), m, k, group);
+  const DotRows rows = round_rows(x.data_ptr<at::BFloat16>(), m, k);
+  Int4DotActivations& a = rounded_for_int4;
+  int4_dot_activations(rows.q.data(), k, rows.d.data(), m, k, group, a);
   auto out = kernel_output({m, n}, x.options());
   const int32_t* wp = w.data_ptr<int32_t>();
   const Int4Scales zp(sz);
