@@ -5,7 +5,7 @@ the working tree's kernel settings (level, weight streams, work stealing, softwa
 the same weights from memory (llama-1b's fused layer shapes, on 2 MiB pages) in alternating order, each round
 between two readings of the bandwidth probe. ``--set NAME=VALUE`` then changes one setting of the working tree's
 build alone, so the same source compares two settings the same way (``--set software_prefetch=4``: int4's software
-prefetch against none), and ``--attention-keys N`` adds each block's decode attention over a bf16 KV cache of N keys
+prefetch in every pass against none; ``--set software_prefetch_rows=0,0,3``: int4's from three rows of x), and ``--attention-keys N`` adds each block's decode attention over a bf16 KV cache of N keys
 (llama-1b's 32 query and 4 KV heads), as a step calls it between the block's GEMVs. Per kind and row count it
 prints the median of the rounds' speed ratios (working tree over base), overall and split at the median probe reading
 (the host's high and low phases), and each build's median share of the probe::
@@ -37,7 +37,8 @@ from bench_read_sizes import best_gbs
 BASE_NAMESPACE = "splice_kernels_base"
 SOURCE = "src/splice/native/gemv.cpp"
 #: The kernel settings both builds run with: the working tree's, copied to the base (getter; setter is set_<name>).
-SETTINGS = ("isa", "weight_streams", "work_stealing", "software_prefetch", "avx_vnni")
+SETTINGS = ("isa", "weight_streams", "work_stealing", "software_prefetch", "software_prefetch_rows", "avx_vnni")
+LIST_SETTINGS = ("software_prefetch_rows",)  # an integer per kind of weight (bf16, int8, int4)
 LIBRARY_MACROS = ("TORCH_LIBRARY(splice_kernels,", "TORCH_LIBRARY_IMPL(splice_kernels,")
 
 
@@ -81,12 +82,16 @@ def match_settings(base, here) -> dict[str, object]:
     return copied
 
 
-def parse_setting(text: str) -> tuple[str, int]:
-    """``NAME=VALUE`` of --set: a setting in SETTINGS and an integer (booleans as 0 or 1)."""
+def parse_setting(text: str) -> tuple[str, int | list[int]]:
+    """``NAME=VALUE`` of --set: a setting in SETTINGS and an integer (booleans as 0 or 1), or for one of
+    LIST_SETTINGS integers separated by commas."""
     name, _, value = text.partition("=")
-    if name not in SETTINGS or not value.lstrip("-").isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=INTEGER with NAME one of {', '.join(SETTINGS)}")
-    return name, int(value)
+    parts = value.split(",") if name in LIST_SETTINGS else [value]
+    if name not in SETTINGS or not all(part.strip().lstrip("-").isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=INTEGER with NAME one of {', '.join(SETTINGS)} "
+                                         f"(INTEGER,INTEGER,... for {', '.join(LIST_SETTINGS)})")
+    numbers = [int(part) for part in parts]
+    return name, numbers if name in LIST_SETTINGS else numbers[0]
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,8 @@ def test_an_unknown_revision_is_refused_naming_it():
 
 def test_the_base_takes_the_working_trees_settings_it_has():
     bench = load_benchmark("bench_two_builds")
-    values = {"isa": 1, "weight_streams": 4, "work_stealing": False, "software_prefetch": 5, "avx_vnni_ready": True}
+    values = {"isa": 1, "weight_streams": 4, "work_stealing": False, "software_prefetch": 5,
+              "software_prefetch_rows": [1, 0, 1], "avx_vnni_ready": True}
     here = types.SimpleNamespace(**{name: (lambda value=value: value) for name, value in values.items()},
                                  **{f"set_{name}": None for name in bench.SETTINGS})
     written = {}
@@ -43,7 +44,8 @@ def test_the_base_takes_the_working_trees_settings_it_has():
                                     for name in bench.SETTINGS if name != "software_prefetch"},
                                  **{name: None for name in values if name != "software_prefetch"})
     copied = bench.match_settings(base, here)
-    assert written == copied == {"isa": 1, "weight_streams": 4, "work_stealing": False, "avx_vnni": True}
+    assert written == copied == {"isa": 1, "weight_streams": 4, "work_stealing": False,
+                                 "software_prefetch_rows": [1, 0, 1], "avx_vnni": True}
 
 
 def test_the_summary_splits_the_rounds_at_the_median_probe():
@@ -100,10 +102,12 @@ def test_attention_runs_after_each_blocks_gemvs_and_its_cache_counts(monkeypatch
     assert results[0].base == pytest.approx(sizes[0]) and results[0].here == pytest.approx(sizes[0])
 
 
-@pytest.mark.parametrize("text", ["prefetch=4", "software_prefetch=four", "weight_streams", "=2"])
+@pytest.mark.parametrize("text", ["prefetch=4", "software_prefetch=four", "weight_streams", "=2", "software_prefetch=0,1",
+                                  "software_prefetch_rows=0,x,3"])
 def test_a_bad_setting_is_refused_naming_it(text):
     bench = load_benchmark("bench_two_builds")
     with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(text))):
         bench.parse_setting(text)
     assert bench.parse_setting("software_prefetch=4") == ("software_prefetch", 4)
     assert bench.parse_setting("work_stealing=0") == ("work_stealing", 0)
+    assert bench.parse_setting("software_prefetch_rows=0,0,3") == ("software_prefetch_rows", [0, 0, 3])

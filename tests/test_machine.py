@@ -81,9 +81,11 @@ def test_native_section_follows_the_native_module():
         with native.use_weight_streams(1):
             assert machine.describe_machine()["native"]["weight_streams_chosen_by"] == \
                 "set in this process (splice.native.use_weight_streams)"
-        assert info["software_prefetch"] == list(native.software_prefetch())
+        assert info["software_prefetch"] == native.software_prefetch()
         with native.use_software_prefetch(False):
-            assert machine.describe_machine()["native"]["software_prefetch"] == []
+            assert machine.describe_machine()["native"]["software_prefetch"] == {}
+        with native.use_software_prefetch({"int4": 3}):
+            assert machine.describe_machine()["native"]["software_prefetch"] == {"int4": 3}
 
 
 @pytest.mark.parametrize("variable, value, setting, use, default, chosen_by", [
@@ -98,7 +100,7 @@ def test_kernel_settings_name_what_chose_them(monkeypatch, variable, value, sett
         pytest.skip(f"splice's native kernels are not available here: {NATIVE_MISSING}")
     use, named = getattr(native, use), getattr(machine, chosen_by)
     if variable == "SPLICE_SOFTWARE_PREFETCH" and not native.default_software_prefetch():
-        value, setting = "all", True  # a setting other than this CPU's default (none on AMD)
+        value, setting = "all", True  # a setting other than this CPU's default
     monkeypatch.delenv(variable, raising=False)
     with use(getattr(native, default)()):
         assert named() == f"the default for {native._cpu_vendor() or 'this CPU'}"
@@ -208,8 +210,11 @@ def test_text_form_names_the_cpu_the_level_and_every_linear():
 
 
 def test_the_prefetch_line_names_the_kinds_or_says_none():
-    assert machine.prefetch_line(["int4"], "the default for AuthenticAMD") == (
-        "in software in the int4 GEMVs (the default for AuthenticAMD; the others leave their weight streams to the "
-        "hardware prefetcher)")
-    assert machine.prefetch_line([], "SPLICE_SOFTWARE_PREFETCH=none") == (
+    assert machine.prefetch_line({"int4": 3}, "the default for AuthenticAMD") == (
+        "in software in the int4 (from 3 rows of x) GEMVs (the default for AuthenticAMD; the others leave their weight "
+        "streams to the hardware prefetcher)")
+    assert machine.prefetch_line({"bf16": 1, "int4": 1}, "SPLICE_SOFTWARE_PREFETCH=bf16,int4") == (
+        "in software in the bf16, int4 GEMVs (SPLICE_SOFTWARE_PREFETCH=bf16,int4; the others leave their weight "
+        "streams to the hardware prefetcher)")
+    assert machine.prefetch_line({}, "SPLICE_SOFTWARE_PREFETCH=none") == (
         "none: every GEMV leaves its weight streams to the hardware prefetcher (SPLICE_SOFTWARE_PREFETCH=none)")

@@ -118,7 +118,7 @@ def describe_native() -> dict[str, Any]:
         "max_rows": dict(native.MAX_ROWS) if available else None,
         "weight_streams": native.weight_streams() if available else None,
         "weight_streams_chosen_by": weight_streams_chosen_by() if available else None,
-        "software_prefetch": list(native.software_prefetch()) if available else None,
+        "software_prefetch": native.software_prefetch() if available else None,
         "software_prefetch_chosen_by": software_prefetch_chosen_by() if available else None,
     }
 
@@ -378,12 +378,14 @@ def native_lines(info: dict[str, Any]) -> list[tuple[str, str]]:
             ("prefetch", prefetch_line(info["software_prefetch"], info["software_prefetch_chosen_by"]))]
 
 
-def prefetch_line(kinds: list[str], chosen_by: str) -> str:
-    """``splice info --machine``'s line on software prefetch: which kinds' GEMVs prefetch, and what chose that."""
+def prefetch_line(kinds: dict[str, int], chosen_by: str) -> str:
+    """``splice info --machine``'s line on software prefetch: which kinds' GEMVs prefetch, from how many rows of x a
+    pass, and what chose that."""
     if not kinds:
         return f"none: every GEMV leaves its weight streams to the hardware prefetcher ({chosen_by})"
-    return (f"in software in the {', '.join(kinds)} GEMVs ({chosen_by}; the others leave their weight streams to the "
-            "hardware prefetcher)")
+    each = ", ".join(kind if rows == 1 else f"{kind} (from {rows} rows of x)" for kind, rows in kinds.items())
+    return (f"in software in the {each} GEMVs ({chosen_by}; the others leave their weight streams to the hardware "
+            "prefetcher)")
 
 
 def _gib(size: int | None) -> str:

@@ -328,7 +328,8 @@ def test_weight_streams_from_the_environment(monkeypatch):
 def test_software_prefetch_gives_the_same_output(isa, rows, streams):
     """Prefetching a weight stream in software or not changes when its lines arrive, not what is computed: bit for
     bit the same outputs from every GEMV (int4 on integer and float products, AMX tiles included where the level has
-    them; int8 on both; bf16) with every kind's prefetch on, off, and each alone; int4 in groups of 64 and 32."""
+    them; int8 on both; bf16) with every kind's prefetch on, off, each alone, and each from more rows of x than the
+    call has and from as many; int4 in groups of 64 and 32."""
     k, n = 256, 16 * 9 + 2
     x, _, _, w4, sz = _int4_operands(rows, 16 * 9, k, 64, symmetric=False, seed=rows)
     _, _, _, w32, sz32 = _int4_operands(rows, 16 * 9, k, 32, symmetric=rows % 2 == 1, seed=rows)
@@ -337,11 +338,14 @@ def test_software_prefetch_gives_the_same_output(isa, rows, streams):
     wb = torch.randn(n, k).bfloat16()
     before = native.software_prefetch()
     results = []
+    settings = (True, False, ("bf16",), ("int8",), ("int4",), dict.fromkeys(native.PREFETCH_KINDS, rows + 1),
+                dict.fromkeys(native.PREFETCH_KINDS, rows))
     with _threads(2), native.use_weight_streams(streams):
-        for kinds in (True, False, ("bf16",), ("int8",), ("int4",)):
+        for kinds in settings:
             with native.use_software_prefetch(kinds):
-                assert native.software_prefetch() == (native.PREFETCH_KINDS if kinds is True else
-                                                      () if kinds is False else kinds)
+                expected = (dict.fromkeys(native.PREFETCH_KINDS, 1) if kinds is True else {} if kinds is False
+                            else kinds if isinstance(kinds, dict) else dict.fromkeys(kinds, 1))
+                assert native.software_prefetch() == expected
                 results.append((torch.ops.splice_kernels.int4_dot_gemv(x, w4, sz, 64),
                                 torch.ops.splice_kernels.int4_dot_gemv(x, w32, sz32, 32),
                                 torch.ops.splice_kernels.int4_gemv(x, w4, sz, 64),
@@ -353,27 +357,40 @@ def test_software_prefetch_gives_the_same_output(isa, rows, streams):
         assert all(torch.equal(a, b) for a, b in zip(results[0], other))
 
 
-def test_software_prefetch_refuses_unknown_kinds():
+def test_software_prefetch_refuses_unknown_kinds_and_row_counts():
     if not native.available():
         pytest.skip("splice's native kernels are not available here")
     before = native.software_prefetch()
     with native.use_software_prefetch("int4"):  # one name, not its letters
-        assert native.software_prefetch() == ("int4",)
+        assert native.software_prefetch() == {"int4": 1}
+        assert torch.ops.splice_kernels.software_prefetch() == 4  # the kinds prefetched in every pass, as a mask
+    with native.use_software_prefetch({"int4": 3, "bf16": 2}):
+        assert native.software_prefetch() == {"bf16": 2, "int4": 3}
+        assert torch.ops.splice_kernels.software_prefetch_rows() == [2, 0, 3]
+        assert torch.ops.splice_kernels.software_prefetch() == 0
     assert native.software_prefetch() == before
     with pytest.raises(ValueError, match="'fp8' is not a kind of weight; allowed: bf16, int8, int4"):
         with native.use_software_prefetch(["int4", "fp8"]):
             pass
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match=r"kinds: \{'int4': .*\} is not a row count per kind; allowed: whole "):
+            with native.use_software_prefetch({"int4": bad}):
+                pass
     assert native.software_prefetch() == before
     with pytest.raises(RuntimeError, match="is not a mask of PREFETCH_BF16"):
         torch.ops.splice_kernels.set_software_prefetch(8)
+    for bad in ([1, 1], [1, -1, 1]):
+        with pytest.raises(RuntimeError, match="set_software_prefetch_rows: expected 3 row counts"):
+            torch.ops.splice_kernels.set_software_prefetch_rows(bad)
     assert native.software_prefetch() == before
 
 
-@pytest.mark.parametrize("vendor, kinds", (("GenuineIntel", ("bf16", "int8", "int4")), ("AuthenticAMD", ()),
-                                           (None, ("bf16", "int8", "int4"))))
+@pytest.mark.parametrize("vendor, kinds", (("GenuineIntel", {"bf16": 1, "int8": 1, "int4": 1}),
+                                           ("AuthenticAMD", {"int4": 3}), (None, {"bf16": 1, "int8": 1, "int4": 1})))
 def test_default_software_prefetch_follows_the_cpu_vendor(monkeypatch, vendor, kinds):
-    """On AMD no kind prefetches in software (every kind reads faster on the hardware prefetcher alone there); every
-    kind elsewhere and where /proc/cpuinfo names no vendor."""
+    """On AMD only int4's GEMVs prefetch in software, from three rows of x a pass (every kind's GEMVs of one or two
+    rows read faster on the hardware prefetcher alone there); every kind in every pass elsewhere and where
+    /proc/cpuinfo names no vendor."""
     monkeypatch.setattr(native, "_cpu_vendor", lambda: vendor)
     monkeypatch.delenv("SPLICE_SOFTWARE_PREFETCH", raising=False)
     assert native.default_software_prefetch() == native.initial_software_prefetch() == kinds
@@ -381,9 +398,10 @@ def test_default_software_prefetch_follows_the_cpu_vendor(monkeypatch, vendor, k
 
 def test_software_prefetch_from_the_environment(monkeypatch):
     """SPLICE_SOFTWARE_PREFETCH overrides the CPU's default with all, none or kinds (any case and order, spaces
-    ignored) and refuses anything else, naming what it takes."""
-    for value, kinds in ((" ALL ", ("bf16", "int8", "int4")), ("none", ()), ("int4, bf16", ("bf16", "int4")),
-                         ("int8", ("int8",))):
+    ignored), each in every pass or from a number of rows of x, and refuses anything else, naming what it takes."""
+    every = {"bf16": 1, "int8": 1, "int4": 1}
+    for value, kinds in ((" ALL ", every), ("none", {}), ("int4, bf16", {"bf16": 1, "int4": 1}), ("int8", {"int8": 1}),
+                         ("int4:3", {"int4": 3}), ("int4 : 4, bf16", {"bf16": 1, "int4": 4})):
         monkeypatch.setenv("SPLICE_SOFTWARE_PREFETCH", value)
         assert native.initial_software_prefetch() == kinds, value
     monkeypatch.setenv("SPLICE_SOFTWARE_PREFETCH", "")
@@ -392,6 +410,11 @@ def test_software_prefetch_from_the_environment(monkeypatch):
         monkeypatch.setenv("SPLICE_SOFTWARE_PREFETCH", bad)
         with pytest.raises(ValueError, match=f"SPLICE_SOFTWARE_PREFETCH='{bad}'.* is not a kind of weight; allowed: "
                                              "bf16, int8, int4 \\(or, in the variable, all or none\\)"):
+            native.initial_software_prefetch()
+    for bad, message in (("int4:", "'' after int4: is not a row count"), ("int4:x", "'x' after int4: is not a row"),
+                         ("int4:0", r"\{'int4': 0\} is not a row count per kind")):
+        monkeypatch.setenv("SPLICE_SOFTWARE_PREFETCH", bad)
+        with pytest.raises(ValueError, match=f"SPLICE_SOFTWARE_PREFETCH='{bad}': {message}"):
             native.initial_software_prefetch()
 
 
@@ -819,8 +842,8 @@ def test_the_kernels_start_with_the_weight_streams_the_environment_names():
 @needs_native
 def test_the_kernels_start_with_the_software_prefetch_the_environment_names():
     result = _run_with_env("from splice import native; assert native.available(); print(native.software_prefetch())",
-                           SPLICE_SOFTWARE_PREFETCH="bf16,int8")
-    assert result.returncode == 0 and result.stdout.strip() == "('bf16', 'int8')", result.stderr[-2000:]
+                           SPLICE_SOFTWARE_PREFETCH="bf16,int4:3")
+    assert result.returncode == 0 and result.stdout.strip() == "{'bf16': 1, 'int4': 3}", result.stderr[-2000:]
 
 
 @needs_native

@@ -34,7 +34,7 @@ import tempfile
 import warnings
 from functools import cache
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
@@ -110,10 +110,11 @@ WEIGHT_STREAMS_BY_VENDOR = {"GenuineIntel": 4}
 WEIGHT_STREAM_COUNTS = ("1", "2", "4")  # what SPLICE_WEIGHT_STREAMS (and set_weight_streams) take
 #: The kinds of weight whose decode GEMVs can prefetch in software (``software_prefetch``), in gemv.cpp's bit order.
 PREFETCH_KINDS = ("bf16", "int8", "int4")
-#: The kinds prefetched in software where that is not all of them, by ``/proc/cpuinfo`` vendor: on an AMD Zen 4 every
-#: kind's GEMVs read faster leaving their streams to the hardware prefetcher (``docs/kernels.md``, "Software
-#: prefetch").
-SOFTWARE_PREFETCH_BY_VENDOR = {"AuthenticAMD": ()}
+#: The kinds prefetched in software, each from the rows of x in one pass over the weights given, where that is not
+#: every kind in every pass, by ``/proc/cpuinfo`` vendor: on an AMD Zen 4 the GEMVs of one or two rows read faster
+#: leaving their streams to the hardware prefetcher, and int4's from three rows (more arithmetic per byte, fewer reads
+#: in flight of their own) read faster with it (``docs/kernels.md``, "Software prefetch").
+SOFTWARE_PREFETCH_BY_VENDOR = {"AuthenticAMD": {"int4": 3}}
 CFLAGS = ["-O3", "-fopenmp"]  # baseline x86-64: gemv.cpp enables each level's instructions in its own regions
 INT4_TILE = 16  # weight rows per int4 tile
 INT4_CHUNK = 8  # input columns per int32 word of a tile row
@@ -286,54 +287,71 @@ def use_layer_region(on: bool) -> contextlib.AbstractContextManager[None]:
     return _kernel_setting(layer_region, torch.ops.splice_kernels.set_layer_region, on)
 
 
-def software_prefetch() -> tuple[str, ...]:
+def software_prefetch() -> dict[str, int]:
     """The kinds of weight (of :data:`PREFETCH_KINDS`) whose decode GEMVs prefetch each weight stream a few KiB
-    ahead in software; the others leave the reads to the CPU's hardware prefetcher alone
-    (:func:`initial_software_prefetch`). The outputs are the same either way."""
-    mask = torch.ops.splice_kernels.software_prefetch()
-    return tuple(kind for bit, kind in enumerate(PREFETCH_KINDS) if mask >> bit & 1)
+    ahead in software, each with the rows of x in one pass over the weights from which it does (1: every pass); the
+    other kinds and passes leave the reads to the CPU's hardware prefetcher alone (:func:`initial_software_prefetch`).
+    The outputs are the same either way."""
+    rows = torch.ops.splice_kernels.software_prefetch_rows()
+    return {kind: count for kind, count in zip(PREFETCH_KINDS, rows) if count > 0}
 
 
-def use_software_prefetch(kinds: bool | str | Iterable[str]) -> contextlib.AbstractContextManager[None]:
-    """Software prefetch for ``kinds`` (a name of :data:`PREFETCH_KINDS` or several; True: all, False: none) inside the
-    block (tests, benchmarks), then as before. Raises ValueError for another name."""
+def use_software_prefetch(kinds: bool | str | Iterable[str] | Mapping[str, int]
+                          ) -> contextlib.AbstractContextManager[None]:
+    """Software prefetch inside the block (tests, benchmarks), then as before: for ``kinds`` (a name of
+    :data:`PREFETCH_KINDS` or several) in every pass, or per name from the rows of x a pass a mapping gives (``{"int4":
+    3}``); True: every kind in every pass, False: none. Raises ValueError for another name or row count."""
     if not available():
         raise RuntimeError("splice's native kernels are not available here")
     if isinstance(kinds, bool):
-        chosen = PREFETCH_KINDS if kinds else ()
+        chosen = dict.fromkeys(PREFETCH_KINDS if kinds else (), 1)
+    elif isinstance(kinds, Mapping):
+        chosen = _prefetch_rows(dict(kinds), "kinds")
     else:
-        chosen = _prefetch_kinds((kinds,) if isinstance(kinds, str) else tuple(kinds), "kinds")
+        chosen = _prefetch_rows(dict.fromkeys((kinds,) if isinstance(kinds, str) else tuple(kinds), 1), "kinds")
     return _kernel_setting(software_prefetch, _set_software_prefetch, chosen)
 
 
-def default_software_prefetch() -> tuple[str, ...]:
-    """The kinds of weight prefetched in software on this CPU unless told otherwise:
-    :data:`SOFTWARE_PREFETCH_BY_VENDOR` for its vendor, else all of them."""
-    return SOFTWARE_PREFETCH_BY_VENDOR.get(_cpu_vendor() or "", PREFETCH_KINDS)
+def default_software_prefetch() -> dict[str, int]:
+    """The kinds of weight prefetched in software on this CPU unless told otherwise, each from its rows of x a pass:
+    :data:`SOFTWARE_PREFETCH_BY_VENDOR` for its vendor, else every kind in every pass."""
+    return dict(SOFTWARE_PREFETCH_BY_VENDOR.get(_cpu_vendor() or "", dict.fromkeys(PREFETCH_KINDS, 1)))
 
 
-def initial_software_prefetch() -> tuple[str, ...]:
-    """The kinds the kernels start with: ``SPLICE_SOFTWARE_PREFETCH`` where set (``all``, ``none`` or kinds
-    separated by commas, e.g. ``int4`` or ``bf16,int8``), else :func:`default_software_prefetch`. Raises ValueError
-    for any other value."""
+def initial_software_prefetch() -> dict[str, int]:
+    """The kinds the kernels start with: ``SPLICE_SOFTWARE_PREFETCH`` where set (``all``, ``none``, or kinds separated
+    by commas, each in every pass or from a number of rows of x a pass: ``int4``, ``bf16,int8``, ``int4:3``), else
+    :func:`default_software_prefetch`. Raises ValueError for any other value."""
     value = os.environ.get("SPLICE_SOFTWARE_PREFETCH", "").strip().lower()
     if not value:
         return default_software_prefetch()
     if value in ("all", "none"):
-        return PREFETCH_KINDS if value == "all" else ()
-    return _prefetch_kinds(tuple(part.strip() for part in value.split(",")), f"SPLICE_SOFTWARE_PREFETCH={value!r}")
+        return dict.fromkeys(PREFETCH_KINDS if value == "all" else (), 1)
+    what = f"SPLICE_SOFTWARE_PREFETCH={value!r}"
+    chosen = {}
+    for part in value.split(","):
+        kind, colon, rows = (piece.strip() for piece in part.partition(":"))
+        if colon and not rows.isdigit():
+            raise ValueError(f"{what}: {rows!r} after {kind}: is not a row count; allowed: a whole number from 1")
+        chosen[kind] = int(rows) if colon else 1
+    return _prefetch_rows(chosen, what)
 
 
-def _prefetch_kinds(kinds: tuple[str, ...], what: str) -> tuple[str, ...]:
-    unknown = [kind for kind in kinds if kind not in PREFETCH_KINDS]
+def _prefetch_rows(rows: dict, what: str) -> dict[str, int]:
+    """``rows`` (kind -> the rows of x a pass from which it prefetches) checked, in :data:`PREFETCH_KINDS`' order."""
+    unknown = [kind for kind in rows if kind not in PREFETCH_KINDS]
     if unknown:
         raise ValueError(f"{what}: {', '.join(map(repr, unknown))} is not a kind of weight; allowed: "
                          f"{', '.join(PREFETCH_KINDS)} (or, in the variable, all or none)")
-    return tuple(kind for kind in PREFETCH_KINDS if kind in kinds)
+    bad = {kind: count for kind, count in rows.items() if isinstance(count, bool) or not isinstance(count, int)
+           or count < 1}
+    if bad:
+        raise ValueError(f"{what}: {bad} is not a row count per kind; allowed: whole numbers from 1")
+    return {kind: rows[kind] for kind in PREFETCH_KINDS if kind in rows}
 
 
-def _set_software_prefetch(kinds: tuple[str, ...]) -> None:
-    torch.ops.splice_kernels.set_software_prefetch(sum(1 << PREFETCH_KINDS.index(kind) for kind in kinds))
+def _set_software_prefetch(rows: dict[str, int]) -> None:
+    torch.ops.splice_kernels.set_software_prefetch_rows([rows.get(kind, 0) for kind in PREFETCH_KINDS])
 
 
 @contextlib.contextmanager

@@ -69,28 +69,53 @@ constexpr int64_t MAX_ROWS = 4;  // rows of x per pass over a block of weights (
 constexpr int64_t PREFETCH_BYTES = 4096;
 constexpr int TILE = 16;  // weight rows per int4 tile
 
-// The kernels' software prefetch, PREFETCH_BYTES ahead in each weight stream, per kind of weight (a mask of
-// PREFETCH_BF16, PREFETCH_INT8 and PREFETCH_INT4: set_software_prefetch). Whether it helps depends on the CPU and on
-// the kernel's arithmetic per byte: where the hardware prefetcher follows a sequential stream well on its own, the
-// extra requests only take fill buffers from it; a kernel with more arithmetic per byte keeps fewer reads in flight
-// by itself and gains from them.
+// The kernels' software prefetch, PREFETCH_BYTES ahead in each weight stream, per kind of weight (PREFETCH_BF16,
+// PREFETCH_INT8, PREFETCH_INT4) from a number of rows of x in one pass over the weights (set_software_prefetch_rows).
+// Whether it helps depends on the CPU and on the kernel's arithmetic per byte: where the hardware prefetcher follows a
+// sequential stream well on its own, the extra requests only take fill buffers from it; a kernel with more arithmetic
+// per byte (more rows of x a pass) keeps fewer reads in flight by itself and gains from them.
 enum PrefetchKind : int64_t { PREFETCH_BF16 = 1, PREFETCH_INT8 = 2, PREFETCH_INT4 = 4 };
 constexpr int64_t PREFETCH_ALL = PREFETCH_BF16 | PREFETCH_INT8 | PREFETCH_INT4;
-// A plain variable, set between kernel calls (native.use_software_prefetch): read inside a kernel's loop it stays in a
-// register, where an atomic read would be made again on every step, and with it every pointer the loop reads.
-int64_t software_prefetch_setting = PREFETCH_ALL;
+constexpr int PREFETCH_KIND_COUNT = 3;
+// Per kind (in its bit's order), the rows of x a pass from which its kernels prefetch (0: never). Plain variables, set
+// between kernel calls (native.use_software_prefetch): read inside a kernel's loop they stay in registers, where an
+// atomic read would be made again on every step, and with it every pointer the loop reads.
+int64_t software_prefetch_from[PREFETCH_KIND_COUNT] = {1, 1, 1};
 
-int64_t software_prefetch() { return software_prefetch_setting; }
+constexpr int prefetch_index(int64_t kind) { return kind == PREFETCH_BF16 ? 0 : kind == PREFETCH_INT8 ? 1 : 2; }
 
+// The kinds prefetched in every pass, as a mask.
+int64_t software_prefetch() {
+  int64_t kinds = 0;
+  for (int i = 0; i < PREFETCH_KIND_COUNT; ++i)
+    if (software_prefetch_from[i] == 1) kinds |= int64_t(1) << i;
+  return kinds;
+}
+
+// Every pass for the kinds in the mask, none for the others.
 void set_software_prefetch(int64_t kinds) {
   TORCH_CHECK(kinds >= 0 && kinds <= PREFETCH_ALL, "set_software_prefetch: ", kinds,
               " is not a mask of PREFETCH_BF16 (1), PREFETCH_INT8 (2) and PREFETCH_INT4 (4)");
-  software_prefetch_setting = kinds;
+  for (int i = 0; i < PREFETCH_KIND_COUNT; ++i) software_prefetch_from[i] = kinds >> i & 1;
 }
 
+std::vector<int64_t> software_prefetch_rows() {
+  return {software_prefetch_from, software_prefetch_from + PREFETCH_KIND_COUNT};
+}
+
+// Per kind (bf16, int8, int4), the rows of x a pass from which its kernels prefetch; 0: never.
+void set_software_prefetch_rows(at::IntArrayRef rows) {
+  const bool counts = std::all_of(rows.begin(), rows.end(), [](int64_t r) { return r >= 0; });
+  TORCH_CHECK(rows.size() == PREFETCH_KIND_COUNT && counts, "set_software_prefetch_rows: expected ",
+              PREFETCH_KIND_COUNT, " row counts (bf16, int8, int4), each 0 (never) or more, got ", rows);
+  std::copy(rows.begin(), rows.end(), software_prefetch_from);
+}
+
+// A prefetch of a KIND weight's line at p by a pass over the weights with `rows` rows of x.
 template <int64_t KIND>
-inline void prefetch(const void* p) {
-  if (software_prefetch() & KIND) _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+inline void prefetch(const void* p, int64_t rows) {
+  const int64_t from = software_prefetch_from[prefetch_index(KIND)];
+  if (from > 0 && rows >= from) _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
 }
 
 // Keeps loaded values in registers: GCC otherwise folds each use of a loaded value into a memory operand of its own,
@@ -498,18 +523,18 @@ void row_pointers(const T* w, int64_t k, RowBlock block, const T* row_at[R]) {
 // will be read (faster than the linear walk bf16 uses: an int8 row is short, so a block's rows sit within a few
 // pages).
 template <int R, int STEP>
-inline void prefetch_step(const at::BFloat16* const row_at[R], int64_t k, int64_t c) {
+inline void prefetch_step(const at::BFloat16* const row_at[R], int64_t k, int64_t c, int64_t rows) {
   static_assert(STEP == 32, "a bf16 step is one line per row");
   constexpr int per_block = R < 4 ? R : 4;
   for (int r = 0; r < R; ++r)
     prefetch<PREFETCH_BF16>(reinterpret_cast<const char*>(row_at[r / 4 * 4]) + per_block * c * 2 + PREFETCH_BYTES +
-                            64 * (r % 4));
+                            64 * (r % 4), rows);
 }
 
 template <int R, int STEP>
-inline void prefetch_step(const int8_t* const row_at[R], int64_t k, int64_t c) {
+inline void prefetch_step(const int8_t* const row_at[R], int64_t k, int64_t c, int64_t rows) {
   constexpr int lines = R * STEP / 64 > 1 ? R * STEP / 64 : 1;
-  for (int i = 0; i < lines; ++i) prefetch<PREFETCH_INT8>(row_at[(lines * (c / STEP) + i) % R] + 4 * k + c);
+  for (int i = 0; i < lines; ++i) prefetch<PREFETCH_INT8>(row_at[(lines * (c / STEP) + i) % R] + 4 * k + c, rows);
 }
 
 // Blocks of four weight rows split over the threads, f(Int<x rows>, Int<weight rows>, RowBlock, first x row) in chunks
@@ -801,7 +826,7 @@ void bf16_rows(const at::BFloat16* x, const at::BFloat16* w, int64_t k, RowBlock
   row_pointers<R>(w, k, block, row_at);
   for (int64_t c = 0; c < k; c += 32) {
     const int64_t left = k - c;
-    prefetch_step<R, 32>(row_at, k, c);
+    prefetch_step<R, 32>(row_at, k, c, M);
     __m512i wv[R];
     UNROLLED for (int r = 0; r < rows; ++r) wv[r] = load_bf16_pairs(row_at[r] + c, left);
     UNROLLED for (int64_t m = 0; m < m_rows; ++m) {
@@ -827,7 +852,7 @@ void bf16_row_sets(const at::BFloat16* x, const at::BFloat16* w, int64_t k, RowB
       const int64_t left = k - c;
       __m512i wv[S];
       UNROLLED for (int t = 0; t < S; ++t) {
-        prefetch<PREFETCH_BF16>(row_at[t] + c + PREFETCH_BYTES / 2);
+        prefetch<PREFETCH_BF16>(row_at[t] + c + PREFETCH_BYTES / 2, M);
         wv[t] = load_bf16_pairs(row_at[t] + c, left);
       }
       UNROLLED for (int64_t m = 0; m < M; ++m) {
@@ -871,7 +896,7 @@ void int8_rows(const float* x, const int8_t* w, const at::BFloat16* scales, int6
   for (int64_t c = 0; c < k; c += 16) {
     const int64_t left = k - c;
     const __mmask16 mask = left >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    prefetch_step<R, 16>(row_at, k, c);
+    prefetch_step<R, 16>(row_at, k, c, M);
     __m512 wv[R];
     UNROLLED for (int r = 0; r < rows; ++r)
       wv[r] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, row_at[r] + c)));
@@ -913,7 +938,7 @@ void int8_amx_blocks(const int32_t* x_pairs, int64_t m, const int8_t* w, const a
       for (int64_t r = 0; r < 16; ++r) {
         __m512i bytes = _mm512_setzero_si512();
         if (r < rows) {
-          prefetch<PREFETCH_INT8>(base + r * k + c + PREFETCH_BYTES / 8);
+          prefetch<PREFETCH_INT8>(base + r * k + c + PREFETCH_BYTES / 8, m);
           bytes = _mm512_maskz_loadu_epi8(mask, base + r * k + c);
         }
         __m512 f[4];
@@ -1062,7 +1087,7 @@ void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const a
   for (int64_t c = 0; c < k; c += DOT_STEP) {
     const int64_t left = k - c;
     const __mmask64 mask = left >= DOT_STEP ? ~__mmask64(0) : ((__mmask64(1) << left) - 1);
-    prefetch_step<R, DOT_STEP>(row_at, k, c);
+    prefetch_step<R, DOT_STEP>(row_at, k, c, M);
     __m512i wv[R];
     UNROLLED for (int r = 0; r < rows; ++r)
       wv[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, row_at[r] + c), flip);
@@ -1097,7 +1122,7 @@ inline void int8_dot_set_steps(const int8_t* xq, int64_t x_stride, const float* 
     const int64_t c = s * DOT_STEP;
     __m512i wv[S];
     UNROLLED for (int t = 0; t < S; ++t) {
-      prefetch<PREFETCH_INT8>(rows[t] + c + PREFETCH_BYTES);
+      prefetch<PREFETCH_INT8>(rows[t] + c + PREFETCH_BYTES, M);
       wv[t] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, rows[t] + c), flip);
     }
     UNROLLED for (int m = 0; m < M; ++m) {
@@ -1370,7 +1395,7 @@ void int4_tile(const at::BFloat16* x, const float* xsum, const int32_t* w, const
     UNROLLED for (int m = 0; m < M; ++m)
       for (int p = 0; p < 4; ++p) dot[m][p] = _mm512_setzero_ps();
     for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-      prefetch<PREFETCH_INT4>(stream + c * 64 + PREFETCH_BYTES);
+      prefetch<PREFETCH_INT4>(stream + c * 64 + PREFETCH_BYTES, M);
       __m512i pairs[4];
       int4_pairs(_mm512_loadu_si512(base + c * TILE), pairs);
       UNROLLED for (int64_t m = 0; m < m_rows; ++m) {
@@ -1419,7 +1444,7 @@ void int4_amx_tiles(const at::BFloat16* x, int64_t m, const float* xsum, const i
     for (int64_t r = 0; r < m; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       for (int64_t c = g * group / 8, i = 0; i < slices * 4; ++c, ++i) {
-        prefetch<PREFETCH_INT4>(stream + c * 64 + PREFETCH_BYTES);
+        prefetch<PREFETCH_INT4>(stream + c * 64 + PREFETCH_BYTES, m);
         int4_pairs(_mm512_loadu_si512(base + c * TILE), &decoded[4 * i]);
       }
       __m512 scale, offset;
@@ -1536,7 +1561,7 @@ inline void int4_block_sums(const int32_t* const (&weights)[T], const int32_t* x
   UNROLLED for (int i = 0; i < 4; ++i) {
     const int64_t c = b * 4 + i;
     UNROLLED for (int t = 0; t < T; ++t) {
-      prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(weights[t] + c * TILE) + PREFETCH_BYTES);
+      prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(weights[t] + c * TILE) + PREFETCH_BYTES, M);
       __m512i words = _mm512_loadu_si512(weights[t] + c * TILE);
       keep_in_registers(words);
       const __m512i low = _mm512_and_si512(words, nibbles);
@@ -2224,9 +2249,9 @@ void rows_dot(const float* x, const T* const row_at[R], int64_t k, float sums[M]
   int64_t c = 0;
   for (; c < k32; c += 32) {
     if constexpr (APART) {
-      UNROLLED for (int r = 0; r < R; ++r) prefetch<prefetch_kind<T>()>(row_at[r] + c + PREFETCH_BYTES / sizeof(T));
+      UNROLLED for (int r = 0; r < R; ++r) prefetch<prefetch_kind<T>()>(row_at[r] + c + PREFETCH_BYTES / sizeof(T), M);
     } else {
-      prefetch_step<R, 32>(row_at, k, c);
+      prefetch_step<R, 32>(row_at, k, c, M);
     }
     UNROLLED for (int j = 0; j < 4; ++j) step(c + 8 * j, j % CHAINS);
   }
@@ -2379,7 +2404,7 @@ void int8_dot_rows(const DotRows& a, int64_t m0, const int8_t* w, const at::BFlo
     UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t c = b * DOT_BLOCK;
-    prefetch_step<R, DOT_BLOCK>(row_at, k, c);
+    prefetch_step<R, DOT_BLOCK>(row_at, k, c, M);
     __m256i wv[R], magnitude[R];
     UNROLLED for (int r = 0; r < rows; ++r) {
       wv[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_at[r] + c));
@@ -2416,7 +2441,7 @@ void int8_dot_row_pairs(const DotRows& a, int64_t m0, const int8_t* w, const at:
       const int64_t c = b * DOT_BLOCK;
       __m256i wv[2], magnitude[2];
       for (int t = 0; t < 2; ++t) {
-        if (b % 2 == 0) prefetch<PREFETCH_INT8>(row_at[t] + c + PREFETCH_BYTES);  // a line every other block
+        if (b % 2 == 0) prefetch<PREFETCH_INT8>(row_at[t] + c + PREFETCH_BYTES, M);  // a line every other block
         wv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_at[t] + c));
         magnitude[t] = _mm256_abs_epi8(wv[t]);
       }
@@ -2544,9 +2569,9 @@ void dot16_rows(const Dot16Rows& a, int64_t m0, const int8_t* const row_at[R], i
     for (int64_t c = c0; c < c0 + columns; c += 32) {
       if constexpr (APART) {
         if (c % 64 == 0)
-          UNROLLED for (int r = 0; r < R; ++r) prefetch<PREFETCH_INT8>(row_at[r] + c + PREFETCH_BYTES);
+          UNROLLED for (int r = 0; r < R; ++r) prefetch<PREFETCH_INT8>(row_at[r] + c + PREFETCH_BYTES, M);
       } else {
-        prefetch_step<R, 32>(row_at, k, c);
+        prefetch_step<R, 32>(row_at, k, c, M);
       }
     }
     for_pieces<R, 2>([&](auto r0_c, auto g_c) {
@@ -2671,7 +2696,7 @@ void int4_tile(const float* x, const float* xsum, const int32_t* w, const Int4Sc
     UNROLLED for (int m = 0; m < M; ++m)
       for (int h = 0; h < 2; ++h) dot[m][h][0] = dot[m][h][1] = _mm256_setzero_ps();
     for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-      prefetch<PREFETCH_INT4>(stream + c * 64 + PREFETCH_BYTES);
+      prefetch<PREFETCH_INT4>(stream + c * 64 + PREFETCH_BYTES, M);
       const __m256i q[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + c * TILE)),
                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + c * TILE + 8))};
       for (int s = 0; s < 8; ++s) {
@@ -2753,7 +2778,7 @@ inline void int4_block_sums(const int32_t* const (&weights)[T], const int32_t* x
   UNROLLED for (int i = 0; i < 4; ++i) {
     const int64_t c = b * 4 + i;
     UNROLLED for (int t = 0; t < T; ++t) {
-      prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(weights[t] + c * TILE) + PREFETCH_BYTES);
+      prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(weights[t] + c * TILE) + PREFETCH_BYTES, M);
       UNROLLED for (int h = 0; h < 2; ++h) {
         const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights[t] + c * TILE + 8 * h));
         const __m256i low = _mm256_and_si256(words, nibbles);
@@ -4145,6 +4170,8 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("set_layer_region(bool on) -> ()", &set_layer_region);
   lib.def("software_prefetch() -> int", &software_prefetch);
   lib.def("set_software_prefetch(int kinds) -> ()", &set_software_prefetch);
+  lib.def("software_prefetch_rows() -> int[]", &software_prefetch_rows);
+  lib.def("set_software_prefetch_rows(int[] rows) -> ()", &set_software_prefetch_rows);
 }
 
 TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
