@@ -111,11 +111,11 @@ void set_software_prefetch_rows(at::IntArrayRef rows) {
   std::copy(rows.begin(), rows.end(), software_prefetch_from);
 }
 
-// A prefetch of a KIND weight's line at p by a pass over the weights with `rows` rows of x.
-template <int64_t KIND>
+// A prefetch of a KIND weight's line at p by a pass over the weights with `rows` rows of x, into L1 (or HINT's level).
+template <int64_t KIND, int HINT = _MM_HINT_T0>
 inline void prefetch(const void* p, int64_t rows) {
   const int64_t from = software_prefetch_from[prefetch_index(KIND)];
-  if (from > 0 && rows >= from) _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+  if (from > 0 && rows >= from) _mm_prefetch(static_cast<const char*>(p), static_cast<_mm_hint>(HINT));
 }
 
 // Keeps loaded values in registers: GCC otherwise folds each use of a loaded value into a memory operand of its own,
@@ -1235,9 +1235,10 @@ void int8_dot_transposed(const DotActivations& a, const BlockTerms& terms, int64
   for (int64_t c = 0; c < k; c += DOT_STEP) {
     const bool both = k - c >= DOT_STEP;  // else only the step's first block is in the row
     const __mmask64 mask = both ? ~__mmask64(0) : (__mmask64(1) << DOT_BLOCK) - 1;
-    // the 16 rows are read 16 places at once: the next 16 rows are fetched ahead in order, 16 lines a step
+    // the 16 rows are read 16 places at once: the next 16 rows are fetched ahead in order, 16 lines a step, into L2
+    // (they are read a whole pass over these rows later, by when more than L1 holds has gone through it)
     const char* ahead = reinterpret_cast<const char*>(w + (n0 + 16) * k) + c / DOT_STEP * 16 * 64;
-    for (int i = 0; i < 16; ++i) _mm_prefetch(ahead + 64 * i, _MM_HINT_T0);
+    for (int i = 0; i < 16; ++i) prefetch<PREFETCH_INT8, _MM_HINT_T1>(ahead + 64 * i, M);
     __m512i v[16];
     UNROLLED for (int r = 0; r < 16; ++r)
       v[r] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, w + (n0 + r) * k + c), flip);
