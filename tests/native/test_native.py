@@ -386,12 +386,12 @@ def test_software_prefetch_refuses_unknown_kinds_and_row_counts():
 
 
 @pytest.mark.parametrize("vendor, kinds", (("GenuineIntel", {"bf16": 1, "int8": 1, "int4": 1}),
-                                           ("AuthenticAMD", {"int8": 3, "int4": 3}),
+                                           ("AuthenticAMD", {"bf16": 3, "int8": 3, "int4": 3}),
                                            (None, {"bf16": 1, "int8": 1, "int4": 1})))
 def test_default_software_prefetch_follows_the_cpu_vendor(monkeypatch, vendor, kinds):
-    """On AMD only int8's and int4's GEMVs prefetch in software, from three rows of x a pass (every kind's GEMVs of one
-    or two rows read as fast or faster on the hardware prefetcher alone there); every kind in every pass elsewhere and
-    where /proc/cpuinfo names no vendor."""
+    """On AMD the GEMVs prefetch in software from three rows of x a pass (every kind's GEMVs of one or two rows read as
+    fast or faster on the hardware prefetcher alone there); every kind in every pass elsewhere and where
+    /proc/cpuinfo names no vendor."""
     monkeypatch.setattr(native, "_cpu_vendor", lambda: vendor)
     monkeypatch.delenv("SPLICE_SOFTWARE_PREFETCH", raising=False)
     assert native.default_software_prefetch() == native.initial_software_prefetch() == kinds

@@ -111,10 +111,10 @@ WEIGHT_STREAM_COUNTS = ("1", "2", "4")  # what SPLICE_WEIGHT_STREAMS (and set_we
 #: The kinds of weight whose decode GEMVs can prefetch in software (``software_prefetch``), in gemv.cpp's bit order.
 PREFETCH_KINDS = ("bf16", "int8", "int4")
 #: The kinds prefetched in software, each from the rows of x in one pass over the weights given, where that is not
-#: every kind in every pass, by ``/proc/cpuinfo`` vendor: on an AMD Zen 4 the GEMVs of one or two rows read faster
-#: leaving their streams to the hardware prefetcher, and int8's and int4's from three rows (more arithmetic per byte,
+#: every kind in every pass, by ``/proc/cpuinfo`` vendor: on an AMD Zen 4 the GEMVs of one or two rows read as fast or
+#: faster leaving their streams to the hardware prefetcher, and those of three rows or more (more arithmetic per byte,
 #: fewer reads in flight of their own) read faster with it (``docs/kernels.md``, "Software prefetch").
-SOFTWARE_PREFETCH_BY_VENDOR = {"AuthenticAMD": {"int8": 3, "int4": 3}}
+SOFTWARE_PREFETCH_BY_VENDOR = {"AuthenticAMD": {"bf16": 3, "int8": 3, "int4": 3}}
 CFLAGS = ["-O3", "-fopenmp"]  # baseline x86-64: gemv.cpp enables each level's instructions in its own regions
 INT4_TILE = 16  # weight rows per int4 tile
 INT4_CHUNK = 8  # input columns per int32 word of a tile row

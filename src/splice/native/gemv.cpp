@@ -517,18 +517,14 @@ void row_pointers(const T* w, int64_t k, RowBlock block, const T* row_at[R]) {
 }
 
 // The software prefetch of one STEP-column step of a row-major GEMV over the rows of a RowBlock, at column c (every
-// level's kernels call these: prefetch is baseline SSE). bf16, 32 columns a step: a block's (up to four) rows are
-// contiguous, so a line per row and step walks it in order. int8: a row's step is STEP / 64 of a line, so
-// R * STEP / 64 rows a step (one at least) get the line of the row four on (the next block's), in the order they
-// will be read (faster than the linear walk bf16 uses: an int8 row is short, so a block's rows sit within a few
-// pages).
+// level's kernels call these: prefetch is baseline SSE). Both fetch lines of the next block (the rows four on, which
+// a thread's walk reads next), at the step's columns. bf16, 32 columns a step: a line per row, into L2: the line is
+// read a whole pass over this block later, by when more than L1 holds has gone through it. int8: a row's step is
+// STEP / 64 of a line, so R * STEP / 64 rows a step (one at least) get theirs, in the order they will be read.
 template <int R, int STEP>
 inline void prefetch_step(const at::BFloat16* const row_at[R], int64_t k, int64_t c, int64_t rows) {
   static_assert(STEP == 32, "a bf16 step is one line per row");
-  constexpr int per_block = R < 4 ? R : 4;
-  for (int r = 0; r < R; ++r)
-    prefetch<PREFETCH_BF16>(reinterpret_cast<const char*>(row_at[r / 4 * 4]) + per_block * c * 2 + PREFETCH_BYTES +
-                            64 * (r % 4), rows);
+  for (int r = 0; r < R; ++r) prefetch<PREFETCH_BF16, _MM_HINT_T1>(row_at[r] + 4 * k + c, rows);
 }
 
 template <int R, int STEP>
