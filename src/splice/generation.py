@@ -492,13 +492,20 @@ def decode(runtime: SpliceCausalLM, req: Request, streamer=None, timer: ForwardT
     position, slot = positions[:, -1:].clone(), cache.slot_ids[prompt_len - 1:prompt_len].clone()
     length = prompt_len
     native_pick = not req.do_sample and native.available_on(runtime.device)
+    # greedy, no processor, no scores kept: the pick reads the logits as they are (the indices of their float32
+    # copies, which it does not need to make)
+    pick_from_logits = native_pick and not req.processors and not (req.output_scores or req.output_logits)
     while True:
-        next_logits = logits.to(dtype=torch.float32, copy=True)
-        next_scores = apply_processors(req.processors, sequences[:, :length], next_logits)
-        tokens = pick(next_scores, req.do_sample, native_pick)
-        if req.eos is not None:
-            tokens = tokens * unfinished + req.pad * (1 - unfinished)
-            unfinished &= ~torch.isin(tokens, req.eos)
+        if pick_from_logits and native.argmax_fits(logits):
+            tokens = torch.ops.splice_kernels.argmax_rows(logits)
+            next_logits = next_scores = None
+        else:
+            next_logits = logits.to(dtype=torch.float32, copy=True)
+            next_scores = apply_processors(req.processors, sequences[:, :length], next_logits)
+            tokens = pick(next_scores, req.do_sample, native_pick)
+        if req.eos is not None:  # a finished row takes pad; a row stops at any eos id
+            tokens = tokens.masked_fill(unfinished == 0, req.pad)
+            unfinished.masked_fill_(torch.isin(tokens, req.eos), 0)
         sequences[:, length] = tokens
         length += 1
         if req.output_scores:

@@ -125,6 +125,8 @@ LAYER_OP = "splice_kernels::decode_layers"
 FUSED_KERNEL_WORDS = (("softmax", "attention"), ("rsqrt", "norms"))
 
 
+HEAD_NOTE = ("lm_head: in blocks (the final norm and the lm_head's GEMV join the last native call of a step; the "
+             "eager profile runs them apart)")
 BLOCKS_NOTE = ("blocks: whole blocks in native calls, a run of blocks in one (their norms, GEMVs, attention and the "
                "rest cannot be told apart; SPLICE_NATIVE_LAYER=0 runs them as separate ops)")
 
@@ -229,8 +231,10 @@ def profile_decode(engine, prompt: torch.Tensor, new_tokens: int) -> StepProfile
 
 @contextmanager
 def _stage_hooks(runtime, clock: _StageClock) -> Iterator[None]:
-    """Time the fused blocks' submodules and methods, the final norm and the lm_head, as stages, while inside."""
+    """Time the fused blocks' submodules and methods, the final norm and the lm_head, as stages, while inside (where
+    they would join a step's last native call, they run as their own modules instead, to be timed)."""
     handles, wrapped = [], []
+    head_in_call, runtime.head_in_call = runtime.head_in_call, False
 
     def hook(module: nn.Module, stage: str) -> None:
         handles.append(module.register_forward_pre_hook(lambda *_: clock.enter(stage)))
@@ -252,6 +256,7 @@ def _stage_hooks(runtime, clock: _StageClock) -> Iterator[None]:
     try:
         yield
     finally:
+        runtime.head_in_call = head_in_call
         for handle in handles:
             handle.remove()
         for owner, name in wrapped:
@@ -288,6 +293,7 @@ def _profile_compiled(engine, prompt: torch.Tensor, options: dict, synchronize) 
     ranges = [e.time_range for e in events if e.name == FORWARD_RANGE][1:]  # the prefill left out
     layers = len(runtime.blocks)
     native_blocks = sum(block.native_layer for block in runtime.blocks)
+    head_in_call = runtime.blocks[-1].native_layer and runtime.head_call(prompt.shape[0]) is not None
     stages = dict.fromkeys(STAGES, 0.0)
     unmatched = 0
     kernel_names = False
@@ -297,9 +303,9 @@ def _profile_compiled(engine, prompt: torch.Tensor, options: dict, synchronize) 
         gemvs = [e for e in inside if e.name.startswith(GEMV_OPS) and not e.name.startswith((*ATTENTION_OPS, LAYER_OP))
                  and not _under(e, GEMV_OPS)]
         # the blocks the kernels step chose run in the native calls where a step has them; the others run their
-        # four projections' GEMVs; then the lm_head
+        # four projections' GEMVs; then the lm_head, unless it joined the last native call
         native = native_blocks if any(e.name == LAYER_OP for e in inside) else 0
-        order = ["qkv", "o", "gate_up", "down"] * (layers - native) + ["lm_head"]
+        order = ["qkv", "o", "gate_up", "down"] * (layers - native) + ([] if native and head_in_call else ["lm_head"])
         if len(gemvs) == len(order):
             for stage, event in zip(order, gemvs):
                 stages[stage] += event.time_range.elapsed_us() * 1e-3
@@ -325,6 +331,8 @@ def _profile_compiled(engine, prompt: torch.Tensor, options: dict, synchronize) 
              "times include torch.profiler's cost per operator"]
     if stages["blocks"]:
         notes.append(BLOCKS_NOTE)
+    if native_blocks and head_in_call:
+        notes.append(HEAD_NOTE)
     if not kernel_names:
         notes.append("inductor's kernels were not named (compile with torch._inductor.config.cpp."
                      "enable_kernel_profile=True): attention and norms are in 'other'")

@@ -3,6 +3,7 @@ own ops."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -85,6 +86,40 @@ def test_families_blocks_step_as_their_own_ops_do(family):
     assert all(block.native_layer for block in engine.runtime.blocks)
     assert_same_steps(engine)
     assert layer_calls(engine, True) == STEPS and layer_calls(engine, False) == 0  # every block in one call a step
+
+
+@pytest.mark.parametrize("scheme, batch", [("bf16", 1), ("bf16", 2), ("int8", 1), ("int4-sym", 2)])
+def test_the_head_in_the_last_call_gives_the_same_logits(scheme, batch):
+    """The final norm and the lm_head's GEMV joining the step's last native call: the same arithmetic as the head's own
+    modules (its norm rounds as the blocks' norms do, its GEMV is the lm_head's), so the same bits."""
+    engine = engine_of("llama", scheme)
+    runtime = engine.runtime
+    head = runtime.head_call(batch)
+    assert head is not None and head.kind == layer_gemv(runtime.lm_head).kind
+    joined = decode(engine, True, batch=batch)
+    runtime.head_in_call = False
+    try:
+        apart = decode(engine, True, batch=batch)
+    finally:
+        runtime.head_in_call = True
+    assert all(torch.equal(a, b) for a, b in zip(joined, apart))
+
+
+def test_the_head_joins_only_a_run_that_ends_the_step():
+    engine = engine_of("llama")
+    runtime = engine.runtime
+    masks = {None: None}
+    *_, last = native_layer.step_plan(runtime.blocks, 1, masks, head=runtime.head_call(1))
+    assert last.head is not None and last.head.norm is runtime.norm.weight
+    runtime.blocks[-1].native_layer = False  # the last block on its own ops: the head runs after it, apart
+    plan = native_layer.step_plan(runtime.blocks, 1, masks, head=runtime.head_call(1))
+    assert plan[-1] is runtime.blocks[-1] and plan[0].head is None
+    runtime.blocks[-1].native_layer = True
+    runtime.head_in_call = False
+    assert runtime.head_call(1) is None
+    runtime.head_in_call = True
+    runtime.dims = dataclasses.replace(runtime.dims, final_softcap=30.0)
+    assert runtime.head_call(1) is None  # a soft-cap after the lm_head: the head's own ops
 
 
 def test_a_block_on_its_own_ops_splits_the_run():
@@ -325,4 +360,11 @@ def test_the_op_names_bad_inputs():
     bias = r"layer 0: the down linear: the bias must be a float tensor of 64 values, got \[3\]"
     with pytest.raises(RuntimeError, match=bias):
         run(both._replace(tensors=wrong_bias), slots=torch.tensor([5]))
+    head = runtime.head_call(1)
+    assert run(both._replace(head=head)).shape == (1, runtime.lm_head.out_features)  # the logits
+    with pytest.raises(RuntimeError, match=r"the head: the lm_head takes 32 inputs; the layers' hidden size is 64"):
+        run(both._replace(head=head._replace(tensors=[head.tensors[0][:, :32].contiguous(), None, None])),
+            slots=torch.tensor([5]))
+    with pytest.raises(RuntimeError, match=r"the final norm's weight must be contiguous bf16 \[64\]"):
+        run(both._replace(head=head._replace(norm=head.norm.float())), slots=torch.tensor([5]))
     assert torch.equal(cache.keys, before[0]) and torch.equal(cache.values, before[1])

@@ -87,7 +87,10 @@ class SpliceCausalLM:
         # the compiled step's smallest attended length: below it, reading the empty slots costs less than a compile
         self.min_attended = MIN_ATTENDED
         self._cache: StaticKVCache | None = None
-        self._step_plans: dict[tuple, list] = {}  # (rows, boolean masks, row limits) -> an eager decode step's plan
+        self._step_plans: dict[tuple, list] = {}  # (rows, boolean masks, row limits, head) -> an eager step's plan
+        # the final norm and lm_head join a decode step's last native call (head_call); off, they run as their own
+        # modules (the eager step profiler times them so)
+        self.head_in_call = True
         self.graphs: GraphReplayer | None = None  # the decode step's CUDA graphs (capture_graphs)
 
     @property
@@ -137,9 +140,11 @@ class SpliceCausalLM:
         rotary = [self.rope(index).lookup(positions) for index in range(len(self.ropes))]
         masks = {window: None if dense and window is None else cache.mask(slots, kv_len, window)
                  for window in self.windows}
-        for item in self.step_plan(x, masks):
+        for item in self.step_plan(x, masks, last_only and last is None):
             if isinstance(item, native_layer.NativeRun):
                 x = self.native_blocks(item, x, cache, slots, masks, kv_len, rotary)
+                if item.head is not None:  # the last run, ending the step with the final norm and lm_head
+                    return x
                 continue
             cos, sin = rotary[item.layout.rope_index] if rotary else (None, None)
             x = item.step(x, cos, sin, cache, slots, masks[item.window], kv_len)
@@ -152,22 +157,32 @@ class SpliceCausalLM:
 
     __call__ = forward
 
-    def step_plan(self, x: torch.Tensor, masks: dict) -> list:
-        """The blocks in the order a step on ``x`` runs them, runs of them in native calls (``native_layer.step_plan``).
-        An eager step keeps its plan until the next prompt (one a batch size): gathering the calls reads a few hundred
-        module attributes, and after a step has streamed its weights through the caches each read misses them. A prompt
-        drops the plans, so linears or weights replaced between ``generate`` calls are the ones that compute. A
-        compiled step's trace gathers its own."""
+    def step_plan(self, x: torch.Tensor, masks: dict, last_logits: bool = False) -> list:
+        """The blocks in the order a step on ``x`` runs them, runs of them in native calls (``native_layer.step_plan``),
+        the last run with the model's head where the step returns the last position's logits (``last_logits``) and
+        :meth:`head_call` allows. An eager step keeps its plan until the next prompt (one a batch size): gathering the
+        calls reads a few hundred module attributes, and after a step has streamed its weights through the caches each
+        read misses them. A prompt drops the plans, so linears or weights replaced between ``generate`` calls are the
+        ones that compute. A compiled step's trace gathers its own."""
         if not native_layer.step_takes_calls(x):
             return list(self.blocks)
+        rows = x.shape[0]
         if torch.compiler.is_compiling():
-            return native_layer.step_plan(self.blocks, x.shape[0], masks)
-        key = (x.shape[0], tuple(mask is None or mask.dtype == torch.bool for mask in masks.values()),
-               tuple(native.MAX_ROWS.values()))  # the active level's row limits (native.set_isa)
+            return native_layer.step_plan(self.blocks, rows, masks, head=self.head_call(rows) if last_logits else None)
+        key = (rows, tuple(mask is None or mask.dtype == torch.bool for mask in masks.values()),
+               tuple(native.MAX_ROWS.values()), last_logits and self.head_in_call)  # MAX_ROWS: the active level's
         plan = self._step_plans.get(key)
         if plan is None:
-            plan = self._step_plans[key] = native_layer.step_plan(self.blocks, x.shape[0], masks, native_layer.held)
+            head = self.head_call(rows, native_layer.held) if last_logits else None
+            plan = self._step_plans[key] = native_layer.step_plan(self.blocks, rows, masks, native_layer.held, head)
         return plan
+
+    def head_call(self, rows: int, read=getattr) -> native_layer.HeadCall | None:
+        """The head's part of a step's last native call (``native_layer.head_call``): where ``head_in_call`` is on
+        and the head is the final norm and the lm_head alone (no projection out, no logit soft-cap)."""
+        if not self.head_in_call or self.ends.project_out is not None or self.dims.final_softcap is not None:
+            return None
+        return native_layer.head_call(self.norm, self.lm_head, rows, read)
 
     def native_blocks(self, run: native_layer.NativeRun, x: torch.Tensor, cache: StaticKVCache, slots: torch.Tensor,
                       masks: dict, kv_len: int, rotary: list) -> torch.Tensor:

@@ -9,7 +9,8 @@ kernel, rounding each elementwise result to bf16 where the block's eager ops rou
 :func:`unfit_reason` says whether a block's structure and layers allow it (the kernels step asks once per block);
 :func:`step_takes_calls` and :func:`layer_call` whether a given step does (one new token per row, bf16, every linear on
 a native GEMV that takes its rows, as :func:`layer_gemv` finds them) and what the call takes of the block;
-:func:`step_plan` puts a step's blocks into runs, and :func:`decode_layers` runs a run's call.
+:func:`step_plan` puts a step's blocks into runs (the last with the model's head where :func:`head_call` allows: the
+final norm and the lm_head's GEMV join the call), and :func:`decode_layers` runs a run's call.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from .norm import RMSNorm
 
 #: decode_layers' GEMV kinds (gemv.cpp's LayerGemv)
 GEMV_BF16, GEMV_INT8, GEMV_INT8_DOT, GEMV_INT8_DOT16, GEMV_INT4, GEMV_INT4_DOT = range(6)
+assert GEMV_INT4 == native.FIRST_INT4_GEMV  # the fake op's output shape reads int4 tiles from this kind on
 #: the block's linears, in decode_layers' order
 LINEARS = ("qkv", "o", "gate_up", "down")
 
@@ -133,9 +135,34 @@ def layer_call(block: nn.Module, rows: int, read=getattr) -> LayerCall | None:
                      [gemv.group for gemv in gemvs], (shape.n_heads, shape.n_kv_heads), block.scale)
 
 
+class HeadCall(NamedTuple):
+    """What ``decode_layers`` takes of the model's head when a step's last run ends with it: the final norm's weight
+    and eps, the lm_head's tensors (weight, scales, bias), GEMV kind and int4 group."""
+
+    norm: torch.Tensor
+    eps: float
+    tensors: list[torch.Tensor | None]
+    kind: int
+    group: int
+
+
+def head_call(norm: nn.Module | None, lm_head: nn.Module, rows: int, read=getattr) -> HeadCall | None:
+    """The head's part of a ``decode_layers`` call for steps of ``rows`` rows (the final norm, then the lm_head), or
+    None where it runs its own modules: a final norm other than RMSNorm with bf16 weights, or an lm_head without a
+    native GEMV that takes these rows (a vocab-parallel one, say). ``read`` as for :func:`layer_call`."""
+    if not isinstance(norm, RMSNorm) or norm.weight.dtype != torch.bfloat16:
+        return None
+    gemv = layer_gemv(lm_head)
+    if gemv is None or rows > native.MAX_ROWS[gemv.rows]:
+        return None
+    tensors = [read(lm_head, name) if name else None for name in gemv.tensors]
+    return HeadCall(read(norm, "weight"), norm.eps, tensors, gemv.kind, gemv.group)
+
+
 class NativeRun(NamedTuple):
     """Consecutive blocks that step in one ``decode_layers`` call: each one's window and rotary table (which pick its
-    mask and rotary rows at each step), and their calls' lists as the op takes them."""
+    mask and rotary rows at each step), their calls' lists as the op takes them, and the model's head where the run
+    ends the step with it (the call then returns the logits)."""
 
     windows: list[int | None]
     ropes: list[int]
@@ -147,6 +174,7 @@ class NativeRun(NamedTuple):
     groups: list[int]
     heads: list[int]
     scales: list[float]
+    head: HeadCall | None = None
 
 
 def native_run(blocks: list[nn.Module], calls: list[LayerCall]) -> NativeRun:
@@ -157,10 +185,11 @@ def native_run(blocks: list[nn.Module], calls: list[LayerCall]) -> NativeRun:
                      [h for call in calls for h in call.heads], [call.scale for call in calls])
 
 
-def step_plan(blocks, rows: int, masks: dict, read=getattr) -> list:
+def step_plan(blocks, rows: int, masks: dict, read=getattr, head: HeadCall | None = None) -> list:
     """A decode step's blocks in the order it runs them (``rows`` rows, a step that takes calls): each run of
     consecutive blocks that step in one native call as a :class:`NativeRun`, each other block itself (a float mask,
-    ``masks[block.window]``, sends its block to its own ops)."""
+    ``masks[block.window]``, sends its block to its own ops). ``head`` (:func:`head_call`) joins the last run where
+    the last block is in it."""
     plan, run, calls = [], [], []
     for block in blocks:
         mask = masks[block.window]
@@ -174,7 +203,7 @@ def step_plan(blocks, rows: int, masks: dict, read=getattr) -> list:
             run, calls = [], []
         plan.append(block)
     if run:
-        plan.append(native_run(run, calls))
+        plan.append(native_run(run, calls)._replace(head=head))
     return plan
 
 
@@ -183,12 +212,15 @@ def decode_layers(run: NativeRun, x: torch.Tensor, keys: torch.Tensor, values: t
     """The decode step of the blocks of ``run`` on ``x``: each block's keys and values written into its layer of
     ``keys, values [layers, batch, kv_heads, L, head_dim]`` (the cache) at ``slots``, attending under its window's
     mask (``masks``) with its table's rotary rows (``rotary``: cos and sin of each table; empty without rotary);
-    returns the last block's hidden states (``x`` is left as it is)."""
+    returns the last block's hidden states, or with the run's head its logits ``[batch, vocab]`` (``x`` is left as it
+    is)."""
     cos = [rotary[index][0] for index in run.ropes] if rotary else [None] * len(run.layers)
     sin = [rotary[index][1] for index in run.ropes] if rotary else [None] * len(run.layers)
+    head = run.head
+    head_args = ([head.norm, *head.tensors], head.eps, head.kind, head.group) if head is not None else ([], 0.0, 0, 0)
     return torch.ops.splice_kernels.decode_layers(
         x.contiguous(), keys, values, run.layers, slots, [masks[window] for window in run.windows], kv_len, cos, sin,
-        run.norms, run.eps, run.tensors, run.kinds, run.groups, run.heads, run.scales)
+        run.norms, run.eps, run.tensors, run.kinds, run.groups, run.heads, run.scales, *head_args)
 
 
 def held(module: nn.Module, name: str):

@@ -614,7 +614,20 @@ def _register_fakes() -> None:
                                                        dtype=torch.bfloat16))
     torch.library.register_fake("splice_kernels::decode_attention")(
         lambda q, k, v, mask, scale: q.new_empty((q.shape[0], q.shape[1], 1, q.shape[3])))
-    torch.library.register_fake("splice_kernels::decode_layers")(lambda x, keys, values, *rest: x.new_empty(x.shape))
+    torch.library.register_fake("splice_kernels::decode_layers")(_fake_decode_layers)
+
+
+#: decode_layers' first GEMV kind of int4 tiles (layers.native_layer's GEMV_INT4; the int4 kinds come last)
+FIRST_INT4_GEMV = 4
+
+
+def _fake_decode_layers(x, keys, values, layers, slots, masks, kv_len, cos, sin, norms, eps, tensors, kinds, groups,
+                        heads, scales, head, head_eps, head_kind, head_group):
+    """The hidden states' shape, or with a head (its norm, then the lm_head's weight, scales and bias) the logits'."""
+    if not head:
+        return x.new_empty(x.shape)
+    outputs = head[1].shape[0] * (INT4_TILE if head_kind >= FIRST_INT4_GEMV else 1)
+    return x.new_empty((x.shape[0], outputs))
 
 
 def attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -625,8 +638,8 @@ def attention_fits(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 def argmax_fits(scores: torch.Tensor) -> bool:
-    """Whether ``argmax_rows`` takes these scores: float32 ``[rows, vocab]``, contiguous, on CPU."""
-    return (scores.device.type == "cpu" and scores.dtype == torch.float32 and scores.dim() == 2
+    """Whether ``argmax_rows`` takes these scores: float32 or bf16 ``[rows, vocab]``, contiguous, on CPU."""
+    return (scores.device.type == "cpu" and scores.dtype in (torch.float32, torch.bfloat16) and scores.dim() == 2
             and scores.shape[1] > 0 and scores.is_contiguous())
 
 

@@ -26,7 +26,8 @@
 //       bf16 GEMM, or with widen (a CPU without bf16 arithmetic) float32 GEMMs a slab of widened rows at a time
 //   widened_linear(x, w bf16/fp16 [N, K])  prefill of a 16-bit weight as float32 GEMMs on widened slabs
 // Also, at quantization time: gptq_columns, GPTQ's column-by-column rounding and error spreading in one block.
-// And greedy decoding's pick: argmax_rows(x float32 [B, V]) -> int64 [B], the indices torch.max(x, -1) returns.
+// And greedy decoding's pick: argmax_rows(x float32 or bf16 [B, V]) -> int64 [B], the indices torch.max(x, -1)
+// returns.
 //
 // Instruction sets: the file is compiled for baseline x86-64; each kernel exists once per ISA level, in a region
 // compiled for that level (#pragma GCC target), and the ops dispatch at run time on the active level:
@@ -3161,16 +3162,21 @@ void attend_part(const AttentionPart<T>& a, AttentionScratch& scratch) {
 
 
 // ---- the greedy pick --------------------------------------------------------------------------------------------------
-// The index torch.max(x, -1) returns for one row of n floats: the first index of the largest value, a NaN counting as
-// larger than any number (the first NaN's). CHAINS x 8 lanes each keep their largest value so far and its first
+// The index torch.max(x, -1) returns for one row of n values (float32, or bf16 read as the float32 values they are):
+// the first index of the largest value, a NaN counting as larger than any number (the first NaN's). CHAINS x 8 lanes each keep their largest value so far and its first
 // index (a strictly larger value replaces it; independent chains, so the compare-and-blend latency overlaps); then the
 // largest of those, the smallest index among equal ones, and the tail element by element.
-int64_t argmax_row(const float* x, int64_t n) {
+inline __m256 load_8_floats(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_8_floats(const at::BFloat16* p) { return bf16x8_to_f32(p); }
+
+template <typename T>
+int64_t argmax_row(const T* x, int64_t n) {
   constexpr int CHAINS = 4, WIDTH = 8 * CHAINS;
   const auto scalar_from = [&](int64_t first, int64_t best) -> int64_t {  // from first on, best the best before it
     for (int64_t i = first; i < n; ++i) {
-      if (std::isnan(x[i])) return i;
-      if (x[i] > x[best]) best = i;
+      const float value = static_cast<float>(x[i]);
+      if (std::isnan(value)) return i;
+      if (value > static_cast<float>(x[best])) best = i;
     }
     return best;
   };
@@ -3178,14 +3184,14 @@ int64_t argmax_row(const float* x, int64_t n) {
   __m256 best[CHAINS], nan = _mm256_setzero_ps();
   __m256i best_at[CHAINS], at[CHAINS];
   for (int c = 0; c < CHAINS; ++c) {
-    best[c] = _mm256_loadu_ps(x + 8 * c);
+    best[c] = load_8_floats(x + 8 * c);
     at[c] = best_at[c] = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * c));
     nan = _mm256_or_ps(nan, _mm256_cmp_ps(best[c], best[c], _CMP_UNORD_Q));
   }
   int64_t i = WIDTH;
   for (; i + WIDTH <= n; i += WIDTH)
     for (int c = 0; c < CHAINS; ++c) {
-      const __m256 v = _mm256_loadu_ps(x + i + 8 * c);
+      const __m256 v = load_8_floats(x + i + 8 * c);
       at[c] = _mm256_add_epi32(at[c], _mm256_set1_epi32(WIDTH));
       const __m256 larger = _mm256_cmp_ps(v, best[c], _CMP_GT_OQ);
       best[c] = _mm256_blendv_ps(best[c], v, larger);
@@ -3436,17 +3442,20 @@ at::Tensor decode_attention_of(const at::Tensor& q, const at::Tensor& k, const a
   return out;
 }
 
-// Greedy decoding's pick: argmax_rows(x float32 [B, V]) -> int64 [B], torch.max(x, -1).indices (avx2::argmax_row:
-// every level's CPU runs AVX2). torch's own reduction over a vocabulary steps one element at a time.
+// Greedy decoding's pick: argmax_rows(x float32 or bf16 [B, V]) -> int64 [B], torch.max(x, -1).indices
+// (avx2::argmax_row: every level's CPU runs AVX2). torch's own reduction over a vocabulary steps one element at a time.
 at::Tensor argmax_rows(const at::Tensor& x) {
   check_isa("argmax_rows");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) > 0,
-              "argmax_rows: x must be a contiguous float32 [rows, columns] with columns > 0, got ", x.scalar_type(),
-              " ", x.sizes(), x.is_contiguous() ? "" : " (not contiguous)");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || bf16) && x.is_contiguous() && x.size(1) > 0,
+              "argmax_rows: x must be a contiguous float32 or bf16 [rows, columns] with columns > 0, got ",
+              x.scalar_type(), " ", x.sizes(), x.is_contiguous() ? "" : " (not contiguous)");
   auto out = at::empty({x.size(0)}, x.options().dtype(at::kLong));
-  const float* xp = x.data_ptr<float>();
   int64_t* op = out.data_ptr<int64_t>();
-  for (int64_t row = 0; row < x.size(0); ++row) op[row] = avx2::argmax_row(xp + row * x.size(1), x.size(1));
+  const int64_t n = x.size(1);
+  for (int64_t row = 0; row < x.size(0); ++row)
+    op[row] = bf16 ? avx2::argmax_row(x.data_ptr<at::BFloat16>() + row * n, n)
+                   : avx2::argmax_row(x.data_ptr<float>() + row * n, n);
   return out;
 }
 
@@ -3789,6 +3798,20 @@ void layer_gemv_into(const LayerLinear& l, const at::Tensor& x, const at::Tensor
   team_barrier();
 }
 
+// A linear's weight, scales and bias from tensors[first ..] (its kind set), named `who` in errors.
+void take_linear_tensors(LayerLinear& l, const c10::List<std::optional<at::Tensor>>& tensors, int64_t first,
+                         const std::string& who) {
+  TORCH_CHECK(0 <= l.kind && l.kind < GEMV_KINDS, who, ": GEMV kind ", l.kind, "; allowed: 0 .. ", GEMV_KINDS - 1);
+  const std::optional<at::Tensor> w = tensors.get(first);
+  const std::optional<at::Tensor> scales = tensors.get(first + 1);
+  const std::optional<at::Tensor> bias = tensors.get(first + 2);
+  TORCH_CHECK(w.has_value() && (l.kind == GEMV_BF16 || scales.has_value()), who, " needs its weight",
+              l.kind == GEMV_BF16 ? "" : " and scales");
+  l.w = *w;
+  if (scales) l.scales = *scales;
+  if (bias) l.bias = *bias;
+}
+
 // Layer `layer`'s four linears from decode_layers' lists (the list sizes checked beforehand).
 std::vector<LayerLinear> layer_linears(const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds,
                                        at::IntArrayRef groups, int64_t layer, const std::string& who) {
@@ -3798,16 +3821,7 @@ std::vector<LayerLinear> layer_linears(const c10::List<std::optional<at::Tensor>
     LayerLinear& l = linears[i];
     l.kind = kinds[at];
     l.group = groups[at];
-    TORCH_CHECK(0 <= l.kind && l.kind < GEMV_KINDS, who, ": GEMV kind ", l.kind, "; allowed: 0 .. ",
-                GEMV_KINDS - 1);
-    const std::optional<at::Tensor> w = tensors.get(first);
-    const std::optional<at::Tensor> scales = tensors.get(first + 1);
-    const std::optional<at::Tensor> bias = tensors.get(first + 2);
-    TORCH_CHECK(w.has_value() && (l.kind == GEMV_BF16 || scales.has_value()), who, ": linear ", i,
-                " needs its weight", l.kind == GEMV_BF16 ? "" : " and scales");
-    l.w = *w;
-    if (scales) l.scales = *scales;
-    if (bias) l.bias = *bias;
+    take_linear_tensors(l, tensors, first, who + ": linear " + std::to_string(i));
   }
   return linears;
 }
@@ -4056,19 +4070,57 @@ void layer_step(const at::Tensor& x, const LayerCall& l, const at::Tensor& slots
   if (leads_team()) add_rows(outp, b.down.data_ptr<at::BFloat16>(), batch, hidden, outp);
 }
 
+// The model's head after the last layer, where a decode_layers call ends the step: the final RMSNorm and the
+// lm_head's GEMV (with its bias), whose logits [B, vocab] the call returns. Python's own ops would take longer than
+// the norm's arithmetic, and the GEMV would wake the threads again.
+struct HeadCall {
+  bool given = false;
+  at::Tensor norm;
+  double eps = 0;
+  LayerLinear linear;
+};
+
+// The head from decode_layers' head arguments: none (an empty list) or the final norm's weight, then the lm_head's
+// weight, scales and bias (None where absent), checked against the hidden size.
+HeadCall head_call(const c10::List<std::optional<at::Tensor>>& head, double eps, int64_t kind, int64_t group,
+                   int64_t hidden) {
+  HeadCall h;
+  if (head.size() == 0) return h;
+  const std::string who = "decode_layers: the head";
+  TORCH_CHECK(head.size() == 1 + TENSORS_PER_LINEAR, who, " takes ", 1 + TENSORS_PER_LINEAR,
+              " tensors (the final norm's weight, then the lm_head's weight, scales and bias), got ", head.size());
+  const std::optional<at::Tensor> norm = head.get(0);
+  TORCH_CHECK(norm.has_value() && norm->dim() == 1 && norm->size(0) == hidden &&
+                  norm->scalar_type() == at::kBFloat16 && norm->is_contiguous(),
+              who, ": the final norm's weight must be contiguous bf16 [", hidden, "]");
+  h.norm = *norm;
+  h.eps = eps;
+  h.linear.kind = kind;
+  h.linear.group = group;
+  take_linear_tensors(h.linear, head, 1, who + "'s lm_head");
+  check_layer_linear(h.linear, who + "'s lm_head");
+  TORCH_CHECK(linear_shape(h.linear).second == hidden, who, ": the lm_head takes ", linear_shape(h.linear).second,
+              " inputs; the layers' hidden size is ", hidden);
+  if (h.linear.bias.defined()) h.linear.bias = h.linear.bias.to(at::kBFloat16).contiguous();
+  h.given = true;
+  return h;
+}
+
 // decode_layers runs consecutive decoder layers (each as layer_step, above) on rows x [B, 1, hidden], one after
 // another, in one call: a step's Python and dispatch per layer cost more than a small layer's weights take to read.
 // Layer i reads and writes the KV cache's layer layers[i] (keys, values: the whole cache [cache layers, B, kv_heads,
 // L, head_dim]); its mask, cos and sin are entry i of their lists, its norms' weights and eps entries 2i and 2i + 1,
 // its linears 4i .. 4i + 3 (three tensors each: weight, scales, bias), its query and KV heads entries 2i and 2i + 1
-// of heads, its scale entry i. Every layer is checked before any is run.
+// of heads, its scale entry i. With a head (HeadCall) the call returns its logits [B, vocab], else the last layer's
+// hidden states. Every layer and the head are checked before any is run.
 at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, at::IntArrayRef layers,
                          const at::Tensor& slots, const c10::List<std::optional<at::Tensor>>& masks, int64_t kv_len,
                          const c10::List<std::optional<at::Tensor>>& cos,
                          const c10::List<std::optional<at::Tensor>>& sin, at::TensorList norms,
                          at::ArrayRef<double> eps, const c10::List<std::optional<at::Tensor>>& tensors,
                          at::IntArrayRef kinds, at::IntArrayRef groups, at::IntArrayRef heads,
-                         at::ArrayRef<double> scales) {
+                         at::ArrayRef<double> scales, const c10::List<std::optional<at::Tensor>>& head,
+                         double head_eps, int64_t head_kind, int64_t head_group) {
   check_isa("decode_layers");
   const int64_t n = static_cast<int64_t>(layers.size());
   check_layer_lists(n, masks, cos, sin, norms, eps, tensors, kinds, groups, heads, scales);
@@ -4099,6 +4151,7 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::
     check_layer_linears(l.linears, x.size(2), (l.n_heads + 2 * l.n_kv_heads) * l.keys.size(3),
                         l.n_heads * l.keys.size(3), who);
   }
+  const HeadCall final_head = head_call(head, head_eps, head_kind, head_group, x.size(2));
   for (LayerCall& l : calls)
     for (LayerLinear& linear : l.linears)
       if (linear.bias.defined()) linear.bias = linear.bias.to(at::kBFloat16).contiguous();
@@ -4114,6 +4167,10 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::
       buffers.push_back(layer_buffers(x, calls[i], ffn, kv_len));
     buffers_of[i] = static_cast<int64_t>(buffers.size()) - 1;
   }
+  const int64_t batch = x.size(0), hidden = x.size(2);
+  const at::Tensor normed = final_head.given ? at::empty({batch, hidden}, x.options()) : at::Tensor();
+  const at::Tensor logits =
+      final_head.given ? at::empty({batch, linear_shape(final_head.linear).first}, x.options()) : at::Tensor();
   run_as_team([&] {
     const at::Tensor* h = &x;
     for (int64_t i = 0; i < n; ++i) {
@@ -4121,8 +4178,14 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::
       layer_step(*h, calls[i], slots, kv_len, buffers[buffers_of[i]], *next);
       h = next;
     }
+    if (!final_head.given) return;
+    if (leads_team())
+      rms_norm_rows(out.data_ptr<at::BFloat16>(), batch, hidden, final_head.norm, final_head.eps,
+                    normed.data_ptr<at::BFloat16>());
+    team_barrier();
+    layer_gemv_into(final_head.linear, normed, logits);
   });
-  return out;
+  return final_head.given ? logits : out;
 }
 
 }  // namespace
@@ -4145,7 +4208,8 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("argmax_rows(Tensor x) -> Tensor");
   lib.def("decode_layers(Tensor x, Tensor(a!) keys, Tensor(b!) values, int[] layers, Tensor slots, Tensor?[] masks, "
           "int kv_len, Tensor?[] cos, Tensor?[] sin, Tensor[] norms, float[] eps, Tensor?[] tensors, int[] kinds, "
-          "int[] groups, int[] heads, float[] scales) -> Tensor");
+          "int[] groups, int[] heads, float[] scales, Tensor?[] head, float head_eps, int head_kind, int head_group) "
+          "-> Tensor");
   // no tensors: one kernel for every backend
   lib.def("amx_ready() -> bool", &amx_ready);
   lib.def("int8_dot_ready() -> bool", &int8_dot_ready);
