@@ -1,14 +1,15 @@
 """The working tree's decode GEMVs against another revision's, in one process, taking turns. The host's read bandwidth
 moves by half within seconds, so two builds timed in two processes (or two runs) differ by the host more than by the
-change; here the revision's ``gemv.cpp`` is built under an op namespace of its own (``splice_kernels_base``), set to
-the working tree's kernel settings (level, weight streams, work stealing, software prefetch), and both builds read
-the same weights from memory (llama-1b's fused layer shapes, on 2 MiB pages) in alternating order, each round
-between two readings of the bandwidth probe. ``--set NAME=VALUE`` then changes one setting of the working tree's
-build alone, so the same source compares two settings the same way (``--set software_prefetch=4``: int4's software
-prefetch in every pass against none; ``--set software_prefetch_rows=0,0,3``: int4's from three rows of x), and ``--attention-keys N`` adds each block's decode attention over a bf16 KV cache of N keys
-(llama-1b's 32 query and 4 KV heads), as a step calls it between the block's GEMVs. Per kind and row count it
-prints the median of the rounds' speed ratios (working tree over base), overall and split at the median probe reading
-(the host's high and low phases), and each build's median share of the probe::
+change; here the revision's ``gemv.cpp`` is built under an op namespace of its own (``splice_kernels_base``), set to the
+working tree's kernel settings (level, weight streams, work stealing, software prefetch), and both builds read the same
+weights from memory (llama-1b's fused layer shapes, on 2 MiB pages) in alternating order, each round between two
+readings of the bandwidth probe. ``--set NAME=VALUE`` then changes one setting of the working tree's build alone, so the
+same source compares two settings the same way (``--set software_prefetch=4``: int4's software prefetch in every pass
+against none; ``--set software_prefetch_rows=0,0,3``: int4's from three rows of x), and ``--attention-keys N`` adds each
+block's decode attention over a bf16 KV cache of N keys (llama-1b's 32 query and 4 KV heads), as a step calls it between
+the block's GEMVs. Per kind and row count it prints the median of the rounds' speed ratios (working tree over base),
+overall and split at the median probe reading (the host's high and low phases), and each build's median share of the
+probe::
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_two_builds.py --base HEAD --kinds int4-sym,int8 --rows 1 8
     PYTHONPATH=src .venv/bin/python benchmarks/bench_two_builds.py --kinds int4-sym --set software_prefetch=4

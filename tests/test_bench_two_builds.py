@@ -102,8 +102,8 @@ def test_attention_runs_after_each_blocks_gemvs_and_its_cache_counts(monkeypatch
     assert results[0].base == pytest.approx(sizes[0]) and results[0].here == pytest.approx(sizes[0])
 
 
-@pytest.mark.parametrize("text", ["prefetch=4", "software_prefetch=four", "weight_streams", "=2", "software_prefetch=0,1",
-                                  "software_prefetch_rows=0,x,3"])
+@pytest.mark.parametrize("text", ["prefetch=4", "software_prefetch=four", "weight_streams", "=2",
+                                  "software_prefetch=0,1", "software_prefetch_rows=0,x,3"])
 def test_a_bad_setting_is_refused_naming_it(text):
     bench = load_benchmark("bench_two_builds")
     with pytest.raises(argparse.ArgumentTypeError, match=re.escape(repr(text))):

@@ -3163,9 +3163,10 @@ void attend_part(const AttentionPart<T>& a, AttentionScratch& scratch) {
 
 // ---- the greedy pick --------------------------------------------------------------------------------------------------
 // The index torch.max(x, -1) returns for one row of n values (float32, or bf16 read as the float32 values they are):
-// the first index of the largest value, a NaN counting as larger than any number (the first NaN's). CHAINS x 8 lanes each keep their largest value so far and its first
-// index (a strictly larger value replaces it; independent chains, so the compare-and-blend latency overlaps); then the
-// largest of those, the smallest index among equal ones, and the tail element by element.
+// the first index of the largest value, a NaN counting as larger than any number (the first NaN's). CHAINS x 8 lanes
+// each keep their largest value so far and its first index (a strictly larger value replaces it; independent chains, so
+// the compare-and-blend latency overlaps); then the largest of those, the smallest index among equal ones, and the tail
+// element by element.
 inline __m256 load_8_floats(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load_8_floats(const at::BFloat16* p) { return bf16x8_to_f32(p); }
 
