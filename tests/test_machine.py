@@ -211,10 +211,10 @@ def test_text_form_names_the_cpu_the_level_and_every_linear():
 
 def test_the_prefetch_line_names_the_kinds_or_says_none():
     assert machine.prefetch_line({"int4": 3}, "the default for AuthenticAMD") == (
-        "in software in the int4 (from 3 rows of x) GEMVs (the default for AuthenticAMD; the others leave their weight "
+        "in software in the int4 (from 3 rows of x) GEMVs (the default for AuthenticAMD; the rest leave their weight "
         "streams to the hardware prefetcher)")
     assert machine.prefetch_line({"bf16": 1, "int4": 1}, "SPLICE_SOFTWARE_PREFETCH=bf16,int4") == (
-        "in software in the bf16, int4 GEMVs (SPLICE_SOFTWARE_PREFETCH=bf16,int4; the others leave their weight "
+        "in software in the bf16, int4 GEMVs (SPLICE_SOFTWARE_PREFETCH=bf16,int4; the rest leave their weight "
         "streams to the hardware prefetcher)")
     assert machine.prefetch_line({}, "SPLICE_SOFTWARE_PREFETCH=none") == (
         "none: every GEMV leaves its weight streams to the hardware prefetcher (SPLICE_SOFTWARE_PREFETCH=none)")

@@ -384,7 +384,7 @@ def prefetch_line(kinds: dict[str, int], chosen_by: str) -> str:
     if not kinds:
         return f"none: every GEMV leaves its weight streams to the hardware prefetcher ({chosen_by})"
     each = ", ".join(kind if rows == 1 else f"{kind} (from {rows} rows of x)" for kind, rows in kinds.items())
-    return (f"in software in the {each} GEMVs ({chosen_by}; the others leave their weight streams to the hardware "
+    return (f"in software in the {each} GEMVs ({chosen_by}; the rest leave their weight streams to the hardware "
             "prefetcher)")
 
 
