@@ -285,7 +285,8 @@ def int8_native_rows() -> list[dict[str, Any]]:
 
 
 def int4_native_rows() -> list[dict[str, Any]]:
-    steps = _amx_split(native.MAX_ROWS["int4"], _decode_op("int4")) + [
+    op = _decode_op("int4")
+    steps = _amx_split(native.MAX_ROWS["int4_dot" if op == "int4_dot_gemv" else "int4"], op) + [
         (None, "splice_kernels.int4_linear", _prefill_why())]
     return _ranges("int4 weight-only", steps)
 

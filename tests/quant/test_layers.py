@@ -315,7 +315,7 @@ def test_int4_decode_rows_on_dot_products_round_activations_per_block(scheme, ro
                                                     dot_products=True)
     assert layer.use_dot_products
     x = torch.randn(rows, 320)
-    decode = rows <= native.MAX_ROWS["int4"]
+    decode = rows <= native.MAX_ROWS["int4_dot"]
     rounded = decode and torch.ops.splice_kernels.int4_dot_ready() and not (rows >= 3 and native.amx_ready())
     expected = F.linear(_reference_input(x, "w8a8" if rounded else scheme), layer.dequantize(), linear.bias)
     with _spy("int4_dot_gemv") as calls:

@@ -59,8 +59,9 @@ def layer_gemv(linear: nn.Module) -> LayerGemv | None:
     if isinstance(linear, Int4WeightOnlyLinear):
         if not linear.use_native or linear.padded_shape != (linear.out_features, linear.in_features):
             return None
-        kind = GEMV_INT4_DOT if linear.use_dot_products else GEMV_INT4
-        return LayerGemv(kind, ("packed", "packed_scales", "bias"), linear.group, "int4")
+        if linear.use_dot_products:
+            return LayerGemv(GEMV_INT4_DOT, ("packed", "packed_scales", "bias"), linear.group, "int4_dot")
+        return LayerGemv(GEMV_INT4, ("packed", "packed_scales", "bias"), linear.group, "int4")
     if isinstance(linear, Int8DynamicLinear):
         if not linear.use_native or linear.in_features % ACTIVATION_BLOCK:
             return None

@@ -13,7 +13,8 @@ int8 weight-only, per channel  ``int8_gemv`` up to ``MAX_ROWS["int8"]``,     ``_
                                torch's kernel to 16, above that              K % 16 == 0), else de-quantise + linear
                                ``int8_linear`` (int8 -> bf16 + one GEMM)
 int8 weight-only, grouped      torch's path                                  ``_weight_int8pack_mm`` per group, same
-int4 weight-only               ``int4_gemv`` up to ``MAX_ROWS["int4"]``,     ``_weight_int4pack_mm[_for_cpu]``, any M
+int4 weight-only               ``int4_gemv`` up to ``MAX_ROWS["int4"]``      ``_weight_int4pack_mm[_for_cpu]``, any M
+                               (``int4_dot_gemv`` up to ``["int4_dot"]``),
                                above that ``int4_linear`` (de-quantise +
                                one oneDNN GEMM)
 W8A8                           ``int8_dot_gemv`` up to ``MAX_ROWS["int8"]``  activations rounded to int8 per block
@@ -163,13 +164,14 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros:
             use_native: bool = False, dot_products: bool = False, widen: bool = False) -> torch.Tensor:
     """``x [M, K] bf16`` times the int4 weight packed by :func:`int4_pack` (same ``use_native``), scales and zeros
     from :func:`int4_pack_scales`. Native tiles: ``int4_gemv`` up to ``native.MAX_ROWS["int4"]`` rows (with
-    ``dot_products``, ``int4_dot_gemv``: x rounded to int8 per block of 32, integer dot products), above that
+    ``dot_products``, ``int4_dot_gemv`` up to ``native.MAX_ROWS["int4_dot"]``: x rounded to int8 per block of 32,
+    integer dot products), above that
     ``int4_linear`` (the weight de-quantised into the kept bf16 buffer for one oneDNN/AMX GEMM; with ``widen``,
     slab by slab, widened, for float32 GEMMs)."""
     if use_native:
         if x.shape[0] == 0:  # the native ops take at least one row
             return x.new_empty((0, packed.shape[0] * native.INT4_TILE))
-        if x.shape[0] <= native.MAX_ROWS["int4"]:
+        if x.shape[0] <= native.MAX_ROWS["int4_dot" if dot_products else "int4"]:
             op = torch.ops.splice_kernels.int4_dot_gemv if dot_products else torch.ops.splice_kernels.int4_gemv
             return op(x, packed, scales_and_zeros, group)
         return torch.ops.splice_kernels.int4_linear(x, packed, scales_and_zeros, group, widen)
