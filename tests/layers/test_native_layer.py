@@ -270,8 +270,14 @@ def test_a_one_token_prompt_gathers_the_calls_again():
         assert torch.equal(engine.generate(prompt, **options), other.generate(prompt, **options))
 
 
-def test_a_compiled_step_matches_the_eager_native_calls(fresh_compiles):
-    engine = engine_of("llama", "int4-sym")
+@pytest.mark.parametrize("int4_head", [False, True], ids=["int8-head", "int4-head"])
+def test_a_compiled_step_matches_the_eager_native_calls(fresh_compiles, int4_head):
+    """The compiled step traces the same native calls, the head in the last one (an int8 head by default; quantized
+    with the scheme, int4 tiles, whose logits' width the op's shape function reads from their dtype)."""
+    quant = {**QUANT_SCHEMES["int4-sym"]["quant"], "quantize_lm_head": True if int4_head else None}
+    engine = splice.init_inference(build_family("llama"), replace_with_kernel_inject=True, max_out_tokens=64,
+                                   dtype=torch.bfloat16, quant=quant)
+    assert engine.runtime.head_call(2).kind == (native_layer.GEMV_INT4_DOT if int4_head else native_layer.GEMV_INT8_DOT)
     eager = decode(engine, True)
     engine.runtime.compile_decode()
     compiled = decode(engine, True)

@@ -27,7 +27,6 @@ from .norm import RMSNorm
 
 #: decode_layers' GEMV kinds (gemv.cpp's LayerGemv)
 GEMV_BF16, GEMV_INT8, GEMV_INT8_DOT, GEMV_INT8_DOT16, GEMV_INT4, GEMV_INT4_DOT = range(6)
-assert GEMV_INT4 == native.FIRST_INT4_GEMV  # the fake op's output shape reads int4 tiles from this kind on
 #: the block's linears, in decode_layers' order
 LINEARS = ("qkv", "o", "gate_up", "down")
 
