@@ -127,7 +127,8 @@ def test_kernel_table_row_limits_are_native_max_rows():
     for kind, ops in GEMV_KINDS.items():
         gemv = [entry for op in ops for entry in _entries(report, f"splice_kernels.{op}")]
         assert gemv, kind
-        limit = native.MAX_ROWS["int4_dot" if kind == "int4" else kind]  # int4's decode rows: integer dot products
+        # the quantized kinds' decode rows: integer dot products, then (int8 at the amx level) tiles
+        limit = max(native.MAX_ROWS[kind], native.MAX_ROWS.get(f"{kind}_dot", 0))
         assert gemv[0]["min_rows"] == 1 and gemv[-1]["max_rows"] == limit
         after = [entry for entry in report["kernels"]
                  if entry["linear"] == gemv[-1]["linear"] and entry["min_rows"] == limit + 1]
@@ -140,7 +141,8 @@ def test_int8_table_hands_over_to_torch_then_prefill_at_its_constants():
                if entry["linear"] == "int8 weight-only, per channel"]
     prefill = entries[-1]
     assert prefill["kernel"] == "splice_kernels.int8_linear"
-    assert prefill["min_rows"] == max(native.MAX_ROWS["int8"], kernels.INT8_KERNEL_MAX_ROWS) + 1
+    assert prefill["min_rows"] == max(native.MAX_ROWS["int8"], native.MAX_ROWS["int8_dot"],
+                                      kernels.INT8_KERNEL_MAX_ROWS) + 1
 
 
 def test_avx2_level_is_reported():

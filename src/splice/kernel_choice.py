@@ -117,8 +117,7 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
         dot = dot_products()
         if dot:
             bits = ROW_LIMIT_OF[kind]
-            if bits == "int4":
-                limit = native.MAX_ROWS["int4_dot"]
+            limit = max(limit, native.MAX_ROWS[f"{bits}_dot"])  # the dot products' rows, then (AMX) tiles
             tiles = ""
             if native.amx_ready():  # batches past the dot products' rows go to AMX tiles, on x as it is
                 first = (native.amx_thresholds()["int4_dot_min_rows"] if bits == "int4"

@@ -72,15 +72,15 @@ def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                    dot_products: int = 0, widen: bool = False) -> torch.Tensor:
     """``x [M, K] bf16 @ (qweight [N, K] int8 * scales [N] bf16).T``, per output channel. ``use_native``: the layer
     may use ``splice_kernels.int8_gemv`` (for the rows :func:`splice.native.fits`); ``dot_products`` (8 or 16): up
-    to ``native.MAX_ROWS["int8_dot"]`` of those rows go to integer dot products instead, ``int8_dot_gemv`` (8: ``x``
-    rounded to int8 per block of 32) or ``int8_dot16_gemv`` (16: to int16 per block of 256; K whole blocks of 32
-    either way), more (AMX tiles) to ``int8_gemv``; ``widen``: prefill as float32 GEMMs on widened slabs
+    to ``native.MAX_ROWS["int8_dot"]`` rows go to integer dot products instead, ``int8_dot_gemv`` (8: ``x`` rounded
+    to int8 per block of 32) or ``int8_dot16_gemv`` (16: to int16 per block of 256; K whole blocks of 32 either way),
+    more, up to ``MAX_ROWS["int8"]`` (AMX tiles), to ``int8_gemv``; ``widen``: prefill as float32 GEMMs on widened slabs
     (``native.prompts_widened``)."""
+    if use_native and dot_products and x.shape[1] % qmath.ACTIVATION_BLOCK == 0 and native.fits("int8_dot", x):
+        if dot_products == 16:
+            return torch.ops.splice_kernels.int8_dot16_gemv(x, qweight, scales)
+        return torch.ops.splice_kernels.int8_dot_gemv(x, qweight, scales)
     if use_native and native.fits("int8", x):
-        if dot_products and x.shape[0] <= native.MAX_ROWS["int8_dot"] and x.shape[1] % qmath.ACTIVATION_BLOCK == 0:
-            if dot_products == 16:
-                return torch.ops.splice_kernels.int8_dot16_gemv(x, qweight, scales)
-            return torch.ops.splice_kernels.int8_dot_gemv(x, qweight, scales)
         return torch.ops.splice_kernels.int8_gemv(x, qweight, scales)
     if _int8pack_runs(x.device, x.shape[0], x.shape[1]):
         return torch._weight_int8pack_mm(x, qweight, scales)
