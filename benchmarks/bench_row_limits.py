@@ -20,9 +20,7 @@ from splice import native
 from splice.cli_options import QUANT_SCHEMES
 
 from bench_gemv_rates import at_least, positive
-from bench_native_layer import engine_of
-
-PROMPT = 64  # the decode steps' context
+from bench_native_layer import PROMPT, decode_step, engine_of, timed_ms
 
 
 def positive_list(text: str) -> list[int]:
@@ -54,28 +52,11 @@ def token_ids(engine, shape: tuple[int, int]) -> torch.Tensor:
     return torch.randint(min(100, vocab // 2), min(1000, vocab), shape)
 
 
-def decode_step(engine, batch: int):
-    """A repeatable decode step of ``batch`` rows after a ``PROMPT``-token prompt (it writes the same slot each
-    time)."""
-    runtime = engine.runtime
-    prompt = token_ids(engine, (batch, PROMPT))
-    with torch.inference_mode():
-        tokens = engine.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2, min_new_tokens=2,
-                                 do_sample=False)
-    cache = runtime.cache_for(batch)
-    token, position = tokens[:, PROMPT:PROMPT + 1], torch.full((batch, 1), PROMPT)
-    slot = cache.slot_ids[PROMPT:PROMPT + 1].clone()
-    return lambda: runtime.decode_step(token, position, slot, cache, PROMPT + 1)
-
-
 def ms(work, calls: int) -> float:
-    """``work()``'s time in ms, the mean of ``calls`` after one untimed call."""
-    with torch.inference_mode():
-        work()
-        start = time.perf_counter()
-        for _ in range(calls):
-            work()
-    return (time.perf_counter() - start) / calls * 1e3
+    """``work()``'s time in ms, the mean of ``calls`` after one untimed call (a step after the limit changed gathers
+    its native calls again)."""
+    timed_ms(work, 1)
+    return timed_ms(work, calls)
 
 
 def in_turns(key: str, limits: list[int], timing, rounds: int) -> dict[int, list[float]]:
@@ -115,7 +96,7 @@ def main() -> None:
     print(f"{args.model} {args.quant}, {args.threads} threads, level {native.isa()}, MAX_ROWS[{args.key!r}] at "
           f"{args.limits[0]} and {args.limits[1]} in turns, {args.rounds} rounds (medians)")
     for batch in args.batches:
-        step = decode_step(engine, batch)
+        _, step = decode_step(engine, token_ids(engine, (batch, PROMPT)))
         print(line(f"decode step, batch {batch}", in_turns(args.key, args.limits, lambda: ms(step, args.calls),
                                                             args.rounds)), flush=True)
     for length in args.prompts:

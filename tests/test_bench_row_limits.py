@@ -18,7 +18,7 @@ def test_each_limit_sends_the_rows_where_it_says_and_is_put_back():
     script = load_benchmark("bench_row_limits")
     engine = script.engine_of(build_family("llama", dtype=torch.bfloat16), "int4-sym", True, compiled=False,
                               max_out_tokens=96)
-    step = script.decode_step(engine, 3)
+    _, step = script.decode_step(engine, script.token_ids(engine, (3, script.PROMPT)))
     before = native.MAX_ROWS["int4_dot"]
     calls = {}
     for limit in (2, 8):  # 3 rows: past the first limit (de-quantise + GEMM), within the second (the GEMV)

@@ -86,19 +86,19 @@ def _onednn_has_tiles() -> bool:
 AVX512_BF16_ROWS_WITHOUT_TILES = 16
 
 
-#: Most rows of activations each native GEMV serves, per level; more rows (prefill) go to one oneDNN GEMM (bf16), torch's
-#: int8 kernel and then de-quantise + GEMM (int8), or de-quantise + GEMM (int4). Measured crossovers, TinyLlama-shaped
-#: layers (``docs/kernels.md`` has the tables): with AMX the int8 GEMV runs 5-16 rows and the int4 GEMV 3 rows and more
-#: on tiles, so the int4 GEMV serves more rows there. "int8_dot": the most rows int8 weight-only sends to the integer
-#: dot products (``int8_dot_gemv``, on a transposed kernel from 3 rows); more, up to "int8", go to ``int8_gemv`` (on
-#: AMX, its tiles overtake the dot products from 9 rows: ``docs/kernels.md``); "int8" alone bounds the float products. The avx2 level is what AVX2-only CPUs
-#: run, where oneDNN has no bf16 arithmetic and prompts take float32 GEMMs on widened slabs (``prompts_widened``):
-#: those cost several times the GEMVs' time up to 32 rows, so the GEMVs serve up to 32 rows there. "int4_dot": the most
-#: rows int4 sends to its integer dot products (``int4_dot_gemv``), "int4" to its float products (``int4_gemv``). At the
-#: avx512 level, on AVX512-VNNI, the integer dot products compute twice the bf16 GEMM's products an instruction, and
-#: both kinds' dot-product GEMVs beat de-quantise + GEMM at every prompt length measured (AMD Zen 4, whole llama-1b
-#: prefills of 16 to 2048 tokens: int4 1.3-3.5x, int8 1.17-3.4x; decode batches of 16-32 rows: int4 4.2-7.3x, int8
-#: 3.5-3.6x), hence AVX512_DOT_ROWS.
+#: Most rows of activations each native GEMV serves, per level; more rows (prefill) go to one oneDNN GEMM (bf16),
+#: torch's int8 kernel and then de-quantise + GEMM (int8), or de-quantise + GEMM (int4). Measured crossovers,
+#: TinyLlama-shaped layers (``docs/kernels.md`` has the tables): with AMX the int8 GEMV runs 5-16 rows and the int4 GEMV
+#: 3 rows and more on tiles, so the int4 GEMV serves more rows there. "int8_dot": the most rows int8 weight-only sends
+#: to the integer dot products (``int8_dot_gemv``, on a transposed kernel from 3 rows); more, up to "int8", go to
+#: ``int8_gemv`` (on AMX, its tiles overtake the dot products from 9 rows: ``docs/kernels.md``); "int8" alone bounds the
+#: float products. The avx2 level is what AVX2-only CPUs run, where oneDNN has no bf16 arithmetic and prompts take
+#: float32 GEMMs on widened slabs (``prompts_widened``): those cost several times the GEMVs' time up to 32 rows, so the
+#: GEMVs serve up to 32 rows there. "int4_dot": the most rows int4 sends to its integer dot products
+#: (``int4_dot_gemv``), "int4" to its float products (``int4_gemv``). At the avx512 level, on AVX512-VNNI, the integer
+#: dot products compute twice the bf16 GEMM's products an instruction, and both kinds' dot-product GEMVs beat
+#: de-quantise + GEMM at every prompt length measured (AMD Zen 4, whole llama-1b prefills of 16 to 2048 tokens: int4
+#: 1.3-3.5x, int8 1.17-3.4x; decode batches of 16-32 rows: int4 4.2-7.3x, int8 3.5-3.6x), hence AVX512_DOT_ROWS.
 AVX512_DOT_ROWS = 2048
 ROW_LIMITS = {
     "amx": {"bf16": 4, "int8": 16, "int8_dot": 8, "int4": 64, "int4_dot": 64},

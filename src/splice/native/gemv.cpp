@@ -3827,6 +3827,12 @@ std::vector<LayerLinear> layer_linears(const c10::List<std::optional<at::Tensor>
   return linears;
 }
 
+// A norm's weight: contiguous bf16 [hidden] (`what` names it in the error).
+void check_norm_weight(const at::Tensor& norm, int64_t hidden, const std::string& what) {
+  TORCH_CHECK(norm.dim() == 1 && norm.size(0) == hidden && norm.scalar_type() == at::kBFloat16 && norm.is_contiguous(),
+              what, " must be contiguous bf16 [", hidden, "], got ", norm.scalar_type(), " ", norm.sizes());
+}
+
 void check_layer_inputs(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
                         int64_t kv_len, const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
                         const at::Tensor& attn_norm, const at::Tensor& mlp_norm, int64_t n_heads, int64_t n_kv_heads,
@@ -3864,10 +3870,7 @@ void check_layer_inputs(const at::Tensor& x, const at::Tensor& keys, const at::T
                 " rows of an even rotary size up to head_dim, got ", cos->sizes(), " and ", sin->sizes());
   }
   for (const at::Tensor* norm : {&attn_norm, &mlp_norm})
-    TORCH_CHECK(norm->dim() == 1 && norm->size(0) == hidden && norm->scalar_type() == at::kBFloat16 &&
-                    norm->is_contiguous(),
-                who, ": the norms' weights must be contiguous bf16 [", hidden, "], got ", norm->scalar_type(),
-                " ", norm->sizes());
+    check_norm_weight(*norm, hidden, who + ": the norms' weights");
 }
 
 // A linear's [outputs, inputs] as its GEMV reads them (int4 tiles: 16 rows a tile, 8 columns a word).
@@ -4075,10 +4078,11 @@ void layer_step(const at::Tensor& x, const LayerCall& l, const at::Tensor& slots
 // lm_head's GEMV (with its bias), whose logits [B, vocab] the call returns. Python's own ops would take longer than
 // the norm's arithmetic, and the GEMV would wake the threads again.
 struct HeadCall {
-  bool given = false;
-  at::Tensor norm;
+  at::Tensor norm;  // undefined: no head
   double eps = 0;
   LayerLinear linear;
+
+  bool given() const { return norm.defined(); }
 };
 
 // The head from decode_layers' head arguments: none (an empty list) or the final norm's weight, then the lm_head's
@@ -4091,10 +4095,8 @@ HeadCall head_call(const c10::List<std::optional<at::Tensor>>& head, double eps,
   TORCH_CHECK(head.size() == 1 + TENSORS_PER_LINEAR, who, " takes ", 1 + TENSORS_PER_LINEAR,
               " tensors (the final norm's weight, then the lm_head's weight, scales and bias), got ", head.size());
   const std::optional<at::Tensor> norm = head.get(0);
-  TORCH_CHECK(norm.has_value() && norm->dim() == 1 && norm->size(0) == hidden &&
-                  norm->scalar_type() == at::kBFloat16 && norm->is_contiguous(),
-              who, ": the final norm's weight must be contiguous bf16 [", hidden, "]");
-  h.norm = *norm;
+  TORCH_CHECK(norm.has_value(), who, ": the final norm's weight is missing");
+  check_norm_weight(*norm, hidden, who + ": the final norm's weight");
   h.eps = eps;
   h.linear.kind = kind;
   h.linear.group = group;
@@ -4103,7 +4105,7 @@ HeadCall head_call(const c10::List<std::optional<at::Tensor>>& head, double eps,
   TORCH_CHECK(linear_shape(h.linear).second == hidden, who, ": the lm_head takes ", linear_shape(h.linear).second,
               " inputs; the layers' hidden size is ", hidden);
   if (h.linear.bias.defined()) h.linear.bias = h.linear.bias.to(at::kBFloat16).contiguous();
-  h.given = true;
+  h.norm = *norm;
   return h;
 }
 
@@ -4169,9 +4171,9 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::
     buffers_of[i] = static_cast<int64_t>(buffers.size()) - 1;
   }
   const int64_t batch = x.size(0), hidden = x.size(2);
-  const at::Tensor normed = final_head.given ? at::empty({batch, hidden}, x.options()) : at::Tensor();
+  const at::Tensor normed = final_head.given() ? at::empty({batch, hidden}, x.options()) : at::Tensor();
   const at::Tensor logits =
-      final_head.given ? at::empty({batch, linear_shape(final_head.linear).first}, x.options()) : at::Tensor();
+      final_head.given() ? at::empty({batch, linear_shape(final_head.linear).first}, x.options()) : at::Tensor();
   run_as_team([&] {
     const at::Tensor* h = &x;
     for (int64_t i = 0; i < n; ++i) {
@@ -4179,14 +4181,14 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::
       layer_step(*h, calls[i], slots, kv_len, buffers[buffers_of[i]], *next);
       h = next;
     }
-    if (!final_head.given) return;
+    if (!final_head.given()) return;
     if (leads_team())
       rms_norm_rows(out.data_ptr<at::BFloat16>(), batch, hidden, final_head.norm, final_head.eps,
                     normed.data_ptr<at::BFloat16>());
     team_barrier();
     layer_gemv_into(final_head.linear, normed, logits);
   });
-  return final_head.given ? logits : out;
+  return final_head.given() ? logits : out;
 }
 
 }  // namespace

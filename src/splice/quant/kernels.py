@@ -165,9 +165,8 @@ def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros:
     """``x [M, K] bf16`` times the int4 weight packed by :func:`int4_pack` (same ``use_native``), scales and zeros
     from :func:`int4_pack_scales`. Native tiles: ``int4_gemv`` up to ``native.MAX_ROWS["int4"]`` rows (with
     ``dot_products``, ``int4_dot_gemv`` up to ``native.MAX_ROWS["int4_dot"]``: x rounded to int8 per block of 32,
-    integer dot products), above that
-    ``int4_linear`` (the weight de-quantised into the kept bf16 buffer for one oneDNN/AMX GEMM; with ``widen``,
-    slab by slab, widened, for float32 GEMMs)."""
+    integer dot products), above that ``int4_linear`` (the weight de-quantised into the kept bf16 buffer for one
+    oneDNN/AMX GEMM; with ``widen``, slab by slab, widened, for float32 GEMMs)."""
     if use_native:
         if x.shape[0] == 0:  # the native ops take at least one row
             return x.new_empty((0, packed.shape[0] * native.INT4_TILE))
