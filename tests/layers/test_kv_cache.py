@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 
+from splice import native
 from splice.layers.kv_cache import StaticKVCache
 from splice.steps.fuse import inject
 from tests.arch.tiny_models import build_family
@@ -87,3 +88,11 @@ def decode_alone(runtime, prompt: torch.Tensor, token: torch.Tensor) -> torch.Te
     slot = cache.slot_ids[length:length + 1]
     cache.mark(slot)
     return runtime.decode_step(token, torch.tensor([[length]]), slot, cache, length + 1)
+
+
+def test_a_cache_spanning_huge_pages_starts_on_one():
+    cache = StaticKVCache(n_layers=4, batch=2, kv_heads=2, max_len=1024, head_dim=64, dtype=torch.bfloat16,
+                          device="cpu")  # 2 MiB each of keys and values
+    assert cache.keys.shape == (4, 2, 2, 1024, 64) and not cache.keys.any() and not cache.values.any()
+    if native.huge_pages_supported():
+        assert cache.keys.data_ptr() % native.HUGE_PAGE == 0 and cache.values.data_ptr() % native.HUGE_PAGE == 0

@@ -40,3 +40,17 @@ def test_views_are_left_where_they_are():
     view = base.reshape(4, 1 << 16)
     pointer = view.data_ptr()
     assert gather_on_huge_pages([view]) == 0 and view.data_ptr() == pointer
+
+
+def test_zeros_on_huge_pages_start_on_a_huge_page_where_they_span_one():
+    from splice import native
+    from splice.native.memory import zeros_on_huge_pages
+
+    big = zeros_on_huge_pages((3, 2, 1 << 18), torch.bfloat16)  # 3 MiB
+    small = zeros_on_huge_pages((4, 8), torch.float32)
+    assert big.shape == (3, 2, 1 << 18) and big.dtype == torch.bfloat16 and big.is_contiguous()
+    assert not big.any() and small.shape == (4, 8) and not small.any()
+    if native.huge_pages_supported():
+        assert big.data_ptr() % native.HUGE_PAGE == 0
+    big[2, 1, -1] = 1  # its memory is its own: the last element is writable and read back
+    assert big.sum().item() == 1

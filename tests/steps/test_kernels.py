@@ -5,6 +5,8 @@ import torch
 import splice
 from splice import native
 
+from splice.steps.kernels import small_step_tensors
+
 from ..arch.tiny_models import build_family
 
 PROMPT = torch.tensor([[3, 14, 15, 92, 65, 35, 89, 79]])
@@ -32,3 +34,21 @@ def test_float16_and_alibi_attend_as_before():
     assert "not splice's attention kernel" in fp16.step_report("kernels").summary()
     bloom = splice.init_inference(build_family("bloom"), replace_with_kernel_inject=True, max_out_tokens=32)
     assert attention_calls(bloom, 3) == 0  # ALiBi's bias: the block's own path
+
+
+def test_the_blocks_norms_and_biases_share_huge_pages_and_the_tokens_stay_the_same():
+    reference = build_family("qwen2")  # biases on q, k and v
+    expected = reference.generate(PROMPT, max_new_tokens=6, do_sample=False)
+    engine = splice.init_inference(build_family("qwen2"), replace_with_kernel_inject=True, max_out_tokens=32)
+    small = small_step_tensors(engine.runtime)
+    norms = [block.attn_norm.weight for block in engine.runtime.blocks] + [engine.runtime.norm.weight]
+    assert all(any(t is norm for t in small) for norm in norms)
+    assert any(t.dim() == 1 and t.numel() == block.qkv.weight.shape[0]
+               for block in engine.runtime.blocks for t in small)  # the fused qkv's bias
+    assert torch.equal(engine.generate(PROMPT, max_new_tokens=6, do_sample=False), expected)
+    summary = engine.step_report("kernels").summary()
+    if native.huge_pages_supported():
+        assert len({t.untyped_storage().data_ptr() for t in small if t.dtype == norms[0].dtype}) == 1
+        assert "norms and biases on 2 MiB pages" in summary
+    else:
+        assert "norms and biases" not in summary

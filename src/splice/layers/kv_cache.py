@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..native.memory import zeros_on_huge_pages
+
 
 class StaticKVCache(nn.Module):
     """Keys and values ``[layers, batch, kv_heads, max_len, head_dim]`` and which slots hold real (non-pad) tokens.
@@ -19,8 +21,10 @@ class StaticKVCache(nn.Module):
     def __init__(self, n_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
         super().__init__()
         shape = (n_layers, batch, kv_heads, max_len, head_dim)
-        self.register_buffer("keys", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("values", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        for name in ("keys", "values"):
+            buffer = zeros_on_huge_pages(shape, dtype) if torch.device(device or "cpu").type == "cpu" else \
+                torch.zeros(shape, dtype=dtype, device=device)
+            self.register_buffer(name, buffer, persistent=False)
         self.register_buffer("valid", torch.zeros(batch, max_len, dtype=torch.bool, device=device), persistent=False)
         self.register_buffer("slot_ids", torch.arange(max_len, device=device), persistent=False)
         self._per_layer()

@@ -1,6 +1,7 @@
 """Where weights live in memory: one buffer on 2 MiB pages for the weights a decode step streams."""
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import torch
@@ -29,6 +30,25 @@ def gather_on_huge_pages(tensors: list[torch.Tensor]) -> int:
                 and tensor._base is None:
             groups[tensor.dtype].append(tensor)
     return sum(_gather(group) for group in groups.values())
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor whose memory lies on 2 MiB pages where huge pages are available and it spans one
+    (else a plain ``torch.zeros``).
+
+    For what a decode step reads in small pieces all over a large buffer (each layer's slice of the KV cache): the
+    weights streamed in between evict the page tables' cache lines, so on 4 KiB pages every piece pays for a page
+    walk from memory.
+    """
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
+    if not huge_pages_supported() or nbytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = torch.empty(numel + HUGE_PAGE // dtype.itemsize, dtype=dtype)
+    start = (-buffer.data_ptr() % HUGE_PAGE) // dtype.itemsize
+    tensor = buffer[start:start + numel]
+    advise_huge_pages(tensor, collapse=False)  # before the first touch: zeroing it faults in huge pages
+    return tensor.zero_().view(shape)
 
 
 def _gather(tensors: list[torch.Tensor]) -> int:

@@ -28,6 +28,7 @@ from ..quant import QuantizedLinear
 from ..tp.layers import RowParallelLinear, VocabParallelLinear
 from . import Stage, StepReport
 
+SMALL_TENSOR_BYTES = 1 << 16  # the size below which the quantize step leaves a tensor where it is
 WRAPPERS = {"native": NativeLinear, "packed": PackedLinear, "widened": WidenedLinear}
 #: The wrappers that keep the plain weight (so a tied lm_head can share the embedding table through them).
 PLAIN_WEIGHT_WRAPPERS = (NativeLinear, WidenedLinear)
@@ -55,6 +56,7 @@ class KernelsReport(StepReport):
     huge_page_bytes: int  # float weights gathered on 2 MiB pages for the native GEMV
     attention: str | None = None  # the decode steps' attention and why (None: no fused decoder blocks)
     layers: str | None = None  # how the decode steps' blocks run, and why (None: no fused decoder blocks)
+    small_huge_page_bytes: int = 0  # the blocks' norms and biases gathered on 2 MiB pages (small_step_tensors)
 
     def summary(self) -> str:
         pages = f", weights on 2 MiB pages ({self.huge_page_bytes / 2**20:.0f} MiB)" if self.huge_page_bytes else ""
@@ -65,6 +67,8 @@ class KernelsReport(StepReport):
             parts.append(f"attention: {self.attention}")
         if self.layers is not None:
             parts.append(f"blocks: {self.layers}")
+        if self.small_huge_page_bytes:
+            parts.append(f"norms and biases on 2 MiB pages ({self.small_huge_page_bytes / 2**10:.0f} KiB)")
         return "; ".join(parts)
 
 
@@ -91,12 +95,23 @@ def select_kernels(stage: Stage, plan: Plan) -> tuple[Stage, KernelsReport]:
     if plan.quant is not None:
         quant = LinearKernels(plan.quant.kind, quantized, plan.quant_kernel.kernel, plan.quant_kernel.reason)
     attention = layers = None
+    small = 0
     if fused and stage.runtime is not None:
         for block in stage.runtime.blocks:
             block.native_attention = plan.attention_kernel.native
         attention = plan.attention_kernel.reason
         layers = choose_native_layers(stage.runtime.blocks, plan)
-    return stage, KernelsReport("kernels", floats, quant, moved, attention, layers)
+        small = gather_on_huge_pages(small_step_tensors(stage.runtime))
+    return stage, KernelsReport("kernels", floats, quant, moved, attention, layers, small)
+
+
+def small_step_tensors(runtime: SpliceCausalLM) -> list:
+    """The decoder blocks' and the final norm's small parameters and buffers (norm weights, biases: under
+    SMALL_TENSOR_BYTES each), which a decode step reads between streaming the weights: on 4 KiB pages each would
+    cost a page walk from memory every step (the streamed weights evict the page tables' cache lines); gathered
+    together they share a 2 MiB page. The large ones are gathered with their kernel's weights."""
+    modules = [*runtime.blocks, runtime.norm] if runtime.norm is not None else list(runtime.blocks)
+    return [t for module in modules for t in (*module.parameters(), *module.buffers()) if t.nbytes < SMALL_TENSOR_BYTES]
 
 
 def choose_native_layers(blocks, plan: Plan) -> str:
