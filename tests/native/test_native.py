@@ -443,9 +443,11 @@ def test_avx2_dot_products_are_the_same_with_and_without_avx_vnni(rows):
 
 ATTENTION_SHAPES = (  # (rows, query heads, KV heads, keys, head_dim): GQA, MHA, one KV head, parts, tails; groups of
     # 1-2 heads and of 3 or more (keys in lanes at the avx512 level: 8 heads at a time and the rest, part column chunks);
-    # parts of several key blocks (the float scores' and the avx2 level's), a partial last one, 16-key blocks at 256
+    # parts of several key blocks (the float scores' and the avx2 level's), a partial last one, 16-key blocks at 256;
+    # 3 KV heads at one row, split in two parts on 2 threads so the units share out evenly (the last: too few keys)
     (1, 8, 2, 300, 64), (3, 6, 3, 1100, 32), (2, 4, 4, 17, 128), (1, 4, 1, 2600, 80), (2, 2, 1, 1, 16),
-    (2, 9, 3, 40, 64), (1, 11, 1, 70, 16), (1, 6, 2, 33, 96), (1, 4, 2, 100, 256))
+    (2, 9, 3, 40, 64), (1, 11, 1, 70, 16), (1, 6, 2, 33, 96), (1, 4, 2, 100, 256), (1, 9, 3, 130, 64),
+    (1, 6, 3, 45, 32), (1, 3, 3, 20, 64))
 
 
 @needs_native

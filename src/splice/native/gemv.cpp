@@ -3316,6 +3316,7 @@ std::vector<int64_t> amx_thresholds() {
 // fewer keys than this per part cost more to merge than they save; 128 lets 256 slots over 3 KV heads (SmolLM2) make
 // 6 units of work for 2 threads rather than 3
 constexpr int64_t MIN_PART_KEYS = 128;
+constexpr int64_t MIN_EVEN_PART_KEYS = 16;  // parts as small as this to share the units out evenly
 constexpr int64_t MAX_PART_KEYS = 512;  // a part's widened keys and values stay in the core's L2 cache
 constexpr int64_t MERGE_GRAIN = 1 << 14;
 
@@ -3372,11 +3373,17 @@ AttentionInputs<T> attention_inputs(const T* q, int64_t q_b, int64_t q_h, int64_
           k.size(0), heads, k.size(1), keys, k.size(3), static_cast<float>(scale)};
 }
 
-// How many parts decode_attention splits each row's keys into (every (row, KV head) a unit per part) for `threads`.
+// How many parts decode_attention splits each row's keys into (every (row, KV head) a unit per part) for `threads`:
+// enough for every thread to have work, parts of MIN_PART_KEYS to MAX_PART_KEYS keys; then, where the units do not
+// share out evenly (3 KV heads on 2 threads: one thread would attend twice as long as the other, which waits), the
+// next count that does, while its parts keep MIN_EVEN_PART_KEYS keys.
 int64_t attention_parts(int64_t batch, int64_t kv, int64_t keys, int64_t threads) {
-  return std::max((keys + MAX_PART_KEYS - 1) / MAX_PART_KEYS,
-                  std::clamp<int64_t>((2 * threads + batch * kv - 1) / (batch * kv), 1,
-                                      std::max<int64_t>(1, keys / MIN_PART_KEYS)));
+  const int64_t parts = std::max((keys + MAX_PART_KEYS - 1) / MAX_PART_KEYS,
+                                 std::clamp<int64_t>((2 * threads + batch * kv - 1) / (batch * kv), 1,
+                                                     std::max<int64_t>(1, keys / MIN_PART_KEYS)));
+  for (int64_t even = parts; even < parts + threads && keys / even >= MIN_EVEN_PART_KEYS; ++even)
+    if (batch * kv * even % threads == 0) return even;
+  return parts;
 }
 
 // The floats attend_into's partial sums take: per (row, query head, part) the head's weighted sum, top score and sum.
