@@ -123,6 +123,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=3, help="llama-bench repetitions per test (default 3)")
     parser.add_argument("--pairs", type=int, default=0,
                         help="decode only, in N rounds of back-to-back llama.cpp / splice pairs (default 0: sittings)")
+    parser.add_argument("--eager", action="store_true",
+                        help="with --pairs: splice's decode steps eager, not compiled (faster where every block runs "
+                             "in native calls)")
     parser.add_argument("--splice-worker", action="store_true", help=argparse.SUPPRESS)  # the pairs' splice process
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated subset of {','.join(FORMATS)}")
     parser.add_argument("--json", default="bench_out/llamacpp.json", help="where to write the results")
@@ -140,6 +143,8 @@ def validate(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value < minimum:
             raise ValueError(f"--{name}={value}: must be at least {minimum}")
+    if args.eager and not (args.pairs or args.splice_worker):
+        raise ValueError("--eager: only with --pairs (the sittings take splice bench's compiled rows)")
     parse_formats(args.formats)
 
 
@@ -389,7 +394,8 @@ ANSWER = "splice-pair "
 
 
 def splice_worker(args: argparse.Namespace) -> None:
-    """The pairs' splice side: every format's kernel-injected engine, decode step compiled and warmed up once; then
+    """The pairs' splice side: every format's kernel-injected engine, decode step compiled (eager with ``--eager``) and
+    warmed up once; then
     one request per line of stdin: a format name, answered with one timed decode (a ``generate`` of ``--new`` tokens
     after ``--prompt``; tokens/s over the steps after the first) and the bytes a step reads, or ``probe``, answered
     with one reading of ``splice bench``'s bandwidth probe (on half a GiB)."""
@@ -407,10 +413,11 @@ def splice_worker(args: argparse.Namespace) -> None:
         engine = splice.init_inference(load_model("llama-1b", "bf16"), replace_with_kernel_inject=True,
                                        max_out_tokens=args.prompt + args.new,
                                        **(QUANT_SCHEMES[scheme] if scheme else {}))
-        engine.runtime.compile_decode()
+        if not args.eager:
+            engine.runtime.compile_decode()
         time_generate(engine.generate, prompt, args.new, 1)  # compiles, then one run
         engines[name] = engine
-        slots = attended_slots(args, "compile")
+        slots = attended_slots(args, "eager" if args.eager else "compile")
         step_bytes[name] = stored_weight_bytes(engine.module) + kv_bytes_per_step(engine.module, 1, slots)
     print(ANSWER + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -428,7 +435,7 @@ class SpliceWorker:
     def __init__(self, args: argparse.Namespace):
         command = [sys.executable, str(Path(__file__).resolve()), "--splice-worker",
                    "--formats", ",".join(args.formats), "--prompt", str(args.prompt), "--new", str(args.new),
-                   "--threads", str(args.threads)]
+                   "--threads", str(args.threads)] + (["--eager"] if args.eager else [])
         self.process = subprocess.Popen(command, env=splice_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         text=True)
         self.answer()  # ready
@@ -632,7 +639,8 @@ def prepare(args: argparse.Namespace) -> tuple[dict, dict[str, Path], dict[str, 
     tools = build_tools(root, source, commit)
     files = gguf_files(root, source, tools, args.formats, args.threads)
     facts = {"llama_cpp_python": LLAMA_CPP_PYTHON, "commit": commit, "cmake_flags": list(CMAKE_FLAGS),
-             "patched": patched, "gguf": {name: str(path) for name, path in files.items()}}
+             "patched": patched, "gguf": {name: str(path) for name, path in files.items()},
+             "splice_step": "eager" if args.eager else "compiled"}
     return facts, tools, files
 
 
@@ -677,7 +685,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def publish(facts: dict, table: str, report_: dict, out: Path) -> None:
     """The table under a line naming both engines, and the JSON report written to ``out``."""
-    print(f"llama.cpp {facts['commit']} (llama-cpp-python {LLAMA_CPP_PYTHON}), splice decode step compiled")
+    step = "eager" if facts.get("splice_step") == "eager" else "compiled"
+    print(f"llama.cpp {facts['commit']} (llama-cpp-python {LLAMA_CPP_PYTHON}), splice decode step {step}")
     print(table)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report_, indent=2))

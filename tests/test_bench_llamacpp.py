@@ -283,3 +283,22 @@ def test_the_worker_handle_reads_answers_past_other_output():
     assert worker.answer() == {"format": "int8", "decode": 5.0}
     with pytest.raises(RuntimeError, match="exit status 1"):
         worker.answer()
+
+
+def test_eager_steps_only_in_pairs_and_the_worker_is_told(monkeypatch):
+    with pytest.raises(ValueError, match="--eager: only with --pairs"):
+        bl.parse_args(["--eager"])
+    commands = []
+
+    class Process:
+        def __init__(self):
+            self.stdout = iter([bl.ANSWER + '{"ready": true}\n'])
+
+    def popen(command, **kwargs):
+        commands.append(command)
+        return Process()
+
+    monkeypatch.setattr(bl.subprocess, "Popen", popen)
+    for argv in (["--pairs", "2"], ["--pairs", "2", "--eager"]):
+        bl.SpliceWorker(bl.parse_args(argv))
+    assert "--eager" not in commands[0] and commands[1][-1] == "--eager"

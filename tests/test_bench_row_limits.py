@@ -28,8 +28,8 @@ def test_each_limit_sends_the_rows_where_it_says_and_is_put_back():
                 step()
         calls[limit] = {event.name for event in profile.events()}
     assert native.MAX_ROWS["int4_dot"] == before
-    assert "splice_kernels::int4_linear" in calls[2] and "splice_kernels::decode_layers" not in calls[2]
-    assert "splice_kernels::decode_layers" in calls[8] and "splice_kernels::int4_linear" not in calls[8]
+    assert "splice_kernels::int4_linear" in calls[2] and "splice_kernels::decode_registered" not in calls[2]
+    assert "splice_kernels::decode_registered" in calls[8] and "splice_kernels::int4_linear" not in calls[8]
     times = script.in_turns("int4_dot", [2, 8], lambda: script.ms(step, 1), rounds=3)
     assert [len(t) for t in times.values()] == [3, 3] and all(ms > 0 for t in times.values() for ms in t)
     assert "limit 2 " in script.line("decode step, batch 3", times)

@@ -61,10 +61,14 @@ def decode(engine, native_layers: bool, per_row_slots: bool = False, batch: int 
             block.native_layer = was
 
 
+#: a run of blocks' native call: its lists each step (a compiled step's), or its registered arguments (an eager one's)
+LAYER_CALLS = ("splice_kernels::decode_layers", "splice_kernels::decode_registered")
+
+
 def layer_calls(engine, native_layers: bool, batch: int = 2) -> int:
     with torch.profiler.profile() as profile:
         decode(engine, native_layers, batch=batch)
-    return sum(event.name == "splice_kernels::decode_layers" for event in profile.events())
+    return sum(event.name in LAYER_CALLS for event in profile.events())
 
 
 def assert_same_steps(engine, per_row_slots: bool = False, batch: int = 2) -> None:
@@ -162,7 +166,7 @@ def test_decode_steps_agree_with_the_hf_reference(family):
                 cache.mark(slot)
                 got.append(runtime.decode_step(ids[:, t:t + 1], positions[:, t:t + 1], slot, cache, t + 1)[0])
         got = torch.stack(got).float()
-    assert sum(event.name == "splice_kernels::decode_layers" for event in profile.events()) == ids.shape[1] - prompt
+    assert sum(event.name in LAYER_CALLS for event in profile.events()) == ids.shape[1] - prompt
     assert ((expected - got).abs().max() / expected.std()).item() < 0.05
     assert (expected.argmax(-1) == got.argmax(-1)).float().mean() > 0.9
 
@@ -374,3 +378,62 @@ def test_the_op_names_bad_inputs():
     with pytest.raises(RuntimeError, match=r"the final norm's weight must be contiguous bf16 \[64\]"):
         run(both._replace(head=head._replace(norm=head.norm.float())), slots=torch.tensor([5]))
     assert torch.equal(cache.keys, before[0]) and torch.equal(cache.values, before[1])
+
+
+@pytest.mark.parametrize("scheme", ("bf16", "int4-sym"))
+def test_registered_runs_step_as_their_lists_do_and_are_released_with_their_plan(scheme):
+    """A run's arguments kept by the library (``decode_registered``) give the bits the lists give (``decode_layers``),
+    with and without the head; the library lets them go when the run's Registered goes."""
+    import gc
+
+    engine = engine_of("llama", scheme)
+    runtime = engine.runtime
+    x = torch.randn(2, 1, 64).to(torch.bfloat16)
+    slots, masks = torch.tensor([3]), {None: torch.rand(2, 1, 1, 4) > 0.3}
+    masks[None][..., 0] = True
+    rotary = [runtime.rope().lookup(torch.tensor([[3], [3]]))]
+    before = torch.ops.splice_kernels.registered_layer_stacks()
+    for head in (None, runtime.head_call(2)):
+        (run,) = native_layer.step_plan(runtime.blocks, 2, masks, head=head)
+        (registered,) = native_layer.registered_plan([run])
+        results = []
+        for item in (run, registered, registered):  # the registered run's first step registers, the second reuses
+            cache = runtime.new_cache(2)
+            out = native_layer.decode_layers(item, x, cache.keys, cache.values, slots, masks, 4, rotary)
+            results.append((out, cache.keys, cache.values))
+        for got in results[1:]:
+            assert all(torch.equal(a, b) for a, b in zip(results[0], got))
+        assert torch.ops.splice_kernels.registered_layer_stacks() == before + 1
+        del registered, item
+        gc.collect()
+        assert torch.ops.splice_kernels.registered_layer_stacks() == before
+
+
+def test_the_registered_ops_name_bad_inputs():
+    engine = engine_of("llama")
+    runtime = engine.runtime
+    cache = runtime.new_cache(1)
+    x, slots, masks = torch.randn(1, 1, 64).to(torch.bfloat16), torch.tensor([3]), {None: None}
+    rotary = [runtime.rope().lookup(torch.tensor([[3]]))]
+    (run,) = native_layer.registered_plan(native_layer.step_plan(runtime.blocks, 1, masks))
+    native_layer.decode_layers(run, x, cache.keys, cache.values, slots, masks, 4, rotary)  # registers
+    ops = torch.ops.splice_kernels
+    number = run.registered.number
+    with pytest.raises(RuntimeError, match="decode_registered: no layers registered as 123456"):
+        ops.decode_registered(x, cache.keys, cache.values, 123456, slots, [None], 4, *rotary[0])
+    with pytest.raises(RuntimeError, match="release_layers: no layers registered as 123456"):
+        ops.release_layers(123456)
+    with pytest.raises(RuntimeError, match=r"the layers take rows of 64 and heads of 16, got x \[1, 1, 32\]"):
+        ops.decode_registered(x[..., :32].contiguous(), cache.keys, cache.values, number, slots, [None], 4,
+                              [rotary[0][0]], [rotary[0][1]])
+    with pytest.raises(RuntimeError, match=r"layer 0: mask 0 and rotary table 0 of 0 masks and 1 tables"):
+        ops.decode_registered(x, cache.keys, cache.values, number, slots, [], 4, [rotary[0][0]], [rotary[0][1]])
+    count = ops.registered_layer_stacks()
+    wrong_norms = [norm.float() for norm in run.norms]
+    with pytest.raises(RuntimeError, match=r"register_layers: layer 0: the norms' weights must be contiguous bf16"):
+        ops.register_layers(run.layers, wrong_norms, run.eps, run.tensors, run.kinds, run.groups, run.heads,
+                            run.scales, [], 0.0, 0, 0, 64, 16, [0] * len(run.layers), [0] * len(run.layers))
+    with pytest.raises(RuntimeError, match="register_layers: head_dim 72; the layers take a head_dim a multiple of 16"):
+        ops.register_layers(run.layers, run.norms, run.eps, run.tensors, run.kinds, run.groups, run.heads,
+                            run.scales, [], 0.0, 0, 0, 64, 72, [0] * len(run.layers), [0] * len(run.layers))
+    assert ops.registered_layer_stacks() == count  # nothing kept from a refused call

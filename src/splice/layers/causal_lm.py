@@ -162,7 +162,8 @@ class SpliceCausalLM:
         the last run with the model's head where the step returns the last position's logits (``last_logits``) and
         :meth:`head_call` allows. An eager step keeps its plan until the next prompt (one a batch size): gathering the
         calls reads a few hundred module attributes, and after a step has streamed its weights through the caches each
-        read misses them. A prompt drops the plans, so linears or weights replaced between ``generate`` calls are the
+        read misses them; its runs' arguments are kept by the native library (``native_layer.Registered``), so a step
+        hands over only what changes. A prompt drops the plans (and with them what the library kept), so linears or weights replaced between ``generate`` calls are the
         ones that compute. A compiled step's trace gathers its own."""
         if not native_layer.step_takes_calls(x):
             return list(self.blocks)
@@ -174,7 +175,8 @@ class SpliceCausalLM:
         plan = self._step_plans.get(key)
         if plan is None:
             head = self.head_call(rows, native_layer.held) if last_logits else None
-            plan = self._step_plans[key] = native_layer.step_plan(self.blocks, rows, masks, native_layer.held, head)
+            plan = native_layer.step_plan(self.blocks, rows, masks, native_layer.held, head)
+            plan = self._step_plans[key] = native_layer.registered_plan(plan)
         return plan
 
     def head_call(self, rows: int, read=getattr) -> native_layer.HeadCall | None:

@@ -14,6 +14,7 @@ final norm and the lm_head's GEMV join the call), and :func:`decode_layers` runs
 """
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -159,10 +160,47 @@ def head_call(norm: nn.Module | None, lm_head: nn.Module, rows: int, read=getatt
     return HeadCall(read(norm, "weight"), norm.eps, tensors, gemv.kind, gemv.group)
 
 
+class Registered:
+    """A run's unchanging arguments (its blocks' and head's tensors, kinds, heads...) kept by the native library
+    (``register_layers``), so that each step hands over only what changes (``decode_registered``): a model's hundreds
+    of tensors cost more to pass from Python every step than a small model's layers take to run. Registered at the
+    run's first step (which gives the hidden and head sizes they are checked against), released when this object
+    goes."""
+
+    def __init__(self):
+        self.number: int | None = None
+        self.windows: list[int | None] = []  # the step's masks the run takes, by window
+        self.ropes: list[int] = []  # the step's rotary tables the run takes
+
+    def step(self, run: "NativeRun", x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+             masks: dict, kv_len: int, rotary: list) -> torch.Tensor:
+        if self.number is None:
+            self._register(run, x.shape[-1], keys.shape[-1])
+        cos = [rotary[index][0] for index in self.ropes] if rotary else [None] * len(self.ropes)
+        sin = [rotary[index][1] for index in self.ropes] if rotary else [None] * len(self.ropes)
+        return torch.ops.splice_kernels.decode_registered(
+            x.contiguous(), keys, values, self.number, slots, [masks[window] for window in self.windows], kv_len,
+            cos, sin)
+
+    def _register(self, run: "NativeRun", hidden: int, head_dim: int) -> None:
+        self.windows, self.ropes = list(dict.fromkeys(run.windows)), list(dict.fromkeys(run.ropes))
+        head = run.head
+        head_args = ([head.norm, *head.tensors], head.eps, head.kind, head.group) if head is not None else \
+            ([], 0.0, 0, 0)
+        number = torch.ops.splice_kernels.register_layers(
+            run.layers, run.norms, run.eps, run.tensors, run.kinds, run.groups, run.heads, run.scales, *head_args,
+            hidden, head_dim, [self.windows.index(window) for window in run.windows],
+            [self.ropes.index(rope) for rope in run.ropes])
+        finalizer = weakref.finalize(self, torch.ops.splice_kernels.release_layers, number)
+        finalizer.atexit = False  # at exit the process's memory goes anyway
+        self.number = number
+
+
 class NativeRun(NamedTuple):
     """Consecutive blocks that step in one ``decode_layers`` call: each one's window and rotary table (which pick its
-    mask and rotary rows at each step), their calls' lists as the op takes them, and the model's head where the run
-    ends the step with it (the call then returns the logits)."""
+    mask and rotary rows at each step), their calls' lists as the op takes them, the model's head where the run
+    ends the step with it (the call then returns the logits), and, in an eager step's plan, the run's arguments kept
+    by the native library (:class:`Registered`)."""
 
     windows: list[int | None]
     ropes: list[int]
@@ -175,6 +213,7 @@ class NativeRun(NamedTuple):
     heads: list[int]
     scales: list[float]
     head: HeadCall | None = None
+    registered: Registered | None = None
 
 
 def native_run(blocks: list[nn.Module], calls: list[LayerCall]) -> NativeRun:
@@ -207,13 +246,20 @@ def step_plan(blocks, rows: int, masks: dict, read=getattr, head: HeadCall | Non
     return plan
 
 
+def registered_plan(plan: list) -> list:
+    """An eager step's plan with each run's arguments to be kept by the native library from its first step."""
+    return [item._replace(registered=Registered()) if isinstance(item, NativeRun) else item for item in plan]
+
+
 def decode_layers(run: NativeRun, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
                   masks: dict, kv_len: int, rotary: list) -> torch.Tensor:
     """The decode step of the blocks of ``run`` on ``x``: each block's keys and values written into its layer of
     ``keys, values [layers, batch, kv_heads, L, head_dim]`` (the cache) at ``slots``, attending under its window's
     mask (``masks``) with its table's rotary rows (``rotary``: cos and sin of each table; empty without rotary);
     returns the last block's hidden states, or with the run's head its logits ``[batch, vocab]`` (``x`` is left as it
-    is)."""
+    is). A registered run hands over only what changes."""
+    if run.registered is not None:
+        return run.registered.step(run, x, keys, values, slots, masks, kv_len, rotary)
     cos = [rotary[index][0] for index in run.ropes] if rotary else [None] * len(run.layers)
     sin = [rotary[index][1] for index in run.ropes] if rotary else [None] * len(run.layers)
     head = run.head

@@ -54,6 +54,8 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <numeric>
+#include <unordered_map>
 #include <optional>
 #include <thread>
 #include <type_traits>
@@ -4116,37 +4118,42 @@ HeadCall head_call(const c10::List<std::optional<at::Tensor>>& head, double eps,
   return h;
 }
 
-// decode_layers runs consecutive decoder layers (each as layer_step, above) on rows x [B, 1, hidden], one after
-// another, in one call: a step's Python and dispatch per layer cost more than a small layer's weights take to read.
-// Layer i reads and writes the KV cache's layer layers[i] (keys, values: the whole cache [cache layers, B, kv_heads,
-// L, head_dim]); its mask, cos and sin are entry i of their lists, its norms' weights and eps entries 2i and 2i + 1,
-// its linears 4i .. 4i + 3 (three tensors each: weight, scales, bias), its query and KV heads entries 2i and 2i + 1
-// of heads, its scale entry i. With a head (HeadCall) the call returns its logits [B, vocab], else the last layer's
-// hidden states. Every layer and the head are checked before any is run.
-at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, at::IntArrayRef layers,
-                         const at::Tensor& slots, const c10::List<std::optional<at::Tensor>>& masks, int64_t kv_len,
-                         const c10::List<std::optional<at::Tensor>>& cos,
-                         const c10::List<std::optional<at::Tensor>>& sin, at::TensorList norms,
-                         at::ArrayRef<double> eps, const c10::List<std::optional<at::Tensor>>& tensors,
-                         at::IntArrayRef kinds, at::IntArrayRef groups, at::IntArrayRef heads,
-                         at::ArrayRef<double> scales, const c10::List<std::optional<at::Tensor>>& head,
-                         double head_eps, int64_t head_kind, int64_t head_group) {
-  check_isa("decode_layers");
+// The parts of a run of consecutive decoder layers that stay the same from step to step: each layer's cache layer,
+// norms, linears, heads and scale (a LayerCall without its step's cache slices, mask and rotary rows), which of a
+// step's masks and rotary tables it takes, and the head (HeadCall). decode_layers makes one from its lists every call;
+// register_layers keeps one for decode_registered, so a step passes only what changes (a model's hundreds of weights
+// cost more to hand over from Python each step than a small model's layers take to run).
+struct LayerStack {
+  std::vector<LayerCall> calls;
+  std::vector<int64_t> layers, mask_of, rope_of;
+  HeadCall head;
+  int64_t hidden = 0, head_dim = 0;
+};
+
+// The stack of n = layers.size() layers from decode_layers' lists (layer i: norms 2i and 2i + 1, linears 4i .. 4i + 3
+// of three tensors each, heads 2i and 2i + 1, scale i; its mask and rotary rows those at mask_of[i] and rope_of[i] of
+// a step's lists), for rows of `hidden` and heads of `head_dim`: every norm, linear and the head checked against them.
+LayerStack layer_stack(at::IntArrayRef layers, at::TensorList norms, at::ArrayRef<double> eps,
+                       const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds,
+                       at::IntArrayRef groups, at::IntArrayRef heads, at::ArrayRef<double> scales,
+                       const c10::List<std::optional<at::Tensor>>& head, double head_eps, int64_t head_kind,
+                       int64_t head_group, int64_t hidden, int64_t head_dim, at::IntArrayRef mask_of,
+                       at::IntArrayRef rope_of, const char* op) {
   const int64_t n = static_cast<int64_t>(layers.size());
-  check_layer_lists(n, masks, cos, sin, norms, eps, tensors, kinds, groups, heads, scales);
-  TORCH_CHECK(keys.dim() == 5 && values.dim() == 5, "decode_layers: keys and values must be the whole cache [layers, B,"
-              " kv_heads, L, head_dim], got ", keys.sizes(), " and ", values.sizes());
-  std::vector<LayerCall> calls(n);
+  TORCH_CHECK(static_cast<int64_t>(mask_of.size()) == n && static_cast<int64_t>(rope_of.size()) == n, op, ": ", n,
+              " layers take ", n, " mask and rotary indices, got ", mask_of.size(), " and ", rope_of.size());
+  TORCH_CHECK(head_dim > 0 && head_dim % 16 == 0 && head_dim <= MAX_HEAD_DIM, op, ": head_dim ", head_dim,
+              "; the layers take a head_dim a multiple of 16 up to ", MAX_HEAD_DIM);
+  LayerStack stack;
+  stack.layers.assign(layers.begin(), layers.end());
+  stack.mask_of.assign(mask_of.begin(), mask_of.end());
+  stack.rope_of.assign(rope_of.begin(), rope_of.end());
+  stack.hidden = hidden;
+  stack.head_dim = head_dim;
+  stack.calls.resize(n);
   for (int64_t i = 0; i < n; ++i) {
-    const std::string who = "decode_layers: layer " + std::to_string(i);
-    TORCH_CHECK(0 <= layers[i] && layers[i] < keys.size(0), who, ": cache layer ", layers[i], " outside 0 .. ",
-                keys.size(0) - 1);
-    LayerCall& l = calls[i];
-    l.keys = keys.select(0, layers[i]);
-    l.values = values.select(0, layers[i]);
-    l.mask = masks.get(i);
-    l.cos = cos.get(i);
-    l.sin = sin.get(i);
+    const std::string who = std::string(op) + ": layer " + std::to_string(i);
+    LayerCall& l = stack.calls[i];
     l.attn_norm = norms[2 * i];
     l.mlp_norm = norms[2 * i + 1];
     l.attn_eps = eps[2 * i];
@@ -4154,17 +4161,52 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::
     l.n_heads = heads[2 * i];
     l.n_kv_heads = heads[2 * i + 1];
     l.scale = scales[i];
+    for (const at::Tensor* norm : {&l.attn_norm, &l.mlp_norm})
+      check_norm_weight(*norm, hidden, who + ": the norms' weights");
+    TORCH_CHECK(l.n_kv_heads >= 1 && l.n_heads % l.n_kv_heads == 0, who, ": ", l.n_heads,
+                " query heads are not a multiple of ", l.n_kv_heads, " KV heads");
+    l.linears = layer_linears(tensors, kinds, groups, i, who);
+    check_layer_linears(l.linears, hidden, (l.n_heads + 2 * l.n_kv_heads) * head_dim, l.n_heads * head_dim, who);
+    for (LayerLinear& linear : l.linears)
+      if (linear.bias.defined()) linear.bias = linear.bias.to(at::kBFloat16).contiguous();
+  }
+  stack.head = head_call(head, head_eps, head_kind, head_group, hidden);
+  return stack;
+}
+
+// A step of the stack's layers on rows x [B, 1, hidden] (as decode_layers documents it; masks, cos and sin as the
+// stack's mask_of and rope_of index them). Every layer's inputs are checked before any is run.
+at::Tensor run_layer_stack(const LayerStack& stack, const at::Tensor& x, const at::Tensor& keys,
+                           const at::Tensor& values, const at::Tensor& slots,
+                           const c10::List<std::optional<at::Tensor>>& masks, int64_t kv_len,
+                           const c10::List<std::optional<at::Tensor>>& cos,
+                           const c10::List<std::optional<at::Tensor>>& sin, const char* op) {
+  TORCH_CHECK(keys.dim() == 5 && values.dim() == 5, op, ": keys and values must be the whole cache [layers, B,"
+              " kv_heads, L, head_dim], got ", keys.sizes(), " and ", values.sizes());
+  TORCH_CHECK(x.dim() == 3 && x.size(2) == stack.hidden && keys.size(4) == stack.head_dim, op, ": the layers take rows"
+              " of ", stack.hidden, " and heads of ", stack.head_dim, ", got x ", x.sizes(), " and keys ", keys.sizes());
+  TORCH_CHECK(cos.size() == sin.size(), op, ": ", cos.size(), " cos tables and ", sin.size(), " sin tables");
+  const int64_t n = static_cast<int64_t>(stack.calls.size());
+  std::vector<LayerCall> calls = stack.calls;
+  for (int64_t i = 0; i < n; ++i) {
+    const std::string who = std::string(op) + ": layer " + std::to_string(i);
+    const int64_t layer = stack.layers[i], mask = stack.mask_of[i], rope = stack.rope_of[i];
+    TORCH_CHECK(0 <= layer && layer < keys.size(0), who, ": cache layer ", layer, " outside 0 .. ", keys.size(0) - 1);
+    TORCH_CHECK(0 <= mask && mask < static_cast<int64_t>(masks.size()) && 0 <= rope &&
+                    rope < static_cast<int64_t>(cos.size()),
+                who, ": mask ", mask, " and rotary table ", rope, " of ", masks.size(), " masks and ", cos.size(),
+                " tables");
+    LayerCall& l = calls[i];
+    l.keys = keys.select(0, layer);
+    l.values = values.select(0, layer);
+    l.mask = masks.get(mask);
+    l.cos = cos.get(rope);
+    l.sin = sin.get(rope);
     check_layer_inputs(x, l.keys, l.values, slots, kv_len, l.cos, l.sin, l.attn_norm, l.mlp_norm, l.n_heads,
                        l.n_kv_heads, who);
     check_layer_mask(l.mask, x.size(0), kv_len, who);
-    l.linears = layer_linears(tensors, kinds, groups, i, who);
-    check_layer_linears(l.linears, x.size(2), (l.n_heads + 2 * l.n_kv_heads) * l.keys.size(3),
-                        l.n_heads * l.keys.size(3), who);
   }
-  const HeadCall final_head = head_call(head, head_eps, head_kind, head_group, x.size(2));
-  for (LayerCall& l : calls)
-    for (LayerLinear& linear : l.linears)
-      if (linear.bias.defined()) linear.bias = linear.bias.to(at::kBFloat16).contiguous();
+  const HeadCall& final_head = stack.head;
   // every buffer made before the layers run: the hidden states go back and forth between two, the last layer's into
   // the one returned
   const at::Tensor out = at::empty_like(x);
@@ -4198,6 +4240,88 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::
   return final_head.given() ? logits : out;
 }
 
+// decode_layers runs consecutive decoder layers (each as layer_step, above) on rows x [B, 1, hidden], one after
+// another, in one call: a step's Python and dispatch per layer cost more than a small layer's weights take to read.
+// Layer i reads and writes the KV cache's layer layers[i] (keys, values: the whole cache [cache layers, B, kv_heads,
+// L, head_dim]); its mask, cos and sin are entry i of their lists, its norms' weights and eps entries 2i and 2i + 1,
+// its linears 4i .. 4i + 3 (three tensors each: weight, scales, bias), its query and KV heads entries 2i and 2i + 1
+// of heads, its scale entry i. With a head (HeadCall) the call returns its logits [B, vocab], else the last layer's
+// hidden states. Every layer and the head are checked before any is run.
+at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, at::IntArrayRef layers,
+                         const at::Tensor& slots, const c10::List<std::optional<at::Tensor>>& masks, int64_t kv_len,
+                         const c10::List<std::optional<at::Tensor>>& cos,
+                         const c10::List<std::optional<at::Tensor>>& sin, at::TensorList norms,
+                         at::ArrayRef<double> eps, const c10::List<std::optional<at::Tensor>>& tensors,
+                         at::IntArrayRef kinds, at::IntArrayRef groups, at::IntArrayRef heads,
+                         at::ArrayRef<double> scales, const c10::List<std::optional<at::Tensor>>& head,
+                         double head_eps, int64_t head_kind, int64_t head_group) {
+  check_isa("decode_layers");
+  const int64_t n = static_cast<int64_t>(layers.size());
+  check_layer_lists(n, masks, cos, sin, norms, eps, tensors, kinds, groups, heads, scales);
+  TORCH_CHECK(keys.dim() == 5 && values.dim() == 5 && x.dim() == 3, "decode_layers: keys and values must be the whole "
+              "cache [layers, B, kv_heads, L, head_dim] and x [B, 1, hidden], got ", keys.sizes(), ", ",
+              values.sizes(), " and ", x.sizes());
+  std::vector<int64_t> each(n);
+  std::iota(each.begin(), each.end(), 0);
+  const LayerStack stack = layer_stack(layers, norms, eps, tensors, kinds, groups, heads, scales, head, head_eps,
+                                       head_kind, head_group, x.size(2), keys.size(4), each, each, "decode_layers");
+  return run_layer_stack(stack, x, keys, values, slots, masks, kv_len, cos, sin, "decode_layers");
+}
+
+// Stacks kept by register_layers, by number, until release_layers.
+std::mutex registered_stacks_mutex;
+std::unordered_map<int64_t, std::shared_ptr<const LayerStack>> registered_stacks;
+int64_t next_stack_number = 1;
+
+// decode_layers' unchanging arguments, checked and kept for decode_registered calls (layer i takes mask mask_of[i] and
+// rotary table rope_of[i] of a call's lists); returns the stack's number. It holds the tensors until release_layers.
+int64_t register_layers(at::IntArrayRef layers, at::TensorList norms, at::ArrayRef<double> eps,
+                        const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds,
+                        at::IntArrayRef groups, at::IntArrayRef heads, at::ArrayRef<double> scales,
+                        const c10::List<std::optional<at::Tensor>>& head, double head_eps, int64_t head_kind,
+                        int64_t head_group, int64_t hidden, int64_t head_dim, at::IntArrayRef mask_of,
+                        at::IntArrayRef rope_of) {
+  const int64_t n = static_cast<int64_t>(layers.size());
+  const std::vector<std::optional<at::Tensor>> no_rows(n);
+  const c10::List<std::optional<at::Tensor>> none(no_rows);
+  check_layer_lists(n, none, none, none, norms, eps, tensors, kinds, groups, heads, scales);
+  auto stack = std::make_shared<const LayerStack>(layer_stack(layers, norms, eps, tensors, kinds, groups, heads,
+                                                              scales, head, head_eps, head_kind, head_group, hidden,
+                                                              head_dim, mask_of, rope_of, "register_layers"));
+  const std::lock_guard<std::mutex> lock(registered_stacks_mutex);
+  const int64_t number = next_stack_number++;
+  registered_stacks.emplace(number, std::move(stack));
+  return number;
+}
+
+std::shared_ptr<const LayerStack> registered_stack(int64_t number, const char* op) {
+  const std::lock_guard<std::mutex> lock(registered_stacks_mutex);
+  const auto found = registered_stacks.find(number);
+  TORCH_CHECK(found != registered_stacks.end(), op, ": no layers registered as ", number,
+              " (never registered, or released)");
+  return found->second;
+}
+
+// A decode step of registered layers: decode_layers' result, with masks, cos and sin as the stack indexes them.
+at::Tensor decode_registered(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, int64_t stack,
+                             const at::Tensor& slots, const c10::List<std::optional<at::Tensor>>& masks,
+                             int64_t kv_len, const c10::List<std::optional<at::Tensor>>& cos,
+                             const c10::List<std::optional<at::Tensor>>& sin) {
+  check_isa("decode_registered");
+  const std::shared_ptr<const LayerStack> layers = registered_stack(stack, "decode_registered");
+  return run_layer_stack(*layers, x, keys, values, slots, masks, kv_len, cos, sin, "decode_registered");
+}
+
+void release_layers(int64_t stack) {
+  const std::lock_guard<std::mutex> lock(registered_stacks_mutex);
+  TORCH_CHECK(registered_stacks.erase(stack) == 1, "release_layers: no layers registered as ", stack);
+}
+
+int64_t registered_layer_stacks() {
+  const std::lock_guard<std::mutex> lock(registered_stacks_mutex);
+  return static_cast<int64_t>(registered_stacks.size());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(splice_kernels, lib) {
@@ -4220,6 +4344,13 @@ TORCH_LIBRARY(splice_kernels, lib) {
           "int kv_len, Tensor?[] cos, Tensor?[] sin, Tensor[] norms, float[] eps, Tensor?[] tensors, int[] kinds, "
           "int[] groups, int[] heads, float[] scales, Tensor?[] head, float head_eps, int head_kind, int head_group) "
           "-> Tensor");
+  lib.def("register_layers(int[] layers, Tensor[] norms, float[] eps, Tensor?[] tensors, int[] kinds, int[] groups, "
+          "int[] heads, float[] scales, Tensor?[] head, float head_eps, int head_kind, int head_group, int hidden, "
+          "int head_dim, int[] mask_of, int[] rope_of) -> int", &register_layers);
+  lib.def("decode_registered(Tensor x, Tensor(a!) keys, Tensor(b!) values, int stack, Tensor slots, Tensor?[] masks, "
+          "int kv_len, Tensor?[] cos, Tensor?[] sin) -> Tensor");
+  lib.def("release_layers(int stack) -> ()", &release_layers);
+  lib.def("registered_layer_stacks() -> int", &registered_layer_stacks);
   // no tensors: one kernel for every backend
   lib.def("amx_ready() -> bool", &amx_ready);
   lib.def("int8_dot_ready() -> bool", &int8_dot_ready);
@@ -4261,4 +4392,5 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("decode_attention", &decode_attention);
   lib.impl("argmax_rows", &argmax_rows);
   lib.impl("decode_layers", &decode_layers);
+  lib.impl("decode_registered", &decode_registered);
 }
