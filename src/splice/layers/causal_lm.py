@@ -163,8 +163,9 @@ class SpliceCausalLM:
         :meth:`head_call` allows. An eager step keeps its plan until the next prompt (one a batch size): gathering the
         calls reads a few hundred module attributes, and after a step has streamed its weights through the caches each
         read misses them; its runs' arguments are kept by the native library (``native_layer.Registered``), so a step
-        hands over only what changes. A prompt drops the plans (and with them what the library kept), so linears or weights replaced between ``generate`` calls are the
-        ones that compute. A compiled step's trace gathers its own."""
+        hands over only what changes. A prompt drops the plans (and with them what the library kept), so linears or
+        weights replaced between ``generate`` calls are the ones that compute. A compiled step's trace gathers its
+        own."""
         if not native_layer.step_takes_calls(x):
             return list(self.blocks)
         rows = x.shape[0]

@@ -4183,8 +4183,9 @@ at::Tensor run_layer_stack(const LayerStack& stack, const at::Tensor& x, const a
                            const c10::List<std::optional<at::Tensor>>& sin, const char* op) {
   TORCH_CHECK(keys.dim() == 5 && values.dim() == 5, op, ": keys and values must be the whole cache [layers, B,"
               " kv_heads, L, head_dim], got ", keys.sizes(), " and ", values.sizes());
-  TORCH_CHECK(x.dim() == 3 && x.size(2) == stack.hidden && keys.size(4) == stack.head_dim, op, ": the layers take rows"
-              " of ", stack.hidden, " and heads of ", stack.head_dim, ", got x ", x.sizes(), " and keys ", keys.sizes());
+  TORCH_CHECK(x.dim() == 3 && x.size(2) == stack.hidden && keys.size(4) == stack.head_dim, op, ": the layers take "
+              "rows of ", stack.hidden, " and heads of ", stack.head_dim, ", got x ", x.sizes(), " and keys ",
+              keys.sizes());
   TORCH_CHECK(cos.size() == sin.size(), op, ": ", cos.size(), " cos tables and ", sin.size(), " sin tables");
   const int64_t n = static_cast<int64_t>(stack.calls.size());
   std::vector<LayerCall> calls = stack.calls;
