@@ -96,3 +96,25 @@ def test_a_cache_spanning_huge_pages_starts_on_one():
     assert cache.keys.shape == (4, 2, 2, 1024, 64) and not cache.keys.any() and not cache.values.any()
     if native.huge_pages_supported():
         assert cache.keys.data_ptr() % native.HUGE_PAGE == 0 and cache.values.data_ptr() % native.HUGE_PAGE == 0
+
+
+def test_sees_all_only_for_the_last_slot_of_an_unpadded_cpu_cache_marked_in_turn():
+    cache = StaticKVCache(n_layers=1, batch=2, kv_heads=1, max_len=16, head_dim=16, dtype=torch.float32, device="cpu")
+    last = torch.tensor([5])
+    assert not cache.sees_all(torch.tensor([3]), 4)  # before start: not known
+    cache.start(torch.ones(2, 4, dtype=torch.long))
+    assert cache.sees_all(torch.tensor([3]), 4)
+    assert not cache.sees_all(last, 6)  # slots 4 and 5 not marked yet
+    cache.mark(torch.tensor([4]))
+    cache.mark(torch.tensor([5]))
+    assert cache.sees_all(last, 6) and cache.sees_all(last, 6, window=6)
+    assert not cache.sees_all(torch.tensor([4]), 6)  # slot 5 is after the query
+    assert not cache.sees_all(last, 6, window=5)  # slot 0 is outside the window
+    assert not cache.sees_all(torch.tensor([[5], [5]]), 6)  # rows of their own slots
+    assert not cache.rows(0, 1).sees_all(last, 6)
+    for window in (None, 6):  # where it sees all, the mask is all True
+        assert cache.mask(last, 6, window).all()
+    cache.mark(torch.tensor([7]))  # out of turn: slot 6 is not known to hold a token
+    assert not cache.sees_all(torch.tensor([7]), 8)
+    cache.start(torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]]))  # a left pad
+    assert not cache.sees_all(torch.tensor([3]), 4)

@@ -437,3 +437,33 @@ def test_the_registered_ops_name_bad_inputs():
         ops.register_layers(run.layers, run.norms, run.eps, run.tensors, run.kinds, run.groups, run.heads,
                             run.scales, [], 0.0, 0, 0, 64, 72, [0] * len(run.layers), [0] * len(run.layers))
     assert ops.registered_layer_stacks() == count  # nothing kept from a refused call
+
+
+@pytest.mark.parametrize("family", ("llama", "qwen2"))
+def test_a_step_that_sees_every_slot_gives_the_masked_steps_logits(family):
+    """An unpadded decode step runs its native calls without a mask; a block on its own ops still gets one. The
+    logits are the masked step's."""
+    engine = engine_of(family)
+    runtime = engine.runtime
+    ids = torch.randint(3, 100, (1, 10), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(10)[None]
+
+    @torch.inference_mode()
+    def steps(unmasked: bool) -> list[torch.Tensor]:
+        cache = runtime.new_cache(1)
+        cache.start(torch.ones_like(ids[:, :8]))
+        runtime(ids[:, :8], positions[:, :8], cache.slot_ids[:8], cache, 8, dense=True)
+        logits = []
+        for t in (8, 9):
+            slot = cache.slot_ids[t:t + 1]
+            cache.mark(slot)
+            if not unmasked:
+                cache.filled = 0  # not known: the mask is made
+            assert cache.sees_all(slot, t + 1) == unmasked
+            logits.append(runtime.decode_step(ids[:, t:t + 1], positions[:, t:t + 1], slot, cache, t + 1))
+        return logits
+
+    masked = steps(False)
+    assert all(torch.equal(a, b) for a, b in zip(masked, steps(True)))
+    runtime.blocks[0].native_layer = False  # the first block on its own ops: its mask is made for it
+    assert all(torch.equal(a, b) for a, b in zip(masked, steps(True)))

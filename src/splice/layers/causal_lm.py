@@ -138,8 +138,11 @@ class SpliceCausalLM:
             self._step_plans.clear()  # a prompt: the next decode step gathers its blocks' native calls again
         x = self.embed_inputs(tokens, positions)
         rotary = [self.rope(index).lookup(positions) for index in range(len(self.ropes))]
-        masks = {window: None if dense and window is None else cache.mask(slots, kv_len, window)
-                 for window in self.windows}
+        # a decode step that sees every slot needs no mask in native calls (a block's own ops take None for a
+        # prompt's causal mask: theirs is made when one runs)
+        sees_all = tokens.shape[1] == 1 and not torch.compiler.is_compiling() and tokens.device.type == "cpu"
+        masks = {window: None if (dense and window is None) or (sees_all and cache.sees_all(slots, kv_len, window))
+                 else cache.mask(slots, kv_len, window) for window in self.windows}
         for item in self.step_plan(x, masks, last_only and last is None):
             if isinstance(item, native_layer.NativeRun):
                 x = self.native_blocks(item, x, cache, slots, masks, kv_len, rotary)
@@ -147,6 +150,8 @@ class SpliceCausalLM:
                     return x
                 continue
             cos, sin = rotary[item.layout.rope_index] if rotary else (None, None)
+            if masks[item.window] is None and not dense:
+                masks[item.window] = cache.mask(slots, kv_len, item.window)
             x = item.step(x, cos, sin, cache, slots, masks[item.window], kv_len)
         if last is not None:
             return self.head(x[torch.arange(x.shape[0], device=x.device), last])

@@ -27,6 +27,7 @@ class StaticKVCache(nn.Module):
             self.register_buffer(name, buffer, persistent=False)
         self.register_buffer("valid", torch.zeros(batch, max_len, dtype=torch.bool, device=device), persistent=False)
         self.register_buffer("slot_ids", torch.arange(max_len, device=device), persistent=False)
+        self.filled = 0  # until start() reads the prompt's mask
         self._per_layer()
 
     def _per_layer(self) -> None:
@@ -45,6 +46,7 @@ class StaticKVCache(nn.Module):
             view.register_buffer(name, getattr(self, name)[:, start:stop], persistent=False)
         view.register_buffer("valid", self.valid[start:stop], persistent=False)
         view.register_buffer("slot_ids", self.slot_ids, persistent=False)
+        view.filled = 0
         view._per_layer()
         return view
 
@@ -60,10 +62,24 @@ class StaticKVCache(nn.Module):
         """Forget everything; mark the prompt's real tokens (``prompt_mask [batch, L]``, 1 = token, 0 = pad)."""
         self.valid.zero_()
         self.valid[:, : prompt_mask.shape[1]] = prompt_mask.bool()
+        # on CPU, the slots known to hold real tokens in every row from the first on (read on a GPU, the mask would
+        # wait for the device)
+        self.filled = prompt_mask.shape[1] if self.valid.device.type == "cpu" and bool(prompt_mask.all()) else 0
 
     def mark(self, slots: torch.Tensor) -> None:
         """Mark ``slots`` as holding real tokens (the tokens being generated), without a host sync."""
         self.valid.index_fill_(1, slots, True)
+        if self.filled and slots.dim() == 1 and slots.numel() == 1 and int(slots) == self.filled:
+            self.filled += 1
+
+    def sees_all(self, q_slots: torch.Tensor, kv_len: int, window: int | None = None) -> bool:
+        """Whether one query a row at ``q_slots`` sees every one of the first ``kv_len`` slots, so that its step
+        needs no mask: one slot shared by the rows, the last of them, every slot before it known to hold a real token
+        in every row (a CPU cache whose prompt had no pad, each new slot marked in turn), and ``kv_len`` within
+        ``window``. A decode step without padding; False where not known (a GPU cache, rows of their own slots, a view
+        of some rows)."""
+        return (0 < kv_len <= self.filled and q_slots.dim() == 1 and q_slots.numel() == 1
+                and int(q_slots) == kv_len - 1 and (window is None or kv_len <= window))
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, kv_len: int):
         """Write ``k, v [batch, kv_heads, seq, head_dim]`` at ``slots`` (``[seq]``, or ``[batch, seq]`` per row); return
