@@ -55,10 +55,10 @@
 #include <memory>
 #include <mutex>
 #include <numeric>
-#include <unordered_map>
 #include <optional>
 #include <thread>
 #include <type_traits>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -4295,6 +4295,7 @@ int64_t register_layers(at::IntArrayRef layers, at::TensorList norms, at::ArrayR
   return number;
 }
 
+// The stack registered as `number`, held for the caller even if released meanwhile.
 std::shared_ptr<const LayerStack> registered_stack(int64_t number, const char* op) {
   const std::lock_guard<std::mutex> lock(registered_stacks_mutex);
   const auto found = registered_stacks.find(number);
@@ -4345,14 +4346,15 @@ TORCH_LIBRARY(splice_kernels, lib) {
           "int kv_len, Tensor?[] cos, Tensor?[] sin, Tensor[] norms, float[] eps, Tensor?[] tensors, int[] kinds, "
           "int[] groups, int[] heads, float[] scales, Tensor?[] head, float head_eps, int head_kind, int head_group) "
           "-> Tensor");
+  lib.def("decode_registered(Tensor x, Tensor(a!) keys, Tensor(b!) values, int stack, Tensor slots, Tensor?[] masks, "
+          "int kv_len, Tensor?[] cos, Tensor?[] sin) -> Tensor");
+  // keeps tensors, computes nothing: one kernel for every backend
   lib.def("register_layers(int[] layers, Tensor[] norms, float[] eps, Tensor?[] tensors, int[] kinds, int[] groups, "
           "int[] heads, float[] scales, Tensor?[] head, float head_eps, int head_kind, int head_group, int hidden, "
           "int head_dim, int[] mask_of, int[] rope_of) -> int", &register_layers);
-  lib.def("decode_registered(Tensor x, Tensor(a!) keys, Tensor(b!) values, int stack, Tensor slots, Tensor?[] masks, "
-          "int kv_len, Tensor?[] cos, Tensor?[] sin) -> Tensor");
+  // no tensors: one kernel for every backend
   lib.def("release_layers(int stack) -> ()", &release_layers);
   lib.def("registered_layer_stacks() -> int", &registered_layer_stacks);
-  // no tensors: one kernel for every backend
   lib.def("amx_ready() -> bool", &amx_ready);
   lib.def("int8_dot_ready() -> bool", &int8_dot_ready);
   lib.def("int4_dot_ready() -> bool", &int4_dot_ready);
