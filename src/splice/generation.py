@@ -496,17 +496,20 @@ def decode(runtime: SpliceCausalLM, req: Request, streamer=None, timer: ForwardT
     # copies, which it does not need to make)
     pick_from_logits = native_pick and not req.processors and not (req.output_scores or req.output_logits)
     while True:
-        if pick_from_logits and native.argmax_fits(logits):
-            tokens = torch.ops.splice_kernels.argmax_rows(logits)
+        running = None  # the rows not finished, where the pick counted them
+        if pick_from_logits and native.argmax_fits(logits) and sequences.device.type == "cpu":
+            # the pick, eos and the sequences' column in one call (what the torch steps below do)
+            tokens, running = torch.ops.splice_kernels.greedy_next(
+                logits, sequences, length, unfinished, req.eos, req.pad if req.eos is not None else 0)
             next_logits = next_scores = None
         else:
             next_logits = logits.to(dtype=torch.float32, copy=True)
             next_scores = apply_processors(req.processors, sequences[:, :length], next_logits)
             tokens = pick(next_scores, req.do_sample, native_pick)
-        if req.eos is not None:  # a finished row takes pad; a row stops at any eos id
-            tokens = tokens.masked_fill(unfinished == 0, req.pad)
-            unfinished.masked_fill_(torch.isin(tokens, req.eos), 0)
-        sequences[:, length] = tokens
+            if req.eos is not None:  # a finished row takes pad; a row stops at any eos id
+                tokens = tokens.masked_fill(unfinished == 0, req.pad)
+                unfinished.masked_fill_(torch.isin(tokens, req.eos), 0)
+            sequences[:, length] = tokens
         length += 1
         if req.output_scores:
             scores.append(next_scores)
@@ -514,7 +517,7 @@ def decode(runtime: SpliceCausalLM, req: Request, streamer=None, timer: ForwardT
             raw_logits.append(next_logits)
         if streamer is not None:
             streamer.put(tokens.cpu())
-        if length == total or not bool(unfinished.any()):
+        if length == total or not (running if running is not None else bool(unfinished.any())):
             break
         position.add_(1)
         slot.add_(1)

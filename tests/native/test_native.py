@@ -555,6 +555,45 @@ def test_argmax_rows_refuses_what_it_cannot_pick_from():
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_greedy_next_does_what_generates_torch_steps_do(dtype):
+    """The pick, a finished row's pad, the rows stopping at any eos id, the sequences' column and the rows left:
+    against the torch steps generate takes without it, over several steps of 5 rows, with one or two eos ids or
+    none."""
+    generator = torch.Generator().manual_seed(0)
+    for eos in (torch.tensor([3]), torch.tensor([3, 11]), None):
+        sequences = torch.zeros(5, 8, dtype=torch.long)
+        expected_sequences, unfinished = sequences.clone(), torch.ones(5, dtype=torch.long)
+        expected_unfinished = unfinished.clone()
+        for column in range(2, 8):
+            logits = torch.randn(5, 16, generator=generator)
+            logits[column % 5, 3] = logits[(column + 2) % 5, 11] = 9.0  # rows reaching an eos id
+            logits = logits.to(dtype)
+            tokens, running = torch.ops.splice_kernels.greedy_next(logits, sequences, column, unfinished, eos, 0)
+            expected = logits.float().max(dim=-1).indices
+            if eos is not None:
+                expected = expected.masked_fill(expected_unfinished == 0, 0)
+                expected_unfinished.masked_fill_(torch.isin(expected, eos), 0)
+            expected_sequences[:, column] = expected
+            assert torch.equal(tokens, expected) and torch.equal(sequences, expected_sequences)
+            assert torch.equal(unfinished, expected_unfinished) and running == int(expected_unfinished.sum())
+        assert (running < 5) == (eos is not None)
+
+
+@needs_native
+def test_greedy_next_names_what_it_cannot_take_before_writing():
+    logits, sequences, unfinished = torch.randn(2, 6), torch.zeros(2, 4, dtype=torch.long), torch.ones(2).long()
+    for args, words in (((logits, sequences, 4, unfinished, None, 0), "column 4 inside"),
+                        ((logits, sequences.int(), 1, unfinished, None, 0), "sequences must be contiguous int64"),
+                        ((logits, sequences, 1, unfinished[:1], None, 0), r"unfinished must be contiguous int64 \[2\]"),
+                        ((logits, sequences, 1, unfinished, torch.tensor([1.0]), 0), "eos must be contiguous int64"),
+                        ((logits.half(), sequences, 1, unfinished, None, 0), "float32 or bf16")):
+        with pytest.raises(RuntimeError, match=words):
+            torch.ops.splice_kernels.greedy_next(*args)
+    assert not sequences.any() and unfinished.all()
+
+
+@needs_native
 @pytest.mark.parametrize("rows", (1, 2, 5, 9))
 def test_dot_products_give_nan_where_x_has_a_nan(isa, rows):
     """A NaN in a row of x makes that row's outputs NaN, as ``qmath.round_activations`` (its block scale NaN) and the

@@ -27,7 +27,7 @@
 //   widened_linear(x, w bf16/fp16 [N, K])  prefill of a 16-bit weight as float32 GEMMs on widened slabs
 // Also, at quantization time: gptq_columns, GPTQ's column-by-column rounding and error spreading in one block.
 // And greedy decoding's pick: argmax_rows(x float32 or bf16 [B, V]) -> int64 [B], the indices torch.max(x, -1)
-// returns.
+// returns; greedy_next, the pick with generate's eos and sequence bookkeeping.
 //
 // Instruction sets: the file is compiled for baseline x86-64; each kernel exists once per ISA level, in a region
 // compiled for that level (#pragma GCC target), and the ops dispatch at run time on the active level:
@@ -57,6 +57,7 @@
 #include <numeric>
 #include <optional>
 #include <thread>
+#include <tuple>
 #include <type_traits>
 #include <unordered_map>
 #include <utility>
@@ -3469,6 +3470,41 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// A greedy decoding step's token bookkeeping in one call: each row's pick (argmax_rows), pad where the row had
+// finished (unfinished [B] int64, 0 for a finished row), written into sequences [B, L] int64 at `column`; a row whose
+// token is one of eos (int64 ids, or none) is marked finished. Returns the tokens [B] and the rows still unfinished.
+// generate's loop made eight torch calls of this, each slow to start after a step has streamed its weights through
+// the caches.
+std::tuple<at::Tensor, int64_t> greedy_next(const at::Tensor& logits, at::Tensor& sequences, int64_t column,
+                                            at::Tensor& unfinished, const std::optional<at::Tensor>& eos, int64_t pad) {
+  const at::Tensor tokens = argmax_rows(logits);
+  const int64_t rows = logits.size(0);
+  TORCH_CHECK(sequences.dim() == 2 && sequences.size(0) == rows && sequences.scalar_type() == at::kLong &&
+                  sequences.is_contiguous() && 0 <= column && column < sequences.size(1),
+              "greedy_next: sequences must be contiguous int64 [", rows, ", L] with column ", column, " inside, got ",
+              sequences.scalar_type(), " ", sequences.sizes());
+  TORCH_CHECK(unfinished.dim() == 1 && unfinished.size(0) == rows && unfinished.scalar_type() == at::kLong &&
+                  unfinished.is_contiguous(),
+              "greedy_next: unfinished must be contiguous int64 [", rows, "], got ", unfinished.scalar_type(), " ",
+              unfinished.sizes());
+  TORCH_CHECK(!eos || (eos->dim() == 1 && eos->scalar_type() == at::kLong && eos->is_contiguous()),
+              "greedy_next: eos must be contiguous int64 ids [n], got ", eos ? eos->scalar_type() : at::kLong, " ",
+              eos ? eos->sizes() : at::IntArrayRef());
+  int64_t* tp = tokens.data_ptr<int64_t>();
+  int64_t* sp = sequences.data_ptr<int64_t>();
+  int64_t* up = unfinished.data_ptr<int64_t>();
+  const int64_t* ep = eos ? eos->data_ptr<int64_t>() : nullptr;
+  const int64_t eos_count = eos ? eos->numel() : 0, length = sequences.size(1);
+  int64_t running = 0;
+  for (int64_t row = 0; row < rows; ++row) {
+    if (eos && up[row] == 0) tp[row] = pad;
+    if (std::find(ep, ep + eos_count, tp[row]) != ep + eos_count) up[row] = 0;
+    sp[row * length + column] = tp[row];
+    running += up[row] != 0;
+  }
+  return {tokens, running};
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const std::optional<at::Tensor>& mask, double scale) {
   check_isa("decode_attention");
@@ -4342,6 +4378,8 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("widened_linear(Tensor x, Tensor w) -> Tensor");
   lib.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
   lib.def("argmax_rows(Tensor x) -> Tensor");
+  lib.def("greedy_next(Tensor logits, Tensor(a!) sequences, int column, Tensor(b!) unfinished, Tensor? eos, int pad) "
+          "-> (Tensor, int)");
   lib.def("decode_layers(Tensor x, Tensor(a!) keys, Tensor(b!) values, int[] layers, Tensor slots, Tensor?[] masks, "
           "int kv_len, Tensor?[] cos, Tensor?[] sin, Tensor[] norms, float[] eps, Tensor?[] tensors, int[] kinds, "
           "int[] groups, int[] heads, float[] scales, Tensor?[] head, float head_eps, int head_kind, int head_group) "
@@ -4394,6 +4432,7 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("widened_linear", &widened_linear);
   lib.impl("decode_attention", &decode_attention);
   lib.impl("argmax_rows", &argmax_rows);
+  lib.impl("greedy_next", &greedy_next);
   lib.impl("decode_layers", &decode_layers);
   lib.impl("decode_registered", &decode_registered);
 }
