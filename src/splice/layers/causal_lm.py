@@ -138,10 +138,10 @@ class SpliceCausalLM:
             self._step_plans.clear()  # a prompt: the next decode step gathers its blocks' native calls again
         x = self.embed_inputs(tokens, positions)
         rotary = [self.rope(index).lookup(positions) for index in range(len(self.ropes))]
-        # a decode step that sees every slot needs no mask in native calls (a block's own ops take None for a
+        # an eager decode step that sees every slot needs no mask in native calls (a block's own ops take None for a
         # prompt's causal mask: theirs is made when one runs)
-        sees_all = tokens.shape[1] == 1 and not torch.compiler.is_compiling() and tokens.device.type == "cpu"
-        masks = {window: None if (dense and window is None) or (sees_all and cache.sees_all(slots, kv_len, window))
+        eager_step = tokens.shape[1] == 1 and not torch.compiler.is_compiling()
+        masks = {window: None if (dense and window is None) or (eager_step and cache.sees_all(slots, kv_len, window))
                  else cache.mask(slots, kv_len, window) for window in self.windows}
         for item in self.step_plan(x, masks, last_only and last is None):
             if isinstance(item, native_layer.NativeRun):

@@ -176,20 +176,15 @@ class Registered:
              masks: dict, kv_len: int, rotary: list) -> torch.Tensor:
         if self.number is None:
             self._register(run, x.shape[-1], keys.shape[-1])
-        cos = [rotary[index][0] for index in self.ropes] if rotary else [None] * len(self.ropes)
-        sin = [rotary[index][1] for index in self.ropes] if rotary else [None] * len(self.ropes)
         return torch.ops.splice_kernels.decode_registered(
             x.contiguous(), keys, values, self.number, slots, [masks[window] for window in self.windows], kv_len,
-            cos, sin)
+            *rotary_rows(rotary, self.ropes))
 
     def _register(self, run: "NativeRun", hidden: int, head_dim: int) -> None:
         self.windows, self.ropes = list(dict.fromkeys(run.windows)), list(dict.fromkeys(run.ropes))
-        head = run.head
-        head_args = ([head.norm, *head.tensors], head.eps, head.kind, head.group) if head is not None else \
-            ([], 0.0, 0, 0)
         number = torch.ops.splice_kernels.register_layers(
-            run.layers, run.norms, run.eps, run.tensors, run.kinds, run.groups, run.heads, run.scales, *head_args,
-            hidden, head_dim, [self.windows.index(window) for window in run.windows],
+            run.layers, run.norms, run.eps, run.tensors, run.kinds, run.groups, run.heads, run.scales,
+            *head_arguments(run.head), hidden, head_dim, [self.windows.index(window) for window in run.windows],
             [self.ropes.index(rope) for rope in run.ropes])
         finalizer = weakref.finalize(self, torch.ops.splice_kernels.release_layers, number)
         finalizer.atexit = False  # at exit the process's memory goes anyway
@@ -260,13 +255,26 @@ def decode_layers(run: NativeRun, x: torch.Tensor, keys: torch.Tensor, values: t
     is). A registered run hands over only what changes."""
     if run.registered is not None:
         return run.registered.step(run, x, keys, values, slots, masks, kv_len, rotary)
-    cos = [rotary[index][0] for index in run.ropes] if rotary else [None] * len(run.layers)
-    sin = [rotary[index][1] for index in run.ropes] if rotary else [None] * len(run.layers)
-    head = run.head
-    head_args = ([head.norm, *head.tensors], head.eps, head.kind, head.group) if head is not None else ([], 0.0, 0, 0)
     return torch.ops.splice_kernels.decode_layers(
-        x.contiguous(), keys, values, run.layers, slots, [masks[window] for window in run.windows], kv_len, cos, sin,
-        run.norms, run.eps, run.tensors, run.kinds, run.groups, run.heads, run.scales, *head_args)
+        x.contiguous(), keys, values, run.layers, slots, [masks[window] for window in run.windows], kv_len,
+        *rotary_rows(rotary, run.ropes), run.norms, run.eps, run.tensors, run.kinds, run.groups, run.heads,
+        run.scales, *head_arguments(run.head))
+
+
+def rotary_rows(rotary: list, tables: list[int]) -> tuple[list, list]:
+    """The cos and sin lists the ops take for rotary ``tables`` (indices into ``rotary``, each table's (cos, sin)
+    rows; empty without rotary: None each)."""
+    if not rotary:
+        return [None] * len(tables), [None] * len(tables)
+    return [rotary[index][0] for index in tables], [rotary[index][1] for index in tables]
+
+
+def head_arguments(head: HeadCall | None) -> tuple:
+    """The ops' head arguments: the final norm's weight and the lm_head's tensors, eps, GEMV kind and group; an empty
+    list and zeros without a head."""
+    if head is None:
+        return [], 0.0, 0, 0
+    return [head.norm, *head.tensors], head.eps, head.kind, head.group
 
 
 def held(module: nn.Module, name: str):

@@ -701,6 +701,7 @@ struct AttentionPart {
 };
 
 constexpr int64_t MAX_HEAD_DIM = 256;
+inline bool head_dim_fits(int64_t dim) { return dim % 16 == 0 && dim <= MAX_HEAD_DIM; }  // the attention's head sizes
 constexpr float EXP_FLOOR = -87.3f;  // e^x of lower scores is taken as e^EXP_FLOOR (float's normal range ends there)
 
 struct AttentionScratch {  // one thread's buffers, reused across parts
@@ -3337,7 +3338,7 @@ void check_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "decode_attention: CPU tensors only");
   TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
               "decode_attention: q, k and v must be contiguous in their last dimension");
-  TORCH_CHECK(q.size(3) % 16 == 0 && q.size(3) <= MAX_HEAD_DIM, "decode_attention: head_dim ", q.size(3),
+  TORCH_CHECK(head_dim_fits(q.size(3)), "decode_attention: head_dim ", q.size(3),
               " is not a multiple of 16 up to ", MAX_HEAD_DIM);
   if (mask) {
     const at::Tensor& m = *mask;
@@ -3878,23 +3879,21 @@ void check_norm_weight(const at::Tensor& norm, int64_t hidden, const std::string
               what, " must be contiguous bf16 [", hidden, "], got ", norm.scalar_type(), " ", norm.sizes());
 }
 
+// A step's inputs to one layer (its norms, heads and linears were checked with its stack: layer_stack).
 void check_layer_inputs(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots,
                         int64_t kv_len, const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
-                        const at::Tensor& attn_norm, const at::Tensor& mlp_norm, int64_t n_heads, int64_t n_kv_heads,
-                        const std::string& who) {
+                        int64_t n_kv_heads, const std::string& who) {
   TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.size(0) >= 1 && x.scalar_type() == at::kBFloat16 &&
                   x.is_contiguous() && x.device().is_cpu(),
               who, ": x must be a contiguous bf16 CPU tensor [B, 1, hidden], got ", x.scalar_type(), " ",
               x.sizes());
-  const int64_t batch = x.size(0), hidden = x.size(2);
+  const int64_t batch = x.size(0);
   TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.size(0) == batch &&
                   keys.size(1) == n_kv_heads && keys.scalar_type() == at::kBFloat16 &&
                   values.scalar_type() == at::kBFloat16 && keys.stride(3) == 1 && values.stride(3) == 1 &&
-                  keys.size(3) % 16 == 0 && keys.size(3) <= MAX_HEAD_DIM,
+                  head_dim_fits(keys.size(3)),
               who, ": keys and values must be bf16 [", batch, ", ", n_kv_heads, ", L, head_dim], head_dim a multiple "
               "of 16 up to ", MAX_HEAD_DIM, ", contiguous in head_dim; got ", keys.sizes(), " and ", values.sizes());
-  TORCH_CHECK(n_kv_heads >= 1 && n_heads % n_kv_heads == 0, who, ": ", n_heads,
-              " query heads are not a multiple of ", n_kv_heads, " KV heads");
   TORCH_CHECK(1 <= kv_len && kv_len <= keys.size(2), who, ": kv_len ", kv_len, " outside 1 .. ", keys.size(2));
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() &&
                   ((slots.dim() == 1 && slots.numel() == 1) ||
@@ -3914,8 +3913,6 @@ void check_layer_inputs(const at::Tensor& x, const at::Tensor& keys, const at::T
                 who, ": cos and sin must be contiguous bf16 with ", batch,
                 " rows of an even rotary size up to head_dim, got ", cos->sizes(), " and ", sin->sizes());
   }
-  for (const at::Tensor* norm : {&attn_norm, &mlp_norm})
-    check_norm_weight(*norm, hidden, who + ": the norms' weights");
 }
 
 // A linear's [outputs, inputs] as its GEMV reads them (int4 tiles: 16 rows a tile, 8 columns a word).
@@ -4011,23 +4008,14 @@ struct LayerCall {
   std::vector<LayerLinear> linears;
 };
 
-// Checks that the list arguments of decode_layers hold `n` layers' entries.
-void check_layer_lists(int64_t n, const c10::List<std::optional<at::Tensor>>& masks,
-                       const c10::List<std::optional<at::Tensor>>& cos, const c10::List<std::optional<at::Tensor>>& sin,
-                       at::TensorList norms, at::ArrayRef<double> eps,
-                       const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds,
-                       at::IntArrayRef groups, at::IntArrayRef heads, at::ArrayRef<double> scales) {
-  TORCH_CHECK(n >= 1, "decode_layers: no layers");
-  const int64_t got[] = {static_cast<int64_t>(masks.size()), static_cast<int64_t>(cos.size()),
-                         static_cast<int64_t>(sin.size()), static_cast<int64_t>(norms.size()),
-                         static_cast<int64_t>(eps.size()), static_cast<int64_t>(tensors.size()),
-                         static_cast<int64_t>(kinds.size()), static_cast<int64_t>(groups.size()),
-                         static_cast<int64_t>(heads.size()), static_cast<int64_t>(scales.size())};
-  const int64_t per_layer[] = {1, 1, 1, 2, 2, LAYER_LINEARS * TENSORS_PER_LINEAR, LAYER_LINEARS, LAYER_LINEARS, 2, 1};
-  const char* names[] = {"masks", "cos", "sin", "norms", "eps", "tensors", "kinds", "groups", "heads", "scales"};
-  for (int i = 0; i < 10; ++i)
-    TORCH_CHECK(got[i] == per_layer[i] * n, "decode_layers: ", n, " layers take ", per_layer[i] * n, " ", names[i],
-                " (", per_layer[i], " a layer), got ", got[i]);
+// Checks that lists of `n` layers' entries hold them: got[i] entries of names[i], per_layer[i] a layer.
+template <size_t LISTS>
+void check_list_sizes(int64_t n, const int64_t (&got)[LISTS], const int64_t (&per_layer)[LISTS],
+                      const char* const (&names)[LISTS], const char* op) {
+  TORCH_CHECK(n >= 1, op, ": no layers");
+  for (size_t i = 0; i < LISTS; ++i)
+    TORCH_CHECK(got[i] == per_layer[i] * n, op, ": ", n, " layers take ", per_layer[i] * n, " ", names[i], " (",
+                per_layer[i], " a layer), got ", got[i]);
 }
 
 // A layer's mask: bool [B or 1, 1, 1, kv_len], or none.
@@ -4133,10 +4121,10 @@ struct HeadCall {
 // The head from decode_layers' head arguments: none (an empty list) or the final norm's weight, then the lm_head's
 // weight, scales and bias (None where absent), checked against the hidden size.
 HeadCall head_call(const c10::List<std::optional<at::Tensor>>& head, double eps, int64_t kind, int64_t group,
-                   int64_t hidden) {
+                   int64_t hidden, const char* op) {
   HeadCall h;
   if (head.size() == 0) return h;
-  const std::string who = "decode_layers: the head";
+  const std::string who = std::string(op) + ": the head";
   TORCH_CHECK(head.size() == 1 + TENSORS_PER_LINEAR, who, " takes ", 1 + TENSORS_PER_LINEAR,
               " tensors (the final norm's weight, then the lm_head's weight, scales and bias), got ", head.size());
   const std::optional<at::Tensor> norm = head.get(0);
@@ -4176,9 +4164,16 @@ LayerStack layer_stack(at::IntArrayRef layers, at::TensorList norms, at::ArrayRe
                        int64_t head_group, int64_t hidden, int64_t head_dim, at::IntArrayRef mask_of,
                        at::IntArrayRef rope_of, const char* op) {
   const int64_t n = static_cast<int64_t>(layers.size());
-  TORCH_CHECK(static_cast<int64_t>(mask_of.size()) == n && static_cast<int64_t>(rope_of.size()) == n, op, ": ", n,
-              " layers take ", n, " mask and rotary indices, got ", mask_of.size(), " and ", rope_of.size());
-  TORCH_CHECK(head_dim > 0 && head_dim % 16 == 0 && head_dim <= MAX_HEAD_DIM, op, ": head_dim ", head_dim,
+  const int64_t got[] = {static_cast<int64_t>(norms.size()), static_cast<int64_t>(eps.size()),
+                         static_cast<int64_t>(tensors.size()), static_cast<int64_t>(kinds.size()),
+                         static_cast<int64_t>(groups.size()), static_cast<int64_t>(heads.size()),
+                         static_cast<int64_t>(scales.size()), static_cast<int64_t>(mask_of.size()),
+                         static_cast<int64_t>(rope_of.size())};
+  const int64_t per_layer[] = {2, 2, LAYER_LINEARS * TENSORS_PER_LINEAR, LAYER_LINEARS, LAYER_LINEARS, 2, 1, 1, 1};
+  const char* const names[] = {"norms", "eps", "tensors", "kinds", "groups", "heads", "scales", "mask indices",
+                               "rotary indices"};
+  check_list_sizes(n, got, per_layer, names, op);
+  TORCH_CHECK(head_dim > 0 && head_dim_fits(head_dim), op, ": head_dim ", head_dim,
               "; the layers take a head_dim a multiple of 16 up to ", MAX_HEAD_DIM);
   LayerStack stack;
   stack.layers.assign(layers.begin(), layers.end());
@@ -4206,7 +4201,7 @@ LayerStack layer_stack(at::IntArrayRef layers, at::TensorList norms, at::ArrayRe
     for (LayerLinear& linear : l.linears)
       if (linear.bias.defined()) linear.bias = linear.bias.to(at::kBFloat16).contiguous();
   }
-  stack.head = head_call(head, head_eps, head_kind, head_group, hidden);
+  stack.head = head_call(head, head_eps, head_kind, head_group, hidden, op);
   return stack;
 }
 
@@ -4239,8 +4234,7 @@ at::Tensor run_layer_stack(const LayerStack& stack, const at::Tensor& x, const a
     l.mask = masks.get(mask);
     l.cos = cos.get(rope);
     l.sin = sin.get(rope);
-    check_layer_inputs(x, l.keys, l.values, slots, kv_len, l.cos, l.sin, l.attn_norm, l.mlp_norm, l.n_heads,
-                       l.n_kv_heads, who);
+    check_layer_inputs(x, l.keys, l.values, slots, kv_len, l.cos, l.sin, l.n_kv_heads, who);
     check_layer_mask(l.mask, x.size(0), kv_len, who);
   }
   const HeadCall& final_head = stack.head;
@@ -4294,7 +4288,9 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::
                          double head_eps, int64_t head_kind, int64_t head_group) {
   check_isa("decode_layers");
   const int64_t n = static_cast<int64_t>(layers.size());
-  check_layer_lists(n, masks, cos, sin, norms, eps, tensors, kinds, groups, heads, scales);
+  const int64_t got[] = {static_cast<int64_t>(masks.size()), static_cast<int64_t>(cos.size()),
+                         static_cast<int64_t>(sin.size())};
+  check_list_sizes(n, got, {1, 1, 1}, {"masks", "cos", "sin"}, "decode_layers");
   TORCH_CHECK(keys.dim() == 5 && values.dim() == 5 && x.dim() == 3, "decode_layers: keys and values must be the whole "
               "cache [layers, B, kv_heads, L, head_dim] and x [B, 1, hidden], got ", keys.sizes(), ", ",
               values.sizes(), " and ", x.sizes());
@@ -4318,10 +4314,6 @@ int64_t register_layers(at::IntArrayRef layers, at::TensorList norms, at::ArrayR
                         const c10::List<std::optional<at::Tensor>>& head, double head_eps, int64_t head_kind,
                         int64_t head_group, int64_t hidden, int64_t head_dim, at::IntArrayRef mask_of,
                         at::IntArrayRef rope_of) {
-  const int64_t n = static_cast<int64_t>(layers.size());
-  const std::vector<std::optional<at::Tensor>> no_rows(n);
-  const c10::List<std::optional<at::Tensor>> none(no_rows);
-  check_layer_lists(n, none, none, none, norms, eps, tensors, kinds, groups, heads, scales);
   auto stack = std::make_shared<const LayerStack>(layer_stack(layers, norms, eps, tensors, kinds, groups, heads,
                                                               scales, head, head_eps, head_kind, head_group, hidden,
                                                               head_dim, mask_of, rope_of, "register_layers"));

@@ -41,24 +41,26 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
     walk from memory.
     """
     numel = math.prod(shape)
-    nbytes = numel * dtype.itemsize
-    if not huge_pages_supported() or nbytes < HUGE_PAGE:
+    if not huge_pages_supported() or numel * dtype.itemsize < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
+    return _huge_page_arena(numel, dtype).zero_().view(shape)  # zeroing it faults in huge pages
+
+
+def _huge_page_arena(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``numel`` elements of fresh memory starting on a 2 MiB boundary, advised onto huge pages before anything
+    touches them (so the first writes fault in huge pages)."""
     buffer = torch.empty(numel + HUGE_PAGE // dtype.itemsize, dtype=dtype)
     start = (-buffer.data_ptr() % HUGE_PAGE) // dtype.itemsize
-    tensor = buffer[start:start + numel]
-    advise_huge_pages(tensor, collapse=False)  # before the first touch: zeroing it faults in huge pages
-    return tensor.zero_().view(shape)
+    arena = buffer[start:start + numel]
+    advise_huge_pages(arena, collapse=False)
+    return arena
 
 
 def _gather(tensors: list[torch.Tensor]) -> int:
     dtype = tensors[0].dtype
     step = ALIGN_BYTES // dtype.itemsize
     sizes = [-(-t.numel() // step) * step for t in tensors]  # each tensor starts 64-byte aligned
-    buffer = torch.empty(sum(sizes) + HUGE_PAGE // dtype.itemsize, dtype=dtype)
-    start = (-buffer.data_ptr() % HUGE_PAGE) // dtype.itemsize
-    arena = buffer[start:start + sum(sizes)]
-    advise_huge_pages(arena, collapse=False)  # before the first touch: the copies below fault in huge pages
+    arena = _huge_page_arena(sum(sizes), dtype)
     offset = 0
     for tensor, size in zip(tensors, sizes):
         view = arena[offset:offset + tensor.numel()].view(tensor.shape)
