@@ -99,7 +99,8 @@ def round16(x: torch.Tensor) -> torch.Tensor:
 
 @needs_native
 @pytest.mark.parametrize("rows", (1, 2, 3, 8, 11, 17))  # chunks of two rows, passes of eight
-@pytest.mark.parametrize("n, k", [(64, 256), (37, 96), (5, 32), (130, 576), (70, 2080)])  # K: whole and part blocks
+# K: whole and part blocks; N: groups of four weight rows, and tails of 1, 2 and 3
+@pytest.mark.parametrize("n, k", [(64, 256), (37, 96), (5, 32), (130, 576), (70, 2080), (67, 160)])
 def test_int8_dot16_gemv_rounds_x_to_int16_per_block_and_sums_exactly(isa, rows, n, k):
     """int8 weight-only's decode op without VNNI: x rounded as ``qmath.round_activations`` does with int16's levels
     per block of 256 (the last block what is left of K), then the int8 product. Each block's integer sums are exact,

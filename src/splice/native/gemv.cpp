@@ -2487,11 +2487,13 @@ at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
 // (and its widening, shared by the rows of x): a batch bound by arithmetic gains little over bf16. Here x is rounded
 // to int16 per row and block of DOT16_BLOCK columns (d = amax / 32767, round to nearest even), and a step of 16
 // weights is sign-extended to int16 once for two rows of x: per 32 columns, weight row and row of x, two vpmaddwd and
-// two adds into int32 sums, converted and scaled once per block. Its step is finer than int8's per block of 32
+// two adds into int32 sums, converted and scaled once per block. Four weight rows go together, so each load of x
+// feeds four vpmaddwd: the loads, not the arithmetic, bound the kernel in the cache. Its step is finer than int8's per block of 32
 // wherever a block of 32 holds more than 1/258 of its block of 256's amax. A block's sums stay below
 // 16 steps * 2 * 128 * 32767 < 2^28.
 constexpr int64_t DOT16_X_ROWS = 8;  // rows of x per pass over a block of weight rows
-constexpr int DOT16_CHUNK_ROWS = 2;  // rows of x whose sums share the registers with two weight rows' widened step
+constexpr int DOT16_CHUNK_ROWS = 2;  // rows of x whose sums share the registers with a group's widened step
+constexpr int DOT16_GROUP_ROWS = 4;  // weight rows widened once a step for a chunk: each x load feeds four vpmaddwd
 
 struct Dot16Rows {
   at::Tensor q;           // [m, k] int16 (ATen's CPU buffers start on a cache line: no load of a step splits one)
@@ -2536,14 +2538,15 @@ inline void dot16_chunk(const int16_t* x, int64_t k, const int8_t* const row_at[
                         __m256i acc[C][R]) {
   UNROLLED for (int m = 0; m < C; ++m)
     UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_si256();
-  for (int64_t c = 0; c < columns; c += 32) {
-    UNROLLED for (int h = 0; h < 32; h += 16) {
-      __m256i wv[R];
-      UNROLLED for (int r = 0; r < R; ++r) wv[r] = widen16(row_at[r] + c + h);
-      UNROLLED for (int m = 0; m < C; ++m) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * k + c + h));
-        UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(wv[r], xv));
-      }
+  // One step of 16 columns a pass: C * R sums, R widened weights and a row of x fill 13 of the 16 registers; GCC
+  // unrolling the loop interleaves two steps and moves sums to the stack, which costs more than the loop.
+#pragma GCC unroll 1
+  for (int64_t c = 0; c < columns; c += 16) {
+    __m256i wv[R];
+    UNROLLED for (int r = 0; r < R; ++r) wv[r] = widen16(row_at[r] + c);
+    UNROLLED for (int m = 0; m < C; ++m) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * k + c));
+      UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(wv[r], xv));
     }
   }
 }
@@ -2558,7 +2561,7 @@ inline void for_pieces(F&& f) {
 }
 
 // R weight rows against M rows of x (a.q from row m0): sums[m][r] in float32. APART as rows_dot's. Each block of
-// columns is taken by every row of x, in chunks of DOT16_CHUNK_ROWS rows against two weight rows at a time, before
+// columns is taken by every row of x, in chunks of DOT16_CHUNK_ROWS rows against DOT16_GROUP_ROWS weight rows, before
 // the next block, so the block's weights and x stay in L1.
 template <int M, int R, bool APART>
 void dot16_rows(const Dot16Rows& a, int64_t m0, const int8_t* const row_at[R], int64_t k, float sums[M][R]) {
@@ -2576,7 +2579,7 @@ void dot16_rows(const Dot16Rows& a, int64_t m0, const int8_t* const row_at[R], i
         prefetch_step<R, 32>(row_at, k, c, M);
       }
     }
-    for_pieces<R, 2>([&](auto r0_c, auto g_c) {
+    for_pieces<R, DOT16_GROUP_ROWS>([&](auto r0_c, auto g_c) {
       constexpr int R0 = decltype(r0_c)::value, G = decltype(g_c)::value;
       const int8_t* group_at[G];
       UNROLLED for (int g = 0; g < G; ++g) group_at[g] = row_at[R0 + g] + c0;
