@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -41,6 +42,7 @@ def test_bench_runs_every_mode_and_writes_json(tiny_bench, tmp_path, capsys):
         assert row["prefill_ms"] > 0 and row["decode_tok_s"] > 0 and row["peak_rss_mb"] > 0
         assert row["roofline_tok_s"] == pytest.approx(row["batch"] * 10e9 / row["step_bytes"])
         assert row["bandwidth_share"] == pytest.approx(row["decode_tok_s"] / row["roofline_tok_s"])
+        assert row["around_gbs"] == 10.0 and row["bandwidth_share_around"] == pytest.approx(row["bandwidth_share"])
     assert rows[0]["speedup"] == 1.0
     assert report["machine"]["read_bandwidth_gbs"] == 10.0
     printed = capsys.readouterr().out
@@ -52,22 +54,27 @@ def test_bench_runs_every_mode_and_writes_json(tiny_bench, tmp_path, capsys):
 @pytest.mark.parametrize("fastest_at", [0, 1, 2])
 def test_rooflines_come_from_the_fastest_probe_before_between_or_after_the_rows(tiny_bench, tmp_path, monkeypatch,
                                                                                   fastest_at):
-    """The bandwidth moves during a run on a shared machine: the probe is read before the rows, before each
-    configuration and its quantized rows, and after them; the fastest reading divides every row (a slow reading would
-    credit each row with more than its share)."""
+    """The bandwidth moves during a run on a shared machine: the probe is read before the rows and after each row;
+    the fastest reading divides every row's roofline (a slow reading would credit each row with more than its share),
+    and "% around" divides by the faster of the two readings right before and after the row."""
     readings = [10.0, 12.0, 9.0]
     readings[fastest_at] = 25.0
     calls = iter(readings)
     monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda: next(calls))
     out = tmp_path / "bench.json"
     args = parse("--model", "tiny", "--prompt", "8", "--new", "4", "--repeat", "1", "--modes", "inject",
-                 "--batch", "1,2", "--json", str(out))  # two configurations: before, between, after
+                 "--batch", "1,2", "--json", str(out))  # two rows: before, between, after
     assert args.run(args) == 0
     assert next(calls, None) is None  # every reading was taken
     report = json.loads(out.read_text())
     assert report["machine"]["read_bandwidth_gbs"] == 25.0
-    for row in report["results"]:
+    assert report["machine"]["bandwidth_readings_gbs"] == readings
+    for i, row in enumerate(report["results"]):
         assert row["roofline_tok_s"] == pytest.approx(row["batch"] * 25e9 / row["step_bytes"])
+        around = max(readings[i], readings[i + 1])
+        assert row["around_gbs"] == around
+        bytes_per_s = row["decode_tok_s"] / row["batch"] * row["step_bytes"]
+        assert row["bandwidth_share_around"] == pytest.approx(bytes_per_s / (around * 1e9))
     rows = [bench.Row("m", "bf16", 1, "inject", 1.0, 5.0, 200.0, 1.0, 1.0, 10.0)]
     assert bench.against_the_fastest_probe(rows, [20.0, 10.0]) == (rows, 20.0)  # slower later readings: no change
 
@@ -236,6 +243,18 @@ def test_table_puts_quantized_rows_beside_the_float_row_of_their_mode():
     assert cells["inject+int4+compile"] == ["-", "2.60x"]  # against inject+compile, not inject
     assert cells["inject+int8"] == ["1.60x", "1.60x"]
     assert cells["inject+compile"] == ["-", "-"]
+
+
+def test_table_shows_each_rows_share_of_the_bandwidth_read_around_it():
+    """10 tok/s at batch 2 is 5 steps/s; 2 GB a step is 10 GB/s, 40 % of 25 GB/s (and "% of bw" 20 % of the 50 tok/s
+    roofline); a row timed without the probe around it shows "-"."""
+    row = bench.Row("m", "bf16", 2, "inject", 10.0, 10.0, 200.0, 100.0, 1.0, 50.0, step_bytes=2 * 10**9,
+                    around_gbs=25.0)
+    assert row.bandwidth_share_around == pytest.approx(0.4)
+    lines = bench.format_table([row, replace(row, mode="plain", around_gbs=float("nan"))]).splitlines()
+    header = lines[0].split("  ")
+    assert any("% around" in cell for cell in header)
+    assert lines[2].split()[-3:-1] == ["20%", "40%"] and lines[3].split()[-3:-1] == ["20%", "-"]
 
 
 def test_isa_times_every_injected_row_at_each_level(tiny_bench, tmp_path, monkeypatch):

@@ -3,11 +3,12 @@
 For each configuration (dtype x batch) the model is loaded once; each mode generates ``--new`` tokens from the same
 random ``--prompt``-token prompt. Reported: prefill ms, decode tokens/s (after the first new token), ms/token, peak RSS
 during the run, speedup over HF eager, and a roofline: the machine's read bandwidth (the fastest of the probes read
-before the rows, before each configuration and its quantized rows, and after the rows, each streaming 1 GiB on 2 MiB
-pages on every thread in a few read patterns) divided by the bytes a decode step reads (weights as stored, quantized
-or not, the lm_head included; and the KV cache slots attention reads), and each row's share of it. The report keeps
-every probe reading, and the table's head names the slowest beside the fastest (and says when they are far apart:
-the host's load moved during the run).
+before the rows and after each row, each streaming 1 GiB on 2 MiB pages on every thread in a few read patterns)
+divided by the bytes a decode step reads (weights as stored, quantized or not, the lm_head included; and the KV cache
+slots attention reads), and each row's share of it ("% of bw"); "% around" is the row's share of the faster of the
+two readings right before and after it, the bandwidth its phase of the host gave. The report keeps every probe
+reading, and the table's head names the slowest beside the fastest (and says when they are far apart: the host's load
+moved during the run, and "% of bw" understates the rows that ran in its slow stretches).
 """
 from __future__ import annotations
 
@@ -53,11 +54,33 @@ class Row:
     first_run_s: float = float("nan")  # inject+compile: the first generate call, compiling included
     step_bytes: int = 0  # bytes one decode step reads (weights, KV cache)
     prompt: int = 0  # prompt tokens (the context the decode steps start from)
+    around_gbs: float = float("nan")  # the faster of the probe readings right before and after the row
 
     @property
     def bandwidth_share(self) -> float:
         """Decode speed as a share of the roofline: the step's bytes over its time, against the read bandwidth."""
         return self.decode_tok_s / self.roofline_tok_s if self.roofline_tok_s else math.nan
+
+    @property
+    def bandwidth_share_around(self) -> float:
+        """The step's bytes over its time against ``around_gbs``: the share of what the host gave while it ran."""
+        return self.decode_tok_s / self.batch * self.step_bytes / (self.around_gbs * 1e9)
+
+
+class BandwidthProbe:
+    """The read bandwidth probe's readings in a run, in order (``read`` takes one more)."""
+
+    def __init__(self) -> None:
+        self.readings: list[float] = []
+
+    def read(self) -> float:
+        self.readings.append(read_bandwidth_gbs())
+        return self.readings[-1]
+
+    def around(self) -> float:
+        """After a row: a reading, and the faster of it and the one before the row."""
+        before = self.readings[-1]
+        return max(before, self.read())
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -75,7 +98,8 @@ def run_bench(args: argparse.Namespace) -> int:
     native.available()  # build (once per machine) and load the native kernels before anything is timed
     if args.threads:
         torch.set_num_threads(args.threads)
-    readings = [read_bandwidth_gbs()]  # the probe, read again before each configuration and after the last
+    probe = BandwidthProbe()
+    probe.read()  # and after each row
     rows: list[Row] = []
     args.profiles = []  # bench_configuration and bench_quantized add one per kernel-injected run with --profile
     with _kernel_names(args.profile and args.compile):
@@ -83,21 +107,18 @@ def run_bench(args: argparse.Namespace) -> int:
             at_context = argparse.Namespace(**{**vars(args), "prompt": context})
             for dtype in split_commas(args.dtype):
                 for batch in args.batch:
-                    if rows:
-                        readings.append(read_bandwidth_gbs())
-                    plain_rows = bench_configuration(at_context, dtype, batch, modes, readings[0])
+                    plain_rows = bench_configuration(at_context, dtype, batch, modes, probe)
                     hf_speed = next((r.decode_tok_s for r in plain_rows if r.mode == "hf"), float("nan"))
-                    if schemes:
-                        readings.append(read_bandwidth_gbs())
-                    rows += plain_rows + bench_quantized(at_context, dtype, batch, schemes, readings[0], hf_speed)
-    readings.append(read_bandwidth_gbs())
+                    rows += plain_rows + bench_quantized(at_context, dtype, batch, schemes, probe, hf_speed)
+    readings = probe.readings
     rows, _ = against_the_fastest_probe(rows, readings)
     machine = machine_info(readings)  # the same fastest reading, and every other
     print(describe_machine(machine))
     print(format_table(rows))
     settings = {"prompt": args.context or args.prompt, "new": args.new, "compile": args.compile}
     report = {"machine": machine, "settings": settings,
-              "results": [{**asdict(r), "bandwidth_share": r.bandwidth_share} for r in rows]}
+              "results": [{**asdict(r), "bandwidth_share": r.bandwidth_share,
+                           "bandwidth_share_around": r.bandwidth_share_around} for r in rows]}
     if args.profile:
         print(format_profiles(args.profiles))
         report["profiles"] = args.profiles
@@ -122,10 +143,12 @@ def against_the_fastest_probe(rows: list[Row], readings: list[float]) -> tuple[l
     return [replace(r, roofline_tok_s=r.roofline_tok_s * fastest / readings[0]) for r in rows], fastest
 
 
-def bench_configuration(args, dtype: str, batch: int, modes: list[str], bandwidth: float) -> list[Row]:
-    """Load once; run each mode on the same prompt (injection last: it changes the model in place)."""
+def bench_configuration(args, dtype: str, batch: int, modes: list[str], probe: BandwidthProbe) -> list[Row]:
+    """Load once; run each mode on the same prompt (injection last: it changes the model in place). The rooflines
+    from the probe's first reading (against_the_fastest_probe rescales them), each row's probe read after it."""
     import splice
 
+    bandwidth = probe.readings[0]
     model = load_model(args.model, dtype)
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, model.config.vocab_size, (batch, args.prompt), generator=generator)
@@ -153,7 +176,7 @@ def bench_configuration(args, dtype: str, batch: int, modes: list[str], bandwidt
                 step = weights + kv_bytes_per_step(model, batch, attended_slots(args, run))
                 rows.append(Row(args.model, dtype, batch, name, prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
                                 tok_s / hf_speed if hf_speed else float("nan"), batch * bandwidth * 1e9 / step,
-                                first_s, step, args.prompt))
+                                first_s, step, args.prompt, probe.around()))
             if run.startswith("inject") and args.profile:
                 args.profiles.append(profile_run(engine, prompt, args, (args.model, dtype, batch, run)))
     del model
@@ -162,12 +185,13 @@ def bench_configuration(args, dtype: str, batch: int, modes: list[str], bandwidt
     return rows
 
 
-def bench_quantized(args, dtype: str, batch: int, schemes: list[str], bandwidth: float, hf_speed: float
+def bench_quantized(args, dtype: str, batch: int, schemes: list[str], probe: BandwidthProbe, hf_speed: float
                     ) -> list[Row]:
     """One kernel-injected, quantized row per scheme (and one compiled, with ``--compile``); speedup is against the HF
-    eager row of the same dtype/batch."""
+    eager row of the same dtype/batch. The probe as bench_configuration's."""
     import splice
 
+    bandwidth = probe.readings[0]
     rows = []
     for scheme in schemes:
         model = load_model(args.model, dtype)
@@ -186,7 +210,8 @@ def bench_quantized(args, dtype: str, batch: int, schemes: list[str], bandwidth:
                     prefill_ms, tok_s, peak = time_generate(engine.generate, prompt, args.new, args.repeat)
                 step = weights + kv_bytes_per_step(engine.module, batch, attended_slots(args, run))
                 rows.append(Row(args.model, dtype, batch, name, prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
-                                tok_s / hf_speed, batch * bandwidth * 1e9 / step, first_s, step, args.prompt))
+                                tok_s / hf_speed, batch * bandwidth * 1e9 / step, first_s, step, args.prompt,
+                                probe.around()))
             if args.profile:
                 args.profiles.append(profile_run(engine, prompt, args, (args.model, dtype, batch, run)))
         del engine, model
@@ -443,7 +468,7 @@ def format_table(rows: list[Row]) -> str:
     header = (f"{'model':<24} {'dtype':<5} {'batch':>5} {'prompt':>6} {'mode':<{width}} {'prefill ms':>10} "
               f"{'decode tok/s':>12} "
               f"{'ms/token':>9} {'peak RSS MB':>11} {'speedup':>8} {'vs float':>8} {'roofline tok/s':>14} "
-              f"{'% of bw':>7} {'first run s':>11}")
+              f"{'% of bw':>7} {'% around':>8} {'first run s':>11}")
     float_speed = {(r.model, r.dtype, r.batch, r.prompt, r.mode): r.decode_tok_s for r in rows}
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -453,7 +478,8 @@ def format_table(rows: list[Row]) -> str:
                      f"{r.prefill_ms:>10.1f} {r.decode_tok_s:>12.2f} {r.ms_per_token:>9.1f} "
                      f"{r.peak_rss_mb:>11.0f} "
                      f"{_ratio(r.speedup):>8} {_ratio(vs_float):>8} {r.roofline_tok_s:>14.2f} "
-                     f"{100 * r.bandwidth_share:>6.0f}% {_number(r.first_run_s):>11}")
+                     f"{100 * r.bandwidth_share:>6.0f}% {_percent(r.bandwidth_share_around):>8} "
+                     f"{_number(r.first_run_s):>11}")
     return "\n".join(lines)
 
 
@@ -468,6 +494,10 @@ def _ratio(value: float) -> str:
 
 def _number(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.1f}"
+
+
+def _percent(share: float) -> str:
+    return "-" if math.isnan(share) else f"{100 * share:.0f}%"
 
 
 def check_outputs(args: argparse.Namespace) -> None:
@@ -562,8 +592,9 @@ def describe_machine(info: dict) -> str:
             f"{info['read_bandwidth_gbs']:.1f} GB/s ({info['bandwidth_probe']}, {info['bandwidth_probe_pages']} pages"
             f"{spread})")
     if min(readings) < MOVED_BANDWIDTH * max(readings):
-        line += ("\nthe host's read bandwidth moved during the run: the % of bw column is against its fastest reading; "
-                 "compare rows by ratios taken in one run")
+        line += ("\nthe host's read bandwidth moved during the run: the % of bw column is against its fastest reading, "
+                 "% around against the readings right before and after each row; compare rows by ratios taken in one "
+                 "run")
     return line
 
 
