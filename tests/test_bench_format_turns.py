@@ -20,10 +20,15 @@ def test_every_engine_takes_every_round_in_turns(monkeypatch):
     monkeypatch.setattr(bench, "load_model", lambda name, dtype: build_family("llama", dtype=torch.bfloat16))
     engines = {fmt: bench.engine_for("tiny", fmt, 16) for fmt in ("bf16", "int8")}
     order = []
+
+    def noting(name: str, generate):
+        def noted(*args, **kwargs):
+            order.append(name)
+            return generate(*args, **kwargs)
+        return noted
+
     for name, engine in engines.items():
-        generate = engine.generate
-        monkeypatch.setattr(engine, "generate", lambda *a, _name=name, _run=generate, **k: (order.append(_name),
-                                                                                                _run(*a, **k))[1])
+        monkeypatch.setattr(engine, "generate", noting(name, engine.generate))
     prompt = torch.randint(0, 100, (2, 5))
     times = bench.turns(engines, prompt, new=4, rounds=3)
     assert order == ["bf16", "int8"] + ["bf16", "int8", "int8", "bf16", "bf16", "int8"]  # warm-up, then in turns
