@@ -9,6 +9,9 @@ import torch
 from . import HUGE_PAGE, advise_huge_pages, huge_pages_supported, page_out
 
 ALIGN_BYTES = 64
+#: The size from which a tensor is gathered with the weights it is streamed beside; below it (norms, biases, scales
+#: of small layers) a decode step reads it in a few lines between the streams.
+SMALL_TENSOR_BYTES = 1 << 16
 
 
 def gather_on_huge_pages(tensors: list[torch.Tensor]) -> int:

@@ -16,7 +16,7 @@ from torch import nn
 from .. import native
 from ..kernel_choice import KernelChoice, quant_kernel
 from ..layers.conv1d import is_conv1d, linear_weight
-from ..native.memory import gather_on_huge_pages
+from ..native.memory import SMALL_TENSOR_BYTES, gather_on_huge_pages
 from . import gptq
 from .layers import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantizedLinear
 from .scheme import QKV_NAMES, QuantConfig
@@ -98,7 +98,8 @@ def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str |
             model.set_submodule(name, module)
         raise
     report.huge_page_bytes = gather_on_huge_pages(
-        [b for m in model.modules() if isinstance(m, QuantizedLinear) for b in m.buffers() if b.nbytes >= 1 << 16])
+        [b for m in model.modules() if isinstance(m, QuantizedLinear) for b in m.buffers()
+         if b.nbytes >= SMALL_TENSOR_BYTES])
     return report
 
 

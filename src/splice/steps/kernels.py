@@ -22,13 +22,12 @@ from ..layers.native_layer import unfit_reason
 from ..layers.native_linear import NativeLinear
 from ..layers.packed_linear import PackedLinear
 from ..layers.widened_linear import WidenedLinear
-from ..native.memory import gather_on_huge_pages
+from ..native.memory import SMALL_TENSOR_BYTES, gather_on_huge_pages
 from ..plan import Plan
 from ..quant import QuantizedLinear
 from ..tp.layers import RowParallelLinear, VocabParallelLinear
 from . import Stage, StepReport
 
-SMALL_TENSOR_BYTES = 1 << 16  # the size below which the quantize step leaves a tensor where it is
 WRAPPERS = {"native": NativeLinear, "packed": PackedLinear, "widened": WidenedLinear}
 #: The wrappers that keep the plain weight (so a tied lm_head can share the embedding table through them).
 PLAIN_WEIGHT_WRAPPERS = (NativeLinear, WidenedLinear)
