@@ -2488,8 +2488,8 @@ at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
 // to int16 per row and block of DOT16_BLOCK columns (d = amax / 32767, round to nearest even), and a step of 16
 // weights is sign-extended to int16 once for two rows of x: per 32 columns, weight row and row of x, two vpmaddwd and
 // two adds into int32 sums, converted and scaled once per block. Four weight rows go together, so each load of x
-// feeds four vpmaddwd: the loads, not the arithmetic, bound the kernel in the cache. Its step is finer than int8's per block of 32
-// wherever a block of 32 holds more than 1/258 of its block of 256's amax. A block's sums stay below
+// feeds four vpmaddwd: the loads, not the arithmetic, bound the kernel in the cache. Its step is finer than int8's
+// per block of 32 wherever a block of 32 holds more than 1/258 of its block of 256's amax. A block's sums stay below
 // 16 steps * 2 * 128 * 32767 < 2^28.
 constexpr int64_t DOT16_X_ROWS = 8;  // rows of x per pass over a block of weight rows
 constexpr int DOT16_CHUNK_ROWS = 2;  // rows of x whose sums share the registers with a group's widened step
@@ -4001,14 +4001,19 @@ void rotate_and_store(at::Tensor& qkv, const std::optional<at::Tensor>& cos, con
   }
 }
 
-// One layer of a decode_layers call, unpacked from its lists.
+// One layer of a decode_layers call, unpacked from its lists: what stays the same from step to step (LayerStack).
 struct LayerCall {
-  at::Tensor keys, values;  // the layer's cache [B, kv_heads, L, head_dim]
-  std::optional<at::Tensor> mask, cos, sin;
   at::Tensor attn_norm, mlp_norm;
   double attn_eps = 0, mlp_eps = 0, scale = 0;
   int64_t n_heads = 0, n_kv_heads = 0;
   std::vector<LayerLinear> linears;
+};
+
+// A layer's inputs that change from step to step: its cache layer's keys and values [B, kv_heads, L, head_dim], its
+// mask and rotary rows.
+struct LayerInputs {
+  at::Tensor keys, values;
+  std::optional<at::Tensor> mask, cos, sin;
 };
 
 // Checks that lists of `n` layers' entries hold them: got[i] entries of names[i], per_layer[i] a layer.
@@ -4038,15 +4043,14 @@ struct LayerBuffers {
   std::vector<float> partial;  // attention's partial sums
   int64_t parts = 0;
 
-  bool fits(const LayerCall& l, int64_t ffn) const {
-    const int64_t dim = l.keys.size(3);
+  bool fits(const LayerCall& l, int64_t ffn, int64_t dim) const {
     return qkv.size(1) == (l.n_heads + 2 * l.n_kv_heads) * dim && attended.size(1) == l.n_heads * dim &&
            act.size(1) == ffn;
   }
 };
 
-LayerBuffers layer_buffers(const at::Tensor& x, const LayerCall& l, int64_t ffn, int64_t kv_len) {
-  const int64_t batch = x.size(0), hidden = x.size(2), dim = l.keys.size(3);
+LayerBuffers layer_buffers(const at::Tensor& x, const LayerCall& l, int64_t ffn, int64_t dim, int64_t kv_len) {
+  const int64_t batch = x.size(0), hidden = x.size(2);
   const at::TensorOptions options = x.options();
   LayerBuffers b;
   b.normed = at::empty({batch, hidden}, options);
@@ -4079,23 +4083,23 @@ void silu_mul_rows(const at::Tensor& gate_up, int64_t ffn, const at::Tensor& act
 }
 
 // The layer's step for rows x [B, 1, hidden] (checked: decode_layers) into out (the same shape; not x), with its
-// buffers b: its keys and values written at slots. In a team every thread calls it; the leader runs the small ops
-// between the kernels, and out is complete (on the leader) when it returns.
-void layer_step(const at::Tensor& x, const LayerCall& l, const at::Tensor& slots, int64_t kv_len, LayerBuffers& b,
-                const at::Tensor& out) {
+// inputs `in` and buffers b: its keys and values written at slots. In a team every thread calls it; the leader runs
+// the small ops between the kernels, and out is complete (on the leader) when it returns.
+void layer_step(const at::Tensor& x, const LayerCall& l, const LayerInputs& in, const at::Tensor& slots,
+                int64_t kv_len, LayerBuffers& b, const at::Tensor& out) {
   const std::vector<LayerLinear>& linears = l.linears;
-  const int64_t batch = x.size(0), hidden = x.size(2), dim = l.keys.size(3), ffn = linear_shape(linears[3]).second;
+  const int64_t batch = x.size(0), hidden = x.size(2), dim = in.keys.size(3), ffn = linear_shape(linears[3]).second;
   at::BFloat16* normed = b.normed.data_ptr<at::BFloat16>();
   at::BFloat16* outp = out.data_ptr<at::BFloat16>();
   if (leads_team()) rms_norm_rows(x.data_ptr<at::BFloat16>(), batch, hidden, l.attn_norm, l.attn_eps, normed);
   team_barrier();
   layer_gemv_into(linears[0], b.normed, b.qkv);
-  if (leads_team()) rotate_and_store(b.qkv, l.cos, l.sin, l.keys, l.values, slots, l.n_heads, l.n_kv_heads);
+  if (leads_team()) rotate_and_store(b.qkv, in.cos, in.sin, in.keys, in.values, slots, l.n_heads, l.n_kv_heads);
   team_barrier();
   // the queries are the first n_heads heads of each qkv row
-  const AttentionInputs<at::BFloat16> in = attention_inputs<at::BFloat16>(
-      b.qkv.data_ptr<at::BFloat16>(), b.qkv.size(1), dim, l.n_heads, l.keys, l.values, kv_len, l.mask, l.scale);
-  attend_into(in, b.parts, b.partial.data(), b.attended.data_ptr<at::BFloat16>());
+  const AttentionInputs<at::BFloat16> attention = attention_inputs<at::BFloat16>(
+      b.qkv.data_ptr<at::BFloat16>(), b.qkv.size(1), dim, l.n_heads, in.keys, in.values, kv_len, in.mask, l.scale);
+  attend_into(attention, b.parts, b.partial.data(), b.attended.data_ptr<at::BFloat16>());
   team_barrier();
   layer_gemv_into(linears[1], b.attended, b.o);
   if (leads_team()) {
@@ -4146,7 +4150,7 @@ HeadCall head_call(const c10::List<std::optional<at::Tensor>>& head, double eps,
 }
 
 // The parts of a run of consecutive decoder layers that stay the same from step to step: each layer's cache layer,
-// norms, linears, heads and scale (a LayerCall without its step's cache slices, mask and rotary rows), which of a
+// norms, linears, heads and scale (a LayerCall; its step's LayerInputs come with each call), which of a
 // step's masks and rotary tables it takes, and the head (HeadCall). decode_layers makes one from its lists every call;
 // register_layers keeps one for decode_registered, so a step passes only what changes (a model's hundreds of weights
 // cost more to hand over from Python each step than a small model's layers take to run).
@@ -4222,7 +4226,8 @@ at::Tensor run_layer_stack(const LayerStack& stack, const at::Tensor& x, const a
               keys.sizes());
   TORCH_CHECK(cos.size() == sin.size(), op, ": ", cos.size(), " cos tables and ", sin.size(), " sin tables");
   const int64_t n = static_cast<int64_t>(stack.calls.size());
-  std::vector<LayerCall> calls = stack.calls;
+  const std::vector<LayerCall>& calls = stack.calls;
+  std::vector<LayerInputs> inputs(n);
   for (int64_t i = 0; i < n; ++i) {
     const std::string who = std::string(op) + ": layer " + std::to_string(i);
     const int64_t layer = stack.layers[i], mask = stack.mask_of[i], rope = stack.rope_of[i];
@@ -4231,14 +4236,14 @@ at::Tensor run_layer_stack(const LayerStack& stack, const at::Tensor& x, const a
                     rope < static_cast<int64_t>(cos.size()),
                 who, ": mask ", mask, " and rotary table ", rope, " of ", masks.size(), " masks and ", cos.size(),
                 " tables");
-    LayerCall& l = calls[i];
-    l.keys = keys.select(0, layer);
-    l.values = values.select(0, layer);
-    l.mask = masks.get(mask);
-    l.cos = cos.get(rope);
-    l.sin = sin.get(rope);
-    check_layer_inputs(x, l.keys, l.values, slots, kv_len, l.cos, l.sin, l.n_kv_heads, who);
-    check_layer_mask(l.mask, x.size(0), kv_len, who);
+    LayerInputs& in = inputs[i];
+    in.keys = keys.select(0, layer);
+    in.values = values.select(0, layer);
+    in.mask = masks.get(mask);
+    in.cos = cos.get(rope);
+    in.sin = sin.get(rope);
+    check_layer_inputs(x, in.keys, in.values, slots, kv_len, in.cos, in.sin, calls[i].n_kv_heads, who);
+    check_layer_mask(in.mask, x.size(0), kv_len, who);
   }
   const HeadCall& final_head = stack.head;
   // every buffer made before the layers run: the hidden states go back and forth between two, the last layer's into
@@ -4249,8 +4254,8 @@ at::Tensor run_layer_stack(const LayerStack& stack, const at::Tensor& x, const a
   std::vector<int64_t> buffers_of(n);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t ffn = linear_shape(calls[i].linears[3]).second;
-    if (buffers.empty() || !buffers.back().fits(calls[i], ffn))
-      buffers.push_back(layer_buffers(x, calls[i], ffn, kv_len));
+    if (buffers.empty() || !buffers.back().fits(calls[i], ffn, stack.head_dim))
+      buffers.push_back(layer_buffers(x, calls[i], ffn, stack.head_dim, kv_len));
     buffers_of[i] = static_cast<int64_t>(buffers.size()) - 1;
   }
   const int64_t batch = x.size(0), hidden = x.size(2);
@@ -4261,7 +4266,7 @@ at::Tensor run_layer_stack(const LayerStack& stack, const at::Tensor& x, const a
     const at::Tensor* h = &x;
     for (int64_t i = 0; i < n; ++i) {
       const at::Tensor* next = i == n - 1 ? &out : &between[i % 2];
-      layer_step(*h, calls[i], slots, kv_len, buffers[buffers_of[i]], *next);
+      layer_step(*h, calls[i], inputs[i], slots, kv_len, buffers[buffers_of[i]], *next);
       h = next;
     }
     if (!final_head.given()) return;
