@@ -395,10 +395,9 @@ ANSWER = "splice-pair "
 
 def splice_worker(args: argparse.Namespace) -> None:
     """The pairs' splice side: every format's kernel-injected engine, decode step compiled (eager with ``--eager``) and
-    warmed up once; then
-    one request per line of stdin: a format name, answered with one timed decode (a ``generate`` of ``--new`` tokens
-    after ``--prompt``; tokens/s over the steps after the first) and the bytes a step reads, or ``probe``, answered
-    with one reading of ``splice bench``'s bandwidth probe (on half a GiB)."""
+    warmed up once; then one request per line of stdin: a format name, answered with one timed decode (a ``generate``
+    of ``--new`` tokens after ``--prompt``; tokens/s over the steps after the first) and the bytes a step reads, or
+    ``probe``, answered with one reading of ``splice bench``'s bandwidth probe (on half a GiB)."""
     import torch
 
     import splice
