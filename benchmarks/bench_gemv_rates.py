@@ -2,8 +2,9 @@
 instructions a kernel issues bound it; and from memory, each kernel's read speed over the bandwidth probe's, the two
 taking turns so each round's ratio sees one state of the host, where the reads should bound it. The int8 kernel is
 the one int8 weight-only layers call at that level (int16 activations at the avx2 level without AVX-VNNI, else int8
-ones); int4 is asymmetric (a scale and zero per group), int4-sym symmetric (the scale alone), groups of 32. Run it
-before and after a kernel change::
+ones); int8-tiles the same weight in the tiles int8 layers keep where ``native.int8_tiles_ready`` (the avx512 level
+with VNNI; elsewhere the kernels read them back to rows every call); int4 is asymmetric (a scale and zero per group),
+int4-sym symmetric (the scale alone), groups of 32. Run it before and after a kernel change::
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_gemv_rates.py
     PYTHONPATH=src .venv/bin/python benchmarks/bench_gemv_rates.py --level avx2 --memory-layers 0
@@ -24,7 +25,7 @@ from splice.native.memory import gather_on_huge_pages
 from bench_quant import FUSED
 from bench_read_sizes import best_gbs  # the probe's read patterns, the fastest taken
 
-KINDS = ("bf16", "int8", "int4", "int4-sym")
+KINDS = ("bf16", "int8", "int8-tiles", "int4", "int4-sym")
 GROUP = 32
 
 
@@ -32,8 +33,9 @@ def operands(kind: str, n: int, k: int) -> tuple:
     """A random weight of ``kind`` [n, k] in the layout its decode GEMV takes."""
     if kind == "bf16":
         return ((torch.randn(n, k) * 0.02).bfloat16(),)
-    if kind == "int8":
-        return torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16() * 0.01
+    if kind in ("int8", "int8-tiles"):
+        rows = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        return native.int8_tile_pack(rows) if kind == "int8-tiles" else rows, torch.rand(n).bfloat16() * 0.01
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     zeros = torch.zeros(k // GROUP, n) if kind == "int4-sym" else torch.randn(k // GROUP, n) * 0.01
     scales_and_zeros = torch.stack([torch.rand(k // GROUP, n) * 0.01, zeros], -1)
@@ -45,7 +47,7 @@ def call(kind: str, x: torch.Tensor, weight: tuple, ops=None) -> torch.Tensor:
     ops = torch.ops.splice_kernels if ops is None else ops
     if kind == "bf16":
         return ops.bf16_gemv(x, *weight)
-    if kind == "int8":
+    if kind in ("int8", "int8-tiles"):
         return (ops.int8_dot16_gemv if int16_activations() else ops.int8_dot_gemv)(x, *weight)
     return ops.int4_dot_gemv(x, *weight, GROUP)
 

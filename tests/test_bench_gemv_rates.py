@@ -24,6 +24,11 @@ def test_each_kind_calls_the_kernel_its_layers_call_at_the_level():
         with native.use_isa(native.supported_isas()[-1]):
             assert torch.equal(bench.call("int8", x, (w8, scales)),
                                torch.ops.splice_kernels.int8_dot_gemv(x, w8, scales))
+    x3 = torch.randn(3, 256).bfloat16()  # from three rows the tiles' outputs are the rows' bit for bit
+    tiles8, scales8 = bench.operands("int8-tiles", 32, 256)
+    assert tiles8.dtype == torch.uint8
+    assert torch.equal(bench.call("int8-tiles", x3, (tiles8, scales8)),
+                       bench.call("int8", x3, (native.int8_tile_unpack(tiles8), scales8)))
     tiles, sz = bench.operands("int4", 32, 256)
     assert torch.equal(bench.call("int4", x, (tiles, sz)), torch.ops.splice_kernels.int4_dot_gemv(x, tiles, sz, 32))
     tiles_sym, sz_sym = bench.operands("int4-sym", 32, 256)

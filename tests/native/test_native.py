@@ -92,6 +92,67 @@ def test_int8_dot_gemv_from_three_rows_is_within_one_rounding_of_the_exact_sums(
     assert ((got - one_at_a_time).abs() <= 2 * bound).all()
 
 
+# (N, K) for int8 tiles: whole groups of 16 rows and a tail of 9, 5 or 1; K whole steps of 64 and a half step of 32
+TILE_SHAPES = [(64, 128), (16 * 5 + 9, 352), (37, 96), (5, 32), (129, 576)]
+
+
+@needs_native
+@pytest.mark.parametrize("n, k", TILE_SHAPES)
+def test_int8_tiles_hold_each_16_rows_words_side_by_side(n, k):
+    """``int8_tile_pack``'s layout from its definition, byte by byte: in each group of 16 rows, step of 64 columns
+    and 4-column word j, the 16 rows' words side by side (64 bytes); the rows past the last whole 16 as they are;
+    every byte q + 128. ``int8_tile_unpack`` gives the rows back."""
+    torch.manual_seed(n * k)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    tiles = native.int8_tile_pack(q)
+    assert tiles.dtype == torch.uint8 and tiles.shape == q.shape
+    rows, columns = torch.meshgrid(torch.arange(n), torch.arange(k), indexing="ij")
+    in_tiles = (rows // 16 * 16 * k + columns // 64 * 1024 + columns % 64 // 4 * 64 + rows % 16 * 4 + columns % 4)
+    offset = torch.where(rows < n // 16 * 16, in_tiles, rows * k + columns)
+    assert torch.equal(tiles.flatten()[offset], (q.view(torch.uint8) ^ 0x80))
+    assert torch.equal(native.int8_tile_unpack(tiles), q)
+    with pytest.raises(ValueError, match="K a multiple of 32, got torch.int8 \\(8, 48\\)"):
+        native.int8_tile_pack(torch.zeros(8, 48, dtype=torch.int8))
+
+
+@needs_native
+@pytest.mark.parametrize("rows", (1, 2, 3, 8, 11, 17))
+@pytest.mark.parametrize("n, k", TILE_SHAPES)
+def test_int8_ops_take_tiles_and_give_what_they_give_on_rows(isa, rows, n, k):
+    """``int8_dot_gemv`` on tiles sums every block exactly in int32, so each output is the exact product of the
+    rounded activations, within one bf16 rounding and float32 sums over the blocks; from three rows (the transposed
+    kernel on rows) and wherever the level reads the tiles back to rows (no AVX512-VNNI) the outputs are the rows'
+    bit for bit. The other int8 ops read tiles as rows: the same outputs."""
+    torch.manual_seed(rows * n + k)
+    x = torch.randn(rows, k).bfloat16() * torch.linspace(0.1, 10, k).bfloat16()
+    q, scales = torch.randint(-128, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16() + 0.5
+    tiles = native.int8_tile_pack(q)
+    rounded = qmath.round_activations(x.float()).double()
+    exact = (rounded @ q.double().T) * scales.double()
+    bound = exact.abs() * 2.0 ** -8 + ((rounded.abs() @ q.double().abs().T) * scales.double()) * 2.0 ** -20
+    ops = torch.ops.splice_kernels
+    got = ops.int8_dot_gemv(x, tiles, scales)
+    assert ((got.double() - exact).abs() <= bound).all(), ((got.double() - exact).abs() / bound).max()
+    if rows >= 3 or not ops.vnni_ready():
+        assert torch.equal(got, ops.int8_dot_gemv(x, q, scales))
+    assert torch.equal(ops.int8_gemv(x, tiles, scales), ops.int8_gemv(x, q, scales))
+    assert torch.equal(ops.int8_linear(x, tiles, scales), ops.int8_linear(x, q, scales))
+    assert torch.equal(ops.int8_linear(x, tiles, scales, True), ops.int8_linear(x, q, scales, True))
+    assert torch.equal(ops.int8_dot16_gemv(x, tiles, scales), ops.int8_dot16_gemv(x, q, scales))
+
+
+@needs_native
+def test_int8_tiles_need_whole_blocks_of_32_columns(isa):
+    with pytest.raises(RuntimeError, match="int8 tiles need K a multiple of 32, got 48"):
+        torch.ops.splice_kernels.int8_gemv(torch.randn(1, 48).bfloat16(), torch.zeros(8, 48, dtype=torch.uint8),
+                                           torch.ones(8).bfloat16())
+    with pytest.raises(RuntimeError, match="int8 or uint8 \\(tiles of splice.native.int8_tile_pack\\), got Int"):
+        torch.ops.splice_kernels.int8_dot_gemv(torch.randn(1, 64).bfloat16(), torch.zeros(8, 64, dtype=torch.int32),
+                                               torch.ones(8).bfloat16())
+    # where the level keeps int8 layers in tiles: the avx512 level's VNNI dot products, not on AMX
+    assert native.int8_tiles_ready() == (isa == "avx512" and torch.ops.splice_kernels.vnni_ready())
+
+
 def round16(x: torch.Tensor) -> torch.Tensor:
     """x rounded as ``int8_dot16_gemv`` rounds it (int16 per row and block of 256), in float64."""
     return qmath.round_activations(x.float(), qmath.WIDE_ACTIVATION_BLOCK, qmath.WIDE_ACTIVATION_LEVELS).double()

@@ -281,6 +281,56 @@ def test_int8_decode_rows_on_dot_products_round_activations_per_block(rows):
     assert not odd.use_dot_products  # 48 inputs: not whole blocks of 32
 
 
+needs_int8_tiles = pytest.mark.skipif(
+    not native.int8_tiles_ready(),
+    reason="int8 layers keep tiles only at the avx512 level on a CPU with avx512_vnni and without AMX tiles")
+
+
+def _int8_layer(scheme: str, use_native: bool = True) -> tuple[nn.Linear, nn.Module]:
+    """A 200 x 320 layer of ``scheme`` whose decode rows run integer dot products (where native)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(320, 200)
+    config = SCHEMES[scheme]
+    return linear, HANDLERS[config.kind].from_float(linear.weight.detach(), linear.bias, config, native=use_native,
+                                                    dot_products=use_native)
+
+
+@needs_int8_tiles
+@pytest.mark.parametrize("scheme", ["int8", "w8a8"])
+def test_int8_layers_keep_one_copy_in_tiles_and_save_int8_rows(monkeypatch, scheme):
+    """Where the dot products serve every decode row the layer holds its weight only as their tiles (uint8, the
+    weight's shape); state_dict() holds the int8 rows torch's layer holds, a fresh layer loads them into tiles again,
+    and a weight of another shape is refused, not cast. Prefill rows (past ``MAX_ROWS["int8_dot"]``) read the tiles
+    through ``int8_linear``."""
+    _, layer = _int8_layer(scheme)
+    _, torch_layer = _int8_layer(scheme, use_native=False)
+    assert layer.tiled and layer.qweight.dtype == torch.uint8 and layer.qweight.shape == (200, 320)
+    assert layer.weight_nbytes() == torch_layer.weight_nbytes()
+    saved = layer.state_dict()
+    assert saved["qweight"].dtype == torch.int8 and torch.equal(saved["qweight"], torch_layer.state_dict()["qweight"])
+    torch.testing.assert_close(layer.dequantize(), torch_layer.dequantize(), rtol=0, atol=0)
+    fresh = HANDLERS[SCHEMES[scheme].kind].empty(320, 200, True, SCHEMES[scheme], "cpu", native=True,
+                                                 dot_products=True)
+    assert fresh.tiled
+    fresh.load_state_dict(saved)
+    assert torch.equal(fresh.qweight, layer.qweight)
+    for rows in (1, 3, 20):
+        x = torch.randn(rows, 320)
+        torch.testing.assert_close(fresh(x), layer(x), rtol=0, atol=0)
+    wrong = {**saved, "qweight": saved["qweight"][:, :288].contiguous()}
+    with pytest.raises(RuntimeError, match="qweight: saved \\(200, 288\\) torch.int8 does not fit"):
+        fresh.load_state_dict(wrong)
+    assert torch.equal(fresh.qweight, layer.qweight)
+    monkeypatch.setitem(native.MAX_ROWS, "int8_dot", 4)
+    monkeypatch.setitem(native.MAX_ROWS, "int8", 4)
+    x = torch.randn(20, 320)
+    with _spy("int8_linear") as prefill:
+        out = layer(x)
+    assert prefill.call_count == 1
+    expected = torch_layer(qmath.round_activations(x) if scheme == "w8a8" else x)
+    assert (out - expected).norm() / expected.norm() < 1e-2
+
+
 @needs_native
 @pytest.mark.parametrize("rows", [1, 3, 8, 40])
 def test_int8_decode_rows_on_int16_dot_products_at_the_avx2_level(rows):

@@ -90,7 +90,8 @@ AVX512_BF16_ROWS_WITHOUT_TILES = 16
 #: torch's int8 kernel and then de-quantise + GEMM (int8), or de-quantise + GEMM (int4). Measured crossovers,
 #: TinyLlama-shaped layers (``docs/kernels.md`` has the tables): with AMX the int8 GEMV runs 5-16 rows and the int4 GEMV
 #: 3 rows and more on tiles, so the int4 GEMV serves more rows there. "int8_dot": the most rows int8 weight-only sends
-#: to the integer dot products (``int8_dot_gemv``, on a transposed kernel from 3 rows); more, up to "int8", go to
+#: to the integer dot products (``int8_dot_gemv``: on the weight's tiles where :func:`int8_tiles_ready`, else on a
+#: transposed kernel from 3 rows); more, up to "int8", go to
 #: ``int8_gemv`` (on AMX, its tiles overtake the dot products from 9 rows: ``docs/kernels.md``); "int8" alone bounds the
 #: float products. The avx2 level is what AVX2-only CPUs run, where oneDNN has no bf16 arithmetic and prompts take
 #: float32 GEMMs on widened slabs (``prompts_widened``): those cost several times the GEMVs' time up to 32 rows, so the
@@ -711,6 +712,51 @@ def int4_untile_scales(tiled: torch.Tensor) -> torch.Tensor:
         tiled = torch.stack([tiled, torch.zeros_like(tiled)], dim=-1)
     tiles, groups, _, _ = tiled.shape
     return tiled.transpose(0, 1).reshape(groups, tiles * INT4_TILE, 2).contiguous()
+
+
+# ---- int8 layout ----------------------------------------------------------------------------------------------------
+INT8_TILE_ROWS = 16  # weight rows per int8 tile
+INT8_TILE_STEP = 64  # input columns per step of a tile (a last step may hold 32)
+INT8_TILE_BLOCK = 32  # K must be a multiple of it
+
+
+def int8_tiles_ready() -> bool:
+    """Whether int8 layers keep their weight in tiles (:func:`int8_tile_pack`) for ``int8_dot_gemv``: the active
+    level is ``avx512`` on a CPU with AVX512-VNNI (on the ``amx`` level the int8 GEMV's tiles read rows)."""
+    return available() and torch.ops.splice_kernels.int8_tiles_ready()
+
+
+def int8_tile_pack(q: torch.Tensor) -> torch.Tensor:
+    """``q [N, K]`` int8 (K a multiple of 32) -> the same weight as ``int8_dot_gemv``'s tiles, uint8 ``[N, K]``: each
+    16 rows' step of 64 columns (the last may be 32) is 64-byte vectors, vector j holding 4-column word j of rows 0 ..
+    15; the rows past the last whole 16 stay rows. Every byte is stored as ``q + 128`` (``q ^ 0x80``)."""
+    n, k = q.shape
+    if q.dtype != torch.int8 or k % INT8_TILE_BLOCK:
+        raise ValueError(f"int8_tile_pack takes int8 [N, K] with K a multiple of {INT8_TILE_BLOCK}, got {q.dtype} "
+                         f"{tuple(q.shape)}")
+    whole, steps = n // INT8_TILE_ROWS * INT8_TILE_ROWS, k // INT8_TILE_STEP * INT8_TILE_STEP
+    flipped = q.contiguous().view(torch.uint8) ^ 0x80
+    g = whole // INT8_TILE_ROWS
+    groups = flipped[:whole].reshape(g, INT8_TILE_ROWS, k)
+    main = groups[:, :, :steps].reshape(g, INT8_TILE_ROWS, steps // INT8_TILE_STEP, INT8_TILE_STEP // 4, 4)
+    last = groups[:, :, steps:].reshape(g, INT8_TILE_ROWS, (k - steps) // 4, 4)
+    tiles = torch.cat([main.permute(0, 2, 3, 1, 4).reshape(g, INT8_TILE_ROWS * steps),
+                       last.permute(0, 2, 1, 3).reshape(g, INT8_TILE_ROWS * (k - steps))], dim=1)
+    return torch.cat([tiles.reshape(whole, k), flipped[whole:]]).contiguous()
+
+
+def int8_tile_unpack(tiles: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`int8_tile_pack`: ``q [N, K]`` int8."""
+    n, k = tiles.shape
+    whole, steps = n // INT8_TILE_ROWS * INT8_TILE_ROWS, k // INT8_TILE_STEP * INT8_TILE_STEP
+    g = whole // INT8_TILE_ROWS
+    groups = tiles[:whole].reshape(g, INT8_TILE_ROWS * k)
+    main = groups[:, :steps * INT8_TILE_ROWS].reshape(g, steps // INT8_TILE_STEP, INT8_TILE_STEP // 4,
+                                                      INT8_TILE_ROWS, 4)
+    last = groups[:, steps * INT8_TILE_ROWS:].reshape(g, (k - steps) // 4, INT8_TILE_ROWS, 4)
+    rows = torch.cat([main.permute(0, 3, 1, 2, 4).reshape(g, INT8_TILE_ROWS, steps),
+                      last.permute(0, 2, 1, 3).reshape(g, INT8_TILE_ROWS, k - steps)], dim=2)
+    return (torch.cat([rows.reshape(whole, k), tiles[whole:]]) ^ 0x80).view(torch.int8)
 
 
 # ---- huge pages -----------------------------------------------------------------------------------------------------

@@ -11,6 +11,8 @@
 //   int8_gemv(x bf16 [M, K], w int8 [N, K], scales bf16 [N])      per-output-channel scales
 //   int8_dot_gemv(x, w, scales)  the same product with x rounded to int8 per row and block of 32 (W8A8): integer
 //       dot products with AVX512-VNNI, else AVX-VNNI, else vpmaddubsw
+//   Every int8 op also takes w as uint8 [N, K]: the same weight in int8 dword tiles (splice.native.int8_tile_pack;
+//       K a multiple of 32), which int8_dot_gemv reads as they are with AVX512-VNNI and the others read back to rows
 //   int8_dot16_gemv(x, w, scales)  the same product with x rounded to int16 per row and block of 256: int8
 //       weight-only's decode rows at the avx2 level without AVX-VNNI (vpmaddwd, the AVX2 code at every level)
 //   int4_gemv(x bf16 [M, K], w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group)
@@ -211,9 +213,13 @@ void check_bf16_weight(const at::Tensor& w, const char* name) {
               ": w must be a contiguous bf16 CPU [N, K] tensor");
 }
 
+// An int8 weight [N, K]: int8 rows, or uint8 the same weight in int8 dword tiles (int8_tile; K whole blocks of 32).
 void check_int8_weight(const at::Tensor& w, const char* name) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kChar && w.is_contiguous() && w.device().is_cpu(), name,
-              ": w must be a contiguous int8 CPU [N, K] tensor");
+  const bool tiles = w.scalar_type() == at::kByte;
+  TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kChar || tiles) && w.is_contiguous() && w.device().is_cpu(),
+              name, ": w must be a contiguous CPU [N, K] tensor, int8 or uint8 (tiles of "
+              "splice.native.int8_tile_pack), got ", w.scalar_type(), " ", w.sizes());
+  TORCH_CHECK(!tiles || w.size(1) % 32 == 0, name, ": int8 tiles need K a multiple of 32, got ", w.size(1));
 }
 
 void check_int8_scales(const at::Tensor& scales, int64_t n, const char* name) {
@@ -280,8 +286,8 @@ constexpr int64_t TWO_STREAM_ROWS = 2;
 
 // g(Int<S>{}) for the streams a kernel of at most MAX_S streams walks for `rows` rows of x.
 template <int MAX_S, typename G>
-void with_streams(int64_t rows, G&& g) {
-  const int64_t streams = rows <= TWO_STREAM_ROWS ? weight_streams() : 1;
+void with_streams(int64_t rows, int64_t stream_rows, G&& g) {  // several streams up to stream_rows rows
+  const int64_t streams = rows <= stream_rows ? weight_streams() : 1;
   if constexpr (MAX_S >= 4) {
     if (streams >= 4) return g(Int<4>{});
   }
@@ -446,9 +452,10 @@ void parallel_units(int64_t begin, int64_t end, int64_t grain, const F& f) {
   at::parallel_for(begin, end, grain, f);
 }
 
+// parallel_streams with several streams a thread up to `stream_rows` rows of x (TWO_STREAM_ROWS by default).
 template <int MAX_S = 2, typename F>
-void parallel_streams(int64_t units, int64_t rows, F&& f) {
-  with_streams<MAX_S>(rows, [&](auto s_c) {
+void parallel_streams(int64_t units, int64_t rows, int64_t stream_rows, F&& f) {
+  with_streams<MAX_S>(rows, stream_rows, [&](auto s_c) {
     constexpr int S = decltype(s_c)::value;
     if (Team* team = seat.team) {  // its own share, then the others' pieces; the caller's barrier ends the kernel
       set_share<S>(team->shares[seat.rank], units, seat.rank, team->size);
@@ -469,6 +476,11 @@ void parallel_streams(int64_t units, int64_t rows, F&& f) {
         for (int64_t other = 1; other < threads; ++other) claim_pieces<S>(shares[(begin + other) % threads], f);
     });
   });
+}
+
+template <int MAX_S = 2, typename F>
+void parallel_streams(int64_t units, int64_t rows, F&& f) {
+  parallel_streams<MAX_S>(units, rows, TWO_STREAM_ROWS, f);
 }
 
 // A GEMV's output: a new tensor, or the one its caller set for it on this thread (OutputInto: decode_layers writes
@@ -1071,7 +1083,7 @@ void add_unflip(DotActivations& a, int64_t m) {
   }
 }
 
-template <int M, int R>
+template <int M, int R, bool FLIPPED = false>  // FLIPPED: w's bytes stored as w + 128 (the tiles' tail rows)
 __attribute__((target("avx512vnni")))
 void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k,
                    RowBlock block, at::BFloat16* out, int64_t n_total) {
@@ -1084,7 +1096,7 @@ void int8_dot_rows(const DotActivations& a, int64_t m0, const int8_t* w, const a
     UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm512_setzero_ps();
   const int8_t* row_at[R];
   row_pointers<R>(w, k, block, row_at);
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(FLIPPED ? 0 : 0x80));
   for (int64_t c = 0; c < k; c += DOT_STEP) {
     const int64_t left = k - c;
     const __mmask64 mask = left >= DOT_STEP ? ~__mmask64(0) : ((__mmask64(1) << left) - 1);
@@ -1282,14 +1294,143 @@ void int8_dot_gemv_transposed(const DotActivations& a, int64_t m, const int8_t* 
     });
 }
 
+// ---- int8 dword tiles -----------------------------------------------------------------------------------------------
+// The transposed kernel's layout made once, when a layer is built (int8_tile below; a uint8 tensor of the weight's
+// shape [N, K] marks it): each 16 rows' 64-column step is stored as the 16 x 16 dword transpose int8_dot_transposed
+// makes in registers (64 bytes j: dword j of rows 0 .. 15), its bytes flipped to w + 128 (vpdpbusd's unsigned
+// operand); a last step of 32 columns holds its 8 vectors. The rows past the last whole 16 stay row-major, flipped. A
+// pass then reads one sequential stream and spends no shuffles: only the loads, the dot products and one conversion
+// and scaling per 16 weight rows, block and row of x, at every number of rows of x.
+inline int64_t whole_tile_rows(int64_t n) { return n / TRANSPOSED_WEIGHT_ROWS * TRANSPOSED_WEIGHT_ROWS; }
+
+// One block of DOT_BLOCK columns of 16 weight rows (the transposed vectors v[0..7]) with M rows of x, into acc: the
+// eight dot products of every row of x are issued side by side, in CHAINS sums per row, so M * CHAINS independent
+// sums cover vpdpbusd's latency (a row's chain after another's would leave the out-of-order window too few).
+template <int M, int CHAINS>
+__attribute__((target("avx512vnni"), always_inline))
+inline void int8_dot_tile_block(const __m512i* v, const DotActivations& a, const BlockTerms& terms, int64_t m0,
+                                int64_t column, int64_t at, int64_t blocks, __m512 acc[M]) {
+  __m512i sums[M][CHAINS];
+  UNROLLED for (int m = 0; m < M; ++m) {
+    sums[m][0] = _mm512_set1_epi32(terms.unflip[(m0 + m) * blocks + at]);
+    UNROLLED for (int h = 1; h < CHAINS; ++h) sums[m][h] = _mm512_setzero_si512();
+  }
+  const int8_t* x = a.q.data() + m0 * a.padded + column;
+  // x's broadcast words are loaded again for each group: kept from one group's block to the next (GCC's choice where
+  // a thread walks two groups) they fill the registers and the sums spill
+  asm("" : "+r"(x));
+  UNROLLED for (int j = 0; j < 8; ++j)
+    UNROLLED for (int m = 0; m < M; ++m) {
+      const int32_t dword = reinterpret_cast<const int32_t*>(x + m * a.padded)[j];
+      sums[m][j % CHAINS] = _mm512_dpbusd_epi32(sums[m][j % CHAINS], v[j], _mm512_set1_epi32(dword));
+    }
+  UNROLLED for (int m = 0; m < M; ++m) {
+    UNROLLED for (int h = 1; h < CHAINS; ++h) sums[m][0] = _mm512_add_epi32(sums[m][0], sums[m][h]);
+    acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[m][0]), _mm512_set1_ps(terms.d[(m0 + m) * blocks + at]),
+                             acc[m]);
+  }
+}
+
+// One step of int8_dot_tiles: BOTH blocks of 64 columns, or the first block alone (a last step of 32), with a
+// prefetch `ahead` bytes on (none where 0).
+template <int M, bool BOTH>
+__attribute__((target("avx512vnni"), always_inline))
+inline void int8_dot_tile_step(const DotActivations& a, const BlockTerms& terms, int64_t m0, const uint8_t* step,
+                               int64_t c, int64_t blocks, int64_t ahead, __m512 acc[M]) {
+  constexpr int CHAINS = M >= 6 ? 1 : M >= 3 ? 2 : 4;
+  constexpr int BLOCKS = BOTH ? 2 : 1;
+  if (ahead)
+    UNROLLED for (int i = 0; i < 8 * BLOCKS; ++i)
+      _mm_prefetch(reinterpret_cast<const char*>(step + ahead + 64 * i), _MM_HINT_T1);
+  UNROLLED for (int half = 0; half < BLOCKS; ++half) {
+    __m512i v[8];
+    UNROLLED for (int j = 0; j < 8; ++j) v[j] = _mm512_loadu_si512(step + 64 * (8 * half + j));
+    int8_dot_tile_block<M, CHAINS>(v, a, terms, m0, c + half * DOT_BLOCK, c / DOT_BLOCK + half, blocks, acc);
+  }
+}
+
+// M rows of x times the group of 16 weight rows from n0 into out (the outputs' columns n0 .. n0 + 15).
+template <int M>
+__attribute__((target("avx512vnni"), always_inline))
+inline void store_tile_rows(const __m512 acc[M], const at::BFloat16* scales, int64_t n0, at::BFloat16* out,
+                            int64_t n_total) {
+  const __m512 scale = bf16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + n0)));
+  UNROLLED for (int m = 0; m < M; ++m)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n_total + n0),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[m], scale)));
+}
+
+// M rows of x times S (1 or 2) groups of 16 weight rows, the second from row n0 + span: the groups' steps in turn,
+// so S streams are read side by side.
+template <int M, int S>
+__attribute__((target("avx512vnni")))
+void int8_dot_tiles(const DotActivations& a, const BlockTerms& terms, int64_t m0, const uint8_t* w,
+                    const at::BFloat16* scales, int64_t k, int64_t n0, int64_t span, at::BFloat16* out,
+                    int64_t n_total) {
+  static_assert(S == 1 || S == 2, "one or two streams");
+  const int64_t blocks = k / DOT_BLOCK, whole = k / DOT_STEP * DOT_STEP;
+  // each stream's next group is fetched into L2 as this one is read (int8's software prefetch setting; 0: none)
+  const int64_t from = software_prefetch_from[prefetch_index(PREFETCH_INT8)];
+  const int64_t ahead = from > 0 && M >= from ? TRANSPOSED_WEIGHT_ROWS * k : 0;
+  const uint8_t* first = w + n0 * k;
+  const uint8_t* second = w + (n0 + span) * k;
+  __m512 acc[M], acc2[M];
+  UNROLLED for (int m = 0; m < M; ++m) acc[m] = acc2[m] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < whole; c += DOT_STEP) {
+    int8_dot_tile_step<M, true>(a, terms, m0, first + c * TRANSPOSED_WEIGHT_ROWS, c, blocks, ahead, acc);
+    if constexpr (S == 2)
+      int8_dot_tile_step<M, true>(a, terms, m0, second + c * TRANSPOSED_WEIGHT_ROWS, c, blocks, ahead, acc2);
+  }
+  if (whole < k) {
+    int8_dot_tile_step<M, false>(a, terms, m0, first + whole * TRANSPOSED_WEIGHT_ROWS, whole, blocks, ahead, acc);
+    if constexpr (S == 2)
+      int8_dot_tile_step<M, false>(a, terms, m0, second + whole * TRANSPOSED_WEIGHT_ROWS, whole, blocks, ahead, acc2);
+  }
+  store_tile_rows<M>(acc, scales, n0, out, n_total);
+  if constexpr (S == 2) store_tile_rows<M>(acc2, scales, n0 + span, out, n_total);
+}
+
+// Up to TILE_STREAM_ROWS rows of x, a thread reads two groups' tiles side by side (where weight_streams() is two or
+// more): one sequential stream each leaves too few reads in flight.
+constexpr int64_t TILE_STREAM_ROWS = 4;
+
+// int8_dot_gemv on tiles: every 16 weight rows a unit of the threads' shares, chunks of up to TRANSPOSED_ROWS rows of
+// x (the unit stays in cache between chunks); the row-major tail on int8_dot_rows.
+void int8_dot_gemv_tiles(const DotActivations& a, int64_t m, const uint8_t* w, const at::BFloat16* scales, int64_t n,
+                         int64_t k, at::BFloat16* out) {
+  const BlockTerms terms = block_terms(a, m, k);
+  parallel_streams<2>(n / TRANSPOSED_WEIGHT_ROWS, m, TILE_STREAM_ROWS, [&](auto streams, int64_t unit, int64_t span) {
+    constexpr int S = decltype(streams)::value;
+    const int64_t n0 = unit * TRANSPOSED_WEIGHT_ROWS;
+    for_x_chunks<TRANSPOSED_ROWS>(m, [&](auto m_c, int64_t m0) {
+      constexpr int M = decltype(m_c)::value;
+      if constexpr (S == 1 || M <= TILE_STREAM_ROWS)
+        int8_dot_tiles<M, S>(a, terms, m0, w, scales, k, n0, span * TRANSPOSED_WEIGHT_ROWS, out + m0 * n, n);
+    });
+  });
+  if (!leads_team()) return;
+  const auto* rows = reinterpret_cast<const int8_t*>(w);
+  for (int64_t row = whole_tile_rows(n); row < n; row += 4)
+    with_rows(std::min<int64_t>(4, n - row), [&](auto r_c) {
+      for_x_chunks<MAX_ROWS>(m, [&](auto m_c, int64_t m0) {
+        int8_dot_rows<decltype(m_c)::value, decltype(r_c)::value, true>(a, m0, rows, scales, k, RowBlock{row, 0},
+                                                                        out + m0 * n, n);
+      });
+    });
+}
+
 at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
   const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
   DotActivations a = round_rows(x.data_ptr<at::BFloat16>(), m, k);
   add_unflip(a, m);
   auto out = kernel_output({m, n}, x.options());
   const auto* sp = scales.data_ptr<at::BFloat16>();
-  const int8_t* wp = w.data_ptr<int8_t>();
   auto* op = out.data_ptr<at::BFloat16>();
+  if (w.scalar_type() == at::kByte) {
+    int8_dot_gemv_tiles(a, m, w.data_ptr<uint8_t>(), sp, n, k, op);
+    return out;
+  }
+  const int8_t* wp = w.data_ptr<int8_t>();
   if (m >= TRANSPOSED_MIN_ROWS) {
     int8_dot_gemv_transposed(a, m, wp, sp, n, k, op);
     return out;
@@ -3523,17 +3664,52 @@ at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   return isa() >= ISA_AVX512 ? avx512::bf16_gemv(x, w) : avx2::bf16_gemv(x, w);
 }
 
-at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+// ---- int8 dword tiles (avx512::int8_dot_tiles' layout) -------------------------------------------------------------
+// Calls f(offset of a byte in the tiles, offset of the same weight byte in rows) for every byte of an [n, k] weight.
+template <typename F>
+void for_tile_bytes(int64_t n, int64_t k, F&& f) {
+  constexpr int64_t R = avx512::TRANSPOSED_WEIGHT_ROWS;
+  const int64_t whole = avx512::whole_tile_rows(n);
+  at::parallel_for(0, whole / R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t c = 0; c < k; c += avx512::DOT_STEP) {
+        const int64_t step = g * R * k + c * R, dwords = std::min<int64_t>(avx512::DOT_STEP, k - c) / 4;
+        for (int64_t j = 0; j < dwords; ++j)
+          for (int64_t r = 0; r < R; ++r)
+            for (int64_t b = 0; b < 4; ++b) f(step + 64 * j + 4 * r + b, (g * R + r) * k + c + 4 * j + b);
+      }
+  });
+  for (int64_t i = whole * k; i < n * k; ++i) f(i, i);
+}
+
+// uint8 tiles (splice.native.int8_tile_pack) -> int8 rows; int8 rows are returned as they are.
+at::Tensor int8_rows(const at::Tensor& w) {
+  check_int8_weight(w, "int8_rows");
+  if (w.scalar_type() == at::kChar) return w;
+  at::Tensor rows = at::empty(w.sizes(), w.options().dtype(at::kChar));
+  const uint8_t* src = w.data_ptr<uint8_t>();
+  auto* dst = reinterpret_cast<uint8_t*>(rows.data_ptr<int8_t>());
+  for_tile_bytes(w.size(0), w.size(1), [&](int64_t t, int64_t r) { dst[r] = src[t] ^ 0x80; });
+  return rows;
+}
+
+at::Tensor int8_gemv(const at::Tensor& x, const at::Tensor& w_in, const at::Tensor& scales) {
   check_isa("int8_gemv");
-  check_int8_weight(w, "int8_gemv");
-  check_rows(x, w.size(1), "int8_gemv");
-  check_int8_scales(scales, w.size(0), "int8_gemv");
+  check_int8_weight(w_in, "int8_gemv");
+  check_rows(x, w_in.size(1), "int8_gemv");
+  check_int8_scales(scales, w_in.size(0), "int8_gemv");
+  const at::Tensor w = int8_rows(w_in);
   return isa() >= ISA_AVX512 ? avx512::int8_gemv(x, w, scales) : avx2::int8_gemv(x, w, scales);
 }
 
 // Whether the integer dot products run on AVX512-VNNI (vpdpbusd): the avx512 or amx level, on a CPU with it; else
 // they run on the AVX2 kernels (vpmaddubsw), which every level's CPU executes.
 bool vnni_ready() { return isa() >= ISA_AVX512 && __builtin_cpu_supports("avx512vnni"); }
+
+// Whether an int8 layer's weight is best kept in tiles here: where the avx512 level's integer dot products serve all
+// its decode rows (AVX512-VNNI, no AMX tiles, whose int8 GEMV reads rows).
+bool int8_tiles_ready() { return vnni_ready() && !amx_ready(); }
+
 
 bool cpu_has_avx_vnni() {
   unsigned eax, ebx, ecx, edx;
@@ -3574,17 +3750,18 @@ void check_int8_dot(const at::Tensor& x, const at::Tensor& w, const at::Tensor& 
   check_rows(x, w.size(1), name);
 }
 
-// W8A8's decode product in integers: AVX512-VNNI where vnni_ready(), else vpmaddubsw.
+// W8A8's decode product in integers: AVX512-VNNI where vnni_ready() (on int8 rows or tiles), else vpmaddubsw.
 at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
   check_int8_dot(x, w, scales, "int8_dot_gemv");
   if (vnni_ready()) return avx512::int8_dot_gemv(x, w, scales);
-  return avx_vnni_ready() ? avx2::int8_dot_gemv<true>(x, w, scales) : avx2::int8_dot_gemv<false>(x, w, scales);
+  const at::Tensor rows = int8_rows(w);
+  return avx_vnni_ready() ? avx2::int8_dot_gemv<true>(x, rows, scales) : avx2::int8_dot_gemv<false>(x, rows, scales);
 }
 
 // int8 weight-only's decode product where the CPU has no VNNI: x rounded to int16 per row and block of 256, vpmaddwd.
 at::Tensor int8_dot16_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
   check_int8_dot(x, w, scales, "int8_dot16_gemv");
-  return avx2::int8_dot16_gemv(x, w, scales);
+  return avx2::int8_dot16_gemv(x, int8_rows(w), scales);
 }
 
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
@@ -3710,10 +3887,11 @@ at::Tensor widened_linear(const at::Tensor& x, const at::Tensor& w) {
 }
 
 // widen: float32 GEMMs on widened slabs (a CPU without bf16 arithmetic), else one oneDNN bf16 GEMM.
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, bool widen) {
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w_in, const at::Tensor& scales, bool widen) {
   check_isa("int8_linear");
-  check_int8_weight(w, "int8_linear");
-  check_rows(x, w.size(1), "int8_linear");
+  check_int8_weight(w_in, "int8_linear");
+  check_rows(x, w_in.size(1), "int8_linear");
+  const at::Tensor w = int8_rows(w_in);
   std::lock_guard<std::mutex> lock(prefill_mutex);
   if (widen) return (widened_copies(x, w) * scales).to(x.scalar_type());
   const at::Tensor weight = prefill_weight(w.size(0), w.size(1));
@@ -4397,6 +4575,7 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("int8_dot_ready() -> bool", &int8_dot_ready);
   lib.def("int4_dot_ready() -> bool", &int4_dot_ready);
   lib.def("vnni_ready() -> bool", &vnni_ready);
+  lib.def("int8_tiles_ready() -> bool", &int8_tiles_ready);
   lib.def("avx_vnni_ready() -> bool", &avx_vnni_ready);
   lib.def("set_avx_vnni(bool on) -> ()", &set_avx_vnni);
   lib.def("isa() -> int", &isa);

@@ -29,7 +29,8 @@ Why the native kernels, and why by rows: they stream weights with software prefe
 GEMVs' time grows with M, so above a level's row limit one GEMM on the de-quantised weight wins (``docs/kernels.md``
 has the measurements behind every limit, and torch's kernels beside them). On the amx level the int8 GEMV runs 5 to
 16 rows and the int4 GEMV 3 rows and more on AMX tiles (the weights decoded once per call instead of once per row).
-int4 keeps only the tile layout (no second copy of the weight).
+int4 keeps only the tile layout (no second copy of the weight); so does int8 where its integer dot products serve every
+decode row (``native.int8_tiles_ready``: AVX512-VNNI without AMX), in tiles of 16 rows (``native.int8_tile_pack``).
 
 Prefill (above those rows) de-quantises the weight to bf16 for one oneDNN GEMM, inside one op per scheme
 (``int8_linear``: the native int8 -> bf16 conversion, output scaled after; ``int4_linear``: exactly
@@ -75,7 +76,9 @@ def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     to ``native.MAX_ROWS["int8_dot"]`` rows go to integer dot products instead, ``int8_dot_gemv`` (8: ``x`` rounded
     to int8 per block of 32) or ``int8_dot16_gemv`` (16: to int16 per block of 256; K whole blocks of 32 either way),
     more, up to ``MAX_ROWS["int8"]`` (AMX tiles), to ``int8_gemv``; ``widen``: prefill as float32 GEMMs on widened slabs
-    (``native.prompts_widened``)."""
+    (``native.prompts_widened``). A uint8 ``qweight`` is the weight in tiles (:func:`int8_tiles_mm`)."""
+    if qweight.dtype == torch.uint8:
+        return int8_tiles_mm(x, qweight, scales, bool(dot_products), widen)
     if use_native and dot_products and x.shape[1] % qmath.ACTIVATION_BLOCK == 0 and native.fits("int8_dot", x):
         if dot_products == 16:
             return torch.ops.splice_kernels.int8_dot16_gemv(x, qweight, scales)
@@ -87,6 +90,19 @@ def int8_weight_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if use_native and x.dtype == torch.bfloat16 and x.shape[0] > 0:  # prefill: native conversion, one GEMM
         return torch.ops.splice_kernels.int8_linear(x, qweight, scales, widen)
     return F.linear(x, qweight.to(x.dtype)) * scales
+
+
+def int8_tiles_mm(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, dot_products: bool,
+                  widen: bool = False) -> torch.Tensor:
+    """``x [M, K] bf16`` times an int8 weight kept in the dot products' tiles (``native.int8_tile_pack``, where
+    ``native.int8_tiles_ready``) and its per-channel ``scales``: with ``dot_products``, up to
+    ``native.MAX_ROWS["int8_dot"]`` rows on ``int8_dot_gemv``; other rows (prefill) de-quantised for one GEMM
+    (``int8_linear``, which reads tiles too)."""
+    if x.shape[0] == 0:
+        return x.new_empty((0, tiles.shape[0]))
+    if dot_products and native.fits("int8_dot", x):
+        return torch.ops.splice_kernels.int8_dot_gemv(x, tiles, scales)
+    return torch.ops.splice_kernels.int8_linear(x, tiles, scales, widen)
 
 
 def int8_dynamic_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .. import native
+from ..native import int8_tile_pack, int8_tile_unpack, int8_tiles_ready
 from . import gptq, kernels, qmath
 from .scheme import QuantConfig
 
@@ -96,6 +97,15 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         dots = self.use_native and dot_products and in_features % qmath.ACTIVATION_BLOCK == 0
         self.use_dot_products = (16 if dot_products == 16 else 8) if dots else 0
         _check_native(native, qweight.device)
+        # Where the int8 dot products serve every decode row, the weight is kept in their tiles (uint8, same shape;
+        # ``native.int8_tile_pack``); state_dict() still holds int8 rows.
+        self.tiled = self.use_native and self._dot_rows() and int8_tiles_ready()
+        if self.tiled:
+            self.qweight = int8_tile_pack(qweight)
+
+    def _dot_rows(self) -> bool:
+        """Whether decode rows go to ``int8_dot_gemv`` (x rounded to int8 per block of 32)."""
+        return self.use_dot_products == 8
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig,
@@ -125,15 +135,40 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         return self.qweight.dim() == 3
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiled:
+            return kernels.int8_tiles_mm(x, self.qweight, self.scales.to(x.dtype), True, self.widen_prompts)
         if not self.grouped:
             return kernels.int8_weight_mm(x, self.qweight, self.scales.to(x.dtype), self.use_native,
                                           self.use_dot_products, self.widen_prompts)
         return kernels.int8_grouped_mm(qmath.pad_to(x, 1, self.qweight.shape[2]), self.qweight,
                                        self.scales.to(x.dtype))
 
+    def int8_rows(self) -> torch.Tensor:
+        """``qweight`` as int8 rows (the saved form): the tiles unpacked where the layer keeps tiles."""
+        return int8_tile_unpack(self.qweight) if self.tiled else self.qweight
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.tiled:
+            destination[prefix + "qweight"] = self.int8_rows()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        key = prefix + "qweight"
+        if self.tiled and key in state_dict:  # int8 rows, tiled here (a mismatch is reported, never cast)
+            saved = state_dict[key]
+            if fits_spec(saved, tuple(self.qweight.shape), torch.int8):
+                state_dict = {**state_dict, key: int8_tile_pack(saved.to(self.qweight.device))}
+            else:
+                error_msgs.append(f"{key}: saved {tuple(saved.shape)} {saved.dtype} does not fit this layer's "
+                                  f"{tuple(self.qweight.shape)} torch.int8")
+                state_dict = {**state_dict, key: self.qweight}  # left as it is
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     def dequantize(self) -> torch.Tensor:
         if not self.grouped:
-            return qmath.dequantize_int8(self.qweight, self.scales[:, None])
+            return qmath.dequantize_int8(self.int8_rows(), self.scales[:, None])
         q = self.qweight.transpose(0, 1).reshape(self.out_features, -1)
         return qmath.dequantize_int8(q, self.scales.t())[:, : self.in_features]
 
@@ -325,6 +360,9 @@ class Int8DynamicLinear(Int8WeightOnlyLinear):
                    native: bool = False, dot_products: bool = False) -> Int8DynamicLinear:
         q, scales = qmath.quantize_int8(weight)
         return cls(weight.shape[1], weight.shape[0], bias, q, scales[:, 0], native, dot_products)
+
+    def _dot_rows(self) -> bool:
+        return self.in_features % qmath.ACTIVATION_BLOCK == 0  # every decode row on the native kernels
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.int8_dynamic_mm(x, self.qweight, self.scales.to(x.dtype), self.use_native, self.widen_prompts)
