@@ -29,12 +29,15 @@ def test_dot_products_at_every_level_unless_switched_off(monkeypatch, config, le
         assert choice.dot_products == (16 if int16 else 8) and f"level {level}" in choice.reason
         assert (f"integer dot products ({'AVX2 vpmaddwd' if int16 else instructions}; each row of activations rounded "
                 f"to int{16 if int16 else 8} per block of {256 if int16 else 32})") in choice.reason
+        tiles = level == "avx512" and vnni  # int8 weights kept in the dot products' tiles (not on AMX)
+        assert ("(the weight in 16-row tiles)" in choice.reason) == (tiles and config.bits == 8)
         monkeypatch.setenv("SPLICE_NATIVE_DOT", "0")
         off = kernel_choice.quant_kernel(config, "cpu")
         assert off.native and not off.dot_products and "SPLICE_NATIVE_DOT=0" in off.reason
         assert "dot products" not in off.reason
         w8a8 = kernel_choice.quant_kernel(QuantConfig(activations=True), "cpu")  # always rounds its activations
         assert w8a8.native and f"integer dot products ({instructions})" in w8a8.reason
+        assert ("(the weight in 16-row tiles)" in w8a8.reason) == tiles
 
 
 @needs_native

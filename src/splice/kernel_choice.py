@@ -110,9 +110,10 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
                                      "int8 GEMV takes one scale per output channel)")
     if native.available_on(device):
         limit = native.MAX_ROWS[ROW_LIMIT_OF[kind]]
+        in_tiles = " (the weight in 16-row tiles)" if native.int8_tiles_ready() else ""
         if kind == "int8_dynamic":  # its activations are rounded anyway: always on integer dot products
             return KernelChoice("native", f"activations rounded to int8 per block of 32, splice's int8 GEMV on "
-                                          f"integer dot products ({dot_instructions()}) up to {limit} rows, "
+                                          f"integer dot products ({dot_instructions()}){in_tiles} up to {limit} rows, "
                                           f"de-quantise + {prompt_gemm()} above; {native_level()}")
         dot = dot_products()
         if dot:
@@ -126,8 +127,9 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
             wide = bits == "int8" and int16_activations()
             rounding = (f"{INT16_DOT}; each row of activations rounded to int16 per block of 256" if wide else
                         f"{dot}; each row of activations rounded to int8 per block of 32")
+            layout = in_tiles if bits == "int8" and not wide else ""
             return KernelChoice("native", f"splice's {bits} GEMV up to {limit} rows on integer dot products "
-                                          f"({rounding}){tiles}, de-quantise + {prompt_gemm()} above; "
+                                          f"({rounding}){layout}{tiles}, de-quantise + {prompt_gemm()} above; "
                                           f"{native_level()}", dot_products=16 if wide else 8)
         return KernelChoice("native", f"splice's {ROW_LIMIT_OF[kind]} GEMV up to {limit} rows, de-quantise + "
                                       f"{prompt_gemm()} above; {native_level()}")

@@ -718,6 +718,7 @@ def int4_untile_scales(tiled: torch.Tensor) -> torch.Tensor:
 INT8_TILE_ROWS = 16  # weight rows per int8 tile
 INT8_TILE_STEP = 64  # input columns per step of a tile (a last step may hold 32)
 INT8_TILE_BLOCK = 32  # K must be a multiple of it
+FLIPPED_WORD = -0x7F7F7F80  # 0x80808080 as an int32: every byte of a word xor 0x80
 
 
 def int8_tiles_ready() -> bool:
@@ -735,28 +736,27 @@ def int8_tile_pack(q: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"int8_tile_pack takes int8 [N, K] with K a multiple of {INT8_TILE_BLOCK}, got {q.dtype} "
                          f"{tuple(q.shape)}")
     whole, steps = n // INT8_TILE_ROWS * INT8_TILE_ROWS, k // INT8_TILE_STEP * INT8_TILE_STEP
-    flipped = q.contiguous().view(torch.uint8) ^ 0x80
-    g = whole // INT8_TILE_ROWS
-    groups = flipped[:whole].reshape(g, INT8_TILE_ROWS, k)
-    main = groups[:, :, :steps].reshape(g, INT8_TILE_ROWS, steps // INT8_TILE_STEP, INT8_TILE_STEP // 4, 4)
-    last = groups[:, :, steps:].reshape(g, INT8_TILE_ROWS, (k - steps) // 4, 4)
-    tiles = torch.cat([main.permute(0, 2, 3, 1, 4).reshape(g, INT8_TILE_ROWS * steps),
-                       last.permute(0, 2, 1, 3).reshape(g, INT8_TILE_ROWS * (k - steps))], dim=1)
-    return torch.cat([tiles.reshape(whole, k), flipped[whole:]]).contiguous()
+    words = q.contiguous().view(torch.int32) ^ FLIPPED_WORD  # [N, K / 4]: moved as whole 4-column words
+    g, step_words = whole // INT8_TILE_ROWS, INT8_TILE_STEP // 4
+    groups = words[:whole].reshape(g, INT8_TILE_ROWS, k // 4)
+    main = groups[:, :, :steps // 4].reshape(g, INT8_TILE_ROWS, steps // INT8_TILE_STEP, step_words)
+    last = groups[:, :, steps // 4:].transpose(1, 2)
+    tiles = torch.cat([main.permute(0, 2, 3, 1).reshape(g, INT8_TILE_ROWS * steps // 4),
+                       last.reshape(g, INT8_TILE_ROWS * (k - steps) // 4)], dim=1)
+    return torch.cat([tiles.reshape(whole, k // 4), words[whole:]]).contiguous().view(torch.uint8)
 
 
 def int8_tile_unpack(tiles: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`int8_tile_pack`: ``q [N, K]`` int8."""
     n, k = tiles.shape
     whole, steps = n // INT8_TILE_ROWS * INT8_TILE_ROWS, k // INT8_TILE_STEP * INT8_TILE_STEP
-    g = whole // INT8_TILE_ROWS
-    groups = tiles[:whole].reshape(g, INT8_TILE_ROWS * k)
-    main = groups[:, :steps * INT8_TILE_ROWS].reshape(g, steps // INT8_TILE_STEP, INT8_TILE_STEP // 4,
-                                                      INT8_TILE_ROWS, 4)
-    last = groups[:, steps * INT8_TILE_ROWS:].reshape(g, (k - steps) // 4, INT8_TILE_ROWS, 4)
-    rows = torch.cat([main.permute(0, 3, 1, 2, 4).reshape(g, INT8_TILE_ROWS, steps),
-                      last.permute(0, 2, 1, 3).reshape(g, INT8_TILE_ROWS, k - steps)], dim=2)
-    return (torch.cat([rows.reshape(whole, k), tiles[whole:]]) ^ 0x80).view(torch.int8)
+    words = tiles.contiguous().view(torch.int32)
+    g, step_words = whole // INT8_TILE_ROWS, INT8_TILE_STEP // 4
+    groups = words[:whole].reshape(g, INT8_TILE_ROWS * k // 4)
+    main = groups[:, :steps * INT8_TILE_ROWS // 4].reshape(g, steps // INT8_TILE_STEP, step_words, INT8_TILE_ROWS)
+    last = groups[:, steps * INT8_TILE_ROWS // 4:].reshape(g, (k - steps) // 4, INT8_TILE_ROWS)
+    rows = torch.cat([main.permute(0, 3, 1, 2).reshape(g, INT8_TILE_ROWS, steps // 4), last.transpose(1, 2)], dim=2)
+    return (torch.cat([rows.reshape(whole, k // 4), words[whole:]]) ^ FLIPPED_WORD).contiguous().view(torch.int8)
 
 
 # ---- huge pages -----------------------------------------------------------------------------------------------------
