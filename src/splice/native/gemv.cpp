@@ -1295,12 +1295,12 @@ void int8_dot_gemv_transposed(const DotActivations& a, int64_t m, const int8_t* 
 }
 
 // ---- int8 dword tiles -----------------------------------------------------------------------------------------------
-// The transposed kernel's layout made once, when a layer is built (int8_tile below; a uint8 tensor of the weight's
-// shape [N, K] marks it): each 16 rows' 64-column step is stored as the 16 x 16 dword transpose int8_dot_transposed
-// makes in registers (64 bytes j: dword j of rows 0 .. 15), its bytes flipped to w + 128 (vpdpbusd's unsigned
-// operand); a last step of 32 columns holds its 8 vectors. The rows past the last whole 16 stay row-major, flipped. A
-// pass then reads one sequential stream and spends no shuffles: only the loads, the dot products and one conversion
-// and scaling per 16 weight rows, block and row of x, at every number of rows of x.
+// The transposed kernel's layout made once, when a layer is built (splice.native.int8_tile_pack; a uint8 tensor of
+// the weight's shape [N, K] marks it): each 16 rows' 64-column step is stored as the 16 x 16 dword transpose
+// int8_dot_transposed makes in registers (64 bytes j: dword j of rows 0 .. 15), its bytes flipped to w + 128
+// (vpdpbusd's unsigned operand); a last step of 32 columns holds its 8 vectors. The rows past the last whole 16 stay
+// row-major, flipped. A group of 16 rows is then read in sequence with no shuffles: only the loads, the dot products
+// and one conversion and scaling per 16 weight rows, block and row of x, at every number of rows of x.
 inline int64_t whole_tile_rows(int64_t n) { return n / TRANSPOSED_WEIGHT_ROWS * TRANSPOSED_WEIGHT_ROWS; }
 
 // One block of DOT_BLOCK columns of 16 weight rows (the transposed vectors v[0..7]) with M rows of x, into acc: the
@@ -3682,7 +3682,8 @@ void for_tile_bytes(int64_t n, int64_t k, F&& f) {
   for (int64_t i = whole * k; i < n * k; ++i) f(i, i);
 }
 
-// uint8 tiles (splice.native.int8_tile_pack) -> int8 rows; int8 rows are returned as they are.
+// uint8 tiles (splice.native.int8_tile_pack) -> int8 rows; int8 rows are returned as they are. For the ops that read
+// rows (prefill, the levels without AVX512-VNNI): a copy each call.
 at::Tensor int8_rows(const at::Tensor& w) {
   check_int8_weight(w, "int8_rows");
   if (w.scalar_type() == at::kChar) return w;
@@ -3709,7 +3710,6 @@ bool vnni_ready() { return isa() >= ISA_AVX512 && __builtin_cpu_supports("avx512
 // Whether an int8 layer's weight is best kept in tiles here: where the avx512 level's integer dot products serve all
 // its decode rows (AVX512-VNNI, no AMX tiles, whose int8 GEMV reads rows).
 bool int8_tiles_ready() { return vnni_ready() && !amx_ready(); }
-
 
 bool cpu_has_avx_vnni() {
   unsigned eax, ebx, ecx, edx;

@@ -2,9 +2,10 @@
 
 All of them take any float input ``[..., in_features]``, run the kernel with bf16 activations, and return the input's
 dtype. The bias stays in float. ``state_dict()`` holds a device-independent form (``qweight`` plus scales); layers
-whose kernel wants another layout (int4) repack it when loading. Which kernel a layer calls is given to it when it is
-built (``native``: splice's native GEMVs, else torch's kernels), as ``splice.kernel_choice`` decided: per-channel int8
-then runs ``int8_gemv`` for decode rows, and int4 keeps splice's tile layout for ``int4_gemv``.
+whose kernel wants another layout (int4; int8 where it keeps tiles) repack it when loading. Which kernel a layer calls
+is given to it when it is built (``native``: splice's native GEMVs, else torch's kernels), as ``splice.kernel_choice``
+decided: per-channel int8 then runs ``int8_gemv`` or its integer dot products for decode rows (in tiles of 16 rows
+where ``native.int8_tiles_ready``), and int4 keeps splice's tile layout for ``int4_gemv``.
 """
 from __future__ import annotations
 
@@ -80,7 +81,9 @@ class QuantizedLinear(nn.Module):
 
 class Int8WeightOnlyLinear(QuantizedLinear):
     """int8 weights, one bf16 scale per output channel (``qweight [N, K]``, ``scales [N]``) or per group of input
-    elements (``qweight [G, N, S]``, ``scales [G, N]``, ``K`` zero-padded to a multiple of ``S``)."""
+    elements (``qweight [G, N, S]``, ``scales [G, N]``, ``K`` zero-padded to a multiple of ``S``). Where the native
+    integer dot products serve every decode row (``tiled``), ``qweight`` holds the per-channel weight as their tiles
+    (uint8 ``[N, K]``, ``native.int8_tile_pack``) and ``state_dict()`` the int8 rows."""
 
     kind = "int8_weight_only"
 
