@@ -1461,6 +1461,34 @@ void int8_to_bf16_into(const int8_t* src, int64_t numel, at::BFloat16* dst) {
   });
 }
 
+// int8 tiles (int8_dot_tiles' layout) -> the bf16 rows [N, K] of the same codes, exact: each step's vectors
+// transposed back to rows (transpose_dwords is its own inverse), unflipped and widened; the row-major tail unflipped.
+void int8_tiles_to_bf16_into(const uint8_t* w, int64_t n, int64_t k, at::BFloat16* dst) {
+  at::parallel_for(0, n / TRANSPOSED_WEIGHT_ROWS, 1, [&](int64_t begin, int64_t end) {
+    const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t g = begin; g < end; ++g)
+      for (int64_t c = 0; c < k; c += DOT_STEP) {
+        const int64_t words = std::min<int64_t>(DOT_STEP, k - c) / 4;  // 16, or 8 in a last step of 32 columns
+        const uint8_t* step = w + (g * k + c) * TRANSPOSED_WEIGHT_ROWS;
+        __m512i v[16];
+        for (int j = 0; j < 16; ++j) v[j] = j < words ? _mm512_loadu_si512(step + 64 * j) : _mm512_setzero_si512();
+        transpose_dwords(v);
+        for (int r = 0; r < 16; ++r) {
+          const __m512i codes = _mm512_xor_si512(v[r], flip);
+          at::BFloat16* row = dst + (g * TRANSPOSED_WEIGHT_ROWS + r) * k + c;
+          for (int64_t h = 0; h < words / 8; ++h) {
+            const __m256i half = h ? _mm512_extracti64x4_epi64(codes, 1) : _mm512_castsi512_si256(codes);
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(half)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(half, 1)));
+            _mm512_storeu_si512(row + 32 * h, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+          }
+        }
+      }
+  });
+  for (int64_t i = whole_tile_rows(n) * k; i < n * k; ++i)
+    dst[i] = at::BFloat16(static_cast<float>(static_cast<int8_t>(w[i] ^ 0x80)));
+}
+
 // ---- int4 ---------------------------------------------------------------------------------------------------------
 // Lanes are weight rows (16 per tile). A nibble q becomes the bf16 value 128 + q by OR-ing 0x4300 into it, so one
 // AND/OR (ternary logic) turns 16 rows x 2 columns into bf16 pairs for one dot product with the broadcast pair
@@ -3891,11 +3919,16 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w_in, const at::Te
   check_isa("int8_linear");
   check_int8_weight(w_in, "int8_linear");
   check_rows(x, w_in.size(1), "int8_linear");
-  const at::Tensor w = int8_rows(w_in);
   std::lock_guard<std::mutex> lock(prefill_mutex);
-  if (widen) return (widened_copies(x, w) * scales).to(x.scalar_type());
-  const at::Tensor weight = prefill_weight(w.size(0), w.size(1));
-  int8_to_bf16_into(w.data_ptr<int8_t>(), w.numel(), weight.data_ptr<at::BFloat16>());
+  if (widen) return (widened_copies(x, int8_rows(w_in)) * scales).to(x.scalar_type());
+  const int64_t n = w_in.size(0), k = w_in.size(1);
+  const at::Tensor weight = prefill_weight(n, k);
+  if (w_in.scalar_type() == at::kByte && isa() >= ISA_AVX512) {  // tiles straight into the kept buffer
+    avx512::int8_tiles_to_bf16_into(w_in.data_ptr<uint8_t>(), n, k, weight.data_ptr<at::BFloat16>());
+  } else {
+    const at::Tensor w = int8_rows(w_in);
+    int8_to_bf16_into(w.data_ptr<int8_t>(), w.numel(), weight.data_ptr<at::BFloat16>());
+  }
   return at::linear(x, weight) * scales;
 }
 
