@@ -38,7 +38,7 @@ NATIVE_ENV = ("SPLICE_NATIVE_KERNELS", "SPLICE_NATIVE_ISA", "SPLICE_NATIVE_AMX",
 #: The instructions int8 weight-only multiplies its int16 activations with (:func:`int16_activations`).
 INT16_DOT = "AVX2 vpmaddwd"
 #: Which entry of ``native.MAX_ROWS`` bounds each quantization kind's native GEMV.
-ROW_LIMIT_OF = {"int8_weight_only": "int8", "int8_dynamic": "int8", "int4_weight_only": "int4"}
+ROW_LIMIT_OF = {"int8_weight_only": "int8", "int8_dynamic": "w8a8", "int4_weight_only": "int4"}
 
 
 @dataclass(frozen=True)

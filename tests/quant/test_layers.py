@@ -232,10 +232,11 @@ def test_native_kernel_matches_dequantized_weights(scheme, rows):
     with _spy(DECODE_OP.get(scheme, "int4_gemv")) as calls, _spy("int8_linear") as conversions:
         out = layer(x)
     # int8: torch's kernel up to 16 rows above native.MAX_ROWS, then the native int8 -> bf16 conversion + F.linear;
-    # int4: de-quantise + F.linear above native.MAX_ROWS["int4"]
-    few = rows <= (native.MAX_ROWS["int8"] if is_int8 else native.MAX_ROWS["int4"])
-    assert calls.call_count == few
-    assert conversions.call_count == (is_int8 and rows > max(native.MAX_ROWS["int8"], kernels.INT8_KERNEL_MAX_ROWS))
+    # W8A8: the dot products up to MAX_ROWS["w8a8"] (prompts too at the avx512 level); int4: de-quantise + F.linear
+    # above native.MAX_ROWS["int4"]
+    limit = native.MAX_ROWS[scheme if is_int8 else "int4"]
+    assert calls.call_count == (rows <= limit)
+    assert conversions.call_count == (is_int8 and rows > max(limit, kernels.INT8_KERNEL_MAX_ROWS))
     assert (out - expected).norm() / expected.norm() < 1e-2
 
 
@@ -321,8 +322,8 @@ def test_int8_layers_keep_one_copy_in_tiles_and_save_int8_rows(monkeypatch, sche
     with pytest.raises(RuntimeError, match="qweight: saved \\(200, 288\\) torch.int8 does not fit"):
         fresh.load_state_dict(wrong)
     assert torch.equal(fresh.qweight, layer.qweight)
-    monkeypatch.setitem(native.MAX_ROWS, "int8_dot", 4)
-    monkeypatch.setitem(native.MAX_ROWS, "int8", 4)
+    for key in ("int8_dot", "int8", "w8a8"):
+        monkeypatch.setitem(native.MAX_ROWS, key, 4)
     x = torch.randn(20, 320)
     with _spy("int8_linear") as prefill:
         out = layer(x)

@@ -45,7 +45,7 @@ class LayerGemv(NamedTuple):
 
 #: the GEMVs of the float and int8 linears that run one (layer_gemv), made once: a step looks each linear's up
 BF16_GEMV = LayerGemv(GEMV_BF16, ("weight", "", "bias"), 0, "bf16")
-W8A8_GEMV = LayerGemv(GEMV_INT8_DOT, ("qweight", "scales", "bias"), 0, "int8")
+W8A8_GEMV = LayerGemv(GEMV_INT8_DOT, ("qweight", "scales", "bias"), 0, "w8a8")
 INT8_GEMVS = {products: LayerGemv(kind, ("qweight", "scales", "bias"), 0, rows)
               for products, kind, rows in ((16, GEMV_INT8_DOT16, "int8_dot"), (8, GEMV_INT8_DOT, "int8_dot"),
                                            (0, GEMV_INT8, "int8"))}

@@ -101,11 +101,13 @@ AVX512_BF16_ROWS_WITHOUT_TILES = 16
 #: de-quantise + GEMM at every prompt length measured (AMD Zen 4, whole llama-1b prefills of 16 to 2048 tokens: int4
 #: 1.3-3.5x, int8 1.17-3.4x; decode batches of 16-32 rows: int4 4.2-7.3x, int8 3.5-3.6x), hence AVX512_DOT_ROWS.
 AVX512_DOT_ROWS = 2048
+#: "w8a8": the most rows W8A8 sends to ``int8_dot_gemv`` (its activations are rounded either way): the int8 GEMV's
+#: rows, or the dot products' where those are more (the avx512 level: prompts too).
 ROW_LIMITS = {
-    "amx": {"bf16": 4, "int8": 16, "int8_dot": 8, "int4": 64, "int4_dot": 64},
+    "amx": {"bf16": 4, "int8": 16, "int8_dot": 8, "int4": 64, "int4_dot": 64, "w8a8": 16},
     "avx512": {"bf16": 4 if _onednn_has_tiles() else AVX512_BF16_ROWS_WITHOUT_TILES, "int8": 16,
-               "int8_dot": AVX512_DOT_ROWS, "int4": 15, "int4_dot": AVX512_DOT_ROWS},
-    "avx2": {"bf16": 32, "int8": 32, "int8_dot": 32, "int4": 32, "int4_dot": 32},
+               "int8_dot": AVX512_DOT_ROWS, "int4": 15, "int4_dot": AVX512_DOT_ROWS, "w8a8": AVX512_DOT_ROWS},
+    "avx2": {"bf16": 32, "int8": 32, "int8_dot": 32, "int4": 32, "int4_dot": 32, "w8a8": 32},
 }
 #: The active level's limits (updated by :func:`set_isa`); read by :func:`fits` and the quantized layers.
 MAX_ROWS = dict(ROW_LIMITS["avx512"])

@@ -17,7 +17,7 @@ int4 weight-only               ``int4_gemv`` up to ``MAX_ROWS["int4"]``      ``_
                                (``int4_dot_gemv`` up to ``["int4_dot"]``),
                                above that ``int4_linear`` (de-quantise +
                                one oneDNN GEMM)
-W8A8                           ``int8_dot_gemv`` up to ``MAX_ROWS["int8"]``  activations rounded to int8 per block
+W8A8                           ``int8_dot_gemv`` up to ``MAX_ROWS["w8a8"]``  activations rounded to int8 per block
                                (activations rounded to int8 per block of 32  of 32 (``qmath.round_activations``),
                                in the op, integer dot products with          then torch's int8 kernels above
                                AVX512-VNNI or AVX2); above, the rounded
@@ -108,9 +108,10 @@ def int8_tiles_mm(x: torch.Tensor, tiles: torch.Tensor, scales: torch.Tensor, do
 def int8_dynamic_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
                     use_native: bool = False, widen: bool = False) -> torch.Tensor:
     """W8A8: ``x`` rounded to int8 per row and block of ``qmath.ACTIVATION_BLOCK``, times the per-channel int8 weight.
-    Decode rows on the native kernels run ``int8_dot_gemv`` (the rounding and integer dot products in one op, VNNI
-    where the CPU has it); everything else rounds ``x`` first and runs :func:`int8_weight_mm`."""
-    if use_native and native.fits("int8", x) and x.shape[1] % qmath.ACTIVATION_BLOCK == 0:
+    Up to ``native.MAX_ROWS["w8a8"]`` rows (decode; prompts too at the avx512 level) the native kernels run
+    ``int8_dot_gemv`` (the rounding and integer dot products in one op, VNNI where the CPU has it); everything else
+    rounds ``x`` first and runs :func:`int8_weight_mm`."""
+    if use_native and native.fits("w8a8", x) and x.shape[1] % qmath.ACTIVATION_BLOCK == 0:
         return torch.ops.splice_kernels.int8_dot_gemv(x, qweight, scales)
     return int8_weight_mm(qmath.round_activations(x), qweight, scales, use_native, widen=widen)
 
