@@ -145,6 +145,14 @@ def test_int8_table_hands_over_to_torch_then_prefill_at_its_constants():
                                       kernels.INT8_KERNEL_MAX_ROWS) + 1
 
 
+@needs_native
+def test_w8a8_table_rounds_on_dot_products_up_to_its_row_limit_then_prefill():
+    entries = [entry for entry in machine.describe_machine()["kernels"] if entry["linear"] == "W8A8"]
+    assert [entry["kernel"] for entry in entries] == ["splice_kernels.int8_dot_gemv", "splice_kernels.int8_linear"]
+    assert entries[0]["max_rows"] == native.MAX_ROWS["w8a8"] and entries[1]["min_rows"] == native.MAX_ROWS["w8a8"] + 1
+    assert "rounding the activations to int8" in entries[1]["why"]
+
+
 def test_avx2_level_is_reported():
     _skip_unless_level_runs("avx2")
     with native.use_isa("avx2"):

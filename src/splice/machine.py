@@ -336,9 +336,14 @@ def int8_grouped_rows() -> list[dict[str, Any]]:
 
 
 def w8a8_rows() -> list[dict[str, Any]]:
-    return [_row("W8A8", 1, None, "the int8 per-channel kernels above",
-                 f"after rounding the activations to int8 per block of {qmath.ACTIVATION_BLOCK} "
-                 "(qmath.round_activations)")]
+    rounded = (f"after rounding the activations to int8 per block of {qmath.ACTIVATION_BLOCK} "
+               "(qmath.round_activations)")
+    if not native.available():
+        return [_row("W8A8", 1, None, "the int8 per-channel kernels above", rounded)]
+    return _ranges("W8A8", [
+        (native.MAX_ROWS["w8a8"], "splice_kernels.int8_dot_gemv",
+         f"native GEMV, x rounded to int8 per block of {qmath.ACTIVATION_BLOCK}, integer dot products"),
+        (None, "splice_kernels.int8_linear", f"{_prefill_why()}, {rounded}")])
 
 
 # ---- text -----------------------------------------------------------------------------------------------------------
