@@ -117,11 +117,28 @@ void set_software_prefetch_rows(at::IntArrayRef rows) {
   std::copy(rows.begin(), rows.end(), software_prefetch_from);
 }
 
+// A software prefetch of the line at p into L1 (HINT _MM_HINT_T0) or L2 (_MM_HINT_T1), as inline assembly: GCC 12's
+// dead-code elimination drops _mm_prefetch from some loops (the int8 kernels of two or more weight rows a pass, at
+// both levels, compiled with none), and a prefetch the settings ask for must be issued. Where GCC keeps the
+// intrinsic (bf16, int4) it stays: the assembly, a fixed point in GCC's scheduling, cost those kernels time.
+template <int HINT>
+inline void prefetch_line(const void* p) {
+  static_assert(HINT == _MM_HINT_T0 || HINT == _MM_HINT_T1, "into L1 or L2");
+  if constexpr (HINT == _MM_HINT_T0)
+    asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p)));
+  else
+    asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p)));
+}
+
 // A prefetch of a KIND weight's line at p by a pass over the weights with `rows` rows of x, into L1 (or HINT's level).
 template <int64_t KIND, int HINT = _MM_HINT_T0>
 inline void prefetch(const void* p, int64_t rows) {
   const int64_t from = software_prefetch_from[prefetch_index(KIND)];
-  if (from > 0 && rows >= from) _mm_prefetch(static_cast<const char*>(p), static_cast<_mm_hint>(HINT));
+  if (from <= 0 || rows < from) return;
+  if constexpr (KIND == PREFETCH_INT8)
+    prefetch_line<HINT>(p);
+  else
+    _mm_prefetch(static_cast<const char*>(p), static_cast<_mm_hint>(HINT));
 }
 
 // Keeps loaded values in registers: GCC otherwise folds each use of a loaded value into a memory operand of its own,
@@ -1341,7 +1358,7 @@ inline void int8_dot_tile_step(const DotActivations& a, const BlockTerms& terms,
   constexpr int BLOCKS = BOTH ? 2 : 1;
   if (ahead)
     UNROLLED for (int i = 0; i < 8 * BLOCKS; ++i)
-      _mm_prefetch(reinterpret_cast<const char*>(step + ahead + 64 * i), _MM_HINT_T1);
+      prefetch_line<_MM_HINT_T1>(step + ahead + 64 * i);
   UNROLLED for (int half = 0; half < BLOCKS; ++half) {
     __m512i v[8];
     UNROLLED for (int j = 0; j < 8; ++j) v[j] = _mm512_loadu_si512(step + 64 * (8 * half + j));
@@ -3155,7 +3172,7 @@ uint64_t stream_read(const uint8_t* p, int64_t bytes, bool ahead) {
       for (int64_t s = 0; s < S; ++s) {
         const uint8_t* q = p + ((s * (lines / S)) + begin + line) * 64;
         // the probe's own choice, whatever the kernels' software_prefetch setting
-        if (ahead) _mm_prefetch(reinterpret_cast<const char*>(q) + PREFETCH_BYTES, _MM_HINT_T0);
+        if (ahead) prefetch_line<_MM_HINT_T0>(q + PREFETCH_BYTES);
         acc[s] = _mm256_xor_si256(acc[s], _mm256_xor_si256(_mm256_load_si256(reinterpret_cast<const __m256i*>(q)),
                                                            _mm256_load_si256(reinterpret_cast<const __m256i*>(q + 32))));
       }
