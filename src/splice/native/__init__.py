@@ -725,7 +725,8 @@ FLIPPED_WORD = -0x7F7F7F80  # 0x80808080 as an int32: every byte of a word xor 0
 
 def int8_tiles_ready() -> bool:
     """Whether int8 layers keep their weight in tiles (:func:`int8_tile_pack`) for ``int8_dot_gemv``: the active
-    level is ``avx512`` on a CPU with AVX512-VNNI (on the ``amx`` level the int8 GEMV's tiles read rows)."""
+    level is ``avx512`` on a CPU with AVX512-VNNI (the ``amx`` level's int8 GEMV, on AMX tiles from 9 rows, reads
+    rows)."""
     return available() and torch.ops.splice_kernels.int8_tiles_ready()
 
 
