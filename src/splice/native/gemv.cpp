@@ -230,7 +230,8 @@ void check_bf16_weight(const at::Tensor& w, const char* name) {
               ": w must be a contiguous bf16 CPU [N, K] tensor");
 }
 
-// An int8 weight [N, K]: int8 rows, or uint8 the same weight in int8 dword tiles (int8_tile; K whole blocks of 32).
+// An int8 weight [N, K]: int8 rows, or uint8 the same weight in int8 dword tiles (splice.native.int8_tile_pack; K
+// whole blocks of 32).
 void check_int8_weight(const at::Tensor& w, const char* name) {
   const bool tiles = w.scalar_type() == at::kByte;
   TORCH_CHECK(w.dim() == 2 && (w.scalar_type() == at::kChar || tiles) && w.is_contiguous() && w.device().is_cpu(),
@@ -1348,17 +1349,17 @@ inline void int8_dot_tile_block(const __m512i* v, const DotActivations& a, const
   }
 }
 
-// One step of int8_dot_tiles: BOTH blocks of 64 columns, or the first block alone (a last step of 32), with a
-// prefetch `ahead` bytes on (none where 0).
+// One step of int8_dot_tiles: BOTH blocks of 64 columns, or the first block alone (a last step of 32). The same step
+// of the stream's next group (16 k bytes on) is fetched into L2 as this one is read.
 template <int M, bool BOTH>
 __attribute__((target("avx512vnni"), always_inline))
 inline void int8_dot_tile_step(const DotActivations& a, const BlockTerms& terms, int64_t m0, const uint8_t* step,
-                               int64_t c, int64_t blocks, int64_t ahead, __m512 acc[M]) {
+                               int64_t c, int64_t k, __m512 acc[M]) {
   constexpr int CHAINS = M >= 6 ? 1 : M >= 3 ? 2 : 4;
   constexpr int BLOCKS = BOTH ? 2 : 1;
-  if (ahead)
-    UNROLLED for (int i = 0; i < 8 * BLOCKS; ++i)
-      prefetch_line<_MM_HINT_T1>(step + ahead + 64 * i);
+  const int64_t blocks = k / DOT_BLOCK;
+  UNROLLED for (int i = 0; i < 8 * BLOCKS; ++i)
+    prefetch<PREFETCH_INT8, _MM_HINT_T1>(step + TRANSPOSED_WEIGHT_ROWS * k + 64 * i, M);
   UNROLLED for (int half = 0; half < BLOCKS; ++half) {
     __m512i v[8];
     UNROLLED for (int j = 0; j < 8; ++j) v[j] = _mm512_loadu_si512(step + 64 * (8 * half + j));
@@ -1385,23 +1386,19 @@ void int8_dot_tiles(const DotActivations& a, const BlockTerms& terms, int64_t m0
                     const at::BFloat16* scales, int64_t k, int64_t n0, int64_t span, at::BFloat16* out,
                     int64_t n_total) {
   static_assert(S == 1 || S == 2, "one or two streams");
-  const int64_t blocks = k / DOT_BLOCK, whole = k / DOT_STEP * DOT_STEP;
-  // each stream's next group is fetched into L2 as this one is read (int8's software prefetch setting; 0: none)
-  const int64_t from = software_prefetch_from[prefetch_index(PREFETCH_INT8)];
-  const int64_t ahead = from > 0 && M >= from ? TRANSPOSED_WEIGHT_ROWS * k : 0;
+  const int64_t whole = k / DOT_STEP * DOT_STEP;
   const uint8_t* first = w + n0 * k;
   const uint8_t* second = w + (n0 + span) * k;
   __m512 acc[M], acc2[M];
   UNROLLED for (int m = 0; m < M; ++m) acc[m] = acc2[m] = _mm512_setzero_ps();
   for (int64_t c = 0; c < whole; c += DOT_STEP) {
-    int8_dot_tile_step<M, true>(a, terms, m0, first + c * TRANSPOSED_WEIGHT_ROWS, c, blocks, ahead, acc);
-    if constexpr (S == 2)
-      int8_dot_tile_step<M, true>(a, terms, m0, second + c * TRANSPOSED_WEIGHT_ROWS, c, blocks, ahead, acc2);
+    int8_dot_tile_step<M, true>(a, terms, m0, first + c * TRANSPOSED_WEIGHT_ROWS, c, k, acc);
+    if constexpr (S == 2) int8_dot_tile_step<M, true>(a, terms, m0, second + c * TRANSPOSED_WEIGHT_ROWS, c, k, acc2);
   }
   if (whole < k) {
-    int8_dot_tile_step<M, false>(a, terms, m0, first + whole * TRANSPOSED_WEIGHT_ROWS, whole, blocks, ahead, acc);
+    int8_dot_tile_step<M, false>(a, terms, m0, first + whole * TRANSPOSED_WEIGHT_ROWS, whole, k, acc);
     if constexpr (S == 2)
-      int8_dot_tile_step<M, false>(a, terms, m0, second + whole * TRANSPOSED_WEIGHT_ROWS, whole, blocks, ahead, acc2);
+      int8_dot_tile_step<M, false>(a, terms, m0, second + whole * TRANSPOSED_WEIGHT_ROWS, whole, k, acc2);
   }
   store_tile_rows<M>(acc, scales, n0, out, n_total);
   if constexpr (S == 2) store_tile_rows<M>(acc2, scales, n0 + span, out, n_total);
@@ -1465,15 +1462,19 @@ at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
 // ---- int8 -> bf16 -------------------------------------------------------------------------------------------------
 // The int8 codes as a bf16 [N, K] weight (exact: every int8 value is a bf16), for prefill's one oneDNN GEMM; the
 // per-channel scales are applied to its output (int8_linear below).
+// 32 int8 codes as bf16 at dst, the lanes of `mask`.
+inline void store_codes_as_bf16(__m256i codes, at::BFloat16* dst, __mmask32 mask = ~__mmask32(0)) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes)));
+  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1)));
+  _mm512_mask_storeu_epi16(dst, mask, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+}
+
 void int8_to_bf16_into(const int8_t* src, int64_t numel, at::BFloat16* dst) {
   at::parallel_for(0, numel, 1 << 16, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; i += 32) {
       const int64_t left = end - i;
       const __mmask32 mask = left >= 32 ? ~__mmask32(0) : ((__mmask32(1) << left) - 1);
-      const __m256i bytes = _mm256_maskz_loadu_epi8(mask, src + i);
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes)));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1)));
-      _mm512_mask_storeu_epi16(dst + i, mask, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+      store_codes_as_bf16(_mm256_maskz_loadu_epi8(mask, src + i), dst + i, mask);
     }
   });
 }
@@ -1493,12 +1494,8 @@ void int8_tiles_to_bf16_into(const uint8_t* w, int64_t n, int64_t k, at::BFloat1
         for (int r = 0; r < 16; ++r) {
           const __m512i codes = _mm512_xor_si512(v[r], flip);
           at::BFloat16* row = dst + (g * TRANSPOSED_WEIGHT_ROWS + r) * k + c;
-          for (int64_t h = 0; h < words / 8; ++h) {
-            const __m256i half = h ? _mm512_extracti64x4_epi64(codes, 1) : _mm512_castsi512_si256(codes);
-            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(half)));
-            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(half, 1)));
-            _mm512_storeu_si512(row + 32 * h, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-          }
+          store_codes_as_bf16(_mm512_castsi512_si256(codes), row);
+          if (words == 16) store_codes_as_bf16(_mm512_extracti64x4_epi64(codes, 1), row + 32);
         }
       }
   });

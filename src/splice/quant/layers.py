@@ -138,9 +138,7 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         return self.qweight.dim() == 3
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tiled:
-            return kernels.int8_tiles_mm(x, self.qweight, self.scales.to(x.dtype), True, self.widen_prompts)
-        if not self.grouped:
+        if not self.grouped:  # int8_weight_mm takes the tiles too (a uint8 qweight)
             return kernels.int8_weight_mm(x, self.qweight, self.scales.to(x.dtype), self.use_native,
                                           self.use_dot_products, self.widen_prompts)
         return kernels.int8_grouped_mm(qmath.pad_to(x, 1, self.qweight.shape[2]), self.qweight,
