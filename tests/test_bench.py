@@ -218,7 +218,7 @@ def test_quant_rows_are_quantized_and_smaller(tiny_bench, tmp_path):
 
 def test_bad_quant_scheme_is_refused(tiny_bench, tmp_path):
     args = parse("--quant", "int3", "--json", str(tmp_path / "b.json"))
-    with pytest.raises(ValueError, match="--quant='int3': allowed values are int8, w8a8, int4"):
+    with pytest.raises(ValueError, match="--quant='int3': allowed values are int8, int8-g64, w8a8, int4"):
         args.run(args)
 
 

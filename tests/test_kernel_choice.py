@@ -55,9 +55,19 @@ def test_int8_weight_only_rounds_to_int16_at_the_avx2_level_only_without_avx_vnn
             assert not kernel_choice.int16_activations() and kernel_choice.quant_kernel(int8, "cpu").dot_products == 8
 
 
-def test_grouped_int8_and_cuda_run_torch_kernels_and_say_why():
+@needs_native
+def test_grouped_int8_runs_the_native_grouped_gemv_unless_the_dot_products_are_off(monkeypatch):
     grouped = kernel_choice.quant_kernel(QuantConfig(group_size=64), "cpu")
-    assert grouped.kernel == "torch" and "group" in grouped.reason
+    assert grouped.kernel == "native" and grouped.dot_products == 8
+    assert "grouped int8 GEMV" in grouped.reason and "torch's int8 kernel, one call per group" in grouped.reason
+    monkeypatch.setenv("SPLICE_NATIVE_DOT", "0")
+    off = kernel_choice.quant_kernel(QuantConfig(group_size=64), "cpu")
+    assert off.kernel == "torch" and "SPLICE_NATIVE_DOT=0" in off.reason and "per group" in off.reason
+
+
+def test_cuda_runs_torch_kernels_and_says_why():
+    grouped = kernel_choice.quant_kernel(QuantConfig(group_size=64), "cuda")
+    assert grouped.kernel == "torch" and "per group" in grouped.reason
     cuda = kernel_choice.quant_kernel(QuantConfig(), "cuda")
     assert cuda.kernel == "torch" and "cuda" in cuda.reason and "widened" in cuda.reason
     assert "int4 kernels for cuda" in kernel_choice.quant_kernel(QuantConfig(bits=4, group_size=32), "cuda").reason

@@ -17,6 +17,7 @@ MODES = ("hf", "plain", "inject")
 #: ``--quant`` schemes: init_inference options for each, run kernel-injected on a freshly loaded model.
 QUANT_SCHEMES = {
     "int8": {"dtype": "int8"},
+    "int8-g64": {"quant": {"enabled": True, "weight": {"num_bits": 8, "group_size": 64}}},
     "w8a8": {"quant": {"enabled": True, "activation": {"enabled": True}}},
     "int4": {"quant": {"enabled": True, "weight": {"num_bits": 4, "group_size": 32, "q_type": "asymmetric"}}},
     "int4-sym": {"quant": {"enabled": True, "weight": {"num_bits": 4, "group_size": 32, "q_type": "symmetric"}}},

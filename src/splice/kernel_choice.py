@@ -106,8 +106,7 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
     """How the linears quantized with ``config`` compute on ``device``."""
     device, kind = torch.device(device), config.kind
     if kind == "int8_weight_only" and (config.group_size is not None or config.q_groups != 1):
-        return KernelChoice("torch", "grouped int8 runs on torch's int8 kernel, one call per group (splice's native "
-                                     "int8 GEMV takes one scale per output channel)")
+        return grouped_int8_kernel(device)
     if native.available_on(device):
         limit = native.MAX_ROWS[ROW_LIMIT_OF[kind]]
         in_tiles = " (the weight in 16-row tiles)" if native.int8_tiles_ready() else ""
@@ -138,6 +137,22 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
                                      f"matmul on cuda (torch's int8 kernel is slower there; {why_not_native(device)})")
     return KernelChoice("torch", f"torch's {'int4' if kind == 'int4_weight_only' else 'int8'} kernels for "
                                  f"{device.type} ({why_not_native(device)})")
+
+
+def grouped_int8_kernel(device: torch.device) -> KernelChoice:
+    """How int8 weight-only linears quantized in groups of input columns compute: splice's grouped GEMV on integer
+    dot products where the native kernels run and the dot products are on, else torch's int8 kernel per group."""
+    from .quant.qmath import ACTIVATION_BLOCK as block  # here: splice.quant imports this module
+
+    per_group = "torch's int8 kernel, one call per group"
+    dot = dot_products() if native.available_on(device) else ""
+    if not dot:
+        why = "SPLICE_NATIVE_DOT=0" if native.available_on(device) else why_not_native(device)
+        return KernelChoice("torch", f"grouped int8 runs on {per_group} ({why})")
+    return KernelChoice("native", f"splice's grouped int8 GEMV up to {native.MAX_ROWS['int8_dot']} rows on integer dot "
+                                  f"products ({dot}; each row of activations rounded to int8 per block of {block}) "
+                                  f"where the groups are whole blocks of {block} and divide in_features (else "
+                                  f"{per_group}), de-quantise + F.linear above; {native_level()}", dot_products=8)
 
 
 def dot_products() -> str:

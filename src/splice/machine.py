@@ -329,10 +329,18 @@ def int4_torch_rows() -> list[dict[str, Any]]:
 
 
 def int8_grouped_rows() -> list[dict[str, Any]]:
-    return _ranges("int8 weight-only, grouped", [
-        (kernels.INT8_KERNEL_MAX_ROWS, "torch._weight_int8pack_mm per group",
-         f"torch's int8 GEMV, one call per group (group size a multiple of {kernels.INT8PACK_CPU_K_MULTIPLE})"),
-        (None, "de-quantise + F.linear", "prefill: one GEMM on the de-quantised weight")])
+    from .kernel_choice import dot_products
+
+    per_group = (kernels.INT8_KERNEL_MAX_ROWS, "torch._weight_int8pack_mm per group",
+                 f"torch's int8 GEMV, one call per group (group size a multiple of {kernels.INT8PACK_CPU_K_MULTIPLE})")
+    prefill = (None, "de-quantise + F.linear", "prefill: one GEMM on the de-quantised weight")
+    if not (native.available() and dot_products()):
+        return _ranges("int8 weight-only, grouped", [per_group, prefill])
+    block = qmath.ACTIVATION_BLOCK
+    grouped = (native.MAX_ROWS["int8_dot"], "splice_kernels.int8_dot_gemv_grouped",
+               f"native GEMV, x rounded to int8 per block of {block}, integer dot products, a scale per group")
+    return (_ranges(f"int8 weight-only, grouped (groups of whole blocks of {block} that divide K)", [grouped, prefill])
+            + _ranges("int8 weight-only, grouped (other groups)", [per_group, prefill]))
 
 
 def w8a8_rows() -> list[dict[str, Any]]:

@@ -171,10 +171,13 @@ def test_decode_steps_agree_with_the_hf_reference(family):
     assert (expected.argmax(-1) == got.argmax(-1)).float().mean() > 0.9
 
 
-@pytest.mark.parametrize("scheme", ["int8", "w8a8", "int4", "int4-sym"])
+@pytest.mark.parametrize("scheme", ["int8", "int8-g64", "w8a8", "int4", "int4-sym"])
 def test_quantized_blocks_step_as_their_own_ops_do(scheme):
     engine = engine_of("llama", scheme)
     assert all(block.native_layer for block in engine.runtime.blocks)
+    if scheme == "int8-g64":  # grouped int8: its own GEMV kind
+        kinds = {layer_gemv(getattr(block, name)).kind for block in engine.runtime.blocks for name in LINEARS}
+        assert kinds == {native_layer.GEMV_INT8_GROUPED}
     assert_same_steps(engine)
 
 
@@ -302,7 +305,7 @@ def test_blocks_it_does_not_fit_keep_their_own_ops_and_the_report_says_why(famil
     assert reason in engine.step_report("kernels").summary()
 
 
-def test_padded_int4_weights_and_grouped_int8_keep_their_own_ops():
+def test_padded_int4_weights_keep_their_own_ops():
     """An int4 weight whose input is padded to the group (hidden 64, group 128) runs more than its GEMV."""
     engine = engine_of("llama", "int4-g128")
     assert not any(block.native_layer for block in engine.runtime.blocks)
@@ -345,7 +348,7 @@ def test_the_op_names_bad_inputs():
         run(slots=torch.tensor([64]))
     with pytest.raises(RuntimeError, match="cos and sin come together"):
         run(rotary=[(rotary[0][0], None)])
-    with pytest.raises(RuntimeError, match="GEMV kind 9; allowed: 0 .. 5"):
+    with pytest.raises(RuntimeError, match="GEMV kind 9; allowed: 0 .. 6"):
         run(first._replace(kinds=[0, 0, 9, 0]))
     with pytest.raises(RuntimeError, match="cache layer 7 outside 0 .. 1"):
         run(first._replace(layers=[7]))

@@ -704,6 +704,49 @@ def test_int8_dot_gemv_refuses_in_features_off_the_block(op):
 
 
 
+# (N, K, group) for grouped int8: tails of 9, 5 and 4 rows past the last 16; groups of one, two and three blocks (one
+# and three: a 64-column step straddles two groups); K ending in a half step
+GROUPED_SHAPES = [(64, 256, 64), (16 * 5 + 9, 352, 32), (37, 384, 96), (16, 128, 128), (132, 576, 64)]
+
+
+@needs_native
+@pytest.mark.parametrize("rows", (1, 2, 3, 5, 9))
+@pytest.mark.parametrize("n, k, group", GROUPED_SHAPES)
+def test_int8_dot_gemv_grouped_sums_each_block_exactly_and_scales_it_by_its_group(isa, rows, n, k, group):
+    """Grouped int8's decode op: x rounded as ``qmath.round_activations`` does, each block of 32 summed exactly in
+    integers, times its d and the weight row's scale of the block's group: every output is the exact product
+    rounded to bf16 (half a bf16 step) after float32 sums (their rounding bounded by the blocks' magnitudes, the
+    flipped bytes' excess included), on int8 rows and on the same weight in tiles (``native.int8_tile_pack``)."""
+    torch.manual_seed(rows * n)
+    x = torch.randn(rows, k).bfloat16() * torch.linspace(0.1, 10, k).bfloat16()
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    scales = (torch.rand(k // group, n) + 0.5).bfloat16()  # [groups, N]
+    per_column = scales.double().t().repeat_interleave(group, dim=1)  # [N, K]: each column's scale
+    rounded = qmath.round_activations(x.float()).double()
+    exact = rounded @ (q.double() * per_column).T
+    magnitude = rounded.abs() @ ((q.double().abs() + 256) * per_column).T
+    bound = exact.abs() * 2.0 ** -8 + magnitude * 2.0 ** -20
+    packed = native.int8_group_scales_pack(scales)  # [ceil(N / 16), groups, 16]
+    assert torch.equal(native.int8_group_scales_unpack(packed, n), scales)
+    last = (packed.shape[0] - 1) * 16  # the last tile's first row: its rows' scales of the first group side by side
+    assert torch.equal(packed[-1, 0, :3], scales[0, last:last + 3])
+    for weight in (q, native.int8_tile_pack(q)):
+        got = torch.ops.splice_kernels.int8_dot_gemv_grouped(x, weight, packed).double()
+        assert ((got - exact).abs() <= bound).all(), (weight.dtype, ((got - exact).abs() / bound).max())
+
+
+@needs_native
+@pytest.mark.parametrize("w, scales, message", [
+    (torch.zeros(4, 96, dtype=torch.int8), torch.ones(1, 2, 16), "groups; each group must be a whole multiple of 32"),
+    (torch.zeros(4, 96, dtype=torch.int8), torch.ones(3, 4), "scales must be a contiguous bf16 \\[1, groups, 16\\]"),
+    (torch.zeros(20, 96, dtype=torch.int8), torch.ones(1, 3, 16), "scales must be a contiguous bf16 \\[2, groups"),
+    (torch.zeros(4, 96), torch.ones(1, 3, 16), "w must be a contiguous CPU \\[N, K\\] tensor, int8 or uint8"),
+])
+def test_int8_dot_gemv_grouped_names_bad_inputs(w, scales, message):
+    with pytest.raises(RuntimeError, match=f"int8_dot_gemv_grouped: .*{message}"):
+        torch.ops.splice_kernels.int8_dot_gemv_grouped(torch.randn(1, 96).bfloat16(), w, scales.bfloat16())
+
+
 @needs_native
 def test_gptq_columns_refuses_what_it_cannot_sweep_and_writes_nothing():
     w, h = torch.randn(8, 16), torch.eye(16)

@@ -332,6 +332,71 @@ def test_int8_layers_keep_one_copy_in_tiles_and_save_int8_rows(monkeypatch, sche
     assert (out - expected).norm() / expected.norm() < 1e-2
 
 
+def _grouped_int8_layer(linear: nn.Linear, group: int, use_native: bool) -> nn.Module:
+    return HANDLERS["int8_weight_only"].from_float(linear.weight.detach(), linear.bias, QuantConfig(group_size=group),
+                                                   native=use_native, dot_products=use_native)
+
+
+@needs_native
+@pytest.mark.parametrize("group", [32, 64, 160])  # 160: five blocks, so a 64-column step straddles two groups
+def test_grouped_int8_runs_the_grouped_gemv_keeps_one_copy_and_saves_the_groups(monkeypatch, group):
+    """Grouped int8 on the native kernels: decode rows on ``int8_dot_gemv_grouped`` (x rounded per block of 32), the
+    weight kept once, as int8 rows or (where ``native.int8_grouped_tiles_ready``) tiles; state_dict() holds the
+    groups torch's layer holds, a fresh layer loads them back and a weight of another shape is refused, not cast;
+    rows past ``MAX_ROWS["int8_dot"]`` multiply the de-quantised weight."""
+    torch.manual_seed(0)
+    linear = nn.Linear(320, 200)
+    layer, torch_layer = _grouped_int8_layer(linear, group, True), _grouped_int8_layer(linear, group, False)
+    assert layer.native_grouped and layer.use_native and layer.group == group and not torch_layer.use_native
+    assert layer.tiled == native.int8_grouped_tiles_ready()
+    assert layer.qweight.shape == (200, 320) and layer.qweight.dtype == (torch.uint8 if layer.tiled else torch.int8)
+    assert layer.scales.shape == (13, 320 // group, 16)  # native.int8_group_scales_pack: 200 rows in 13 tiles of 16
+    padding = 8 * (320 // group) * 2  # the last tile's 8 rows past 200, a bf16 scale per group each
+    assert layer.weight_nbytes() == torch_layer.weight_nbytes() + padding
+    saved = layer.state_dict()
+    assert all(torch.equal(saved[key], torch_layer.state_dict()[key]) for key in torch_layer.state_dict())
+    torch.testing.assert_close(layer.dequantize(), torch_layer.dequantize(), rtol=0, atol=0)
+    for rows in (1, 3, 20):
+        x = torch.randn(rows, 320)
+        expected = F.linear(_reference_input(x, "w8a8"), layer.dequantize(), linear.bias)
+        with _spy("int8_dot_gemv_grouped") as calls:
+            out = layer(x)
+        assert calls.call_count == 1
+        assert (out - expected).norm() / expected.norm() < 5e-3
+    fresh = HANDLERS["int8_weight_only"].empty(320, 200, True, QuantConfig(group_size=group), "cpu", native=True,
+                                               dot_products=True)
+    fresh.load_state_dict(saved)
+    assert torch.equal(fresh.qweight, layer.qweight) and torch.equal(fresh.scales, layer.scales)
+    x = torch.randn(3, 320)
+    torch.testing.assert_close(fresh(x), layer(x), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="scales: saved \\(200, 4\\) torch.bfloat16 does not fit"):
+        fresh.load_state_dict({**saved, "scales": torch.ones(200, 4).bfloat16()})
+    wrong = {**saved, "qweight": saved["qweight"][:, :100].contiguous()}
+    shape = f"\\({320 // group}, 100, {group}\\)"
+    with pytest.raises(RuntimeError, match=f"qweight: saved {shape} torch.int8 does not fit"):
+        fresh.load_state_dict(wrong)
+    assert torch.equal(fresh.qweight, layer.qweight)
+    monkeypatch.setitem(native.MAX_ROWS, "int8_dot", 4)
+    x = torch.randn(20, 320)
+    with _spy("int8_dot_gemv_grouped") as calls:
+        out = layer(x)
+    assert calls.call_count == 0
+    expected = F.linear(x.bfloat16().float(), layer.dequantize(), linear.bias)
+    assert (out - expected).norm() / expected.norm() < 1e-2
+
+
+@needs_native
+@pytest.mark.parametrize("in_features, group", [(320, 16), (300, 32)])  # 16: half a block; 300: the last group padded
+def test_grouped_int8_off_whole_blocks_stays_on_torch_s_kernel(in_features, group):
+    linear = nn.Linear(in_features, 64)
+    layer = _grouped_int8_layer(linear, group, True)
+    assert not layer.native_grouped and not layer.use_native and layer.group == group
+    assert layer.qweight.shape == (-(-in_features // group), 64, group)
+    x = torch.randn(2, in_features)
+    expected = F.linear(x.bfloat16().float(), layer.dequantize(), linear.bias)
+    assert (layer(x) - expected).norm() / expected.norm() < 1e-2
+
+
 @needs_native
 @pytest.mark.parametrize("rows", [1, 3, 8, 40])
 def test_int8_decode_rows_on_int16_dot_products_at_the_avx2_level(rows):

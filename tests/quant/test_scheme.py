@@ -92,8 +92,9 @@ def test_int8_dtype_honours_the_weight_grouping(tiny_llama, weight, group_for):
     for name in ("self_attn.q_proj", "mlp.down_proj"):  # in_features 64 and 128
         layer = _layer(engine, name)
         group = group_for(layer.in_features)
-        assert isinstance(layer, Int8WeightOnlyLinear) and layer.grouped
-        assert layer.qweight.shape == (layer.in_features // group, layer.out_features, group)
+        assert isinstance(layer, Int8WeightOnlyLinear) and layer.grouped and layer.group == group
+        saved = layer.state_dict()["qweight"]  # the groups, however the layer keeps them for its kernel
+        assert saved.shape == (layer.in_features // group, layer.out_features, group) and saved.dtype == torch.int8
 
 
 def test_int8_dtype_honours_activation_quantization(tiny_llama):
@@ -111,7 +112,8 @@ def test_int8_dtype_honours_qkv_left_in_float(tiny_llama):
 
 def test_int8_dtype_honours_q_type_and_q_dtype(tiny_llama):
     engine = _int8_engine(tiny_llama, {"weight": {"q_type": "symmetric", "q_dtype": "int8", "group_size": 32}})
-    assert _layer(engine).qweight.dtype == torch.int8 and _layer(engine).grouped
+    layer = _layer(engine)
+    assert layer.state_dict()["qweight"].dtype == torch.int8 and layer.grouped and layer.group == 32
 
 
 @pytest.mark.parametrize("quant, message", [

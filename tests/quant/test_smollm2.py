@@ -128,6 +128,7 @@ def _continuation(model, tokenizer, prompt: str) -> str:
 # is held to its own bound below (test_int4_symmetric_scale_search_holds), not to +10 %.
 CASES = {
     "int8": (lambda: QuantConfig(), 0.02, 0.55),
+    "int8-g64": (lambda: QuantConfig(group_size=64), 0.02, 0.55),
     "w8a8": (lambda: QuantConfig(activations=True), 0.04, 0.55),
     "int4-g32-asym": (lambda: QuantConfig(bits=4, group_size=32, symmetric=False), 0.10, 0.33),
     # through init_inference's config the output head is int8 too (its default when quantizing): more stored bytes
@@ -222,10 +223,12 @@ def _decode_log_probs(model, ids: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("case, level", [("int8", "best"), ("int4-g32-asym", "best"), ("int8", "avx2")])
+@pytest.mark.parametrize("case, level", [("int8", "best"), ("int8-g64", "best"), ("int4-g32-asym", "best"),
+                                         ("int8", "avx2")])
 def test_decode_activation_rounding_costs_little(bf16_model, case, level, monkeypatch):
     """At the best level this CPU runs, and for int8 weight-only at the avx2 level without AVX-VNNI too, where its
-    activations are rounded to int16 (``kernel_choice.int16_activations``)."""
+    activations are rounded to int16 (``kernel_choice.int16_activations``). Grouped int8 (which rounds to int8 at
+    every level) against torch's per-group kernel, where its float products run."""
     from splice import native
     from splice.kernel_choice import dot_products, int16_activations
     from splice.quant import Int8WeightOnlyLinear, QuantizedLinear
@@ -242,9 +245,11 @@ def test_decode_activation_rounding_costs_little(bf16_model, case, level, monkey
             model = copy.deepcopy(bf16_model.model)
             quantize(model, CASES[case][0]())
             layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-            bits = [16 if isinstance(m, Int8WeightOnlyLinear) and int16_activations() else 8 for m in layers]
-            assert layers and [m.use_dot_products for m in layers] == [b if dot else 0 for b in bits]
-            assert all(m.use_native for m in layers)
+            grouped = [isinstance(m, Int8WeightOnlyLinear) and m.grouped for m in layers]
+            wide = [isinstance(m, Int8WeightOnlyLinear) and int16_activations() and not g
+                    for m, g in zip(layers, grouped)]
+            assert layers and [m.use_dot_products for m in layers] == [(16 if w else 8) if dot else 0 for w in wide]
+            assert all(m.use_native == (dot or not g) for m, g in zip(layers, grouped))
             models[dot] = model
         kl, nll, positions = 0.0, {True: 0.0, False: 0.0}, 0
         for ids in bf16_model.ids.values():

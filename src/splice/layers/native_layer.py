@@ -27,7 +27,7 @@ from .native_linear import NativeLinear
 from .norm import RMSNorm
 
 #: decode_layers' GEMV kinds (gemv.cpp's LayerGemv)
-GEMV_BF16, GEMV_INT8, GEMV_INT8_DOT, GEMV_INT8_DOT16, GEMV_INT4, GEMV_INT4_DOT = range(6)
+GEMV_BF16, GEMV_INT8, GEMV_INT8_DOT, GEMV_INT8_DOT16, GEMV_INT4, GEMV_INT4_DOT, GEMV_INT8_GROUPED = range(7)
 #: the block's linears, in decode_layers' order
 LINEARS = ("qkv", "o", "gate_up", "down")
 
@@ -49,6 +49,7 @@ W8A8_GEMV = LayerGemv(GEMV_INT8_DOT, ("qweight", "scales", "bias"), 0, "w8a8")
 INT8_GEMVS = {products: LayerGemv(kind, ("qweight", "scales", "bias"), 0, rows)
               for products, kind, rows in ((16, GEMV_INT8_DOT16, "int8_dot"), (8, GEMV_INT8_DOT, "int8_dot"),
                                            (0, GEMV_INT8, "int8"))}
+INT8_GROUPED_GEMV = LayerGemv(GEMV_INT8_GROUPED, ("qweight", "scales", "bias"), 0, "int8_dot")
 
 
 def layer_gemv(linear: nn.Module) -> LayerGemv | None:
@@ -67,8 +68,10 @@ def layer_gemv(linear: nn.Module) -> LayerGemv | None:
             return None
         return W8A8_GEMV
     if isinstance(linear, Int8WeightOnlyLinear):
-        if not linear.use_native or linear.grouped:
+        if not linear.use_native:
             return None
+        if linear.native_grouped:
+            return INT8_GROUPED_GEMV
         return INT8_GEMVS.get(linear.use_dot_products, INT8_GEMVS[0])
     return None
 

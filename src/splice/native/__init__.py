@@ -609,6 +609,8 @@ def _register_fakes() -> None:
     torch.library.register_fake("splice_kernels::int8_gemv")(lambda x, w, scales: fake_rows(x, w.shape[0]))
     torch.library.register_fake("splice_kernels::int8_dot_gemv")(lambda x, w, scales: fake_rows(x, w.shape[0]))
     torch.library.register_fake("splice_kernels::int8_dot16_gemv")(lambda x, w, scales: fake_rows(x, w.shape[0]))
+    torch.library.register_fake("splice_kernels::int8_dot_gemv_grouped")(
+        lambda x, w, scales: fake_rows(x, w.shape[0]))
     torch.library.register_fake("splice_kernels::int4_gemv")(
         lambda x, w, scales_and_zeros, group: fake_rows(x, w.shape[0] * INT4_TILE))
     torch.library.register_fake("splice_kernels::int4_dot_gemv")(
@@ -728,6 +730,30 @@ def int8_tiles_ready() -> bool:
     level is ``avx512`` on a CPU with AVX512-VNNI (the ``amx`` level's int8 GEMV, on AMX tiles from 9 rows, reads
     rows)."""
     return available() and torch.ops.splice_kernels.int8_tiles_ready()
+
+
+def int8_grouped_tiles_ready() -> bool:
+    """Whether grouped int8 layers keep their weight in tiles (:func:`int8_tile_pack`) for ``int8_dot_gemv_grouped``:
+    wherever its integer dot products run on AVX512-VNNI (the ``avx512`` and ``amx`` levels; grouped int8 has no AMX
+    tile path)."""
+    return available() and torch.ops.splice_kernels.vnni_ready()
+
+
+def int8_group_scales_pack(scales: torch.Tensor) -> torch.Tensor:
+    """Grouped int8 scales ``[G, N]`` -> the layout ``int8_dot_gemv_grouped`` reads: ``[ceil(N / 16), G, 16]``, each
+    16 rows' scales of one group side by side (the last tile's rows past N zero), so a kernel walking 16 rows reads
+    their scales in sequence."""
+    groups, n = scales.shape
+    tiles = -(-n // INT8_TILE_ROWS)
+    padded = scales.new_zeros(groups, tiles * INT8_TILE_ROWS)
+    padded[:, :n] = scales
+    return padded.reshape(groups, tiles, INT8_TILE_ROWS).transpose(0, 1).contiguous()
+
+
+def int8_group_scales_unpack(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of :func:`int8_group_scales_pack` for ``n`` rows: ``[G, N]``."""
+    tiles, groups, _ = packed.shape
+    return packed.transpose(0, 1).reshape(groups, tiles * INT8_TILE_ROWS)[:, :n].contiguous()
 
 
 def int8_tile_pack(q: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,9 @@
 //       dot products with AVX512-VNNI, else AVX-VNNI, else vpmaddubsw
 //   Every int8 op also takes w as uint8 [N, K]: the same weight in int8 dword tiles (splice.native.int8_tile_pack;
 //       K a multiple of 32), which int8_dot_gemv reads as they are with AVX512-VNNI and the others read back to rows
+//   int8_dot_gemv_grouped(x, w int8 [N, K], scales bf16 [ceil(N / 16), K / group, 16])  int8_dot_gemv's arithmetic on
+//       a weight with a scale per row and group of columns (whole blocks of 32): each block's sum times its group's
+//       scale; the scales of 16 rows side by side per group (splice.native.int8_group_scales_pack)
 //   int8_dot16_gemv(x, w, scales)  the same product with x rounded to int16 per row and block of 256: int8
 //       weight-only's decode rows at the avx2 level without AVX-VNNI (vpmaddwd, the AVX2 code at every level)
 //   int4_gemv(x bf16 [M, K], w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group)
@@ -683,6 +686,32 @@ void int4_dot_activations(const int8_t* q_rows, int64_t stride, const float* d, 
     for (int64_t b = 0; b < a.blocks; ++b) a.add_block(i, b, d[i * a.blocks + b], block_sum(q + b * DOT_BLOCK));
   }
 }
+
+// A grouped int8 weight's scales as every level's int8_dot_gemv_grouped reads them (splice.native.
+// int8_group_scales_pack): bf16 [ceil(N / 16), groups, 16], each 16 rows' scales of one group side by side, so a
+// walk over 16 rows reads its scales in sequence, as it reads the rows (in [groups, N] each group of 16 rows would be a
+// line of its own, N apart from the next group's).
+constexpr int64_t SCALE_TILE = 16;
+struct GroupedScales {
+  const at::BFloat16* s;
+  int64_t group, tile_stride;  // columns per group; bf16 values per 16 rows' scales (groups * 16)
+  std::vector<int64_t> lines;  // per block of DOT_BLOCK columns, where its group's 16 scales start in a tile
+
+  GroupedScales(const at::Tensor& scales, int64_t k)
+      : s(scales.data_ptr<at::BFloat16>()), group(k / scales.size(1)), tile_stride(scales.size(1) * SCALE_TILE),
+        lines(k / DOT_BLOCK) {
+    for (int64_t b = 0; b < k / DOT_BLOCK; ++b) lines[b] = b * DOT_BLOCK / group * SCALE_TILE;
+  }
+  // The 16 scales of rows first .. first + 15 (first a multiple of 16) for block b's group.
+  const at::BFloat16* tile_line(int64_t first, int64_t block) const {
+    return s + first / SCALE_TILE * tile_stride + lines[block];
+  }
+  const at::BFloat16* of(int64_t row, int64_t block) const {
+    return tile_line(row - row % SCALE_TILE, block) + row % SCALE_TILE;
+  }
+  float at(int64_t row, int64_t block) const { return static_cast<float>(*of(row, block)); }
+};
+constexpr int64_t GROUPED_X_ROWS = 2;  // rows of x per pass of int8_dot_gemv_grouped (its scales take registers too)
 
 // Each thread's x rounded for int4_dot_gemv (every level's), its buffers kept from call to call: in a team every thread
 // rounds x for itself before each GEMV.
@@ -1408,19 +1437,26 @@ void int8_dot_tiles(const DotActivations& a, const BlockTerms& terms, int64_t m0
 // more): one sequential stream each leaves too few reads in flight.
 constexpr int64_t TILE_STREAM_ROWS = 4;
 
-// int8_dot_gemv on tiles: every 16 weight rows a unit of the threads' shares, chunks of up to TRANSPOSED_ROWS rows of
-// x (the unit stays in cache between chunks); the row-major tail on int8_dot_rows.
+// The whole 16-row groups of int8 tiles, each a unit of the threads' shares: f(Int<M>, Int<S>, first row, the second
+// stream's rows further on, first row of x) for chunks of up to TRANSPOSED_ROWS rows of x (the unit stays in cache
+// between chunks), S streams a thread up to TILE_STREAM_ROWS rows of x.
+template <typename F>
+void for_tile_units(int64_t n, int64_t m, F&& f) {
+  parallel_streams<2>(n / TRANSPOSED_WEIGHT_ROWS, m, TILE_STREAM_ROWS, [&](auto streams, int64_t unit, int64_t span) {
+    constexpr int S = decltype(streams)::value;
+    for_x_chunks<TRANSPOSED_ROWS>(m, [&](auto m_c, int64_t m0) {
+      if constexpr (S == 1 || decltype(m_c)::value <= TILE_STREAM_ROWS)
+        f(m_c, Int<S>{}, unit * TRANSPOSED_WEIGHT_ROWS, span * TRANSPOSED_WEIGHT_ROWS, m0);
+    });
+  });
+}
+
+// int8_dot_gemv on tiles (for_tile_units); the row-major tail on int8_dot_rows.
 void int8_dot_gemv_tiles(const DotActivations& a, int64_t m, const uint8_t* w, const at::BFloat16* scales, int64_t n,
                          int64_t k, at::BFloat16* out) {
   const BlockTerms terms = block_terms(a, m, k);
-  parallel_streams<2>(n / TRANSPOSED_WEIGHT_ROWS, m, TILE_STREAM_ROWS, [&](auto streams, int64_t unit, int64_t span) {
-    constexpr int S = decltype(streams)::value;
-    const int64_t n0 = unit * TRANSPOSED_WEIGHT_ROWS;
-    for_x_chunks<TRANSPOSED_ROWS>(m, [&](auto m_c, int64_t m0) {
-      constexpr int M = decltype(m_c)::value;
-      if constexpr (S == 1 || M <= TILE_STREAM_ROWS)
-        int8_dot_tiles<M, S>(a, terms, m0, w, scales, k, n0, span * TRANSPOSED_WEIGHT_ROWS, out + m0 * n, n);
-    });
+  for_tile_units(n, m, [&](auto m_c, auto s_c, int64_t n0, int64_t span, int64_t m0) {
+    int8_dot_tiles<decltype(m_c)::value, decltype(s_c)::value>(a, terms, m0, w, scales, k, n0, span, out + m0 * n, n);
   });
   if (!leads_team()) return;
   const auto* rows = reinterpret_cast<const int8_t*>(w);
@@ -1455,6 +1491,201 @@ at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
       int8_dot_row_sets<decltype(m_c)::value, R / 4>(a, m0, wp, sp, k, rows, op + m0 * n, n);
     else
       int8_dot_rows<decltype(m_c)::value, R>(a, m0, wp, sp, k, rows, op + m0 * n, n);
+  });
+  return out;
+}
+
+// ---- int8 in groups: a bf16 scale per weight row and group of columns --------------------------------------------
+// A grouped int8 weight (a scale per row and group of columns, GroupedScales; the group whole blocks of DOT_BLOCK) in
+// tiles: int8_dot_grouped_tiles below. In rows (and the tiles' tail rows), multiplied as int8_dot_gemv multiplies a
+// per-channel one, but each 64-column step's lanes are scaled by the weight row's scales of their blocks' groups, so
+// the flipped bytes' excess cannot be taken off once per row of x at the end: it is taken off each step's lanes
+// (lane_excess: d * 128 * the lane's four codes) before the group scale.
+
+// Per row of x and 64-column step, the 16 lanes' excess of the flipped weight bytes, already times the lane's d.
+__attribute__((target("avx512vnni")))
+std::vector<float> lane_excess(const DotActivations& a, int64_t m) {
+  const int64_t steps = a.padded / DOT_STEP;
+  std::vector<float> excess(m * steps * 16);
+  const __m512i bytes_128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t s = 0; s < m * steps; ++s) {
+    const __m512i codes = _mm512_loadu_si512(a.q.data() + s * DOT_STEP);
+    const __m512 lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), bytes_128, codes));
+    _mm512_storeu_ps(excess.data() + s * 16, _mm512_mul_ps(lanes, _mm512_loadu_ps(a.d.data() + s * 16)));
+  }
+  return excess;
+}
+
+// A step's lane scales of one weight row: its first block's group scale in lanes 0-7, its second's in 8-15 (SPLIT:
+// the group is an odd number of blocks, so a step may straddle two groups), else one scale for all 16.
+template <bool SPLIT>
+inline __m512 step_scales(const GroupedScales& gs, int64_t row, int64_t block, int64_t blocks) {
+  const __m512 first = _mm512_set1_ps(gs.at(row, block));
+  if constexpr (!SPLIT) return first;
+  const float second = block + 1 < blocks ? gs.at(row, block + 1) : 0.f;  // past k: lanes of zeros
+  return _mm512_insertf32x8(first, _mm256_set1_ps(second), 1);
+}
+
+// One 64-column step (the lanes of `mask`) of S weight rows for M rows of x: each lane's sum, less the flipped bytes'
+// excess, times its block's d and its group's scale (scale[t]), into acc.
+template <int M, int S, bool FLIPPED>
+__attribute__((target("avx512vnni")))
+inline void grouped_step(const int8_t* xq, const float* xd, const float* xe, int64_t x_stride, int64_t d_stride,
+                         const int8_t* const (&row_at)[S], const __m512 (&scale)[S], int64_t c, __mmask64 mask,
+                         __m512 (&acc)[M][S]) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(FLIPPED ? 0 : 0x80));
+  __m512i wv[S];
+  UNROLLED for (int t = 0; t < S; ++t) {
+    prefetch<PREFETCH_INT8>(row_at[t] + c + PREFETCH_BYTES, M);
+    wv[t] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(mask, row_at[t] + c), flip);
+  }
+  UNROLLED for (int m = 0; m < M; ++m) {
+    const __m512i xv = _mm512_loadu_si512(xq + m * x_stride + c);
+    const int64_t lanes = m * d_stride + c / DOT_STEP * 16;
+    const __m512 dv = _mm512_loadu_ps(xd + lanes), ev = _mm512_loadu_ps(xe + lanes);
+    UNROLLED for (int t = 0; t < S; ++t) {
+      const __m512 sums = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[t], xv));
+      acc[m][t] = _mm512_fmadd_ps(_mm512_fmsub_ps(sums, dv, ev), scale[t], acc[m][t]);
+    }
+  }
+}
+
+// S weight rows (rows[t], at row_at[t]; FLIPPED: stored as w + 128, the tiles' tail rows) over every column, walked
+// together, for M rows of x from m0: a group at a time where groups are whole steps, else (SPLIT) each step's lanes
+// scaled by their own blocks' groups.
+template <int M, int S, bool SPLIT, bool FLIPPED>
+__attribute__((target("avx512vnni")))
+void int8_dot_grouped_set(const DotActivations& a, const std::vector<float>& excess, int64_t m0,
+                          const int64_t (&rows)[S], const int8_t* const (&row_at)[S], const GroupedScales& gs,
+                          int64_t k, at::BFloat16* out, int64_t n_total) {
+  const int64_t steps = a.padded / DOT_STEP, blocks = k / DOT_BLOCK, whole = k / DOT_STEP * DOT_STEP;
+  const int64_t d_stride = steps * 16;
+  const int8_t* xq = a.q.data() + m0 * a.padded;
+  const float* xd = a.d.data() + m0 * d_stride;
+  const float* xe = excess.data() + m0 * d_stride;
+  __m512 acc[M][S], scale[S];
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int t = 0; t < S; ++t) acc[m][t] = _mm512_setzero_ps();
+  if constexpr (SPLIT) {
+    for (int64_t c = 0; c < k; c += DOT_STEP) {
+      UNROLLED for (int t = 0; t < S; ++t) scale[t] = step_scales<true>(gs, rows[t], c / DOT_BLOCK, blocks);
+      const __mmask64 mask = c < whole ? ~__mmask64(0) : (__mmask64(1) << (k - c)) - 1;
+      grouped_step<M, S, FLIPPED>(xq, xd, xe, a.padded, d_stride, row_at, scale, c, mask, acc);
+    }
+  } else {
+    for (int64_t g = 0; g < k; g += gs.group) {  // every group whole steps
+      UNROLLED for (int t = 0; t < S; ++t) scale[t] = step_scales<false>(gs, rows[t], g / DOT_BLOCK, blocks);
+      for (int64_t c = g; c < g + gs.group; c += DOT_STEP)
+        grouped_step<M, S, FLIPPED>(xq, xd, xe, a.padded, d_stride, row_at, scale, c, ~__mmask64(0), acc);
+    }
+  }
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int t = 0; t < S; ++t) out[m * n_total + rows[t]] = at::BFloat16(_mm512_reduce_add_ps(acc[m][t]));
+}
+
+// A RowBlock of R weight rows: up to four walked together, else as sets of R / 4 rows (for_row_sets: each set over
+// every column before the next, so each stream is read in sequence).
+template <int M, int R, bool SPLIT, bool FLIPPED = false>
+void int8_dot_grouped_rows(const DotActivations& a, const std::vector<float>& excess, int64_t m0, const int8_t* w,
+                           const GroupedScales& gs, int64_t k, RowBlock block, at::BFloat16* out, int64_t n_total) {
+  if constexpr (R > 4) {
+    for_row_sets<R / 4>(w, k, block, [&](const int64_t (&rows)[R / 4], const int8_t* const (&row_at)[R / 4]) {
+      int8_dot_grouped_set<M, R / 4, SPLIT, FLIPPED>(a, excess, m0, rows, row_at, gs, k, out, n_total);
+    });
+  } else {
+    int64_t rows[R];
+    const int8_t* row_at[R];
+    for (int r = 0; r < R; ++r) rows[r] = block.row(r), row_at[r] = w + rows[r] * k;
+    int8_dot_grouped_set<M, R, SPLIT, FLIPPED>(a, excess, m0, rows, row_at, gs, k, out, n_total);
+  }
+}
+
+// M rows of x times S groups of 16 weight rows in int8 tiles (int8_dot_tiles' layout; the second group from row
+// n0 + span): per block the 16 rows' exact sums (int8_dot_tile_block) times the block's d into a group's sums, which
+// at the group's end are multiplied by the 16 rows' scales of that group (GroupedScales::tile_line: 32 bytes).
+template <int M, int S>
+__attribute__((target("avx512vnni")))
+void int8_dot_grouped_tiles(const DotActivations& a, const BlockTerms& terms, int64_t m0, const uint8_t* w,
+                            const GroupedScales& gs, int64_t k, int64_t n0, int64_t span, at::BFloat16* out,
+                            int64_t n_total) {
+  constexpr int CHAINS = M >= 6 ? 1 : M >= 3 ? 2 : 4;
+  constexpr int64_t BLOCK_BYTES = DOT_BLOCK * TRANSPOSED_WEIGHT_ROWS;  // a block of a group of 16 rows: 8 vectors
+  const int64_t blocks = k / DOT_BLOCK, per_group = gs.group / DOT_BLOCK;
+  int64_t first_row[S];
+  const uint8_t* base[S];
+  __m512 acc[S][M], group_sums[S][M];
+  UNROLLED for (int t = 0; t < S; ++t) {
+    first_row[t] = n0 + t * span;
+    base[t] = w + first_row[t] * k;
+    UNROLLED for (int m = 0; m < M; ++m) acc[t][m] = group_sums[t][m] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0, left = per_group; b < blocks; ++b) {
+    UNROLLED for (int t = 0; t < S; ++t) {
+      const uint8_t* block = base[t] + b * BLOCK_BYTES;
+      __m512i v[8];
+      UNROLLED for (int j = 0; j < 8; ++j) {
+        prefetch<PREFETCH_INT8, _MM_HINT_T1>(block + TRANSPOSED_WEIGHT_ROWS * k + 64 * j, M);  // the next group's
+        v[j] = _mm512_loadu_si512(block + 64 * j);
+      }
+      int8_dot_tile_block<M, CHAINS>(v, a, terms, m0, b * DOT_BLOCK, b, blocks, group_sums[t]);
+    }
+    if (--left) continue;
+    left = per_group;
+    UNROLLED for (int t = 0; t < S; ++t) {
+      const auto* line = reinterpret_cast<const __m256i*>(gs.tile_line(first_row[t], b));
+      const __m512 scale = bf16_to_f32(_mm256_loadu_si256(line));
+      UNROLLED for (int m = 0; m < M; ++m) {
+        acc[t][m] = _mm512_fmadd_ps(group_sums[t][m], scale, acc[t][m]);
+        group_sums[t][m] = _mm512_setzero_ps();
+      }
+    }
+  }
+  UNROLLED for (int t = 0; t < S; ++t)
+    UNROLLED for (int m = 0; m < M; ++m)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * n_total + first_row[t]),
+                          (__m256i)_mm512_cvtneps_pbh(acc[t][m]));
+}
+
+// int8_dot_gemv_grouped on tiles (as int8_dot_gemv_tiles walks them); the row-major tail on the grouped row kernels.
+void int8_dot_gemv_grouped_tiles(const DotActivations& a, int64_t m, const uint8_t* w, const GroupedScales& gs,
+                                 int64_t n, int64_t k, at::BFloat16* out) {
+  const BlockTerms terms = block_terms(a, m, k);
+  for_tile_units(n, m, [&](auto m_c, auto s_c, int64_t n0, int64_t span, int64_t m0) {
+    int8_dot_grouped_tiles<decltype(m_c)::value, decltype(s_c)::value>(a, terms, m0, w, gs, k, n0, span,
+                                                                       out + m0 * n, n);
+  });
+  if (!leads_team() || whole_tile_rows(n) == n) return;
+  const std::vector<float> excess = lane_excess(a, m);
+  const auto* rows = reinterpret_cast<const int8_t*>(w);
+  const bool split = gs.group % DOT_STEP != 0;
+  for (int64_t row = whole_tile_rows(n); row < n; row += 4)
+    with_rows(std::min<int64_t>(4, n - row), [&](auto r_c) {
+      for_x_chunks<GROUPED_X_ROWS>(m, [&](auto m_c, int64_t m0) {
+        constexpr int M = decltype(m_c)::value, R = decltype(r_c)::value;
+        const RowBlock block{row, 0};
+        if (split) int8_dot_grouped_rows<M, R, true, true>(a, excess, m0, rows, gs, k, block, out + m0 * n, n);
+        else int8_dot_grouped_rows<M, R, false, true>(a, excess, m0, rows, gs, k, block, out + m0 * n, n);
+      });
+    });
+}
+
+at::Tensor int8_dot_gemv_grouped(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
+  const GroupedScales gs(scales, k);
+  const DotActivations a = round_rows(x.data_ptr<at::BFloat16>(), m, k);
+  auto out = kernel_output({m, n}, x.options());
+  auto* op = out.data_ptr<at::BFloat16>();
+  if (w.scalar_type() == at::kByte) {
+    int8_dot_gemv_grouped_tiles(a, m, w.data_ptr<uint8_t>(), gs, n, k, op);
+    return out;
+  }
+  const std::vector<float> excess = lane_excess(a, m);
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const bool split = gs.group % DOT_STEP != 0;  // a step may straddle two groups
+  for_row_blocks<GROUPED_X_ROWS>(m, n, [&](auto m_c, auto r_c, RowBlock rows, int64_t m0) {
+    constexpr int M = decltype(m_c)::value, R = decltype(r_c)::value;
+    if (split) int8_dot_grouped_rows<M, R, true>(a, excess, m0, wp, gs, k, rows, op + m0 * n, n);
+    else int8_dot_grouped_rows<M, R, false>(a, excess, m0, wp, gs, k, rows, op + m0 * n, n);
   });
   return out;
 }
@@ -2576,6 +2807,28 @@ DotRows round_rows(const at::BFloat16* x, int64_t m, int64_t k) {
   return a;
 }
 
+// Block b (DOT_BLOCK columns) of S weight rows, and the words' magnitudes for block_dots; each stream prefetched in
+// itself, a line every other block.
+template <int S>
+inline void load_block(const int8_t* const (&row_at)[S], int64_t b, int64_t rows_of_x, __m256i (&wv)[S],
+                       __m256i (&magnitude)[S]) {
+  const int64_t c = b * DOT_BLOCK;
+  UNROLLED for (int t = 0; t < S; ++t) {
+    if (b % 2 == 0) prefetch<PREFETCH_INT8>(row_at[t] + c + PREFETCH_BYTES, rows_of_x);
+    wv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_at[t] + c));
+    magnitude[t] = _mm256_abs_epi8(wv[t]);
+  }
+}
+
+// A block's eight int32 lane sums of w's and x's int8 products: |w| (magnitude) times x with w's sign, each lane's four
+// products summed (AVX-VNNI's vpdpbusd, or vpmaddubsw and vpmaddwd with ones: the same integers).
+template <bool VNNI>
+inline __m256i block_dots(__m256i magnitude, __m256i w, __m256i x) {
+  const __m256i signed_x = _mm256_sign_epi8(x, w);
+  return VNNI ? dpbusd_avx(_mm256_setzero_si256(), magnitude, signed_x)
+              : _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), _mm256_set1_epi16(1));
+}
+
 template <bool VNNI, int M, int R>
 void int8_dot_rows(const DotRows& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k,
                    RowBlock block, at::BFloat16* out, int64_t n_total) {
@@ -2583,7 +2836,6 @@ void int8_dot_rows(const DotRows& a, int64_t m0, const int8_t* w, const at::BFlo
   const int64_t blocks = k / DOT_BLOCK;
   const int8_t* row_at[R];
   row_pointers<R>(w, k, block, row_at);
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[M][R];
   UNROLLED for (int m = 0; m < M; ++m)
     UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm256_setzero_ps();
@@ -2599,10 +2851,7 @@ void int8_dot_rows(const DotRows& a, int64_t m0, const int8_t* w, const at::BFlo
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (m0 + m) * k + c));
       const __m256 d = _mm256_set1_ps(a.d[(m0 + m) * blocks + b]);
       UNROLLED for (int r = 0; r < rows; ++r) {
-        const __m256i signed_x = _mm256_sign_epi8(xv, wv[r]);
-        const __m256i block = VNNI ? dpbusd_avx(_mm256_setzero_si256(), magnitude[r], signed_x)
-                                   : _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[r], signed_x), ones);
-        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block), d, acc[m][r]);
+        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dots<VNNI>(magnitude[r], wv[r], xv)), d, acc[m][r]);
       }
     }
   }
@@ -2618,26 +2867,18 @@ template <bool VNNI, int M>
 void int8_dot_row_pairs(const DotRows& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k,
                         RowBlock block, at::BFloat16* out, int64_t n_total) {
   const int64_t blocks = k / DOT_BLOCK;
-  const __m256i ones = _mm256_set1_epi16(1);
-  for_row_sets<2>(w, k, block, [&](const int64_t rows[2], const int8_t* const row_at[2]) {
+  for_row_sets<2>(w, k, block, [&](const int64_t (&rows)[2], const int8_t* const (&row_at)[2]) {
     __m256 acc[M][2];
     UNROLLED for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t c = b * DOT_BLOCK;
       __m256i wv[2], magnitude[2];
-      for (int t = 0; t < 2; ++t) {
-        if (b % 2 == 0) prefetch<PREFETCH_INT8>(row_at[t] + c + PREFETCH_BYTES, M);  // a line every other block
-        wv[t] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row_at[t] + c));
-        magnitude[t] = _mm256_abs_epi8(wv[t]);
-      }
+      load_block<2>(row_at, b, M, wv, magnitude);
       UNROLLED for (int m = 0; m < M; ++m) {
         const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (m0 + m) * k + c));
         const __m256 d = _mm256_set1_ps(a.d[(m0 + m) * blocks + b]);
         for (int t = 0; t < 2; ++t) {
-          const __m256i signed_x = _mm256_sign_epi8(xv, wv[t]);
-          const __m256i sums = VNNI ? dpbusd_avx(_mm256_setzero_si256(), magnitude[t], signed_x)
-                                    : _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude[t], signed_x), ones);
-          acc[m][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), d, acc[m][t]);
+          acc[m][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(block_dots<VNNI>(magnitude[t], wv[t], xv)), d, acc[m][t]);
         }
       }
     }
@@ -2660,6 +2901,71 @@ at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
       int8_dot_row_pairs<VNNI, decltype(m_c)::value>(a, m0, wp, sp, k, rows, op + m0 * n, n);
     else
       int8_dot_rows<VNNI, decltype(m_c)::value, decltype(r_c)::value>(a, m0, wp, sp, k, rows, op + m0 * n, n);
+  });
+  return out;
+}
+
+// A grouped int8 weight (see avx512::int8_dot_gemv_grouped) on int8_dot_rows' arithmetic, S weight rows (rows[t], at
+// row_at[t]) over every column: each block's sum times x's block scale into the group's sums, which at the group's
+// end are multiplied by the row's scale of that group (the weight is never flipped here, so no excess is taken off).
+template <bool VNNI, int M, int S>
+void int8_dot_grouped_set(const DotRows& a, int64_t m0, const int64_t (&rows)[S], const int8_t* const (&row_at)[S],
+                          const GroupedScales& gs, int64_t k, at::BFloat16* out, int64_t n_total) {
+  const int64_t blocks = k / DOT_BLOCK, per_group = gs.group / DOT_BLOCK;
+  __m256 acc[M][S];
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int t = 0; t < S; ++t) acc[m][t] = _mm256_setzero_ps();
+  for (int64_t first = 0; first < blocks; first += per_group) {
+    __m256 group_sums[M][S];
+    UNROLLED for (int m = 0; m < M; ++m)
+      UNROLLED for (int t = 0; t < S; ++t) group_sums[m][t] = _mm256_setzero_ps();
+    for (int64_t b = first; b < first + per_group; ++b) {
+      const int64_t c = b * DOT_BLOCK;
+      __m256i wv[S], magnitude[S];
+      load_block<S>(row_at, b, M, wv, magnitude);
+      UNROLLED for (int m = 0; m < M; ++m) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + (m0 + m) * k + c));
+        const __m256 d = _mm256_set1_ps(a.d[(m0 + m) * blocks + b]);
+        UNROLLED for (int t = 0; t < S; ++t) {
+          const __m256 sums = _mm256_cvtepi32_ps(block_dots<VNNI>(magnitude[t], wv[t], xv));
+          group_sums[m][t] = _mm256_fmadd_ps(sums, d, group_sums[m][t]);
+        }
+      }
+    }
+    UNROLLED for (int t = 0; t < S; ++t) {
+      // the bf16 scale broadcast as 16-bit words, each 32-bit lane shifted to hold it as float32
+      const int16_t bits = *reinterpret_cast<const int16_t*>(gs.of(rows[t], first));
+      const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_set1_epi16(bits), 16));
+      UNROLLED for (int m = 0; m < M; ++m) acc[m][t] = _mm256_fmadd_ps(group_sums[m][t], scale, acc[m][t]);
+    }
+  }
+  UNROLLED for (int m = 0; m < M; ++m)
+    UNROLLED for (int t = 0; t < S; ++t) out[m * n_total + rows[t]] = at::BFloat16(horizontal_sum(acc[m][t]));
+}
+
+template <bool VNNI>
+at::Tensor int8_dot_gemv_grouped(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
+  const GroupedScales gs(scales, k);
+  const DotRows a = round_rows(x.data_ptr<at::BFloat16>(), m, k);
+  auto out = kernel_output({m, n}, x.options());
+  const int8_t* wp = w.data_ptr<int8_t>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  // one weight row at a time (a block of four, a tail), or sets of two streams' rows (for_row_sets)
+  for_row_blocks<GROUPED_X_ROWS>(m, n, [&](auto m_c, auto r_c, RowBlock block, int64_t m0) {
+    constexpr int M = decltype(m_c)::value, R = decltype(r_c)::value, S = R > 4 ? R / 4 : 1;
+    const auto set = [&](const int64_t (&rows)[S], const int8_t* const (&row_at)[S]) {
+      int8_dot_grouped_set<VNNI, M, S>(a, m0, rows, row_at, gs, k, op + m0 * n, n);
+    };
+    if constexpr (R > 4) {
+      for_row_sets<S>(wp, k, block, set);
+    } else {
+      for (int r = 0; r < R; ++r) {
+        const int64_t rows[1] = {block.row(r)};
+        const int8_t* const row_at[1] = {wp + rows[0] * k};
+        set(rows, row_at);
+      }
+    }
   });
   return out;
 }
@@ -3800,6 +4106,34 @@ at::Tensor int8_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Ten
   return avx_vnni_ready() ? avx2::int8_dot_gemv<true>(x, rows, scales) : avx2::int8_dot_gemv<false>(x, rows, scales);
 }
 
+// A grouped int8 weight as int8_dot_gemv_grouped takes it: int8 rows or tiles [N, K], scales bf16 [ceil(N / 16),
+// groups, 16] (GroupedScales), every group whole blocks of DOT_BLOCK columns.
+void check_int8_grouped_weight(const at::Tensor& w, const at::Tensor& scales, const char* name) {
+  check_int8_weight(w, name);
+  const int64_t tiles = (w.size(0) + SCALE_TILE - 1) / SCALE_TILE;
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == tiles && scales.size(1) >= 1 && scales.size(2) == SCALE_TILE &&
+                  scales.scalar_type() == at::kBFloat16 && scales.is_contiguous(),
+              name, ": scales must be a contiguous bf16 [", tiles, ", groups, 16] tensor (splice.native."
+              "int8_group_scales_pack), got ", scales.scalar_type(), " ", scales.sizes());
+  const int64_t k = w.size(1), groups = scales.size(1);
+  TORCH_CHECK(k % groups == 0 && (k / groups) % DOT_BLOCK == 0, name, ": in_features ", k, " in ", groups,
+              " groups; each group must be a whole multiple of ", DOT_BLOCK, " columns");
+}
+
+// A grouped int8 weight's decode product in integers (x rounded to int8 per row and block of 32): w int8 rows or tiles
+// [N, K], scales as GroupedScales lays them out; AVX512-VNNI where vnni_ready(), else the AVX2 kernels (AVX-VNNI or
+// vpmaddubsw) on rows.
+at::Tensor int8_dot_gemv_grouped(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  const char* name = "int8_dot_gemv_grouped";
+  check_isa(name);
+  check_int8_grouped_weight(w, scales, name);
+  check_rows(x, w.size(1), name);
+  if (vnni_ready()) return avx512::int8_dot_gemv_grouped(x, w, scales);
+  const at::Tensor rows = int8_rows(w);
+  return avx_vnni_ready() ? avx2::int8_dot_gemv_grouped<true>(x, rows, scales)
+                          : avx2::int8_dot_gemv_grouped<false>(x, rows, scales);
+}
+
 // int8 weight-only's decode product where the CPU has no VNNI: x rounded to int16 per row and block of 256, vpmaddwd.
 at::Tensor int8_dot16_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
   check_int8_dot(x, w, scales, "int8_dot16_gemv");
@@ -4039,7 +4373,10 @@ int64_t stream_read(const at::Tensor& t, int64_t streams, bool prefetch_ahead) {
 //
 // Each linear is three entries of `tensors` (weight, scales, bias: None where absent) plus its GEMV kind and int4
 // group; a bias is added in bf16 after the GEMV, as the linear layers add it.
-enum LayerGemv : int64_t { GEMV_BF16, GEMV_INT8, GEMV_INT8_DOT, GEMV_INT8_DOT16, GEMV_INT4, GEMV_INT4_DOT, GEMV_KINDS };
+enum LayerGemv : int64_t {
+  GEMV_BF16, GEMV_INT8, GEMV_INT8_DOT, GEMV_INT8_DOT16, GEMV_INT4, GEMV_INT4_DOT, GEMV_INT8_GROUPED, GEMV_KINDS
+};
+inline bool int4_kind(int64_t kind) { return kind == GEMV_INT4 || kind == GEMV_INT4_DOT; }
 constexpr int64_t LAYER_LINEARS = 4, TENSORS_PER_LINEAR = 3;  // qkv, o, gate_up, down; weight, scales, bias
 
 struct LayerLinear {
@@ -4059,7 +4396,8 @@ void layer_gemv_into(const LayerLinear& l, const at::Tensor& x, const at::Tensor
       case GEMV_INT8_DOT: int8_dot_gemv(x, l.w, l.scales); break;
       case GEMV_INT8_DOT16: int8_dot16_gemv(x, l.w, l.scales); break;
       case GEMV_INT4: int4_gemv(x, l.w, l.scales, l.group); break;
-      default: int4_dot_gemv(x, l.w, l.scales, l.group); break;
+      case GEMV_INT4_DOT: int4_dot_gemv(x, l.w, l.scales, l.group); break;
+      default: int8_dot_gemv_grouped(x, l.w, l.scales); break;
     }
   }
   team_barrier();  // every thread's rows (and the leader's tail) written
@@ -4145,16 +4483,18 @@ void check_layer_inputs(const at::Tensor& x, const at::Tensor& keys, const at::T
 
 // A linear's [outputs, inputs] as its GEMV reads them (int4 tiles: 16 rows a tile, 8 columns a word).
 std::pair<int64_t, int64_t> linear_shape(const LayerLinear& l) {
-  return l.kind >= GEMV_INT4 ? std::make_pair(l.w.size(0) * TILE, l.w.size(1) * 8)
-                             : std::make_pair(l.w.size(0), l.w.size(1));
+  return int4_kind(l.kind) ? std::make_pair(l.w.size(0) * TILE, l.w.size(1) * 8)
+                           : std::make_pair(l.w.size(0), l.w.size(1));
 }
 
 // One linear's tensors as its GEMV's own checks want them, and its bias's size.
 void check_layer_linear(const LayerLinear& l, const std::string& name) {
   if (l.kind == GEMV_BF16) {
     check_bf16_weight(l.w, name.c_str());
-  } else if (l.kind >= GEMV_INT4) {
+  } else if (int4_kind(l.kind)) {
     check_int4_tiles(l.w, l.scales, l.group, name.c_str());
+  } else if (l.kind == GEMV_INT8_GROUPED) {
+    check_int8_grouped_weight(l.w, l.scales, name.c_str());
   } else if (l.kind == GEMV_INT8) {
     check_int8_weight(l.w, name.c_str());
     check_int8_scales(l.scales, l.w.size(0), name.c_str());
@@ -4591,6 +4931,7 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("bf16_gemv(Tensor x, Tensor w) -> Tensor");
   lib.def("int8_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int8_dot_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  lib.def("int8_dot_gemv_grouped(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int8_dot16_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int4_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("int4_dot_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
@@ -4647,6 +4988,7 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("bf16_gemv", &bf16_gemv);
   lib.impl("int8_gemv", &int8_gemv);
   lib.impl("int8_dot_gemv", &int8_dot_gemv);
+  lib.impl("int8_dot_gemv_grouped", &int8_dot_gemv_grouped);
   lib.impl("int8_dot16_gemv", &int8_dot16_gemv);
   lib.impl("int4_gemv", &int4_gemv);
   lib.impl("stream_read", &stream_read);

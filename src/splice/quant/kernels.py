@@ -129,6 +129,21 @@ def int8_grouped_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     return out
 
 
+def int8_grouped_dot_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Grouped int8 on splice's integer dot products: ``x [M, K] bf16`` times ``weight [N, K]`` (int8 rows, or uint8
+    tiles of ``native.int8_tile_pack``) with a scale per row and group of ``K / G`` inputs (whole blocks of 32), in
+    ``native.int8_group_scales_pack``'s layout. Rows up to ``native.MAX_ROWS["int8_dot"]`` on
+    ``int8_dot_gemv_grouped`` (x rounded to int8 per block of 32); more as one matmul on the weight de-quantised to
+    x's dtype."""
+    if native.fits("int8_dot", x):
+        return torch.ops.splice_kernels.int8_dot_gemv_grouped(x, weight, scales)
+    rows = native.int8_tile_unpack(weight) if weight.dtype == torch.uint8 else weight
+    scales = native.int8_group_scales_unpack(scales, rows.shape[0])
+    groups, n = scales.shape
+    weight = (rows.reshape(n, groups, -1).to(x.dtype) * scales.t()[..., None]).reshape(n, -1)
+    return F.linear(x, weight)
+
+
 def _int8pack_runs(device: torch.device, rows: int, k: int) -> bool:
     """Whether ``_weight_int8pack_mm`` suits ``[rows, k]`` inputs: at most ``INT8_KERNEL_MAX_ROWS`` rows, a kernel for
     the device, and on CPU ``k`` a multiple of ``INT8PACK_CPU_K_MULTIPLE``. Never on CUDA: there torch's kernel runs

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from .. import native
-from ..native import int8_tile_pack, int8_tile_unpack, int8_tiles_ready
+from ..native import (int8_group_scales_pack, int8_group_scales_unpack, int8_grouped_tiles_ready, int8_tile_pack,
+                      int8_tile_unpack, int8_tiles_ready)
 from . import gptq, kernels, qmath
 from .scheme import QuantConfig
 
@@ -83,7 +84,10 @@ class Int8WeightOnlyLinear(QuantizedLinear):
     """int8 weights, one bf16 scale per output channel (``qweight [N, K]``, ``scales [N]``) or per group of input
     elements (``qweight [G, N, S]``, ``scales [G, N]``, ``K`` zero-padded to a multiple of ``S``). Where the native
     integer dot products serve every decode row (``tiled``), ``qweight`` holds the per-channel weight as their tiles
-    (uint8 ``[N, K]``, ``native.int8_tile_pack``) and ``state_dict()`` the int8 rows."""
+    (uint8 ``[N, K]``, ``native.int8_tile_pack``) and ``state_dict()`` the int8 rows. A grouped weight on the native
+    integer dot products (``native_grouped``: groups of whole blocks of 32 that divide ``K``) is kept as int8 rows
+    ``[N, K]`` for ``int8_dot_gemv_grouped`` (in tiles where ``native.int8_grouped_tiles_ready``), its scales as
+    ``native.int8_group_scales_pack`` lays them out; ``state_dict()`` holds the groups and ``[G, N]`` scales."""
 
     kind = "int8_weight_only"
 
@@ -93,18 +97,26 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales.to(kernels.COMPUTE_DTYPE))
         # Per channel, same layout either way: the native GEMV runs for the rows it fits, torch's kernels otherwise.
-        self.use_native = native and qweight.dim() == 2
+        # Grouped: the native grouped GEMV (x rounded to int8 per block of 32) where the groups are whole blocks of 32
+        # and K is whole groups, the weight then kept as rows; torch's kernel per group otherwise.
+        group = qweight.shape[2] if qweight.dim() == 3 else 0
+        self.native_grouped = bool(native and dot_products and group and group % qmath.ACTIVATION_BLOCK == 0
+                               and qweight.shape[0] * group == in_features)
+        self.use_native = native and (qweight.dim() == 2 or self.native_grouped)
         self.widen_prompts = self.use_native and _prompts_widened()
         # Decode rows multiplied in integers (whole blocks of 32 inputs only): 8 (or True) rounds them to int8 per
         # block of 32, 16 to int16 per block of 256 (kernel_choice.int16_activations); 0 keeps float products.
         dots = self.use_native and dot_products and in_features % qmath.ACTIVATION_BLOCK == 0
-        self.use_dot_products = (16 if dot_products == 16 else 8) if dots else 0
+        self.use_dot_products = (16 if dot_products == 16 and not self.native_grouped else 8) if dots else 0
         _check_native(native, qweight.device)
-        # Where the int8 dot products serve every decode row, the weight is kept in their tiles (uint8, same shape;
-        # ``native.int8_tile_pack``); state_dict() still holds int8 rows.
-        self.tiled = self.use_native and self._dot_rows() and int8_tiles_ready()
-        if self.tiled:
-            self.qweight = int8_tile_pack(qweight)
+        # Where the int8 dot products serve every decode row, the weight is kept in their tiles (uint8 [N, K];
+        # ``native.int8_tile_pack``); state_dict() still holds int8 rows (grouped: the groups).
+        tiles_here = int8_grouped_tiles_ready() if self.native_grouped else int8_tiles_ready()
+        self.tiled = self.use_native and self._dot_rows() and tiles_here
+        if self.native_grouped or self.tiled:
+            self.qweight = self._kept_form(qweight)
+        if self.native_grouped:
+            self.scales = int8_group_scales_pack(self.scales)
 
     def _dot_rows(self) -> bool:
         """Whether decode rows go to ``int8_dot_gemv`` (x rounded to int8 per block of 32)."""
@@ -135,9 +147,23 @@ class Int8WeightOnlyLinear(QuantizedLinear):
 
     @property
     def grouped(self) -> bool:
-        return self.qweight.dim() == 3
+        return self.native_grouped or self.scales.dim() == 2
+
+    @property
+    def group(self) -> int | None:
+        """Input elements per scale (None: one scale per output channel)."""
+        if not self.grouped:
+            return None
+        return self.in_features // self.scales.shape[1] if self.native_grouped else self.qweight.shape[2]
+
+    def _kept_form(self, saved: torch.Tensor) -> torch.Tensor:
+        """The saved ``qweight`` (int8 rows, or grouped ``[G, N, S]``) as this layer keeps it (rows, or tiles)."""
+        rows = _groups_to_rows(saved) if self.native_grouped else saved
+        return int8_tile_pack(rows) if self.tiled else rows
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_grouped:
+            return kernels.int8_grouped_dot_mm(x, self.qweight, self.scales.to(x.dtype))
         if not self.grouped:  # int8_weight_mm takes the tiles too (a uint8 qweight)
             return kernels.int8_weight_mm(x, self.qweight, self.scales.to(x.dtype), self.use_native,
                                           self.use_dot_products, self.widen_prompts)
@@ -145,33 +171,58 @@ class Int8WeightOnlyLinear(QuantizedLinear):
                                        self.scales.to(x.dtype))
 
     def int8_rows(self) -> torch.Tensor:
-        """``qweight`` as int8 rows (the saved form): the tiles unpacked where the layer keeps tiles."""
+        """``qweight`` as int8 rows ``[N, K]`` (per channel, the saved form): the tiles unpacked where the layer keeps
+        tiles."""
         return int8_tile_unpack(self.qweight) if self.tiled else self.qweight
+
+    def _saved_qweight(self) -> torch.Tensor:
+        """``qweight`` as ``state_dict()`` holds it: int8 rows per channel, ``[G, N, S]`` grouped."""
+        if self.native_grouped:
+            return self.int8_rows().reshape(self.out_features, self.scales.shape[1], -1).transpose(0, 1).contiguous()
+        return self.int8_rows()
+
+    def _saved_scales(self) -> torch.Tensor:
+        """``scales`` as ``state_dict()`` holds them: ``[N]`` per channel, ``[G, N]`` grouped."""
+        return int8_group_scales_unpack(self.scales, self.out_features) if self.native_grouped else self.scales
+
+    def _saved_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The saved forms' shapes of the tensors this layer keeps in another layout."""
+        if not self.native_grouped:
+            return {"qweight": tuple(self.qweight.shape)}
+        groups = self.scales.shape[1]
+        return {"qweight": (groups, self.out_features, self.in_features // groups),
+                "scales": (groups, self.out_features)}
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if self.tiled:
-            destination[prefix + "qweight"] = self.int8_rows()
+        if self.tiled or self.native_grouped:
+            destination[prefix + "qweight"] = self._saved_qweight()
+            destination[prefix + "scales"] = self._saved_scales()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
-        key = prefix + "qweight"
-        if self.tiled and key in state_dict:  # int8 rows, tiled here (a mismatch is reported, never cast)
-            saved = state_dict[key]
-            if fits_spec(saved, tuple(self.qweight.shape), torch.int8):
-                state_dict = {**state_dict, key: int8_tile_pack(saved.to(self.qweight.device))}
-            else:
-                error_msgs.append(f"{key}: saved {tuple(saved.shape)} {saved.dtype} does not fit this layer's "
-                                  f"{tuple(self.qweight.shape)} torch.int8")
-                state_dict = {**state_dict, key: self.qweight}  # left as it is
+        if self.tiled or self.native_grouped:  # the saved forms, repacked here (a mismatch is reported, never cast)
+            state_dict = dict(state_dict)
+            for name, wanted in self._saved_shapes().items():
+                key, kept = prefix + name, getattr(self, name)
+                if key not in state_dict:
+                    continue
+                saved, dtype = state_dict[key], torch.int8 if name == "qweight" else kept.dtype
+                if fits_spec(saved, wanted, dtype):
+                    saved = saved.to(kept.device)
+                    state_dict[key] = self._kept_form(saved) if name == "qweight" else int8_group_scales_pack(saved)
+                else:
+                    error_msgs.append(f"{key}: saved {tuple(saved.shape)} {saved.dtype} does not fit this layer's "
+                                      f"{wanted} {dtype}")
+                    state_dict[key] = kept  # left as it is
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
     def dequantize(self) -> torch.Tensor:
         if not self.grouped:
             return qmath.dequantize_int8(self.int8_rows(), self.scales[:, None])
-        q = self.qweight.transpose(0, 1).reshape(self.out_features, -1)
-        return qmath.dequantize_int8(q, self.scales.t())[:, : self.in_features]
+        q = self.int8_rows() if self.native_grouped else self.qweight.transpose(0, 1).reshape(self.out_features, -1)
+        return qmath.dequantize_int8(q, self._saved_scales().t())[:, : self.in_features]
 
     def weight_nbytes(self) -> int:
         return _nbytes(self.qweight) + _nbytes(self.scales)
@@ -389,6 +440,12 @@ def fits_spec(saved: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -
     """Same shape, and the same dtype (any float dtype where a float one is expected: scales are cast on loading)."""
     same_kind = saved.dtype == dtype or (saved.is_floating_point() and dtype.is_floating_point)
     return tuple(saved.shape) == shape and same_kind
+
+
+def _groups_to_rows(grouped: torch.Tensor) -> torch.Tensor:
+    """A grouped int8 weight ``[G, N, S]`` as the rows ``[N, G * S]`` the native grouped GEMV reads."""
+    groups, n, size = grouped.shape
+    return grouped.transpose(0, 1).reshape(n, groups * size).contiguous()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -212,9 +212,7 @@ def _check_layers_match(model: nn.Module, config: QuantConfig) -> None:
 
 def _group(module: QuantizedLinear) -> int | None:
     """Input elements per scale of a quantized layer (None: one scale per output row)."""
-    if hasattr(module, "group"):
-        return module.group
-    return module.qweight.shape[2] if module.qweight.dim() == 3 else None
+    return getattr(module, "group", None)
 
 
 def _layer_scheme(model: nn.Module, module: nn.Module, config: QuantConfig) -> QuantConfig | None:
