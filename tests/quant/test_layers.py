@@ -376,6 +376,9 @@ def test_grouped_int8_runs_the_grouped_gemv_keeps_one_copy_and_saves_the_groups(
     with pytest.raises(RuntimeError, match=f"qweight: saved {shape} torch.int8 does not fit"):
         fresh.load_state_dict(wrong)
     assert torch.equal(fresh.qweight, layer.qweight)
+    decode = torch.randn(2, 320, dtype=torch.bfloat16)
+    compiled = torch.compile(layer, fullgraph=True)  # the op traces (its fake), so a compiled step holds it
+    torch.testing.assert_close(compiled(decode), layer(decode), rtol=1.6e-2, atol=1e-3)  # Inductor fuses the bias add
     monkeypatch.setitem(native.MAX_ROWS, "int8_dot", 4)
     x = torch.randn(20, 320)
     with _spy("int8_dot_gemv_grouped") as calls:
