@@ -152,7 +152,8 @@ def grouped_int8_kernel(device: torch.device) -> KernelChoice:
     return KernelChoice("native", f"splice's grouped int8 GEMV up to {native.MAX_ROWS['int8_dot']} rows on integer dot "
                                   f"products ({dot}; each row of activations rounded to int8 per block of {block}) "
                                   f"where the groups are whole blocks of {block} and divide in_features (else "
-                                  f"{per_group}), de-quantise + F.linear above; {native_level()}", dot_products=8)
+                                  f"{per_group}), de-quantise + {prompt_gemm()} above; {native_level()}",
+                        dot_products=8)
 
 
 def dot_products() -> str:

@@ -339,6 +339,8 @@ def int8_grouped_rows() -> list[dict[str, Any]]:
     block = qmath.ACTIVATION_BLOCK
     grouped = (native.MAX_ROWS["int8_dot"], "splice_kernels.int8_dot_gemv_grouped",
                f"native GEMV, x rounded to int8 per block of {block}, integer dot products, a scale per group")
+    if native.prompts_widened():
+        prefill = (None, "splice_kernels.widened_linear", f"prefill: the weight de-quantised to bf16; {WIDENED_WHY}")
     return (_ranges(f"int8 weight-only, grouped (groups of whole blocks of {block} that divide K)", [grouped, prefill])
             + _ranges("int8 weight-only, grouped (other groups)", [per_group, prefill]))
 

@@ -381,11 +381,15 @@ def test_grouped_int8_runs_the_grouped_gemv_keeps_one_copy_and_saves_the_groups(
     torch.testing.assert_close(compiled(decode), layer(decode), rtol=1.6e-2, atol=1e-3)  # Inductor fuses the bias add
     monkeypatch.setitem(native.MAX_ROWS, "int8_dot", 4)
     x = torch.randn(20, 320)
-    with _spy("int8_dot_gemv_grouped") as calls:
-        out = layer(x)
-    assert calls.call_count == 0
     expected = F.linear(x.bfloat16().float(), layer.dequantize(), linear.bias)
-    assert (out - expected).norm() / expected.norm() < 1e-2
+    monkeypatch.setattr(native, "prompts_widened", lambda: True)  # a CPU without bf16 arithmetic: float32 slabs
+    widened = _grouped_int8_layer(linear, group, True)
+    for built, widens in ((layer, False), (widened, True)):
+        assert built.widen_prompts == widens
+        with _spy("int8_dot_gemv_grouped") as calls, _spy("widened_linear") as slabs:
+            out = built(x)
+        assert calls.call_count == 0 and slabs.call_count == widens
+        assert (out - expected).norm() / expected.norm() < 1e-2
 
 
 @needs_native

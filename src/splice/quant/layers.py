@@ -163,7 +163,7 @@ class Int8WeightOnlyLinear(QuantizedLinear):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_grouped:
-            return kernels.int8_grouped_dot_mm(x, self.qweight, self.scales.to(x.dtype))
+            return kernels.int8_grouped_dot_mm(x, self.qweight, self.scales.to(x.dtype), self.widen_prompts)
         if not self.grouped:  # int8_weight_mm takes the tiles too (a uint8 qweight)
             return kernels.int8_weight_mm(x, self.qweight, self.scales.to(x.dtype), self.use_native,
                                           self.use_dot_products, self.widen_prompts)
