@@ -1378,22 +1378,29 @@ inline void int8_dot_tile_block(const __m512i* v, const DotActivations& a, const
   }
 }
 
-// One step of int8_dot_tiles: BOTH blocks of 64 columns, or the first block alone (a last step of 32). The same step
+// Block b of a group of 16 tiled weight rows (its eight vectors at `block`) with M rows of x, into acc. The same block
 // of the stream's next group (16 k bytes on) is fetched into L2 as this one is read.
+template <int M>
+__attribute__((target("avx512vnni"), always_inline))
+inline void int8_dot_tiled_block(const DotActivations& a, const BlockTerms& terms, int64_t m0, const uint8_t* block,
+                                 int64_t b, int64_t k, __m512 acc[M]) {
+  constexpr int CHAINS = M >= 6 ? 1 : M >= 3 ? 2 : 4;
+  __m512i v[8];
+  UNROLLED for (int j = 0; j < 8; ++j) {
+    prefetch<PREFETCH_INT8, _MM_HINT_T1>(block + TRANSPOSED_WEIGHT_ROWS * k + 64 * j, M);
+    v[j] = _mm512_loadu_si512(block + 64 * j);
+  }
+  int8_dot_tile_block<M, CHAINS>(v, a, terms, m0, b * DOT_BLOCK, b, k / DOT_BLOCK, acc);
+}
+
+// One step of int8_dot_tiles: BOTH blocks of 64 columns, or the first block alone (a last step of 32).
 template <int M, bool BOTH>
 __attribute__((target("avx512vnni"), always_inline))
 inline void int8_dot_tile_step(const DotActivations& a, const BlockTerms& terms, int64_t m0, const uint8_t* step,
                                int64_t c, int64_t k, __m512 acc[M]) {
-  constexpr int CHAINS = M >= 6 ? 1 : M >= 3 ? 2 : 4;
-  constexpr int BLOCKS = BOTH ? 2 : 1;
-  const int64_t blocks = k / DOT_BLOCK;
-  UNROLLED for (int i = 0; i < 8 * BLOCKS; ++i)
-    prefetch<PREFETCH_INT8, _MM_HINT_T1>(step + TRANSPOSED_WEIGHT_ROWS * k + 64 * i, M);
-  UNROLLED for (int half = 0; half < BLOCKS; ++half) {
-    __m512i v[8];
-    UNROLLED for (int j = 0; j < 8; ++j) v[j] = _mm512_loadu_si512(step + 64 * (8 * half + j));
-    int8_dot_tile_block<M, CHAINS>(v, a, terms, m0, c + half * DOT_BLOCK, c / DOT_BLOCK + half, blocks, acc);
-  }
+  UNROLLED for (int half = 0; half < (BOTH ? 2 : 1); ++half)
+    int8_dot_tiled_block<M>(a, terms, m0, step + half * DOT_BLOCK * TRANSPOSED_WEIGHT_ROWS, c / DOT_BLOCK + half, k,
+                            acc);
 }
 
 // M rows of x times the group of 16 weight rows from n0 into out (the outputs' columns n0 .. n0 + 15).
@@ -1608,7 +1615,6 @@ __attribute__((target("avx512vnni")))
 void int8_dot_grouped_tiles(const DotActivations& a, const BlockTerms& terms, int64_t m0, const uint8_t* w,
                             const GroupedScales& gs, int64_t k, int64_t n0, int64_t span, at::BFloat16* out,
                             int64_t n_total) {
-  constexpr int CHAINS = M >= 6 ? 1 : M >= 3 ? 2 : 4;
   constexpr int64_t BLOCK_BYTES = DOT_BLOCK * TRANSPOSED_WEIGHT_ROWS;  // a block of a group of 16 rows: 8 vectors
   const int64_t blocks = k / DOT_BLOCK, per_group = gs.group / DOT_BLOCK;
   int64_t first_row[S];
@@ -1620,15 +1626,8 @@ void int8_dot_grouped_tiles(const DotActivations& a, const BlockTerms& terms, in
     UNROLLED for (int m = 0; m < M; ++m) acc[t][m] = group_sums[t][m] = _mm512_setzero_ps();
   }
   for (int64_t b = 0, left = per_group; b < blocks; ++b) {
-    UNROLLED for (int t = 0; t < S; ++t) {
-      const uint8_t* block = base[t] + b * BLOCK_BYTES;
-      __m512i v[8];
-      UNROLLED for (int j = 0; j < 8; ++j) {
-        prefetch<PREFETCH_INT8, _MM_HINT_T1>(block + TRANSPOSED_WEIGHT_ROWS * k + 64 * j, M);  // the next group's
-        v[j] = _mm512_loadu_si512(block + 64 * j);
-      }
-      int8_dot_tile_block<M, CHAINS>(v, a, terms, m0, b * DOT_BLOCK, b, blocks, group_sums[t]);
-    }
+    UNROLLED for (int t = 0; t < S; ++t)
+      int8_dot_tiled_block<M>(a, terms, m0, base[t] + b * BLOCK_BYTES, b, k, group_sums[t]);
     if (--left) continue;
     left = per_group;
     UNROLLED for (int t = 0; t < S; ++t) {

@@ -120,8 +120,7 @@ def int8_grouped_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     """Grouped int8: ``qweight [G, N, S]``, ``scales [G, N]``; one kernel call per group, summed."""
     groups, _, size = qweight.shape
     if not _int8pack_runs(x.device, x.shape[0], size):
-        weight = (qweight.to(x.dtype) * scales[..., None]).permute(1, 0, 2).reshape(qweight.shape[1], -1)
-        return F.linear(x, weight)
+        return F.linear(x, _grouped_weight(qweight, scales, x.dtype))
     chunks = x.reshape(x.shape[0], groups, size)
     out = torch._weight_int8pack_mm(chunks[:, 0].contiguous(), qweight[0], scales[0]).float()
     for g in range(1, groups):  # summed in float32: bf16 partial sums would add up rounding error
@@ -142,10 +141,15 @@ def int8_grouped_dot_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Ten
     rows = native.int8_tile_unpack(weight) if weight.dtype == torch.uint8 else weight
     scales = native.int8_group_scales_unpack(scales, rows.shape[0])
     groups, n = scales.shape
-    weight = (rows.reshape(n, groups, -1).to(x.dtype) * scales.t()[..., None]).reshape(n, -1)
+    weight = _grouped_weight(rows.reshape(n, groups, -1).transpose(0, 1), scales, x.dtype)
     if widen:
         return torch.ops.splice_kernels.widened_linear(x.float().contiguous(), weight).to(x.dtype)
     return F.linear(x, weight)
+
+
+def _grouped_weight(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A grouped int8 weight (``qweight [G, N, S]``, ``scales [G, N]``) de-quantised to ``[N, G * S]`` in ``dtype``."""
+    return (qweight.to(dtype) * scales[..., None]).permute(1, 0, 2).reshape(qweight.shape[1], -1)
 
 
 def _int8pack_runs(device: torch.device, rows: int, k: int) -> bool:
