@@ -50,3 +50,13 @@ def test_formats_that_cannot_be_compared_are_refused_by_name(text):
     with pytest.raises(argparse.ArgumentTypeError, match=repr(text)):
         bench.formats_of(text)
     assert bench.formats_of("bf16,int4-sym") == ["bf16", "int4-sym"]
+
+
+@needs_native
+def test_the_deepspeed_q_groups_format_builds_grouped_int8(monkeypatch):
+    bench = load_benchmark("bench_format_turns")
+    monkeypatch.setattr(bench, "load_model", lambda name, dtype: build_family("llama", dtype=torch.bfloat16))
+    assert bench.formats_of("int8,int8-q64") == ["int8", "int8-q64"]
+    engine = bench.engine_for("tiny", "int8-q64", 16)
+    downs = [block.down for block in engine.runtime.blocks]
+    assert all(down.grouped and down.group == 2 for down in downs)  # the tiny model's 128 inputs in 64 groups

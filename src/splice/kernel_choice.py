@@ -151,8 +151,9 @@ def grouped_int8_kernel(device: torch.device) -> KernelChoice:
         return KernelChoice("torch", f"grouped int8 runs on {per_group} ({why})")
     return KernelChoice("native", f"splice's grouped int8 GEMV up to {native.MAX_ROWS['int8_dot']} rows on integer dot "
                                   f"products ({dot}; each row of activations rounded to int8 per block of {block}) "
-                                  f"where the groups are whole blocks of {block} and divide in_features (else "
-                                  f"{per_group}), de-quantise + {prompt_gemm()} above; {native_level()}",
+                                  f"with each group zero-padded to whole blocks of {block} where that adds at most "
+                                  f"half its bytes (else {per_group}), de-quantise + {prompt_gemm()} above; "
+                                  f"{native_level()}",
                         dot_products=8)
 
 

@@ -341,8 +341,9 @@ def int8_grouped_rows() -> list[dict[str, Any]]:
                f"native GEMV, x rounded to int8 per block of {block}, integer dot products, a scale per group")
     if native.prompts_widened():
         prefill = (None, "splice_kernels.widened_linear", f"prefill: the weight de-quantised to bf16; {WIDENED_WHY}")
-    return (_ranges(f"int8 weight-only, grouped (groups of whole blocks of {block} that divide K)", [grouped, prefill])
-            + _ranges("int8 weight-only, grouped (other groups)", [per_group, prefill]))
+    return (_ranges(f"int8 weight-only, grouped (each group zero-padded to whole blocks of {block}, if that adds at "
+                    "most half)", [grouped, prefill])
+            + _ranges("int8 weight-only, grouped (groups of under 22 or 33-42 inputs)", [per_group, prefill]))
 
 
 def w8a8_rows() -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+import transformers as T
 
 import splice
 from splice import native
@@ -14,7 +15,7 @@ from splice.cli_options import QUANT_SCHEMES
 from splice.layers import native_layer
 from splice.layers.native_layer import LINEARS, layer_gemv, unfit_reason
 
-from ..arch.tiny_models import build_family, build_tiny, padded_batch, randomised_vectors, tiny_config
+from ..arch.tiny_models import COMMON, build_family, build_tiny, padded_batch, randomised_vectors, tiny_config
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
 
@@ -308,6 +309,30 @@ def test_blocks_it_does_not_fit_keep_their_own_ops_and_the_report_says_why(famil
 def test_padded_int4_weights_keep_their_own_ops():
     """An int4 weight whose input is padded to the group (hidden 64, group 128) runs more than its GEMV."""
     engine = engine_of("llama", "int4-g128")
+    assert not any(block.native_layer for block in engine.runtime.blocks)
+    assert "runs no native GEMV for decode rows" in engine.step_report("kernels").summary()
+
+
+def test_int8_groups_padded_to_whole_blocks_step_as_their_own_ops_do():
+    """DeepSpeed's q_groups=2 on a 176-wide MLP: the down projection's groups of 88 inputs zero-padded to 96 columns,
+    x spread to match in the native call as in the layer (the other linears' groups of 32 as they are)."""
+    config = T.LlamaConfig(**{**COMMON, "intermediate_size": 176})
+    engine = splice.init_inference(build_tiny(config), replace_with_kernel_inject=True, max_out_tokens=64,
+                                   dtype=torch.bfloat16,
+                                   quant={"enabled": True, "weight": {"num_bits": 8, "q_groups": 2}})
+    downs = [block.down for block in engine.runtime.blocks]
+    assert all(down.native_grouped and down.group == 88 and down.kept_group == 96 for down in downs)
+    assert all(block.native_layer for block in engine.runtime.blocks)
+    assert {layer_gemv(down).group for down in downs} == {88}
+    assert_same_steps(engine)
+
+
+def test_int8_inputs_padded_to_whole_groups_keep_their_own_ops():
+    """Grouped int8 on 64 inputs in groups of 48: x zero-padded to two whole groups (then each group to 64 columns)
+    before the GEMV, which the native call does not do."""
+    engine = engine_of("llama", quant={"enabled": True, "weight": {"num_bits": 8, "group_size": 48}})
+    linears = [getattr(block, name) for block in engine.runtime.blocks for name in LINEARS]
+    assert all(linear.native_grouped and linear.groups_padded for linear in linears)
     assert not any(block.native_layer for block in engine.runtime.blocks)
     assert "runs no native GEMV for decode rows" in engine.step_report("kernels").summary()
 

@@ -12,6 +12,7 @@ from torch import nn
 from splice import native
 from splice.quant import HANDLERS, Int4WeightOnlyLinear, QuantConfig, sqnr_db
 from splice.quant import kernels, qmath
+from splice.quant.layers import padded_group
 
 needs_native = pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
 
@@ -338,20 +339,35 @@ def _grouped_int8_layer(linear: nn.Linear, group: int, use_native: bool) -> nn.M
 
 
 @needs_native
-@pytest.mark.parametrize("group", [32, 64, 160])  # 160: five blocks, so a 64-column step straddles two groups
-def test_grouped_int8_runs_the_grouped_gemv_keeps_one_copy_and_saves_the_groups(monkeypatch, group):
+def _rounded_in_groups(x: torch.Tensor, group: int, kept: int) -> torch.Tensor:
+    """x as the grouped GEMV rounds it: per block of 32 of each group zero-padded to ``kept`` columns (K first padded
+    to whole groups)."""
+    spread = F.pad(qmath.pad_to(x, 1, group).view(x.shape[0], -1, group), (0, kept - group)).flatten(1)
+    rounded = _reference_input(spread, "w8a8").view(x.shape[0], -1, kept)[..., :group]
+    return rounded.flatten(1)[:, : x.shape[1]]
+
+
+# 160: five blocks, so a 64-column step straddles two groups; 48 and 88 zero-padded to 64 and 96 columns (88 is
+# DeepSpeed's q_groups=64 on 5632 inputs); 48 and 88 also leave K short of whole groups (7 x 48 = 336, 4 x 88 = 352)
+@pytest.mark.parametrize("group, kept", [(32, 32), (64, 64), (160, 160), (48, 64), (88, 96)])
+def test_grouped_int8_runs_the_grouped_gemv_keeps_one_copy_and_saves_the_groups(monkeypatch, fresh_compiles, group,
+                                                                                  kept):
     """Grouped int8 on the native kernels: decode rows on ``int8_dot_gemv_grouped`` (x rounded per block of 32), the
-    weight kept once, as int8 rows or (where ``native.int8_grouped_tiles_ready``) tiles; state_dict() holds the
-    groups torch's layer holds, a fresh layer loads them back and a weight of another shape is refused, not cast;
-    rows past ``MAX_ROWS["int8_dot"]`` multiply the de-quantised weight."""
+    weight kept once, as int8 rows of groups zero-padded to whole blocks, or (where
+    ``native.int8_grouped_tiles_ready``) tiles; state_dict() holds the groups torch's layer holds, a fresh layer
+    loads them back and a weight of another shape is refused, not cast; rows past ``MAX_ROWS["int8_dot"]`` multiply
+    the de-quantised weight."""
     torch.manual_seed(0)
     linear = nn.Linear(320, 200)
+    groups = -(-320 // group)
     layer, torch_layer = _grouped_int8_layer(linear, group, True), _grouped_int8_layer(linear, group, False)
     assert layer.native_grouped and layer.use_native and layer.group == group and not torch_layer.use_native
+    assert layer.kept_group == kept and layer.groups_padded == (groups * kept != 320)
     assert layer.tiled == native.int8_grouped_tiles_ready()
-    assert layer.qweight.shape == (200, 320) and layer.qweight.dtype == (torch.uint8 if layer.tiled else torch.int8)
-    assert layer.scales.shape == (13, 320 // group, 16)  # native.int8_group_scales_pack: 200 rows in 13 tiles of 16
-    padding = 8 * (320 // group) * 2  # the last tile's 8 rows past 200, a bf16 scale per group each
+    assert layer.qweight.shape == (200, groups * kept)
+    assert layer.qweight.dtype == (torch.uint8 if layer.tiled else torch.int8)
+    assert layer.scales.shape == (13, groups, 16)  # native.int8_group_scales_pack: 200 rows in 13 tiles of 16
+    padding = 8 * groups * 2 + 200 * groups * (kept - group)  # the last tile's 8 rows' scales; the groups' padding
     assert layer.weight_nbytes() == torch_layer.weight_nbytes() + padding
     saved = layer.state_dict()
     assert all(torch.equal(saved[key], torch_layer.state_dict()[key]) for key in torch_layer.state_dict())
@@ -359,7 +375,8 @@ def test_grouped_int8_runs_the_grouped_gemv_keeps_one_copy_and_saves_the_groups(
     for rows in (1, 3, 20):  # 20: past the amx level's 8 rows, a prompt there
         x = torch.randn(rows, 320)
         decode = rows <= native.MAX_ROWS["int8_dot"]
-        expected = F.linear(_reference_input(x, "w8a8" if decode else "int8"), layer.dequantize(), linear.bias)
+        rounded = _rounded_in_groups(x, group, kept) if decode else _reference_input(x, "int8")
+        expected = F.linear(rounded, layer.dequantize(), linear.bias)
         with _spy("int8_dot_gemv_grouped") as calls:
             out = layer(x)
         assert calls.call_count == decode
@@ -373,7 +390,7 @@ def test_grouped_int8_runs_the_grouped_gemv_keeps_one_copy_and_saves_the_groups(
     with pytest.raises(RuntimeError, match="scales: saved \\(200, 4\\) torch.bfloat16 does not fit"):
         fresh.load_state_dict({**saved, "scales": torch.ones(200, 4).bfloat16()})
     wrong = {**saved, "qweight": saved["qweight"][:, :100].contiguous()}
-    shape = f"\\({320 // group}, 100, {group}\\)"
+    shape = f"\\({groups}, 100, {group}\\)"
     with pytest.raises(RuntimeError, match=f"qweight: saved {shape} torch.int8 does not fit"):
         fresh.load_state_dict(wrong)
     assert torch.equal(fresh.qweight, layer.qweight)
@@ -394,15 +411,20 @@ def test_grouped_int8_runs_the_grouped_gemv_keeps_one_copy_and_saves_the_groups(
 
 
 @needs_native
-@pytest.mark.parametrize("in_features, group", [(320, 16), (300, 32)])  # 16: half a block; 300: the last group padded
-def test_grouped_int8_off_whole_blocks_stays_on_torch_s_kernel(in_features, group):
+@pytest.mark.parametrize("in_features, group", [(320, 16), (300, 40)])  # padded to 32 and 64: more than half again
+def test_grouped_int8_that_padding_would_grow_by_more_than_half_stays_on_torch_s_kernel(in_features, group):
     linear = nn.Linear(in_features, 64)
     layer = _grouped_int8_layer(linear, group, True)
-    assert not layer.native_grouped and not layer.use_native and layer.group == group
+    assert not layer.native_grouped and not layer.use_native and layer.group == group and layer.kept_group == 0
     assert layer.qweight.shape == (-(-in_features // group), 64, group)
     x = torch.randn(2, in_features)
     expected = F.linear(x.bfloat16().float(), layer.dequantize(), linear.bias)
     assert (layer(x) - expected).norm() / expected.norm() < 1e-2
+
+
+def test_padded_group_is_whole_blocks_adding_at_most_half():
+    groups = [0, 16, 21, 22, 32, 33, 42, 43, 64, 65, 88, 176]
+    assert [padded_group(g) for g in groups] == [0, 0, 0, 32, 32, 0, 0, 64, 64, 96, 96, 192]
 
 
 @needs_native

@@ -34,7 +34,8 @@ LINEARS = ("qkv", "o", "gate_up", "down")
 
 class LayerGemv(NamedTuple):
     """The native GEMV one linear runs for decode rows: its kind, where the linear keeps the GEMV's tensors (attribute
-    names of the weight, the scales and the bias; "" for none), its int4 group and its row-limit key
+    names of the weight, the scales and the bias; "" for none), its group (int4: columns per group; grouped int8:
+    inputs per group, which the native call zero-pads to whole blocks as the layer does) and its row-limit key
     (``native.MAX_ROWS``)."""
 
     kind: int
@@ -49,7 +50,6 @@ W8A8_GEMV = LayerGemv(GEMV_INT8_DOT, ("qweight", "scales", "bias"), 0, "w8a8")
 INT8_GEMVS = {products: LayerGemv(kind, ("qweight", "scales", "bias"), 0, rows)
               for products, kind, rows in ((16, GEMV_INT8_DOT16, "int8_dot"), (8, GEMV_INT8_DOT, "int8_dot"),
                                            (0, GEMV_INT8, "int8"))}
-INT8_GROUPED_GEMV = LayerGemv(GEMV_INT8_GROUPED, ("qweight", "scales", "bias"), 0, "int8_dot")
 
 
 def layer_gemv(linear: nn.Module) -> LayerGemv | None:
@@ -70,8 +70,9 @@ def layer_gemv(linear: nn.Module) -> LayerGemv | None:
     if isinstance(linear, Int8WeightOnlyLinear):
         if not linear.use_native:
             return None
-        if linear.native_grouped:
-            return INT8_GROUPED_GEMV
+        if linear.native_grouped:  # K zero-padded to whole groups pads x too, which the native call does not
+            return None if linear.in_features % linear.group else LayerGemv(
+                GEMV_INT8_GROUPED, ("qweight", "scales", "bias"), linear.group, "int8_dot")
         return INT8_GEMVS.get(linear.use_dot_products, INT8_GEMVS[0])
     return None
 

@@ -4379,9 +4379,25 @@ inline bool int4_kind(int64_t kind) { return kind == GEMV_INT4 || kind == GEMV_I
 constexpr int64_t LAYER_LINEARS = 4, TENSORS_PER_LINEAR = 3;  // qkv, o, gate_up, down; weight, scales, bias
 
 struct LayerLinear {
-  int64_t kind = GEMV_BF16, group = 0;
+  int64_t kind = GEMV_BF16, group = 0;  // int4: columns per group; grouped int8: inputs per group (0: the weight's)
   at::Tensor w, scales, bias;
 };
+
+// The weight columns a grouped int8 linear gives each group of `group` inputs: whole blocks of DOT_BLOCK, the group
+// zero-padded to them (as splice.quant.layers.padded_group); `group` itself where it is whole blocks or 0.
+inline int64_t kept_group(int64_t group) { return (group + DOT_BLOCK - 1) / DOT_BLOCK * DOT_BLOCK; }
+
+// x [m, groups * group] laid out as a grouped int8 weight whose groups are zero-padded to kept columns reads it, in
+// `buffer` (each team thread spreads its own copy: x is one row or a few).
+at::Tensor spread_groups(const at::Tensor& x, int64_t group, int64_t kept, std::vector<at::BFloat16>& buffer) {
+  const int64_t m = x.size(0), groups = x.size(1) / group;
+  buffer.assign(m * groups * kept, at::BFloat16(0.f));
+  const at::BFloat16* src = x.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t g = 0; g < groups; ++g)
+      std::copy_n(src + i * x.stride(0) + g * group, group, buffer.data() + (i * groups + g) * kept);
+  return at::from_blob(buffer.data(), {m, groups * kept}, x.options());
+}
 
 // The GEMV of one linear for rows x into y [rows, outputs], and its bias (the linear checked beforehand:
 // check_layer_linears; the bias bf16 and contiguous). In a team every thread calls it, and y is complete when it
@@ -4396,7 +4412,12 @@ void layer_gemv_into(const LayerLinear& l, const at::Tensor& x, const at::Tensor
       case GEMV_INT8_DOT16: int8_dot16_gemv(x, l.w, l.scales); break;
       case GEMV_INT4: int4_gemv(x, l.w, l.scales, l.group); break;
       case GEMV_INT4_DOT: int4_dot_gemv(x, l.w, l.scales, l.group); break;
-      default: int8_dot_gemv_grouped(x, l.w, l.scales); break;
+      default: {
+        const int64_t kept = kept_group(l.group);
+        thread_local std::vector<at::BFloat16> spread;
+        int8_dot_gemv_grouped(kept == l.group || l.group == 0 ? x : spread_groups(x, l.group, kept, spread), l.w,
+                              l.scales);
+      }
     }
   }
   team_barrier();  // every thread's rows (and the leader's tail) written
@@ -4480,10 +4501,12 @@ void check_layer_inputs(const at::Tensor& x, const at::Tensor& keys, const at::T
   }
 }
 
-// A linear's [outputs, inputs] as its GEMV reads them (int4 tiles: 16 rows a tile, 8 columns a word).
+// A linear's [outputs, inputs] as its GEMV reads them (int4 tiles: 16 rows a tile, 8 columns a word; grouped int8:
+// each group's padding left out).
 std::pair<int64_t, int64_t> linear_shape(const LayerLinear& l) {
-  return int4_kind(l.kind) ? std::make_pair(l.w.size(0) * TILE, l.w.size(1) * 8)
-                           : std::make_pair(l.w.size(0), l.w.size(1));
+  if (int4_kind(l.kind)) return {l.w.size(0) * TILE, l.w.size(1) * 8};
+  if (l.kind == GEMV_INT8_GROUPED && l.group > 0) return {l.w.size(0), l.w.size(1) / kept_group(l.group) * l.group};
+  return {l.w.size(0), l.w.size(1)};
 }
 
 // One linear's tensors as its GEMV's own checks want them, and its bias's size.
@@ -4494,6 +4517,9 @@ void check_layer_linear(const LayerLinear& l, const std::string& name) {
     check_int4_tiles(l.w, l.scales, l.group, name.c_str());
   } else if (l.kind == GEMV_INT8_GROUPED) {
     check_int8_grouped_weight(l.w, l.scales, name.c_str());
+    TORCH_CHECK(l.group >= 0 && (l.group == 0 || l.w.size(1) == l.scales.size(1) * kept_group(l.group)), name,
+                ": a grouped int8 weight of ", l.w.size(1), " columns in ", l.scales.size(1), " groups does not hold ",
+                "groups of ", l.group, " inputs (each zero-padded to ", kept_group(l.group), " columns)");
   } else if (l.kind == GEMV_INT8) {
     check_int8_weight(l.w, name.c_str());
     check_int8_scales(l.scales, l.w.size(0), name.c_str());

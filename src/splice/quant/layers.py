@@ -13,6 +13,7 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from .. import native
 from ..native import (int8_group_scales_pack, int8_group_scales_unpack, int8_grouped_tiles_ready, int8_tile_pack,
@@ -85,9 +86,10 @@ class Int8WeightOnlyLinear(QuantizedLinear):
     elements (``qweight [G, N, S]``, ``scales [G, N]``, ``K`` zero-padded to a multiple of ``S``). Where the native
     integer dot products serve every decode row (``tiled``), ``qweight`` holds the per-channel weight as their tiles
     (uint8 ``[N, K]``, ``native.int8_tile_pack``) and ``state_dict()`` the int8 rows. A grouped weight on the native
-    integer dot products (``native_grouped``: groups of whole blocks of 32 that divide ``K``) is kept as int8 rows
-    ``[N, K]`` for ``int8_dot_gemv_grouped`` (in tiles where ``native.int8_grouped_tiles_ready``), its scales as
-    ``native.int8_group_scales_pack`` lays them out; ``state_dict()`` holds the groups and ``[G, N]`` scales."""
+    integer dot products (``native_grouped``) is kept as int8 rows ``[N, G * S']`` for ``int8_dot_gemv_grouped`` (in
+    tiles where ``native.int8_grouped_tiles_ready``), each group zero-padded to ``S'``, whole blocks of 32 (``S`` itself
+    where it is one; see :func:`padded_group`), its scales as ``native.int8_group_scales_pack`` lays them out;
+    ``state_dict()`` holds the groups and ``[G, N]`` scales."""
 
     kind = "int8_weight_only"
 
@@ -97,16 +99,18 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales.to(kernels.COMPUTE_DTYPE))
         # Per channel, same layout either way: the native GEMV runs for the rows it fits, torch's kernels otherwise.
-        # Grouped: the native grouped GEMV (x rounded to int8 per block of 32) where the groups are whole blocks of 32
-        # and K is whole groups, the weight then kept as rows; torch's kernel per group otherwise.
-        group = qweight.shape[2] if qweight.dim() == 3 else 0
-        self.native_grouped = bool(native and dot_products and group and group % qmath.ACTIVATION_BLOCK == 0
-                               and qweight.shape[0] * group == in_features)
+        # Grouped: the native grouped GEMV (x rounded to int8 per block of 32) where padding each group to whole
+        # blocks of 32 adds at most half its bytes, the weight then kept as rows of padded groups; torch's kernel per
+        # group otherwise.
+        self.saved_group = qweight.shape[2] if qweight.dim() == 3 else 0
+        self.kept_group = padded_group(self.saved_group)
+        self.native_grouped = bool(native and dot_products and self.kept_group)
         self.use_native = native and (qweight.dim() == 2 or self.native_grouped)
         self.widen_prompts = self.use_native and _prompts_widened()
         # Decode rows multiplied in integers (whole blocks of 32 inputs only): 8 (or True) rounds them to int8 per
         # block of 32, 16 to int16 per block of 256 (kernel_choice.int16_activations); 0 keeps float products.
-        dots = self.use_native and dot_products and in_features % qmath.ACTIVATION_BLOCK == 0
+        whole_blocks = self.native_grouped or in_features % qmath.ACTIVATION_BLOCK == 0
+        dots = self.use_native and dot_products and whole_blocks
         self.use_dot_products = (16 if dot_products == 16 and not self.native_grouped else 8) if dots else 0
         _check_native(native, qweight.device)
         # Where the int8 dot products serve every decode row, the weight is kept in their tiles (uint8 [N, K];
@@ -154,16 +158,30 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         """Input elements per scale (None: one scale per output channel)."""
         if not self.grouped:
             return None
-        return self.in_features // self.scales.shape[1] if self.native_grouped else self.qweight.shape[2]
+        return self.saved_group
 
     def _kept_form(self, saved: torch.Tensor) -> torch.Tensor:
         """The saved ``qweight`` (int8 rows, or grouped ``[G, N, S]``) as this layer keeps it (rows, or tiles)."""
-        rows = _groups_to_rows(saved) if self.native_grouped else saved
+        rows = _groups_to_rows(qmath.pad_to(saved, 2, self.kept_group)) if self.native_grouped else saved
         return int8_tile_pack(rows) if self.tiled else rows
+
+    @property
+    def groups_padded(self) -> bool:
+        """Whether the kept weight's columns are not x's: groups zero-padded to whole blocks, or K to whole groups."""
+        return self.native_grouped and self.qweight.shape[1] != self.in_features
+
+    def _spread(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [M, K]`` laid out as the kept weight's columns: K zero-padded to whole groups, then each group to
+        ``kept_group`` columns."""
+        x = qmath.pad_to(x, 1, self.saved_group)
+        if self.kept_group == self.saved_group:
+            return x
+        return F.pad(x.view(x.shape[0], -1, self.saved_group), (0, self.kept_group - self.saved_group)).flatten(1)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_grouped:
-            return kernels.int8_grouped_dot_mm(x, self.qweight, self.scales.to(x.dtype), self.widen_prompts)
+            return kernels.int8_grouped_dot_mm(self._spread(x), self.qweight, self.scales.to(x.dtype),
+                                               self.widen_prompts)
         if not self.grouped:  # int8_weight_mm takes the tiles too (a uint8 qweight)
             return kernels.int8_weight_mm(x, self.qweight, self.scales.to(x.dtype), self.use_native,
                                           self.use_dot_products, self.widen_prompts)
@@ -178,8 +196,12 @@ class Int8WeightOnlyLinear(QuantizedLinear):
     def _saved_qweight(self) -> torch.Tensor:
         """``qweight`` as ``state_dict()`` holds it: int8 rows per channel, ``[G, N, S]`` grouped."""
         if self.native_grouped:
-            return self.int8_rows().reshape(self.out_features, self.scales.shape[1], -1).transpose(0, 1).contiguous()
+            return self._kept_groups()[..., : self.saved_group].transpose(0, 1).contiguous()
         return self.int8_rows()
+
+    def _kept_groups(self) -> torch.Tensor:
+        """A native grouped weight's int8 rows as ``[N, G, S']``, each group with its padding."""
+        return self.int8_rows().reshape(self.out_features, -1, self.kept_group)
 
     def _saved_scales(self) -> torch.Tensor:
         """``scales`` as ``state_dict()`` holds them: ``[N]`` per channel, ``[G, N]`` grouped."""
@@ -190,7 +212,7 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         if not self.native_grouped:
             return {"qweight": tuple(self.qweight.shape)}
         groups = self.scales.shape[1]
-        return {"qweight": (groups, self.out_features, self.in_features // groups),
+        return {"qweight": (groups, self.out_features, self.saved_group),
                 "scales": (groups, self.out_features)}
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
@@ -221,7 +243,8 @@ class Int8WeightOnlyLinear(QuantizedLinear):
     def dequantize(self) -> torch.Tensor:
         if not self.grouped:
             return qmath.dequantize_int8(self.int8_rows(), self.scales[:, None])
-        q = self.int8_rows() if self.native_grouped else self.qweight.transpose(0, 1).reshape(self.out_features, -1)
+        q = self._kept_groups()[..., : self.saved_group] if self.native_grouped else self.qweight.transpose(0, 1)
+        q = q.reshape(self.out_features, -1)
         return qmath.dequantize_int8(q, self._saved_scales().t())[:, : self.in_features]
 
     def weight_nbytes(self) -> int:
@@ -440,6 +463,16 @@ def fits_spec(saved: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -
     """Same shape, and the same dtype (any float dtype where a float one is expected: scales are cast on loading)."""
     same_kind = saved.dtype == dtype or (saved.is_floating_point() and dtype.is_floating_point)
     return tuple(saved.shape) == shape and same_kind
+
+
+def padded_group(group: int) -> int:
+    """The columns a group of ``group`` inputs takes in the native grouped GEMV's rows: whole blocks of 32 (x is
+    rounded per block, each block's sum taking one group's scale), zero-padded; 0 where that would add more than half
+    the group's bytes (groups of fewer than 22 inputs, or of 33 to 42: torch's per-group kernel keeps those), or for no
+    group."""
+    block = qmath.ACTIVATION_BLOCK
+    padded = -(-group // block) * block
+    return padded if group and 2 * padded <= 3 * group else 0
 
 
 def _groups_to_rows(grouped: torch.Tensor) -> torch.Tensor:
