@@ -325,6 +325,14 @@ def test_int8_groups_padded_to_whole_blocks_step_as_their_own_ops_do():
     assert all(block.native_layer for block in engine.runtime.blocks)
     assert {layer_gemv(down).group for down in downs} == {88}
     assert_same_steps(engine)
+    runtime = engine.runtime
+    cache = runtime.new_cache(1)
+    first = native_layer.native_run(runtime.blocks[:1], [native_layer.layer_call(runtime.blocks[0], 1)])
+    assert first.groups == [32, 32, 32, 88]
+    x, rotary = torch.randn(1, 1, 64).to(torch.bfloat16), [runtime.rope().lookup(torch.tensor([[3]]))]
+    with pytest.raises(RuntimeError, match="weight of 192 columns in 2 groups does not hold groups of 100 inputs"):
+        native_layer.decode_layers(first._replace(groups=[32, 32, 32, 100]), x, cache.keys, cache.values,
+                                   torch.tensor([3]), {None: None}, 4, rotary)
 
 
 def test_int8_inputs_padded_to_whole_groups_keep_their_own_ops():

@@ -107,8 +107,8 @@ def step_takes_calls(x: torch.Tensor) -> bool:
 
 class LayerCall(NamedTuple):
     """What ``decode_layers`` takes of one block, besides a step's mask and rotary rows: its cache layer, its norms'
-    weights and eps, its linears' tensors (weight, scales, bias each), GEMV kinds and int4 groups, its query and KV
-    heads and its attention scale."""
+    weights and eps, its linears' tensors (weight, scales, bias each), GEMV kinds and groups (:class:`LayerGemv`), its
+    query and KV heads and its attention scale."""
 
     layer: int
     norms: tuple[torch.Tensor, torch.Tensor]
