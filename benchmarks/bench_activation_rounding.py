@@ -116,10 +116,13 @@ def exact(model, config: QuantConfig):
     return copied
 
 
-def measure(model, config: QuantConfig, ids: torch.Tensor, batch: int) -> tuple[float, list[float]]:
-    """(mean KL(float || integer) per position, each window's mean log-likelihood loss of the integer products
-    against the float ones, in nats)."""
-    return compare(quantized(model, config, False), quantized(model, config, True), ids, batch)
+def measure(model, config: QuantConfig, ids: torch.Tensor, batch: int, reference: str = "float"
+            ) -> tuple[float, list[float]]:
+    """(mean KL(reference || integer) per position, each window's mean log-likelihood loss of the integer products
+    against the reference, in nats): ``reference`` "float" the same weights on float products, "exact" multiplied
+    exactly in float32 (:func:`exact`)."""
+    base = exact(model, config) if reference == "exact" else quantized(model, config, False)
+    return compare(base, quantized(model, config, True), ids, batch)
 
 
 def compare(reference, model, ids: torch.Tensor, batch: int) -> tuple[float, list[float]]:
@@ -154,6 +157,9 @@ def main() -> None:
                         help="windows decoded side by side (each GEMV call then has this many rows; int4's integer "
                              "GEMV takes up to 15 at the avx512 level)")
     parser.add_argument("--threads", type=at_least(1), default=2)
+    parser.add_argument("--reference", choices=("float", "exact"), default="float",
+                        help="what the integer products are measured against: the same weights on float products "
+                             "(SPLICE_NATIVE_DOT=0), or multiplied exactly in float32")
     parser.add_argument("--exact", action="store_true",
                         help="also each scheme's float products, and the bf16 model, against its weights multiplied "
                              "exactly in float32 (how far the float reference itself moves)")
@@ -173,9 +179,9 @@ def main() -> None:
     print(f"SmolLM2-135M-Instruct, level {native.isa()}: {ids.shape[0]} windows of {args.tokens} tokens from "
           f"{len(texts)} licence texts, {ids.shape[0] * (args.tokens - 1)} positions, {args.batch} windows a batch")
     for scheme in schemes:
-        kl, losses = measure(model, SCHEMES[scheme], ids, args.batch)
+        kl, losses = measure(model, SCHEMES[scheme], ids, args.batch, args.reference)
         change, low, high = interval(losses)
-        print(f"{scheme}: KL(float products || integer) {kl:.5f}, perplexity {change:+.3%} "
+        print(f"{scheme}: KL({args.reference} products || integer) {kl:.5f}, perplexity {change:+.3%} "
               f"(95 % interval {low:+.3%} to {high:+.3%})", flush=True)
         if args.exact:
             reference = exact(model, SCHEMES[scheme])

@@ -65,3 +65,17 @@ def test_the_exact_reference_multiplies_the_same_weights_in_float32():
     ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(0))
     kl, losses = bench.compare(reference, floating, ids, batch=2)
     assert 0 <= kl < 0.05 and len(losses) == 2
+
+
+@needs_native
+def test_measure_takes_the_exact_product_as_its_reference(monkeypatch):
+    bench = load_benchmark("bench_activation_rounding")
+    model = build_family("llama", dtype=torch.bfloat16)
+    references = []
+    compare = bench.compare
+    monkeypatch.setattr(bench, "compare", lambda base, other, ids, batch: references.append(base) or compare(
+        base, other, ids, batch))
+    ids = torch.randint(3, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    kl, losses = bench.measure(model, bench.SCHEMES["int8"], ids, batch=2, reference="exact")
+    assert isinstance(references[0].model.layers[0].mlp.down_proj, bench.ExactProduct)
+    assert 0 < kl < 0.05 and len(losses) == 2
