@@ -2950,20 +2950,19 @@ at::Tensor int8_dot_gemv_grouped(const at::Tensor& x, const at::Tensor& w, const
   auto out = kernel_output({m, n}, x.options());
   const int8_t* wp = w.data_ptr<int8_t>();
   auto* op = out.data_ptr<at::BFloat16>();
-  // one weight row at a time (a block of four, a tail), or sets of two streams' rows (for_row_sets)
+  // a block's rows side by side (four, or the tail's), or sets of two streams' rows (for_row_sets)
   for_row_blocks<GROUPED_X_ROWS>(m, n, [&](auto m_c, auto r_c, RowBlock block, int64_t m0) {
-    constexpr int M = decltype(m_c)::value, R = decltype(r_c)::value, S = R > 4 ? R / 4 : 1;
+    constexpr int M = decltype(m_c)::value, R = decltype(r_c)::value, S = R > 4 ? R / 4 : R;
     const auto set = [&](const int64_t (&rows)[S], const int8_t* const (&row_at)[S]) {
       int8_dot_grouped_set<VNNI, M, S>(a, m0, rows, row_at, gs, k, op + m0 * n, n);
     };
     if constexpr (R > 4) {
       for_row_sets<S>(wp, k, block, set);
     } else {
-      for (int r = 0; r < R; ++r) {
-        const int64_t rows[1] = {block.row(r)};
-        const int8_t* const row_at[1] = {wp + rows[0] * k};
-        set(rows, row_at);
-      }
+      int64_t rows[R];
+      const int8_t* row_at[R];
+      for (int r = 0; r < R; ++r) rows[r] = block.row(r), row_at[r] = wp + rows[r] * k;
+      set(rows, row_at);
     }
   });
   return out;
