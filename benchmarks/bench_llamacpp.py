@@ -37,6 +37,12 @@ bandwidth probe, read right before and right after each pair::
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_llamacpp.py --pairs 5
 
+``--level avx2`` holds both engines to what an AVX2-only laptop runs, on any CPU that has AVX2: llama.cpp built
+without ``-march=native`` (its AVX2, FMA, F16C and BMI2 code, a build of its own beside the native one) and splice's
+kernels at the avx2 level with oneDNN held to AVX2 (``SPLICE_NATIVE_ISA=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``)::
+
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_llamacpp.py --pairs 5 --level avx2 --eager
+
 The first run downloads the ``llama-cpp-python`` source distribution (pinned below) from PyPI, builds ``llama-bench``
 and ``llama-quantize`` from the llama.cpp it vendors, converts the checkpoint to a BF16 GGUF with the vendored
 ``convert_hf_to_gguf.py`` and quantizes it to Q8_0, Q4_0 and Q4_1; all of it is cached under
@@ -72,6 +78,30 @@ CMAKE = "/usr/bin/cmake"
 CMAKE_FLAGS = ("-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release", "-DBUILD_SHARED_LIBS=OFF",
                "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                "-DLLAMA_BUILD_SERVER=OFF")
+
+
+@dataclass(frozen=True)
+class Level:
+    """The instructions both engines may use: llama.cpp's build (its folder under the cache and CMake flags) and the
+    variables splice's processes run with."""
+    name: str
+    build_dir: str
+    cmake_flags: tuple[str, ...]
+    splice_env: tuple[tuple[str, str], ...]
+    cpu_flags: tuple[str, ...]  # /proc/cpuinfo flags the level needs
+    description: str
+
+
+#: ``native``: each engine's best on this CPU. ``avx2``: an AVX2-only laptop's instructions, no AVX-512 (AVX-VNNI
+#: where the CPU has it: see level_cmake_flags).
+LEVELS = {
+    "native": Level("native", "build", CMAKE_FLAGS, (), (), "each engine's best on this CPU"),
+    "avx2": Level("avx2", "build-avx2",
+                  ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                   "-DGGML_BMI2=ON", "-DGGML_AVX512=OFF") + CMAKE_FLAGS[1:],
+                  (("SPLICE_NATIVE_ISA", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2")), ("avx2", "fma", "f16c", "bmi2"),
+                  "both engines at AVX2 (llama.cpp without -march=native, splice's avx2 level, oneDNN AVX2)"),
+}
 TARGETS = ("llama-bench", "llama-quantize")
 BUILD_JOBS = 2
 
@@ -128,6 +158,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "in native calls)")
     parser.add_argument("--splice-worker", action="store_true", help=argparse.SUPPRESS)  # the pairs' splice process
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated subset of {','.join(FORMATS)}")
+    parser.add_argument("--level", default="native",
+                        help="native (default: each engine's best here) or avx2 (both held to an AVX2-only CPU's "
+                             "instructions)")
     parser.add_argument("--json", default="bench_out/llamacpp.json", help="where to write the results")
     args = parser.parse_args(argv)
     validate(args)
@@ -145,6 +178,8 @@ def validate(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name}={value}: must be at least {minimum}")
     if args.eager and not (args.pairs or args.splice_worker):
         raise ValueError("--eager: only with --pairs (the sittings take splice bench's compiled rows)")
+    if args.level not in LEVELS:
+        raise ValueError(f"--level={args.level!r}: one of {', '.join(LEVELS)}")
     parse_formats(args.formats)
 
 
@@ -225,13 +260,41 @@ def patch_source(llama_dir: Path) -> list[str]:
     return done
 
 
-def build_tools(root: Path, source: Path, commit: str) -> dict[str, Path]:
-    """``llama-bench`` and ``llama-quantize``, the commit stamped so llama-bench reports it. Configured once; the build
-    runs every time (a no-op when nothing changed, a rebuild of what a patch touched)."""
-    build = root / "build"
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The ``flags`` of /proc/cpuinfo (empty where there is none)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return set()
+    found = re.search(r"^flags\s*:\s*(.+)$", cpuinfo, re.M)
+    return set(found.group(1).split()) if found else set()
+
+
+def check_cpu_flags(level: Level, have: set[str]) -> None:
+    """A level this CPU cannot run fails before anything is built, naming the flags it lacks."""
+    missing = [flag for flag in level.cpu_flags if flag not in have]
+    if missing:
+        raise ValueError(f"--level {level.name}: this CPU lacks {', '.join(missing)}")
+
+
+def level_cmake_flags(level: Level, have: set[str]) -> tuple[str, ...]:
+    """``level``'s CMake flags on a CPU with ``have``: at the avx2 level llama.cpp takes AVX-VNNI where the CPU has it,
+    as splice's avx2 level does (vpdpbusd on 256-bit registers), and vpmaddubsw where it has not, as splice does."""
+    if level.name != "avx2":
+        return level.cmake_flags
+    return level.cmake_flags + (f"-DGGML_AVX_VNNI={'ON' if 'avx_vnni' in have else 'OFF'}",)
+
+
+def build_tools(root: Path, source: Path, commit: str, flags: tuple[str, ...] = CMAKE_FLAGS,
+                build_dir: str = "build") -> dict[str, Path]:
+    """``llama-bench`` and ``llama-quantize`` built with ``flags`` in ``root / build_dir``, the commit stamped so
+    llama-bench reports it. Configured once; the build runs every time (a no-op when nothing changed, a rebuild of
+    what a patch touched)."""
+    build = root / build_dir
     if not (build / "CMakeCache.txt").exists():
         print(f"configuring llama.cpp {commit} (llama-cpp-python {LLAMA_CPP_PYTHON}) in {build}", flush=True)
-        run([CMAKE, "-S", str(source / "vendor" / "llama.cpp"), "-B", str(build), *CMAKE_FLAGS,
+        run([CMAKE, "-S", str(source / "vendor" / "llama.cpp"), "-B", str(build), *flags,
              f"-DLLAMA_BUILD_COMMIT={commit}"])
     print("building llama-bench and llama-quantize (cached after the first time)", flush=True)
     run([CMAKE, "--build", str(build), "--target", *TARGETS, "-j", str(BUILD_JOBS)], capture=True)
@@ -369,7 +432,7 @@ def run_splice(args: argparse.Namespace) -> dict:
         command = [sys.executable, "-m", "splice.cli", "bench", "--model", "llama-1b", "--dtype", "bf16",
                    "--modes", "inject", "--compile", "--new", str(args.new), "--prompt", str(args.prompt),
                    "--threads", str(args.threads), "--json", str(report)]
-        run(command + (["--quant", ",".join(schemes)] if schemes else []), env=splice_env())
+        run(command + (["--quant", ",".join(schemes)] if schemes else []), env=splice_env(args.level))
         return json.loads(report.read_text())
 
 
@@ -435,8 +498,8 @@ class SpliceWorker:
         command = [sys.executable, str(Path(__file__).resolve()), "--splice-worker",
                    "--formats", ",".join(args.formats), "--prompt", str(args.prompt), "--new", str(args.new),
                    "--threads", str(args.threads)] + (["--eager"] if args.eager else [])
-        self.process = subprocess.Popen(command, env=splice_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        text=True)
+        self.process = subprocess.Popen(command, env=splice_env(args.level), stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
         self.answer()  # ready
 
     def answer(self) -> dict:
@@ -542,10 +605,11 @@ def format_pair_table(rows: list[PairRow], cpu: str, threads: int, pairs: int) -
     return "\n".join(lines)
 
 
-def splice_env() -> dict[str, str]:
-    """This checkout's ``src`` first on the path, so the children run the splice being measured."""
+def splice_env(level: str = "native") -> dict[str, str]:
+    """This checkout's ``src`` first on the path, so the children run the splice being measured, with ``level``'s
+    variables."""
     paths = [str(REPO / "src")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), **dict(LEVELS[level].splice_env))
 
 
 def run(command: list[str], env: dict[str, str] | None = None, capture: bool = False) -> str:
@@ -631,13 +695,17 @@ class Sittings:
 
 def prepare(args: argparse.Namespace) -> tuple[dict, dict[str, Path], dict[str, Path]]:
     """Source, patches, build and GGUF files (each cached): the llama.cpp facts for the report, the tools, the files."""
+    level, have = LEVELS[args.level], cpu_flags()
+    check_cpu_flags(level, have)
+    flags = level_cmake_flags(level, have)
     root = llamacpp_root()
     source = fetch_source(root)
     commit = changelog_commit((source / "CHANGELOG.md").read_text(), LLAMA_CPP_PYTHON)
     patched = patch_source(source / "vendor" / "llama.cpp")
-    tools = build_tools(root, source, commit)
+    tools = build_tools(root, source, commit, flags, level.build_dir)
     files = gguf_files(root, source, tools, args.formats, args.threads)
-    facts = {"llama_cpp_python": LLAMA_CPP_PYTHON, "commit": commit, "cmake_flags": list(CMAKE_FLAGS),
+    facts = {"llama_cpp_python": LLAMA_CPP_PYTHON, "commit": commit, "cmake_flags": list(flags),
+             "level": args.level, "splice_env": dict(level.splice_env),
              "patched": patched, "gguf": {name: str(path) for name, path in files.items()},
              "splice_step": "eager" if args.eager else "compiled"}
     return facts, tools, files
@@ -685,7 +753,8 @@ def main(argv: list[str] | None = None) -> int:
 def publish(facts: dict, table: str, report_: dict, out: Path) -> None:
     """The table under a line naming both engines, and the JSON report written to ``out``."""
     step = "eager" if facts.get("splice_step") == "eager" else "compiled"
-    print(f"llama.cpp {facts['commit']} (llama-cpp-python {LLAMA_CPP_PYTHON}), splice decode step {step}")
+    level = LEVELS[facts.get("level", "native")].description
+    print(f"llama.cpp {facts['commit']} (llama-cpp-python {LLAMA_CPP_PYTHON}), splice decode step {step}; {level}")
     print(table)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report_, indent=2))

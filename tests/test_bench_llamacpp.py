@@ -302,3 +302,53 @@ def test_eager_steps_only_in_pairs_and_the_worker_is_told(monkeypatch):
     for argv in (["--pairs", "2"], ["--pairs", "2", "--eager"]):
         bl.SpliceWorker(bl.parse_args(argv))
     assert "--eager" not in commands[0] and commands[1][-1] == "--eager"
+
+
+def test_levels_build_apart_and_tell_splice_its_level():
+    assert bl.parse_args([]).level == "native"
+    native, avx2 = bl.LEVELS["native"], bl.LEVELS["avx2"]
+    assert native.cmake_flags == bl.CMAKE_FLAGS and native.build_dir != avx2.build_dir
+    # the AVX2 build: no -march=native, no AVX-512, no AVX-VNNI; the rest of the flags as the native build's
+    assert "-DGGML_NATIVE=OFF" in avx2.cmake_flags and "-DGGML_NATIVE=ON" not in avx2.cmake_flags
+    assert {"-DGGML_AVX2=ON", "-DGGML_AVX512=OFF"} <= set(avx2.cmake_flags)
+    assert set(bl.CMAKE_FLAGS[1:]) <= set(avx2.cmake_flags)
+    # AVX-VNNI where the CPU has it, as splice's avx2 level takes it
+    assert bl.level_cmake_flags(avx2, {"avx2"})[-1] == "-DGGML_AVX_VNNI=OFF"
+    assert bl.level_cmake_flags(avx2, {"avx2", "avx_vnni"})[-1] == "-DGGML_AVX_VNNI=ON"
+    assert bl.level_cmake_flags(native, {"avx_vnni"}) == bl.CMAKE_FLAGS
+    env = bl.splice_env("avx2")
+    assert (env["SPLICE_NATIVE_ISA"], env["ONEDNN_MAX_CPU_ISA"]) == ("avx2", "AVX2")
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(bl.REPO / "src")
+    assert bl.splice_env().get("SPLICE_NATIVE_ISA") == os.environ.get("SPLICE_NATIVE_ISA")  # native: as it is
+    with pytest.raises(ValueError, match="--level='avx3': one of native, avx2"):
+        bl.parse_args(["--level", "avx3"])
+
+
+def test_a_level_the_cpu_cannot_run_is_refused_by_name():
+    assert bl.cpu_flags("model name\t: X\nflags\t\t: fpu sse2 avx2\n") == {"fpu", "sse2", "avx2"}
+    bl.check_cpu_flags(bl.LEVELS["avx2"], bl.cpu_flags("flags\t\t: fpu sse2 avx avx2 fma f16c bmi2\n"))
+    with pytest.raises(ValueError, match="--level avx2: this CPU lacks avx2, bmi2"):
+        bl.check_cpu_flags(bl.LEVELS["avx2"], bl.cpu_flags("flags\t\t: fpu sse2 avx fma f16c\n"))
+    bl.check_cpu_flags(bl.LEVELS["native"], set())  # needs nothing
+
+
+def test_the_worker_runs_at_the_level_asked(monkeypatch):
+    envs = []
+
+    class Process:
+        def __init__(self):
+            self.stdout = iter([bl.ANSWER + '{"ready": true}\n'])
+
+    def popen(command, env=None, **kwargs):
+        envs.append(env)
+        return Process()
+
+    monkeypatch.setattr(bl.subprocess, "Popen", popen)
+    bl.SpliceWorker(bl.parse_args(["--pairs", "2", "--level", "avx2"]))
+    assert envs[0]["SPLICE_NATIVE_ISA"] == "avx2"
+
+
+def test_the_report_names_the_level(tmp_path, capsys):
+    facts = {"commit": "0c1e570", "level": "avx2"}
+    bl.publish(facts, "table", {"rows": []}, tmp_path / "out.json")
+    assert bl.LEVELS["avx2"].description in capsys.readouterr().out
