@@ -490,6 +490,36 @@ def test_int4_decode_rows_on_dot_products_at_the_avx2_level(scheme, rows):
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [40, 130])
+@pytest.mark.parametrize("scheme, op", [("int8", "int8_dot16_gemv"), ("w8a8", "int8_dot_gemv"),
+                                        ("int4-g32", "int4_dot_gemv"), ("int8-g64", "int8_dot_gemv_grouped")])
+def test_prompt_rows_take_the_dot_products_at_the_avx2_level(scheme, op, rows):
+    """At the avx2 level prompts past the float GEMVs' 32 rows take the integer dot products, as at the avx512 level
+    (they beat the widened float32 GEMMs there): activations rounded as decode rows are (int8 per channel: int16 per
+    block of 256; the others int8 per block of 32), one call, the rounded product; no de-quantised GEMM."""
+    torch.manual_seed(0)
+    linear = nn.Linear(320, 200)
+    kind = {"int8": "int8_weight_only", "int8-g64": "int8_weight_only", "w8a8": "int8_dynamic"}.get(
+        scheme, "int4_weight_only")
+    with native.use_isa("avx2"):
+        assert rows > native.MAX_ROWS["int8"] and rows <= native.MAX_ROWS["int8_dot"]
+        dots = 16 if scheme == "int8" else True
+        layer = HANDLERS[kind].from_float(linear.weight.detach(), linear.bias, SCHEMES[scheme], native=True,
+                                          dot_products=dots)
+        x = torch.randn(rows, 320)
+        with _spy(op) as calls, _spy("int8_linear") as int8_prompts, _spy("int4_linear") as int4_prompts:
+            out = layer(x)
+    if scheme == "int8":
+        rounded = qmath.round_activations(x.bfloat16().float(), qmath.WIDE_ACTIVATION_BLOCK,
+                                          qmath.WIDE_ACTIVATION_LEVELS)
+    else:
+        rounded = _reference_input(x, "w8a8")
+    expected = F.linear(rounded, layer.dequantize(), linear.bias)
+    assert calls.call_count == 1 and int8_prompts.call_count == int4_prompts.call_count == 0
+    assert (out - expected).norm() / expected.norm() < 5e-3
+
+
+@needs_native
 @pytest.mark.parametrize("rows", [1, 8, 40, 130])
 @pytest.mark.parametrize("scheme", ["int4-g32", "int4-g64-asym", "int4-g128"])
 def test_native_int4_runs_the_gemv_for_few_rows_and_dequantizes_for_more(scheme, rows):
