@@ -47,6 +47,29 @@ def test_prompts_without_bf16_arithmetic_take_the_widened_float32_gemms(monkeypa
     assert calls == [(prompt, 200)] and "prompts: float32 GEMMs on widened slabs" in repr(wrapped)
 
 
+def test_the_avx2_level_keeps_batches_to_its_row_limit_on_the_gemv(monkeypatch):
+    """At the avx2 level (no bf16 arithmetic in oneDNN) the bf16 GEMV serves up to ``native.AVX2_BF16_ROWS`` rows,
+    prompts included, where it beats the widened float32 GEMMs; longer prompts take those."""
+    from splice import native
+    monkeypatch.setattr(native, "prompts_widened", lambda: True)
+    linear = nn.Linear(96, 40).to(torch.bfloat16)
+    with native.use_isa("avx2"):
+        wrapped = NativeLinear(linear)
+        limit = native.MAX_ROWS["bf16"]
+        assert limit == native.AVX2_BF16_ROWS > 32
+        gemv, widened = torch.ops.splice_kernels.bf16_gemv, torch.ops.splice_kernels.widened_linear
+        calls = []
+        monkeypatch.setattr(torch.ops.splice_kernels, "bf16_gemv",
+                            lambda x, w, *rest: calls.append(("gemv", x.shape[0])) or gemv(x, w, *rest))
+        monkeypatch.setattr(torch.ops.splice_kernels, "widened_linear",
+                            lambda x, w: calls.append(("widened", x.shape[0])) or widened(x, w))
+        for rows in (limit, limit + 1):
+            x = torch.randn(rows, 96).to(torch.bfloat16)
+            expected = x.float() @ linear.weight.float().T + linear.bias.float()
+            torch.testing.assert_close(wrapped(x).float(), expected, rtol=2e-2, atol=2e-2)
+    assert calls == [("gemv", limit), ("widened", limit + 1)]
+
+
 def test_can_use_native_only_for_bf16_on_cpu():
     assert not can_use_native(torch.float32, torch.device("cpu"))
     assert not can_use_native(torch.float16, torch.device("cpu"))

@@ -95,7 +95,7 @@ AVX512_BF16_ROWS_WITHOUT_TILES = 16
 #: ``int8_gemv`` (on AMX, its tiles overtake the dot products from 9 rows: ``docs/kernels.md``); "int8" alone bounds the
 #: float products. The avx2 level is what AVX2-only CPUs run, where oneDNN has no bf16 arithmetic and prompts take
 #: float32 GEMMs on widened slabs (``prompts_widened``): those cost several times the GEMVs' time up to 32 rows, so the
-#: float GEMVs serve up to 32 rows there. "int4_dot": the most rows int4 sends to its integer dot products
+#: float-product GEMVs serve up to 32 rows there, and the bf16 GEMV up to AVX2_BF16_ROWS. "int4_dot": the most rows int4 sends to its integer dot products
 #: (``int4_dot_gemv``), "int4" to its float products (``int4_gemv``). At the avx512 level, on AVX512-VNNI, the integer
 #: dot products compute twice the bf16 GEMM's products an instruction, and both kinds' dot-product GEMVs beat
 #: de-quantise + GEMM at every prompt length measured (AMD Zen 4, whole llama-1b prefills of 16 to 2048 tokens: int4
@@ -103,13 +103,18 @@ AVX512_BF16_ROWS_WITHOUT_TILES = 16
 #: the widened float32 GEMMs as well (the same model at that level: prefills of 64 to 2048 tokens int4 1.9-3.1x, int8
 #: 1.1-2.6x; a decode batch of 48 rows 3.2x and 4.3x), hence DOT_ROWS at both.
 DOT_ROWS = 2048
+#: bf16 rows the avx2 level's GEMV serves: against the widened float32 GEMMs (an AMD Zen 4 held to AVX2, llama-1b,
+#: ``docs/kernels.md``) it was 1.1-2.3x as fast on prompts of 64 to 192 tokens and decode batches of 40 to 64 rows, and
+#: 0.88-0.99x on prompts of 256 to 512.
+AVX2_BF16_ROWS = 128
 #: "w8a8": the most rows W8A8 sends to ``int8_dot_gemv`` (its activations are rounded either way): the int8 GEMV's
 #: rows, or the dot products' where those are more (the avx512 level: prompts too).
 ROW_LIMITS = {
     "amx": {"bf16": 4, "int8": 16, "int8_dot": 8, "int4": 64, "int4_dot": 64, "w8a8": 16},
     "avx512": {"bf16": 4 if _onednn_has_tiles() else AVX512_BF16_ROWS_WITHOUT_TILES, "int8": 16,
                "int8_dot": DOT_ROWS, "int4": 15, "int4_dot": DOT_ROWS, "w8a8": DOT_ROWS},
-    "avx2": {"bf16": 32, "int8": 32, "int8_dot": DOT_ROWS, "int4": 32, "int4_dot": DOT_ROWS, "w8a8": DOT_ROWS},
+    "avx2": {"bf16": AVX2_BF16_ROWS, "int8": 32, "int8_dot": DOT_ROWS, "int4": 32, "int4_dot": DOT_ROWS,
+             "w8a8": DOT_ROWS},
 }
 #: The active level's limits (updated by :func:`set_isa`); read by :func:`fits` and the quantized layers.
 MAX_ROWS = dict(ROW_LIMITS["avx512"])
