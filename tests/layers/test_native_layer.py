@@ -12,6 +12,7 @@ import transformers as T
 import splice
 from splice import native
 from splice.cli_options import QUANT_SCHEMES
+from splice.kernel_choice import int16_activations
 from splice.layers import native_layer
 from splice.layers.native_layer import LINEARS, layer_gemv, unfit_reason
 
@@ -285,7 +286,8 @@ def test_a_compiled_step_matches_the_eager_native_calls(fresh_compiles, int4_hea
     quant = {**QUANT_SCHEMES["int4-sym"]["quant"], "quantize_lm_head": True if int4_head else None}
     engine = splice.init_inference(build_family("llama"), replace_with_kernel_inject=True, max_out_tokens=64,
                                    dtype=torch.bfloat16, quant=quant)
-    assert engine.runtime.head_call(2).kind == (native_layer.GEMV_INT4_DOT if int4_head else native_layer.GEMV_INT8_DOT)
+    int8_head = native_layer.GEMV_INT8_DOT16 if int16_activations() else native_layer.GEMV_INT8_DOT
+    assert engine.runtime.head_call(2).kind == (native_layer.GEMV_INT4_DOT if int4_head else int8_head)
     eager = decode(engine, True)
     engine.runtime.compile_decode()
     compiled = decode(engine, True)

@@ -400,9 +400,10 @@ def test_grouped_int8_runs_the_grouped_gemv_keeps_one_copy_and_saves_the_groups(
     monkeypatch.setitem(native.MAX_ROWS, "int8_dot", 4)
     x = torch.randn(20, 320)
     expected = F.linear(x.bfloat16().float(), layer.dequantize(), linear.bias)
+    widens_here = native.prompts_widened()  # what the layer above was built with: True where oneDNN has no bf16
     monkeypatch.setattr(native, "prompts_widened", lambda: True)  # a CPU without bf16 arithmetic: float32 slabs
     widened = _grouped_int8_layer(linear, group, True)
-    for built, widens in ((layer, False), (widened, True)):
+    for built, widens in ((layer, widens_here), (widened, True)):
         assert built.widen_prompts == widens
         with _spy("int8_dot_gemv_grouped") as calls, _spy("widened_linear") as slabs:
             out = built(x)
