@@ -87,28 +87,22 @@ AVX512_BF16_ROWS_WITHOUT_TILES = 16
 
 
 #: Most rows of activations each native GEMV serves, per level; more rows (prefill) go to one oneDNN GEMM (bf16),
-#: torch's int8 kernel and then de-quantise + GEMM (int8), or de-quantise + GEMM (int4). Measured crossovers,
-#: TinyLlama-shaped layers (``docs/kernels.md`` has the tables): with AMX the int8 GEMV runs 5-16 rows and the int4 GEMV
-#: 3 rows and more on tiles, so the int4 GEMV serves more rows there. "int8_dot": the most rows int8 weight-only sends
-#: to the integer dot products (``int8_dot_gemv``: on the weight's tiles where :func:`int8_tiles_ready`, else on a
-#: transposed kernel from 3 rows); more, up to "int8", go to
-#: ``int8_gemv`` (on AMX, its tiles overtake the dot products from 9 rows: ``docs/kernels.md``); "int8" alone bounds the
-#: float products. The avx2 level is what AVX2-only CPUs run, where oneDNN has no bf16 arithmetic and prompts take
-#: float32 GEMMs on widened slabs (``prompts_widened``): those cost several times the GEMVs' time up to 32 rows, so the
-#: float-product GEMVs serve up to 32 rows there, and the bf16 GEMV up to AVX2_BF16_ROWS. "int4_dot": the most rows int4 sends to its integer dot products
-#: (``int4_dot_gemv``), "int4" to its float products (``int4_gemv``). At the avx512 level, on AVX512-VNNI, the integer
-#: dot products compute twice the bf16 GEMM's products an instruction, and both kinds' dot-product GEMVs beat
-#: de-quantise + GEMM at every prompt length measured (AMD Zen 4, whole llama-1b prefills of 16 to 2048 tokens: int4
-#: 1.3-3.5x, int8 1.17-3.4x; decode batches of 16-32 rows: int4 4.2-7.3x, int8 3.5-3.6x); at the avx2 level they beat
-#: the widened float32 GEMMs as well (the same model at that level: prefills of 64 to 2048 tokens int4 1.9-3.1x, int8
-#: 1.1-2.6x; a decode batch of 48 rows 3.2x and 4.3x), hence DOT_ROWS at both.
+#: torch's int8 kernel and then de-quantise + GEMM (int8), or de-quantise + GEMM (int4). The limits are measured
+#: crossovers on TinyLlama-shaped layers and whole models (``docs/kernels.md`` has the tables): with AMX the int8 GEMV
+#: runs 5-16 rows and the int4 GEMV 3 rows and more on tiles, so the int4 GEMV serves more rows there. "int8_dot": the
+#: most rows int8 weight-only sends to the integer dot products (``int8_dot_gemv``: on the weight's tiles where
+#: :func:`int8_tiles_ready`, else on a transposed kernel from 3 rows); more, up to "int8", go to ``int8_gemv`` (on AMX
+#: its tiles overtake the dot products from 9 rows); "int8" alone bounds the float products. "int4_dot": the most rows
+#: int4 sends to its integer dot products (``int4_dot_gemv``), "int4" to its float products (``int4_gemv``). The avx2
+#: level is what AVX2-only CPUs run, where oneDNN has no bf16 arithmetic and prompts take float32 GEMMs on widened
+#: slabs (``prompts_widened``): those cost several times the float-product GEMVs' time up to 32 rows and the bf16
+#: GEMV's up to AVX2_BF16_ROWS. At the avx512 and avx2 levels the integer dot products beat both de-quantise + GEMM
+#: and the widened GEMMs at every prompt length and batch measured (on AVX512-VNNI they compute twice the bf16 GEMM's
+#: products an instruction), hence DOT_ROWS there, prompts included.
 DOT_ROWS = 2048
-#: bf16 rows the avx2 level's GEMV serves: against the widened float32 GEMMs (an AMD Zen 4 held to AVX2, llama-1b,
-#: ``docs/kernels.md``) it was 1.1-2.3x as fast on prompts of 64 to 192 tokens and decode batches of 40 to 64 rows, and
-#: 0.88-0.99x on prompts of 256 to 512.
 AVX2_BF16_ROWS = 128
 #: "w8a8": the most rows W8A8 sends to ``int8_dot_gemv`` (its activations are rounded either way): the int8 GEMV's
-#: rows, or the dot products' where those are more (the avx512 level: prompts too).
+#: rows, or the dot products' where those are more (the avx512 and avx2 levels: prompts too).
 ROW_LIMITS = {
     "amx": {"bf16": 4, "int8": 16, "int8_dot": 8, "int4": 64, "int4_dot": 64, "w8a8": 16},
     "avx512": {"bf16": 4 if _onednn_has_tiles() else AVX512_BF16_ROWS_WITHOUT_TILES, "int8": 16,
