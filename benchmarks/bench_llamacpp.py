@@ -260,25 +260,14 @@ def patch_source(llama_dir: Path) -> list[str]:
     return done
 
 
-def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The ``flags`` of /proc/cpuinfo (empty where there is none)."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set()
-    found = re.search(r"^flags\s*:\s*(.+)$", cpuinfo, re.M)
-    return set(found.group(1).split()) if found else set()
-
-
-def check_cpu_flags(level: Level, have: set[str]) -> None:
+def check_cpu_flags(level: Level, have: frozenset[str]) -> None:
     """A level this CPU cannot run fails before anything is built, naming the flags it lacks."""
     missing = [flag for flag in level.cpu_flags if flag not in have]
     if missing:
         raise ValueError(f"--level {level.name}: this CPU lacks {', '.join(missing)}")
 
 
-def level_cmake_flags(level: Level, have: set[str]) -> tuple[str, ...]:
+def level_cmake_flags(level: Level, have: frozenset[str]) -> tuple[str, ...]:
     """``level``'s CMake flags on a CPU with ``have``: at the avx2 level llama.cpp takes AVX-VNNI where the CPU has it,
     as splice's avx2 level does (vpdpbusd on 256-bit registers), and vpmaddubsw where it has not, as splice does."""
     if level.name != "avx2":
@@ -695,7 +684,9 @@ class Sittings:
 
 def prepare(args: argparse.Namespace) -> tuple[dict, dict[str, Path], dict[str, Path]]:
     """Source, patches, build and GGUF files (each cached): the llama.cpp facts for the report, the tools, the files."""
-    level, have = LEVELS[args.level], cpu_flags()
+    from splice import native
+
+    level, have = LEVELS[args.level], native._cpu_flags()
     check_cpu_flags(level, have)
     flags = level_cmake_flags(level, have)
     root = llamacpp_root()

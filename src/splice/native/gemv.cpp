@@ -4414,8 +4414,7 @@ void layer_gemv_into(const LayerLinear& l, const at::Tensor& x, const at::Tensor
       default: {
         const int64_t kept = kept_group(l.group);
         thread_local std::vector<at::BFloat16> spread;
-        int8_dot_gemv_grouped(kept == l.group || l.group == 0 ? x : spread_groups(x, l.group, kept, spread), l.w,
-                              l.scales);
+        int8_dot_gemv_grouped(kept == l.group ? x : spread_groups(x, l.group, kept, spread), l.w, l.scales);
       }
     }
   }
