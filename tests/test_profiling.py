@@ -46,7 +46,9 @@ def test_eager_step_profile_covers_every_stage_and_leaves_no_hooks():
 def test_blocks_in_one_native_call_are_one_stage(compiled, fresh_compiles):
     engine = splice.init_inference(build_family("llama"), dtype=torch.bfloat16, replace_with_kernel_inject=True,
                                    compile_decode=compiled, max_out_tokens=32)
+    engine.runtime.compile_native_steps = compiled  # compiled: the graph, which the step would otherwise skip
     profile = profile_decode(engine, PROMPT, new_tokens=5)
+    assert profile.step == ("compiled" if compiled else "eager")
     # the final norm and lm_head join the last native call; the eager profile runs them apart to time them
     assert profile.stages["blocks"] > 0 and (profile.stages["lm_head"] == 0) == compiled
     assert all(profile.stages[s] == 0 for s in ("qkv", "attention", "o", "gate_up", "down")), profile.stages
@@ -54,6 +56,17 @@ def test_blocks_in_one_native_call_are_one_stage(compiled, fresh_compiles):
     assert any(note.startswith("lm_head: in blocks") for note in profile.notes) == compiled
     assert sum(profile.stages.values()) == pytest.approx(profile.step_ms)
     assert engine.runtime.head_in_call  # as before the profile
+
+
+@pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
+def test_a_compiled_engine_whose_steps_run_natively_is_profiled_as_the_eager_step_it_runs(fresh_compiles):
+    engine = splice.init_inference(build_family("llama"), dtype=torch.bfloat16, replace_with_kernel_inject=True,
+                                   compile_decode=True, max_out_tokens=32)
+    profile = profile_decode(engine, PROMPT, new_tokens=5)
+    assert profile.step == "eager" and profile.stages["blocks"] > 0 and profile.stages["lm_head"] > 0
+    assert any(note.startswith("eager: the decode step is compiled") for note in profile.notes)
+    assert not engine.runtime._compiled_keys  # no graph was made
+    assert engine.runtime.head_in_call and not engine.runtime.compile_native_steps  # as before the profile
 
 
 def installed_hooks(model) -> dict[str, tuple]:

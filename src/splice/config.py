@@ -353,10 +353,13 @@ class InferenceConfig(_Section):
         "Compile splice's decode step with torch.compile (static shapes; needs replace_with_kernel_inject=True). "
         "It attends over the filled KV-cache slots rounded up to a power of two (at least 256): one graph per such "
         "length, compiled when a generate call first reaches it (tens of seconds on a small CPU; torch's inductor "
-        "cache makes later processes faster). On CPU, where every block already runs in native calls (the Llama-like "
-        "families on splice's native kernels), the eager step is the faster one: measured in turns, SmolLM2-135M "
-        "int4 takes 0.84x the compiled step's time a token, llama-1b 0.96x (docs/benchmarks.md); compiling pays "
-        "where blocks run their own ops."), json_schema_extra=_note("splice extra"))
+        "cache makes later processes faster). A step whose blocks all run in one native call (on CPU, the Llama-like "
+        "families in bf16 on splice's native kernels, quantized or not) runs eagerly even so: the graph would hold "
+        "the same call with next to nothing around it to fuse, and its inputs and guards cost more than that "
+        "(measured in turns, the eager step took 0.81x the compiled one's time a token on SmolLM2-135M int4, 0.98x "
+        "on llama-1b; docs/benchmarks.md). Other steps (other families, fp32, more rows than the kernels take in one "
+        "call) run the compiled graph; engine.runtime.compile_native_steps = True sends every step through it."),
+        json_schema_extra=_note("splice extra"))
     use_triton: bool = Field(False, description="Use Triton kernels.", json_schema_extra=_note(
         "splice has no Triton kernels; its fused block uses torch ops"))
     triton_autotune: bool = Field(False, description="Autotune Triton kernels.", json_schema_extra=_note(

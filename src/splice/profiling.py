@@ -129,6 +129,8 @@ HEAD_NOTE = ("lm_head: in blocks (the final norm and the lm_head's GEMV join the
              "eager profile runs them apart)")
 BLOCKS_NOTE = ("blocks: whole blocks in native calls, a run of blocks in one (their norms, GEMVs, attention and the "
                "rest cannot be told apart; SPLICE_NATIVE_LAYER=0 runs them as separate ops)")
+NATIVE_STEPS_NOTE = ("eager: the decode step is compiled, but a step whose blocks all run in one native call runs "
+                     "eagerly (runtime.compile_native_steps = True sends it through the graph)")
 
 
 @dataclass
@@ -211,7 +213,7 @@ def profile_decode(engine, prompt: torch.Tensor, new_tokens: int) -> StepProfile
     options = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                    attention_mask=torch.ones_like(prompt))
     synchronize = (torch.cuda.synchronize if runtime.device.type == "cuda" else lambda: None)
-    if runtime.compiled:
+    if runtime.compiled and not runtime.step_runs_natively(prompt.shape[0]):
         return _profile_compiled(engine, prompt, options, synchronize)
     clock = _StageClock(synchronize)
     boundaries = _StepBoundaries(clock, synchronize)
@@ -226,6 +228,8 @@ def profile_decode(engine, prompt: torch.Tensor, new_tokens: int) -> StepProfile
              "other: the embedding, KV-cache writes, residual adds, the MLP's activation, Python between the stages"]
     if stages["blocks"]:
         notes.append(BLOCKS_NOTE)
+    if runtime.compiled:
+        notes.append(NATIVE_STEPS_NOTE)
     return StepProfile("eager", len(steps), step_ms + stages["sampling"], stages, notes)
 
 

@@ -290,9 +290,27 @@ def test_a_compiled_step_matches_the_eager_native_calls(fresh_compiles, int4_hea
     assert engine.runtime.head_call(2).kind == (native_layer.GEMV_INT4_DOT if int4_head else int8_head)
     eager = decode(engine, True)
     engine.runtime.compile_decode()
+    engine.runtime.compile_native_steps = True  # steps in one native call would otherwise skip the graph
     compiled = decode(engine, True)
+    assert engine.runtime._compiled_keys
     torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=0.02 * eager[0].abs().max().item())
     assert torch.equal(compiled[1], eager[1]) and torch.equal(compiled[2], eager[2])
+
+
+def test_a_compiled_engine_runs_steps_in_one_native_call_eagerly(fresh_compiles):
+    """The graph would hold the same native call; steps that are not one call (more rows than the kernels take in
+    one) take the graph."""
+    engine = splice.init_inference(build_family("llama"), replace_with_kernel_inject=True, max_out_tokens=64,
+                                   dtype=torch.bfloat16, **QUANT_SCHEMES["int4-sym"])
+    eager = decode(engine, True)
+    runtime = engine.runtime
+    runtime.compile_decode()
+    assert runtime.step_runs_natively(2)
+    assert torch.equal(decode(engine, True)[1], eager[1]) and not runtime._compiled_keys
+    too_many = max(native.MAX_ROWS.values()) + 1
+    assert not runtime.step_runs_natively(too_many)
+    runtime.compile_native_steps = True
+    assert not runtime.step_runs_natively(2)
 
 
 @pytest.mark.parametrize("family, reason", [

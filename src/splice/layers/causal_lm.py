@@ -92,6 +92,9 @@ class SpliceCausalLM:
         # modules (the eager step profiler times them so)
         self.head_in_call = True
         self.graphs: GraphReplayer | None = None  # the decode step's CUDA graphs (capture_graphs)
+        # a compiled engine's decode steps that run in one native call end to end run eagerly (step_runs_natively);
+        # True sends them through the compiled graph too
+        self.compile_native_steps = False
 
     @property
     def device(self) -> torch.device:
@@ -207,7 +210,7 @@ class SpliceCausalLM:
         batch size, each compiled when first reached."""
         if self.graphs is not None:
             return self.graphs(tokens, positions, slot, cache, self.attended_length(kv_len), keep_alive=(cache,))
-        if self._compiled_step is None:
+        if self._compiled_step is None or self.step_runs_natively(tokens.shape[0]):
             return self.forward(tokens, positions, slot, cache, kv_len)
         attended = self.attended_length(kv_len)
         # per-row slots ([batch, 1]) and each cache object get graphs of their own: the unsafe guard skip below must
@@ -237,6 +240,17 @@ class SpliceCausalLM:
         if direct is None:
             self._direct_steps[key, modes] = self.direct_step(tokens, positions, slot, cache, attended) or False
         return logits
+
+    def step_runs_natively(self, rows: int) -> bool:
+        """Whether an eager decode step of ``rows`` rows runs every block in one native call (the head in it too where
+        :meth:`head_call` allows): its plan, the one :meth:`forward` then takes (kept until the next prompt), a single
+        run. A compiled engine runs such steps eagerly (unless ``compile_native_steps``): the graph would hold the same
+        call, with next to nothing around it to fuse, and its own inputs and guards to pay for at every step."""
+        if self.compile_native_steps:
+            return False
+        x = torch.empty((rows, 1, 0), dtype=self.dtype, device=self.device)  # what step_plan reads of x
+        plan = self.step_plan(x, {window: None for window in self.windows}, last_logits=True)  # masks: None or bool
+        return len(plan) == 1 and isinstance(plan[0], native_layer.NativeRun)
 
     def direct_step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, cache: StaticKVCache,
                     attended: int):

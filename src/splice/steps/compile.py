@@ -27,7 +27,8 @@ class CompileReport(StepReport):
         if self.compiled:
             said.append("decode step compiled with torch.compile (static shapes, one graph per attended length: the "
                         "filled slots rounded up to a power of two; each compiles when first reached, cached by "
-                        "torch's inductor cache)")
+                        "torch's inductor cache); a step whose blocks all run in one native call runs eagerly "
+                        "(runtime.compile_native_steps = True compiles it too)")
         if self.cuda_graphs and self.decode_graphs:
             said.append("CUDA graphs replay the decode step (one per batch size and attended length) and engine(...) "
                         "calls (one per argument signature), each captured when first called")
