@@ -506,7 +506,7 @@ def splice_worker(args: argparse.Namespace) -> None:
 
     import splice
     from splice.bench import (QUANT_SCHEMES, attended_slots, kv_bytes_per_step, load_model, read_bandwidth_gbs,
-                              stored_weight_bytes, time_generate)
+                              slots_run, stored_weight_bytes, time_generate)
 
     torch.set_num_threads(args.threads)
     engines, step_bytes = {}, {}
@@ -522,7 +522,7 @@ def splice_worker(args: argparse.Namespace) -> None:
             engine.runtime.compile_decode()
         time_generate(engine.generate, prompt, args.new, 1)  # compiles, then one run
         engines[name] = engine
-        slots = attended_slots(args, "eager" if args.eager else "compile")
+        slots = attended_slots(args, slots_run(engine, "eager" if args.eager else "compile", 1))
         step_bytes[name] = stored_weight_bytes(engine.module) + kv_bytes_per_step(engine.module, 1, slots)
     print(ANSWER + json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:

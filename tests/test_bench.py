@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from splice import bench
+from splice import bench, native
 
 from .arch.tiny_models import build_family
 from .conftest import on_threads
@@ -202,6 +202,18 @@ def test_step_bytes_count_the_kv_cache_a_step_reads():
     assert bench.attended_slots(args, "inject+compile") == 12  # 256 and up, capped at prompt + new
     long = parse("--prompt", "300", "--new", "4")
     assert bench.attended_slots(long, "inject+compile") == 304 and bench.attended_slots(long, "inject") == 302
+
+
+@pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
+def test_a_compiled_run_of_steps_in_one_native_call_reads_the_eager_steps_slots():
+    import splice
+
+    compiled = [splice.init_inference(build_family("llama", dtype=dtype), replace_with_kernel_inject=True,
+                                      compile_decode=True, max_out_tokens=16)
+                for dtype in (torch.bfloat16, torch.float32)]
+    assert bench.slots_run(compiled[0], "inject+compile", 1) == "eager"  # bf16 on CPU: one native call a step
+    assert bench.slots_run(compiled[1], "inject+compile", 1) == "inject+compile"  # fp32: the graph
+    assert bench.slots_run(compiled[0], "inject", 1) == "inject" and bench.slots_run(None, "hf", 1) == "hf"
 
 
 def test_quant_rows_are_quantized_and_smaller(tiny_bench, tmp_path):

@@ -156,7 +156,7 @@ def bench_configuration(args, dtype: str, batch: int, modes: list[str], probe: B
     rows, hf_speed = [], None
     for mode in modes:
         if mode == "hf":
-            generate = model.generate
+            engine, generate = None, model.generate
         else:
             engine = splice.init_inference(model, replace_with_kernel_inject=(mode == "inject"),
                                            max_out_tokens=args.prompt + args.new)
@@ -173,7 +173,7 @@ def bench_configuration(args, dtype: str, batch: int, modes: list[str], probe: B
                 with _native_level(level):
                     prefill_ms, tok_s, peak = time_generate(generate, prompt, args.new, args.repeat)
                 hf_speed = tok_s if run == "hf" else hf_speed
-                step = weights + kv_bytes_per_step(model, batch, attended_slots(args, run))
+                step = weights + kv_bytes_per_step(model, batch, attended_slots(args, slots_run(engine, run, batch)))
                 rows.append(Row(args.model, dtype, batch, name, prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
                                 tok_s / hf_speed if hf_speed else float("nan"), batch * bandwidth * 1e9 / step,
                                 first_s, step, args.prompt, probe.around()))
@@ -208,7 +208,8 @@ def bench_quantized(args, dtype: str, batch: int, schemes: list[str], probe: Ban
             for name, level in _runs_at_levels(run, args.isa_levels):
                 with _native_level(level):
                     prefill_ms, tok_s, peak = time_generate(engine.generate, prompt, args.new, args.repeat)
-                step = weights + kv_bytes_per_step(engine.module, batch, attended_slots(args, run))
+                slots = attended_slots(args, slots_run(engine, run, batch))
+                step = weights + kv_bytes_per_step(engine.module, batch, slots)
                 rows.append(Row(args.model, dtype, batch, name, prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
                                 tok_s / hf_speed, batch * bandwidth * 1e9 / step, first_s, step, args.prompt,
                                 probe.around()))
@@ -304,6 +305,15 @@ def attended_slots(args, run: str) -> float:
     if run.endswith("compile"):
         filled = [attended_length(length, args.prompt + args.new) for length in filled]
     return sum(filled) / len(filled)
+
+
+def slots_run(engine, run: str, batch: int) -> str:
+    """``run`` as :func:`attended_slots` reads it: a compiled run whose steps of ``batch`` rows are each one native
+    call runs them eagerly (``SpliceCausalLM.step_runs_natively``), over the tokens so far."""
+    runtime = getattr(engine, "runtime", None)
+    if run.endswith("compile") and runtime is not None and runtime.step_runs_natively(batch):
+        return "eager"
+    return run
 
 
 def kv_bytes_per_step(model, batch: int, slots: float) -> int:

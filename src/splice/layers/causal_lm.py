@@ -294,7 +294,8 @@ class SpliceCausalLM:
 
     @property
     def compiled(self) -> bool:
-        """Whether decode steps run compiled (:meth:`compile_decode`)."""
+        """Whether the decode step is compiled (:meth:`compile_decode`); a step that is one native call end to end runs
+        eagerly even so (:meth:`step_runs_natively`)."""
         return self._compiled_step is not None
 
     @property
