@@ -4,6 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import splice
+from splice import native
 from splice.serve.batch import BatchRunner, Move, StepPlan, batch_bucket, prefill_groups
 from splice.steps.fuse import inject
 from tests.arch.tiny_models import build_family
@@ -129,3 +131,18 @@ def test_a_runtime_replaying_cuda_graphs_steps_batches_padded_to_their_bucket(mo
     monkeypatch.setattr(runtime, "decode_step", lambda ids, *rest: batches.append(len(ids)) or torch.zeros(len(ids), 8))
     runner.step((6, 6, 6), (0, 0, 0))
     assert batches == [4 if graphs else 3]
+
+
+@pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
+def test_a_compiled_runtime_steps_batches_that_run_as_one_native_call_unpadded(monkeypatch):
+    """Such steps run eagerly (SpliceCausalLM.step_runs_natively): no graph per batch size, so nothing to pad to."""
+    engine = splice.init_inference(build_family("llama", dtype=torch.bfloat16), replace_with_kernel_inject=True,
+                                   compile_decode=True, max_out_tokens=16)
+    runtime = engine.runtime
+    runner = BatchRunner(runtime, max_batch=4)
+    batches = []
+    monkeypatch.setattr(runtime, "decode_step", lambda ids, *rest: batches.append(len(ids)) or torch.zeros(len(ids), 8))
+    runner.step((6, 6, 6), (0, 0, 0))
+    runtime.compile_native_steps = True  # the graph for every step: padded to its bucket
+    runner.step((6, 6, 6), (0, 0, 0))
+    assert batches == [3, 4]

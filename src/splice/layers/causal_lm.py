@@ -298,11 +298,11 @@ class SpliceCausalLM:
         eagerly even so (:meth:`step_runs_natively`)."""
         return self._compiled_step is not None
 
-    @property
-    def static_shapes(self) -> bool:
-        """Whether each decode step's batch size and attended length make a graph of their own (compiled, or replayed
-        from CUDA graphs): a caller stepping varying batches pads them to a few sizes."""
-        return self.compiled or self.graphs is not None
+    def static_shapes(self, rows: int) -> bool:
+        """Whether a decode step of ``rows`` rows runs a graph of its batch size and attended length (compiled, or
+        replayed from CUDA graphs): a caller stepping varying batches pads them to a few sizes. Not where the step
+        runs eagerly, as one native call (:meth:`step_runs_natively`)."""
+        return self.graphs is not None or (self.compiled and not self.step_runs_natively(rows))
 
     def release(self) -> None:
         """Free the KV cache and the decode step's CUDA graphs (``engine.destroy()``); the next request allocates a

@@ -180,12 +180,12 @@ class BatchRunner:
 
     def step(self, tokens: tuple[int, ...], slots: tuple[int, ...]) -> torch.Tensor:
         """One decode step of rows ``[:len(tokens)]``, row ``i`` feeding ``tokens[i]`` at its slot ``slots[i]``
-        (= its position); fp32 logits ``[n, vocab]``. A runtime with a graph per shape (compiled, or CUDA graphs)
-        runs the batch padded to its bucket: the padding rows (free, or holding a prompt still being prefilled) write
-        at the last slot, which no row of theirs holds yet and which a row writes itself before it reads it, at
-        position 0 (within any position table)."""
+        (= its position); fp32 logits ``[n, vocab]``. A runtime with a graph per shape (compiled, or CUDA graphs;
+        ``static_shapes``) runs the batch padded to its bucket: the padding rows (free, or holding a prompt still
+        being prefilled) write at the last slot, which no row of theirs holds yet and which a row writes itself
+        before it reads it, at position 0 (within any position table)."""
         runtime, n = self.runtime, len(tokens)
-        batch = batch_bucket(n, self.max_batch) if runtime.static_shapes else n
+        batch = batch_bucket(n, self.max_batch) if runtime.static_shapes(n) else n
         pad = batch - n
         device = runtime.device
         ids = torch.tensor([*tokens, *[0] * pad], dtype=torch.long, device=device)[:, None]
