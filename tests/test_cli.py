@@ -144,6 +144,17 @@ def test_generate_int4_says_paris():
     assert result.stdout.startswith("The capital of France is Paris")
 
 
+@pytest.mark.slow
+def test_generate_compiled_on_native_kernels_says_paris_and_compiles_nothing():
+    """On splice's native kernels every step is one native call, which a compiled engine runs eagerly: no graph is
+    compiled, and the timings do not say one was (runtime.graphs_compiled)."""
+    result = run("generate", "The capital of France is", "--max-new-tokens", "3", "--kernel-inject", "--dtype", "bf16",
+                 "--compile")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("The capital of France is Paris")
+    assert "decode includes compiling" not in result.stdout and "tokens/s" in result.stdout
+
+
 # ---- habits: [MODEL] PROMPT, greedy, errors on their own line, the default context --------------------------------
 @pytest.fixture
 def tiny_cli(monkeypatch):

@@ -65,7 +65,7 @@ def test_a_compiled_engine_whose_steps_run_natively_is_profiled_as_the_eager_ste
     profile = profile_decode(engine, PROMPT, new_tokens=5)
     assert profile.step == "eager" and profile.stages["blocks"] > 0 and profile.stages["lm_head"] > 0
     assert any(note.startswith("eager: the decode step is compiled") for note in profile.notes)
-    assert not engine.runtime._compiled_keys  # no graph was made
+    assert not engine.runtime.graphs_compiled  # no graph was made
     assert engine.runtime.head_in_call and not engine.runtime.compile_native_steps  # as before the profile
 
 

@@ -354,7 +354,8 @@ def run_generate(args: argparse.Namespace) -> int:
         raise
     if streamer is not None:
         print()
-        compiled = " (decode includes compiling the decode step, done on its first call)" if args.compile else ""
+        compiled = args.compile and engine.runtime is not None and engine.runtime.graphs_compiled
+        compiled = " (decode includes compiling the decode step, done on its first call)" if compiled else ""
         print(streamer.summary() + compiled)
     return 0
 

@@ -292,7 +292,7 @@ def test_a_compiled_step_matches_the_eager_native_calls(fresh_compiles, int4_hea
     engine.runtime.compile_decode()
     engine.runtime.compile_native_steps = True  # steps in one native call would otherwise skip the graph
     compiled = decode(engine, True)
-    assert engine.runtime._compiled_keys
+    assert engine.runtime.graphs_compiled
     torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=0.02 * eager[0].abs().max().item())
     assert torch.equal(compiled[1], eager[1]) and torch.equal(compiled[2], eager[2])
 
@@ -306,7 +306,7 @@ def test_a_compiled_engine_runs_steps_in_one_native_call_eagerly(fresh_compiles)
     runtime = engine.runtime
     runtime.compile_decode()
     assert runtime.step_runs_natively(2)
-    assert torch.equal(decode(engine, True)[1], eager[1]) and not runtime._compiled_keys
+    assert torch.equal(decode(engine, True)[1], eager[1]) and not runtime.graphs_compiled
     too_many = max(native.MAX_ROWS.values()) + 1
     assert not runtime.step_runs_natively(too_many)
     runtime.compile_native_steps = True

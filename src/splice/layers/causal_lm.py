@@ -298,6 +298,11 @@ class SpliceCausalLM:
         eagerly even so (:meth:`step_runs_natively`)."""
         return self._compiled_step is not None
 
+    @property
+    def graphs_compiled(self) -> int:
+        """How many decode-step graphs have been compiled (one a batch size and attended length a step reached)."""
+        return len(self._compiled_keys)
+
     def static_shapes(self, rows: int) -> bool:
         """Whether a decode step of ``rows`` rows runs a graph of its batch size and attended length (compiled, or
         replayed from CUDA graphs): a caller stepping varying batches pads them to a few sizes. Not where the step
