@@ -257,6 +257,27 @@ def test_table_puts_quantized_rows_beside_the_float_row_of_their_mode():
     assert cells["inject+compile"] == ["-", "-"]
 
 
+def test_table_says_which_compiled_rows_compiled_no_graph():
+    row = bench.Row("m", "bf16", 1, "inject+compile", 10.0, 10.0, 100.0, 100.0, 1.0, 50.0)
+    table = bench.format_table([replace(row, graphs=0), replace(row, mode="inject+int4+compile", graphs=0),
+                                replace(row, mode="inject+int8+compile", graphs=2), replace(row, mode="inject")])
+    said = "inject+compile, inject+int4+compile: no graph compiled; every decode step was one native call"
+    assert table.splitlines()[-1].startswith(said)
+    assert "no graph" not in bench.format_table([replace(row, graphs=1), replace(row, mode="inject")])
+
+
+@pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
+def test_a_compiled_row_counts_its_graphs(tiny_bench, tmp_path, fresh_compiles):
+    """bf16 on the native kernels: every step one native call, run eagerly (no graph); fp32: the graph."""
+    for dtype, compiled in (("bf16", False), ("fp32", True)):
+        out = tmp_path / f"{dtype}.json"
+        args = parse("--model", "tiny", "--dtype", dtype, "--prompt", "8", "--new", "4", "--repeat", "1",
+                     "--modes", "inject", "--compile", "--json", str(out))
+        assert args.run(args) == 0
+        rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+        assert rows["inject"]["graphs"] is None and bool(rows["inject+compile"]["graphs"]) == compiled
+
+
 def test_table_shows_each_rows_share_of_the_bandwidth_read_around_it():
     """10 tok/s at batch 2 is 5 steps/s; 2 GB a step is 10 GB/s, 40 % of 25 GB/s (and "% of bw" 20 % of the 50 tok/s
     roofline); a row timed without the probe around it shows "-"."""

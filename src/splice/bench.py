@@ -55,6 +55,7 @@ class Row:
     step_bytes: int = 0  # bytes one decode step reads (weights, KV cache)
     prompt: int = 0  # prompt tokens (the context the decode steps start from)
     around_gbs: float = float("nan")  # the faster of the probe readings right before and after the row
+    graphs: int | None = None  # compiled rows: decode-step graphs compiled by the row's end (0: every step eager)
 
     @property
     def bandwidth_share(self) -> float:
@@ -176,7 +177,7 @@ def bench_configuration(args, dtype: str, batch: int, modes: list[str], probe: B
                 step = weights + kv_bytes_per_step(model, batch, attended_slots(args, slots_run(engine, run, batch)))
                 rows.append(Row(args.model, dtype, batch, name, prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
                                 tok_s / hf_speed if hf_speed else float("nan"), batch * bandwidth * 1e9 / step,
-                                first_s, step, args.prompt, probe.around()))
+                                first_s, step, args.prompt, probe.around(), compiled_graphs(engine, run)))
             if run.startswith("inject") and args.profile:
                 args.profiles.append(profile_run(engine, prompt, args, (args.model, dtype, batch, run)))
     del model
@@ -212,7 +213,7 @@ def bench_quantized(args, dtype: str, batch: int, schemes: list[str], probe: Ban
                 step = weights + kv_bytes_per_step(engine.module, batch, slots)
                 rows.append(Row(args.model, dtype, batch, name, prefill_ms, tok_s, 1e3 / tok_s * batch, peak,
                                 tok_s / hf_speed, batch * bandwidth * 1e9 / step, first_s, step, args.prompt,
-                                probe.around()))
+                                probe.around(), compiled_graphs(engine, run)))
             if args.profile:
                 args.profiles.append(profile_run(engine, prompt, args, (args.model, dtype, batch, run)))
         del engine, model
@@ -305,6 +306,11 @@ def attended_slots(args, run: str) -> float:
     if run.endswith("compile"):
         filled = [attended_length(length, args.prompt + args.new) for length in filled]
     return sum(filled) / len(filled)
+
+
+def compiled_graphs(engine, run: str) -> int | None:
+    """The decode-step graphs a compiled run's engine has compiled so far; None for other runs."""
+    return engine.runtime.graphs_compiled if run.endswith("compile") else None
 
 
 def slots_run(engine, run: str, batch: int) -> str:
@@ -490,6 +496,10 @@ def format_table(rows: list[Row]) -> str:
                      f"{_ratio(r.speedup):>8} {_ratio(vs_float):>8} {r.roofline_tok_s:>14.2f} "
                      f"{100 * r.bandwidth_share:>6.0f}% {_percent(r.bandwidth_share_around):>8} "
                      f"{_number(r.first_run_s):>11}")
+    eager = sorted({r.mode for r in rows if r.graphs == 0})
+    if eager:
+        lines.append(f"{', '.join(eager)}: no graph compiled; every decode step was one native call, which a compiled "
+                     "engine runs eagerly (runtime.compile_native_steps = True compiles it)")
     return "\n".join(lines)
 
 
