@@ -354,9 +354,9 @@ def run_generate(args: argparse.Namespace) -> int:
         raise
     if streamer is not None:
         print()
-        compiled = args.compile and engine.runtime is not None and engine.runtime.graphs_compiled
-        compiled = " (decode includes compiling the decode step, done on its first call)" if compiled else ""
-        print(streamer.summary() + compiled)
+        graphs = args.compile and engine.runtime is not None and engine.runtime.graphs_compiled
+        print(streamer.summary() + (" (decode includes compiling the decode step, done on its first call)" if graphs
+                                    else ""))
     return 0
 
 
