@@ -340,6 +340,8 @@ def gguf_files(root: Path, source: Path, tools: dict[str, Path], formats: list[s
     """One GGUF per format, each made once. llama-1b: BF16 converted from the checkpoint, the others quantized from it.
     The built-in model or a .gguf file: that file for the format it is in, the others requantized from it (named by
     the model, or by the file's name and the start of its sha256)."""
+    from splice.models import cached_sha256
+
     folder = root / "gguf"
     folder.mkdir(parents=True, exist_ok=True)
     if model == LLAMA_1B:
@@ -358,12 +360,6 @@ def gguf_files(root: Path, source: Path, tools: dict[str, Path], formats: list[s
             quantize(tools["llama-quantize"], source_file, path, gguf_type, threads, requantize)
         files[name] = path
     return files
-
-
-def cached_sha256(path: Path) -> str:
-    from splice.models import cached_sha256
-
-    return cached_sha256(path)
 
 
 def builtin_gguf() -> Path:

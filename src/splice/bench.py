@@ -316,10 +316,7 @@ def compiled_graphs(engine, run: str) -> int | None:
 def slots_run(engine, run: str, batch: int) -> str:
     """``run`` as :func:`attended_slots` reads it: a compiled run whose steps of ``batch`` rows are each one native
     call runs them eagerly (``SpliceCausalLM.step_runs_natively``), over the tokens so far."""
-    runtime = getattr(engine, "runtime", None)
-    if run.endswith("compile") and runtime is not None and runtime.step_runs_natively(batch):
-        return "eager"
-    return run
+    return "eager" if run.endswith("compile") and engine.runtime.step_runs_natively(batch) else run
 
 
 def kv_bytes_per_step(model, batch: int, slots: float) -> int:
