@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from splice import native
 from tests.conftest import run_cli
 
 SPLICE = str(Path(sys.executable).parent / "splice")
@@ -145,6 +146,7 @@ def test_generate_int4_says_paris():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
 def test_generate_compiled_on_native_kernels_says_paris_and_compiles_nothing():
     """On splice's native kernels every step is one native call, which a compiled engine runs eagerly: no graph is
     compiled, and the timings do not say one was (runtime.graphs_compiled)."""
