@@ -131,9 +131,71 @@ def test_alias_and_name_in_one_dict_with_different_values():
         resolve_config({"max_tokens": 8, "max_out_tokens": 9})
 
 
-def test_inference_config_passed_through():
+def test_inference_config_passed_alone_is_validated_again_into_a_new_object():
     base = resolve_quietly(dtype="bf16")
-    assert resolve_config(base) is base
+    resolved = resolve_config(base)
+    assert resolved == base and resolved is not base  # the engine keeps no reference to the caller's object
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("device", "meta", "'meta' is not a device"),
+    ("max_out_tokens", -5, "max_out_tokens"),
+    ("dtype", torch.float64, "float64"),
+])
+def test_a_field_assigned_after_validation_is_checked_when_resolved(field, value, match):
+    config = InferenceConfig()
+    setattr(config, field, value)  # pydantic does not check assignments
+    with pytest.raises(ValueError, match=match):
+        resolve_config(config)
+
+
+def test_a_field_assigned_as_text_is_parsed_when_resolved():
+    config = InferenceConfig()
+    config.dtype = "fp16"
+    assert resolve_config(config).dtype == torch.float16
+
+
+def test_a_key_assigned_inside_a_default_section_is_checked_when_resolved():
+    config = InferenceConfig()
+    config.zero.enabled = True
+    with pytest.raises(ValueError, match="zero.enabled=True is not supported"):
+        resolve_config(config)
+    config = InferenceConfig()
+    config.use_triton = True
+    with pytest.warns(SpliceIgnoredOptionWarning, match="use_triton=True has no effect"):
+        resolve_config(config)
+
+
+@pytest.mark.parametrize("given, kwargs", [
+    ({"device": "cpu"}, {"device": torch.device("cpu")}),
+    ({"quant": {"weight": {"q_dtype": "int8"}}}, {"quant": {"weight": {"q_dtype": torch.int8}}}),
+    ({"checkpoint": "/tmp/model"}, {"checkpoint": Path("/tmp/model")}),
+    ({"moe": False}, {"moe": {"enabled": False}}),
+])
+def test_one_value_spelled_two_ways_is_not_given_twice(given, kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resolve_config(given, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    ({"max_out_tokens": True}, "max_out_tokens"),
+    ({"tensor_parallel": {"tp_size": True}}, "tensor_parallel.tp_size"),
+    ({"quant": {"weight": {"num_bits": True}}}, "quant.weight.num_bits"),
+])
+def test_a_bool_where_a_number_is_wanted_raises(kwargs, key):
+    with pytest.raises(ValueError, match=f"'{key}': True is a bool; allowed: a number"):
+        resolve_config(**kwargs)
+
+
+def test_an_empty_checkpoint_path_raises():
+    with pytest.raises(ValueError, match="empty path is not a checkpoint"):
+        resolve_config(checkpoint="")
+
+
+def test_q_groups_beside_group_size_warns_that_it_is_overridden():
+    with pytest.warns(SpliceIgnoredOptionWarning, match="q_groups=2 has no effect.*group_size=64"):
+        resolve_config(quant={"enabled": True, "weight": {"num_bits": 4, "q_groups": 2, "group_size": 64}})
 
 
 def test_inference_config_plus_kwargs():
@@ -574,3 +636,13 @@ def test_config_warnings_point_at_the_callers_line(kwargs):
         resolve_config(**kwargs)
     ours = [w for w in caught if issubclass(w.category, (SpliceDeprecationWarning, SpliceIgnoredOptionWarning))]
     assert ours and all(w.filename == __file__ for w in ours), [(w.filename, w.lineno, str(w.message)) for w in ours]
+
+
+def test_a_config_object_warns_once_when_built_and_not_again_when_resolved():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        config = InferenceConfig(use_triton=True)
+        resolve_config(config)
+        resolve_config(config, dtype="bf16")
+    assert [str(warning.message).split(":")[0] for warning in caught] == ["use_triton=True has no effect in splice"]
+    assert caught[0].filename == __file__  # at the user's line

@@ -16,13 +16,14 @@ import os
 import sys
 import sysconfig
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, get_args
+from typing import Any, Literal, NamedTuple, get_args, get_origin
 
 import pydantic
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 from pydantic.fields import FieldInfo
 
 
@@ -172,6 +173,15 @@ class _Section(BaseModel, metaclass=_ReadableErrors):
     def _prepare(cls, data: Any) -> Any:
         return canonical_keys(cls, data) if isinstance(data, Mapping) else data
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """A bool where a number is wanted is a mistake (pydantic would read True as 1), unless bool is allowed."""
+        kinds = _annotation_types(cls.model_fields[info.field_name].annotation)
+        if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
+            raise ValueError(f"{value!r} is a bool; allowed: a number")
+        return value
+
 
 class TensorParallelConfig(_Section):
     enabled: bool = Field(True, description="Turn tensor parallelism on or off.", json_schema_extra=_note(
@@ -258,6 +268,14 @@ class WeightQuantConfig(_Section):
     post_init_quant: dict = Field(default_factory=dict, description="DeepSpeed's per-module post-init options.",
                                   json_schema_extra=_note("splice quantizes every linear of the transformer blocks; "
                                                           "use the other quant.weight keys"))
+
+    @model_validator(mode="after")
+    def _warn_q_groups_overridden(self) -> WeightQuantConfig:
+        if self.group_size is not None and "q_groups" in self.model_fields_set and self.q_groups != 1:
+            warnings.warn(f"quant.weight.q_groups={self.q_groups} has no effect in splice: quant.weight.group_size="
+                          f"{self.group_size} sets the groups; allowed: one of the two", SpliceIgnoredOptionWarning,
+                          stacklevel=caller_stacklevel())
+        return self
 
     @field_validator("calibration_ids", mode="before")
     @classmethod
@@ -430,6 +448,9 @@ class InferenceConfig(_Section):
         "types ('meta', 'mps', ...) and a CUDA index the machine lacks raise."),
         json_schema_extra=_note("splice extra"))
 
+    #: the warnings its validation gave, so that validating it again (resolve_config) does not repeat them
+    _warned: frozenset[str] = PrivateAttr(default_factory=frozenset)
+
     @model_validator(mode="before")
     @classmethod
     def _prepare(cls, data: Any) -> Any:
@@ -464,6 +485,9 @@ class InferenceConfig(_Section):
     @field_validator("checkpoint", mode="before")
     @classmethod
     def _check_checkpoint(cls, value: Any) -> Any:
+        if isinstance(value, (str, os.PathLike)) and not os.fspath(value):
+            raise ValueError("an empty path is not a checkpoint (it would read the current directory); allowed: "
+                             "None, a path to a checkpoint folder, file or index JSON, or a load-policy dict")
         if value is None or isinstance(value, (str, os.PathLike, dict)):
             return value
         raise ValueError(f"{value!r} ({type(value).__name__}) is not a checkpoint; allowed: None, a path "
@@ -503,6 +527,29 @@ class InferenceConfig(_Section):
             warnings.warn(f"{path}={value!r} has no effect in splice: {note}", SpliceIgnoredOptionWarning,
                           stacklevel=caller_stacklevel())
         return self
+
+    # defined last, so that it wraps every other validator (pydantic nests the later ones outside)
+    @model_validator(mode="wrap")
+    @classmethod
+    def _remember_warnings(cls, data: Any, handler: Any) -> InferenceConfig:
+        config, warned = _recording_warnings(lambda: handler(data))
+        config._warned = warned
+        return config
+
+
+def _recording_warnings(call: Callable[[], Any], skip: frozenset[str] = frozenset()) -> tuple[Any, frozenset[str]]:
+    """``call()`` and the texts of the warnings it gave; they are given on (but those whose text is in ``skip``),
+    each at the line it named, under the caller's filters, also when ``call`` raises."""
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result = call()
+    finally:
+        for warning in caught:
+            if str(warning.message) not in skip:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    return result, frozenset(str(warning.message) for warning in caught)
 
 
 def caller_stacklevel() -> int:
@@ -566,7 +613,7 @@ def _move_deprecated(data: dict) -> dict:
         new = DEPRECATED[old]
         section, key = new.split(".")
         current = _section_dict(data, section)
-        if key in current:
+        if key in current:  # even with equal values, as DeepSpeed: give the option once
             raise ValueError(f"'{old}' is deprecated and moves to '{new}', but '{new}' is also given "
                              f"({old}={data[old]!r}, {new}={current[key]!r}); keep only '{new}'")
         value = data.pop(old)
@@ -574,6 +621,15 @@ def _move_deprecated(data: dict) -> dict:
                       stacklevel=caller_stacklevel())
         data[section] = {**current, key: value}
     return data
+
+
+def _annotation_types(annotation: Any) -> set:
+    """The plain types an annotation allows (``int | None`` -> {int, NoneType}); Literal values' types too."""
+    if isinstance(annotation, type):
+        return {annotation}
+    if get_origin(annotation) is Literal:
+        return {type(value) for value in get_args(annotation)}
+    return {kind for arg in get_args(annotation) for kind in _annotation_types(arg)}
 
 
 def _section_model(annotation: Any) -> type[BaseModel] | None:
@@ -661,10 +717,16 @@ def field_support(path: str) -> str:
 # Comparing values
 # --------------------------------------------------------------------------------------------------------------------
 def _plain(value: Any) -> Any:
-    """A section as a nested dict of the keys that were set; anything else unchanged."""
-    if isinstance(value, BaseModel):
-        return {name: _plain(getattr(value, name)) for name in value.model_fields_set}
-    return value
+    """A section as a nested dict of the keys that were set (a section counts as set where a key inside it was, as
+    by assignment to a default section); anything else unchanged."""
+    if not isinstance(value, BaseModel):
+        return value
+    out = {}
+    for name in type(value).model_fields:
+        field = _plain(getattr(value, name))
+        if name in value.model_fields_set or (isinstance(getattr(value, name), BaseModel) and field):
+            out[name] = field
+    return out
 
 
 def _same(a: Any, b: Any, key: str = "") -> bool:
@@ -675,6 +737,8 @@ def _same(a: Any, b: Any, key: str = "") -> bool:
     a, b = _plain(a), _plain(b)
     if a is b:
         return True
+    if isinstance(a, (str, os.PathLike)) and isinstance(b, (str, os.PathLike)):
+        return os.fspath(a) == os.fspath(b)  # a checkpoint path as str or Path
     try:
         return bool(a == b)
     except Exception:  # e.g. tensors: ambiguous truth value
@@ -803,13 +867,29 @@ def _as_dict(config: Any) -> dict:
 
 
 def _merge(base: dict, overrides: dict) -> dict:
-    """``base`` updated with ``overrides``; the same key with different values raises."""
+    """``base`` updated with ``overrides``; the same key with different values raises (values compared as they
+    validate: ``'cpu'`` and ``torch.device('cpu')`` are the same value; ``"auto"`` is a value of its own, as in
+    DeepSpeed)."""
     base, overrides = canonical_keys(InferenceConfig, base), canonical_keys(InferenceConfig, overrides)
     for key in base.keys() & overrides.keys():
-        if not _same(base[key], overrides[key], key=key):
+        if not _same_validated(key, base[key], overrides[key]):
             raise ValueError(f"config key '{key}' is given twice with different values: {_short(base[key])} in "
                              f"config and {_short(overrides[key])} in keyword arguments")
     return {**base, **overrides}
+
+
+def _same_validated(key: str, a: Any, b: Any) -> bool:
+    """Whether two values of top-level ``key`` are the same once validated (each alone, quietly: the whole config
+    is validated next, and warns then); values that do not validate alone are compared as given."""
+    if _same(a, b, key=key):
+        return True
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            first, second = (InferenceConfig.model_validate({key: value}) for value in (a, b))
+    except (ValueError, TypeError):
+        return False
+    return _same(_plain(getattr(first, key)), _plain(getattr(second, key)), key=key)
 
 
 def resolve_config(config: Any = None, **kwargs: Any) -> InferenceConfig:
@@ -818,9 +898,11 @@ def resolve_config(config: Any = None, **kwargs: Any) -> InferenceConfig:
     Keyword arguments are merged on top; the same key given both ways with different values raises ``ValueError``.
     Nothing the caller passed in is modified.
     """
-    if isinstance(config, InferenceConfig) and not kwargs:
-        return config
-    return InferenceConfig.model_validate(_merge(_as_dict(config), kwargs))
+    # an InferenceConfig is validated again too: its fields may have been assigned since it was built, unchecked;
+    # the warnings it gave when built are not given twice
+    data = _merge(_as_dict(config), kwargs)
+    given = config._warned if isinstance(config, InferenceConfig) else frozenset()
+    return _recording_warnings(lambda: InferenceConfig.model_validate(data), skip=given)[0]
 
 
 # --------------------------------------------------------------------------------------------------------------------
