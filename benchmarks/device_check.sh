@@ -36,7 +36,7 @@ if [ $# -gt 0 ]; then
     selection=("$@")
 else
     selection=(-k cuda tests/layers/test_cuda_graphs.py tests/quant/test_cuda.py tests/steps/test_compile.py
-               tests/test_engine.py)
+               tests/test_engine.py tests/test_plan.py)
 fi
 timeout 210 python3 -m pytest -q -p no:cacheprovider -rs --timeout=120 --durations=15 "${selection[@]}" \
     > "$OUT/pytest.log" 2>&1

@@ -389,7 +389,8 @@ class InferenceConfig(_Section):
     moe: MoEConfig = Field(default_factory=MoEConfig, description=(
         "Mixture-of-experts settings; true/false is shorthand for {'enabled': ...}."))
     keep_module_on_host: bool = Field(False, description=(
-        "Keep loaded weights in host memory instead of moving them to the device."))
+        "Keep loaded weights in host memory instead of moving them to the device. With quantization on a device "
+        "other than the CPU it raises ValueError: quantized weights are packed for the device that runs them."))
     quant: QuantizationConfig = Field(default_factory=QuantizationConfig, description="Quantization settings.")
     checkpoint: str | os.PathLike | dict | None = Field(None, description=(
         "Checkpoint to load: a path (folder, file or JSON load policy) or a load-policy dict."))
@@ -421,7 +422,8 @@ class InferenceConfig(_Section):
                                 json_schema_extra=_note("deprecated; remove it"))
     injection_policy: dict | None = Field(None, alias="injection_dict", description=(
         "Map of block class to the names of its output linears (attention out, MLP out), for manual tensor "
-        "parallelism (tp_size > 1); a class or name that matches nothing in the model raises ValueError."),
+        "parallelism (tp_size > 1); a class or name that matches nothing in the model, two names of one linear, "
+        "and an empty dict raise ValueError."),
         json_schema_extra=_note(
             "at tensor_parallel.tp_size=1 it is checked, then warns (SpliceIgnoredOptionWarning) that it has no "
             "effect: splice's kernel injection does not read it, and DeepSpeed too only slices by it at "

@@ -30,7 +30,7 @@ from .quant.api import check_calibration_ids
 from .tp.autotp import autotp_plan, trace_model
 from .tp.loading import manifest_grain_size, manifest_plan, read_manifest
 from .tp.plan import TPPlan, verify
-from .tp.policy import policy_plan
+from .tp.policy import check_policy, policy_plan
 
 CheckpointSource = Path | list[Path]
 
@@ -80,6 +80,7 @@ def resolve(config: InferenceConfig, model: nn.Module, parallel: ParallelContext
     if config.replace_with_kernel_inject:
         check_fusable(model, config)
     quant = QuantConfig.from_inference_config(config)
+    check_quantized_on_host(config, quant, device)
     calibration_ids = resolve_quantization(model, quant, config)
     check_graphs(config, device, tp)
     compute_dtype = dtype or _model_float_dtype(model)
@@ -247,7 +248,11 @@ def resolve_tensor_parallel(config: InferenceConfig, model: nn.Module, tp: int,
     (:func:`tp_manifest`), else the injection_policy's, else with kernel injection the family record's, else AutoTP's
     (as DeepSpeed: its injection containers carry their own policies, AutoTP serves the models it does not inject).
     An injection_policy is checked in every case: at tp 1 it then warns (it has no effect), with a manifest it must
-    give the stored plan's split. A manifest's shards load only at the tp_size they were saved for, 1 included."""
+    give the stored plan's split. A manifest's shards load only at the tp_size they were saved for, 1 included.
+    Any injection_policy but None counts as given: an empty one raises (it names nothing to shard)."""
+    policy = config.injection_policy
+    if policy is not None:
+        check_policy(policy)  # before any trace: an empty dict raises here, as a bad class or name does below
     if tp == 1:
         if manifest is not None:
             manifest_plan(manifest, tp)  # raises unless the checkpoint was saved for one rank
@@ -260,11 +265,11 @@ def resolve_tensor_parallel(config: InferenceConfig, model: nn.Module, tp: int,
             warnings.warn(f"tensor_parallel.tp_grain_size={grain} has no effect at tensor_parallel.tp_size=1: it "
                           "rounds the per-rank sizes of split layers, and nothing is split; allowed: tp_size > 1, or "
                           f"tp_grain_size={default_grain}", SpliceIgnoredOptionWarning, stacklevel=4)
-        if config.injection_policy:
+        if policy is not None:
             # Checked as at tp > 1 (bad classes and names raise), then warned about: neither kernel injection nor
             # anything else reads the policy at one rank; DeepSpeed, too, only slices its linears at mp_size > 1.
-            checked_policy_plan(model, config.injection_policy, tp)
-            warnings.warn(f"injection_policy={_policy_text(config.injection_policy)} has no effect at "
+            checked_policy_plan(model, policy, tp)
+            warnings.warn(f"injection_policy={_policy_text(policy)} has no effect at "
                           "tensor_parallel.tp_size=1: it only says which linears to shard, which needs tp_size > 1; "
                           "remove it, or launch with tp_size > 1", SpliceIgnoredOptionWarning, stacklevel=4)
         return None
@@ -272,11 +277,10 @@ def resolve_tensor_parallel(config: InferenceConfig, model: nn.Module, tp: int,
         check_shard_folder(config.save_mp_checkpoint_path)
     if manifest is not None:
         plan = manifest_plan(manifest, tp)
-        if config.injection_policy:
-            check_policy_fits_manifest(checked_policy_plan(model, config.injection_policy, tp), plan, manifest,
-                                       config.injection_policy)
-    elif config.injection_policy:
-        plan = policy_plan(model, config.injection_policy, trace_model(model))
+        if policy is not None:
+            check_policy_fits_manifest(checked_policy_plan(model, policy, tp), plan, manifest, policy)
+    elif policy is not None:
+        plan = policy_plan(model, policy, trace_model(model))
     elif config.replace_with_kernel_inject:
         plan = tensor_parallel_plan(record_for(model), model.config)
     else:
@@ -342,7 +346,7 @@ def _policy_text(policy: object) -> str:
 def describe_tensor_parallel(model: nn.Module, tp_size: int, injection_policy: dict | None = None) -> str:
     """The plan splice would apply at ``tp_size`` (for ``splice info --tp N``); runs nothing distributed."""
     trace = trace_model(model)
-    plan = policy_plan(model, injection_policy, trace) if injection_policy else autotp_plan(model, trace)
+    plan = policy_plan(model, injection_policy, trace) if injection_policy is not None else autotp_plan(model, trace)
     verify(plan, model, tp_size)
     return plan.describe()
 
@@ -401,6 +405,23 @@ def resolve_quantization(model: nn.Module, quant: QuantConfig | None, config: In
     quant_targets(model, quant)
     ids = config.quant.weight.calibration_ids
     return None if ids is None else check_calibration_ids(ids, quant)
+
+
+def check_quantized_on_host(config: InferenceConfig, quant: QuantConfig | None, device: torch.device) -> None:
+    """keep_module_on_host with quantization on an accelerator raises: no packing fits both places the weights are.
+    The quantize step packs each weight on the device the model computes on, for that device's kernels (it needs the
+    weight there to do so); keep_module_on_host then moves it back to the CPU, where the engine as returned runs it.
+    int4's layout differs between CPU and CUDA (a layer refuses to run on the other), so int4 packed for CUDA cannot
+    run on the CPU, and packed for the CPU could not run on CUDA once moved there; int8 would run on the CPU on the
+    kernels chosen for the accelerator. A float model is fine: its weights and torch's kernels run on either."""
+    if quant is None or not config.keep_module_on_host or device.type == "cpu":
+        return
+    raise ValueError(f"keep_module_on_host=True with quantization ({quant.kind}) on device {str(device)!r}: "
+                     f"quantizing packs the weights on {device.type} for its kernels, then keep_module_on_host would "
+                     "move them to the CPU, where the model as returned runs (int4 packed for CUDA cannot run there, "
+                     f"int8 would run on kernels chosen for {device.type}); allowed: keep_module_on_host=False "
+                     f"(quantized for and placed on {str(device)!r}), device='cpu' (quantized for the CPU and kept "
+                     "there), or keep_module_on_host=True without quantization")
 
 
 # ---- graphs ---------------------------------------------------------------------------------------------------------

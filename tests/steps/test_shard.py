@@ -75,6 +75,32 @@ def test_tp1_valid_policy_warns_that_it_has_no_effect():
     assert plan.tp_plan is None
 
 
+EMPTY_POLICY = r"injection_policy=\{\} names no block class.*allowed: a dict mapping block classes to the names of " \
+               r"their output linears.*or injection_policy=None for kernel injection's plan or AutoTP"
+
+
+@pytest.mark.parametrize("key", ["injection_policy", "injection_dict"])
+def test_tp1_empty_policy_raises_before_the_model_changes(key, recwarn):
+    import splice
+
+    model = build("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=EMPTY_POLICY):
+        splice.init_inference(model, **{key: {}})
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert type(model.model.layers[0].self_attn.o_proj) is torch.nn.Linear
+    assert not [w for w in recwarn if issubclass(w.category, SpliceIgnoredOptionWarning)]
+
+
+@pytest.mark.parametrize("kernel_inject", [False, True], ids=["autotp", "record"])
+def test_tp2_empty_policy_raises_instead_of_another_plan(kernel_inject):
+    with pytest.raises(ValueError, match=EMPTY_POLICY):
+        plan_for(build("llama"), TWO_RANKS, tensor_parallel={"tp_size": 2}, injection_policy={},
+                 replace_with_kernel_inject=kernel_inject)
+    with pytest.raises(ValueError, match=EMPTY_POLICY):
+        describe_tensor_parallel(build("llama", meta=True), 2, {})
+
+
 def _saved_shards(folder, plan):
     (folder / "splice_tp.json").write_text(json.dumps(
         {"format": "splice-tp/1", "tp_size": 2, "files": [], "plan": plan.to_dict()}))

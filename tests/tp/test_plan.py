@@ -93,6 +93,33 @@ def test_policy_gives_the_same_plan_as_autotp_and_names_bad_entries():
         policy_plan(model, {"LlamaDecoderLayer": ("self_attn.o_proj",)})
 
 
+@pytest.mark.parametrize("rows, said", [
+    (("self_attn.o_proj", "o_proj"), r"'self_attn.o_proj' and 'o_proj' both name the linear 'self_attn.o_proj' "
+                                      r"of model.layers.0"),
+    ((".mlp.down_proj", "down_proj", "o_proj"), r"'.mlp.down_proj' and 'down_proj' both name the linear "
+                                                 r"'mlp.down_proj' of model.layers.0"),
+    (("o_proj", "down_proj", "o_proj"), r"'o_proj' is given twice \(it names the linear 'self_attn.o_proj' of "
+                                        r"model.layers.0\)"),
+], ids=["path-and-suffix", "anchored-and-suffix", "same-entry-twice"])
+def test_two_entries_naming_one_linear_say_so(rows, said):
+    """Not "names no linear" for the entry a later one overrode: the error names both entries and their linear."""
+    model = build("llama", meta=True)
+    layer = type(model.model.layers[0])
+    with pytest.raises(ValueError, match=rf"injection_policy for LlamaDecoderLayer: {said}; allowed: name each "
+                       r"linear once"):
+        policy_plan(model, {layer: rows})
+
+
+@pytest.mark.parametrize("policy, error, message", [
+    ({}, ValueError, r"injection_policy=\{\} names no block class.*allowed: a dict mapping block classes to the names "
+                     r"of their output linears.*or injection_policy=None"),
+    ([("x",)], TypeError, r"injection_policy must be a dict, got list.*allowed: a dict mapping block classes"),
+], ids=["empty", "not-a-dict"])
+def test_a_policy_that_is_no_mapping_of_blocks_raises(policy, error, message):
+    with pytest.raises(error, match=message):
+        policy_plan(build("llama", meta=True), policy)
+
+
 def _meta(build_model):
     config = build_model().config
     with torch.device("meta"):

@@ -1,4 +1,8 @@
-"""place: put the model's weights on their home device (the plan's device, or the CPU with keep_module_on_host)."""
+"""place: put the model's weights on their home device (the plan's device, or the CPU with keep_module_on_host).
+
+A float model kept on the CPU runs there, or on the device once the caller moves it. Quantized weights are never
+moved off an accelerator here: they were packed on it for its kernels, so ``plan.resolve`` refuses
+keep_module_on_host with quantization there (``check_quantized_on_host``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -9,7 +9,8 @@ An entry names a linear by its path inside the block, or by the end of that path
 published policies do: ``"SelfAttention.o"`` is T5's ``layer.0.SelfAttention.o``; a leading dot anchors the path at the
 block (``".fc2"``: the block's own ``fc2``). An entry must name a linear in at least one module of its class (T5's
 ``"EncDecAttention.o"`` exists only in decoder blocks), and at most one linear of any block (``"out_proj"`` in a BART
-decoder layer could be ``self_attn.out_proj`` or ``encoder_attn.out_proj``: ambiguous, so it raises).
+decoder layer could be ``self_attn.out_proj`` or ``encoder_attn.out_proj``: ambiguous, so it raises). Each linear is
+named once: two entries naming the same one (``"self_attn.o_proj"`` and ``"o_proj"``) raise too.
 """
 from __future__ import annotations
 
@@ -19,11 +20,24 @@ from .autotp import Trace, find_blocks, plan_from_roles, trace_model
 from .plan import TPPlan, linear_like
 
 
+#: What an injection_policy may be, for the errors about one that is not.
+ALLOWED = ("a dict mapping block classes to the names of their output linears (e.g. {LlamaDecoderLayer: "
+           "('self_attn.o_proj', 'mlp.down_proj')}), or injection_policy=None for kernel injection's plan or AutoTP")
+
+
+def check_policy(policy: object) -> None:
+    """Raise unless ``policy`` is a dict with at least one entry: a ``TypeError`` for another type, a ``ValueError``
+    for an empty dict (it names no block, so it would shard nothing)."""
+    if not isinstance(policy, dict):
+        raise TypeError(f"injection_policy must be a dict, got {type(policy).__name__}: {policy!r}; allowed: {ALLOWED}")
+    if not policy:
+        raise ValueError(f"injection_policy={policy!r} names no block class, so it says nothing to shard; allowed: "
+                         f"{ALLOWED}")
+
+
 def policy_plan(model: nn.Module, policy: dict, trace: Trace | None = None) -> TPPlan:
     """The plan for ``injection_policy`` ``policy``; raises naming any class or linear name that matches nothing."""
-    if not isinstance(policy, dict) or not policy:
-        raise TypeError(f"injection_policy must be a non-empty dict of module class -> row-parallel linear names, "
-                        f"got {policy!r}")
+    check_policy(policy)
     roles: dict[str, str] = {}
     blocks: list[str] = []
     for cls, rows in policy.items():
@@ -83,7 +97,7 @@ def _linears_in(model: nn.Module, block: str) -> dict[str, str]:
 
 def _rows_in(inner: dict[str, str], entries: tuple[str, ...], cls: type, block: str) -> dict[str, str]:
     """Path inside the block -> the entry naming it, for the linears ``entries`` name in this block; raises for an
-    entry naming more than one."""
+    entry naming more than one, and for two entries naming the same one (the second would silently take it over)."""
     rows: dict[str, str] = {}
     for entry in entries:
         hits = [rel for rel in inner if entry_matches(entry, rel)]
@@ -91,5 +105,16 @@ def _rows_in(inner: dict[str, str], entries: tuple[str, ...], cls: type, block: 
             raise ValueError(f"injection_policy for {cls.__name__}: {entry!r} is ambiguous, it names {len(hits)} "
                              f"linears of {block}: {hits}; allowed: one entry per linear, by a path that ends in only "
                              f"one of them (e.g. {hits[0]!r})")
-        rows.update({rel: entry for rel in hits})
+        for rel in hits:
+            if rel in rows:
+                raise ValueError(_named_twice(cls, block, rel, rows[rel], entry))
+            rows[rel] = entry
     return rows
+
+
+def _named_twice(cls: type, block: str, rel: str, first: str, second: str) -> str:
+    """The error for two entries (or one entry given twice) that name the same linear of ``block``."""
+    linear = f"the linear {rel!r} of {block}"
+    said = (f"{first!r} is given twice (it names {linear})" if first == second
+            else f"{first!r} and {second!r} both name {linear}")
+    return f"injection_policy for {cls.__name__}: {said}; allowed: name each linear once (keep one of the two)"
