@@ -14,6 +14,8 @@ Anything that fits none of these is reported, never guessed.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -156,7 +158,7 @@ def trace_model(model: nn.Module, tokens: int = 4) -> Trace:
                         module.register_forward_hook(tagger.block_post(name))]
     inputs = trace_inputs(model, tokens)
     try:
-        with torch.no_grad(), tagger:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), _in_eval_mode(model), tagger:
             model(**inputs, use_cache=False)
     except Exception as e:
         raise ValueError(f"tensor parallelism traces one forward of {type(model).__name__} ({', '.join(inputs)} of "
@@ -166,6 +168,19 @@ def trace_model(model: nn.Module, tokens: int = 4) -> Trace:
         for handle in handles:
             handle.remove()
     return trace
+
+
+@contextlib.contextmanager
+def _in_eval_mode(model: nn.Module) -> Iterator[None]:
+    """Eval mode while the tracing forward runs (no dropout draws from the user's random stream), each module's own
+    training flag put back after."""
+    flags = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in flags:
+            module.training = training
 
 
 def trace_inputs(model: nn.Module, tokens: int) -> dict[str, torch.Tensor]:
