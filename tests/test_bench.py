@@ -24,6 +24,7 @@ def parse(*argv: str) -> argparse.Namespace:
 def tiny_bench(monkeypatch):
     monkeypatch.setattr(bench, "load_model", lambda name, dtype: build_family("llama", dtype=bench_dtype(dtype)))
     monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda: 10.0)
+    monkeypatch.setattr(bench, "check_model", lambda name: None)  # "tiny" is no model splice.load finds
 
 
 def bench_dtype(name: str) -> torch.dtype:
@@ -230,7 +231,8 @@ def test_quant_rows_are_quantized_and_smaller(tiny_bench, tmp_path):
 
 def test_bad_quant_scheme_is_refused(tiny_bench, tmp_path):
     args = parse("--quant", "int3", "--json", str(tmp_path / "b.json"))
-    with pytest.raises(ValueError, match="--quant='int3': allowed values are int8, int8-g64, w8a8, int4"):
+    with pytest.raises(ValueError, match="--quant='int3': 'int3' is not allowed; allowed values are int8, int8-g64, "
+                                         "w8a8, int4"):
         args.run(args)
 
 
@@ -377,11 +379,12 @@ def test_profile_with_nothing_to_profile_is_refused_before_loading(tiny_bench, t
     assert not (tmp_path / "b.json").exists()
 
 
+@pytest.mark.parametrize("option", ["--profile", "--compile"])
 @pytest.mark.parametrize("options", [["--modes", "hf,inject"], ["--modes", "hf", "--quant", "int8"]])
-def test_profile_with_an_injected_run_passes_the_check(tiny_bench, tmp_path, options):
-    """A kernel-injected mode or a --quant row gives --profile something to profile: the run goes on to the next
-    check (here an unwritable --json, so nothing is loaded)."""
-    args = parse("--profile", *options, "--json", str(tmp_path / "no-such-folder" / "b.json"))
+def test_an_injected_only_option_with_an_injected_run_passes_the_check(tiny_bench, tmp_path, option, options):
+    """A kernel-injected mode or a --quant row gives --profile something to profile and --compile something to
+    compile: the run goes on to the next check (here an unwritable --json, so nothing is loaded)."""
+    args = parse(option, *options, "--json", str(tmp_path / "no-such-folder" / "b.json"))
     with pytest.raises(ValueError, match="--json .*cannot write there"):
         args.run(args)
 
@@ -469,3 +472,134 @@ def test_time_generate_warms_up_once_unless_told_it_was_done():
     calls.clear()
     bench.time_generate(generate, torch.zeros(1, 4, dtype=torch.long), 3, repeat=1, warm_up=False)
     assert calls == [3]
+
+
+@pytest.fixture
+def nothing_loaded(tiny_bench, monkeypatch):
+    """Fails a test that gets as far as resolving or loading a model, building the native kernels or reading the
+    bandwidth probe."""
+    for name in ("check_model", "load_model", "read_bandwidth_gbs"):
+        monkeypatch.setattr(bench, name, lambda *a, name=name: pytest.fail(f"{name} called before the check"))
+    monkeypatch.setattr(bench.native, "available", lambda: pytest.fail("native kernels loaded before the check"))
+
+
+def refused(argv: list[str], capsys, tmp_path) -> str:
+    """``splice bench argv`` run to its error, which must be one line and leave an existing --json file as it was:
+    the error's text."""
+    from .conftest import run_cli
+
+    out = tmp_path / "b.json"
+    out.write_text("previous results")
+    code, printed, err = run_cli(["bench", *argv, "--json", str(out)], capsys)
+    assert code == 2 and printed == "" and err.startswith("splice: error: ") and err.count("\n") == 1, err
+    assert out.read_text() == "previous results"
+    return err
+
+
+@pytest.mark.parametrize("named", [["inject", "hf", "plain"], ["plain", "inject", "hf"], ["hf", "plain", "inject"]])
+def test_modes_run_in_one_order_whatever_order_they_are_named_in(tiny_bench, tmp_path, monkeypatch, named):
+    """Injection replaces the model's layers in place: the hf and plain rows are timed before it, on the model as
+    loaded, whatever order --modes names them in; the rows, and the speedups over hf, come out the same."""
+    from splice.layers.block import SpliceBlock
+
+    loaded, injected = [], []
+    load = bench.load_model
+    monkeypatch.setattr(bench, "load_model", lambda name, dtype: loaded.append(load(name, dtype)) or loaded[-1])
+    speeds = iter([10.0, 15.0, 30.0])
+
+    def fake_time(generate, prompt, new, repeat):
+        injected.append(isinstance(loaded[-1].model.layers[0], SpliceBlock))
+        return 1.0, next(speeds), 100.0
+
+    monkeypatch.setattr(bench, "time_generate", fake_time)
+    out = tmp_path / "bench.json"
+    args = parse("--model", "tiny", "--prompt", "4", "--new", "4", "--repeat", "1", "--modes", ",".join(named),
+                 "--json", str(out))
+    assert args.run(args) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [r["mode"] for r in rows] == ["hf", "plain", "inject"] and injected == [False, False, True]
+    assert [r["speedup"] for r in rows] == [1.0, 1.5, 3.0]
+
+
+@pytest.mark.parametrize("modes, twice", [("inject,inject", "'inject'"), ("hf,plain,hf", "'hf'")])
+def test_a_mode_given_twice_is_refused_before_loading(nothing_loaded, tmp_path, capsys, modes, twice):
+    err = refused(["--model", "tiny", "--modes", modes], capsys, tmp_path)
+    assert err == (f"splice: error: --modes='{modes}': {twice} given more than once; allowed values are hf, plain, "
+                   "inject, each at most once\n")
+
+
+@pytest.mark.parametrize("model, dtype, problem", [
+    ("tiny", "fp32,fp33", "'fp33' is not allowed"),
+    ("tiny", ",", "no value given"),
+    ("tiny", "fp32,float32", "'fp32' given more than once"),
+    ("llama-1b", "int8", "'int8' is not allowed"),
+])
+def test_a_bad_dtype_is_refused_before_loading(nothing_loaded, tmp_path, capsys, model, dtype, problem):
+    """Every --dtype value is checked before anything is loaded or timed (a bad second value would otherwise fail
+    after the first's rows, and an empty list would write a report without rows over the --json file)."""
+    err = refused(["--model", model, "--modes", "plain", "--dtype", dtype], capsys, tmp_path)
+    allowed = "allowed values are fp32, bf16, fp16 (or another name of one, as float32 or bfloat16), each at most once"
+    int8 = "; int8 is a quantization: --quant int8 runs it" if dtype == "int8" else ""
+    assert err == f"splice: error: --dtype='{dtype}': {problem}; {allowed}{int8}\n"
+
+
+def test_dtypes_take_their_short_names():
+    assert bench.bench_dtypes("bf16, float32,half") == ["bf16", "fp32", "fp16"]
+
+
+@pytest.mark.parametrize("options, given, effect", [
+    (["--compile"], "--compile", "compiled"),
+    (["--isa", "avx2"], "--isa avx2", "timed at another level of the native kernels"),
+])
+def test_an_option_only_injected_runs_honour_is_refused_without_one(nothing_loaded, tmp_path, capsys, options, given,
+                                                                     effect):
+    """--compile and --isa act on kernel-injected runs only (as --profile does): with none to act on they are refused
+    before anything is loaded, so the JSON never records a compile that did not happen."""
+    err = refused(["--model", "tiny", "--modes", "plain", *options], capsys, tmp_path)
+    option = given.split()[0]
+    assert err == (f"splice: error: {given} with --modes plain and no --quant: nothing would be {effect}; allowed: "
+                   f"--modes including inject, or --quant with a scheme (or no {option})\n")
+
+
+def test_prompt_beside_context_is_refused_before_loading(nothing_loaded, tmp_path, capsys):
+    err = refused(["--model", "tiny", "--context", "8,16", "--prompt", "4"], capsys, tmp_path)
+    assert err == ("splice: error: --prompt 4 with --context 8,16: --context sets the prompt lengths, so --prompt "
+                   "would have no effect; allowed: one of them (--context 8,16,4 adds that length)\n")
+
+
+def test_an_unknown_model_is_refused_before_the_kernels_and_the_probe(tmp_path, capsys, monkeypatch):
+    """The model is found before the native kernels are built and the bandwidth probe runs; the error lists every
+    model bench accepts, llama-1b among them."""
+    from splice.models import BUILTIN_MODELS
+
+    for name in ("load_model", "read_bandwidth_gbs"):
+        monkeypatch.setattr(bench, name, lambda *a, name=name: pytest.fail(f"{name} called before the check"))
+    monkeypatch.setattr(bench.native, "available", lambda: pytest.fail("native kernels loaded before the check"))
+    (tmp_path / "folder").mkdir()
+    for model, problem in ((str(tmp_path / "nonexistent"), "no such built-in name, folder or .gguf file"),
+                           (str(tmp_path / "folder"), "without config.json")):
+        err = refused(["--model", model], capsys, tmp_path)
+        assert err.startswith("splice: error: --model: ") and model in err and problem in err, err
+        accepted = err.split("accepted: ")[1]
+        assert all(repr(name) in accepted for name in ["llama-1b", *BUILTIN_MODELS]), err
+
+
+def test_llama_1b_passes_the_model_check_without_being_built(monkeypatch):
+    monkeypatch.setattr(bench, "llama_1b_folder", lambda: pytest.fail("built by the check"))
+    bench.check_model("llama-1b")
+
+
+@pytest.mark.parametrize("threads, warned", [(3, True), (2, False)])
+def test_more_threads_than_cpus_is_warned_about(tiny_bench, tmp_path, capsys, monkeypatch, threads, warned):
+    """--threads above the CPUs this process may run on runs, with a warning naming both figures, before the native
+    kernels are loaded."""
+    from .conftest import run_cli
+
+    monkeypatch.setattr(bench.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(bench.native, "available", lambda: (_ for _ in ()).throw(ValueError("stopped here")))
+    code, _, err = run_cli(["bench", "--model", "tiny", "--threads", str(threads), "--json",
+                            str(tmp_path / "b.json")], capsys)
+    assert code == 2 and err.endswith("splice: error: stopped here\n")
+    warning = (f"splice: warning: --threads {threads} is more than the 2 CPUs this process may run on: the threads "
+               "take turns on them and every row runs slower than on as many threads as CPUs\n")
+    assert (warning in err) == warned, err

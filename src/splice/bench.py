@@ -1,14 +1,15 @@
 """``splice bench``: HF eager ``generate`` vs splice (plain and kernel-injected), one after another in one process.
 
 For each configuration (dtype x batch) the model is loaded once; each mode generates ``--new`` tokens from the same
-random ``--prompt``-token prompt. Reported: prefill ms, decode tokens/s (after the first new token), ms/token, peak RSS
-during the run, speedup over HF eager, and a roofline: the machine's read bandwidth (the fastest of the probes read
-before the rows and after each row, each streaming 1 GiB on 2 MiB pages on every thread in a few read patterns)
+random ``--prompt``-token prompt, the modes in one order whatever order ``--modes`` names them in (hf, plain, then
+inject, which changes the model in place). Reported: prefill ms, decode tokens/s (after the first new token), ms/token,
+peak RSS during the run, speedup over HF eager, and a roofline: the machine's read bandwidth (the fastest of the probes
+read before the rows and after each row, each streaming 1 GiB on 2 MiB pages on every thread in a few read patterns)
 divided by the bytes a decode step reads (weights as stored, quantized or not, the lm_head included; and the KV cache
-slots attention reads), and each row's share of it ("% of bw"); "% around" is the row's share of the faster of the
-two readings right before and after it, the bandwidth its phase of the host gave. The report keeps every probe
-reading, and the table's head names the slowest beside the fastest (and says when they are far apart: the host's load
-moved during the run, and "% of bw" understates the rows that ran in its slow stretches).
+slots attention reads), and each row's share of it ("% of bw"); "% around" is the row's share of the faster of the two
+readings right before and after it, the bandwidth its phase of the host gave. The report keeps every probe reading, and
+the table's head names the slowest beside the fastest (and says when they are far apart: the host's load moved during
+the run, and "% of bw" understates the rows that ran in its slow stretches).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import shutil
 import sys
 import threading
 import time
+import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -85,17 +87,11 @@ class BandwidthProbe:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    modes = _choices(args.modes, MODES, "--modes")
-    schemes = _choices(args.quant, tuple(QUANT_SCHEMES), "--quant") if args.quant else []
-    args.isa_levels = _isa_levels(args.isa)
-    if args.profile and args.new < 3:
-        raise ValueError(f"--profile with --new {args.new}; allowed: --new >= 3 (the prefill is left out of the "
-                         "decode step's profile)")
-    if args.profile and "inject" not in modes and not schemes:
-        # --profile breaks down kernel-injected runs only: without one it would time every row and print no profile
-        raise ValueError(f"--profile with --modes {','.join(modes)} and no --quant: nothing would be profiled; "
-                         "allowed: --modes including inject, or --quant with a scheme (or no --profile)")
+    modes, schemes, dtypes = check_arguments(args)
     check_outputs(args)  # before the runs: a bad destination would otherwise fail after every row was timed
+    check_model(args.model)  # before the kernel build and the probe, which take seconds
+    args.isa_levels = _isa_levels(args.isa)  # the levels this machine runs: known once the kernels are built
+    warn_if_oversubscribed(args.threads)
     native.available()  # build (once per machine) and load the native kernels before anything is timed
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -106,7 +102,7 @@ def run_bench(args: argparse.Namespace) -> int:
     with _kernel_names(args.profile and args.compile):
         for context in args.context or [args.prompt]:
             at_context = argparse.Namespace(**{**vars(args), "prompt": context})
-            for dtype in split_commas(args.dtype):
+            for dtype in dtypes:
                 for batch in args.batch:
                     plain_rows = bench_configuration(at_context, dtype, batch, modes, probe)
                     hf_speed = next((r.decode_tok_s for r in plain_rows if r.mode == "hf"), float("nan"))
@@ -131,6 +127,126 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+#: Modes that change the model they run on (injection replaces its layers in place): run after every other mode.
+MODES_CHANGING_THE_MODEL = ("inject",)
+#: ``--dtype`` values by their short names: the float dtypes a model is loaded in (int8 is a ``--quant`` scheme).
+BENCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: The model name bench accepts besides those splice.load does: random weights in TinyLlama-1.1B's shape.
+LLAMA_1B_NAME = "llama-1b"
+#: Options only kernel-injected runs (``inject`` in --modes, or a --quant row) honour, and what each would do.
+INJECTED_ONLY = {"profile": "profiled", "compile": "compiled", "isa": "timed at another level of the native kernels"}
+
+
+def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[str], list[str]]:
+    """(modes in the order they run, --quant schemes, dtypes by short name), the options checked before anything is
+    loaded or built (--isa's levels need the native kernels: run_bench checks them after the model). Raises
+    ValueError naming the option, the bad value and what is allowed."""
+    modes = in_run_order(_choices(args.modes, MODES, "--modes"))
+    schemes = _choices(args.quant, tuple(QUANT_SCHEMES), "--quant") if args.quant else []
+    dtypes = bench_dtypes(args.dtype)
+    if args.profile and args.new < 3:
+        raise ValueError(f"--profile with --new {args.new}; allowed: --new >= 3 (the prefill is left out of the "
+                         "decode step's profile)")
+    check_injected_only_options(args, modes, schemes)
+    check_prompt_beside_context(args)
+    return modes, schemes, dtypes
+
+
+def in_run_order(modes: list[str]) -> list[str]:
+    """``modes`` in a fixed order, whatever order --modes names them in: those that leave the model as it is first
+    (each row then times the model its mode names), those that change it last; so the rows come out the same."""
+    return sorted(modes, key=lambda mode: (mode in MODES_CHANGING_THE_MODEL, MODES.index(mode)))
+
+
+def bench_dtypes(text: str) -> list[str]:
+    """``--dtype``'s values by their short names (any name splice's dtype setting takes for one of BENCH_DTYPES is
+    accepted); raises ValueError for an empty list, another dtype or one given twice."""
+    from .config import parse_dtype
+
+    short = {dtype: name for name, dtype in BENCH_DTYPES.items()}
+
+    def short_name(value: str) -> str:
+        try:
+            return short.get(parse_dtype(value), value)
+        except ValueError:
+            return value
+
+    def parses_to_int8(value: str) -> bool:
+        try:
+            return parse_dtype(value) == torch.int8
+        except ValueError:
+            return False
+
+    values = split_commas(text)
+    hint = "; int8 is a quantization: --quant int8 runs it" if any(map(parses_to_int8, values)) else ""
+    names = [short_name(value) for value in values]
+    _check_values(names, tuple(BENCH_DTYPES), "--dtype", text, " (or another name of one, as float32 or bfloat16)",
+                  hint)
+    return names
+
+
+def check_injected_only_options(args: argparse.Namespace, modes: list[str], schemes: list[str]) -> None:
+    """An option of INJECTED_ONLY with no kernel-injected run to act on would be ignored (and --compile recorded in
+    the JSON though nothing was compiled): refused."""
+    if "inject" in modes or schemes:
+        return
+    for option, effect in INJECTED_ONLY.items():
+        value = getattr(args, option)
+        if value:
+            given = f"--{option}" if value is True else f"--{option} {value}"
+            raise ValueError(f"{given} with --modes {','.join(modes)} and no --quant: nothing would be {effect}; "
+                             f"allowed: --modes including inject, or --quant with a scheme (or no --{option})")
+
+
+def check_prompt_beside_context(args: argparse.Namespace) -> None:
+    """--context sets the prompt lengths, so a --prompt beside it would have no effect: refused. (A --prompt of the
+    default length cannot be told apart from no --prompt here, and changes nothing either.)"""
+    if args.context and args.prompt != _bench_default("prompt"):
+        lengths = ",".join(map(str, args.context))
+        raise ValueError(f"--prompt {args.prompt} with --context {lengths}: --context sets the prompt lengths, so "
+                         f"--prompt would have no effect; allowed: one of them (--context {lengths},{args.prompt} "
+                         "adds that length)")
+
+
+def _bench_default(option: str):
+    """The default of a ``splice bench`` option, as its parser sets it."""
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    return getattr(parser.parse_args(["bench"]), option)
+
+
+def check_model(name: str) -> None:
+    """--model names a model bench can load, found (a GGUF file converted into the cache, as loading it would) before
+    the native kernels are built and the bandwidth probe runs; raises ValueError naming --model, the value and every
+    kind of model bench accepts."""
+    if name == LLAMA_1B_NAME:
+        return
+    from .models import ACCEPTED_KINDS, BUILTIN_MODELS, resolve_checkpoint
+
+    try:
+        resolve_checkpoint(name)
+    except ValueError as error:
+        kinds, with_llama_1b = (ACCEPTED_KINDS.format(names=", ".join(map(repr, names)))
+                                for names in (BUILTIN_MODELS, [LLAMA_1B_NAME, *BUILTIN_MODELS]))
+        raise ValueError(f"--model: {str(error).replace(kinds, with_llama_1b)}") from None
+
+
+def warn_if_oversubscribed(threads: int | None) -> None:
+    """Warns when --threads is more than the CPUs this process may run on: the threads then take turns on them and
+    every row runs slower. Not refused: oversubscribing can be what is being measured."""
+    cpus = usable_cpus()
+    if threads and threads > cpus:
+        warnings.warn(f"--threads {threads} is more than the {cpus} CPUs this process may run on: the threads take "
+                      "turns on them and every row runs slower than on as many threads as CPUs")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask, where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 #: Probe readings whose slowest is below this share of the fastest mean the host's load moved during the run (said
 #: under the table's head).
 MOVED_BANDWIDTH = 0.8
@@ -145,8 +261,9 @@ def against_the_fastest_probe(rows: list[Row], readings: list[float]) -> tuple[l
 
 
 def bench_configuration(args, dtype: str, batch: int, modes: list[str], probe: BandwidthProbe) -> list[Row]:
-    """Load once; run each mode on the same prompt (injection last: it changes the model in place). The rooflines
-    from the probe's first reading (against_the_fastest_probe rescales them), each row's probe read after it."""
+    """Load once; run each mode on the same prompt, in :func:`in_run_order` (injection last: it changes the model in
+    place). The rooflines from the probe's first reading (against_the_fastest_probe rescales them), each row's probe
+    read after it."""
     import splice
 
     bandwidth = probe.readings[0]
@@ -155,7 +272,7 @@ def bench_configuration(args, dtype: str, batch: int, modes: list[str], probe: B
     prompt = torch.randint(100, model.config.vocab_size, (batch, args.prompt), generator=generator)
     weights = weight_bytes_per_step(model)
     rows, hf_speed = [], None
-    for mode in modes:
+    for mode in in_run_order(modes):
         if mode == "hf":
             engine, generate = None, model.generate
         else:
@@ -441,7 +558,7 @@ def weight_bytes_per_step(model) -> int:
 def load_model(name: str, dtype: str):
     import splice
 
-    if name == "llama-1b":
+    if name == LLAMA_1B_NAME:
         from transformers import AutoModelForCausalLM
 
         from .config import parse_dtype
@@ -616,8 +733,25 @@ def describe_machine(info: dict) -> str:
 
 
 def _choices(text: str, allowed: tuple[str, ...], flag: str) -> list[str]:
+    """``text``'s comma-separated values: at least one, each of ``allowed`` and given once."""
     chosen = split_commas(text)
-    bad = [c for c in chosen if c not in allowed]
-    if bad or not chosen:
-        raise ValueError(f"{flag}={text!r}: allowed values are {', '.join(allowed)}")
+    _check_values(chosen, allowed, flag, text)
     return chosen
+
+
+def _check_values(chosen: list[str], allowed: tuple[str, ...], flag: str, text: str, also: str = "",
+                  hint: str = "") -> None:
+    """Raises ValueError naming ``flag``, its ``text``, what is wrong with ``chosen`` (nothing, a value not in
+    ``allowed``, a value given twice) and the allowed values (``also`` adds to them, ``hint`` ends the message)."""
+    bad = [value for value in chosen if value not in allowed]
+    twice = list(dict.fromkeys(value for value in chosen if chosen.count(value) > 1))
+    if not chosen:
+        problem = "no value given"
+    elif bad:
+        problem = f"{', '.join(map(repr, bad))} {'is' if len(bad) == 1 else 'are'} not allowed"
+    elif twice:
+        problem = f"{', '.join(map(repr, twice))} given more than once"
+    else:
+        return
+    raise ValueError(f"{flag}={text!r}: {problem}; allowed values are {', '.join(allowed)}{also}, each at most once"
+                     f"{hint}")
