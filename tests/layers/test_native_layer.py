@@ -327,8 +327,10 @@ def test_blocks_it_does_not_fit_keep_their_own_ops_and_the_report_says_why(famil
 
 
 def test_padded_int4_weights_keep_their_own_ops():
-    """An int4 weight whose input is padded to the group (hidden 64, group 128) runs more than its GEMV."""
-    engine = engine_of("llama", "int4-g128")
+    """An int4 weight whose input is padded to the group (hidden 96, groups of 64) runs more than its GEMV."""
+    model = build_tiny(tiny_config("llama", hidden_size=96))
+    engine = splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=64, dtype=torch.bfloat16,
+                                   quant={"enabled": True, "weight": {"num_bits": 4, "group_size": 64}})
     assert not any(block.native_layer for block in engine.runtime.blocks)
     assert "runs no native GEMV for decode rows" in engine.step_report("kernels").summary()
 

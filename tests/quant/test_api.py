@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
 from torch import nn
 
-from splice.quant import QuantConfig, QuantizedLinear, quantize, sqnr_db
+from splice.config import SpliceIgnoredOptionWarning
+from splice.quant import QuantConfig, QuantizedLinear, plan, quantize, sqnr_db
 from tests.conftest import build_tiny, tiny_llama_config
 
 
@@ -94,3 +96,136 @@ def test_quantized_int8_weights_are_not_views_so_they_can_move():
 
     q, _ = qmath.quantize_int8(torch.randn(8, 64))
     assert q._base is None and q.shape == (8, 64)
+
+
+# ---------------------------------------------------------------- quant.qkv.enabled=False on other architectures
+def _tiny_distilbert():
+    from transformers import DistilBertConfig, DistilBertModel
+
+    torch.manual_seed(0)
+    config = DistilBertConfig(vocab_size=128, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
+                              max_position_embeddings=72)
+    return DistilBertModel(config).eval()
+
+
+def _tiny_t5():
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    config = T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4)
+    return T5ForConditionalGeneration(config).eval()
+
+
+_DISTILBERT_QKV = {f"transformer.layer.{i}.attention.{p}_lin" for i in range(2) for p in "qkv"}
+_T5_QKV = ({f"{stack}.block.{i}.layer.0.SelfAttention.{p}" for stack in ("encoder", "decoder") for i in range(2)
+            for p in "qkv"}
+           | {f"decoder.block.{i}.layer.1.EncDecAttention.{p}" for i in range(2) for p in "qkv"})
+
+
+def _float_linears(model):
+    return {name for name, module in model.named_modules() if type(module) is nn.Linear}
+
+
+@pytest.mark.parametrize("build, qkv", [(_tiny_distilbert, _DISTILBERT_QKV), (_tiny_t5, _T5_QKV)],
+                         ids=["distilbert", "t5"])
+def test_qkv_left_in_float_keeps_exactly_the_attention_projections_of_other_architectures(build, qkv):
+    import splice
+
+    model = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the setting matches: nothing to warn about
+        engine = splice.init_inference(model, dtype="int8", quant={"qkv": {"enabled": False}}, device="cpu")
+    assert _float_linears(engine.module) == qkv
+    report = engine.step_report("quantize").quant
+    assert set(report.kept_float) == qkv and report.quantized
+
+
+def test_qkv_setting_that_matches_no_projection_warns_before_the_model_changes():
+    """Mamba has no attention: quant.qkv.enabled=False cannot apply, and says so at plan time."""
+    import splice
+    from transformers import MambaConfig, MambaForCausalLM
+
+    model = MambaForCausalLM(MambaConfig(vocab_size=128, hidden_size=64, state_size=8, num_hidden_layers=1))
+    before = _float_linears(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="quant.qkv.enabled=False")
+        with pytest.raises(SpliceIgnoredOptionWarning, match="no query/key/value projection was recognised"):
+            splice.init_inference(model, dtype="int8", quant={"qkv": {"enabled": False}}, device="cpu")
+    assert _float_linears(model) == before and before
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        splice.init_inference(model, dtype="int8", quant={"qkv": {"enabled": False}}, device="cpu")
+    assert len([w for w in caught if "quant.qkv.enabled=False" in str(w.message)]) == 1
+
+
+# ---------------------------------------------------------------- weights held outside linears (mixture of experts)
+def _tiny_moe(name):
+    import transformers as T
+
+    sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    configs = {
+        "mixtral": lambda: T.MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2),
+        "qwen2_moe": lambda: T.Qwen2MoeConfig(**sizes, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                              shared_expert_intermediate_size=64),
+    }
+    return build_tiny(configs[name]())
+
+
+def _matrices_outside_linears(model):
+    """Every parameter of two or more dimensions that is not the weight of an nn.Linear or an nn.Embedding."""
+    covered = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+    return {name: p for name, p in model.named_parameters() if p.dim() >= 2 and id(p) not in covered}
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
+def test_moe_expert_weights_stay_in_float_listed_in_the_report_and_warned_once(name):
+    import splice
+
+    model = _tiny_moe(name)
+    outside = _matrices_outside_linears(model)
+    kept = sum(p.numel() for p in outside.values())
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine = splice.init_inference(model, dtype="int8", device="cpu")
+    warned = [str(w.message) for w in caught if issubclass(w.category, SpliceIgnoredOptionWarning)]
+    assert len(warned) == 1
+    assert f"{kept:,} parameters in {len(outside)} tensors ({kept / (kept + linear):.0%} of the model's" in warned[0]
+    report = engine.step_report("quantize").quant
+    assert set(outside) <= set(report.kept_float) and "kept in float: none" not in report.summary()
+    assert all(engine.module.get_parameter(path).is_floating_point() for path in outside)
+    assert isinstance(engine.module.model.layers[0].self_attn.q_proj, QuantizedLinear)
+    assert any(path.endswith("experts.gate_up_proj") for path in outside)
+
+
+def test_a_small_matrix_outside_linears_is_listed_without_a_warning(tiny_llama):
+    tiny_llama.model.layers[0].mlp.register_parameter("table", nn.Parameter(torch.randn(4, 4)))  # 16 of ~100k
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, report = plan(tiny_llama, QuantConfig())
+    assert "model.layers.0.mlp.table" in report.kept_float and not report.notes
+
+
+def test_quantize_reports_what_plan_warns():
+    model = _tiny_moe("mixtral")
+    with pytest.warns(SpliceIgnoredOptionWarning, match="stay in float"):
+        _, planned = plan(model, QuantConfig())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = quantize(model, QuantConfig())
+    assert report.notes == planned.notes and len(report.notes) == 1 and "note: " in report.summary()
+
+
+# ---------------------------------------------------------------- group sizes
+@pytest.mark.parametrize("weight", [{"num_bits": 8, "group_size": 1000}, {"num_bits": 4, "group_size": 256}])
+def test_a_group_wider_than_a_layer_raises_naming_it_before_the_model_changes(tiny_llama, weight):
+    import splice
+
+    before = {name: tensor.clone() for name, tensor in tiny_llama.state_dict().items()}
+    with pytest.raises(ValueError, match="allowed") as error:
+        splice.init_inference(tiny_llama, quant={"enabled": True, "weight": weight}, device="cpu")
+    assert (f"layer model.layers.0.self_attn.q_proj (in_features=64): group_size={weight['group_size']}"
+            in str(error.value))
+    assert not any(isinstance(m, QuantizedLinear) for m in tiny_llama.modules())
+    assert all(torch.equal(tiny_llama.state_dict()[k], v) for k, v in before.items())

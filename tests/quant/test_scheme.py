@@ -7,9 +7,11 @@ import pytest
 import torch
 from torch import nn
 
+from splice.arch.families import RECORDS
 from splice.config import SpliceIgnoredOptionWarning, resolve_config
 from splice.quant import QuantConfig
 from splice.quant.layers import Int8DynamicLinear, Int8WeightOnlyLinear
+from splice.quant.scheme import is_qkv_projection
 
 
 def _from(**kwargs):
@@ -63,6 +65,24 @@ def test_q_groups_must_divide_in_features():
         QuantConfig(q_groups=7).group_for(576)
     with pytest.raises(ValueError, match="int4 group sizes"):
         QuantConfig(bits=4, q_groups=3).group_for(576)  # groups of 192
+
+
+@pytest.mark.parametrize("config, allowed", [
+    (QuantConfig(group_size=1000), "a group_size that fits every quantized layer (at most 64 here), or no group_size "
+                                   "(one scale per output channel)"),
+    (QuantConfig(bits=4, group_size=128), "an int4 group_size that fits (32, 64)"),
+])
+def test_a_group_wider_than_the_layer_raises_naming_value_width_and_choices(config, allowed):
+    """A group wider than the layer would be zero-padded to the group: stored bytes that hold nothing."""
+    with pytest.raises(ValueError, match="allowed") as error:
+        config.group_for(64)
+    assert f"group_size={config.group_size}" in str(error.value) and "in_features=64" in str(error.value)
+    assert allowed in str(error.value)
+
+
+def test_a_group_as_wide_as_the_layer_is_allowed():
+    assert QuantConfig(group_size=64).group_for(64) == 64
+    assert QuantConfig(bits=4, group_size=64).group_for(64) == 64
 
 
 def test_round_trips_through_a_dict():
@@ -122,6 +142,7 @@ def test_int8_dtype_honours_q_type_and_q_dtype(tiny_llama):
     ({"weight": {"q_dtype": "uint8"}}, "q_dtype=torch.uint8"),
     ({"weight": {"calibration_ids": [[1, 2, 3]]}}, "calibration_ids"),
     ({"weight": {"q_groups": 3}}, "q_groups=3"),
+    ({"weight": {"group_size": 1000}}, "layer model.layers.0.self_attn.q_proj (in_features=64): group_size=1000"),
     ({"weight": {"enabled": False}}, "quant.weight.enabled=False"),
     ({"enabled": False, "weight": {"group_size": 16}}, "quant.weight.group_size=16"),
     ({"enabled": False, "qkv": {"enabled": False}}, "quant.qkv.enabled=False"),
@@ -182,3 +203,45 @@ def test_symmetric_defaults_to_the_most_accurate_scheme_for_the_width():
     assert QuantConfig(bits=4, symmetric=True).symmetric is True
     from_init = QuantConfig.from_inference_config(resolve_config(quant={"enabled": True, "weight": {"num_bits": 4}}))
     assert from_init.symmetric is QuantConfig(bits=4).symmetric
+
+
+# ---------------------------------------------------------------- quant.qkv.enabled=False: which linears are q/k/v
+def _in_layer(record, path):
+    return f"{record.layers}.0.{path}"
+
+
+@pytest.mark.parametrize("record", RECORDS, ids=lambda record: record.model_type)
+def test_the_qkv_projections_of_every_known_family_are_recognised_and_nothing_else(record):
+    """Each architecture record names its q/k/v (or fused qkv), output and MLP projections."""
+    qkv = [record.qkv] if record.qkv else [record.q, record.k, record.v]
+    others = [record.o, record.down] + ([record.gate_up] if record.gate_up else [record.up, record.gate])
+    assert all(is_qkv_projection(_in_layer(record, path)) for path in qkv)
+    assert not any(is_qkv_projection(_in_layer(record, path)) for path in others)
+
+
+@pytest.mark.parametrize("name", [
+    "encoder.block.0.layer.0.SelfAttention.q", "decoder.block.0.layer.1.EncDecAttention.v",  # T5 and its kin
+    "encoder.layer.0.attention.attn.k",  # MPNet
+    "model.layers.0.self_attn.q_a_proj", "model.layers.0.self_attn.kv_a_proj_with_mqa",  # DeepSeek's latent attention
+    "transformer.blocks.0.attn.Wqkv", "transformer.h.0.attn.qkv_proj", "transformer.layer.0.attention.q_lin",
+    "deberta.encoder.layer.0.attention.self.in_proj", "model.layers.0.linear_attn.in_proj_qkvz",
+])
+def test_qkv_projections_of_other_architectures_are_recognised(name):
+    assert is_qkv_projection(name)
+
+
+@pytest.mark.parametrize("name", [
+    "encoder.block.0.layer.0.SelfAttention.o", "encoder.block.0.layer.1.DenseReluDense.wo",  # T5's output, MLP
+    "backbone.layers.0.mixer.in_proj",  # Mamba's input projection feeds its convolution
+    "model.layers.0.mlp.q", "k", "transformer.layer.0.attention.out_lin",
+])
+def test_other_linears_are_not_taken_for_qkv_projections(name):
+    assert not is_qkv_projection(name)
+
+
+def test_a_bare_q_counts_inside_a_module_whose_class_is_an_attention():
+    class CrossAttention(nn.Module):
+        pass
+
+    assert is_qkv_projection("blocks.0.mix.q", parent=CrossAttention())
+    assert not is_qkv_projection("blocks.0.mix.q", parent=nn.Module())

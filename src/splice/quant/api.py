@@ -5,21 +5,28 @@ Eligible: modules whose type is exactly ``nn.Linear`` or Hugging Face's ``Conv1D
 Subclasses of ``nn.Linear`` are left alone and reported: they may carry behaviour (a tensor-parallel all-reduce, say)
 that a replacement would drop. Parallel layers should wrap a plain ``nn.Linear`` instead; that inner linear is then
 quantized and the wrapper's collective is kept ("shard first, then quantize").
+
+Weight matrices held as parameters of other modules (a mixture-of-experts block's experts, ``[experts, out, in]``)
+stay in float: the report lists them. What cannot apply as asked (those weights, ``quantize_qkv=False`` on a model
+without a recognised q/k/v projection) is a note of the report; ``plan`` also warns it (``init_inference`` calls
+``plan`` when it resolves, so it warns once, before the model changes).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from .. import native
+from ..config import SpliceIgnoredOptionWarning, caller_stacklevel
 from ..kernel_choice import KernelChoice, quant_kernel
 from ..layers.conv1d import is_conv1d, linear_weight
 from ..native.memory import SMALL_TENSOR_BYTES, gather_on_huge_pages
 from . import gptq
 from .layers import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantizedLinear
-from .scheme import QKV_NAMES, QuantConfig
+from .scheme import ATTENTION_QKV_NAMES, QuantConfig, is_qkv_projection
 
 #: scheme kind -> the layer class that quantizes a float weight for it.
 HANDLERS: dict[str, type[QuantizedLinear]] = {
@@ -40,6 +47,7 @@ class QuantReport:
     huge_page_bytes: int = 0  # quantized weights gathered into buffers on 2 MiB pages (CPU)
     kernel: KernelChoice | None = None  # which kernels the layers call, and why (None: no layer was replaced)
     head: str = ""  # the output head, where it has a scheme of its own (int8 per channel)
+    notes: list[str] = field(default_factory=list)  # what cannot apply as asked (``plan`` warns each)
 
     @property
     def ratio(self) -> float:
@@ -53,7 +61,8 @@ class QuantReport:
                 f"kept in float: {kept or 'none'}{more}"
                 + (f"; on 2 MiB pages: {self.huge_page_bytes / 2**20:.0f} MiB" if self.huge_page_bytes else "")
                 + (f"; kernels: {self.kernel.kernel}" if self.kernel else "")
-                + (f"; output head {self.head}" if self.head else ""))
+                + (f"; output head {self.head}" if self.head else "")
+                + "".join(f"; note: {note}" for note in self.notes))
 
 
 def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str | None = None,
@@ -70,10 +79,12 @@ def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str |
 
     ``kernel``: which kernels the layers call (``splice.kernel_choice.quant_kernel``'s choice for ``config`` on the
     packing device when None; ``report.kernel`` says which, and why).
+
+    What cannot apply as asked is in ``report.notes`` (and its summary); call :func:`plan` first to have it warned.
     """
     if not isinstance(config, QuantConfig):
         raise TypeError(f"quantize expects a splice.quant.QuantConfig, got {type(config).__name__}")
-    targets, report = plan(model, config)
+    targets, report = _plan(model, config)
     hessians = {}
     head = output_head(model)
     if calibration_ids is not None:
@@ -161,33 +172,142 @@ def _check_ids_in_vocabulary(model: nn.Module, ids: torch.Tensor) -> None:
 
 
 def plan(model: nn.Module, config: QuantConfig) -> tuple[list[tuple[str, nn.Module]], QuantReport]:
-    """The linears ``quantize`` would replace, and a report naming those it keeps in float. Validates the scheme
-    against every target's shape (raises ``ValueError``) without changing the model."""
-    report = QuantReport(config.kind)
-    head = output_head(model)
-    targets = []
-    for name, module in model.named_modules():
-        reason = reason_to_skip(name, module, head, config)
-        if reason == "":
-            scheme = config.head_scheme() if _is_head(module, head) else config
-            scheme.group_for(float_weight(module)[0].shape[1])  # raises if the scheme cannot fit this layer
-            targets.append((name, module))
-        elif reason is not None:
-            report.kept_float[name] = reason
+    """The linears ``quantize`` would replace, and a report naming those it keeps in float (weight matrices held
+    outside linears included). Validates the scheme against every target's shape (raises ``ValueError``) and warns
+    (``SpliceIgnoredOptionWarning``) each of the report's notes, without changing the model."""
+    targets, report = _plan(model, config)
+    for note in report.notes:
+        warnings.warn(note, SpliceIgnoredOptionWarning, stacklevel=caller_stacklevel())
     return targets, report
 
 
-def reason_to_skip(name: str, module: nn.Module, head: nn.Module | None, config: QuantConfig) -> str | None:
-    """'' to quantize; a reason to keep it in float; None for modules that are not linears at all."""
+def _plan(model: nn.Module, config: QuantConfig) -> tuple[list[tuple[str, nn.Module]], QuantReport]:
+    report = QuantReport(config.kind)
+    head = output_head(model)
+    modules = dict(model.named_modules())
+    targets = []
+    for name, module in modules.items():
+        reason = reason_to_skip(name, module, head, config, _parent(modules, name))
+        if reason == "":
+            scheme = config.head_scheme() if _is_head(module, head) else config
+            _check_scheme_fits(name, scheme, float_weight(module)[0].shape[1])
+            targets.append((name, module))
+        elif reason is not None:
+            report.kept_float[name] = reason
+    if not config.quantize_qkv and not _has_qkv_projection(modules):
+        report.notes.append(_no_qkv_note(model))
+    outside = _weights_outside_linears(modules)
+    report.kept_float.update({name: reason for name, (_, reason) in outside.items()})
+    if outside and _share_outside_linears(modules, outside) >= NOTED_SHARE_OUTSIDE_LINEARS:
+        report.notes.append(_outside_linears_note(modules, outside))
+    return targets, report
+
+
+def reason_to_skip(name: str, module: nn.Module, head: nn.Module | None, config: QuantConfig,
+                   parent: nn.Module | None = None) -> str | None:
+    """'' to quantize; a reason to keep it in float; None for modules that are not linears at all. ``parent``: the
+    module holding it, where known (it tells T5's attention ``q`` from other modules named ``q``)."""
     if not isinstance(module, nn.Linear) and not _is_conv1d(module):
         return None
     if type(module) is not nn.Linear and not _is_conv1d(module):
         return f"{type(module).__name__} subclasses nn.Linear; wrap a plain nn.Linear to have it quantized"
     if _is_head(module, head) and config.head_scheme() is None:
         return "output head; set quantize_lm_head=True (the scheme) or lm_head_int8=True to quantize it"
-    if not config.quantize_qkv and name.rsplit(".", 1)[-1] in QKV_NAMES:
+    if not config.quantize_qkv and is_qkv_projection(name, parent):
         return "q/k/v projection with quant.qkv.enabled=False"
     return ""
+
+
+def _parent(modules: dict[str, nn.Module], name: str) -> nn.Module | None:
+    return modules.get(name.rpartition(".")[0]) if name else None
+
+
+def _check_scheme_fits(name: str, scheme: QuantConfig, in_features: int) -> None:
+    """The scheme's groups must fit the layer; the error names the layer, which the scheme's own check cannot."""
+    try:
+        scheme.group_for(in_features)
+    except ValueError as error:
+        raise ValueError(f"layer {name} (in_features={in_features}): {error}") from None
+
+
+def _has_qkv_projection(modules: dict[str, nn.Module]) -> bool:
+    return any(_is_linear_like(module) and is_qkv_projection(name, _parent(modules, name))
+               for name, module in modules.items())
+
+
+def _no_qkv_note(model: nn.Module) -> str:
+    """``quant.qkv.enabled=False`` that matches no linear would otherwise quantize every projection without a word."""
+    return (f"quant.qkv.enabled=False (QuantConfig.quantize_qkv=False) has no effect on {type(model).__name__}: no "
+            f"query/key/value projection was recognised among its linear layers (leaf names in "
+            f"splice.quant.scheme.QKV_NAMES, or {'/'.join(ATTENTION_QKV_NAMES)} inside an attention module), so "
+            "every linear is quantized; allowed: remove the setting for this model")
+
+
+def _weights_outside_linears(modules: dict[str, nn.Module]) -> dict[str, tuple[torch.Tensor, str]]:
+    """``{parameter path: (parameter, why it stays in float)}`` for weight matrices (2-D, or 3-D stacks of them, as
+    a mixture-of-experts block holds its experts) that are parameters of a module other than a linear, an
+    embedding, a norm or a convolution: ``quantize`` replaces linear layers only, so these stay in float."""
+    found = {}
+    for module_name, module in modules.items():
+        if _is_linear_like(module) or _holds_no_matrices(module):
+            continue
+        for param_name, param in module.named_parameters(recurse=False):
+            if _is_weight_matrix(param_name, param):
+                path = f"{module_name}.{param_name}" if module_name else param_name
+                found[path] = (param, f"a {'x'.join(map(str, param.shape))} weight held by {type(module).__name__}, "
+                                      "not an nn.Linear; splice quantizes linear layers only")
+    return found
+
+
+#: The share of a model's linear-like weights held outside linears from which the report notes it and ``plan`` warns:
+#: a mixture of experts' experts are most of the model; a state-space layer's few small matrices (Mamba's A_log)
+#: are listed under 'kept in float' alone.
+NOTED_SHARE_OUTSIDE_LINEARS = 0.01
+
+
+def _share_outside_linears(modules: dict[str, nn.Module], outside: dict[str, tuple[torch.Tensor, str]]) -> float:
+    kept = sum(param.numel() for param, _ in outside.values())
+    return kept / (kept + sum(_linear_weight_count(module) for module in modules.values()))
+
+
+def _outside_linears_note(modules: dict[str, nn.Module], outside: dict[str, tuple[torch.Tensor, str]]) -> str:
+    """How much of the model's linear-like weights stays in float, held outside linears."""
+    kept = sum(param.numel() for param, _ in outside.values())
+    largest = max(outside, key=lambda name: outside[name][0].numel())
+    return (f"{kept:,} parameters in {len(outside)} tensors ({_share_outside_linears(modules, outside):.0%} of the "
+            f"model's "
+            f"linear-like weights) stay in float: splice quantizes nn.Linear/Conv1D layers only, and these are "
+            f"parameters of other modules (a mixture-of-experts block's experts, say; the largest here: {largest}, "
+            f"{outside[largest][1]}); the quantize report lists them under 'kept in float'")
+
+
+def _is_linear_like(module: nn.Module) -> bool:
+    return isinstance(module, (nn.Linear, QuantizedLinear)) or is_conv1d(module)
+
+
+def _linear_weight_count(module: nn.Module) -> int:
+    if isinstance(module, QuantizedLinear):
+        return module.in_features * module.out_features
+    return float_weight(module)[0].numel() if _is_linear_like(module) else 0
+
+
+#: Modules whose matrices are not linear weights (lookup tables, per-channel scales, convolution kernels).
+_NOT_LINEAR_MODULES = (nn.Embedding, nn.EmbeddingBag, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm,
+                       nn.modules.conv._ConvNd, nn.modules.batchnorm._NormBase)
+
+
+def _holds_no_matrices(module: nn.Module) -> bool:
+    """Embeddings and norms (by type, or by a class name that says so, as model code's own norms do), convolutions."""
+    name = type(module).__name__.lower()
+    return isinstance(module, _NOT_LINEAR_MODULES) or "embedding" in name or "norm" in name
+
+
+def _is_weight_matrix(name: str, param: torch.Tensor) -> bool:
+    """A floating matrix (or a stack of them) of at least 2 x 2; biases, embeddings tables and norm scales excluded
+    by name where a module holds them next to its weights."""
+    if not param.is_floating_point() or param.dim() not in (2, 3) or min(param.shape[-2:]) < 2:
+        return False
+    return not any(word in name.lower() for word in ("bias", "embed", "norm"))
 
 
 def output_head(model: nn.Module) -> nn.Module | None:

@@ -26,7 +26,7 @@ from ..checkpoint import has_meta_tensors, tensor_groups
 from ..kernel_choice import quant_kernel
 from .api import HANDLERS, output_head, reason_to_skip
 from .layers import QuantizedLinear, fits_spec
-from .scheme import QKV_NAMES, QuantConfig
+from .scheme import QuantConfig, is_qkv_projection
 
 WEIGHTS_NAME = "model.safetensors"
 SCHEME_NAME = "splice_quant.json"
@@ -199,7 +199,7 @@ def _check_layers_match(model: nn.Module, config: QuantConfig) -> None:
                 raise ValueError(f"layer {name} is in float, but {config} quantizes it; allowed: the QuantConfig "
                                  "the model was quantized with")
             continue
-        if not config.quantize_qkv and name.rsplit(".", 1)[-1] in QKV_NAMES:
+        if not config.quantize_qkv and is_qkv_projection(name):
             raise ValueError(f"layer {name} is {module.kind}, but {config} keeps q/k/v projections in float; "
                              "allowed: the QuantConfig the model was quantized with")
         scheme = _layer_scheme(model, module, config)

@@ -11,7 +11,8 @@ Mapping from the DeepSpeed-style keys (``InferenceConfig``):
 ``quant.enabled=False``                                nothing from the keys below (with ``dtype=int8``, giving
                                                        one raises); ``dtype=int8`` alone still quantizes
 ``quant.weight.num_bits``                              8 or 4
-``quant.weight.group_size``                            input elements per scale (int4: 32, 64, 128 or 256)
+``quant.weight.group_size``                            input elements per scale (int4: 32, 64, 128 or 256), at
+                                                       most each quantized layer's in_features
 ``quant.weight.q_groups`` (no ``group_size``)          groups per output row: ``group_size = in_features / q_groups``;
                                                        1 (the default) = one scale per output channel for int8,
                                                        ``DEFAULT_INT4_GROUP`` for int4
@@ -22,7 +23,8 @@ Mapping from the DeepSpeed-style keys (``InferenceConfig``):
                                                        quantized dynamically per call
 ``quant.activation.q_type``, ``q_groups``              'symmetric', 1: one scale per row (token) and block of
                                                        ``qmath.ACTIVATION_BLOCK`` inputs, computed per call
-``quant.qkv.enabled=False``                            q/k/v projections stay in float
+``quant.qkv.enabled=False``                            q/k/v projections stay in float (``is_qkv_projection``); a
+                                                       model with none that splice recognises warns
 =====================================================  ==========================================================
 
 Embeddings stay in float. The output head (lm_head): in float by default; ``quantize_lm_head=True`` quantizes it with
@@ -35,6 +37,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
+from torch import nn
 
 from .qmath import ACTIVATION_BLOCK
 
@@ -45,10 +48,32 @@ DEFAULT_INT4_GROUP = 32  # the most accurate the kernels allow (0.31x the bf16 b
 #: none. DeepSpeed defaults to symmetric at every width.
 DEFAULT_SYMMETRIC = {4: False, 8: True}
 
-#: Leaf module names of q/k/v projections (fused or not) across the architectures splice knows; used only for
-#: ``quant.qkv.enabled=False``.
-QKV_NAMES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv", "query", "key", "value",
-             "qkv")
+#: Leaf module names of q/k/v projections (fused or not) wherever they sit, across the architectures transformers
+#: ships; used only for ``quant.qkv.enabled=False``. Llama-style and most others: q_proj/k_proj/v_proj; BERT-style:
+#: query/key/value; GPT-NeoX, BLOOM, Falcon: query_key_value; GPT-2 and StarCoder: c_attn (q_attn: cross-attention);
+#: Phi-3, CodeGen: qkv_proj; MPT, DBRX, ModernBERT: Wqkv; DistilBERT, XLM: q_lin/k_lin/v_lin; DeepSeek's latent
+#: attention: q_a_proj/q_b_proj/kv_a_proj_with_mqa/kv_b_proj; splice's fused block and ViT-style models: qkv.
+QKV_NAMES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "q_attn", "Wqkv", "query", "key",
+             "value", "qkv", "q_lin", "k_lin", "v_lin", "kv_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa",
+             "kv_b_proj", "query_proj", "key_proj", "value_proj", "Wq", "Wk", "Wv", "linear_q", "linear_k",
+             "linear_v", "to_q", "to_k", "to_v", "to_kv", "q_head", "k_head", "v_head", "qkv_linear", "query_key",
+             "in_proj_qkv", "in_proj_qkvz", "W_pack", "wqkv")
+
+#: Leaf names that are q/k/v projections only inside an attention module (T5's and MPNet's q/k/v, DeBERTa's
+#: in_proj); elsewhere they are something else (Mamba's in_proj feeds its convolution).
+ATTENTION_QKV_NAMES = ("q", "k", "v", "in_proj")
+
+
+def is_qkv_projection(name: str, parent: nn.Module | None = None) -> bool:
+    """Whether the linear at dotted path ``name`` (inside ``parent``, where known) is a query/key/value projection."""
+    parent_path, _, leaf = name.rpartition(".")
+    if leaf in QKV_NAMES:
+        return True
+    if leaf not in ATTENTION_QKV_NAMES:
+        return False
+    # Inside an attention module: one of the modules on its path, or its parent's class, says so by name.
+    context = parent_path + " " + ("" if parent is None else type(parent).__name__)
+    return any(word in context.lower() for word in ("attention", "attn"))
 
 
 @dataclass(frozen=True)
@@ -100,6 +125,7 @@ class QuantConfig:
     def group_for(self, in_features: int) -> int | None:
         """Input elements per scale for a layer with ``in_features`` inputs (None: one scale per output row)."""
         if self.group_size is not None:
+            self._check_group_fits(in_features)
             return self.group_size
         if self.q_groups == 1:
             return DEFAULT_INT4_GROUP if self.bits == 4 else None
@@ -111,6 +137,20 @@ class QuantConfig:
             raise ValueError(f"q_groups={self.q_groups} gives int4 groups of {group} for in_features={in_features}; "
                              f"allowed int4 group sizes: {INT4_GROUP_SIZES} (set group_size instead)")
         return group
+
+    def _check_group_fits(self, in_features: int) -> None:
+        """A group wider than the layer's inputs would be zero-padded to the group: stored bytes that hold nothing."""
+        if self.group_size <= in_features:
+            return
+        if self.bits == 4:
+            fitting = [size for size in INT4_GROUP_SIZES if size <= in_features]
+            allowed = (f"an int4 group_size that fits ({', '.join(map(str, fitting))})" if fitting else
+                       f"num_bits=8 (the smallest int4 group, {INT4_GROUP_SIZES[0]}, does not fit)")
+        else:
+            allowed = (f"a group_size that fits every quantized layer (at most {in_features} here), or no "
+                       "group_size (one scale per output channel)")
+        raise ValueError(f"group_size={self.group_size} is larger than the layer's in_features={in_features} (its "
+                         f"weight would be zero-padded to {self.group_size} inputs per row); allowed: {allowed}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, **asdict(self)}
