@@ -103,3 +103,28 @@ def test_keep_module_on_host_on_cuda_leaves_a_float_model_that_runs_on_the_cpu_a
     torch.testing.assert_close(engine(ids).logits, expected)
     engine.to("cuda")
     torch.testing.assert_close(engine(ids.cuda()).logits.cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
+# ---- quantized shards: a row-parallel linear is quantized on each rank's share of its inputs ----------------------
+def plan_at_two_ranks(**config):
+    from splice.distributed import ParallelContext
+
+    model = build_tiny(tiny_llama_config())  # hidden 64, intermediate 128: o_proj takes 32 inputs a rank at tp 2
+    return resolve(resolve_config({"tensor_parallel": {"tp_size": 2}, **config}), model,
+                   ParallelContext(rank=0, world_size=2), torch.device("cpu"))
+
+
+@pytest.mark.parametrize("weight, problem", [
+    ({"num_bits": 4, "group_size": 64}, "group_size=64 is larger than the layer's in_features=32"),
+    ({"num_bits": 4, "q_groups": 2}, "q_groups=2 gives int4 groups of 16 for in_features=32"),
+])
+def test_a_scheme_that_fits_the_whole_layer_but_not_a_ranks_shard_raises_at_plan_time(weight, problem):
+    with pytest.raises(ValueError, match=r"layer model\.layers\.0\.self_attn\.o_proj is split by its inputs over "
+                                         r"tensor_parallel\.tp_size=2 ranks \(row-parallel\), and rank 0 quantizes "
+                                         rf"32 of its 64: {problem}"):
+        plan_at_two_ranks(quant={"enabled": True, "weight": weight})
+
+
+def test_a_scheme_that_fits_every_shard_resolves_at_two_ranks():
+    plan = plan_at_two_ranks(quant={"enabled": True, "weight": {"num_bits": 4, "group_size": 32}})
+    assert plan.quant.kind == "int4_weight_only" and plan.tp_plan is not None

@@ -250,7 +250,8 @@ class WeightQuantConfig(_Section):
                                 "decode reads a tenth fewer bytes."))
     q_groups: int = Field(1, ge=1, description=(
         "Quantization groups per output row: each row's inputs are split into q_groups groups of in_features / "
-        "q_groups, one scale each. 1: one scale per output channel for int8, int4's default group of 32."),
+        "q_groups, one scale each. 1: one scale per output channel for int8, int4's default group of 32. With "
+        "tensor parallelism each rank splits its own share of a row-parallel layer's inputs so."),
         json_schema_extra=_note("DeepSpeed splits the whole matrix into q_groups bands of rows (1: one scale for "
                                 "the matrix); splice's q_groups=1 is already one scale per output channel."))
     group_size: int | None = Field(None, ge=1, description=(

@@ -23,6 +23,7 @@ from .config import InferenceConfig, SpliceIgnoredOptionWarning, TensorParallelC
 from .distributed import ParallelContext
 from .kernel_choice import KernelChoice, attention_kernel, float_kernel, layer_kernel, quant_kernel
 from .layers.block import activation, has_fused_blocks
+from .layers.conv1d import in_out_features
 from .native import onednn_computes_in
 from .quant import QuantConfig
 from .quant import plan as quant_targets
@@ -30,6 +31,8 @@ from .quant.api import check_calibration_ids
 from .tp.autotp import autotp_plan, trace_model
 from .tp.loading import manifest_grain_size, manifest_plan, read_manifest
 from .tp.plan import TPPlan, verify
+from .tp.plan import resolve as tp_rules
+from .tp.split import layout_ranges, width
 from .tp.policy import check_policy, policy_plan
 
 CheckpointSource = Path | list[Path]
@@ -81,7 +84,7 @@ def resolve(config: InferenceConfig, model: nn.Module, parallel: ParallelContext
         check_fusable(model, config)
     quant = QuantConfig.from_inference_config(config)
     check_quantized_on_host(config, quant, device)
-    calibration_ids = resolve_quantization(model, quant, config)
+    calibration_ids = resolve_quantization(model, quant, config, tp_plan, tp, resolve_grain_size(config, manifest))
     check_graphs(config, device, tp)
     compute_dtype = dtype or _model_float_dtype(model)
     fused_float, fused_attention, fused_layer = fused_kernels(compute_dtype, device,
@@ -398,13 +401,38 @@ def check_fusable(model: nn.Module, config: InferenceConfig) -> None:
 
 
 # ---- quantization ---------------------------------------------------------------------------------------------------
-def resolve_quantization(model: nn.Module, quant: QuantConfig | None, config: InferenceConfig) -> torch.Tensor | None:
-    """Check the scheme against every linear it would replace; return the GPTQ calibration ids, if any."""
+def resolve_quantization(model: nn.Module, quant: QuantConfig | None, config: InferenceConfig,
+                         tp_plan: TPPlan | None = None, tp: int = 1, grain: int = 1) -> torch.Tensor | None:
+    """Check the scheme against every linear it would replace (each rank's shard of it under ``tp_plan``); return the
+    GPTQ calibration ids, if any."""
     if quant is None:
         return None
-    quant_targets(model, quant)
+    targets, _ = quant_targets(model, quant)
+    if tp_plan is not None:
+        check_quantized_shards(model, targets, quant, tp_plan, tp, grain)
     ids = config.quant.weight.calibration_ids
     return None if ids is None else check_calibration_ids(ids, quant)
+
+
+def check_quantized_shards(model: nn.Module, targets: list[tuple[str, nn.Module]], quant: QuantConfig,
+                           tp_plan: TPPlan, tp: int, grain: int) -> None:
+    """Each rank quantizes its own shard (the quantize step runs after shard), so a row-parallel linear's scheme must
+    fit every rank's share of its inputs, not only its whole width: checked for each rank's share as the shard step
+    will cut it, before the model changes."""
+    rules = tp_rules(tp_plan, model)
+    for name, module in targets:
+        rule = rules.get(name)
+        if rule is None or rule.style != "row":
+            continue
+        in_features = in_out_features(module)[0]
+        for rank in range(tp):
+            share = width(layout_ranges(rule.layout, in_features, tp, rank, rule.heads, grain))
+            try:
+                quant.group_for(share)
+            except ValueError as error:
+                raise ValueError(f"layer {name} is split by its inputs over tensor_parallel.tp_size={tp} ranks "
+                                 f"(row-parallel), and rank {rank} quantizes {share} of its {in_features}: "
+                                 f"{error}") from None
 
 
 def check_quantized_on_host(config: InferenceConfig, quant: QuantConfig | None, device: torch.device) -> None:
