@@ -83,7 +83,7 @@ def _machine_here() -> dict:
 
 
 def test_info_machine_prints_cpu_and_level_without_a_model():
-    result = run("info", "--machine", "--model", "no-such-model", timeout=120)
+    result = run("info", "--machine", timeout=120)
     assert result.returncode == 0, result.stderr
     here = _machine_here()
     assert result.stdout.startswith("machine\n") and here["cpu"]["model"] in result.stdout
@@ -101,6 +101,21 @@ def test_info_machine_json_has_the_machine_only():
     assert list(report) == ["machine"]
     assert report["machine"]["cpu"]["model"] == here["cpu"]["model"]
     assert report["machine"]["native"]["level"] == here["native"]["level"]
+
+
+@pytest.mark.parametrize("options, named", [
+    (["--dtype", "bf16"], "which --dtype does not change"),
+    (["--model", "/nonexistent", "--quant", "int4"], "which --model, --quant do not change"),
+    (["--config", "bf16.json"], "which --config does not change"),
+    (["--kernel-inject", "--tp", "2", "--max-out-tokens", "64", "--device", "cpu", "--compile"],
+     "which --kernel-inject, --compile, --tp, --max-out-tokens, --device do not change"),
+])
+def test_info_machine_refuses_the_model_options_it_has_no_use_for(capsys, monkeypatch, options, named):
+    from splice import machine
+
+    monkeypatch.setattr(machine, "describe_machine", lambda: pytest.fail("the machine was described"))
+    code, out, err = run_cli(["info", "--machine", *options], capsys)
+    assert code == 2 and out == "" and named in err and "allowed with it: --json" in err, err
 
 
 def test_bad_option_is_a_clear_error():
@@ -298,12 +313,18 @@ def splice_logging_restored():
 def test_serve_builds_an_injected_engine_and_serves_it(tiny_cli, capsys, monkeypatch):
     import uvicorn
 
+    from tests.tp.launch import free_port
+
     served = {}
-    monkeypatch.setattr(uvicorn.Server, "run", lambda self: served.update(config=self.config))
-    code, _, err = run_cli(["serve", "some-model", "--port", "9123", "--max-batch", "3", "--max-queue", "5",
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: served.update(config=self.config,
+                                                                                        sockets=sockets))
+    port = free_port()
+    code, _, err = run_cli(["serve", "some-model", "--port", str(port), "--max-batch", "3", "--max-queue", "5",
                             "--max-prefills", "2", "--prefill-batch", "2", "--served-model-name", "mine"], capsys)
     assert code == 0, err
-    assert tiny_cli == ["some-model"] and served["config"].port == 9123
+    assert tiny_cli == ["some-model"] and served["config"].port == port
+    [sock] = served["sockets"]  # bound before the model loaded, handed to uvicorn, closed once it is done
+    assert sock.fileno() == -1
     service = served["config"].app.state.service
     assert service.model_name == "mine" and service.scheduler.runtime is not None  # kernel injection is on
     assert (service.scheduler.max_batch, service.scheduler.max_queue) == (3, 5)
@@ -316,6 +337,8 @@ def test_serve_builds_an_injected_engine_and_serves_it(tiny_cli, capsys, monkeyp
     (["serve", "--port", "70000"], "70000"),
     (["serve", "--max-batch", "0"], "0 is not allowed"),
     (["serve", "--prefill-batch", "0"], "0 is not allowed"),
+    (["serve", "--served-model-name", ""], "argument --served-model-name: '' is not allowed; allowed: a non-empty"),
+    (["serve", "--served-model-name", " "], "' ' is not allowed; allowed: a non-empty name"),
 ])
 def test_serve_bad_options_are_one_line_errors(tiny_cli, capsys, argv, named):
     code, _, err = run_cli(argv, capsys)
@@ -331,7 +354,9 @@ def test_serve_refuses_a_prefill_batch_above_max_prefills_before_loading(capsys,
 
 
 @pytest.mark.parametrize("argv, named", [
-    (["generate", "--compile", "hi"], "compile_decode=True compiles splice's own decode step"),
+    (["generate", "--compile", "hi"], "--compile compiles splice's own decode step, which needs kernel injection; "
+                                      "allowed: --compile with --kernel-inject, or no --compile"),
+    (["info", "--compile"], "--compile compiles splice's own decode step"),
     (["generate", "--kernel-inject", "--device", "cuda:7", "hi"], "device='cuda:7'"),
 ])
 def test_options_that_need_no_model_are_refused_before_it_loads(capsys, monkeypatch, argv, named):
@@ -340,6 +365,97 @@ def test_options_that_need_no_model_are_refused_before_it_loads(capsys, monkeypa
     monkeypatch.setattr(splice, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
     code, _, err = run_cli(argv, capsys)
     assert code == 2 and named in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("file, flags, named", [
+    ({"dtype": "bf16"}, ["--dtype", "fp32"], "--dtype fp32 on the command line contradicts dtype='bf16' in --config "),
+    ({"dtype": "bf16"}, ["--quant", "int8"], "--quant int8 on the command line contradicts dtype='bf16' in --config "),
+    ({"max_out_tokens": 64}, ["--max-out-tokens", "32"], "--max-out-tokens 32 on the command line contradicts "
+                                                        "max_out_tokens=64"),
+])
+def test_a_flag_against_the_config_file_is_named_by_the_flag(tmp_path, capsys, monkeypatch, file, flags, named):
+    import splice
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(file))
+    monkeypatch.setattr(splice, "load", lambda *a, **k: pytest.fail("the model loaded before the check"))
+    code, _, err = run_cli(["generate", "--config", str(config), *flags, "hi"], capsys)
+    assert code == 2 and named in err and "allowed: one of them, or the same value in both" in err, err
+    assert "keyword arguments" not in err
+    if "--dtype" in flags:
+        assert "--dtype takes fp32, bf16, fp16 or int8" in err
+
+
+def test_a_request_too_long_is_named_by_the_flags(tiny_cli, capsys, tmp_path):
+    code, _, err = run_cli(["generate", "hi", "--max-out-tokens", "8", "--max-new-tokens", "20"], capsys)
+    assert code == 2 and "allowed: prompt length + --max-new-tokens <= 8" in err, err
+    assert "(raise --max-out-tokens, lower --max-new-tokens or shorten the prompt)" in err and "config" not in err
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"max_out_tokens": 8}))
+    code, _, err = run_cli(["generate", "hi", "--config", str(config), "--max-new-tokens", "20"], capsys)
+    assert code == 2 and f"(raise max_out_tokens in --config {config}, lower --max-new-tokens" in err, err
+
+
+@pytest.mark.parametrize("flags, warned", [
+    (["--max-out-tokens", "300"], "--max-out-tokens 300 exceeds the model's context length of 256 positions"),
+    (["--max-out-tokens", "300", "--kernel-inject"], "--max-out-tokens 300 exceeds the model's context length"),
+    (["--max-out-tokens", "256"], None),
+    ([], None),
+])
+def test_max_out_tokens_past_the_context_warns(tiny_cli, capsys, flags, warned):
+    code, _, err = run_cli(["generate", "hi", "--max-new-tokens", "2", *flags], capsys)
+    assert code == 0, err
+    assert (f"splice: warning: {warned}" in err and "allowed: at most 256" in err) if warned else "warning" not in err
+
+
+@pytest.mark.parametrize("flags, warned", [
+    (["--seed", "5"], True),
+    (["--seed", "5", "--greedy"], True),
+    (["--seed", "5", "--temperature", "0.7"], False),
+    (["--seed", "5", "--top-k", "3"], False),
+    ([], False),
+])
+def test_a_seed_with_greedy_decoding_warns(tiny_cli, capsys, flags, warned):
+    code, _, err = run_cli(["generate", "hi", "--max-new-tokens", "2", *flags], capsys)
+    assert code == 0, err
+    assert ("splice: warning: --seed 5 has no effect: decoding is greedy" in err) == warned, err
+
+
+def test_a_prompt_cannot_come_with_a_prompt_file(tmp_path, capsys, monkeypatch):
+    import splice
+    from splice.cli import build_parser, parse, prompt_and_model
+
+    monkeypatch.setattr(splice, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("Once upon a time")
+    code, _, err = run_cli(["generate", "--prompt-file", str(prompt), "Tell me a story"], capsys)
+    assert code == 2 and "'Tell me a story' is not a model" in err and "unknown model" not in err, err
+    assert f"a PROMPT cannot be given as well as --prompt-file {prompt}" in err
+    for model in ("smollm2-135m-instruct", str(tmp_path)):  # a built-in name, a folder: the model
+        args = parse(build_parser(), ["generate", "--prompt-file", str(prompt), model])
+        assert prompt_and_model(args) == ("Once upon a time", model)
+
+
+#: Runs ``splice info`` with its work replaced by printing more than a pipe holds.
+PRINTING_COMMAND = """
+import sys
+from splice import cli
+cli.run_info = lambda args: [print("many words " * 10) for _ in range(100000)] and 0
+sys.exit(cli.main(["info"]))
+"""
+
+
+def test_a_closed_output_pipe_ends_quietly_with_sigpipes_status():
+    process = subprocess.Popen([sys.executable, "-c", PRINTING_COMMAND], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    try:
+        assert process.stdout.read(3) == b"man"
+        process.stdout.close()  # as `| head -c 3` does
+        err = process.stderr.read().decode()
+        process.wait(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 141 and err == "", err
 
 
 def test_warnings_are_one_splice_warning_line_each(capsys, monkeypatch):
@@ -374,22 +490,32 @@ def test_serve_refuses_a_config_without_kernel_injection_by_name_before_loading(
 def test_serve_exits_1_when_the_scheduler_failed(tiny_cli, capsys, monkeypatch):
     import uvicorn
 
-    def run(self):
+    def run(self, sockets=None):
         self.config.app.state.service.scheduler.failed = RuntimeError("rank 1 is gone")
 
     monkeypatch.setattr(uvicorn.Server, "run", run)
-    code, _, err = run_cli(["serve"], capsys)
+    code, _, err = run_cli(["serve", "--port", "0"], capsys)
     assert code == 1 and "rank 1 is gone" in err and "Traceback" not in err
 
 
-def test_serve_on_a_busy_port_is_a_one_line_error(tiny_cli, capsys):
+def test_serve_on_a_busy_port_is_a_one_line_error_before_the_model_loads(tiny_cli, capsys):
     import socket
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        code, _, err = run_cli(["serve", "--port", str(busy.getsockname()[1])], capsys)
-    assert code == 2 and "could not start" in err and "Traceback" not in err
+        port = busy.getsockname()[1]
+        code, _, err = run_cli(["serve", "--port", str(port)], capsys)
+    assert code == 2 and tiny_cli == [] and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert f"splice: error: the server cannot listen on 127.0.0.1:{port}: " in err and "allowed: a free port" in err
+
+
+@pytest.mark.parametrize("host", ["256.1.1.1", "a" * 64])
+def test_serve_on_a_host_that_does_not_resolve_is_refused_before_the_model_loads(tiny_cli, capsys, host):
+    code, _, err = run_cli(["serve", "--host", host, "--port", "0"], capsys)
+    assert code == 2 and tiny_cli == [] and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert f"splice: error: --host {host!r} is neither an address nor a name that resolves" in err
+    assert "allowed: an address or host name of this machine" in err
 
 
 # ---- interruptions and failures nobody anticipated: one line, never a traceback -----------------------------------
@@ -542,6 +668,22 @@ def test_info_tp_refuses_options_a_plan_does_not_use(tiny_cli, capsys, outside_t
     code, out, err = run_cli(["info", "--tp", "2", *option], capsys)
     assert code == 2 and out == "" and tiny_cli == []  # refused before any model loads
     assert f"which {option[0]} does not change; allowed with it: --model, --config, --kernel-inject, --json" in err
+
+
+@pytest.mark.parametrize("file, flags, named", [
+    ({"dtype": "bf16", "max_out_tokens": 64}, ["--tp", "2"],
+     "which dtype, max_out_tokens in --config {config} do not change"),
+    ({"tensor_parallel": {"tp_size": 2}, "quant": {"enabled": True}}, [], "which quant in --config {config} does not"),
+    ({"tensor_parallel": {"tp_size": 2}, "keep_module_on_host": True}, ["--device", "cpu"],
+     "which --device, keep_module_on_host in --config {config} do not change"),
+])
+def test_info_tp_refuses_config_file_keys_a_plan_does_not_use(tiny_cli, capsys, outside_torchrun, tmp_path, file,
+                                                               flags, named):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(file))
+    code, out, err = run_cli(["info", "--config", str(config), *flags], capsys)
+    assert code == 2 and out == "" and tiny_cli == [], err
+    assert named.format(config=config) in err and "the keys a plan reads (tensor_parallel" in err, err
 
 
 # ---- --tp N: launch errors before the model loads, one message per torchrun job ------------------------------------

@@ -8,6 +8,7 @@ import json
 import logging.config
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -38,6 +39,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if launched_rank() == 0:  # torchrun passes Ctrl-C to every rank: the job says it once
             print("splice: interrupted", file=sys.stderr, flush=True)
         return 130  # as a shell reports a process ended by SIGINT
+    except BrokenPipeError:  # the reader of stdout went away (`splice generate ... | head`): end quietly, as cat does
+        silence_stdout()
+        return 141  # as a shell reports a process ended by SIGPIPE
     except (ValueError, TypeError, NotImplementedError) as error:  # bad input, named by the check that refused it
         if debugging():
             raise
@@ -50,6 +54,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         message = error_message(" ".join(f"{type(error).__name__}: {error}".split()), args)  # on one line
         print(f"splice: error: {rank_prefix()}{message} (SPLICE_DEBUG=1 shows where)", file=sys.stderr, flush=True)
         return 1
+
+
+def silence_stdout() -> None:
+    """Points stdout at the null device: the interpreter flushes stdout as it exits, which on the closed pipe would
+    fail again and print its own error."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # a stdout with no file descriptor (replaced in-process) has none
+        pass
 
 
 def rank_prefix() -> str:
@@ -184,15 +199,97 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return options
 
 
+def flags_by_key(args: argparse.Namespace) -> dict[str, str]:
+    """The init_inference keys the command line's options set, each with the option as it was given."""
+    flags = {
+        "dtype": args.dtype and f"--dtype {args.dtype}",
+        "replace_with_kernel_inject": args.kernel_inject and "--kernel-inject",
+        "compile_decode": getattr(args, "compile", False) and "--compile",
+        "tensor_parallel": args.tp is not None and f"--tp {args.tp}",
+        "max_out_tokens": args.max_out_tokens is not None and f"--max-out-tokens {args.max_out_tokens}",
+        "device": args.device and f"--device {args.device}",
+    }
+    for key in QUANT_SCHEMES.get(getattr(args, "quant", None), {}):
+        flags[key] = flags[key] or f"--quant {args.quant}"
+    return {key: flag for key, flag in flags.items() if flag}
+
+
+#: What each engine option takes, for messages that refuse a value given as a flag.
+FLAG_VALUES = {
+    "--dtype": "fp32, bf16, fp16 or int8",
+    "--quant": ", ".join(QUANT_SCHEMES),
+    "--tp": "an integer >= 1",
+    "--max-out-tokens": "an integer >= 1",
+    "--device": "cpu, cuda or cuda:N",
+}
+
+#: init_inference's refusal of a key the config file and a flag both set, to be reworded in the flag's terms.
+GIVEN_TWICE = re.compile(r"config key '(?P<key>[\w.]+)' is given twice with different values: (?P<file>.*) in config "
+                         r"and (?P<flag>.*) in keyword arguments")
+
+
+def in_flag_terms(message: str, args: argparse.Namespace) -> str:
+    """``message`` (init_inference's or generate's) with the settings the command line made named by their flags."""
+    twice = GIVEN_TWICE.fullmatch(message)
+    flag = twice and flags_by_key(args).get(twice["key"])
+    if flag:
+        name = flag.split()[0]
+        takes = f" ({name} takes {FLAG_VALUES[name]})" if name in FLAG_VALUES else ""
+        return (f"{flag} on the command line contradicts {twice['key']}={twice['file']} in --config "
+                f"{args.config_file}; allowed: one of them, or the same value in both{takes}")
+    too_long = "(raise max_out_tokens in the config, or shorten the request)"
+    if too_long not in message:
+        return message
+    raise_it = ("--max-out-tokens" if "max_out_tokens" not in config_file_keys(args)
+                else f"max_out_tokens in --config {args.config_file}")
+    return (message.replace("prompt length + max_new_tokens <=", "prompt length + --max-new-tokens <=")
+            .replace(too_long, f"(raise {raise_it}, lower --max-new-tokens or shorten the prompt)"))
+
+
+def config_file_keys(args: argparse.Namespace) -> set[str]:
+    """The init_inference keys the --config file sets (read again quietly: its warnings were given already)."""
+    if args.config_file is None:
+        return set()
+    from .config import resolve_config
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return set(resolve_config(args.config_file).model_fields_set)
+
+
+@contextlib.contextmanager
+def flag_terms(args: argparse.Namespace) -> Iterator[None]:
+    """A ValueError raised inside comes out with the settings the command line made named by their flags."""
+    try:
+        yield
+    except ValueError as error:
+        message = in_flag_terms(str(error), args)
+        if message == str(error):
+            raise
+        raise ValueError(message) from None
+
+
+def cli_config(args: argparse.Namespace):
+    """The engine configuration of the --config file and the flags, checked before any model loads; a conflict
+    between them, or between flags, is named by the flags."""
+    from .config import resolve_config
+
+    with flag_terms(args):
+        config = resolve_config(args.config_file, **config_from_args(args))
+    if getattr(args, "compile", False) and not config.replace_with_kernel_inject:
+        raise ValueError("--compile compiles splice's own decode step, which needs kernel injection; allowed: "
+                         "--compile with --kernel-inject, or no --compile")
+    return config
+
+
 def build_engine(args: argparse.Namespace):
     import splice
 
     from . import native
-    from .config import resolve_config
     from .distributed import check_launch, user_group
     from .plan import check_graphs, resolve_device
 
-    config = resolve_config(args.config_file, **config_from_args(args))  # checked before the model loads
+    config = cli_config(args)  # checked before the model loads
     device = resolve_device(config)
     check_graphs(config, device, config.tensor_parallel.tp_size)  # the checks that need no model
     if user_group(config.tensor_parallel) is None:
@@ -203,7 +300,23 @@ def build_engine(args: argparse.Namespace):
     length = context_length(model, bool(config.replace_with_kernel_inject))
     if "max_out_tokens" not in config.model_fields_set and length:
         config = config.model_copy(update={"max_out_tokens": length})
+    else:
+        warn_past_the_context(args, config.max_out_tokens, context_length(model, kernel_inject=False))
     return splice.init_inference(model, config=config), tokenizer
+
+
+def warn_past_the_context(args: argparse.Namespace, max_out_tokens: int, length: int | None) -> None:
+    """A max_out_tokens beyond the model's context is allowed (a rope that extends, a deliberate experiment), but
+    said: the positions past it are ones the model never saw, and each sequence's KV cache is sized for all of
+    them."""
+    if length is None or max_out_tokens <= length:
+        return
+    given = (f"--max-out-tokens {max_out_tokens}" if args.max_out_tokens is not None
+             else f"max_out_tokens={max_out_tokens} in --config {args.config_file}")
+    warnings.warn(f"{given} exceeds the model's context length of {length} positions (max_position_embeddings): "
+                  f"positions past it are ones the model was not trained on, and each sequence's KV cache is sized "
+                  f"for all {max_out_tokens}; allowed: at most {length} (leaving max_out_tokens out gives the model's "
+                  "context length)")
 
 
 def runs_native_kernels(config, device) -> bool:
@@ -251,7 +364,8 @@ def add_generate_parser(commands) -> None:
                         help="sample from the smallest set of tokens with probability >= P, 0 < P <= 1")
     parser.add_argument("--repetition-penalty", type=checked(float, lambda v: v > 0, "a number > 0"),
                         help="divide the scores of tokens already present by this (1: off)")
-    parser.add_argument("--seed", type=SEED, default=0, help="random seed for sampling (default: 0)")
+    parser.add_argument("--seed", type=SEED, help="random seed for sampling (default: 0); greedy decoding draws "
+                                                  "nothing at random, so a seed with it warns")
     parser.set_defaults(run=run_generate)
 
 
@@ -272,6 +386,13 @@ def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"do_sample": False, **penalty}
 
 
+def warn_unused_seed(args: argparse.Namespace, sampling: bool) -> None:
+    """A --seed given for greedy decoding changes nothing: said, not silently dropped."""
+    if args.seed is not None and not sampling:
+        warnings.warn(f"--seed {args.seed} has no effect: decoding is greedy, which draws nothing at random; allowed: "
+                      "--seed with --temperature > 0, --top-k or --top-p, or no --seed")
+
+
 def prompt_and_model(args: argparse.Namespace) -> tuple[str, str]:
     """``[MODEL] PROMPT`` (or ``[MODEL]`` with ``--prompt-file``) and ``--model``: the prompt and the model name."""
     words = list(args.words)
@@ -280,6 +401,10 @@ def prompt_and_model(args: argparse.Namespace) -> tuple[str, str]:
         usage = "[MODEL] with --prompt-file" if most == 1 else "[MODEL] PROMPT"
         raise ValueError(f"expected {usage}, got {len(words)} positional argument(s); allowed: {usage} (quote a "
                          "prompt that has spaces)")
+    if args.prompt_file is not None and words and not names_a_model(words[0]):
+        raise ValueError(f"{shorten(words[0], 80)!r} is not a model (no such built-in name, folder or .gguf file), "
+                         f"and a PROMPT cannot be given as well as --prompt-file {args.prompt_file}; allowed: [MODEL] "
+                         "--prompt-file FILE, or [MODEL] PROMPT")
     prompt = read_prompt_file(args.prompt_file) if args.prompt_file is not None else words.pop()
     model = words[0] if words else None
     if model is not None and args.model is not None and model != args.model:
@@ -287,6 +412,16 @@ def prompt_and_model(args: argparse.Namespace) -> tuple[str, str]:
                          "allowed: one of them")
     check_utf8(prompt, "PROMPT")
     return prompt, model or args.model or DEFAULT_MODEL
+
+
+def names_a_model(word: str) -> bool:
+    """Whether ``word`` can name a model: a built-in name, or a path that exists (a folder or a .gguf file)."""
+    from .models import BUILTIN_MODELS
+
+    try:
+        return word in BUILTIN_MODELS or Path(word).expanduser().exists()
+    except (OSError, ValueError):  # a name that cannot be a path here (too long, a NUL byte)
+        return False
 
 
 def read_prompt_file(path: str) -> str:
@@ -330,6 +465,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
     prompt, args.model = prompt_and_model(args)
     options = {"max_new_tokens": args.max_new_tokens, **sampling_options(args)}
+    warn_unused_seed(args, options["do_sample"])
     engine, tokenizer = build_engine(args)
     inputs = encode_prompt(tokenizer, prompt, args.chat)
     if inputs["input_ids"].shape[-1] == 0:
@@ -338,8 +474,10 @@ def run_generate(args: argparse.Namespace) -> int:
             raise ValueError("PROMPT is empty and the model has no BOS token to start from; allowed: a prompt of at "
                              "least one token")
     options["pad_token_id"] = tokenizer.pad_token_id
-    check_request(engine.module, (), {**inputs, **options}, engine.vocab_size, engine.inference_config.max_out_tokens)
-    torch.manual_seed(args.seed)
+    with flag_terms(args):
+        check_request(engine.module, (), {**inputs, **options}, engine.vocab_size,
+                      engine.inference_config.max_out_tokens)
+    torch.manual_seed(0 if args.seed is None else args.seed)
     speaker = _global_rank() == 0  # under torchrun every rank generates; one prints
     streamer = TimingStreamer(tokenizer, skip_special_tokens=True) if speaker else None
     try:
@@ -368,6 +506,14 @@ def _global_rank() -> int:
 
 #: Options that change nothing in a tensor-parallel plan, refused by ``info --tp N`` outside torchrun.
 NOT_IN_A_TP_PLAN = ("dtype", "quant", "compile", "max_out_tokens", "device")
+#: The init_inference keys that change nothing in a tensor-parallel plan, refused in the --config file of
+#: ``info --tp N`` outside torchrun (the plan reads tensor_parallel, replace_with_kernel_inject, injection_policy and
+#: the checkpoint keys; the keys splice ignores warn wherever they are given).
+KEYS_NOT_IN_A_TP_PLAN = ("dtype", "quant", "compile_decode", "max_out_tokens", "device", "enable_cuda_graph",
+                         "keep_module_on_host")
+#: The options ``info --machine`` has no use for: it loads no model.
+MODEL_OPTIONS = ("model", "config_file", "dtype", "kernel_inject", "quant", "compile", "tp", "max_out_tokens",
+                 "device")
 
 
 def print_tp_plan(args: argparse.Namespace, config) -> int:
@@ -398,14 +544,43 @@ def print_tp_plan(args: argparse.Namespace, config) -> int:
     return 0
 
 
-def refuse_outside_a_tp_plan(args: argparse.Namespace, tp: int) -> None:
-    """``info --tp N`` outside torchrun prints a plan, which the options in NOT_IN_A_TP_PLAN do not change."""
-    given = [f"--{name.replace('_', '-')}" for name in NOT_IN_A_TP_PLAN if getattr(args, name, None)]
-    if given:
+def given_options(args: argparse.Namespace, names: Sequence[str]) -> list[str]:
+    """The options among ``names`` (``args`` attributes) that the command line gave, as flags."""
+    return [option_flag(name) for name in names if getattr(args, name, None) not in (None, False)]
+
+
+def option_flag(name: str) -> str:
+    return "--config" if name == "config_file" else f"--{name.replace('_', '-')}"
+
+
+def do_not(names: list[str], count: int | None = None) -> str:
+    """``--a does not`` / ``--a, --b do not`` (``count``: how many options ``names`` name, if not one each)."""
+    return f"{', '.join(names)} {'does' if (count or len(names)) == 1 else 'do'} not"
+
+
+def refuse_outside_a_tp_plan(args: argparse.Namespace, tp: int, config=None) -> None:
+    """``info --tp N`` outside torchrun prints a plan, which the options in NOT_IN_A_TP_PLAN and (once ``config``
+    is read) the --config file's keys in KEYS_NOT_IN_A_TP_PLAN do not change."""
+    given = given_options(args, NOT_IN_A_TP_PLAN)
+    flag_keys = flags_by_key(args)
+    keys = [key for key in KEYS_NOT_IN_A_TP_PLAN
+            if config is not None and key in config.model_fields_set and key not in flag_keys]
+    named = given + ([f"{', '.join(keys)} in --config {args.config_file}"] if keys else [])
+    if named:
         raise ValueError(f"splice info --tp {tp} outside torchrun prints the tensor-parallel plan, which "
-                         f"{', '.join(given)} does not change; allowed with it: --model, --config, --kernel-inject, "
-                         f"--json (run `torchrun --nproc-per-node {tp} -m splice.cli info --tp {tp} ...` to apply "
-                         "every option)")
+                         f"{do_not(named, len(given) + len(keys))} change; allowed with it: --model, --config, "
+                         "--kernel-inject, --json, and in the --config file the keys a plan reads (tensor_parallel, "
+                         "replace_with_kernel_inject, injection_policy, the checkpoint keys) (run `torchrun "
+                         f"--nproc-per-node {tp} -m splice.cli info --tp {tp} ...` to apply every option)")
+
+
+def refuse_model_options_for_the_machine(args: argparse.Namespace) -> None:
+    """``info --machine`` loads no model: a model option given with it would change nothing."""
+    given = given_options(args, MODEL_OPTIONS)
+    if given:
+        raise ValueError(f"splice info --machine prints the machine section without loading a model, which "
+                         f"{do_not(given)} change; allowed with it: --json (leave out --machine to see the model "
+                         "these options give, then the machine)")
 
 
 # --- splice serve ---------------------------------------------------------------------------------------------------
@@ -434,11 +609,20 @@ def add_serve_parser(commands) -> None:
     parser.add_argument("--prefill-batch", type=POSITIVE_INT, default=1,
                         help="of the prompts admitted together, how many are prefilled in one forward (default: 1; "
                              "cheaper in total, but none gets its first token before the group is done)")
-    parser.add_argument("--served-model-name", help="the name clients pass as `model` (default: MODEL as given)")
+    parser.add_argument("--served-model-name", type=served_model_name,
+                        help="the name clients pass as `model` (default: MODEL as given)")
     parser.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info",
                         help="server log level (default: info; info logs one line per request)")
     parser.epilog = "Kernel injection is always on: the scheduler steps splice's fused decode runtime."
     parser.set_defaults(run=run_serve)
+
+
+def served_model_name(text: str) -> str:
+    """An argparse ``type``: the name clients pass as ``model``, which an empty one could not match."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed; allowed: a non-empty name (default: MODEL as "
+                                         "given)")
+    return text
 
 
 def serve_model(args: argparse.Namespace) -> str:
@@ -471,6 +655,7 @@ def run_serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from .serve import app
+        from .serve.listen import Server, bind
         from .serve.scheduler import check_prefill_batch, follow
     except ImportError as error:
         raise ValueError(f"splice serve needs the serve extra ({error.name} is missing); allowed: after "
@@ -478,24 +663,34 @@ def run_serve(args: argparse.Namespace) -> int:
     check_prefill_batch(args.prefill_batch, args.max_prefills)  # before the model loads
     check_serve_config(args.config_file)
     args.model = serve_model(args)
-    logging.config.dictConfig(serve_log_config(args.log_level))  # before the engine: its steps log too
-    engine, tokenizer = build_engine(args)
-    if _global_rank() != 0:
-        return follow_rank_zero(follow, engine)
-    api = app(engine, tokenizer, model_name=args.served_model_name or args.model, max_batch=args.max_batch,
-              max_queue=args.max_queue, max_prefills=args.max_prefills, prefill_batch=args.prefill_batch)
-    server = uvicorn.Server(uvicorn.Config(api, host=args.host, port=args.port, log_level=args.log_level,
-                                           log_config=None))  # configured above
-    scheduler = api.state.service.scheduler
+    # rank 0 serves HTTP: its address and port are checked (and kept) before the model loads
+    sockets = bind(args.host, args.port) if launched_rank() == 0 else []
+    try:
+        logging.config.dictConfig(serve_log_config(args.log_level))  # before the engine: its steps log too
+        engine, tokenizer = build_engine(args)
+        if _global_rank() != 0:
+            return follow_rank_zero(follow, engine)
+        api = app(engine, tokenizer, model_name=args.served_model_name or args.model, max_batch=args.max_batch,
+                  max_queue=args.max_queue, max_prefills=args.max_prefills, prefill_batch=args.prefill_batch)
+        server = Server(uvicorn.Config(api, host=args.host, port=args.port, log_level=args.log_level,
+                                       log_config=None))  # configured above
+        return run_server(server, sockets, api.state.service.scheduler, args)
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def run_server(server, sockets: list, scheduler, args: argparse.Namespace) -> int:
+    """Serves on ``sockets`` until a signal or a failed scheduler ends ``server``; the exit status."""
     watcher = threading.Thread(target=stop_when_failed, args=(scheduler, server), daemon=True)
     watcher.start()
     try:
         with signals_end_quietly():
-            server.run()
-    except SystemExit as exit_:  # uvicorn exits when it cannot start (a port in use, an unknown host), after logging
+            server.run(sockets=sockets)
+    except SystemExit as exit_:  # uvicorn exits when it cannot start (the app's startup failed), after logging
         if exit_.code:
             print(f"splice: error: the server could not start on {args.host}:{args.port} (the reason is logged "
-                  "above); allowed: a free port on an address of this machine", file=sys.stderr, flush=True)
+                  "above)", file=sys.stderr, flush=True)
             return 2
     if scheduler.failed is not None:
         print(f"splice: error: the server stopped because the scheduler failed: {scheduler.failed}", file=sys.stderr,
@@ -555,7 +750,7 @@ def add_info_parser(commands) -> None:
     add_model_options(parser)
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--machine", action="store_true",
-                        help="print only the machine section, without loading a model (model options are ignored)")
+                        help="print only the machine section, without loading a model (model options are refused)")
     parser.set_defaults(run=run_info)
 
 
@@ -600,17 +795,16 @@ def run_info(args: argparse.Namespace) -> int:
     from .machine import describe_machine, render_machine
 
     if args.machine:
+        refuse_model_options_for_the_machine(args)
         machine = describe_machine()
         print(json.dumps({"machine": machine}, indent=2) if args.json else render_machine(machine))
         return 0
     if "WORLD_SIZE" not in os.environ:  # not under torchrun: a tensor-parallel size > 1 prints its plan
-        from .config import resolve_config
-
         if args.tp is not None and args.tp > 1:
-            refuse_outside_a_tp_plan(args, args.tp)
-        config = resolve_config(args.config_file, **config_from_args(args))
+            refuse_outside_a_tp_plan(args, args.tp)  # the flags, before the config file is read
+        config = cli_config(args)
         if config.tensor_parallel.tp_size > 1:
-            refuse_outside_a_tp_plan(args, config.tensor_parallel.tp_size)
+            refuse_outside_a_tp_plan(args, config.tensor_parallel.tp_size, config)
             return print_tp_plan(args, config)
     start = time.perf_counter()
     engine, _ = build_engine(args)

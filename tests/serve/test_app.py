@@ -139,8 +139,9 @@ def test_partial_character_token_bytes(tokenizer):
 
 BAD_REQUESTS = [
     (b"{not json", "not valid JSON"),
-    (b'["a"]', "JSON list"),
-    ({"prompt": "x", "model": "gpt-4"}, "'gpt-4'"),
+    (b'["a"]', "the request body is a JSON array; allowed: a JSON object"),
+    (b"null", "the request body is a JSON null; allowed: a JSON object"),
+    (b"3", "the request body is a JSON number"),
     ({"prompt": ""}, "prompt=''"),
     ({"prompt": []}, "prompt=[]"),
     ({"prompt": [1, 49152]}, "49152"),
@@ -182,11 +183,58 @@ def test_bad_completion_requests_are_400_naming_the_value(tokenizer, body, named
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "max_completion_tokens": 6}, "disagree"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, "json_object"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content is required in a user message"),
+    ({"messages": [{"role": "system", "content": "Be brief"}, {"role": "user", "content": None}]},
+     "messages[1].content is required in a user message"),
+    ({"messages": [{"role": "system"}, {"role": "user", "content": "x"}]},
+     "messages[0].content is required in a system message"),
 ])
 def test_bad_chat_requests_are_400_naming_the_value(tokenizer, body, named):
     with client_for(tokenizer, ScriptedScheduler(HELLO)) as client:
         response = client.post("/v1/chat/completions", json=body)
     assert response.status_code == 400 and named in response.json()["error"]["message"], response.text
+
+
+def test_a_message_without_content_names_its_param(tokenizer):
+    with client_for(tokenizer, ScriptedScheduler(HELLO)) as client:
+        response = client.post("/v1/chat/completions", json={"messages": [{"role": "user"}]})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "messages.0.content", error
+    assert error["code"] == "missing_required_parameter" and "allowed: a string or a list of" in error["message"]
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}),
+])
+def test_an_unknown_model_is_404_as_openai_answers_it(tokenizer, route, body):
+    scheduler = ScriptedScheduler(HELLO)
+    with client_for(tokenizer, scheduler) as client:
+        response = client.post(route, json=body)
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert error["code"] == "model_not_found" and error["param"] == "model", error
+    assert "'gpt-4'" in error["message"] and "allowed: 'smol'" in error["message"] and scheduler.submitted == []
+
+
+def test_fields_accepted_but_not_honoured_are_logged_once_each(tokenizer, caplog):
+    asks = {"store": True, "service_tier": "flex", "metadata": {"team": "a"}}
+    asks_nothing = {"store": False, "service_tier": "auto", "metadata": {}, "user": "u"}
+    with client_for(tokenizer, ScriptedScheduler(HELLO)) as client, caplog.at_level("WARNING", "splice.serve"):
+        quiet = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, **asks_nothing})
+        assert quiet.status_code == 200 and caplog.records == [], caplog.text
+        said = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, **asks})
+        again = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                          "max_tokens": 1, **asks})
+    assert said.status_code == 200 and again.status_code == 200
+    [record] = caplog.records  # each field once per server
+    assert record.levelname == "WARNING" and "accepts but does not honour" in record.getMessage()
+    assert 'store=true, metadata={"team": "a"}, service_tier="flex"' in record.getMessage(), record.getMessage()
+
+
+def test_an_empty_model_name_is_refused():
+    with pytest.raises(ValueError, match="model_name='' is a name no client could pass as model"):
+        app(ENGINE, None, model_name="", scheduler=ScriptedScheduler(HELLO))
 
 
 @pytest.mark.parametrize("route, body, field", [

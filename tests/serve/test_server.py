@@ -217,7 +217,7 @@ def test_16_concurrent_streams_match_each_request_alone(client, reference):
 
 @pytest.mark.parametrize("body, status, named", [
     (b"{broken", 400, "not valid JSON"),
-    ({"model": "gpt-4o", "prompt": "x"}, 400, "gpt-4o"),
+    ({"model": "gpt-4o", "prompt": "x"}, 404, "gpt-4o"),
     ({"model": "smol", "prompt": ""}, 400, "prompt=''"),
     ({"model": "smol", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens='ten'"),
     ({"model": "smol", "prompt": "x", "max_tokens": MAX_LEN}, 400, f"max_tokens <= {MAX_LEN - 1}"),
@@ -230,6 +230,12 @@ def test_raw_http_errors_name_the_value(server, body, status, named):
     assert response.status_code == status
     error = response.json()["error"]
     assert named in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_the_log_says_where_the_server_listens(server):
+    """The socket is bound before the model loads and handed to uvicorn, which logs where it listens only for the
+    sockets it binds itself: splice logs the same line for this one."""
+    assert f"Uvicorn running on {server.url} (Press CTRL+C to quit)" in server.log.read_text()
 
 
 def test_unknown_route_and_metrics(server):

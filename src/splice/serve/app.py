@@ -47,6 +47,9 @@ def app(engine, tokenizer, *, model_name: str | None = None, max_batch: int = 8,
     (running and queued requests finish). A ``scheduler`` passed in is the caller's to start and shut down; these
     parameters are then its own.
     """
+    if model_name is not None and not model_name.strip():
+        raise ValueError(f"model_name={model_name!r} is a name no client could pass as model; allowed: a non-empty "
+                         "name, or None for the model's own")
     owned = scheduler is None
     if owned:
         scheduler = Scheduler(engine, max_batch=max_batch, max_queue=max_queue, max_prefills=max_prefills,
@@ -108,11 +111,24 @@ class Service:
         self.token_text = TokenText(tokenizer)
         self.created = int(time.time())
         self.metrics = ServerMetrics(scheduler.stats)
+        self.unhonoured_said: set[str] = set()
 
     def check_model(self, name: str | None) -> None:
+        """A name that is not the served model's is a 404, as OpenAI answers a model that does not exist."""
         if name is not None and name != self.model_name:
-            raise APIError(400, f"The model {shorten(name)} does not exist; allowed: {self.model_name!r}",
+            raise APIError(404, f"The model {shorten(name)} does not exist; allowed: {self.model_name!r}",
                            param="model", code="model_not_found")
+
+    def warn_unhonoured(self, body: SamplingFields) -> None:
+        """Logs the fields a request sets that ask for what the server does not do (store the completion, a service
+        tier): accepted, as OpenAI's clients send them, but not honoured. Each field is logged once per server, so
+        a client sending it with every request does not flood the log."""
+        fields = {name: value for name, value in body.unhonoured().items() if name not in self.unhonoured_said}
+        if fields:
+            self.unhonoured_said.update(fields)
+            log.warning("splice serve: a request sets %s, which this server accepts but does not honour (nothing is "
+                        "stored, every request runs alike); said once per field",
+                        ", ".join(f"{name}={value}" for name, value in fields.items()))
 
     def prompt_ids(self, prompt: str | list[int], param: str) -> list[int]:
         if isinstance(prompt, str):
@@ -532,6 +548,7 @@ def add_routes(api: FastAPI, service: Service) -> None:
         started = time.perf_counter()
         body = parse_request(await request.body(), CompletionRequest)
         service.check_model(body.model)
+        service.warn_unhonoured(body)
         prompts = body.prompts()
         ids = [service.prompt_ids(prompt, "prompt") for prompt in prompts]
         echo = [prompt if isinstance(prompt, str) else service.tokenizer.decode(prompt) for prompt in prompts]
@@ -543,6 +560,7 @@ def add_routes(api: FastAPI, service: Service) -> None:
         started = time.perf_counter()
         body = parse_request(await request.body(), ChatCompletionRequest)
         service.check_model(body.model)
+        service.warn_unhonoured(body)
         ids = service.chat_ids(body)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         # the field the client sent (both, when they agree: OpenAI's current name)

@@ -13,8 +13,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 #: Largest ``n`` (choices per prompt): each choice is a request of its own in the scheduler's queue.
 MAX_N = 16
-#: Fields OpenAI's API has that splice accepts and ignores: they change nothing about the output.
+#: Fields OpenAI's API has that splice accepts and ignores: none changes the output. Those in UNHONOURED_FIELDS
+#: ask for something else, which splice does not do.
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+#: The ignored fields that ask the server for something it does not do (keep the completion, tag it, give the
+#: request a processing tier), with the values that ask nothing: any other value is logged as not honoured.
+UNHONOURED_FIELDS = {"store": (None, False), "metadata": (None, {}), "service_tier": (None, "auto", "default")}
+#: JSON's names of the types ``json.loads`` returns.
+JSON_TYPES = {type(None): "null", bool: "boolean", int: "number", float: "number", str: "string", list: "array"}
 
 
 class APIError(Exception):
@@ -43,6 +49,12 @@ def shorten(value: Any, limit: int = 80) -> str:
     """``repr(value)`` cut to ``limit`` characters: a long prompt in an error message would bury the message."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:limit - 20]}... ({len(text)} characters)"
+
+
+def json_text(value: Any, limit: int = 40) -> str:
+    """``value`` as JSON, cut to ``limit`` characters."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
 Temperature = Annotated[StrictFloat, Field(ge=0, le=2)]
@@ -88,6 +100,12 @@ class SamplingFields(BaseModel):
         if self.stop is None:
             return ()
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+    def unhonoured(self) -> dict[str, str]:
+        """The fields in UNHONOURED_FIELDS this request sets to a value that asks for something, each with its
+        value as JSON."""
+        return {name: json_text(getattr(self, name)) for name, nothing in UNHONOURED_FIELDS.items()
+                if getattr(self, name) not in nothing}
 
     def check_supported(self) -> None:
         """Fields splice accepts but cannot honour raise here, naming the field."""
@@ -164,6 +182,11 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        for index, message in enumerate(self.messages):
+            if message.content is None and message.role != "assistant":
+                raise bad_request(f"messages[{index}].content is required in a {message.role} message; allowed: a "
+                                  f"string or a list of {{\"type\": \"text\", \"text\": ...}} parts",
+                                  f"messages.{index}.content", "missing_required_parameter")
         if self.top_logprobs is not None and not self.logprobs:
             raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
         if (self.max_tokens is not None and self.max_completion_tokens is not None
@@ -189,7 +212,8 @@ def parse_request(body: bytes, kind: type[Request]) -> Request:
         raise bad_request(f"the request body is not valid JSON ({error}); allowed: a JSON object",
                           code="invalid_json") from None
     if not isinstance(data, dict):
-        raise bad_request(f"the request body is a JSON {type(data).__name__}; allowed: a JSON object",
+        raise bad_request(f"the request body is a JSON {JSON_TYPES.get(type(data), type(data).__name__)}; allowed: "
+                          "a JSON object",
                           code="invalid_json")
     refuse_unsupported_features(data)
     data = {key: value for key, value in data.items() if value is not None or key not in nullable_fields(kind)}
