@@ -14,12 +14,12 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 import splice
 from splice import native
-from splice.generation import (MASK_NOT_INFERRED_WARNING, RIGHT_PADDING_WARNING, EosBannedBelowLength, Request,
-                               check_request, generate, hf_generate_log, pick, plan_request)
+from splice.generation import (RIGHT_PADDING_WARNING, EosBannedBelowLength, Request, check_request, generate,
+                               hf_generate_log, pick, plan_request)
 from splice.layers.widened_linear import prompts_in_float32
 from splice.steps.fuse import inject
 
-from .arch.tiny_models import FAMILIES, build_family, padded_batch
+from .arch.tiny_models import FAMILIES, build, build_family, padded_batch
 from .snippet_models import byte_tokenizer, snippet_llama
 
 
@@ -135,33 +135,55 @@ def test_positional_arguments_bind_in_hf_order():
 
 
 def test_return_dict_scores_and_logits():
+    """Without a cache in the output (``use_cache=False``), the native loop gives Hugging Face's output dict."""
     reference, model = pair("qwen3")
     ids, mask = padded_batch()
     options = dict(max_new_tokens=5, return_dict_in_generate=True, output_scores=True, output_logits=True,
-                   eos_token_id=None)
+                   eos_token_id=None, use_cache=False)
+    assert isinstance(plan_request(model[0], ids, None, {"attention_mask": mask, **options}), Request)
     expected = reference.generate(ids, attention_mask=mask, **options)
     got = generate(*model, ids, attention_mask=mask, **options)
-    assert isinstance(got, GenerateDecoderOnlyOutput)
+    assert isinstance(got, GenerateDecoderOnlyOutput) and got.cache is None and expected.cache is None
     assert torch.equal(got.sequences, expected.sequences)
     assert len(got.scores) == len(got.logits) == 5
     for ours, theirs in zip(got.scores, expected.scores):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
 
 
-def test_the_native_output_has_no_cache_and_use_cache_true_gets_hf_s():
-    """The native loop's output carries no ``cache`` (splice's static cache is not a transformers Cache, so nothing
-    could continue from it); asking for it with ``use_cache=True`` runs Hugging Face's generate, whose output has it,
-    on the fused model: the same tokens either way."""
+def test_an_output_dict_carries_hf_s_cache_where_use_cache_true_is_asked_for():
+    """use_cache=True with return_dict_in_generate=True asks for the output's KV cache, which splice's static cache is
+    not: Hugging Face's generate runs on the fused model and returns its own."""
+    reference, model = pair("llama")
+    ids, mask = padded_batch()
+    options = dict(max_new_tokens=5, return_dict_in_generate=True, eos_token_id=None, use_cache=True)
+    expected = reference.generate(ids, attention_mask=mask, **options)
+    got = generate(*model, ids, attention_mask=mask, **options)
+    assert type(got.cache) is type(expected.cache) and expected.cache is not None
+    assert got.cache.get_seq_length() == expected.cache.get_seq_length() == 14
+    assert torch.equal(got.sequences, expected.sequences)
+    assert isinstance(plan_request(model[0], ids, None, {"attention_mask": mask, **options}), str)
+
+
+@pytest.mark.parametrize("use_cache", [None, "generation config", False])
+def test_an_output_dict_without_use_cache_named_stays_native_and_says_it_has_no_cache(use_cache):
+    """By default (or from the generation config) Hugging Face's dict would carry its cache: the native loop's dict
+    carries none and says so; use_cache=False asks for none, and nothing is said."""
     reference, model = pair("llama")
     ids, mask = padded_batch()
     options = dict(max_new_tokens=5, return_dict_in_generate=True, eos_token_id=None)
+    if use_cache == "generation config":
+        for m in (reference, model[0]):
+            m.generation_config.use_cache = True
+    elif use_cache is False:
+        options["use_cache"] = False
+    assert isinstance(plan_request(model[0], ids, None, {"attention_mask": mask, **options}), Request)
     expected = reference.generate(ids, attention_mask=mask, **options)
-    native_out = generate(*model, ids, attention_mask=mask, **options)
-    assert native_out.cache is None and "cache" not in native_out.keys()
-    assert isinstance(plan_request(model[0], ids, None, {"attention_mask": mask, "use_cache": True, **options}), str)
-    hf_out = generate(*model, ids, attention_mask=mask, use_cache=True, **options)
-    assert hf_out.cache is not None and hf_out.cache.get_seq_length() == expected.cache.get_seq_length()
-    assert torch.equal(native_out.sequences, expected.sequences) and torch.equal(hf_out.sequences, expected.sequences)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = generate(*model, ids, attention_mask=mask, **options)
+    assert torch.equal(got.sequences, expected.sequences) and got.cache is None
+    said = [w for w in caught if "returns no past_key_values" in str(w.message)]
+    assert len(said) == (0 if use_cache is False else 1)
 
 
 @contextmanager
@@ -210,7 +232,7 @@ def test_a_batch_without_mask_whose_pad_is_eos_gets_hf_s_warning():
         with hf_generate_warnings() as warnings:
             seen.append((run(), warnings))
     assert torch.equal(seen[0][0], seen[1][0])
-    assert seen[0][1] == seen[1][1] == [MASK_NOT_INFERRED_WARNING]
+    assert seen[0][1] == seen[1][1] and len(seen[0][1]) == 1 and "cannot be inferred" in seen[0][1][0]
 
 
 @pytest.mark.parametrize("pads, native_loop", [(5, True), (6, False)])
@@ -407,10 +429,10 @@ def test_native_greedy_loop_picks_with_argmax_rows(monkeypatch):
     assert not asked
 
 
-@pytest.mark.parametrize("eos_ids", ([2], [2, 5]))
+@pytest.mark.parametrize("eos_ids", ([2], [2, 5], [-1, 2, 300]))
 def test_eos_ban_gives_hugging_faces_minimum_length_scores(eos_ids):
     """The scores of Hugging Face's MinLengthLogitsProcessor and MinNewTokensLengthLogitsProcessor, below, at and
-    past the length, for one eos id and several."""
+    past the length, for one eos id and several; ids outside the vocabulary (of 50) ban nothing, as in theirs."""
     from transformers.generation import MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor
 
     torch.manual_seed(0)
@@ -425,7 +447,7 @@ def test_eos_ban_gives_hugging_faces_minimum_length_scores(eos_ids):
         for theirs, ours in processors:
             expected, got = theirs(ids, scores.clone()), ours(ids, scores.clone())
             assert torch.equal(got, expected)
-            banned += bool(torch.isinf(got[:, eos_ids]).all())
+            banned += bool(torch.isinf(got[:, [i for i in eos_ids if 0 <= i < 50]]).all())
     assert banned == 2 * minimum  # every length below the minimum, for both
 
 
@@ -498,3 +520,155 @@ def test_stop_strings_and_speculative_decoding_give_hf_s_tokens_through_the_engi
     expected = reference.generate(**prompt, **options)
     assert torch.equal(engine.generate(**prompt, assistant_model=assistant, **options), expected)
     assert torch.equal(reference.generate(**prompt, assistant_model=engine.module, **options), expected)
+
+
+def engine_pair(name: str = "llama", inject: bool = True, **overrides):
+    """The tiny HF model ``name`` (config ``overrides``), and an engine on a copy of it."""
+    reference = build(name, **overrides) if overrides else build_family(name)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=inject, max_out_tokens=64)
+    return reference, engine
+
+
+def outcome(generate_call):
+    """What a generate call gives: its tokens (or output), or the type of the exception it raises."""
+    try:
+        torch.manual_seed(0)
+        return generate_call()
+    except Exception as error:  # noqa: BLE001 - the comparison is with whatever Hugging Face's generate raises
+        return type(error)
+
+
+def assert_same_outcome(got, expected) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and torch.equal(got, expected)
+    else:
+        assert got is expected
+
+
+@contextmanager
+def all_warnings():
+    """Hugging Face's generate logger's messages and ``warnings.warn``'s, in one list each, meanwhile."""
+    logging.Logger.warning_once.cache_clear()
+    with hf_generate_warnings() as logged, warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        yield logged, warned
+
+
+def generate_with_warnings(model, ids, **options):
+    """``model.generate(ids, **options)`` and its warnings (Hugging Face's logger's, then ``warnings.warn``'s)."""
+    with all_warnings() as (logged, warned):
+        out = model.generate(ids, **options)
+    return out, logged + [str(w.message) for w in warned]
+
+
+def test_min_new_tokens_takes_precedence_over_min_length_with_hf_s_warning():
+    """With both, Hugging Face's generate bans eos until prompt + min_new_tokens only (it replaces min_length, and
+    warns); the native loop gives its tokens, stopping at an eos before min_length."""
+    reference, engine = engine_pair()
+    ids = padded_batch(batch=1, length=9)[0]
+    free = reference.generate(ids, max_new_tokens=6, eos_token_id=None)[0, 9:].tolist()
+    stop = next(k for k in range(2, 6) if free[k] not in free[:k])  # a new token not emitted before it
+    options = dict(max_new_tokens=20, eos_token_id=free[stop], min_length=15, min_new_tokens=2)
+    assert isinstance(plan_request(engine.module, ids, None, dict(options)), Request)
+    expected, expected_warnings = generate_with_warnings(reference, ids, **options)
+    got, got_warnings = generate_with_warnings(engine, ids, **options)
+    assert expected.shape[1] == 9 + stop + 1 < 15 and torch.equal(got, expected)
+    assert got_warnings == expected_warnings
+    assert any("`min_new_tokens` will take precedence" in message for message in got_warnings)
+
+
+#: options set to 0 / 0.0, which are values, not "unset": each runs Hugging Face's generate on the fused model
+ZERO_OPTIONS = [dict(forced_eos_token_id=0), dict(forced_bos_token_id=0), dict(guidance_scale=0.0),
+                dict(max_time=0.0), dict(top_h=0.0, do_sample=True), dict(num_beams=0),
+                dict(prompt_lookup_num_tokens=0), dict(prefill_chunk_size=0), dict(begin_suppress_tokens=0)]
+
+
+@pytest.mark.parametrize("options", ZERO_OPTIONS, ids=[next(iter(o)) for o in ZERO_OPTIONS])
+def test_options_set_to_zero_give_hf_s_outcome(options):
+    """``0`` is not ``False``: forced_eos_token_id=0 (Pythia's eos) forces token 0 last, guidance_scale=0.0 guides,
+    max_time=0.0 stops after one token, and values Hugging Face's generate refuses raise its error."""
+    reference, engine = engine_pair()
+    ids = padded_batch(batch=1)[0]
+    options = dict(max_new_tokens=8, eos_token_id=None, **options)
+    assert isinstance(plan_request(engine.module, ids, None, dict(options)), str)
+    expected = outcome(lambda: reference.generate(ids, **options))
+    assert_same_outcome(outcome(lambda: engine.generate(ids, **options)), expected)
+
+
+@pytest.mark.parametrize("eos", [300, -1, [-1, 2]], ids=str)
+def test_eos_ids_outside_the_vocabulary_ban_nothing_below_the_minimum_length(eos):
+    """An eos id past the vocabulary (300 of 128) or negative (-1) has no column to ban, as in Hugging Face's
+    processors: no index error, and -1 is not the last token's column. The last token is made the first pick."""
+    reference = build_family("llama")
+    ids = padded_batch(batch=1)[0]
+    first = int(reference.generate(ids, max_new_tokens=1, eos_token_id=None)[0, -1])
+    with torch.no_grad():
+        reference.lm_head.weight[-1] = 4 * reference.lm_head.weight[first]
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
+    options = dict(max_new_tokens=8, min_new_tokens=3, eos_token_id=eos)
+    assert isinstance(plan_request(engine.module, ids, None, dict(options)), Request)
+    expected, expected_warnings = generate_with_warnings(reference, ids, **options)
+    got, got_warnings = generate_with_warnings(engine, ids, **options)
+    assert int(expected[0, ids.shape[1]]) == 127 and torch.equal(got, expected)
+    assert got_warnings == expected_warnings
+
+
+@pytest.mark.parametrize("cache_implementation, native_loop", [
+    ("dynamic", True), ("static", True), ("quantized", False), ("offloaded", False), ("offloaded_static", False),
+    ("sliding_window", False)])
+def test_cache_implementation_runs_natively_only_where_it_cannot_change_tokens(cache_implementation, native_loop):
+    """The dynamic and static caches give the native loop's tokens; a quantized or offloaded cache (or a deprecated
+    name, which Hugging Face's generate warns about) runs its generate on the fused model: its tokens or its error."""
+    reference, engine = engine_pair()
+    ids, mask = padded_batch()
+    options = dict(max_new_tokens=6, eos_token_id=None, cache_implementation=cache_implementation)
+    plan = plan_request(engine.module, ids, None, {"attention_mask": mask, **options})
+    assert isinstance(plan, Request) == native_loop
+    expected = outcome(lambda: reference.generate(ids, attention_mask=mask, **options))
+    assert_same_outcome(outcome(lambda: engine.generate(ids, attention_mask=mask, **options)), expected)
+
+
+#: calls of the native loop where Hugging Face's generate warns: (name, prompt rows, options, words of its warning)
+WARNING_CASES = [
+    ("default max_length", 1, {}, "model-agnostic default `max_length`"),
+    ("batch without mask or pad id", 2, dict(max_new_tokens=4), "pad token id were not set"),
+    ("min_new_tokens past the maximum", 1, dict(max_new_tokens=4, min_new_tokens=6), "Unfeasible length constraints"),
+    ("min_length past the maximum", 1, dict(max_new_tokens=4, min_length=30), "Unfeasible length constraints"),
+    ("negative eos id", 1, dict(max_new_tokens=4, eos_token_id=[-1, 2]), "should consist of positive integers"),
+    ("max_length and max_new_tokens", 1, dict(max_new_tokens=4, max_length=30), "`max_new_tokens` will take"),
+]
+
+
+@pytest.mark.parametrize("rows, options, words", [c[1:] for c in WARNING_CASES], ids=[c[0] for c in WARNING_CASES])
+def test_the_native_loop_gives_hf_s_warnings(rows, options, words):
+    """Hugging Face's generate's warnings, in its order, from transformers' own checks, with its tokens."""
+    reference, engine = engine_pair()
+    for model in (reference, engine.module):
+        model.generation_config.pad_token_id = None  # unset unless the call sets it
+    ids = padded_batch(batch=rows)[0][:, -6:]  # no pads
+    assert isinstance(plan_request(engine.module, ids, None, dict(options)), Request)
+    expected, expected_warnings = generate_with_warnings(reference, ids, **options)
+    got, got_warnings = generate_with_warnings(engine, ids, **options)
+    assert torch.equal(got, expected)
+    assert got_warnings == expected_warnings and any(words in message for message in got_warnings)
+
+
+@pytest.mark.parametrize("name, limit", [("gpt2", dict(n_positions=32)), ("opt", dict(max_position_embeddings=32))])
+def test_a_request_past_the_learned_positions_raises_before_work_without_kernel_injection(name, limit):
+    """32 learned positions: Hugging Face's generate feeds every token but the last, so it makes 30 + 3 tokens and
+    fails on an index error at 30 + 4; the engine (without kernel injection, which refuses max_out_tokens=64 at
+    init) gives its tokens up to 33 and raises a ValueError naming the lengths past that, before any forward."""
+    reference, engine = engine_pair(name, inject=False, **limit)
+    ids = torch.randint(3, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    options = dict(eos_token_id=None, do_sample=False)
+    assert torch.equal(engine.generate(ids, max_new_tokens=3, **options),
+                       reference.generate(ids, max_new_tokens=3, **options))
+    with pytest.raises(IndexError):
+        reference.generate(ids, max_new_tokens=4, **options)
+    forwards = []
+    engine.module.register_forward_pre_hook(lambda *_: forwards.append(1))
+    with pytest.raises(ValueError, match=r"30 \+ 10 new tokens = 40 .* 32 learned positions .* <= 33"):
+        engine.generate(ids, max_new_tokens=10, **options)
+    assert not forwards
+    with pytest.raises(ValueError, match="learned positions"):
+        splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)

@@ -8,9 +8,11 @@ the same injected model; never a silently different result.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import math
+import warnings
 import numbers
 import reprlib
 from contextlib import nullcontext
@@ -31,29 +33,33 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationM
 from transformers.utils import logging as hf_logging
 
 from . import native
+from .arch import REGISTRY
+from .arch.record import text_config
 from .layers.causal_lm import SpliceCausalLM
 from .profiling import ForwardTimer
 
 log = logging.getLogger("splice")
-#: the logger Hugging Face's generate warns through (its right-padding warning is repeated here word for word)
+#: the logger Hugging Face's generate warns through (its right-padding warning, which its generate gives inline, is
+#: repeated here word for word; the others come from transformers' own preparation steps, see hf_generate_checks)
 hf_generate_log = hf_logging.get_logger("transformers.generation.utils")
 RIGHT_PADDING_WARNING = ("A decoder-only architecture is being used, but right-padding was detected! For correct "
                          "generation results, please set `padding_side='left'` when initializing the tokenizer.")
-MASK_NOT_INFERRED_WARNING = (
-    "The attention mask is not set with a batched input, and cannot be inferred from input because pad token is same "
-    "as eos token. As a consequence, you may observe unexpected behavior. Please pass your input's `attention_mask` "
-    "to obtain reliable results.")
 
 #: generation options the native loop implements (any value)
 NATIVE_OPTIONS = frozenset({
     "max_length", "max_new_tokens", "min_length", "min_new_tokens", "do_sample", "temperature", "top_k", "top_p",
     "repetition_penalty", "eos_token_id", "pad_token_id", "return_dict_in_generate", "output_scores", "output_logits",
 })
-#: options that do not change the tokens produced
+#: options that do not change the tokens produced (``use_cache`` does decide whether a returned dict carries a cache:
+#: plan_request hands a request that names it to Hugging Face's generate, and says when a dict goes without one)
 IGNORED_OPTIONS = frozenset({
-    "bos_token_id", "decoder_start_token_id", "use_cache", "cache_implementation", "cache_config", "compile_config",
-    "disable_compile", "_from_model_config", "transformers_version",
+    "bos_token_id", "decoder_start_token_id", "use_cache", "cache_config", "compile_config", "disable_compile",
+    "_from_model_config", "transformers_version",
 })
+#: the ``cache_implementation`` values that give the tokens of the native loop's own static cache: the default dynamic
+#: cache and Hugging Face's static one (the others quantize or offload the cache, or switch to continuous batching, and
+#: run Hugging Face's generate; ``cache_config`` only configures those)
+NATIVE_CACHE_IMPLEMENTATIONS = (None, "dynamic", "static")
 #: options whose result Hugging Face's generate would not give on the fused blocks either (they never form attention
 #: weights); ``output_hidden_states`` runs Hugging Face's generate, the model recording each fused block's output
 REFUSED_OPTIONS = ("output_attentions",)
@@ -74,7 +80,18 @@ class Request:
     output_scores: bool
     output_logits: bool
     warn_right_padding: bool = False  # Hugging Face's generate would warn that the batch is right-padded
-    warn_mask_not_inferred: bool = False  # ... that a batch without a mask cannot have its pads masked (pad = eos)
+    hf_checks: HFChecks | None = None  # what Hugging Face's generate checks (and warns about) before decoding
+    without_cache: bool = False  # a returned dict where Hugging Face's would carry its KV cache (use_cache by default)
+
+
+@dataclass
+class HFChecks:
+    """What Hugging Face's generate prepares its special tokens and lengths from, for :func:`hf_generate_checks`."""
+
+    config: GenerationConfig  # the generation config as Hugging Face's generate merges it, before its preparations
+    has_attention_mask: bool  # the call passed an attention mask
+    default_max_length: bool  # no max_length in the call, its generation config or the model's
+    default_min_length: bool  # no min_length there
 
 
 def generate(model, runtime: SpliceCausalLM, *args: Any, timer: ForwardTimer | None = None, **kwargs: Any):
@@ -101,10 +118,9 @@ def generate(model, runtime: SpliceCausalLM, *args: Any, timer: ForwardTimer | N
     if isinstance(plan, str):
         log.info("splice generate: %s not in the native loop; transformers' generate runs on the fused model", plan)
         return model.generate(*args, **kwargs)
-    if plan.warn_mask_not_inferred:
-        hf_generate_log.warning_once(MASK_NOT_INFERRED_WARNING)  # once per process, as Hugging Face's
-    if plan.warn_right_padding:
-        hf_generate_log.warning(RIGHT_PADDING_WARNING)
+    hf_generate_checks(model, plan)
+    if plan.without_cache:
+        warnings.warn(NO_CACHE_IN_THE_OUTPUT, UserWarning, stacklevel=2)  # once per process, by Python's default filter
     with torch.inference_mode():
         return decode(runtime, plan, streamer, timer)
 
@@ -119,6 +135,33 @@ def right_padding_not_native(runtime: SpliceCausalLM, req: Request) -> bool:
         return False
     windows = [window for window in runtime.windows if window is not None]
     return bool(windows) and int(trailing_pads.max()) >= min(windows)
+
+
+#: What a native return_dict_in_generate output lacks, said where Hugging Face's would have it (use_cache by default).
+NO_CACHE_IN_THE_OUTPUT = (
+    "splice's native generate returns no past_key_values in its output dict (its KV cache is no transformers Cache), "
+    "where Hugging Face's generate would return its cache (use_cache defaults to True); allowed: use_cache=True to "
+    "have transformers' generate run on the fused model and return one, or use_cache=False to say none is wanted")
+
+
+def hf_generate_checks(model, req: Request) -> None:
+    """The checks Hugging Face's generate makes before decoding, run by transformers itself on a copy of the request's
+    generation config for their warnings, in its order: its special tokens (a batch without attention mask or pad id,
+    a pad id that is an eos id, eos ids that are not positive integers), right padding, its lengths (``max_new_tokens``
+    and ``max_length`` both set, ``min_new_tokens`` taking precedence over ``min_length``, the model-agnostic default
+    ``max_length``, a minimum length past the maximum)."""
+    checks, ids = req.hf_checks, req.input_ids
+    if checks is None:
+        return
+    config = copy.deepcopy(checks.config)
+    model._prepare_special_tokens(config, checks.has_attention_mask, device=ids.device, batch_size=ids.shape[0])
+    if req.warn_right_padding:
+        hf_generate_log.warning(RIGHT_PADDING_WARNING)
+    config = model._prepare_generated_length(
+        generation_config=config, has_default_max_length=checks.default_max_length,
+        has_default_min_length=checks.default_min_length, model_input_name="input_ids",
+        input_ids_length=ids.shape[1], inputs_tensor=ids)
+    model._validate_generated_length(config, ids.shape[1], checks.default_max_length)
 
 
 def generate_arguments(model, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -171,17 +214,18 @@ def plan_request(model, inputs, generation_config, kwargs: dict) -> Request | st
         check_generate_ids_shape(input_ids)
     if not (isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and not input_ids.is_floating_point()):
         return "inputs other than a 2-D tensor of token ids"
-    asks_for_cache = kwargs.get("use_cache") is True
     default_length = takes_hf_default_max_length(model, generation_config, kwargs)
+    default_min_length = hf_default_option(model, generation_config, kwargs, "min_length")
     config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)  # exactly HF's merge
-    if asks_for_cache and config.return_dict_in_generate:
-        # the native loop's output carries no cache (splice's static cache is not a transformers Cache); HF's does
-        return "use_cache=True with return_dict_in_generate=True (the output's cache)"
     refused = [name for name in REFUSED_OPTIONS if getattr(config, name, False)]
     if refused:
         raise ValueError(f"{', '.join(refused)}=True is not available on a kernel-injected model (the fused blocks "
                          "attend with SDPA and never form attention weights); allowed: False, or "
                          "replace_with_kernel_inject=False")
+    if config.return_dict_in_generate and kwargs.get("use_cache") is True:
+        # asked for by name: Hugging Face's output carries its KV cache (a transformers Cache); splice's static
+        # cache is none, so Hugging Face's generate gives it
+        return "use_cache=True with return_dict_in_generate=True (the output's cache)"
     attention_mask = model_kwargs.pop("attention_mask", None)
     model_kwargs = {k: v for k, v in model_kwargs.items() if v is not None}
     if model_kwargs:
@@ -195,14 +239,13 @@ def plan_request(model, inputs, generation_config, kwargs: dict) -> Request | st
         return f"max_new_tokens={max_new}"
     eos, pad = special_tokens(config, input_ids.device)
     warn = hf_warns_right_padding(input_ids, attention_mask, pad)
-    mask_not_inferred = (attention_mask is None and input_ids.shape[0] > 1 and eos is not None and pad is not None
-                         and bool((eos == pad).any()))
+    checks = HFChecks(config, attention_mask is not None, default_length, default_min_length)
     if attention_mask is None:
         attention_mask = infer_attention_mask(input_ids, pad, eos)
     processors = logits_processors(config, attention_mask, prompt_len, eos)
     return Request(input_ids, attention_mask, max_new, eos, pad, processors, bool(config.do_sample),
                    bool(config.return_dict_in_generate), bool(config.output_scores), bool(config.output_logits),
-                   warn, mask_not_inferred)
+                   warn, checks, bool(config.return_dict_in_generate) and config.use_cache is not False)
 
 
 def takes_hf_default_max_length(model, generation_config, kwargs: dict) -> bool:
@@ -213,8 +256,15 @@ def takes_hf_default_max_length(model, generation_config, kwargs: dict) -> bool:
         return False
     if GenerationConfig().max_length is not None:  # transformers 4: every config carries the default max_length
         return True
-    given = None if generation_config is None else getattr(generation_config, "max_length", None)
-    return given is None and getattr(getattr(model, "generation_config", None), "max_length", None) is None
+    return hf_default_option(model, generation_config, kwargs, "max_length")
+
+
+def hf_default_option(model, generation_config, kwargs: dict, name: str) -> bool:
+    """Whether neither the call, its generation config nor the model's sets ``name`` (Hugging Face's generate then
+    takes it as a default: ``has_default_max_length``, ``has_default_min_length``)."""
+    given = None if generation_config is None else getattr(generation_config, name, None)
+    model_config = getattr(model, "generation_config", None)
+    return kwargs.get(name) is None and given is None and getattr(model_config, name, None) is None
 
 
 def hf_total_length(model, max_new_tokens, max_length, default_length: bool, prompt_len: int) -> int:
@@ -227,7 +277,8 @@ def hf_total_length(model, max_new_tokens, max_length, default_length: bool, pro
         max_length = getattr(GenerationConfig, "_get_default_generation_params", lambda: {"max_length": 20})()[
             "max_length"]
     max_length = int(max_length)
-    if default_length and (GenerationConfig().max_length in (None, max_length)):
+    hf_default = GenerationConfig().max_length
+    if default_length and (hf_default is None or hf_default == max_length):
         max_length += prompt_len
         limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
         if isinstance(limit, int):
@@ -246,17 +297,33 @@ def hf_warns_right_padding(input_ids: torch.Tensor, attention_mask, pad: int | N
 
 
 def non_native_options(config: GenerationConfig) -> list[str]:
-    """Options set to something other than their neutral default that the native loop does not implement."""
+    """Options set to something other than their neutral default that the native loop does not implement. Unset is
+    None or False only: 0 and 0.0 are values (``forced_eos_token_id=0`` is Pythia's eos; ``guidance_scale=0.0``
+    guides; ``num_beams=0``, which Hugging Face's generate refuses)."""
     pristine = GenerationConfig().to_dict()
     defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()  # HF's fallbacks for unset options
     unknown = []
     for name, value in config.to_dict().items():
         if name in NATIVE_OPTIONS or name in IGNORED_OPTIONS or name in REFUSED_OPTIONS:
             continue
-        if value in (None, False) or value == pristine.get(name) or value == defaults.get(name, object()):
+        if name == "cache_implementation" and value in NATIVE_CACHE_IMPLEMENTATIONS:
+            continue
+        if value is None or value is False or same_value(value, pristine.get(name)) or \
+                same_value(value, defaults.get(name, object())):
             continue
         unknown.append(f"{name}={value!r}")
     return unknown
+
+
+def same_value(value, default) -> bool:
+    """Whether an option's ``value`` is its ``default``: equal, and a bool only where the default is one (``0`` is no
+    ``False``, ``1`` no ``True``)."""
+    if isinstance(value, bool) != isinstance(default, bool):
+        return False
+    try:
+        return bool(value == default)
+    except (TypeError, ValueError, RuntimeError):  # a tensor or array value, which compares elementwise
+        return False
 
 
 def special_tokens(config: GenerationConfig, device) -> tuple[torch.Tensor | None, int | None]:
@@ -285,10 +352,12 @@ def logits_processors(config: GenerationConfig, attention_mask: torch.Tensor, pr
         padding = (attention_mask != 0).int().argmax(dim=1)
         penalty = float(config.repetition_penalty)
         processors.append(RepetitionPenaltyLogitsProcessor(penalty, prompt_ignore_length=padding))
-    if eos is not None and config.min_length:
+    if eos is not None and config.min_new_tokens is not None:
+        # Hugging Face's generate then replaces min_length by prompt + min_new_tokens (the same ban)
+        if config.min_new_tokens > 0:
+            processors.append(EosBannedBelowLength(prompt_len + config.min_new_tokens, eos))
+    elif eos is not None and config.min_length is not None and config.min_length > 0:
         processors.append(EosBannedBelowLength(config.min_length, eos))
-    if eos is not None and config.min_new_tokens:
-        processors.append(EosBannedBelowLength(prompt_len + config.min_new_tokens, eos))
     if config.do_sample:
         if config.temperature is not None and config.temperature != 1.0:
             processors.append(TemperatureLogitsWarper(config.temperature))
@@ -312,7 +381,8 @@ class EosBannedBelowLength(LogitsProcessor):
     """Hugging Face's ``MinLengthLogitsProcessor`` (``length`` = ``min_length``) and
     ``MinNewTokensLengthLogitsProcessor`` (``length`` = prompt + ``min_new_tokens``): the same scores, every eos id's
     -inf while the sequences are shorter than ``length``. Theirs build a vocabulary-sized mask on every step, even
-    after ``length``; this sets the eos columns, and only until then."""
+    after ``length``; this sets the eos columns, and only until then. As theirs (``isin`` over the vocabulary), an eos
+    id outside ``[0, vocabulary)`` bans nothing: not a negative index's column from the end, and no index error."""
 
     def __init__(self, length: int, eos: torch.Tensor):
         self.length, self.eos = length, eos
@@ -320,7 +390,8 @@ class EosBannedBelowLength(LogitsProcessor):
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[-1] >= self.length:
             return scores
-        return scores.index_fill(-1, self.eos.to(scores.device), -math.inf)
+        eos = self.eos.to(scores.device)
+        return scores.index_fill(-1, eos[(eos >= 0) & (eos < scores.shape[-1])], -math.inf)
 
 
 def check_request_length(prompt_length: int, total: int, max_out_tokens: int) -> None:
@@ -384,6 +455,32 @@ def check_request(model, args: tuple, kwargs: dict, vocab_size: int | None, max_
     prompt_length = input_ids.shape[-1]
     total = requested_total(model, prompt_length, kwargs, kwargs.get("generation_config"))
     check_request_length(prompt_length, total, max_out_tokens)
+    check_learned_positions(model, prompt_length, total)
+
+
+def learned_position_limit(model) -> int | None:
+    """How many positions ``model`` has learned embeddings for (GPT-2's ``n_positions``, OPT's
+    ``max_position_embeddings``: the families whose record says ``positions="learned"``, as kernel injection reads
+    it); None for a model that computes its positions (rotary, ALiBi) or whose family splice has no record of."""
+    config = getattr(model, "config", None)
+    record = REGISTRY.get(getattr(config, "model_type", None))
+    if record is None or record.positions != "learned":
+        return None
+    limit = getattr(text_config(config), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) else None
+
+
+def check_learned_positions(model, prompt_length: int, total: int) -> None:
+    """Raise before any work if generating ``total`` tokens would embed a position past the model's learned table:
+    every token but the last is fed to the model, so ``total`` may be one more than the positions, as in Hugging
+    Face's generate, which fails on an index error past that."""
+    limit = learned_position_limit(model)
+    if limit is None or total <= limit + 1:
+        return
+    raise ValueError(
+        f"prompt length {prompt_length} + {total - prompt_length} new tokens = {total} would feed the model position "
+        f"{total - 2}, past the {limit} learned positions (0 to {limit - 1}) of this {model.config.model_type} model; "
+        f"allowed: prompt length + max_new_tokens <= {limit + 1} (every token but the last is fed back)")
 
 
 def check_generation_values(options: dict) -> None:
