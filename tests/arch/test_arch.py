@@ -53,6 +53,16 @@ def test_rope_parameters_of_transformers_4_are_read():
     assert (spec.theta, spec.rope_type, spec.partial_factor) == (5e5, "linear", 1.0)
 
 
+def test_a_transformers_4_partial_factor_is_read_at_the_top_level_only_where_the_family_applies_it():
+    """A 4.x config (Phi-3's) keeps ``partial_rotary_factor`` beside ``rope_theta``: read there for a family whose HF
+    attention rotates part of each head; a family that rotates the whole head never reads it."""
+    from splice.arch.record import rope_spec
+
+    config = SimpleNamespace(rope_theta=1e4, rope_scaling=None, partial_rotary_factor=0.5, max_position_embeddings=64)
+    assert rope_spec(config, partial_rotary=True).partial_factor == 0.5
+    assert rope_spec(config).partial_factor == 1.0
+
+
 def test_dynamic_rope_limits_the_static_table():
     config = family_config("llama")
     config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import splice
+from splice.arch.families import RECORDS
+from splice.generation import prefill_positions
 
 from .tiny_models import build_tiny, family_config, padded_batch, randomised_vectors
 
@@ -87,3 +89,118 @@ def test_a_longrope_configs_original_context_is_read_where_transformers_4_keeps_
     config = SimpleNamespace(rope_theta=10000.0, max_position_embeddings=256, original_max_position_embeddings=32,
                              rope_scaling={"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8})
     assert rope_spec(config).max_positions == 32
+
+
+#: every decoder family whose record puts rotary positions in the block (each has a tiny config of its name)
+ROTARY_FAMILIES = sorted(record.model_type for record in RECORDS if record.positions == "rotary" and not record.encoder)
+#: the families whose Hugging Face attention rotates only ``partial_rotary_factor`` of each head (their rotary classes
+#: and attention read it); the others' default rope rotates the whole head whatever the factor (GPT-J: rotary_dim)
+HF_ROTATES_PART = ("gpt_neox", "phi", "phi3")
+
+
+def with_partial_factor(config, factor: float, where: str):
+    """``config`` with ``partial_rotary_factor`` set in its (text part's) ``rope_parameters``, each per-layer-type
+    entry included, or as the top-level attribute a transformers 4 config carries."""
+    text = config.get_text_config()
+    if where == "top_level":
+        text.partial_rotary_factor = factor
+        return config
+    params = text.rope_parameters
+    entries = [value for value in params.values() if isinstance(value, dict)] or [params]
+    for entry in entries:
+        entry["partial_rotary_factor"] = factor
+    return config
+
+
+def assert_native_generate_matches(reference, engine, options: dict) -> None:
+    """splice's own decode loop (never Hugging Face's generate on the fused model) gives the reference's greedy tokens
+    on one prompt and on a left-padded batch, and its prefill the logits of the reference's first step."""
+    hf_generate, decode_step = engine.module.generate, engine.runtime.decode_step
+    calls = {"hf": 0, "native": 0}
+
+    def count(key, function):
+        return lambda *args, **kwargs: calls.__setitem__(key, calls[key] + 1) or function(*args, **kwargs)
+
+    engine.module.generate, engine.runtime.decode_step = count("hf", hf_generate), count("native", decode_step)
+    ids, mask = padded_batch(batch=3, length=10)
+    with torch.inference_mode():
+        for prompt, prompt_mask in ((ids[:1], mask[:1]), (ids, mask)):
+            expected = reference.generate(prompt, attention_mask=prompt_mask, **options)
+            assert torch.equal(engine.generate(prompt, attention_mask=prompt_mask, **options), expected)
+        logits = dict(max_new_tokens=1, do_sample=False, output_logits=True, return_dict_in_generate=True)
+        expected = reference.generate(ids, attention_mask=mask, **logits).logits[0]
+        got = engine.runtime.forward(ids, prefill_positions(mask), torch.arange(ids.shape[1]),
+                                     cache_for(engine, mask), ids.shape[1])
+    assert calls["hf"] == 0 and calls["native"] > 0
+    assert ((expected - got).abs().max() / expected.std()).item() < 1e-4
+
+
+def cache_for(engine, mask):
+    """A fresh native KV cache for the rows of ``mask``, started on their padding."""
+    cache = engine.runtime.new_cache(mask.shape[0])
+    cache.start(mask)
+    return cache
+
+
+#: (family, where its config gets the factor); GPT-J's config has no rope_parameters
+PARTIAL_CASES = [(name, where) for name in ROTARY_FAMILIES for where in ("rope_parameters", "top_level")
+                 if (name, where) != ("gptj", "rope_parameters")]
+
+
+@pytest.mark.parametrize("name, where", PARTIAL_CASES, ids=[f"{name}-{where}" for name, where in PARTIAL_CASES])
+def test_partial_rotary_factor_rotates_what_hugging_faces_model_rotates(name, where):
+    """A config's ``partial_rotary_factor`` (0.25) is honoured only where the family's Hugging Face model applies it:
+    splice's native loop builds its rotary table itself, and gives the reference's tokens and logits either way."""
+    from splice.arch import lookup, model_dims
+
+    config = with_partial_factor(family_config(name), 0.25, where)
+    reference = randomised_vectors(build_tiny(config), seed=0)
+    dims = model_dims(lookup(config), config)
+    if name == "gptj":
+        assert dims.rotary_dim == config.rotary_dim
+    elif name in HF_ROTATES_PART and where == "rope_parameters":
+        assert dims.rotary_dim == dims.head_dim // 4
+    elif name not in HF_ROTATES_PART:
+        assert dims.rotary_dim == dims.head_dim
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
+    assert_native_generate_matches(reference, engine, GREEDY)
+
+
+def test_a_scaled_rope_on_part_of_the_head_matches_where_hugging_face_rotates_part():
+    """GPT-NeoX applies the factor with every rope type: a linear rope on a quarter of each head matches."""
+    config = family_config("gpt_neox")
+    config.rope_parameters = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0,
+                              "partial_rotary_factor": 0.25}
+    reference = randomised_vectors(build_tiny(config), seed=0)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
+    assert_native_generate_matches(reference, engine, GREEDY)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text"])
+def test_a_scaled_rope_on_part_of_a_head_hugging_face_rotates_whole_is_refused_before_any_change(name):
+    """Llama's attention (and Gemma 3's global layers') rotates the whole head, but transformers' linear rope reads
+    partial_rotary_factor and gives cos/sin for half of it: the unmodified model fails, so there is nothing to match;
+    the default rope type, which rotates the whole head, is fused (above)."""
+    config = family_config(name)
+    linear = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    if name == "gemma3_text":
+        config.rope_parameters = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                  "full_attention": linear}
+    else:
+        config.rope_parameters = linear
+    model = randomised_vectors(build_tiny(config), seed=0)
+    with pytest.raises(RuntimeError, match="must match the size"):
+        model(torch.tensor([[1, 5, 9]]))
+    with pytest.raises(ValueError, match=r"rope_type='linear' and partial_rotary_factor=0\.5.*allowed: "):
+        splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=64)
+    assert all(type(layer).__name__.endswith("DecoderLayer") for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("name, key, value", [("gpt_neox", "hidden_act", "gelu_fast"),
+                                              ("gpt2", "activation_function", "gelu_python")])
+def test_gelu_activations_under_other_names_are_fused(name, key, value):
+    """transformers' ``gelu_fast`` (the tanh GELU with sqrt(2 / pi) written to 10 digits) and ``gelu_python`` (the
+    exact GELU) are fused as the GELUs they are."""
+    reference = build_variant(name, **{key: value})
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
+    assert_matches_the_reference(reference, engine)

@@ -159,3 +159,15 @@ def test_head_rms_norm_with_offset_matches_gemma3(dtype):
     x = torch.randn(2, 5, 3 + 1, 16).to(dtype)
     ours = HeadRMSNorm(q_norm.weight, k_norm.weight, 3, 1, 1e-6, offset=1.0)(x)
     torch.testing.assert_close(ours, torch.cat([q_norm(x[:, :, :3]), k_norm(x[:, :, 3:])], dim=2), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["silu", "swish", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_python_tanh",
+                                  "gelu", "gelu_python", "relu"])
+def test_activations_match_hugging_faces(name):
+    """Each activation name the fused block takes gives transformers' function of that name, up to fp32 rounding."""
+    from transformers.activations import ACT2FN
+
+    from splice.layers.block import activation
+
+    x = torch.randn(20000, generator=torch.Generator().manual_seed(0)) * 6
+    torch.testing.assert_close(activation(name)(x), ACT2FN[name](x))

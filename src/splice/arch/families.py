@@ -17,7 +17,9 @@ QWEN2 = ArchRecord(model_type="qwen2", sliding_window=True)  # q/k/v biases come
 
 QWEN3 = ArchRecord(model_type="qwen3", sliding_window=True, q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
 
-PHI3 = ArchRecord(model_type="phi3", qkv="self_attn.qkv_proj", gate_up="mlp.gate_up_proj", sliding_window=True)
+# rotary on the first partial_rotary_factor of each head
+PHI3 = ArchRecord(model_type="phi3", qkv="self_attn.qkv_proj", gate_up="mlp.gate_up_proj", sliding_window=True,
+                 partial_rotary=True)
 
 # use_bidirectional_attention (embedding Gemmas) attends to later tokens, which a causal block with a KV cache cannot
 BIDIRECTIONAL = ("use_bidirectional_attention", True)
@@ -29,7 +31,7 @@ GPT_NEOX = ArchRecord(
     model_type="gpt_neox", layers="gpt_neox.layers", embed="gpt_neox.embed_in", final_norm="gpt_neox.final_layer_norm",
     qkv="attention.query_key_value", qkv_layout="grouped", o="attention.dense", gated=False,
     up="mlp.dense_h_to_4h", down="mlp.dense_4h_to_h", norm="layer", eps_key="layer_norm_eps",
-    parallel=("use_parallel_residual",))
+    parallel=("use_parallel_residual",), partial_rotary=True)
 
 # DS_GPT2Container: HF Conv1D linears, learned absolute positions
 GPT2 = ArchRecord(
@@ -51,14 +53,14 @@ OPT = ArchRecord(
 PHI = ArchRecord(
     model_type="phi", final_norm="model.final_layernorm", o="self_attn.dense", gated=False, up="mlp.fc1",
     down="mlp.fc2", norm="layer", mlp_norm=None, parallel=True, eps_key="layer_norm_eps",
-    refuse=(("qk_layernorm", True),))
+    partial_rotary=True, refuse=(("qk_layernorm", True),))
 
 # DS_GPTJContainer: parallel residual from one norm, interleaved (every-two) partial rotary
 GPTJ = ArchRecord(
     model_type="gptj", layers="transformer.h", embed="transformer.wte", final_norm="transformer.ln_f",
     q="attn.q_proj", k="attn.k_proj", v="attn.v_proj", o="attn.out_proj", gated=False, up="mlp.fc_in",
     down="mlp.fc_out", norm="layer", attn_norm="ln_1", mlp_norm=None, parallel=True, rotary_interleaved=True,
-    eps_key="layer_norm_epsilon", activation_key="activation_function")
+    rotary_dim_key="rotary_dim", eps_key="layer_norm_epsilon", activation_key="activation_function")
 
 # (DeepSpeed injects Falcon through AutoTP only) multi-query, per-head, or grouped (new_decoder_architecture) qkv;
 # one or two norms in parallel, or sequential; rotary or ALiBi (its bias rounded to bf16 as Hugging Face builds it)

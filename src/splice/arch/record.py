@@ -82,6 +82,11 @@ class ArchRecord:
     alibi_scaled: bool = False
     alibi_bf16: bool = False
     rotary_interleaved: bool = False  # GPT-J: rotate every two features instead of the two halves
+    # how much of each head the family's HF attention rotates: the whole head, where its default rope never reads
+    # partial_rotary_factor (Llama, Gemma, Falcon, ...); the config's partial_rotary_factor (``partial_rotary``: Phi,
+    # Phi-3, GPT-NeoX's rotary_pct); or the number of features the config key ``rotary_dim_key`` names (GPT-J)
+    partial_rotary: bool = False
+    rotary_dim_key: str | None = None
     # the config key naming the MLP activation, or the activation itself when the config names none (BLOOM)
     activation_key: str = "hidden_act"
     activation: str | None = None
@@ -110,7 +115,8 @@ class ArchRecord:
 @dataclass(frozen=True)
 class RopeSpec:
     """Rotary embedding parameters: ``rope_type`` is transformers' name ("default", "linear", "llama3", "yarn", ...);
-    ``layer_type`` names the entry of a per-layer-type ``rope_parameters`` it came from (Gemma 3), else None."""
+    ``partial_factor`` the share of each head the family's HF attention rotates; ``layer_type`` names the entry of a
+    per-layer-type ``rope_parameters`` it came from (Gemma 3), else None."""
 
     theta: float
     rope_type: str
@@ -180,9 +186,9 @@ def model_dims(record: ArchRecord, config: Any) -> ModelDims:
     """Read :class:`ModelDims` from a transformers config (its text part), as the family's modeling code does."""
     config = text_config(config)
     n_heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    head_dim = head_size(config)
     alibi = record.positions == "alibi" or bool(record.alibi_key and getattr(config, record.alibi_key, False))
-    ropes = layer_ropes(config, head_dim)
+    ropes = layer_ropes(record, config, head_dim)
     return ModelDims(
         hidden=config.hidden_size,
         n_heads=n_heads,
@@ -227,6 +233,30 @@ def check_fits(record: ArchRecord, config: Any) -> None:
     if record.positions not in ("rotary", "learned", "alibi", "none"):
         raise ValueError(f"record {record.model_type!r}: positions={record.positions!r}; allowed: rotary, learned, "
                          "alibi, none")
+    if record.positions == "rotary" and not (record.alibi_key and getattr(config, record.alibi_key, False)):
+        check_rotary_width(record, config)
+
+
+#: rope types whose transformers init function gives frequencies for the whole head whatever partial_rotary_factor
+#: says (zero past the factor: those features stay unrotated)
+WHOLE_HEAD_ROPE_TYPES = ("default", "proportional")
+
+
+def check_rotary_width(record: ArchRecord, config: Any) -> None:
+    """Raise ``ValueError`` where the family's HF attention rotates the whole head but transformers' scaled rope
+    (linear, dynamic, yarn, llama3, longrope) reads partial_rotary_factor and gives cos/sin for only part of it: the
+    unmodified model fails there, so there is nothing to match."""
+    if record.partial_rotary or record.rotary_dim_key:
+        return
+    head_dim = head_size(config)
+    for spec in layer_ropes(replace(record, partial_rotary=True), config, head_dim):
+        if int(head_dim * spec.partial_factor) < head_dim and spec.rope_type not in WHOLE_HEAD_ROPE_TYPES:
+            raise ValueError(
+                f"kernel injection cannot fuse model_type={record.model_type!r} with rope_type={spec.rope_type!r} and "
+                f"partial_rotary_factor={spec.partial_factor}: Hugging Face's {record.model_type} attention rotates "
+                f"the whole head, but that rope type gives cos/sin for part of it, so the unmodified model fails; "
+                f"allowed: partial_rotary_factor=1.0 with that rope type (rope_type='default' rotates the whole head "
+                f"whatever the factor)")
 
 
 def config_flag(value: bool | str | tuple[str, ...], config: Any) -> bool:
@@ -271,32 +301,43 @@ def layer_windows(record: ArchRecord, config: Any) -> tuple[int | None, ...]:
     return tuple(window if kind == record.window_layer_type else None for kind in layer_types[:n_layers])
 
 
-def layer_ropes(config: Any, head_dim: int) -> tuple[RopeSpec, ...]:
+def head_size(config: Any) -> int:
+    """The attention head size: the config's ``head_dim``, else the hidden size over the heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def layer_ropes(record: ArchRecord, config: Any, head_dim: int) -> tuple[RopeSpec, ...]:
     """The rotary parameters of each layer: one spec for all, or one per layer type when ``rope_parameters`` is keyed
-    by layer type (Gemma 3). A ``rotary_dim`` in the config (GPT-J) gives the partial factor."""
+    by layer type (Gemma 3). The record says how much of each head rotates (:attr:`ArchRecord.partial_rotary`,
+    :attr:`ArchRecord.rotary_dim_key`)."""
     params = getattr(config, "rope_parameters", None) or {}
     layer_types = getattr(config, "layer_types", None)
     n_layers = config.num_hidden_layers
+    partial = record.partial_rotary
     if layer_types and all(isinstance(params.get(kind), dict) for kind in set(layer_types)):
-        specs = {kind: rope_spec(config, kind) for kind in set(layer_types)}
+        specs = {kind: rope_spec(config, kind, partial_rotary=partial) for kind in set(layer_types)}
         ropes = tuple(specs[kind] for kind in layer_types[:n_layers])
     else:
-        ropes = (rope_spec(config),) * n_layers
-    rotary_dim = getattr(config, "rotary_dim", None)
+        ropes = (rope_spec(config, partial_rotary=partial),) * n_layers
+    rotary_dim = getattr(config, record.rotary_dim_key, None) if record.rotary_dim_key else None
     if rotary_dim:
         ropes = tuple(replace(spec, partial_factor=rotary_dim / head_dim) for spec in ropes)
     return ropes
 
 
-def rope_spec(config: Any, layer_type: str | None = None) -> RopeSpec:
+def rope_spec(config: Any, layer_type: str | None = None, partial_rotary: bool = False) -> RopeSpec:
     """Rotary parameters from ``rope_parameters`` (transformers 5; ``layer_type`` picks a per-layer-type entry) or
-    ``rope_theta``/``rope_scaling`` (4.x)."""
+    ``rope_theta``/``rope_scaling`` (4.x). ``partial_rotary``: the family's HF attention rotates only the config's
+    ``partial_rotary_factor`` of each head (in ``rope_parameters``, or at the config's top level in 4.x); otherwise
+    the whole head, as the default rope of most families does whatever the factor says."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     if layer_type is not None:
         params = dict(params[layer_type])
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
+    partial = 1.0
+    if partial_rotary:
+        partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
     max_positions = _rescale_limit(rope_type, params, config)
     return RopeSpec(theta=float(theta), rope_type=rope_type, partial_factor=float(partial),
                     max_positions=max_positions, layer_type=layer_type)
