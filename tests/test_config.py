@@ -646,3 +646,14 @@ def test_a_config_object_warns_once_when_built_and_not_again_when_resolved():
         resolve_config(config, dtype="bf16")
     assert [str(warning.message).split(":")[0] for warning in caught] == ["use_triton=True has no effect in splice"]
     assert caught[0].filename == __file__  # at the user's line
+
+
+def test_a_dict_config_resolved_again_and_again_warns_once_per_line_by_default():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            resolve_config(use_triton=True)
+        config = InferenceConfig(use_triton=True)
+        for _ in range(3):
+            resolve_config(config)
+    assert [str(warning.message).split(":")[0] for warning in caught] == ["use_triton=True has no effect in splice"] * 2

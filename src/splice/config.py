@@ -451,8 +451,9 @@ class InferenceConfig(_Section):
         "types ('meta', 'mps', ...) and a CUDA index the machine lacks raise."),
         json_schema_extra=_note("splice extra"))
 
-    #: the warnings its validation gave, so that validating it again (resolve_config) does not repeat them
-    _warned: frozenset[str] = PrivateAttr(default_factory=frozenset)
+    #: its keys as validated (a copy of ``_plain``'s dict), so that resolve_config, which validates it again, gives
+    #: only the warnings that keys assigned since then add
+    _as_built: dict = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -534,25 +535,48 @@ class InferenceConfig(_Section):
     # defined last, so that it wraps every other validator (pydantic nests the later ones outside)
     @model_validator(mode="wrap")
     @classmethod
-    def _remember_warnings(cls, data: Any, handler: Any) -> InferenceConfig:
-        config, warned = _recording_warnings(lambda: handler(data))
-        config._warned = warned
+    def _remember_keys(cls, data: Any, handler: Any) -> InferenceConfig:
+        config = handler(data)
+        config._as_built = _copied(_plain(config))
         return config
 
 
-def _recording_warnings(call: Callable[[], Any], skip: frozenset[str] = frozenset()) -> tuple[Any, frozenset[str]]:
-    """``call()`` and the texts of the warnings it gave; they are given on (but those whose text is in ``skip``),
-    each at the line it named, under the caller's filters, also when ``call`` raises."""
-    caught: list[warnings.WarningMessage] = []
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            result = call()
-    finally:
-        for warning in caught:
-            if str(warning.message) not in skip:
-                warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
-    return result, frozenset(str(warning.message) for warning in caught)
+def _copied(value: Any) -> Any:
+    """``value`` with its dicts and lists copied (their items as they are): a record that assignments into the
+    config's own containers do not change."""
+    if isinstance(value, dict):
+        return {key: _copied(item) for key, item in value.items()}
+    return [_copied(item) for item in value] if isinstance(value, list) else value
+
+
+def _validated_again(config: InferenceConfig, data: dict) -> InferenceConfig:
+    """``data`` (``config``'s keys, and those merged onto them) validated, giving only the warnings that the keys as
+    ``config`` was built did not give: those it gave when built are not given twice."""
+    _, built = _recorded_warnings(lambda: InferenceConfig.model_validate(config._as_built))
+    resolved, caught = _recorded_warnings(lambda: InferenceConfig.model_validate(data))
+    said = {str(warning.message) for warning in built}
+    for warning in caught:
+        if str(warning.message) not in said:
+            _warn_again(warning)
+    return resolved
+
+
+def _recorded_warnings(call: Callable[[], Any]) -> tuple[Any, list[warnings.WarningMessage]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        return call(), caught
+
+
+def _warn_again(warning: warnings.WarningMessage) -> None:
+    """A recorded warning given at the line it named, with that line's module and registry (as ``warnings.warn``
+    would: the caller's filters and its once-per-line rule apply)."""
+    frame = sys._getframe(1)
+    while frame is not None and (frame.f_code.co_filename, frame.f_lineno) != (warning.filename, warning.lineno):
+        frame = frame.f_back
+    scope = frame.f_globals if frame is not None else {}
+    warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno,
+                           module=scope.get("__name__"), registry=scope.setdefault("__warningregistry__", {}),
+                           module_globals=scope or None)
 
 
 def caller_stacklevel() -> int:
@@ -901,11 +925,11 @@ def resolve_config(config: Any = None, **kwargs: Any) -> InferenceConfig:
     Keyword arguments are merged on top; the same key given both ways with different values raises ``ValueError``.
     Nothing the caller passed in is modified.
     """
-    # an InferenceConfig is validated again too: its fields may have been assigned since it was built, unchecked;
-    # the warnings it gave when built are not given twice
     data = _merge(_as_dict(config), kwargs)
-    given = config._warned if isinstance(config, InferenceConfig) else frozenset()
-    return _recording_warnings(lambda: InferenceConfig.model_validate(data), skip=given)[0]
+    if isinstance(config, InferenceConfig):
+        # validated again too: its fields may have been assigned since it was built, unchecked
+        return _validated_again(config, data)
+    return InferenceConfig.model_validate(data)
 
 
 # --------------------------------------------------------------------------------------------------------------------
