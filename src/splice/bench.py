@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from . import cli_options, native
-from .cli_options import MODES, QUANT_SCHEMES, split_commas
+from .arch.record import head_size
+from .cli_options import BENCH_PROMPT, MODES, QUANT_SCHEMES, split_commas
 from .machine import describe_cpu
 from .native.memory import gather_on_huge_pages
 
@@ -201,18 +202,11 @@ def check_injected_only_options(args: argparse.Namespace, modes: list[str], sche
 def check_prompt_beside_context(args: argparse.Namespace) -> None:
     """--context sets the prompt lengths, so a --prompt beside it would have no effect: refused. (A --prompt of the
     default length cannot be told apart from no --prompt here, and changes nothing either.)"""
-    if args.context and args.prompt != _bench_default("prompt"):
+    if args.context and args.prompt != BENCH_PROMPT:
         lengths = ",".join(map(str, args.context))
         raise ValueError(f"--prompt {args.prompt} with --context {lengths}: --context sets the prompt lengths, so "
                          f"--prompt would have no effect; allowed: one of them (--context {lengths},{args.prompt} "
                          "adds that length)")
-
-
-def _bench_default(option: str):
-    """The default of a ``splice bench`` option, as its parser sets it."""
-    parser = argparse.ArgumentParser()
-    add_bench_parser(parser.add_subparsers())
-    return getattr(parser.parse_args(["bench"]), option)
 
 
 def check_model(name: str) -> None:
@@ -221,14 +215,13 @@ def check_model(name: str) -> None:
     kind of model bench accepts."""
     if name == LLAMA_1B_NAME:
         return
-    from .models import ACCEPTED_KINDS, BUILTIN_MODELS, resolve_checkpoint
+    from .models import accepted_kinds, resolve_checkpoint
 
     try:
         resolve_checkpoint(name)
     except ValueError as error:
-        kinds, with_llama_1b = (ACCEPTED_KINDS.format(names=", ".join(map(repr, names)))
-                                for names in (BUILTIN_MODELS, [LLAMA_1B_NAME, *BUILTIN_MODELS]))
-        raise ValueError(f"--model: {str(error).replace(kinds, with_llama_1b)}") from None
+        raise ValueError(f"--model: {str(error).replace(accepted_kinds(), accepted_kinds(also=(LLAMA_1B_NAME,)))}"
+                         ) from None
 
 
 def warn_if_oversubscribed(threads: int | None) -> None:
@@ -441,7 +434,7 @@ def kv_bytes_per_step(model, batch: int, slots: float) -> int:
     config = model.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_dim = head_size(config)
     element = 4 if model.dtype == torch.float32 else 2
     return int(2 * config.num_hidden_layers * kv_heads * head_dim * element * slots * batch)
 

@@ -780,13 +780,15 @@ def kv_cache_bytes(module, tokens: int) -> int | None:
     model's float dtype), or None where the config does not say its attention shape."""
     import torch
 
+    from .arch.record import head_size
+
     config = getattr(module, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
     if not layers or not heads:
         return None
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    head_dim = head_size(config)
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), torch.float32)
     return 2 * layers * kv_heads * head_dim * tokens * dtype.itemsize
 

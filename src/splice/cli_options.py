@@ -14,6 +14,7 @@ import os
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 MODES = ("hf", "plain", "inject")
+BENCH_PROMPT = 128  # splice bench's prompt tokens unless --prompt or --context says
 #: ``--quant`` schemes: init_inference options for each, run kernel-injected on a freshly loaded model.
 QUANT_SCHEMES = {
     "int8": {"dtype": "int8"},
@@ -34,7 +35,8 @@ def add_bench_parser(subparsers) -> None:
                         help="a name or folder splice.load accepts, or 'llama-1b' (random TinyLlama-shaped weights)")
     parser.add_argument("--dtype", default="fp32", help="comma-separated: fp32,bf16 (default fp32)")
     parser.add_argument("--batch", type=positive_ints, default=[1], help="comma-separated batch sizes (default 1)")
-    parser.add_argument("--prompt", type=POSITIVE_INT, default=128, help="prompt tokens (default 128)")
+    parser.add_argument("--prompt", type=POSITIVE_INT, default=BENCH_PROMPT,
+                        help=f"prompt tokens (default {BENCH_PROMPT})")
     parser.add_argument("--context", type=positive_ints,
                         help="comma-separated prompt lengths to run each configuration at, e.g. 128,1024,4096,8192 "
                              "(long-context rows; default: --prompt); max_out_tokens is each length plus --new")

@@ -34,7 +34,7 @@ from transformers.utils import logging as hf_logging
 
 from . import native
 from .arch import REGISTRY
-from .arch.record import text_config
+from .arch.record import learned_positions
 from .layers.causal_lm import SpliceCausalLM
 from .profiling import ForwardTimer
 
@@ -464,10 +464,7 @@ def learned_position_limit(model) -> int | None:
     it); None for a model that computes its positions (rotary, ALiBi) or whose family splice has no record of."""
     config = getattr(model, "config", None)
     record = REGISTRY.get(getattr(config, "model_type", None))
-    if record is None or record.positions != "learned":
-        return None
-    limit = getattr(text_config(config), "max_position_embeddings", None)
-    return limit if isinstance(limit, int) else None
+    return None if record is None else learned_positions(record, config)
 
 
 def check_learned_positions(model, prompt_length: int, total: int) -> None:

@@ -168,7 +168,7 @@ def resolve_checkpoint(name_or_path: str | os.PathLike) -> tuple[Path, torch.dty
         return folder, torch.float32
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"expected a model name or a path, got {type(name_or_path).__name__}: {name_or_path!r}; "
-                        f"accepted: {_accepted_kinds()}")
+                        f"accepted: {accepted_kinds()}")
     path = Path(name_or_path).expanduser()
     if _is_dir(path):
         _require_safetensors_folder(path)
@@ -177,7 +177,7 @@ def resolve_checkpoint(name_or_path: str | os.PathLike) -> tuple[Path, torch.dty
         sha256 = cached_sha256(path)
         return ensure_converted(path, f"{_slug(path.stem)}-{sha256[:12]}", sha256), torch.float32
     raise ValueError(f"unknown model {str(name_or_path)!r}: no such built-in name, folder or .gguf file; "
-                     f"accepted: {_accepted_kinds()}")
+                     f"accepted: {accepted_kinds()}")
 
 
 def _is_dir(path: Path) -> bool | None:
@@ -507,7 +507,7 @@ def _require_safetensors_folder(path: Path) -> None:
 
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is a folder without config.json, so not a Hugging Face checkpoint folder; "
-                         f"accepted: {_accepted_kinds()}")
+                         f"accepted: {accepted_kinds()}")
     try:
         config = json.loads((path / "config.json").read_bytes().decode("utf-8"))
     except ValueError as error:  # invalid JSON or not UTF-8
@@ -572,8 +572,9 @@ def _check_loaded_dtypes(model: nn.Module, folder: Path, shapes: dict) -> None:
         raise ValueError(f"checkpoint {str(folder)!r}: {CheckpointMatch(wrong_dtype=wrong).describe()}")
 
 
-def _accepted_kinds() -> str:
-    return ACCEPTED_KINDS.format(names=", ".join(repr(n) for n in BUILTIN_MODELS))
+def accepted_kinds(also: tuple[str, ...] = ()) -> str:
+    """The kinds of model a name may give, the built-in names listed (after ``also``, names a caller adds)."""
+    return ACCEPTED_KINDS.format(names=", ".join(repr(n) for n in (*also, *BUILTIN_MODELS)))
 
 
 def _slug(text: str) -> str:

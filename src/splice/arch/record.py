@@ -206,8 +206,14 @@ def model_dims(record: ArchRecord, config: Any) -> ModelDims:
         scale_by_layer=bool(getattr(config, "scale_attn_by_inverse_layer_idx", False)),
         attn_softcap=getattr(config, record.attn_softcap_key, None) if record.attn_softcap_key else None,
         final_softcap=getattr(config, "final_logit_softcapping", None),
-        position_limit=config.max_position_embeddings if record.positions == "learned" else None,
+        position_limit=learned_positions(record, config),
     )
+
+
+def learned_positions(record: ArchRecord, config: Any) -> int | None:
+    """The length of the family's learned position table (GPT-2's ``n_positions``, OPT's ``max_position_embeddings``);
+    None where the family computes its positions (rotary, ALiBi, none)."""
+    return text_config(config).max_position_embeddings if record.positions == "learned" else None
 
 
 #: the attention implementations whose masks (boolean, float or None) the fused block applies as they are; others

@@ -198,8 +198,9 @@ def _plan(model: nn.Module, config: QuantConfig) -> tuple[list[tuple[str, nn.Mod
         report.notes.append(_no_qkv_note(model))
     outside = _weights_outside_linears(modules)
     report.kept_float.update({name: reason for name, (_, reason) in outside.items()})
-    if outside and _share_outside_linears(modules, outside) >= NOTED_SHARE_OUTSIDE_LINEARS:
-        report.notes.append(_outside_linears_note(modules, outside))
+    share = _share_outside_linears(modules, outside) if outside else 0.0
+    if share >= NOTED_SHARE_OUTSIDE_LINEARS:
+        report.notes.append(_outside_linears_note(outside, share))
     return targets, report
 
 
@@ -270,13 +271,12 @@ def _share_outside_linears(modules: dict[str, nn.Module], outside: dict[str, tup
     return kept / (kept + sum(_linear_weight_count(module) for module in modules.values()))
 
 
-def _outside_linears_note(modules: dict[str, nn.Module], outside: dict[str, tuple[torch.Tensor, str]]) -> str:
-    """How much of the model's linear-like weights stays in float, held outside linears."""
+def _outside_linears_note(outside: dict[str, tuple[torch.Tensor, str]], share: float) -> str:
+    """How much of the model's linear-like weights (``share`` of them) stays in float, held outside linears."""
     kept = sum(param.numel() for param, _ in outside.values())
     largest = max(outside, key=lambda name: outside[name][0].numel())
-    return (f"{kept:,} parameters in {len(outside)} tensors ({_share_outside_linears(modules, outside):.0%} of the "
-            f"model's "
-            f"linear-like weights) stay in float: splice quantizes nn.Linear/Conv1D layers only, and these are "
+    return (f"{kept:,} parameters in {len(outside)} tensors ({share:.0%} of the model's linear-like weights) stay "
+            f"in float: splice quantizes nn.Linear/Conv1D layers only, and these are "
             f"parameters of other modules (a mixture-of-experts block's experts, say; the largest here: {largest}, "
             f"{outside[largest][1]}); the quantize report lists them under 'kept in float'")
 
