@@ -361,3 +361,54 @@ def test_compile_decode_at_init_counts_as_compiled(pair):
     _, model = pair
     engine = splice.init_inference(model, replace_with_kernel_inject=True, compile_decode=True, max_out_tokens=32)
     assert engine.is_compiled
+
+
+def test_deepspeed_s_profiling_flag_says_whether_profiling_is_on(pair):
+    """DeepSpeed-MII reads ``model_profile_enabled`` before asking for ``model_times()``."""
+    _, model = pair
+    engine = splice.init_inference(model)
+    assert engine.model_profile_enabled is False
+    engine.profile_model_time()
+    assert engine.model_profile_enabled is True
+    engine(PROMPTS)
+    assert len(engine.model_times()) == 1
+
+
+def test_max_out_tokens_limits_a_model_left_to_its_own_generate_only_when_given(pair):
+    """Without kernel injection the model's own cache grows (DeepSpeed checks nothing there): the default
+    max_out_tokens limits nothing, a max_out_tokens the config names limits the request."""
+    reference, model = pair
+    long_prompt = torch.randint(3, 128, (1, 1030))
+    engine = splice.init_inference(model)
+    expected = reference.generate(long_prompt, max_new_tokens=2, do_sample=False)
+    assert torch.equal(engine.generate(long_prompt, max_new_tokens=2, do_sample=False), expected)
+    limited = splice.init_inference(copy.deepcopy(reference), max_out_tokens=1031)
+    with pytest.raises(ValueError, match=r"1030 \+ 2 new tokens = 1032 exceeds max_out_tokens=1031"):
+        limited.generate(long_prompt, max_new_tokens=2, do_sample=False)
+
+
+def test_floating_first_inputs_are_the_model_s_own_not_token_ids():
+    """Whisper's forward takes its audio features first and Wav2Vec2's its samples (a model without a token
+    embedding): the engine passes them on as DeepSpeed's does, where it had checked them as token ids."""
+    from transformers import (Wav2Vec2Config, Wav2Vec2ForCTC, WhisperConfig,
+                              WhisperForConditionalGeneration)
+
+    torch.manual_seed(0)
+    whisper = WhisperForConditionalGeneration(WhisperConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16,
+        max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)).eval()
+    wav2vec = Wav2Vec2ForCTC(Wav2Vec2Config(
+        vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4)).eval()
+    features, decoder_ids, samples = torch.randn(1, 8, 32), torch.tensor([[1, 5]]), torch.randn(1, 400)
+    with torch.no_grad():
+        expected = (whisper(features, decoder_input_ids=decoder_ids).logits, wav2vec(samples).logits)
+    whisper_engine = splice.init_inference(copy.deepcopy(whisper))
+    wav2vec_engine = splice.init_inference(copy.deepcopy(wav2vec))
+    assert torch.equal(whisper_engine(features, decoder_input_ids=decoder_ids).logits, expected[0])
+    assert torch.equal(wav2vec_engine(samples).logits, expected[1])
+    assert wav2vec_engine.vocab_size is None
+    with pytest.raises(TypeError, match="input_ids must be an integer tensor"):
+        whisper_engine(input_ids=features)  # named as token ids, a floating tensor is still refused

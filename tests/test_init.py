@@ -65,6 +65,23 @@ def test_injecting_an_already_injected_model_names_the_earlier_call():
     assert torch.equal(engine(ids).logits, logits)  # the first engine still runs as it did
 
 
+@pytest.mark.parametrize("first", [{"dtype": torch.int8}, {"quant": {"enabled": True, "weight": {"num_bits": 4}}},
+                                   {"replace_with_kernel_inject": False, "dtype": "bf16", "quant": {
+                                       "enabled": True, "activation": {"enabled": True}}}],
+                         ids=["int8", "int4", "w8a8"])
+def test_injecting_a_model_an_earlier_call_quantized_names_that_call(first):
+    """The earlier call's quantized linears are not the layers kernel injection fuses: a ValueError naming one,
+    where an AttributeError came from deep in the checks."""
+    model = build_tiny(tiny_llama_config())
+    engine = splice.init_inference(model, **first)
+    ids = torch.tensor([[3, 4, 5]])
+    logits = engine(ids).logits
+    with pytest.raises(ValueError, match=r"already changed by an earlier init_inference \(model\.layers\.0\.self_attn"
+                                         r"\.q_proj is splice's Int\w+Linear\).*allowed: the original model"):
+        splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=32)
+    assert torch.equal(engine(ids).logits, logits)
+
+
 @pytest.mark.parametrize("device", ["meta", "mps"])
 def test_a_device_splice_does_not_run_on_raises_before_any_step(device):
     """device='meta' was accepted and moved the user's weights to the meta device (gone); 'mps' failed in the place

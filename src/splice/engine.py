@@ -110,7 +110,10 @@ class InferenceEngine(nn.Module):
 
     @property
     def mp_group(self) -> Any:
-        """The tensor-parallel process group; None for one process."""
+        """The tensor-parallel process group (the default group's object where the group is the whole world, as the
+        group DeepSpeed makes of every rank would be); None for one process."""
+        if self.parallel.group is None and self.parallel.enabled:
+            return torch.distributed.group.WORLD
         return self.parallel.group
 
     @property
@@ -171,7 +174,7 @@ class InferenceEngine(nn.Module):
             raise TypeError(f"{type(self.module).__name__} has no generate(); only forward() is available")
         # positional arguments by name, so the checks and the native loop read each where the model's generate does
         args, kwargs = generate_arguments(self.module, args, kwargs)
-        check_request(self.module, args, kwargs, self.vocab_size, self.inference_config.max_out_tokens)
+        check_request(self.module, args, kwargs, self.vocab_size, self._request_limit())
         self.parallel.sync_rng()  # under TP every rank must sample the same tokens, even if reseeded since init
         with torch.no_grad():  # as Hugging Face's generate: its output is an ordinary tensor
             if self.runtime is None:
@@ -183,6 +186,18 @@ class InferenceEngine(nn.Module):
             with _runtime_lock(self.runtime):  # one native loop at a time: they share the runtime's KV cache
                 output = native_generate(self.module, self.runtime, *args, timer=self._timer, **kwargs)  # or HF's
         return ordinary_tensors(output)
+
+    def _request_limit(self) -> int | None:
+        """The most tokens (prompt + new) a ``generate`` request may reach: ``max_out_tokens`` where it sizes the
+        native loop's KV cache, or where the config names it; None for a model left to its own generate (whose cache
+        grows, as under DeepSpeed, which checks nothing there) and for an encoder-decoder, whose prompt is the
+        encoder's input and not part of the generated sequence."""
+        if getattr(getattr(self.module, "config", None), "is_encoder_decoder", False):
+            return None
+        config = self.inference_config
+        if self.runtime is not None or "max_out_tokens" in config.model_fields_set:
+            return config.max_out_tokens
+        return None
 
     def _hooks_native_loop_skips(self) -> bool:
         """Whether a forward hook (not splice's or transformers' own) is on a module the native loop does not call as
@@ -220,7 +235,7 @@ class InferenceEngine(nn.Module):
     def _checked_input_ids(self, args: tuple, kwargs: dict) -> torch.Tensor | None:
         """The token ids of a call, checked; None for a model without an input embedding that was not given
         ``input_ids`` (its first argument is whatever its forward takes)."""
-        input_ids = request_input_ids(args, kwargs)
+        input_ids = request_input_ids(self.module, args, kwargs)
         if input_ids is None or (self.vocab_size is None and "input_ids" not in kwargs):
             return None
         check_token_ids(input_ids, self.vocab_size)
@@ -228,7 +243,12 @@ class InferenceEngine(nn.Module):
 
     @property
     def vocab_size(self) -> int | None:
-        embeddings = self.module.get_input_embeddings() if hasattr(self.module, "get_input_embeddings") else None
+        """The input embedding's number of tokens; None for a model without one (transformers' models without token
+        inputs, such as Wav2Vec2, raise ``NotImplementedError`` from ``get_input_embeddings``)."""
+        try:
+            embeddings = self.module.get_input_embeddings()
+        except (AttributeError, NotImplementedError):
+            return None
         return getattr(embeddings, "num_embeddings", None)
 
     # --- DeepSpeed's engine methods -----------------------------------------------------------------------------------
@@ -282,6 +302,12 @@ class InferenceEngine(nn.Module):
         if self._timer is None:
             self._timer = ForwardTimer(self.module, use_cuda_events)
         self._timer.use_cuda_events = use_cuda_events
+
+    @property
+    def model_profile_enabled(self) -> bool:
+        """Whether :meth:`profile_model_time` has been called (DeepSpeed's flag, which serving code such as
+        DeepSpeed-MII reads before asking for ``model_times()``)."""
+        return self._timer is not None
 
     def model_times(self) -> list[float]:
         """The per-forward latencies in milliseconds since the last call, oldest first; clears them."""

@@ -420,18 +420,27 @@ VALUE_RULES = {
 }
 
 
-def request_input_ids(args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """The token ids of a ``forward`` / ``generate`` call, wherever Hugging Face accepts them."""
-    candidate = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+def request_input_ids(model, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The token ids of a ``forward`` / ``generate`` call, wherever Hugging Face accepts them. For a model whose main
+    input is not token ids (``main_input_name``: Whisper's ``input_features``, Wav2Vec2's ``input_values``, a vision
+    model's ``pixel_values``) a floating tensor in the first place or as ``inputs`` is that input; named
+    ``input_ids``, or given to a text model, it is a mistake that :func:`check_token_ids` names."""
+    if "input_ids" in kwargs:
+        candidate = kwargs["input_ids"]
+    else:
+        candidate = kwargs.get("inputs", args[0] if args else None)
+        takes_ids = getattr(model, "main_input_name", "input_ids") == "input_ids"
+        if isinstance(candidate, torch.Tensor) and candidate.is_floating_point() and not takes_ids:
+            return None
     return candidate if isinstance(candidate, torch.Tensor) else None
 
 
-def check_request(model, args: tuple, kwargs: dict, vocab_size: int | None, max_out_tokens: int) -> None:
+def check_request(model, args: tuple, kwargs: dict, vocab_size: int | None, max_out_tokens: int | None) -> None:
     """Raise ``ValueError`` / ``TypeError`` naming the bad value and what is allowed, before any work: the token ids
     (integers in range, at least one per row), the attention mask (no row of padding only), the sampling and length
     options (from the keyword arguments, else the generation config), and the total length against
-    ``max_out_tokens``. Positional arguments count as they bind in ``model.generate``'s signature (the second is
-    the generation config).
+    ``max_out_tokens`` (None: no limit). Positional arguments count as they bind in ``model.generate``'s signature
+    (the second is the generation config).
 
     An empty prompt is a request without tokens: ``input_ids=None`` starts from the model's ``bos_token_id`` as
     Hugging Face does (its text-generation pipeline passes an empty text that way); a tensor of length 0 raises.
@@ -446,7 +455,7 @@ def check_request(model, args: tuple, kwargs: dict, vocab_size: int | None, max_
     options = {name: kwargs[name] if kwargs.get(name) is not None else getattr(config, name, None)
                for name in (*VALUE_RULES, "do_sample", "pad_token_id", "eos_token_id")}
     check_generation_values(options)
-    input_ids = request_input_ids(args, kwargs)
+    input_ids = request_input_ids(model, args, kwargs)
     if input_ids is None:
         return
     check_generate_ids_shape(input_ids)
@@ -454,7 +463,8 @@ def check_request(model, args: tuple, kwargs: dict, vocab_size: int | None, max_
     check_padding_rows(input_ids, kwargs.get("attention_mask"), options["pad_token_id"], options["eos_token_id"])
     prompt_length = input_ids.shape[-1]
     total = requested_total(model, prompt_length, kwargs, kwargs.get("generation_config"))
-    check_request_length(prompt_length, total, max_out_tokens)
+    if max_out_tokens is not None:
+        check_request_length(prompt_length, total, max_out_tokens)
     check_learned_positions(model, prompt_length, total)
 
 

@@ -369,6 +369,13 @@ def fused_kernels(dtype: torch.dtype | None, device: torch.device,
     return float_kernel(dtype, device), attention_kernel(dtype, device), layer_kernel(dtype, device)
 
 
+def splice_replaced_layer(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The first submodule of ``model`` that is one of splice's own layers (a quantized, sharded or native linear
+    an earlier ``init_inference`` put in), with its name; None for a model as transformers builds it."""
+    return next(((name, module) for name, module in model.named_modules()
+                 if type(module).__module__.startswith("splice.")), None)
+
+
 def check_fusable(model: nn.Module, config: InferenceConfig) -> None:
     """A known family, an activation and rope the fused block supports, no decode-step option for an encoder (meta
     weights are fine: they are loaded before fusing)."""
@@ -379,6 +386,13 @@ def check_fusable(model: nn.Module, config: InferenceConfig) -> None:
         raise ValueError(f"this {type(model).__name__} was already kernel-injected by an earlier init_inference (its "
                          "layers are splice's fused blocks); allowed: the original model, or the engine that call "
                          "returned")
+    replaced = splice_replaced_layer(model)
+    if replaced:
+        name, module = replaced
+        raise ValueError(f"this {type(model).__name__} was already changed by an earlier init_inference ({name} is "
+                         f"splice's {type(module).__name__}), and kernel injection fuses the original model's layers; "
+                         "allowed: the original model, with every option in one init_inference call, or the engine "
+                         "that call returned")
     record = record_for(model)
     check_fits(record, model_config)
     if record.encoder and config.compile_decode:

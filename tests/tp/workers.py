@@ -248,15 +248,19 @@ def sampling(rank: int, world: int) -> list[int]:
     return out[0].tolist()
 
 
-def reseeded_after_init(rank: int, world: int) -> list[int]:
+def reseeded_after_init(rank: int, world: int) -> dict:
     """A user who reseeds each rank differently *after* init_inference still gets the same samples on every rank:
-    engine.generate gives all ranks rank 0's random state before each request."""
+    engine.generate gives all ranks rank 0's random state before each request. Also the engine's ``mp_group`` (a
+    group of the whole world here), as DeepSpeed's engine gives it."""
+    import torch.distributed as dist
+
     import splice
 
     engine = splice.init_inference(build("llama"), tensor_parallel={"tp_size": world})
     torch.manual_seed(4321 + rank)
     out = engine.generate(torch.tensor(PROMPT), do_sample=True, top_k=0, max_new_tokens=8, pad_token_id=0)
-    return out[0].tolist()
+    group = engine.mp_group
+    return {"tokens": out[0].tolist(), "group_size": None if group is None else dist.get_world_size(group)}
 
 
 def quantized_parity(rank: int, world: int) -> dict:
