@@ -441,7 +441,9 @@ class InferenceConfig(_Section):
     config: dict | None = Field(None, alias="args", description="Model config dict to use instead of the model's.",
                                 json_schema_extra=_note("splice reads the model's own config"))
     max_out_tokens: int = Field(1024, ge=1, alias="max_tokens", description=(
-        "Maximum tokens (prompt + generated) per sequence; sizes the KV cache."))
+        "Maximum tokens (prompt + generated) per sequence: sizes a kernel-injected model's KV cache, and generate "
+        "refuses longer requests; without kernel injection (the model's own cache grows) only when given, and never "
+        "for an encoder-decoder (its input is not part of the generated sequence)."))
     min_out_tokens: int = Field(1, ge=1, alias="min_tokens", description="Minimum tokens you expect to generate.",
                                 json_schema_extra=_note("splice sizes its KV cache from max_out_tokens up front"))
     transposed_mode: bool = Field(False, description="Store weights transposed.", json_schema_extra=_note(
