@@ -412,3 +412,28 @@ def test_floating_first_inputs_are_the_model_s_own_not_token_ids():
     assert wav2vec_engine.vocab_size is None
     with pytest.raises(TypeError, match="input_ids must be an integer tensor"):
         whisper_engine(input_ids=features)  # named as token ids, a floating tensor is still refused
+
+
+def test_attention_weights_under_tensor_parallelism_are_refused(pair):
+    """Each rank forms its own heads' attention weights only: asked for by keyword, in the model's config or in a
+    generation config, they raise before any work (the engine's context stands in for a rank of two here, the check
+    runs before any collective)."""
+    from transformers import GenerationConfig
+
+    from splice.distributed import ParallelContext
+
+    _, model = pair
+    model.set_attn_implementation("eager")  # the attention that forms its weights
+    engine = splice.init_inference(model, max_out_tokens=64)
+    assert engine(PROMPTS, output_attentions=True).attentions[0].shape[1] == 4  # one process: every head
+    engine.parallel = ParallelContext(rank=0, world_size=2)
+    pattern = r"output_attentions=True under tensor parallelism \(tp_size=2\).*allowed: output_attentions=False"
+    with pytest.raises(ValueError, match=pattern):
+        engine(PROMPTS, output_attentions=True)
+    with pytest.raises(ValueError, match=pattern):
+        engine.generate(PROMPTS, max_new_tokens=2, output_attentions=True, return_dict_in_generate=True)
+    with pytest.raises(ValueError, match=pattern):
+        engine.generate(PROMPTS, GenerationConfig(max_new_tokens=2, output_attentions=True))
+    model.config.output_attentions = True
+    with pytest.raises(ValueError, match=pattern):
+        engine(PROMPTS)

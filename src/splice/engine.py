@@ -175,6 +175,8 @@ class InferenceEngine(nn.Module):
         # positional arguments by name, so the checks and the native loop read each where the model's generate does
         args, kwargs = generate_arguments(self.module, args, kwargs)
         check_request(self.module, args, kwargs, self.vocab_size, self._request_limit())
+        if self.parallel.enabled:
+            self._check_outputs(kwargs, generating=True)  # a rank's share of the heads' weights
         self.parallel.sync_rng()  # under TP every rank must sample the same tokens, even if reseeded since init
         with torch.no_grad():  # as Hugging Face's generate: its output is an ordinary tensor
             if self.runtime is None:
@@ -217,15 +219,30 @@ class InferenceEngine(nn.Module):
         return (self._timer is not None and getattr(hook, "__self__", None) is self._timer) or \
             isinstance(hook, HiddenStatesHook) or getattr(hook, "__qualname__", "").endswith("output_capturing_hook")
 
-    def _check_outputs(self, kwargs: dict) -> None:
-        """Attention weights are never formed by the fused blocks (SDPA): asking a kernel-injected model for them
-        raises rather than returning none (hidden states are recorded as the model records them)."""
-        config = getattr(self.module, "config", None)
-        asked = kwargs.get("output_attentions", getattr(config, "output_attentions", False))
-        if asked and self.fused:
+    def _check_outputs(self, kwargs: dict, generating: bool = False) -> None:
+        """Attention weights are never formed by the fused blocks (SDPA), and under tensor parallelism each rank forms
+        its own heads' only: asking for them raises rather than returning none or a rank's share (hidden states are
+        recorded as the model records them)."""
+        if not self._asks_attentions(kwargs, generating):
+            return
+        if self.fused:
             raise ValueError("output_attentions=True needs the attention weights, which splice's fused blocks do not "
                              "form (they attend with SDPA); allowed: output_attentions=False, or "
                              "replace_with_kernel_inject=False for a model whose attention weights are wanted")
+        if self.parallel.enabled:
+            raise ValueError(f"output_attentions=True under tensor parallelism (tp_size={self.parallel.world_size}): "
+                             "each rank computes the attention weights of its own heads only; allowed: "
+                             "output_attentions=False, or tp_size=1 for a model whose attention weights are wanted")
+
+    def _asks_attentions(self, kwargs: dict, generating: bool) -> bool:
+        """Whether a call asks for attention weights: by keyword, else (``generate``) in the generation config it
+        passes or the model's, else in the model's config."""
+        if kwargs.get("output_attentions") is not None:
+            return bool(kwargs["output_attentions"])
+        configs = (kwargs.get("generation_config"), getattr(self.module, "generation_config", None)) \
+            if generating else ()
+        configs += (getattr(self.module, "config", None),)
+        return any(bool(getattr(config, "output_attentions", False)) for config in configs if config is not None)
 
     @property
     def fused(self) -> bool:
