@@ -76,9 +76,30 @@ def test_injecting_a_model_an_earlier_call_quantized_names_that_call(first):
     engine = splice.init_inference(model, **first)
     ids = torch.tensor([[3, 4, 5]])
     logits = engine(ids).logits
-    with pytest.raises(ValueError, match=r"already changed by an earlier init_inference \(model\.layers\.0\.self_attn"
-                                         r"\.q_proj is splice's Int\w+Linear\).*allowed: the original model"):
+    with pytest.raises(ValueError, match=r"already changed by splice \(an earlier init_inference or splice\.quant\."
+                                         r"quantize: model\.layers\.0\.self_attn\.q_proj is splice's Int\w+Linear\)"
+                                         r".*allowed: the original model"):
         splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=32)
+    assert torch.equal(engine(ids).logits, logits)
+
+
+@pytest.mark.parametrize("again", [{"dtype": torch.int8}, {"quant": {"enabled": True, "weight": {"num_bits": 4}}}],
+                         ids=["int8", "int4"])
+def test_quantizing_a_model_splice_quantized_raises_naming_a_quantized_layer(again):
+    """splice.quant.quantize's layers are not linears: a second scheme would have quantized the head alone and
+    reported itself as the model's. Running the quantized model as it is stays allowed."""
+    from splice.quant import QuantConfig, quantize
+
+    model = build_tiny(tiny_llama_config())
+    quantize(model, QuantConfig(bits=4, group_size=32))
+    ids = torch.tensor([[3, 4, 5]])
+    with torch.no_grad():
+        logits = model(ids).logits
+    with pytest.raises(ValueError, match=r"quantization \(int\w+\) asked for a model splice has already quantized \("
+                                         r"an earlier init_inference or splice\.quant\.quantize: model\.layers\.0\."
+                                         r"self_attn\.q_proj is Int4WeightOnlyLinear\); allowed: the float model"):
+        splice.init_inference(model, **again)
+    engine = splice.init_inference(model)
     assert torch.equal(engine(ids).logits, logits)
 
 

@@ -28,6 +28,7 @@ from .native import onednn_computes_in
 from .quant import QuantConfig
 from .quant import plan as quant_targets
 from .quant.api import check_calibration_ids
+from .quant.layers import QuantizedLinear
 from .tp.autotp import autotp_plan, trace_model
 from .tp.loading import manifest_grain_size, manifest_plan, read_manifest
 from .tp.plan import TPPlan, verify
@@ -389,10 +390,10 @@ def check_fusable(model: nn.Module, config: InferenceConfig) -> None:
     replaced = splice_replaced_layer(model)
     if replaced:
         name, module = replaced
-        raise ValueError(f"this {type(model).__name__} was already changed by an earlier init_inference ({name} is "
-                         f"splice's {type(module).__name__}), and kernel injection fuses the original model's layers; "
-                         "allowed: the original model, with every option in one init_inference call, or the engine "
-                         "that call returned")
+        raise ValueError(f"this {type(model).__name__} was already changed by splice (an earlier init_inference or "
+                         f"splice.quant.quantize: {name} is splice's {type(module).__name__}), and kernel injection "
+                         "fuses the original model's layers; allowed: the original model, with every option in one "
+                         "init_inference call, or the engine that call returned")
     record = record_for(model)
     check_fits(record, model_config)
     if record.encoder and config.compile_decode:
@@ -421,11 +422,25 @@ def resolve_quantization(model: nn.Module, quant: QuantConfig | None, config: In
     GPTQ calibration ids, if any."""
     if quant is None:
         return None
+    check_not_quantized(model, quant)
     targets, _ = quant_targets(model, quant)
     if tp_plan is not None:
         check_quantized_shards(model, targets, quant, tp_plan, tp, grain)
     ids = config.quant.weight.calibration_ids
     return None if ids is None else check_calibration_ids(ids, quant)
+
+
+def check_not_quantized(model: nn.Module, quant: QuantConfig) -> None:
+    """Quantizing a model splice has already quantized would leave its quantized layers as they are (they are not
+    linears) and report the new scheme: refused, naming one."""
+    quantized = next(((name, module) for name, module in model.named_modules()
+                      if isinstance(module, QuantizedLinear)), None)
+    if quantized is None:
+        return
+    name, module = quantized
+    raise ValueError(f"quantization ({quant.kind}) asked for a model splice has already quantized (an earlier "
+                     f"init_inference or splice.quant.quantize: {name} is {type(module).__name__}); allowed: the "
+                     "float model, or no quantization options (a float dtype, quant disabled) to run this one as it is")
 
 
 def check_quantized_shards(model: nn.Module, targets: list[tuple[str, nn.Module]], quant: QuantConfig,
