@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -218,6 +219,68 @@ def test_tied_weights_need_only_one_name(tmp_path):
     check_checkpoint(meta_model(config), tmp_path)  # lm_head.weight absent from the file is fine
     with pytest.raises(ValueError, match="missing from the checkpoint: lm_head.weight"):
         check_checkpoint(meta_model(tiny_llama_config(tie_word_embeddings=False)), tmp_path)
+
+
+def untied_checkpoint(folder, same_values: bool):
+    """A checkpoint holding both lm_head.weight and model.embed_tokens.weight, as an untied model saves it."""
+    model = build_tiny(tiny_llama_config())
+    if same_values:
+        model.lm_head.weight = nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    assert "lm_head.weight" in checkpoint_shapes(save(model, folder))
+    return folder
+
+
+@pytest.mark.parametrize("on_meta", [True, False], ids=["meta", "real"])
+def test_tied_names_saved_with_different_values_are_untied_as_transformers_does(tmp_path, caplog, on_meta):
+    """A tied model given a checkpoint of an untied one (both names, different values) is untied and gets both, as
+    from_pretrained does (it warns and keeps them apart); names saved with equal values stay tied."""
+    config = tiny_llama_config(tie_word_embeddings=True)
+    folder = untied_checkpoint(tmp_path / "untied", same_values=False)
+    reference = AutoModelForCausalLM.from_pretrained(folder, config=config).eval()
+    assert reference.lm_head.weight is not reference.model.embed_tokens.weight
+    model = meta_model(config) if on_meta else build_tiny(config, seed=3)
+    with caplog.at_level(logging.WARNING, logger="splice"):
+        load_checkpoint(model, folder, "cpu")
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    assert torch.equal(logits(model), logits(reference))
+    assert model.all_tied_weights_keys == reference.all_tied_weights_keys == {}
+    assert "lm_head.weight" in caplog.text and "model.embed_tokens.weight" in caplog.text
+
+    caplog.clear()
+    same = untied_checkpoint(tmp_path / "same", same_values=True)
+    model = meta_model(config) if on_meta else build_tiny(config, seed=3)
+    with caplog.at_level(logging.WARNING, logger="splice"):
+        load_checkpoint(model, same, "cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight and not caplog.text
+
+
+def test_a_splice_quantized_folder_is_named_with_its_loader(tmp_path):
+    from splice.quant import QuantConfig, quantize, save_quantized
+
+    model = build_tiny(tiny_llama_config())
+    quantize(model, QuantConfig(bits=4, group_size=32))
+    save_quantized(model, tmp_path, QuantConfig(bits=4, group_size=32))
+    for source in (tmp_path, tmp_path / "model.safetensors"):
+        with pytest.raises(ValueError, match=r"is a splice quantized checkpoint \(splice_quant\.json in "
+                                             r".*splice\.quant\.load_quantized"):
+            check_checkpoint(meta_model(tiny_llama_config()), source)
+
+
+def test_per_layer_rotary_buffers_of_older_checkpoints_are_ignored(saved, tmp_path):
+    """Older Llama conversions saved each layer's rotary inv_freq; from_pretrained ignores them, and so does splice,
+    while a real unexpected tensor is still refused."""
+    config, folder, reference = saved
+    state = dict(reference.state_dict())
+    for layer in range(config.num_hidden_layers):
+        state[f"model.layers.{layer}.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(state, tmp_path / "old.safetensors")
+    model = load_checkpoint(meta_model(config), tmp_path / "old.safetensors", "cpu")
+    assert torch.equal(logits(model), logits(reference))
+    state["model.layers.0.self_attn.rotary_emb.weight"] = torch.ones(8)
+    save_file(state, tmp_path / "extra.safetensors")
+    with pytest.raises(ValueError, match=r"1 unexpected in the checkpoint: model\.layers\.0\.self_attn\.rotary_emb"
+                                         r"\.weight;"):
+        check_checkpoint(meta_model(config), tmp_path / "extra.safetensors")
 
 
 @pytest.mark.parametrize("name", ["pytorch_model.bin", "model.pt"])

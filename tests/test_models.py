@@ -174,6 +174,37 @@ def test_tensors_that_do_not_fit_the_config_are_refused_before_loading(saved_tin
     assert "model.layers.0.mlp.gate_proj.weight (checkpoint [128, 64] vs model [256, 64])" in message
 
 
+def test_a_tensor_missing_from_the_checkpoint_is_refused_before_loading(saved_tiny, monkeypatch):
+    """transformers would fill a missing weight with random values and only print a report; splice refuses the folder
+    naming the tensor. A tied lm_head absent from the file is fine, and so are the keys the model itself says may be
+    missing (its _keys_to_ignore_on_load_missing)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    folder, config = saved_tiny
+    state = load_file(folder / "model.safetensors")
+    del state["model.layers.1.mlp.down_proj.weight"]
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    loads = AutoModelForCausalLM.from_pretrained
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded the weights"))
+    with pytest.raises(ValueError) as error:
+        models.load(folder)
+    assert str(error.value) == (f"checkpoint {str(folder)!r} lacks tensors its config.json gives the model: 1 missing "
+                                "from the checkpoint: model.layers.1.mlp.down_proj.weight; allowed: a checkpoint "
+                                "holding every weight of the model")
+
+    monkeypatch.setattr(LlamaForCausalLM, "_keys_to_ignore_on_load_missing", [r"layers\.1\.mlp\.down_proj"])
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", loads)
+    assert isinstance(models.load(folder)[0], LlamaForCausalLM)
+
+    monkeypatch.undo()
+    tied = build_tiny(tiny_llama_config(tie_word_embeddings=True))
+    tied.save_pretrained(folder)
+    assert "lm_head.weight" not in load_file(folder / "model.safetensors")
+    model, _ = models.load(folder)
+    assert torch.equal(model.lm_head.weight, tied.model.embed_tokens.weight)
+
+
 def test_a_config_field_of_the_wrong_type_is_a_value_error_naming_it(saved_tiny):
     folder, config = saved_tiny
     (folder / "config.json").write_text(json.dumps({**config, "hidden_size": "abc"}))

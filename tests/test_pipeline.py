@@ -120,6 +120,22 @@ def test_values_overwritten_in_place_are_named(monkeypatch, tmp_path):
     assert "put back as it was, except the values of model.embed_tokens.weight" in note and "load it again" in note
 
 
+@pytest.mark.parametrize("step", ["load_weights", "fuse"])
+def test_a_checkpoint_loaded_into_another_dtype_leaves_the_originals_restorable(monkeypatch, tmp_path, step):
+    """With dtype= another than the model's, the checkpoint is loaded into the converted tensors and the originals
+    are kept: the model comes back exactly, and the note says so."""
+    config = tiny_llama_config()
+    build_tiny(config, seed=1).save_pretrained(tmp_path)
+    model = build_tiny(config)
+    before = state(model)
+    inject_failure(monkeypatch, step)
+    with pytest.raises(Injected) as failure:
+        splice.init_inference(model, checkpoint=str(tmp_path), dtype=torch.bfloat16)
+    assert failure.value.__notes__ == [f"splice: init_inference failed in its {step} step; the model was put back as "
+                                       "it was before the call"]
+    assert_same_state(before, state(model))
+
+
 def test_without_memory_for_a_rollback_the_error_says_the_model_changed(monkeypatch):
     model = build_tiny(tiny_llama_config())
     monkeypatch.setattr(rollback, "free_bytes", lambda device: 1024)

@@ -148,3 +148,29 @@ def test_resolve_reads_a_tensor_parallel_checkpoints_manifest_once(tmp_path, mon
     assert reads == [tmp_path]
     assert plan.tp_grain_size == 32 and plan.tp_manifest == {**data, "folder": str(tmp_path)}
     assert plan.tp_plan.rules == autotp_plan(model).rules and plan.checkpoint_loader == "shard"
+
+
+def test_a_tied_model_given_an_untied_checkpoint_computes_what_from_pretrained_does(tmp_path):
+    """A tied model (on meta) with a checkpoint saved untied (lm_head and embed_tokens differ): transformers unties
+    and loads both; so does init_inference, kernel-injected or not."""
+    from transformers import AutoModelForCausalLM
+
+    build_tiny(tiny_llama_config()).save_pretrained(tmp_path)
+    tied = tiny_llama_config(tie_word_embeddings=True)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, config=tied).eval()
+    for inject in (False, True):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(tied).eval()
+        engine = splice.init_inference(model, checkpoint=str(tmp_path), replace_with_kernel_inject=inject)
+        torch.testing.assert_close(_logits(engine), _logits(reference), rtol=1e-5, atol=1e-5)
+
+
+def test_a_splice_quantized_folder_as_checkpoint_points_to_load_quantized(tmp_path):
+    from splice.quant import save_quantized
+
+    save_quantized(splice.init_inference(build_tiny(tiny_llama_config()), dtype=torch.int8), tmp_path)
+    for options in ({}, {"dtype": torch.int8}):
+        with torch.device("meta"):
+            model = build_tiny(tiny_llama_config())
+        with pytest.raises(ValueError, match=r"is a splice quantized checkpoint .*splice\.quant\.load_quantized"):
+            splice.init_inference(model, checkpoint=str(tmp_path), **options)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import re
 from collections import defaultdict
@@ -21,6 +22,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 from tqdm.auto import tqdm
+
+log = logging.getLogger("splice")
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 SINGLE_FILE = "model.safetensors"
@@ -221,29 +224,32 @@ def match_checkpoint(model: nn.Module, shapes: dict[str, tuple[Shape, torch.dtyp
 
     Tied tensors need only one of their names. Checkpoint names go through the same renamings transformers applies
     when loading (legacy names such as GPT-NeoX ``embed_out`` -> ``lm_head``, an added or dropped base-model prefix).
+    A model tensor that a transformers conversion would fill from the checkpoint's tensors is not missing (those
+    tensors are listed in ``needs_conversion``).
     """
     state = model.state_dict(keep_vars=True)
     match = CheckpointMatch()
     rename = _checkpoint_renamer(model, state)
-    ignorable = set(_non_persistent_buffer_names(model))
-    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+    ignored = _ignored_checkpoint_name(model)
     found: dict[str, Shape] = {}  # model name -> checkpoint shape
+    converted: set[str] = set()  # model names a conversion fills
     for file_name, (shape, dtype) in shapes.items():
-        name, needs_conversion = rename(file_name)
-        if name in state and not needs_conversion:
+        name, targets = rename(file_name)
+        if name in state and not targets:
             match.names[file_name] = name
             found[name] = shape
             if _dtype_kind(dtype) != _dtype_kind(state[name].dtype):
                 match.wrong_dtype.append((name, dtype, state[name].dtype))
-        elif name in ignorable or any(re.search(p, name) for p in patterns):
+        elif ignored(name):
             match.ignored.append(file_name)
-        elif needs_conversion:
+        elif targets:
             match.needs_conversion.append(file_name)
+            converted.update(targets)
         else:
             match.unexpected.append(file_name)
     for names in tensor_groups(state):
         present = [n for n in names if n in found]
-        if not present:
+        if not present and converted.isdisjoint(names):
             match.missing.append(names[0])
         for name in present:
             if found[name] != tuple(state[name].shape):
@@ -251,9 +257,27 @@ def match_checkpoint(model: nn.Module, shapes: dict[str, tuple[Shape, torch.dtyp
     return match
 
 
-def _checkpoint_renamer(model: nn.Module, state: dict[str, torch.Tensor]) -> Callable[[str], tuple[str, bool]]:
-    """checkpoint name -> (model name, whether it needs a conversion op), using transformers' own key mapping."""
-    identity = lambda name: (name, False)  # noqa: E731
+def _ignored_checkpoint_name(model: nn.Module) -> Callable[[str], bool]:
+    """Whether a checkpoint tensor (by its model name) is deliberately not loaded: a non-persistent buffer of the
+    model, a key its ``_keys_to_ignore_on_load_unexpected`` patterns match, or a tensor whose last two name parts
+    (module and attribute) are those of one of its non-persistent buffers: older conversions saved the rotary
+    ``inv_freq`` in every layer (``model.layers.N.self_attn.rotary_emb.inv_freq``), which transformers ignores too."""
+    buffers = _non_persistent_buffer_names(model)
+    exact = set(buffers)
+    suffixes = {".".join(name.split(".")[-2:]) for name in buffers if "." in name}
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+
+    def ignored(name: str) -> bool:
+        return (name in exact or ".".join(name.split(".")[-2:]) in suffixes
+                or any(re.search(pattern, name) for pattern in patterns))
+
+    return ignored
+
+
+def _checkpoint_renamer(model: nn.Module, state: dict[str, torch.Tensor]) -> Callable[[str], tuple[str, list[str]]]:
+    """checkpoint name -> (model name, the model names a transformers conversion op fills from it: empty where it
+    needs none), using transformers' own key mapping."""
+    identity = lambda name: (name, [])  # noqa: E731
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
@@ -267,11 +291,23 @@ def _checkpoint_renamer(model: nn.Module, state: dict[str, torch.Tensor]) -> Cal
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     prefix = getattr(model, "base_model_prefix", None) or None
 
-    def rename(name: str) -> tuple[str, bool]:
+    def rename(name: str) -> tuple[str, list[str]]:
         renamed, converter_pattern = rename_source_key(name, renamings, converters, prefix, state)
-        return renamed, converter_pattern is not None
+        if converter_pattern is None:
+            return renamed, []
+        return renamed, _conversion_targets(renamed, converter_pattern, converters)
 
     return rename
+
+
+def _conversion_targets(renamed: str, source_pattern: str, converters: list) -> list[str]:
+    """The model names a conversion fills: transformers renames a source key to the converter's first target, and a
+    one-to-many converter (a fused qkv split into q, k, v) fills the others beside it."""
+    for converter in converters:
+        first, *others = converter.target_patterns
+        if source_pattern in converter.source_patterns and first in renamed:
+            return [renamed, *(renamed.replace(first, target) for target in others)]
+    return [renamed]
 
 
 def check_checkpoint(model: nn.Module, path: CheckpointSource) -> CheckpointMatch:
@@ -279,9 +315,24 @@ def check_checkpoint(model: nn.Module, path: CheckpointSource) -> CheckpointMatc
     the model."""
     match = match_checkpoint(model, checkpoint_shapes(path))
     if not match.ok:
+        _refuse_splice_quantized(path)
         raise ValueError(f"checkpoint {str(path)!r} does not match the model ({type(model).__name__}): "
                          f"{match.describe()}; allowed: a checkpoint of this architecture and size")
     return match
+
+
+def _refuse_splice_quantized(path: CheckpointSource) -> None:
+    """A folder written by ``splice.quant.save_quantized`` holds packed weights under other names than the float
+    model's: say so, and what loads it, rather than listing every name."""
+    from .quant.saving import SCHEME_NAME
+
+    folders = {file.parent for file in checkpoint_files(path)}
+    quantized = sorted(str(folder) for folder in folders if (folder / SCHEME_NAME).is_file())
+    if quantized:
+        raise ValueError(f"checkpoint {str(path)!r} is a splice quantized checkpoint ({SCHEME_NAME} in "
+                         f"{quantized[0]!r}), which checkpoint= does not read; allowed: a float safetensors "
+                         "checkpoint, or this folder loaded with splice.quant.load_quantized(model, folder) into the "
+                         "float model or into an engine built as the saved one was (docs/quantization.md)")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -295,15 +346,87 @@ def load_checkpoint(model: nn.Module, path: CheckpointSource, device: str | torc
     A model with meta tensors is materialised first (``to_empty``); its tied weights are tied again and its
     non-persistent buffers (e.g. rotary ``inv_freq``) recomputed. A normal model is moved to ``device`` and its
     weights overwritten. Each tensor is converted to the dtype of the model's tensor it lands in.
+
+    Tied names the checkpoint holds with different values (saved from an untied model) are untied, each loading its
+    own tensor, with a warning: what transformers' ``from_pretrained`` does.
     """
     device = torch.device(device)
     match = check_checkpoint(model, path)  # before the model is touched
+    files = checkpoint_files(path)
+    untie = _differing_tied_names(model, files, match.names)
+    if untie:
+        log.warning("splice: checkpoint %r holds tied tensors under several names with different values (%s); "
+                    "they are loaded untied, as transformers' from_pretrained does. Set tie_word_embeddings=False "
+                    "in the model's config to silence this warning", str(path),
+                    "; ".join(f"{name} differs from {kept}" for name, kept in untie.items()))
     if has_meta_tensors(model):
         materialize(model, device)
     else:
         model.to(device)
-    _stream_weights(model, checkpoint_files(path), match.names, progress)
+    _untie(model, list(untie))
+    _stream_weights(model, files, match.names, progress)
     return model
+
+
+def _differing_tied_names(model: nn.Module, files: list[Path], names: dict[str, str]) -> dict[str, str]:
+    """Tied model names whose checkpoint tensors differ from the tensor loaded under the group's first present name:
+    name -> that first name. Only groups with several names in the checkpoint are read, in the model's dtype."""
+    state = model.state_dict(keep_vars=True)
+    source = {model_name: file_name for file_name, model_name in names.items()}
+    present_groups = [[n for n in group if n in source] for group in tensor_groups(state)]
+    present_groups = [group for group in present_groups if len(group) > 1]
+    if not present_groups:
+        return {}
+    where = tensor_index(files)
+    differing = {}
+    for kept, *others in present_groups:
+        for name in others:
+            if not _equal_tensors(where, source[kept], source[name], state[kept].dtype):
+                differing[name] = kept
+    return differing
+
+
+def tensor_index(files: list[Path]) -> dict[str, Path]:
+    """Tensor name -> the file holding it (headers only)."""
+    index = {}
+    for file in files:
+        with open_safetensors(file) as f:
+            index.update(dict.fromkeys(f.keys(), file))
+    return index
+
+
+def _equal_tensors(where: dict[str, Path], first: str, second: str, dtype: torch.dtype) -> bool:
+    """Whether two checkpoint tensors of one shape hold equal values in ``dtype``, compared ``_MAPPED_BYTES`` of rows
+    at a time (a vocabulary-sized table is not read whole)."""
+    with open_safetensors(where[first]) as f:
+        shape = f.get_slice(first).get_shape()
+    if not shape:
+        return _read(where[first], first).to(dtype).equal(_read(where[second], second).to(dtype))
+    rows = max(1, _MAPPED_BYTES // max(1, _numel(shape[1:]) * dtype.itemsize))
+    for start in range(0, shape[0], rows):
+        part = slice(start, start + rows)
+        if not _read(where[first], first, part).to(dtype).equal(_read(where[second], second, part).to(dtype)):
+            return False
+    return True
+
+
+def _read(file: Path, name: str, rows: slice | None = None) -> torch.Tensor:
+    """A checkpoint tensor, or its ``rows``, from a freshly opened file (its mapped pages released after)."""
+    with open_safetensors(file) as f:
+        return f.get_tensor(name) if rows is None else f.get_slice(name)[rows]
+
+
+def _untie(model: nn.Module, names: list[str]) -> None:
+    """Give each of ``names`` a tensor of its own (uninitialised, like the one it shared) and drop it from
+    transformers' record of the model's ties, so that nothing ties it again."""
+    for name in names:
+        shared = _get_tensor(model, name)
+        own = torch.empty_like(shared)
+        _set_tensor(model, name, nn.Parameter(own, shared.requires_grad) if isinstance(shared, nn.Parameter) else own)
+    ties = getattr(model, "all_tied_weights_keys", None)
+    if names and isinstance(ties, dict):
+        for target in [target for target, source in ties.items() if target in names or source in names]:
+            del ties[target]
 
 
 def parameter_bytes(model: nn.Module) -> int:
@@ -323,14 +446,13 @@ def materialize(model: nn.Module, device: torch.device) -> nn.Module:
     """
     device = torch.device(device)
     ties = _tied_groups(model)
-    kept = {name: buf for name, buf in _non_persistent_buffers(model) if not buf.is_meta}
-    computed = compute_buffers(model, [name for name, buf in _non_persistent_buffers(model) if buf.is_meta], device)
+    kept = {name: buf.to(device) for name, buf in _non_persistent_buffers(model) if not buf.is_meta}
+    computed = compute_meta_buffers(model, device)
     model.to_empty(device=device)
     for names in ties:
         for name in names[1:]:
             _set_tensor(model, name, _get_tensor(model, names[0]))
-    for name, buf in chain(kept.items(), computed.items()):
-        _set_tensor(model, name, buf.to(device))
+    set_tensors(model, {**kept, **computed})
     return model
 
 
@@ -382,6 +504,12 @@ def _numel(shape: list[int]) -> int:
 
 # --------------------------------------------------------------------------------------------------------------------
 # Non-persistent buffers
+
+
+def compute_meta_buffers(model: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """Fresh values on ``device`` for the model's non-persistent buffers that are on meta (see
+    :func:`compute_buffers`; the model is not changed: :func:`set_tensors` puts them in)."""
+    return compute_buffers(model, [name for name, buf in _non_persistent_buffers(model) if buf.is_meta], device)
 
 
 def compute_buffers(model: nn.Module, names: Iterable[str], device: torch.device) -> dict[str, torch.Tensor]:
@@ -491,6 +619,12 @@ def _get_tensor(model: nn.Module, name: str) -> torch.Tensor:
     module_name, _, attr = name.rpartition(".")
     module = model.get_submodule(module_name)
     return module._parameters[attr] if attr in module._parameters else module._buffers[attr]
+
+
+def set_tensors(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Put each tensor in the model's parameter or buffer slot of its name, as it is."""
+    for name, tensor in tensors.items():
+        _set_tensor(model, name, tensor)
 
 
 def _set_tensor(model: nn.Module, name: str, tensor: torch.Tensor) -> None:

@@ -132,7 +132,7 @@ def load(name_or_path: str | os.PathLike, dtype: Any = None) -> tuple[nn.Module,
     from .checkpoint import checkpoint_shapes
 
     shapes = checkpoint_shapes(folder)  # the file headers, read once for both checks
-    _check_shapes_fit_config(folder, shapes)
+    _check_tensors_fit_config(folder, shapes)
     with _loader_errors(folder, "its model"), _progress_bars_on_rank_zero():
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, local_files_only=True)
     _check_loaded_dtypes(model, folder, shapes)
@@ -518,10 +518,11 @@ def _require_safetensors_folder(path: Path) -> None:
     checkpoint_shapes(path)  # raises for pickles, a missing shard, a corrupt or truncated file
 
 
-def _check_shapes_fit_config(folder: Path, shapes: dict) -> None:
-    """The checkpoint's tensors have the shapes its config.json gives the model, checked on a meta-device model
-    before anything is loaded (transformers would log a report and raise a RuntimeError pointing at it). A config
-    transformers refuses raises ValueError naming the folder too."""
+def _check_tensors_fit_config(folder: Path, shapes: dict) -> None:
+    """The checkpoint holds every tensor its config.json gives the model, in its shape, checked on a meta-device
+    model before anything is loaded (for a wrong shape transformers would log a report and raise a RuntimeError
+    pointing at it; for a missing weight it would log a report and leave the weight random). A config transformers
+    refuses raises ValueError naming the folder too."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .checkpoint import CheckpointMatch, match_checkpoint
@@ -535,11 +536,26 @@ def _check_shapes_fit_config(folder: Path, shapes: dict) -> None:
             model = AutoModelForCausalLM.from_config(config)
     except Exception:  # not buildable here (not a causal LM, say): from_pretrained's own error, wrapped, says why
         return
-    wrong = match_checkpoint(model, shapes).wrong_shape
-    if wrong:
+    match = match_checkpoint(model, shapes)
+    if match.wrong_shape:
         raise ValueError(f"checkpoint {str(folder)!r} does not fit its config.json: "
-                         f"{CheckpointMatch(wrong_shape=wrong).describe()}; allowed: the config.json the tensors were "
-                         "saved with")
+                         f"{CheckpointMatch(wrong_shape=match.wrong_shape).describe()}; allowed: the config.json the "
+                         "tensors were saved with")
+    missing = _missing_weights(model, match.missing)
+    if missing:
+        raise ValueError(f"checkpoint {str(folder)!r} lacks tensors its config.json gives the model: "
+                         f"{CheckpointMatch(missing=missing).describe()}; allowed: a checkpoint holding every weight "
+                         "of the model")
+
+
+def _missing_weights(model: nn.Module, missing: list[str]) -> list[str]:
+    """The parameters among ``missing`` (absent from the checkpoint under every name a tied tensor has) that
+    transformers would fill at random: all but those the model's ``_keys_to_ignore_on_load_missing`` patterns allow
+    to be absent. Buffers are left out: transformers computes those as it builds the model."""
+    parameters = dict(model.named_parameters(remove_duplicate=False))
+    patterns = getattr(model, "_keys_to_ignore_on_load_missing", None) or ()
+    return [name for name in missing
+            if name in parameters and not any(re.search(pattern, name) for pattern in patterns)]
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@ one level deep) and, for every parameter and buffer, the tensor its ``.data`` he
 taking it is free, but the original weights then stay in memory until the pipeline ends, next to what the steps
 build from them: :func:`affordable` says whether memory allows that. :meth:`Rollback.restore` puts every module's
 attributes and every tensor's data back, and names the tensors a step overwrote in place (their old values are gone:
-loading a checkpoint into a model that already had weights does that).
+loading a checkpoint into a model that already had weights of the same dtype does that; loaded into another dtype or
+device, the checkpoint lands in the converted copies and the originals come back intact).
 """
 from __future__ import annotations
 
@@ -40,12 +41,13 @@ class Rollback:
     def restore(self) -> list[str]:
         """Put the model back; returns the names of the tensors whose values were overwritten in place (empty: the
         model equals its state before the pipeline)."""
+        held = _storages(self.modules[0][0]) if self.modules else set()  # what the steps left, before it goes
         for module, attributes in self.modules:
             module.__dict__.clear()
             module.__dict__.update(_copy_attributes(attributes))
         overwritten = []
         for saved in self.tensors:
-            if _overwritten(saved):
+            if _overwritten(saved, held):
                 overwritten.append(self.names.get(id(saved.tensor), "<unnamed tensor>"))
             saved.tensor.data = saved.data
             saved.tensor.requires_grad_(saved.requires_grad)
@@ -72,8 +74,25 @@ def _copy_attributes(attributes: dict) -> dict:
     return {name: value.copy() if isinstance(value, (dict, set)) else value for name, value in attributes.items()}
 
 
-def _overwritten(saved: _SavedTensor) -> bool:
-    """Whether the original values may have been written over: its version moved (the counter is shared with the
-    tensor, so a write after the tensor got new data counts too: the answer errs on the side of "overwritten").
-    Meta tensors have no values to lose."""
-    return not saved.data.is_meta and saved.data._version != saved.version
+def _overwritten(saved: _SavedTensor, held: set[tuple]) -> bool:
+    """Whether the original values may have been written over (meta tensors have none to lose). Its version counter
+    moved, but a tensor keeps its counter when its data is replaced (and shares it with aliases of its original data),
+    so the write may have gone elsewhere. It went into the original data where the tensor, or another tensor of the
+    model (``held``: the storages the steps left in it), still holds that data. Data that nothing holds any more was
+    either replaced by a conversion to another dtype or device (the dtype step; the load step's move to the home
+    device), which comes before any step writes weights, so the writes went into the converted copy; or replaced
+    otherwise (gathered into one buffer), where the answer errs on the side of "overwritten"."""
+    if saved.data.is_meta or saved.data._version == saved.version:
+        return False
+    if _storage(saved.tensor) == _storage(saved.data) or _storage(saved.data) in held:
+        return True
+    return saved.tensor.dtype == saved.data.dtype and saved.tensor.device == saved.data.device
+
+
+def _storages(model: nn.Module) -> set[tuple]:
+    """The memory the model's parameters and buffers hold now."""
+    return {_storage(t) for t in [*model.parameters(), *model.buffers()] if not t.is_meta}
+
+
+def _storage(tensor: torch.Tensor) -> tuple:
+    return tensor.device, tensor.untyped_storage().data_ptr()

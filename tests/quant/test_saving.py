@@ -75,8 +75,10 @@ def test_loads_into_a_meta_skeleton(tmp_path):
     with torch.device("meta"):
         skeleton = build_tiny(model_config, seed=1)
     loaded = load_quantized(skeleton, tmp_path)
-    assert not any(t.is_meta for t in loaded.state_dict().values())  # computed buffers are the loader's job
+    assert not any(t.is_meta for t in [*loaded.parameters(), *loaded.buffers()])  # rotary inv_freq recomputed
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    ids = torch.randint(0, 128, (1, 12))
+    torch.testing.assert_close(_logits(loaded, ids), _logits(model, ids), rtol=0, atol=0)
     torch.testing.assert_close(loaded.model.layers[1].mlp.down_proj.dequantize(),
                                model.model.layers[1].mlp.down_proj.dequantize(), rtol=0, atol=0)
 

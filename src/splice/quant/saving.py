@@ -6,7 +6,8 @@ Folder layout::
     splice_quant.json      {"format": 1, "scheme": QuantConfig.to_dict(), "layers": {name: shape + kind}, "tied": ...}
 
 Loading takes the float model skeleton (real or on the meta device), swaps the listed linears for empty quantized
-layers and loads the state dict strictly; the kernels' packed layouts are rebuilt on the target device.
+layers and loads the state dict strictly; the kernels' packed layouts are rebuilt on the target device. A meta
+skeleton's non-persistent buffers (rotary ``inv_freq``), which no checkpoint holds, are computed on that device.
 
 Both also take an :class:`~splice.InferenceEngine`: a quantized engine (kernel-injected or not) saves its model under
 the scheme it was quantized with, and a float engine built the same way (same family, ``replace_with_kernel_inject``
@@ -22,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..checkpoint import has_meta_tensors, tensor_groups
+from ..checkpoint import compute_meta_buffers, has_meta_tensors, set_tensors, tensor_groups
 from ..kernel_choice import quant_kernel
 from .api import HANDLERS, output_head, reason_to_skip
 from .layers import QuantizedLinear, fits_spec
@@ -79,11 +80,14 @@ def load_quantized(model: nn.Module, directory: str | os.PathLike, config: Quant
     for alias, kept in record["tied"].items():
         state[alias] = state[kept]
     _check_state_fits(model, layers, state, folder)
-    if not has_meta_tensors(model):  # a meta skeleton takes the saved tensors as they are (assign=True)
+    on_meta = has_meta_tensors(model)
+    if not on_meta:  # a meta skeleton takes the saved tensors as they are (assign=True)
         _check_float_dtypes(model, layers, state, folder)
+    buffers = compute_meta_buffers(model, torch.device(device))  # raises before any change where one cannot be
     for name, layer in layers.items():
         model.set_submodule(name, layer)
-    model.load_state_dict(state, strict=True, assign=has_meta_tensors(model))
+    model.load_state_dict(state, strict=True, assign=on_meta)
+    set_tensors(model, buffers)
     for alias, kept in record["tied"].items():  # assign=True gives each name its own Parameter: tie them again
         owner, _, leaf = alias.rpartition(".")
         setattr(model.get_submodule(owner), leaf, model.get_parameter(kept))
