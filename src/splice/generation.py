@@ -33,8 +33,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationM
 from transformers.utils import logging as hf_logging
 
 from . import native
-from .arch import REGISTRY
-from .arch.record import learned_positions
+from .arch import learned_position_limit
 from .layers.causal_lm import SpliceCausalLM
 from .profiling import ForwardTimer
 
@@ -466,15 +465,6 @@ def check_request(model, args: tuple, kwargs: dict, vocab_size: int | None, max_
     if max_out_tokens is not None:
         check_request_length(prompt_length, total, max_out_tokens)
     check_learned_positions(model, prompt_length, total)
-
-
-def learned_position_limit(model) -> int | None:
-    """How many positions ``model`` has learned embeddings for (GPT-2's ``n_positions``, OPT's
-    ``max_position_embeddings``: the families whose record says ``positions="learned"``, as kernel injection reads
-    it); None for a model that computes its positions (rotary, ALiBi) or whose family splice has no record of."""
-    config = getattr(model, "config", None)
-    record = REGISTRY.get(getattr(config, "model_type", None))
-    return None if record is None else learned_positions(record, config)
 
 
 def check_learned_positions(model, prompt_length: int, total: int) -> None:

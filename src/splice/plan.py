@@ -27,8 +27,7 @@ from .layers.conv1d import in_out_features
 from .native import onednn_computes_in
 from .quant import QuantConfig
 from .quant import plan as quant_targets
-from .quant.api import check_calibration_ids
-from .quant.layers import QuantizedLinear
+from .quant.api import check_calibration_ids, first_quantized_layer
 from .tp.autotp import autotp_plan, trace_model
 from .tp.loading import manifest_grain_size, manifest_plan, read_manifest
 from .tp.plan import TPPlan, verify
@@ -422,19 +421,18 @@ def resolve_quantization(model: nn.Module, quant: QuantConfig | None, config: In
     GPTQ calibration ids, if any."""
     if quant is None:
         return None
-    check_not_quantized(model, quant)
+    check_not_requantized(model, quant)
     targets, _ = quant_targets(model, quant)
     if tp_plan is not None:
         check_quantized_shards(model, targets, quant, tp_plan, tp, grain)
     ids = config.quant.weight.calibration_ids
-    return None if ids is None else check_calibration_ids(ids, quant)
+    return None if ids is None else check_calibration_ids(ids, quant, model)
 
 
-def check_not_quantized(model: nn.Module, quant: QuantConfig) -> None:
+def check_not_requantized(model: nn.Module, quant: QuantConfig) -> None:
     """Quantizing a model splice has already quantized would leave its quantized layers as they are (they are not
     linears) and report the new scheme: refused, naming one."""
-    quantized = next(((name, module) for name, module in model.named_modules()
-                      if isinstance(module, QuantizedLinear)), None)
+    quantized = first_quantized_layer(model)
     if quantized is None:
         return
     name, module = quantized

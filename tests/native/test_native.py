@@ -1010,6 +1010,22 @@ def test_an_unknown_or_unsupported_level_names_the_allowed_ones():
 
 
 @needs_native
+def test_the_level_can_be_set_before_anything_loaded_the_kernels():
+    """A fresh process whose first native call sets the level: the kernels load first, then run at that level."""
+    result = _run_with_env("from splice import native; native.set_isa('avx2'); "
+                           "print(native.isa(), native.MAX_ROWS['int8'])")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["avx2", str(native.ROW_LIMITS["avx2"]["int8"])]
+
+
+@pytest.mark.parametrize("call", ["native.set_isa('avx2')", "native.use_isa('avx2').__enter__()"])
+def test_setting_a_level_without_the_kernels_says_they_are_not_available(call):
+    result = _run_with_env(f"from splice import native; {call}", SPLICE_NATIVE_KERNELS="0")
+    assert result.returncode != 0 and "ValueError: ISA level 'avx2' cannot be set" in result.stderr
+    assert "not available here" in result.stderr
+
+
+@needs_native
 def test_use_isa_switches_the_level_and_the_row_limits_and_restores_them():
     before, limits = native.isa(), dict(native.MAX_ROWS)
     with native.use_isa("avx2"):

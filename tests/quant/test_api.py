@@ -229,3 +229,107 @@ def test_a_group_wider_than_a_layer_raises_naming_it_before_the_model_changes(ti
             in str(error.value))
     assert not any(isinstance(m, QuantizedLinear) for m in tiny_llama.modules())
     assert all(torch.equal(tiny_llama.state_dict()[k], v) for k, v in before.items())
+
+
+def _dequantized_copy(model: nn.Module) -> nn.Module:
+    """``model`` with every quantized layer replaced by a float ``nn.Linear`` of the weight it computes with."""
+    reference = copy.deepcopy(model)
+    dtype = next(p for p in reference.parameters() if p.is_floating_point()).dtype
+    for name, layer in list(reference.named_modules()):
+        if isinstance(layer, QuantizedLinear):
+            linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+            with torch.no_grad():
+                linear.weight.copy_(layer.dequantize())
+                if layer.bias is not None:
+                    linear.bias.copy_(layer.bias.float())
+            reference.set_submodule(name, linear.to(dtype))
+    return reference
+
+
+#: scheme -> (config, least SQNR in dB of the logits against the de-quantized weights', against the float model's)
+FALCON_SCHEMES = {"int4": (QuantConfig(bits=4, group_size=32), 33, 15),
+                  "int8-g48": (QuantConfig(group_size=48), 33, 30),
+                  "w8a8": (QuantConfig(activations=True), 30, 30),
+                  "int4-gptq": (QuantConfig(bits=4, group_size=32), 33, 15)}
+
+
+@pytest.mark.parametrize("scheme", list(FALCON_SCHEMES))
+@pytest.mark.parametrize("family", ["falcon", "falcon:new_architecture"])
+def test_falcon_linears_are_quantized_like_nn_linear(family, scheme):
+    """transformers' FalconLinear computes ``input @ weight.T + bias``: every block linear is replaced, and the
+    output follows the de-quantized weights (and the float model within the scheme's error)."""
+    from tests.arch.tiny_models import build_family, padded_batch
+
+    model = build_family(family)
+    float_model = copy.deepcopy(model)
+    falcon_linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"]
+    config, min_sqnr_vs_dequantized, min_sqnr_vs_float = FALCON_SCHEMES[scheme]
+    ids = torch.randint(3, 128, (2, 24)) if scheme == "int4-gptq" else None
+    report = quantize(model, config, calibration_ids=ids)
+    assert sorted(report.quantized) == sorted(falcon_linears) and list(report.kept_float) == ["lm_head"]
+    assert all(isinstance(model.get_submodule(name), QuantizedLinear) for name in falcon_linears)
+    batch, mask = padded_batch()
+    with torch.no_grad():
+        quantized = model(batch, attention_mask=mask).logits[mask.bool()]
+        dequantized = _dequantized_copy(model)(batch, attention_mask=mask).logits[mask.bool()]
+        reference = float_model(batch, attention_mask=mask).logits[mask.bool()]
+    assert sqnr_db(dequantized, quantized) >= min_sqnr_vs_dequantized
+    assert sqnr_db(reference, quantized) >= min_sqnr_vs_float
+
+
+def test_falcon_without_kernel_injection_quantizes_its_block_linears():
+    import splice
+    from tests.arch.tiny_models import build_family, padded_batch
+
+    model = build_family("falcon")
+    float_model = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SpliceIgnoredOptionWarning)
+        engine = splice.init_inference(model, dtype=torch.int8, replace_with_kernel_inject=False)
+    quantized = [name for name, m in engine.module.named_modules() if isinstance(m, QuantizedLinear)]
+    assert len(quantized) == 9  # 4 per block, and the int8 output head
+    batch, mask = padded_batch()
+    with torch.no_grad():
+        out = engine(batch, attention_mask=mask).logits[mask.bool()].float()
+        dequantized = _dequantized_copy(engine.module)(batch, attention_mask=mask).logits[mask.bool()].float()
+        reference = float_model(batch, attention_mask=mask).logits[mask.bool()]
+    assert sqnr_db(dequantized, out) >= 32 and sqnr_db(reference, out) >= 28
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_plain_linear_subclasses_compute_f_linear(bias):
+    """The allow-list's classes are quantized as nn.Linear is, so each must compute exactly ``F.linear``."""
+    import importlib
+
+    from splice.quant.api import PLAIN_LINEAR_SUBCLASSES
+
+    torch.manual_seed(0)
+    for path, name in PLAIN_LINEAR_SUBCLASSES:
+        layer = getattr(importlib.import_module(path), name)(48, 24, bias=bias)
+        x = torch.randn(3, 5, 48)
+        torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+
+
+class _ScaledLinear(nn.Linear):
+    """A subclass with behaviour of its own: a replacement would drop the scaling."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def test_subclassed_linears_holding_a_material_share_are_warned():
+    model = nn.Sequential(nn.Linear(64, 64), _ScaledLinear(64, 64), nn.Linear(64, 64))
+    with pytest.warns(SpliceIgnoredOptionWarning, match=r"1 linear layer\(s\) \(33% .*_ScaledLinear.*the largest: 1\)"):
+        plan(model, QuantConfig())
+    report = quantize(model, QuantConfig())
+    assert report.quantized == ["0", "2"] and "subclasses nn.Linear" in report.kept_float["1"]
+    assert any("_ScaledLinear" in note for note in report.notes)
+
+
+def test_quantizing_a_quantized_model_again_is_refused_naming_a_layer(tiny_llama):
+    quantize(tiny_llama, QuantConfig(bits=4, group_size=32))
+    modules = list(tiny_llama.modules())
+    with pytest.raises(ValueError, match=r"already quantized: layer model\.layers\.0\.self_attn\.q_proj is "
+                                         r"Int4WeightOnlyLinear .*allowed: the float model"):
+        quantize(tiny_llama, QuantConfig())
+    assert list(tiny_llama.modules()) == modules

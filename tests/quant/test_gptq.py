@@ -163,3 +163,38 @@ def test_calibration_ids_outside_the_vocabulary_are_refused_naming_the_id(bad):
     with pytest.raises(ValueError, match=rf"token id {bad} .*allowed: 0\.\.127"):
         quantize(model, QuantConfig(bits=4, group_size=32), calibration_ids=torch.tensor([[1, bad, 3]]))
     assert not any(isinstance(m, Int4WeightOnlyLinear) for m in model.modules())
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt"])
+def test_calibration_ids_longer_than_the_learned_positions_are_refused_before_any_change(family):
+    """GPT-2's and OPT's tiny models learn 256 positions: longer sequences would fail in the calibration forward."""
+    from splice.quant.api import check_calibration_ids
+    from tests.arch.tiny_models import build_family
+
+    model = build_family(family)
+    modules = list(model.modules())
+    ids, config = torch.randint(3, 100, (2, 300)), QuantConfig(bits=4, group_size=32)
+    message = r"calibration_ids of shape \(2, 300\) .*256 learned positions.*allowed: at most 256 tokens"
+    with pytest.raises(ValueError, match=message):
+        check_calibration_ids(ids, config, model)  # what plan-time checks call
+    with pytest.raises(ValueError, match=message):
+        quantize(model, config, calibration_ids=ids)
+    assert list(model.modules()) == modules
+    assert check_calibration_ids(ids[:, :256], config, model).shape == (2, 256)
+
+
+@pytest.mark.parametrize("ids", [torch.tensor([[True, False, True]]), [[True, False, True]], [[1.0, 2.0, 3.0]]],
+                         ids=["bool-tensor", "bool-lists", "float-lists"])
+def test_calibration_ids_that_are_not_integers_are_refused(ids):
+    model = _TinyLM()
+    with pytest.raises(ValueError, match=r"integer tensor .*got dtype=torch\.(bool|float32)"):
+        quantize(model, QuantConfig(bits=4, group_size=32), calibration_ids=ids)
+    assert not any(isinstance(m, Int4WeightOnlyLinear) for m in model.modules())
+
+
+def test_calibration_ids_need_a_model_with_a_token_embedding():
+    model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    with pytest.raises(ValueError, match=r"calibration_ids need a model with a token embedding.*Sequential.*"
+                                         r"allowed: calibration_ids=None"):
+        quantize(model, QuantConfig(bits=4, group_size=32), calibration_ids=torch.zeros(1, 4, dtype=torch.long))
+    assert all(type(m) is nn.Linear for m in (model[0], model[2]))

@@ -338,7 +338,6 @@ def _grouped_int8_layer(linear: nn.Linear, group: int, use_native: bool) -> nn.M
                                                    native=use_native, dot_products=use_native)
 
 
-@needs_native
 def _rounded_in_groups(x: torch.Tensor, group: int, kept: int) -> torch.Tensor:
     """x as the grouped GEMV rounds it: per block of 32 of each group zero-padded to ``kept`` columns (K first padded
     to whole groups)."""
@@ -349,6 +348,7 @@ def _rounded_in_groups(x: torch.Tensor, group: int, kept: int) -> torch.Tensor:
 
 # 160: five blocks, so a 64-column step straddles two groups; 48 and 88 zero-padded to 64 and 96 columns (88 is
 # DeepSpeed's q_groups=64 on 5632 inputs); 48 and 88 also leave K short of whole groups (7 x 48 = 336, 4 x 88 = 352)
+@needs_native
 @pytest.mark.parametrize("group, kept", [(32, 32), (64, 64), (160, 160), (48, 64), (88, 96)])
 def test_grouped_int8_runs_the_grouped_gemv_keeps_one_copy_and_saves_the_groups(monkeypatch, fresh_compiles, group,
                                                                                   kept):
@@ -622,3 +622,25 @@ def test_int8_torch_kernels_take_any_in_features(group, rows):
     x = torch.randn(rows, 200)
     expected = F.linear(_reference_input(x, "int8"), layer.dequantize(), linear.bias)
     assert (layer(x) - expected).norm() / expected.norm() < 1e-2
+
+
+EMPTY_ROW_SCHEMES = {**SCHEMES, "int8-g48": QuantConfig(group_size=48), "int8-g20": QuantConfig(group_size=20),
+                     "int4-g64-padded-k": QuantConfig(bits=4, group_size=64)}
+
+
+@pytest.mark.parametrize("shape", [(0, 200), (3, 0, 200)], ids=["0xK", "Bx0xK"])
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch"])
+@pytest.mark.parametrize("scheme", list(EMPTY_ROW_SCHEMES))
+def test_no_rows_give_an_empty_output_as_nn_linear_does(scheme, use_native, shape):
+    """A batch with no rows (an empty prompt, an empty micro-batch): every layer kind on every kernel path returns
+    nn.Linear's empty output (in_features 200: padded groups of 48 and 20, K padded for int4 g64)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(200, 72)
+    config = EMPTY_ROW_SCHEMES[scheme]
+    on_native = use_native and native.available()
+    layer = HANDLERS[config.kind].from_float(linear.weight.detach(), linear.bias, config, native=on_native,
+                                             dot_products=on_native)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(shape, dtype=dtype)
+        out = layer(x)
+        assert out.shape == linear(x.float()).shape and out.dtype == dtype

@@ -4,12 +4,13 @@ from __future__ import annotations
 from typing import Any
 
 from .families import RECORDS
-from .record import ArchRecord, ModelDims, RopeSpec, check_fits, model_dims, rooted, tensor_parallel_plan
+from .record import (ArchRecord, ModelDims, RopeSpec, check_fits, learned_positions, model_dims, rooted,
+                     tensor_parallel_plan)
 
 REGISTRY: dict[str, ArchRecord] = {record.model_type: record for record in RECORDS}
 
-__all__ = ["ArchRecord", "ModelDims", "RopeSpec", "REGISTRY", "check_fits", "lookup", "model_dims", "record_for",
-           "rooted", "supported", "tensor_parallel_plan"]
+__all__ = ["ArchRecord", "ModelDims", "RopeSpec", "REGISTRY", "check_fits", "learned_position_limit", "lookup",
+           "model_dims", "record_for", "rooted", "supported", "tensor_parallel_plan"]
 
 
 def supported() -> list[str]:
@@ -31,3 +32,12 @@ def lookup(config: Any) -> ArchRecord:
 def record_for(model: Any) -> ArchRecord:
     """The record for ``model`` (by its config's ``model_type``), its paths rooted at ``model`` itself."""
     return rooted(lookup(model.config), model)
+
+
+def learned_position_limit(model: Any) -> int | None:
+    """How many positions ``model`` has learned embeddings for (GPT-2's ``n_positions``, OPT's
+    ``max_position_embeddings``: the families whose record says ``positions="learned"``, as kernel injection reads
+    it); None for a model that computes its positions (rotary, ALiBi) or whose family splice has no record of."""
+    config = getattr(model, "config", None)
+    record = REGISTRY.get(getattr(config, "model_type", None))
+    return None if record is None else learned_positions(record, config)

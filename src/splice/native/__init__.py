@@ -156,7 +156,7 @@ def available() -> bool:
             last_line = (str(error).strip().splitlines() or [""])[-1][:400]
             reason = f"building them failed ({type(error).__name__}: {last_line})"
     if reason is None:
-        set_isa(_initial_isa(requested))
+        _set_level(_initial_isa(requested))
         torch.ops.splice_kernels.set_weight_streams(initial_weight_streams())
         _set_software_prefetch(initial_software_prefetch())
         if switched_off("SPLICE_NATIVE_AVX_VNNI"):
@@ -203,7 +203,17 @@ def isa() -> str | None:
 
 def set_isa(level: str) -> None:
     """Run the kernels at ``level`` (one of :func:`supported_isas`) from now on, with that level's row limits.
-    Layers built earlier keep their layout, which is the same at every level."""
+    Layers built earlier keep their layout, which is the same at every level. Loads the kernels where nothing has
+    yet; raises ValueError where they are not available."""
+    if not available():
+        raise ValueError(f"ISA level {level!r} cannot be set: splice's native kernels are not available here "
+                         "(SPLICE_NATIVE_KERNELS=0, or the warning when they were first asked for says why); "
+                         "allowed: no level")
+    _set_level(level)
+
+
+def _set_level(level: str) -> None:
+    """``set_isa`` on kernels already loaded (:func:`available` calls it while it loads them)."""
     levels = _levels_here()
     if level not in levels:
         raise ValueError(f"ISA level {level!r} is not available here; allowed: {', '.join(levels)}")

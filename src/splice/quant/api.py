@@ -1,10 +1,12 @@
 """``quantize(model, QuantConfig)``: replace every eligible linear by the quantized layer of the scheme's handler.
 
-Eligible: modules whose type is exactly ``nn.Linear`` or Hugging Face's ``Conv1D`` (GPT-2 style, weight stored
-``[in, out]``), except the output head unless ``quantize_lm_head`` and q/k/v projections when ``quantize_qkv`` is False.
-Subclasses of ``nn.Linear`` are left alone and reported: they may carry behaviour (a tensor-parallel all-reduce, say)
-that a replacement would drop. Parallel layers should wrap a plain ``nn.Linear`` instead; that inner linear is then
-quantized and the wrapper's collective is kept ("shard first, then quantize").
+Eligible: modules whose type is exactly ``nn.Linear``, Hugging Face's ``Conv1D`` (GPT-2 style, weight stored
+``[in, out]``) or one of :data:`PLAIN_LINEAR_SUBCLASSES` (model code's ``nn.Linear`` subclasses whose forward is
+``F.linear``: Falcon's ``FalconLinear``), except the output head unless ``quantize_lm_head`` and q/k/v projections when
+``quantize_qkv`` is False. Other subclasses of ``nn.Linear`` are left alone and reported (noted, and warned by
+``plan``, where they hold a material share of the weights): they may carry behaviour (a tensor-parallel all-reduce,
+say) that a replacement would drop. Parallel layers should wrap a plain ``nn.Linear`` instead; that inner linear is
+then quantized and the wrapper's collective is kept ("shard first, then quantize").
 
 Weight matrices held as parameters of other modules (a mixture-of-experts block's experts, ``[experts, out, in]``)
 stay in float: the report lists them. What cannot apply as asked (those weights, ``quantize_qkv=False`` on a model
@@ -13,6 +15,7 @@ without a recognised q/k/v projection) is a note of the report; ``plan`` also wa
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from dataclasses import dataclass, field
 
@@ -20,6 +23,7 @@ import torch
 from torch import nn
 
 from .. import native
+from ..arch import learned_position_limit
 from ..config import SpliceIgnoredOptionWarning, caller_stacklevel
 from ..kernel_choice import KernelChoice, quant_kernel
 from ..layers.conv1d import is_conv1d, linear_weight
@@ -32,6 +36,12 @@ from .scheme import ATTENTION_QKV_NAMES, QuantConfig, is_qkv_projection
 HANDLERS: dict[str, type[QuantizedLinear]] = {
     cls.kind: cls for cls in (Int8WeightOnlyLinear, Int4WeightOnlyLinear, Int8DynamicLinear)
 }
+
+#: ``nn.Linear`` subclasses of model code, as ``(module, class name)``, whose forward computes exactly
+#: ``F.linear(x, weight, bias)`` and which add no other behaviour, so a quantized layer replaces them as it does
+#: ``nn.Linear``: transformers' ``FalconLinear`` (``input @ weight.T + bias``; tests check its output against
+#: ``F.linear``). Only these exact classes: a subclass of one of them may add behaviour of its own.
+PLAIN_LINEAR_SUBCLASSES = (("transformers.models.falcon.modeling_falcon", "FalconLinear"),)
 
 
 @dataclass
@@ -84,12 +94,12 @@ def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str |
     """
     if not isinstance(config, QuantConfig):
         raise TypeError(f"quantize expects a splice.quant.QuantConfig, got {type(config).__name__}")
+    check_not_quantized(model, config)
     targets, report = _plan(model, config)
     hessians = {}
     head = output_head(model)
     if calibration_ids is not None:
-        ids = check_calibration_ids(calibration_ids, config)
-        _check_ids_in_vocabulary(model, ids)
+        ids = check_calibration_ids(calibration_ids, config, model)
         calibrated = {name: m for name, m in targets if not _is_head(m, head) or config.head_scheme() is config}
         hessians = gptq.run_calibration(model, ids, calibrated, head_needed=any(m is head for m in calibrated.values()))
         report.calibration = f"GPTQ on {ids.shape[0]}x{ids.shape[1]} tokens" + (", act-order" if act_order else "")
@@ -138,30 +148,89 @@ def _replace(model: nn.Module, name: str, module: nn.Module, config: QuantConfig
     report.quantized.append(name)
 
 
-def check_calibration_ids(ids, config: QuantConfig) -> torch.Tensor:
+def check_not_quantized(model: nn.Module, config: QuantConfig) -> None:
+    """A model with splice's quantized layers would keep them as they are (they are not linears), and the call would
+    report nothing done: refused, naming one, before the model changes."""
+    found = first_quantized_layer(model)
+    if found is not None:
+        name, layer = found
+        raise ValueError(f"quantize ({config.kind}) was given a model that is already quantized: layer "
+                         f"{name or '(the model itself)'} is {type(layer).__name__} ({layer.kind}); allowed: the "
+                         "float model (load it again, or load_quantized into a float skeleton)")
+
+
+def first_quantized_layer(model: nn.Module) -> tuple[str, QuantizedLinear] | None:
+    """The first of splice's quantized layers in ``model``, with its name; None for a float model."""
+    return next(((name, module) for name, module in model.named_modules() if isinstance(module, QuantizedLinear)),
+                None)
+
+
+def check_calibration_ids(ids, config: QuantConfig, model: nn.Module | None = None) -> torch.Tensor:
+    """``ids`` as a ``[sequences, tokens]`` LongTensor, checked against ``config`` and, where given, ``model`` (a
+    token embedding to feed them to, its vocabulary, its learned positions): ``ValueError``/``TypeError`` naming what
+    is wrong, before any calibration forward."""
     if config.kind != "int4_weight_only":
         raise ValueError(f"calibration_ids (GPTQ) is supported for int4 weights only, not {config.kind!r}; allowed: "
                          "QuantConfig(bits=4, ...), or calibration_ids=None (round-to-nearest)")
-    if not isinstance(ids, torch.Tensor):
-        try:
-            ids = torch.tensor(ids, dtype=torch.long)
-        except (TypeError, ValueError) as err:
-            raise TypeError(f"calibration_ids must be a [sequences, tokens] integer tensor or nested lists of equal "
-                            f"length, got {type(ids).__name__}: {err}") from None
+    ids = _as_id_tensor(ids)
     if ids.dim() == 1:
         ids = ids[None]
-    if ids.dim() != 2 or ids.numel() == 0 or ids.is_floating_point() or ids.is_complex():
-        raise ValueError(f"calibration_ids must be a non-empty [sequences, tokens] integer tensor, got "
-                         f"dtype={ids.dtype}, shape={tuple(ids.shape)}")
-    return ids.long()
+    if ids.dim() != 2 or ids.numel() == 0 or not _is_integer_dtype(ids.dtype):
+        raise ValueError(f"calibration_ids must be a non-empty [sequences, tokens] integer tensor (not bool, not "
+                         f"float), got dtype={ids.dtype}, shape={tuple(ids.shape)}")
+    ids = ids.long()
+    if model is not None:
+        _check_takes_token_ids(model)
+        _check_ids_in_vocabulary(model, ids)
+        _check_ids_within_positions(model, ids)
+    return ids
+
+
+def _as_id_tensor(ids) -> torch.Tensor:
+    """A tensor of ``ids`` in the dtype its values have (nested lists of bools or floats stay so, to be refused)."""
+    if isinstance(ids, torch.Tensor):
+        return ids
+    try:
+        return torch.as_tensor(ids)
+    except (TypeError, ValueError, RuntimeError) as err:
+        raise TypeError(f"calibration_ids must be a [sequences, tokens] integer tensor or nested lists of equal "
+                        f"length, got {type(ids).__name__}: {err}") from None
+
+
+def _is_integer_dtype(dtype: torch.dtype) -> bool:
+    """Integer token ids; bool (True/False would read as ids 1 and 0), float and complex refused."""
+    return dtype != torch.bool and not dtype.is_floating_point and not dtype.is_complex
+
+
+def _check_takes_token_ids(model: nn.Module) -> None:
+    """GPTQ calibrates on the model's forward over token ids: a model without a token embedding cannot take them."""
+    if _input_embeddings(model) is None and not any(isinstance(m, nn.Embedding) for m in model.modules()):
+        raise ValueError(f"calibration_ids need a model with a token embedding (GPTQ runs its forward over the ids), "
+                         f"but {type(model).__name__} has none (no get_input_embeddings(), no nn.Embedding); "
+                         "allowed: calibration_ids=None (round-to-nearest) for this model")
+
+
+def _input_embeddings(model: nn.Module) -> nn.Module | None:
+    """A Hugging Face model's input embedding; None for other models and those without one."""
+    try:
+        return model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+
+
+def _check_ids_within_positions(model: nn.Module, ids: torch.Tensor) -> None:
+    """Sequences longer than a model's learned position table (GPT-2's, OPT's) would fail in the calibration forward
+    as a bare IndexError."""
+    limit = learned_position_limit(model)
+    if limit is not None and ids.shape[1] > limit:
+        raise ValueError(f"calibration_ids of shape {tuple(ids.shape)} hold sequences of {ids.shape[1]} tokens, past "
+                         f"the {limit} learned positions of this {model.config.model_type} model; allowed: at most "
+                         f"{limit} tokens per sequence")
 
 
 def _check_ids_in_vocabulary(model: nn.Module, ids: torch.Tensor) -> None:
     """Token ids outside the input embedding's rows would fail in the calibration forward as a bare IndexError."""
-    try:
-        embeddings = model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):  # not a Hugging Face model, or one without an input embedding
-        return
+    embeddings = _input_embeddings(model)
     rows = getattr(embeddings, "num_embeddings", None)
     if rows is None:
         return
@@ -201,6 +270,10 @@ def _plan(model: nn.Module, config: QuantConfig) -> tuple[list[tuple[str, nn.Mod
     share = _share_outside_linears(modules, outside) if outside else 0.0
     if share >= NOTED_SHARE_OUTSIDE_LINEARS:
         report.notes.append(_outside_linears_note(outside, share))
+    subclassed = _skipped_subclasses(modules)
+    share = _share_of_linear_weights(modules, outside, subclassed) if subclassed else 0.0
+    if share >= NOTED_SHARE_OUTSIDE_LINEARS:
+        report.notes.append(_skipped_subclasses_note(subclassed, share))
     return targets, report
 
 
@@ -210,13 +283,21 @@ def reason_to_skip(name: str, module: nn.Module, head: nn.Module | None, config:
     module holding it, where known (it tells T5's attention ``q`` from other modules named ``q``)."""
     if not isinstance(module, nn.Linear) and not _is_conv1d(module):
         return None
-    if type(module) is not nn.Linear and not _is_conv1d(module):
+    if not is_plain_linear(module):
         return f"{type(module).__name__} subclasses nn.Linear; wrap a plain nn.Linear to have it quantized"
     if _is_head(module, head) and config.head_scheme() is None:
         return "output head; set quantize_lm_head=True (the scheme) or lm_head_int8=True to quantize it"
     if not config.quantize_qkv and is_qkv_projection(name, parent):
         return "q/k/v projection with quant.qkv.enabled=False"
     return ""
+
+
+def is_plain_linear(module: nn.Module) -> bool:
+    """``module`` computes ``F.linear`` and nothing more: an ``nn.Linear``, a ``Conv1D``, or one of
+    :data:`PLAIN_LINEAR_SUBCLASSES` (exactly; their modules are imported wherever a model holds one)."""
+    if type(module) is nn.Linear or _is_conv1d(module):
+        return True
+    return any(type(module) is getattr(sys.modules.get(path), name, None) for path, name in PLAIN_LINEAR_SUBCLASSES)
 
 
 def _parent(modules: dict[str, nn.Module], name: str) -> nn.Module | None:
@@ -269,6 +350,31 @@ NOTED_SHARE_OUTSIDE_LINEARS = 0.01
 def _share_outside_linears(modules: dict[str, nn.Module], outside: dict[str, tuple[torch.Tensor, str]]) -> float:
     kept = sum(param.numel() for param, _ in outside.values())
     return kept / (kept + sum(_linear_weight_count(module) for module in modules.values()))
+
+
+def _skipped_subclasses(modules: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """The float ``nn.Linear`` subclasses (and ``Conv1D`` ones) that ``quantize`` leaves alone: not plain linears."""
+    return {name: module for name, module in modules.items()
+            if (isinstance(module, nn.Linear) or is_conv1d(module)) and not is_plain_linear(module)}
+
+
+def _share_of_linear_weights(modules: dict[str, nn.Module], outside: dict[str, tuple[torch.Tensor, str]],
+                             kept: dict[str, nn.Module]) -> float:
+    """The share of the model's linear-like weights (those held outside linears included) that ``kept`` hold."""
+    total = sum(_linear_weight_count(module) for module in modules.values())
+    total += sum(param.numel() for param, _ in outside.values())
+    return sum(_linear_weight_count(module) for module in kept.values()) / max(total, 1)
+
+
+def _skipped_subclasses_note(kept: dict[str, nn.Module], share: float) -> str:
+    """How much of the model's linear-like weights (``share`` of them) stays in float in ``nn.Linear`` subclasses."""
+    classes = sorted({type(module).__name__ for module in kept.values()})
+    largest = max(kept, key=lambda name: _linear_weight_count(kept[name]))
+    return (f"{len(kept)} linear layer(s) ({share:.0%} of the model's linear-like weights; classes "
+            f"{', '.join(classes)}; the largest: {largest}) stay in float: they subclass nn.Linear, and a subclass may "
+            "carry behaviour a quantized layer would drop, so splice quantizes nn.Linear itself, Conv1D and the "
+            "subclasses in splice.quant.api.PLAIN_LINEAR_SUBCLASSES only; allowed: wrap a plain nn.Linear (the "
+            "quantize report lists these under 'kept in float')")
 
 
 def _outside_linears_note(outside: dict[str, tuple[torch.Tensor, str]], share: float) -> str:

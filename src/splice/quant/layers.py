@@ -176,7 +176,8 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         x = qmath.pad_to(x, 1, self.saved_group)
         if self.kept_group == self.saved_group:
             return x
-        return F.pad(x.view(x.shape[0], -1, self.saved_group), (0, self.kept_group - self.saved_group)).flatten(1)
+        groups = x.view(x.shape[0], x.shape[1] // self.saved_group, self.saved_group)  # counted: x may have no rows
+        return F.pad(groups, (0, self.kept_group - self.saved_group)).flatten(1)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_grouped:

@@ -199,10 +199,11 @@ def round_activations(x: torch.Tensor, block: int = ACTIVATION_BLOCK, levels: in
     block's values become ``q * scale`` with ``q`` in -127..127 and ``scale`` = the block's absolute max / 127, returned
     in ``x``'s dtype. ``levels``: another range for ``q`` (-levels..levels; 32767 for int16)."""
     rows, k = x.shape
-    blocks = pad_to(x.float(), 1, block).reshape(rows, -1, block)
+    padded = pad_to(x.float(), 1, block)
+    blocks = padded.reshape(rows, padded.shape[1] // block, block)  # counted, not -1: x may have no rows
     scales = blocks.abs().amax(dim=-1, keepdim=True).clamp(min=_EPS) / levels
     q = torch.round(blocks / scales).clamp_(-levels, levels)
-    return (q * scales).reshape(rows, -1)[:, :k].to(x.dtype)
+    return (q * scales).reshape(rows, padded.shape[1])[:, :k].to(x.dtype)
 
 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
