@@ -148,8 +148,20 @@ def test_quant_flag_asks_for_the_bench_schemes():
     assert config_from_args(parse(["generate", "hi", "--quant", "int4", "--dtype", "bf16"])) == {
         "dtype": "bf16", **QUANT_SCHEMES["int4"]}
     assert config_from_args(parse(["info", "--quant", "int8"])) == {"dtype": "int8"}
-    with pytest.raises(ValueError, match="--quant int8 sets dtype='int8', but --dtype 'bf16' was given"):
-        config_from_args(parse(["generate", "hi", "--quant", "int8", "--dtype", "bf16"]))
+    assert config_from_args(parse(["info", "--quant", "int8", "--dtype", "int8"])) == {"dtype": "int8"}
+    for dtype in ("bf16", "fp32"):  # int8 weights, activations in the dtype asked for (the README's example)
+        assert config_from_args(parse(["generate", "hi", "--quant", "int8", "--dtype", dtype])) == {
+            "dtype": dtype, "quant": {"enabled": True, "weight": {"num_bits": 8}}}
+
+
+def test_generate_int8_beside_a_float_dtype_runs_int8_weights(tiny_cli, capsys):
+    """``splice generate --kernel-inject --dtype bf16 --quant int8`` (README) quantizes the weights to int8."""
+    code, out, err = run_cli(["info", "--kernel-inject", "--dtype", "bf16", "--quant", "int8"], capsys)
+    assert code == 0, err
+    assert "int8_weight_only" in out
+    code, _, err = run_cli(["generate", "Hi", "--max-new-tokens", "2", "--kernel-inject", "--dtype", "bf16",
+                            "--quant", "int8"], capsys)
+    assert code == 0, err
 
 
 @pytest.mark.slow

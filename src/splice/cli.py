@@ -169,8 +169,9 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", help="fp32 | bf16 | fp16 | int8 (default: the model's own)")
     parser.add_argument("--kernel-inject", action="store_true", help="replace_with_kernel_inject=True")
     parser.add_argument("--quant", choices=tuple(QUANT_SCHEMES),
-                        help="quantize: int8 (= --dtype int8), w8a8, int4 (g32 asymmetric), int4-sym (g32 symmetric), "
-                             "int4-g128 (as splice bench --quant; other schemes through --config)")
+                        help="quantize: int8 (= --dtype int8; beside a float --dtype, int8 weights with activations "
+                             "in it), w8a8, int4 (g32 asymmetric), int4-sym (g32 symmetric), int4-g128 (as splice "
+                             "bench --quant; other schemes through --config)")
     parser.add_argument("--compile", action="store_true",
                         help="compile_decode=True: torch.compile the decode step (needs --kernel-inject)")
     parser.add_argument("--tp", type=POSITIVE_INT, help="tensor_parallel.tp_size (run under torchrun)")
@@ -191,12 +192,25 @@ def config_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "device": args.device,
     }
     options = {key: value for key, value in options.items() if value is not None}
-    for key, value in QUANT_SCHEMES.get(getattr(args, "quant", None), {}).items():
+    for key, value in quant_scheme(args).items():
         if options.get(key, value) != value:
             raise ValueError(f"--quant {args.quant} sets {key}={value!r}, but --{key} {options[key]!r} was given; "
                              f"drop one of them")
         options[key] = value
     return options
+
+
+#: --quant int8 beside a float --dtype: int8 weights, activations in that dtype (dtype=int8 picks bf16 on a CPU)
+INT8_BESIDE_FLOAT = {"quant": {"enabled": True, "weight": {"num_bits": 8}}}
+
+
+def quant_scheme(args: argparse.Namespace) -> dict[str, Any]:
+    """The init_inference keys ``--quant`` sets: its scheme, where int8 (``dtype=int8``) beside a float ``--dtype``
+    keeps that dtype for the activations instead."""
+    scheme = QUANT_SCHEMES.get(getattr(args, "quant", None), {})
+    if scheme.get("dtype") == "int8" and args.dtype not in (None, "int8"):
+        return INT8_BESIDE_FLOAT
+    return scheme
 
 
 def flags_by_key(args: argparse.Namespace) -> dict[str, str]:
@@ -209,7 +223,7 @@ def flags_by_key(args: argparse.Namespace) -> dict[str, str]:
         "max_out_tokens": args.max_out_tokens is not None and f"--max-out-tokens {args.max_out_tokens}",
         "device": args.device and f"--device {args.device}",
     }
-    for key in QUANT_SCHEMES.get(getattr(args, "quant", None), {}):
+    for key in quant_scheme(args):
         flags[key] = flags[key] or f"--quant {args.quant}"
     return {key: flag for key, flag in flags.items() if flag}
 

@@ -258,7 +258,8 @@ class WeightQuantConfig(_Section):
         "Input elements per quantization group (e.g. 32, 64, 128); overrides q_groups. None uses q_groups."),
         json_schema_extra=_note("splice extra"))
     q_dtype: torch.dtype | None = Field(None, description=(
-        "Storage dtype of quantized weights: torch.int8 or torch.uint8; None lets the scheme choose."),
+        "Storage dtype of quantized weights, checked against num_bits: torch.int8 for 8 bits, torch.uint8 for 4 "
+        "(two codes a byte); the other raises. None: the scheme's own."),
         json_schema_extra=_note("splice extra"))
     calibration_ids: list[list[int]] | None = Field(None, description=(
         "Token ids [sequences][tokens] (a LongTensor or nested lists) to calibrate int4 weights on with GPTQ; "
@@ -300,9 +301,13 @@ class ActivationQuantConfig(_Section):
                                               "while False, the keys below warn."),
                           json_schema_extra=_note("DeepSpeed defaults to True; splice quantizes weights only "
                                                   "unless asked."))
-    num_bits: Literal[8] = Field(8, description="Bits per quantized activation.")
-    q_type: Literal["symmetric", "asymmetric"] = Field("symmetric", description="Zero-point scheme.")
-    q_groups: int = Field(1, ge=1, description="Number of quantization groups.")
+    num_bits: Literal[8] = Field(8, description="Bits per quantized activation: 8 only (int8 activations).")
+    q_type: Literal["symmetric", "asymmetric"] = Field("symmetric", description=(
+        "Zero-point scheme: 'symmetric' only (one scale per row and block of inputs); 'asymmetric' raises when "
+        "activations are quantized."))
+    q_groups: int = Field(1, ge=1, description=(
+        "Number of quantization groups: 1 only (the blocks of inputs set the scales); another value raises when "
+        "activations are quantized."))
 
 
 class QKVQuantConfig(_Section):

@@ -40,8 +40,10 @@ class StepClock:
         return (len(self.arrivals) - 1) / (self.arrivals[-1] - self.arrivals[0])
 
     def summary(self) -> str:
-        return (f"[prefill {self.prefill_ms:.1f} ms | decode {self.decode_steps_per_s:.1f} tokens/s "
-                f"| {len(self.arrivals)} new tokens]")
+        """One line: the prefill time, the decode rate (where there were decode steps to time) and the new tokens."""
+        prefill = f"prefill {self.prefill_ms:.1f} ms" if self.arrivals else "no new token"
+        decode = f"decode {self.decode_steps_per_s:.1f} tokens/s" if len(self.arrivals) > 1 else "no decode step"
+        return f"[{prefill} | {decode} | {len(self.arrivals)} new tokens]"
 
 
 class TimingStreamer(StepClock, TextStreamer):
