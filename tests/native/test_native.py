@@ -1010,12 +1010,23 @@ def test_an_unknown_or_unsupported_level_names_the_allowed_ones():
 
 
 @needs_native
+@needs_native
 def test_the_level_can_be_set_before_anything_loaded_the_kernels():
     """A fresh process whose first native call sets the level: the kernels load first, then run at that level."""
     result = _run_with_env("from splice import native; native.set_isa('avx2'); "
                            "print(native.isa(), native.MAX_ROWS['int8'])")
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.split() == ["avx2", str(native.ROW_LIMITS["avx2"]["int8"])]
+
+
+@needs_native
+@pytest.mark.parametrize("getter", ["weight_streams", "work_stealing", "layer_region", "software_prefetch"])
+def test_the_settings_can_be_read_before_anything_loaded_the_kernels(getter):
+    """A fresh process whose first native call reads a setting: the kernels load first (an AttributeError came from
+    the op namespace)."""
+    result = _run_with_env(f"from splice import native; print(native.{getter}() == native.{getter}())")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["True"]
 
 
 @pytest.mark.parametrize("call", ["native.set_isa('avx2')", "native.use_isa('avx2').__enter__()"])

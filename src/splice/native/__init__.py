@@ -263,13 +263,21 @@ def initial_weight_streams() -> int:
     return int(value)
 
 
+def _loaded_kernels():
+    """The kernels' op namespace, loading them where nothing has yet; RuntimeError where they are not available."""
+    if not available():
+        raise RuntimeError("splice's native kernels are not available here (SPLICE_NATIVE_KERNELS=0, or the warning "
+                           "when they were first asked for says why)")
+    return torch.ops.splice_kernels
+
+
 def weight_streams() -> int:
     """Weight streams per thread of the decode GEMVs for one or two rows of x: that many parts of each thread's share
     of the weight walked side by side, so more reads are in flight (:func:`initial_weight_streams`). 1, 2 or 4; the
     kernels whose sums for four streams do not fit their registers walk at most two (``int8_gemv``, and the avx2
     level's ``bf16_gemv``, ``int8_dot_gemv`` and ``int4_dot_gemv``), the avx512 level's ``bf16_gemv``,
     ``int8_dot_gemv`` and ``int4_dot_gemv`` up to four."""
-    return torch.ops.splice_kernels.weight_streams()
+    return _loaded_kernels().weight_streams()
 
 
 def use_weight_streams(streams: int) -> contextlib.AbstractContextManager[None]:
@@ -283,7 +291,7 @@ def work_stealing() -> bool:
     """Whether the decode GEMVs that walk weight streams (``bf16_gemv``, ``int8_gemv``, ``int8_dot_gemv``,
     ``int4_dot_gemv``) let a thread done with its share of the weight take the pieces left of another's (the
     default), rather than wait for it at the end of the call. The outputs are the same either way."""
-    return torch.ops.splice_kernels.work_stealing()
+    return _loaded_kernels().work_stealing()
 
 
 def use_work_stealing(on: bool) -> contextlib.AbstractContextManager[None]:
@@ -297,7 +305,7 @@ def layer_region() -> bool:
     """Whether ``decode_layers`` runs its layers in one parallel region (the default): every thread takes its share of
     each kernel in turn and the threads meet at barriers between the kernels, rather than each kernel waking the
     threads and joining them. The outputs are the same either way."""
-    return torch.ops.splice_kernels.layer_region()
+    return _loaded_kernels().layer_region()
 
 
 def use_layer_region(on: bool) -> contextlib.AbstractContextManager[None]:
@@ -312,7 +320,7 @@ def software_prefetch() -> dict[str, int]:
     ahead in software, each with the rows of x in one pass over the weights from which it does (1: every pass); the
     other kinds and passes leave the reads to the CPU's hardware prefetcher alone (:func:`initial_software_prefetch`).
     The outputs are the same either way."""
-    rows = torch.ops.splice_kernels.software_prefetch_rows()
+    rows = _loaded_kernels().software_prefetch_rows()
     return {kind: count for kind, count in zip(PREFETCH_KINDS, rows) if count > 0}
 
 
