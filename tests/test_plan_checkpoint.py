@@ -165,6 +165,25 @@ def test_a_tied_model_given_an_untied_checkpoint_computes_what_from_pretrained_d
         torch.testing.assert_close(_logits(engine), _logits(reference), rtol=1e-5, atol=1e-5)
 
 
+def test_tied_names_with_different_values_are_refused_where_sharded_loading_cannot_untie_them(tmp_path):
+    """At tp_size > 1 each rank reads one tensor for a group of tied names: checked with the checkpoint's headers,
+    before any process changes its model; equal values (a tied checkpoint) pass."""
+    from transformers import AutoModelForCausalLM
+
+    from splice.plan import check_weights
+
+    untied, tied_folder = tmp_path / "untied", tmp_path / "tied"
+    build_tiny(tiny_llama_config()).save_pretrained(untied)
+    build_tiny(tiny_llama_config(tie_word_embeddings=True)).save_pretrained(tied_folder, safe_serialization=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_llama_config(tie_word_embeddings=True))
+    with pytest.raises(ValueError, match=r"holds tied tensors with different values \(\S+ differs from \S+\), which "
+                                         r"sharded loading cannot untie; allowed: tie_word_embeddings=False"):
+        check_weights(model, untied, 2, None)
+    check_weights(model, untied, 1, None)  # one process unties them, as transformers does
+    check_weights(model, tied_folder, 2, None)
+
+
 def test_a_splice_quantized_folder_as_checkpoint_points_to_load_quantized(tmp_path):
     from splice.quant import save_quantized
 

@@ -353,7 +353,7 @@ def load_checkpoint(model: nn.Module, path: CheckpointSource, device: str | torc
     device = torch.device(device)
     match = check_checkpoint(model, path)  # before the model is touched
     files = checkpoint_files(path)
-    untie = _differing_tied_names(model, files, match.names)
+    untie = differing_tied_names(model, files, match.names)
     if untie:
         log.warning("splice: checkpoint %r holds tied tensors under several names with different values (%s); "
                     "they are loaded untied, as transformers' from_pretrained does. Set tie_word_embeddings=False "
@@ -368,7 +368,7 @@ def load_checkpoint(model: nn.Module, path: CheckpointSource, device: str | torc
     return model
 
 
-def _differing_tied_names(model: nn.Module, files: list[Path], names: dict[str, str]) -> dict[str, str]:
+def differing_tied_names(model: nn.Module, files: list[Path], names: dict[str, str]) -> dict[str, str]:
     """Tied model names whose checkpoint tensors differ from the tensor loaded under the group's first present name:
     name -> that first name. Only groups with several names in the checkpoint are read, in the model's dtype."""
     state = model.state_dict(keep_vars=True)

@@ -18,7 +18,8 @@ from torch import nn
 
 from .arch import check_fits, model_dims, record_for, tensor_parallel_plan
 from .arch.paths import misfits
-from .checkpoint import check_checkpoint, has_meta_tensors, load_policy_files
+from .checkpoint import (check_checkpoint, checkpoint_files, differing_tied_names, has_meta_tensors,
+                         load_policy_files)
 from .config import InferenceConfig, SpliceIgnoredOptionWarning, TensorParallelConfig
 from .distributed import ParallelContext
 from .kernel_choice import KernelChoice, attention_kernel, float_kernel, layer_kernel, quant_kernel
@@ -230,7 +231,20 @@ def check_weights(model: nn.Module, checkpoint: CheckpointSource | None, tp: int
                              "or give a model with real weights")
         return
     if tp == 1 or manifest is None:
-        check_checkpoint(model, checkpoint)
+        match = check_checkpoint(model, checkpoint)
+        if tp > 1:
+            check_ties_hold(model, checkpoint, match)
+
+
+def check_ties_hold(model: nn.Module, checkpoint: CheckpointSource, match) -> None:
+    """Sharded loading reads one tensor for each group of tied names, so a checkpoint holding tied names with
+    different values (saved from an untied model), which tp_size 1 unties as transformers does, is refused."""
+    differing = differing_tied_names(model, checkpoint_files(checkpoint), match.names)
+    if differing:
+        pairs = "; ".join(f"{name} differs from {kept}" for name, kept in differing.items())
+        raise ValueError(f"checkpoint {str(checkpoint)!r} holds tied tensors with different values ({pairs}), which "
+                         "sharded loading cannot untie; allowed: tie_word_embeddings=False in the model's config "
+                         "(the model built untied), or tensor_parallel.tp_size=1")
 
 
 # ---- tensor parallelism ---------------------------------------------------------------------------------------------
