@@ -229,7 +229,7 @@ def match_checkpoint(model: nn.Module, shapes: dict[str, tuple[Shape, torch.dtyp
     """
     state = model.state_dict(keep_vars=True)
     match = CheckpointMatch()
-    rename = _checkpoint_renamer(model, state)
+    rename = checkpoint_renamer(model, state)
     ignored = _ignored_checkpoint_name(model)
     found: dict[str, Shape] = {}  # model name -> checkpoint shape
     converted: set[str] = set()  # model names a conversion fills
@@ -274,7 +274,7 @@ def _ignored_checkpoint_name(model: nn.Module) -> Callable[[str], bool]:
     return ignored
 
 
-def _checkpoint_renamer(model: nn.Module, state: dict[str, torch.Tensor]) -> Callable[[str], tuple[str, list[str]]]:
+def checkpoint_renamer(model: nn.Module, state: dict[str, torch.Tensor]) -> Callable[[str], tuple[str, list[str]]]:
     """checkpoint name -> (model name, the model names a transformers conversion op fills from it: empty where it
     needs none), using transformers' own key mapping."""
     identity = lambda name: (name, [])  # noqa: E731

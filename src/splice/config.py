@@ -188,7 +188,9 @@ class TensorParallelConfig(_Section):
         "DeepSpeed ignores enabled=False; splice raises if enabled=False while tp_size > 1."))
     tp_size: int = Field(1, ge=1, description="Number of processes (ranks) the model is split across.")
     tp_grain_size: int = Field(64, ge=1, description=(
-        "Granularity of uneven MLP / lm_head splits: per-rank sizes are rounded to multiples of it. At tp_size 1 "
+        "Granularity of uneven MLP / vocabulary splits: per-rank sizes are rounded to multiples of it (an MLP "
+        "width it does not divide is split by single columns; the vocabulary rows past the last whole unit go to the "
+        "last rank). At tp_size 1 "
         "nothing is split, and a non-default value warns. A splice_tp.json checkpoint records the one its shards "
         "were cut with, which loading uses; another value given explicitly raises."))
     mpu: Any = Field(None, description=(

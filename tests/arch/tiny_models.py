@@ -109,6 +109,8 @@ def _configs():
                                            intermediate_size=128, type_vocab_size=1, bos_token_id=2,
                                            eos_token_id=3),
         "distilbert": lambda: T.DistilBertConfig(**encoder, dim=64, n_layers=2, n_heads=4, hidden_dim=128),
+        # ALiBi as one bias plane per head (position_bias), no fused-block record: AutoTP only
+        "mpt": lambda: T.MptConfig(**IDS, d_model=64, n_heads=4, n_layers=2, expansion_ratio=2, max_seq_len=128),
         "gemma3_text": lambda: T.Gemma3TextConfig(**{**gemma2, "final_logit_softcapping": None,
                                                      "attn_logit_softcapping": None},
                                                   layer_types=["sliding_attention", "full_attention"]),

@@ -9,7 +9,10 @@ from tests.tp import workers
 from tests.tp.launch import run_ranks
 from tests.arch.tiny_models import AUTOTP_FAMILIES as FAMILIES, build
 
-PARITY_CASES = [(family, mode, {}) for family in FAMILIES for mode in ("autotp", "policy")]
+#: ALiBi given to each attention module as one plane per head of the whole model: folded into Falcon's mask, MPT's
+#: position_bias (each rank must get its own heads' planes)
+ALIBI_CASES = [("falcon:alibi", "autotp", {}), ("mpt", "autotp", {})]
+PARITY_CASES = [(family, mode, {}) for family in FAMILIES for mode in ("autotp", "policy")] + ALIBI_CASES
 #: at tp=3 also Falcon's new architecture (per-KV-group [q.., k, v] layout, 2 KV heads replicated over 3 ranks)
 TP3_CASES = [*PARITY_CASES, ("falcon", "autotp", {"new_decoder_architecture": True, "num_kv_heads": 2})]
 #: (family, config overrides); llama is saved in several files and loaded through its index JSON.

@@ -25,6 +25,7 @@ def test_meta_model_loads_its_slices_and_saved_shards_reload():
 def test_shards_reload_at_the_grain_they_were_cut_with():
     for rank, r in enumerate(suite.tp2()):
         assert r["grain"]["mlp_columns"] == (64, 32)[rank], r  # grain 32 splits 96 columns unevenly; 64 would not
+        assert r["grain"]["vocab_rows"] == ((96, 64)[rank],) * 2, r  # the vocabulary too, saved and reloaded
         assert r["grain"]["saved"]["tokens_equal"] and r["grain"]["reloaded"]["tokens_equal"], r
         assert r["grain"]["reloaded"]["max_diff"] < 1e-4, r
         assert "cut with tensor_parallel.tp_grain_size=32, but tp_grain_size=64" in r["grain"]["other_grain"], r

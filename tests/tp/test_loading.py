@@ -104,3 +104,55 @@ def test_a_checkpoint_is_cut_with_the_grain_its_shards_were_saved_with(tmp_path)
     with pytest.raises(ValueError, match=r"cut with tensor_parallel.tp_grain_size=32, but tp_grain_size=64"):
         resolve_grain_size(resolve_config({"tensor_parallel": {"tp_grain_size": 64}}), manifest)
     assert resolve_grain_size(resolve_config({"tensor_parallel": {"tp_grain_size": 16}}), None) == 16
+
+
+def _renamed_checkpoint(tmp_path, family: str):
+    """``family``'s tiny model saved as the hub holds it: GPT-NeoX by save_pretrained (its lm_head stored as
+    ``embed_out``), GPT-2 as its base model alone (no ``transformer.`` prefix)."""
+    from tests.arch.tiny_models import build
+
+    model = build(family)
+    (model.transformer if family == "gpt2" else model).save_pretrained(tmp_path)
+    return model
+
+
+@pytest.mark.parametrize("family", ["gpt_neox", "gpt2"])
+def test_slices_load_from_names_transformers_renames(tmp_path, family):
+    """A checkpoint the plan's check approves through transformers' renaming loads each rank's slices by the same
+    renaming: every sharded tensor equals the slice of the original its shard map names."""
+    from safetensors import safe_open
+
+    from splice.checkpoint import materialize
+    from splice.distributed import ParallelContext
+    from splice.tp.apply import apply_plan
+    from splice.tp.autotp import autotp_plan
+    from splice.tp.loading import load_slices
+    from tests.arch.tiny_models import build
+
+    original = _renamed_checkpoint(tmp_path, family)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        stored = set(f.keys())
+    assert "embed_out.weight" in stored if family == "gpt_neox" else "wte.weight" in stored
+    state = original.state_dict()
+    for rank in range(2):
+        model = build(family, meta=True)
+        shards = apply_plan(model, autotp_plan(model), ParallelContext(rank, 2))
+        load_slices(materialize(model, torch.device("cpu")), shards, tmp_path)
+        for name, tensor in model.state_dict().items():
+            expected = slice_in_memory(state, shards[name]) if name in shards else state[name]
+            assert torch.equal(tensor, expected), (rank, name)
+
+
+def test_manifests_state_the_vocabulary_grain_and_older_ones_were_cut_by_rows(tmp_path):
+    """Saved shards state the unit their vocabulary was cut by (the tp_grain_size); a manifest from before they
+    did was cut by single rows, and its plan says so."""
+    from splice.distributed import SINGLE_PROCESS
+    from splice.tp import loading
+    from splice.tp.autotp import autotp_plan
+    from tests.arch.tiny_models import build
+
+    model = build("llama")
+    manifest = read_manifest(loading.save_shards(model, autotp_plan(model), SINGLE_PROCESS, tmp_path, 32))
+    assert manifest["plan"]["vocab_grain"] == 32 and loading.manifest_plan(manifest, 1).vocab_grain == 32
+    older = {**manifest, "plan": {k: v for k, v in manifest["plan"].items() if k != "vocab_grain"}}
+    assert loading.manifest_plan(older, 1).vocab_grain == 1

@@ -285,3 +285,71 @@ def test_a_first_view_to_rows_of_head_dim_is_read_through(after, layout):
     rows = 4 + 2 * n_kv
     trace = Trace(out_ndim={"qkv": 3}, first_op={"qkv": ("view", ((1, 4, rows, 16),))}, next_op={"qkv": after})
     assert fused_layout("qkv", trace, Heads(4, n_kv, 16)) == layout
+
+
+def _tiny(config_name: str, **overrides):
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    ids = dict(vocab_size=128, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(getattr(transformers, config_name)(**ids, **overrides)).eval()
+
+
+_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=128)
+REFUSED = {
+    # qkv_proj viewed as 4 blocks of embed_dim / 4 (mp_num = 4 in its code): with 4 heads, a per-head [q v k] view
+    "codegen": (("CodeGenConfig", dict(n_embd=64, n_layer=2, n_head=4, n_positions=128, rotary_dim=8, n_inner=128)),
+                r"fused projection 'transformer.h.0.attn.qkv_proj' is split by its 'heads' layout, but rank 0's shard "
+                r"at tensor_parallel.tp_size=2 \(2 query and 2 key/value heads\) is first used by 'view' giving "
+                r"shapes \[\(1, 4, 4, 24\)\], no view by those heads"),
+    # an RMSNorm over the whole q projection (all heads' features)
+    "olmo2": (("Olmo2Config", dict(_DECODER, num_key_value_heads=2)),
+              r"AutoTP cannot shard 'model.layers.0.self_attn.q_norm' \(Olmo2RMSNorm\): it computes on the output "
+              r"of \['model.layers.0.self_attn.q_proj'\] before 'model.layers.0.self_attn.o_proj' reads it.*its "
+              r"weights \[\[64\]\] are not one head's \(16\)"),
+    # a LayerNorm with one weight row per head
+    "cohere": (("CohereConfig", dict(_DECODER, num_key_value_heads=2, use_qk_norm=True)),
+               r"'model.layers.0.self_attn.q_norm' \(CohereLayerNorm\).*its weights \[\[4, 16\]\] are not one "
+               r"head's"),
+    # one LayerNorm module per head
+    "stablelm": (("StableLmConfig", dict(_DECODER, num_key_value_heads=4, qk_layernorm=True)),
+                 r"'model.layers.0.self_attn.q_layernorm.norms.0' \(LayerNorm\).*runs on fewer than all the heads "
+                 r"at a time"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSED)
+def test_autotp_refuses_what_a_rank_cannot_compute_on_its_heads(name):
+    """Refused when the plan is made or verified (before anything is sharded), naming the module and why; the model
+    is left as it was."""
+    (config, overrides), message = REFUSED[name]
+    model = _tiny(config, **overrides)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=message):
+        verify(autotp_plan(model), model, 2)
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert not any(type(m).__module__.startswith("splice") for m in model.modules())
+
+
+def test_the_vocabulary_is_split_in_grains():
+    """tp_grain_size rounds each rank's vocabulary rows as it rounds MLP columns (1000 rows by 64: 512 + 488)."""
+    for rank, rows in enumerate((512, 488)):
+        model = build("llama", vocab_size=1000, tie_word_embeddings=False)
+        apply_plan(model, autotp_plan(model), ParallelContext(rank, 2), grain=64)
+        assert model.lm_head.linear.weight.shape[0] == model.model.embed_tokens.weight.shape[0] == rows
+
+
+def test_per_head_inputs_are_cut_to_the_rank_heads():
+    """ALiBi folded into a mask [batch, heads, q, k] (Falcon), [batch x heads, 1, k] (BLOOM) and [heads, 1, k] (MPT)
+    give the rank its heads' planes; a mask for all heads and a bias already made of the rank's heads pass as they
+    are."""
+    from splice.tp.apply import rank_heads
+
+    mask = torch.arange(2 * 4 * 3 * 3.0).reshape(2, 4, 3, 3)
+    assert torch.equal(rank_heads(mask, 4, (1, 3)), mask[:, 1:3])
+    flat = torch.arange(2 * 4 * 3.0).reshape(8, 1, 3)
+    assert torch.equal(rank_heads(flat, 4, (2, 4)), flat.reshape(2, 4, 1, 3)[:, 2:4].reshape(4, 1, 3))
+    shared, local = torch.zeros(2, 1, 3, 3), torch.zeros(2, 2, 3, 3)
+    assert rank_heads(shared, 4, (0, 2)) is shared and rank_heads(local, 4, (0, 2)) is local

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from splice.tp.split import Heads, balanced, head_share, layout_ranges, unit_span
+from splice.tp.split import Heads, balanced, grained, head_share, layout_ranges, row_order, unit_span
 
 
 def test_balanced_puts_larger_parts_first():
@@ -50,3 +50,17 @@ def test_fused_layouts():
     assert layout_ranges("kv_groups", 16, 4, 0, gqa) == ((0, 2), (4, 8))
     assert layout_ranges("halves", 16, 2, 1, grain=1) == ((4, 8), (12, 16))  # [gate | up]
     assert layout_ranges("kv", 4, 4, 3, gqa) == ((2, 4),)
+
+
+def test_vocabulary_rows_go_in_whole_grains_the_rest_on_the_last_rank():
+    assert grained(1000, 2, 64) == [512, 488]  # 15 grains: 8 and 7, the last 40 rows on the last rank
+    assert grained(1024, 3, 64) == [384, 320, 320]
+    assert grained(100, 2, 64) == [50, 50]  # fewer grains than ranks: single rows
+
+
+def test_layouts_with_the_same_row_order_split_alike():
+    one_per_group = Heads(2, 2, 8)
+    assert row_order("heads", one_per_group) == row_order("kv_groups", one_per_group) == ("q0", "k0", "v0", "q1",
+                                                                                           "k1", "v1")
+    assert row_order("qkv", one_per_group) == ("q0", "q1", "k0", "k1", "v0", "v1")
+    assert row_order("kv_groups", Heads(4, 2, 8)) == ("q0", "q1", "k0", "v0", "q2", "q3", "k1", "v1")

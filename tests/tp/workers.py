@@ -115,16 +115,19 @@ def checkpoint_roundtrip(rank: int, world: int, family: str, overrides: dict, fo
 
 
 def grain_roundtrip(rank: int, world: int, root: str) -> dict:
-    """Shards saved at tp_grain_size 32 where it splits the MLP otherwise than the default 64 (96 columns: 64 + 32
-    against 48 + 48) reload at the saved grain without naming it; naming 64 raises before any change."""
-    family, overrides, saved = "llama", {"intermediate_size": 96}, f"{root}/grain/tp"
+    """Shards saved at tp_grain_size 32 where it splits the MLP and the vocabulary otherwise than the default 64 (96
+    columns: 64 + 32 against 48 + 48; 160 rows: 96 + 64 against 80 + 80) reload at the saved grain without naming it;
+    naming 64 raises before any change."""
+    family, overrides, saved = "llama", {"intermediate_size": 96, "vocab_size": 160}, f"{root}/grain/tp"
     ref = reference(build(family, **overrides))
     model, _, _ = shard(build(family, **overrides), world, tensor_parallel={"tp_grain_size": 32},
                         save_mp_checkpoint_path=saved)
     again, _, _ = shard(build(family, meta=True, **overrides), world, checkpoint=f"{saved}/splice_tp.json")
     other = error_of(lambda: shard(build(family, meta=True, **overrides), world, checkpoint=saved,
                                    tensor_parallel={"tp_grain_size": 64}))
-    return {"mlp_columns": model.model.layers[0].mlp.gate_proj.weight.shape[0], "saved": compare(model, ref),
+    return {"mlp_columns": model.model.layers[0].mlp.gate_proj.weight.shape[0],
+            "vocab_rows": (model.lm_head.linear.weight.shape[0], again.lm_head.linear.weight.shape[0]),
+            "saved": compare(model, ref),
             "reloaded": compare(again, ref), "other_grain": other}
 
 
@@ -325,10 +328,10 @@ FUSED_NEW_TOKENS = 12
 #: (its vision tower replicated); at tp=3 (uneven heads) the
 #: multi-query, per-KV-group (a group's query heads split over two ranks) and ALiBi ones (each rank's slopes follow
 #: its heads)
-TP_VARIANTS = ("gpt_neox", "gpt2", "opt:post_norm", "falcon", "bloom", "gemma2", "gemma3", "gpt_bigcode", "phi", "gptj",
-               "gemma3_text", "gpt_neo")
-TP3_VARIANTS = ("falcon", "falcon:new_architecture", "bloom", "gpt_neox", "gpt2", "opt:post_norm", "gemma2", "gemma3",
-                "gpt_bigcode", "phi", "gptj", "gemma3_text", "gpt_neo")
+TP_VARIANTS = ("gpt_neox", "gpt2", "opt:post_norm", "falcon", "falcon:alibi", "bloom", "gemma2", "gemma3",
+               "gpt_bigcode", "phi", "gptj", "gemma3_text", "gpt_neo")
+TP3_VARIANTS = ("falcon", "falcon:new_architecture", "falcon:alibi", "bloom", "gpt_neox", "gpt2", "opt:post_norm",
+                "gemma2", "gemma3", "gpt_bigcode", "phi", "gptj", "gemma3_text", "gpt_neo")
 
 
 def fused_pipeline(rank: int, world: int, families: tuple | None = None) -> dict:

@@ -135,7 +135,10 @@ class SpliceBlock(nn.Module):
         if self.window is not None and not self.layout.hf_window_in_mask:
             mask = within_window(mask, q.shape[2], k.shape[2], self.window, q.device)
         causal = mask is None and q.shape[2] > 1 and self.layout.causal
-        bias = None if self.layout.hf_alibi_in_mask else self.hf_alibi(mask, q.shape[2], k.shape[2])
+        if self.layout.hf_alibi_in_mask:
+            mask, bias = self.alibi_from_model_mask(mask, q.shape[2], k.shape[2])
+        else:
+            bias = self.hf_alibi(mask, q.shape[2], k.shape[2])
         out = self.finish(x, h, self.attend(q, k, v, mask, causal, bias))
         return (out, None) if self.layout.hf_returns_tuple else out
 
@@ -207,6 +210,19 @@ class SpliceBlock(nn.Module):
         keys = visible[:, -1].long().cumsum(-1) - 1
         queries = visible.sum(-1) - 1  # each query's own position: the real keys it sees, itself included
         return positions_alibi_bias(self.alibi_slopes, keys, queries) * self.alibi_scale
+
+    def alibi_from_model_mask(self, mask: torch.Tensor | None, q_len: int,
+                              kv_len: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(mask, bias) for a model that folds ALiBi's bias into the mask it passes (Falcon): that mask as it is when
+        it holds this block's heads; when it holds the whole model's heads and the block a tensor-parallel share of
+        them, which keys each row sees (read from the mask) and the bias of the block's own heads from its slopes,
+        computed as the native path computes it (:meth:`alibi`)."""
+        if mask is None or mask.dim() != 4 or mask.shape[1] in (1, self.shape.n_heads):
+            return mask, None
+        visible = mask[:, :1] if mask.dtype == torch.bool else mask[:, :1] > torch.finfo(mask.dtype).min / 2
+        if self.layout.alibi_bf16:
+            return visible, rounded_alibi_bias(self.alibi_slopes, visible[:, 0, -1, :kv_len], self.alibi_scale)
+        return visible, self.hf_alibi(visible, q_len, kv_len)
 
     def attend(self, q, k, v, mask, causal: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``q`` over ``k, v`` under ``mask`` (None: causal where ``causal``, else none), ``bias``

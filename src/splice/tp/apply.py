@@ -7,17 +7,20 @@ Tied tensors (an lm_head sharing the embedding) stay one tensor: the same source
 """
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 from torch import nn
 
 from ..distributed import ParallelContext
+from .autotp import fused_layout, trace_model
 from .layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelLinear, local_embedding, plain_linear
 from ..layers.conv1d import in_out_features, is_conv1d
 from .plan import Rule, TPPlan, matches, verify
-from .split import Heads, HeadShare, Ranges, balanced, head_share, layout_ranges, span
+from .split import Heads, HeadShare, Ranges, grained, head_share, layout_ranges, row_order, span
 
 #: Attributes HF attention modules read for their head counts, and what each means. Set per rank on the module,
 #: only where the attribute exists and holds the model-wide value; the shared model config is never touched.
@@ -27,8 +30,12 @@ HEAD_ATTRIBUTES = {"num_heads": "n_q", "num_attention_heads": "n_q", "n_head": "
 #: Head counts some attention forwards read from ``self.config`` (Phi-3's ``num_attention_heads``): such a module gets
 #: a :class:`LocalConfig` view, the shared config object itself is never written.
 CONFIG_HEADS = {"num_attention_heads": "n_q", "num_key_value_heads": "n_kv"}
-#: Attention inputs with one slice per query head (ALiBi biases): sliced to the rank's heads before the call.
-PER_HEAD_INPUTS = ("alibi",)
+#: Attention inputs that can hold one plane per query head of the whole model (ALiBi's bias, alone or folded into
+#: the mask), by name -> the ranks such a tensor has: a 3-D one is ``[batch x heads, ...]`` (BLOOM's ``alibi``, MPT's
+#: ``position_bias``), a 4-D one ``[batch, heads, q, k]`` (Falcon's ``attention_mask``). A tensor of those ranks
+#: whose head dimension holds the model's query heads is cut to the rank's heads before the call; any other (a mask
+#: shared by all heads, T5's bias already made from the rank's own heads) is passed as it is.
+PER_HEAD_INPUTS = {"alibi": (3,), "position_bias": (3, 4), "attention_mask": (4,)}
 
 
 @dataclass(frozen=True)
@@ -47,8 +54,8 @@ ShardMap = dict[str, Slice]
 
 def apply_plan(model: nn.Module, plan: TPPlan, ctx: ParallelContext, grain: int = 64) -> ShardMap:
     """Shard ``model`` in place by ``plan`` for ``ctx``'s rank; return the shard map. Verifies the plan first."""
-    resolved = verify(plan, model, ctx.world_size)
-    sharder = _Sharder(ctx, grain)
+    resolved = verify(plan, model, ctx.world_size, run_shards=False)
+    sharder = _Sharder(ctx, grain, plan.vocab_grain or grain)
     for name, rule in resolved.items():
         if rule.style != "replicate":
             model.set_submodule(name, sharder.shard(name, model.get_submodule(name), rule))
@@ -60,8 +67,8 @@ def apply_plan(model: nn.Module, plan: TPPlan, ctx: ParallelContext, grain: int 
 
 
 class _Sharder:
-    def __init__(self, ctx: ParallelContext, grain: int):
-        self.ctx, self.grain = ctx, grain
+    def __init__(self, ctx: ParallelContext, grain: int, vocab_grain: int):
+        self.ctx, self.grain, self.vocab_grain = ctx, grain, vocab_grain
         self.slices: ShardMap = {}
         self._made: dict[tuple, nn.Parameter] = {}
 
@@ -102,7 +109,7 @@ class _Sharder:
         return local_embedding(module, self.take(name, module, "weight", 1, ranges, as_linear=False), 0)
 
     def vocab_sizes(self, rows: int) -> list[int]:
-        return balanced(rows, self.ctx.world_size)
+        return grained(rows, self.ctx.world_size, self.vocab_grain)
 
     def take(self, name: str, module: nn.Module, attr: str, dim: int | None, ranges: Ranges,
              new_name: str | None = None, as_linear: bool = True) -> torch.Tensor | None:
@@ -147,13 +154,22 @@ def localize_heads(module: nn.Module, heads: Heads, share: HeadShare) -> None:
 
 def _per_head_slicer(n_q: int, q: tuple[int, int]):
     def hook(module, args, kwargs):
-        for key in PER_HEAD_INPUTS:
+        for key, ranks in PER_HEAD_INPUTS.items():
             value = kwargs.get(key)
-            if isinstance(value, torch.Tensor) and value.shape[0] % n_q == 0:
-                rest = value.shape[1:]
-                kwargs[key] = value.reshape(-1, n_q, *rest)[:, q[0]:q[1]].reshape(-1, *rest)
+            if isinstance(value, torch.Tensor) and value.dim() in ranks:
+                kwargs[key] = rank_heads(value, n_q, q)
         return args, kwargs
     return hook
+
+
+def rank_heads(value: torch.Tensor, n_q: int, q: tuple[int, int]) -> torch.Tensor:
+    """Query heads ``q[0]:q[1]`` of a per-head input (see :data:`PER_HEAD_INPUTS`); any other tensor as it is."""
+    if value.dim() == 4:
+        return value[:, q[0]:q[1]] if value.shape[1] == n_q else value
+    if value.shape[0] % n_q:
+        return value
+    rest = value.shape[1:]
+    return value.reshape(-1, n_q, *rest)[:, q[0]:q[1]].reshape(-1, *rest)
 
 
 class LocalConfig:
@@ -173,3 +189,102 @@ class LocalConfig:
 
     def __repr__(self) -> str:
         return f"LocalConfig({self._overrides} over {type(self._shared).__name__})"
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Running a plan before it is applied
+
+
+@dataclass(frozen=True)
+class _ShapesOnly(ParallelContext):
+    """A rank's context whose collectives give only the shape they would (for meta tensors)."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def all_gather_last(self, tensor: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        return tensor.new_empty(*tensor.shape[:-1], sum(sizes))
+
+
+def check_sharded_forward(model: nn.Module, plan: TPPlan, tp: int) -> None:
+    """Trace meta copies of ``model`` sharded as rank 0 and rank ``tp - 1`` would hold it (the largest and smallest
+    shares): raise ValueError naming the module whose forward fails there, or the fused projection whose output the
+    shard's forward views otherwise than by the rank's heads. The model itself is not touched.
+
+    The trace reads a fused projection's layout from the shapes its output is viewed to, and a model that views it
+    by a width it derives in its own way (CodeGen's ``embed_dim / mp_num`` with ``mp_num = 4`` written in its code)
+    looks like one that views it by heads when the numbers happen to agree; on a rank's shard they no longer do.
+    Where the unsharded model cannot be traced on the meta device, nothing can be learned and nothing is raised."""
+    try:
+        trace_model(meta_copy(model))
+    except ValueError:
+        return
+    fused = {name: rule for name, rule in verify(plan, model, tp, run_shards=False).items()
+             if rule.style == "column" and rule.layout in FUSED_LAYOUTS}
+    for rank in sorted({0, tp - 1}):
+        sharded = meta_copy(model)
+        apply_plan(sharded, plan, _ShapesOnly(rank, tp))
+        running = _Running(sharded)
+        try:
+            trace = trace_model(sharded)
+        except ValueError as e:
+            raise _fails_on_shard(plan, rank, tp, running.innermost(sharded), e.__cause__ or e) from None
+        for name, rule in fused.items():
+            _check_local_layout(name, rule, trace, head_share(rule.heads, tp, rank), rank, tp)
+
+
+#: What a plan that does not run on a rank's shard means, and what to do.
+_NOT_SPLIT = "it is not sharded rather than sharded wrongly; allowed: tensor_parallel.tp_size=1"
+FUSED_LAYOUTS = ("qkv", "heads", "kv_groups")
+
+
+def _fails_on_shard(plan: TPPlan, rank: int, tp: int, where: str, cause: BaseException) -> ValueError:
+    return ValueError(f"the {plan.source} tensor-parallel plan does not run on rank {rank}'s shard at "
+                      f"tensor_parallel.tp_size={tp}: {where} raised {type(cause).__name__}: {cause}; the model "
+                      "computes something there from a width the plan splits, in a way the trace cannot tell apart "
+                      f"from a split it supports; {_NOT_SPLIT}")
+
+
+def _check_local_layout(name: str, rule: Rule, trace, share: HeadShare, rank: int, tp: int) -> None:
+    """Raise unless the rank's shard of the fused projection ``name`` is viewed by the rank's own heads."""
+    local = Heads(share.n_q, share.n_kv, rule.heads.head_dim)
+    try:
+        same = row_order(fused_layout(name, trace, local), local) == row_order(rule.layout, local)
+    except ValueError:  # no layout, or one that does not fit the rank's heads
+        same = False
+    if not same:
+        op, shapes = trace.first_op.get(name, ("nothing", ()))
+        raise ValueError(f"the fused projection {name!r} is split by its {rule.layout!r} layout, but rank {rank}'s "
+                         f"shard at tensor_parallel.tp_size={tp} ({share.n_q} query and {share.n_kv} key/value heads) "
+                         f"is first used by {op!r} giving shapes {list(shapes)}, no view by those heads: the model "
+                         f"derives that view from something other than its head counts; {_NOT_SPLIT}")
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every parameter and buffer on the meta device (no data copied), in eval mode."""
+    memo: dict[int, torch.Tensor] = {}
+    for tensor in chain(model.parameters(), model.buffers()):
+        empty = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(empty, requires_grad=False) if isinstance(tensor, nn.Parameter) else empty
+    return copy.deepcopy(model, memo).eval()
+
+
+class _Running:
+    """The modules running now, innermost last (forward hooks on every module): where a failure comes from."""
+
+    def __init__(self, model: nn.Module):
+        self.stack: list[str] = []
+        for name, module in model.named_modules():
+            module.register_forward_pre_hook(self._enter(f"{name or 'the model'} ({type(module).__name__})"))
+            module.register_forward_hook(self._leave)
+
+    def _enter(self, label: str):
+        def hook(module, args):
+            self.stack.append(label)
+        return hook
+
+    def _leave(self, module, args, out) -> None:
+        self.stack.pop()
+
+    def innermost(self, model: nn.Module) -> str:
+        return self.stack[-1] if self.stack else type(model).__name__

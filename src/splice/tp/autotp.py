@@ -8,7 +8,10 @@ a ``TorchFunctionMode`` that tags every tensor with the linears it was computed 
   (is added back into the residual) -> **row**;
 - each row linear and the columns feeding it form a group: attention when its sizes match the model's heads, else an
   MLP. A fused projection's layout (``[q|k|v]``, per-head ``[q,k,v]``, per-KV-group, ``[gate|up]``) is read from
-  the first shape operation applied to its output (split, view to ``(heads, 3, dim)``, ...).
+  the first shape operation applied to its output (split, view to ``(heads, 3, dim)``, ...);
+- a module with weights (a norm) between a group's columns and its row runs on one rank's heads only: allowed when
+  its weights are one head's and it runs on all heads at once (Qwen3's q_norm), refused otherwise (OLMo 2's norm
+  over the whole projection, Cohere's per-head weight rows, StableLM's one norm module per head).
 
 Anything that fits none of these is reported, never guessed.
 """
@@ -50,6 +53,10 @@ class Trace:
     first_op: dict[str, tuple[str, tuple]] = field(default_factory=dict)
     next_op: dict[str, tuple[str, tuple]] = field(default_factory=dict)  # the op on a first view's output
     block_out: dict[str, frozenset] = field(default_factory=dict)
+    # modules with weights of their own that are neither linears nor embeddings (norms): per call, the tags and the
+    # number of elements of their input
+    weighted_inputs: dict[str, list[tuple[frozenset, int]]] = field(default_factory=dict)
+    tokens: int = 4
 
 
 class _Tagger(TorchFunctionMode):
@@ -111,6 +118,13 @@ class _Tagger(TorchFunctionMode):
             self.trace.out_ndim[name] = out.dim()
         return hook
 
+    def weighted_pre(self, name):
+        def hook(module, args, kwargs):
+            first = _tensors((args, kwargs))[:1]
+            seen = (self.tags_of(first), first[0].numel() if first else 0)
+            self.trace.weighted_inputs.setdefault(name, []).append(seen)
+        return hook
+
     def block_pre(self, name):
         def hook(module, args, kwargs):
             hidden = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
@@ -123,6 +137,11 @@ class _Tagger(TorchFunctionMode):
             first = _tensors(out)[:1]
             self.trace.block_out[name] = self.tags_of(first)
         return hook
+
+
+def _weighted(module: nn.Module) -> bool:
+    """A module with weights of its own that is no linear or embedding (a norm, a scale)."""
+    return not isinstance(module, nn.Embedding) and next(module.parameters(recurse=False), None) is not None
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -145,7 +164,7 @@ def find_blocks(model: nn.Module) -> tuple[list[str], list[str]]:
 
 def trace_model(model: nn.Module, tokens: int = 4) -> Trace:
     """Run one tiny forward and record the data flow (see the module docstring)."""
-    trace = Trace()
+    trace = Trace(tokens=tokens)
     trace.blocks, trace.block_lists = find_blocks(model)
     tagger = _Tagger(trace)
     handles = []
@@ -153,6 +172,8 @@ def trace_model(model: nn.Module, tokens: int = 4) -> Trace:
         if linear_like(module):
             handles += [module.register_forward_pre_hook(tagger.linear_pre(name)),
                         module.register_forward_hook(tagger.linear_post(name))]
+        elif _weighted(module):
+            handles.append(module.register_forward_pre_hook(tagger.weighted_pre(name), with_kwargs=True))
         if name in trace.blocks:
             handles += [module.register_forward_pre_hook(tagger.block_pre(name), with_kwargs=True),
                         module.register_forward_hook(tagger.block_post(name))]
@@ -329,6 +350,7 @@ def plan_from_roles(model: nn.Module, trace: Trace, roles: dict[str, str], block
     attention: dict[str, Heads] = {}
     for row, feeders in groups_from_roles(trace, roles).items():
         group, heads = group_rules(row, feeders, linears, trace, n_heads)
+        check_between(model, trace, row, feeders, heads)
         rules.update(group)
         if heads is not None:
             parent = common_parent([row, *feeders])
@@ -339,6 +361,36 @@ def plan_from_roles(model: nn.Module, trace: Trace, roles: dict[str, str], block
     ordered = {n: rules[n] for n, _ in model.named_modules() if n in rules}
     return TPPlan(collapse(ordered, prefixes), collapse(attention, prefixes),
                   list(collapse(dict.fromkeys(blocks, True), prefixes)), source)
+
+
+def check_between(model: nn.Module, trace: Trace, row: str, feeders: list[str], heads: Heads | None) -> None:
+    """Raise for a module with weights that computes on the column linears' outputs before their row linear reads
+    them: each rank holds only its heads (or MLP columns) there. Allowed: one module per call over whole heads with
+    weights of one head's size (a per-head RMSNorm, as Qwen3's q_norm), which every rank runs on its own heads."""
+    for name, calls in trace.weighted_inputs.items():
+        between = [(tags, numel) for tags, numel in calls if tags & set(feeders) and tags <= {*feeders, ATTENTION}]
+        problem = between and _split_problem(model.get_submodule(name), [n for _, n in between], trace.tokens, heads)
+        if problem:
+            reads = sorted(frozenset().union(*(tags for tags, _ in between)) - {ATTENTION})
+            raise ValueError(f"AutoTP cannot shard {name!r} ({type(model.get_submodule(name)).__name__}): it computes "
+                             f"on the output of {reads} before {row!r} reads it, where each rank holds only its share "
+                             f"of the {'heads' if heads else 'columns'}, and {problem}; allowed: "
+                             "tensor_parallel.tp_size=1")
+
+
+def _split_problem(module: nn.Module, numels: list[int], tokens: int, heads: Heads | None) -> str | None:
+    """Why ``module`` cannot run on one rank's heads (None: it can); ``numels``: its input sizes in the trace."""
+    shapes = [list(p.shape) for p in module.parameters(recurse=False)]
+    if heads is None:
+        return f"its weights {shapes} span the whole width (it would need the other ranks' columns)"
+    if any(shape not in ([], [heads.head_dim]) for shape in shapes):
+        return (f"its weights {shapes} are not one head's ({heads.head_dim}): they span every head, so it needs "
+                "the other ranks' features (a norm over all heads) or weights cut by head, which AutoTP does not do")
+    whole = {tokens * count * heads.head_dim for count in (heads.n_q, heads.n_kv)}
+    if not set(numels) <= whole:
+        return ("it runs on fewer than all the heads at a time (one module per head): a rank would run the first "
+                "heads' modules on its own heads")
+    return None
 
 
 def per_head_embeddings(model: nn.Module, attention: str, heads: Heads) -> dict[str, Rule]:

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..checkpoint import checkpoint_files, open_safetensors, tensor_groups
+from ..checkpoint import checkpoint_files, checkpoint_renamer, open_safetensors, tensor_groups, tensor_index
 from ..distributed import ParallelContext
 from .apply import ShardMap, Slice, cut
 from .split import width
@@ -28,13 +29,14 @@ MANIFEST = "splice_tp.json"
 FORMAT = "splice-tp/1"
 
 
-def tensor_index(files: list[Path]) -> dict[str, Path]:
-    """Tensor name -> the file holding it (headers only)."""
-    index = {}
-    for file in files:
-        with open_safetensors(file) as f:
-            index.update(dict.fromkeys(f.keys(), file))
-    return index
+def renamed_index(model: nn.Module, shards: ShardMap, files: list[Path]) -> dict[str, tuple[Path, str]]:
+    """The unsharded model's tensor name -> (file, the name the checkpoint stores it under), each checkpoint name
+    renamed as transformers renames it when loading (GPT-NeoX's ``embed_out`` -> ``lm_head``, a base-model prefix
+    added or dropped): the renaming the plan's checkpoint check applied when it approved the checkpoint."""
+    unsharded = {shards.get(name, Slice(name)).source: tensor for names, tensor in unique_tensors(model)
+                 for name in names}
+    rename = checkpoint_renamer(model, unsharded)
+    return {rename(stored)[0]: (file, stored) for stored, file in tensor_index(files).items()}
 
 
 def load_slices(model: nn.Module, shards: ShardMap, path, chunk_mib: int = 16) -> None:
@@ -43,9 +45,14 @@ def load_slices(model: nn.Module, shards: ShardMap, path, chunk_mib: int = 16) -
     The model must already have real storage (``splice.checkpoint.materialize`` a meta model first). Reads go in
     chunks of about ``chunk_mib`` straight into the target, each through a freshly opened (memory-mapped) file, so
     neither a temporary copy nor the file's mapped pages grow past one chunk. Raises naming the tensors the
-    checkpoint lacks or whose slice has the wrong shape.
+    checkpoint lacks or whose slice has the wrong shape. Checkpoint names are renamed as transformers renames them
+    (:func:`renamed_index`).
     """
-    index = tensor_index(checkpoint_files(path))
+    fill(model, shards, renamed_index(model, shards, checkpoint_files(path)), path, chunk_mib)
+
+
+def fill(model: nn.Module, shards: ShardMap, index: dict[str, tuple[Path, str]], path, chunk_mib: int = 16) -> None:
+    """:func:`load_slices` from ``index`` (model tensor name -> (file, stored name))."""
     missing, wrong = [], []
     with torch.no_grad():
         for names, target in unique_tensors(model):
@@ -53,7 +60,8 @@ def load_slices(model: nn.Module, shards: ShardMap, path, chunk_mib: int = 16) -
             if not found:
                 missing.append(names[0])
                 continue
-            file, spec = index[found[0].source], found[0]
+            file, stored = index[found[0].source]
+            spec = replace(found[0], source=stored)
             shape = slice_shape(file, spec)
             if shape != tuple(target.shape):
                 wrong.append(f"{names[0]} (checkpoint slice {list(shape)} vs model {list(target.shape)})")
@@ -148,8 +156,9 @@ def save_shards(model: nn.Module, plan: TPPlan, ctx: ParallelContext, path: str 
                       lambda tmp: save_file(tensors, str(tmp), metadata={"format": FORMAT, "rank": str(ctx.rank)}))
     ctx.barrier()
     if ctx.rank == 0:
+        stated = replace(plan, vocab_grain=plan.vocab_grain or grain)  # the vocabulary cut, for loading
         data = {"format": FORMAT, "tp_size": tp, "tp_grain_size": grain, "files": files, "ties": ties,
-                "plan": plan.to_dict()}
+                "plan": stated.to_dict()}
         _write_atomically(manifest, lambda tmp: tmp.write_text(json.dumps(data, indent=1)))
     ctx.barrier()
     return manifest
@@ -185,7 +194,9 @@ def manifest_plan(manifest: dict, tp: int) -> TPPlan:
         raise ValueError(f"checkpoint {manifest['folder']!r} was saved for tensor_parallel.tp_size="
                          f"{manifest['tp_size']}, but tp_size={tp}; allowed: tp_size={manifest['tp_size']}, or load "
                          "the original unsharded checkpoint")
-    return TPPlan.from_dict(manifest["plan"])
+    plan = TPPlan.from_dict(manifest["plan"])
+    # shards saved before manifests stated the vocabulary's unit were cut by single rows
+    return plan if plan.vocab_grain is not None else replace(plan, vocab_grain=1)
 
 
 def manifest_grain_size(manifest: dict, grain: int, grain_given: bool) -> int:
@@ -204,5 +215,5 @@ def manifest_grain_size(manifest: dict, grain: int, grain_given: bool) -> int:
 def load_shard(model: nn.Module, manifest: dict, rank: int) -> None:
     """Load this rank's saved shard into the (materialised) sharded model, by name, no slicing."""
     file = Path(manifest["folder"]) / manifest["files"][rank]
-    load_slices(model, {}, file)
+    fill(model, {}, {name: (file, name) for name in tensor_index([file])}, file)
 

@@ -46,27 +46,36 @@ class Rule:
                                                f"dim={self.heads.head_dim}"
 
 
+#: Plan sources whose layouts were read from a traced forward (not written down in a record or a saved manifest):
+#: verify runs such a plan once on meta copies of the sharded model before it is applied.
+INFERRED_SOURCES = ("autotp", "policy")
+
+
 @dataclass
 class TPPlan:
     """Module-path patterns -> rules; attention-module patterns -> their (model-wide) heads; the blocks whose every
-    linear the plan must cover; where the plan came from."""
+    linear the plan must cover; where the plan came from; ``vocab_grain``: the unit of the vocabulary split (None:
+    the tp_grain_size the plan is applied with; a manifest's plan states the one its shards were cut with)."""
 
     rules: dict[str, Rule]
     attention: dict[str, Heads] = field(default_factory=dict)
     blocks: list[str] = field(default_factory=list)
     source: str = "user"
+    vocab_grain: int | None = None
 
     def to_dict(self) -> dict:
         rules = {k: {key: val for key, val in asdict(r).items() if val is not None} for k, r in self.rules.items()}
-        return {"source": self.source, "blocks": list(self.blocks), "rules": rules,
+        data = {"source": self.source, "blocks": list(self.blocks), "rules": rules,
                 "attention": {k: asdict(h) for k, h in self.attention.items()}}
+        return data if self.vocab_grain is None else {**data, "vocab_grain": self.vocab_grain}
 
     @classmethod
     def from_dict(cls, data: dict) -> TPPlan:
         rules = {k: Rule(r["style"], r.get("layout", "plain"), Heads(**r["heads"]) if r.get("heads") else None)
                  for k, r in data["rules"].items()}
         attention = {k: Heads(**h) for k, h in data.get("attention", {}).items()}
-        return cls(rules, attention, list(data.get("blocks", [])), data.get("source", "user"))
+        return cls(rules, attention, list(data.get("blocks", [])), data.get("source", "user"),
+                   data.get("vocab_grain"))
 
     def describe(self) -> str:
         width = max((len(k) for k in self.rules), default=0)
@@ -141,10 +150,12 @@ def block_linears(model: nn.Module, blocks: list[str]) -> list[str]:
     return [name for name, m in model.named_modules() if linear_like(m) and any(_inside(name, r) for r in roots)]
 
 
-def verify(plan: TPPlan, model: nn.Module, tp: int) -> dict[str, Rule]:
+def verify(plan: TPPlan, model: nn.Module, tp: int, run_shards: bool = True) -> dict[str, Rule]:
     """Check the plan against the model; return module name -> rule. Raises ValueError listing rules that match
     nothing, linears in blocks that no rule covers, rules on the wrong kind of module, and head counts ``tp`` cannot
-    split."""
+    split; with ``run_shards``, a plan whose layouts were inferred (:data:`INFERRED_SOURCES`) is also run once as
+    ranks would hold it (:func:`splice.tp.apply.check_sharded_forward`), so a layout the trace could not tell
+    apart from another one is refused here rather than failing, or computing garbage, after sharding."""
     resolved = resolve(plan, model)
     modules = dict(model.named_modules())
     unused = [p for p in plan.rules if not any(matches(p, n) for n in modules)]
@@ -162,6 +173,10 @@ def verify(plan: TPPlan, model: nn.Module, tp: int) -> dict[str, Rule]:
             check_heads(rule.heads, tp)
     for heads in plan.attention.values():
         check_heads(heads, tp)
+    if run_shards and tp > 1 and plan.source in INFERRED_SOURCES:
+        from .apply import check_sharded_forward  # apply builds on this module
+
+        check_sharded_forward(model, plan, tp)
     return resolved
 
 

@@ -46,6 +46,17 @@ def balanced(total: int, parts: int) -> list[int]:
     return [total // parts + (1 if i < total % parts else 0) for i in range(parts)]
 
 
+def grained(total: int, parts: int, grain: int) -> list[int]:
+    """``total`` rows over ``parts`` in whole units of ``grain`` (balanced, larger first), the rows past the last whole
+    unit on the last part (1000 over 2 by 64: 512, 488); balanced single rows when there are fewer units than parts."""
+    units = total // grain
+    if units < parts:
+        return balanced(total, parts)
+    sizes = [count * grain for count in balanced(units, parts)]
+    sizes[-1] += total - units * grain
+    return sizes
+
+
 def span(sizes: list[int], index: int) -> tuple[int, int]:
     """The ``(start, stop)`` of part ``index`` when parts of ``sizes`` are laid end to end."""
     start = sum(sizes[:index])
@@ -119,6 +130,20 @@ def layout_ranges(layout: str, size: int, tp: int, rank: int, heads: Heads | Non
     if layout == "kv_groups":
         return merge(_kv_group_ranges(heads, share))
     raise ValueError(f"unknown layout {layout!r}; allowed: {', '.join(LAYOUTS)}")
+
+
+def row_order(layout: str, heads: Heads) -> tuple[str, ...]:
+    """The head each ``head_dim`` rows of a fused q/k/v projection belong to under ``layout`` (``"q0", "k0", ...``):
+    layouts with the same order split alike (with one query head per KV head, ``heads`` is ``kv_groups``)."""
+    q = [f"q{i}" for i in range(heads.n_q)]
+    k, v = [f"k{j}" for j in range(heads.n_kv)], [f"v{j}" for j in range(heads.n_kv)]
+    if layout == "qkv":
+        return (*q, *k, *v)
+    if layout == "heads":
+        return tuple(row for i in range(heads.n_q) for row in (q[i], k[i], v[i]))
+    if layout == "kv_groups":
+        return tuple(row for j in range(heads.n_kv) for row in (*q[j * heads.group:(j + 1) * heads.group], k[j], v[j]))
+    raise ValueError(f"{layout!r} is no fused q/k/v layout; allowed: qkv, heads, kv_groups")
 
 
 def _kv_group_ranges(heads: Heads, share: HeadShare) -> list[tuple[int, int]]:
