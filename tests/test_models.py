@@ -149,8 +149,18 @@ def test_checkpoint_folder_loads_in_its_own_dtype_unless_asked(tmp_path):
     assert model.dtype == torch.float32
     with pytest.raises(ValueError, match="cannot be loaded in 'int8'"):
         models.load(tmp_path, dtype="int8")
-    with pytest.raises(ValueError, match="not a supported dtype"):
+    with pytest.raises(ValueError, match="cannot be loaded in 'fp8'"):
         models.load(tmp_path, dtype="fp8")
+
+
+def test_a_bad_dtype_is_answered_with_the_dtypes_a_model_loads_in(saved_tiny):
+    """splice's config parser takes int8 too (for quantization); the list given for a name it does not know must be
+    splice.load's own."""
+    with pytest.raises(ValueError) as error:
+        models.load(saved_tiny[0], dtype="bogus")
+    message = str(error.value)
+    assert message.startswith("a model cannot be loaded in 'bogus'; allowed: ")
+    assert "bf16" in message and "int8" not in message
 
 
 @pytest.fixture
@@ -227,6 +237,106 @@ def test_what_the_loader_raises_becomes_a_value_error_naming_the_folder(saved_ti
     with pytest.raises(ValueError, match=rf"checkpoint {named}: its tokenizer cannot be loaded \(OSError: the "
                                          r"tokenizer file is unreadable\)"):
         models.load(folder)
+
+
+def test_a_loader_error_names_a_relative_folder_even_where_its_message_holds_the_name(tmp_path, monkeypatch):
+    """A folder name that occurs in transformers' message (here "model") is still named, and a message of kilobytes
+    is cut short."""
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / "model"
+    build_tiny(tiny_llama_config()).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    monkeypatch.chdir(tmp_path)
+
+    def broken(*args, **kwargs):
+        raise ValueError("model type unknown; known model types: " + ", ".join(["some_model"] * 500))
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", broken)
+    with pytest.raises(ValueError) as error:
+        models.load(Path(folder.name))
+    message = str(error.value)
+    assert message.startswith(f"checkpoint {folder.name!r}: its tokenizer cannot be loaded (ValueError: model type "
+                              "unknown; known model types: some_model, ")
+    assert len(message) < 1000 and message.endswith("allowed: a folder transformers' from_pretrained reads")
+
+
+def test_a_folder_without_tokenizer_files_is_refused_before_its_weights_load(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    build_tiny(tiny_llama_config()).save_pretrained(tmp_path)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", lambda *a, **k: pytest.fail("loaded the weights"))
+    with pytest.raises(ValueError) as error:
+        models.load(tmp_path)
+    message = str(error.value)
+    assert message.startswith(f"checkpoint {str(tmp_path)!r} has no tokenizer: none of tokenizer.json, "
+                              "tokenizer_config.json, tokenizer.model, vocab.json, ")
+    assert message.endswith("allowed: a folder holding the model's tokenizer files too, as "
+                            "tokenizer.save_pretrained(folder) writes them")
+
+
+def _bert_masked_lm():
+    from tests.arch.tiny_models import build_encoder
+
+    return build_encoder("bert", "masked_lm")
+
+
+def _bert_base():
+    from tests.arch.tiny_models import build_encoder
+
+    return build_encoder("bert", "base")
+
+
+def _bart_seq2seq():
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    return BartForConditionalGeneration(BartConfig(vocab_size=128, d_model=64, encoder_layers=1, decoder_layers=1,
+                                                   encoder_attention_heads=4, decoder_attention_heads=4,
+                                                   encoder_ffn_dim=128, decoder_ffn_dim=128))
+
+
+@pytest.mark.parametrize("build, model_type, reason", (
+    (_bert_masked_lm, "'bert' model (BertForMaskedLM)", "BertLMHeadModel attends both ways unless config.json sets "
+                                                        "is_decoder: true"),
+    (_bert_base, "'bert' model (BertModel)", "BertLMHeadModel attends both ways"),
+    (_bart_seq2seq, "'bart' model (BartForConditionalGeneration)", "it is an encoder-decoder"),
+))
+def test_a_folder_of_a_model_that_is_not_a_causal_lm_is_refused(tmp_path, build, model_type, reason):
+    """AutoModelForCausalLM builds BertLMHeadModel for any BERT checkpoint, and it attends both ways (position 0
+    sees the tokens after it) unless config.is_decoder is set; a BART checkpoint gives the decoder alone."""
+    build().save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    with pytest.raises(ValueError) as error:
+        models.load(tmp_path)
+    message = str(error.value)
+    assert message.startswith(f"checkpoint {str(tmp_path)!r} holds a {model_type}, which is not a causal language "
+                              f"model: {reason}")
+    assert message.endswith("allowed: a causal (decoder) language model, the kind splice.load takes (transformers' "
+                            "AutoModelForCausalLM)")
+
+
+def test_is_decoder_false_is_refused_only_where_the_layers_read_it(tmp_path):
+    """GPT-NeoX's config has is_decoder False, which its always-causal layers never read; a BERT LM head saved with
+    is_decoder True is causal and loads, the same saved with it False is refused."""
+    from transformers import BertLMHeadModel
+
+    from tests.arch.tiny_models import build, tiny_config
+
+    def saved(model, name):
+        model.save_pretrained(tmp_path / name)
+        tiny_tokenizer().save_pretrained(tmp_path / name)
+        return tmp_path / name
+
+    neox = build("gpt_neox")
+    assert neox.config.is_decoder is False
+    assert type(models.load(saved(neox, "neox"))[0]).__name__ == "GPTNeoXForCausalLM"
+    torch.manual_seed(0)
+    decoder, _ = models.load(saved(BertLMHeadModel(tiny_config("bert", is_decoder=True)), "decoder"))
+    with torch.no_grad():  # position 0 does not see the tokens after it
+        first = [decoder(torch.tensor([[5, 60, later]])).logits[0, 0] for later in (70, 100)]
+    torch.testing.assert_close(*first)
+    with pytest.raises(ValueError, match="which is not a causal language model: BertLMHeadModel attends both ways"):
+        models.load(saved(BertLMHeadModel(tiny_config("bert", is_decoder=False)), "encoder"))
 
 
 def test_cache_dir_honours_splice_cache(tmp_path, monkeypatch):
@@ -407,3 +517,134 @@ def test_concurrent_conversions_convert_once_and_keep_the_finished_folder(cache,
     assert not errors and folders == [cache / "models" / "fake"] * 2
     assert len(cheap_conversion) == 1
     assert models.cached_conversion("fake", sha256) == folders[0]
+
+
+def test_cached_sha256_sees_a_file_replaced_by_one_of_the_same_size_and_mtime(tmp_path):
+    """cp -p, rsync -a and tar keep the mtime of the file they copy: the replacement must be hashed afresh."""
+    import os
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"A" * 64)
+    first = models.cached_sha256(path)
+    kept = path.stat()
+    path.write_bytes(b"B" * 64)
+    os.utime(path, ns=(kept.st_atime_ns, kept.st_mtime_ns))
+    assert path.stat().st_mtime_ns == kept.st_mtime_ns and path.stat().st_size == kept.st_size
+    assert models.cached_sha256(path) == models.file_sha256(path) != first
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tiny GGUF files, written as llama.cpp writes them
+
+
+def gguf_tokenizer_fields(writer) -> None:
+    """A byte-level BPE (GPT-2 style) tokenizer: the end-of-text token, the 256 byte tokens and two merges."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    merges = ["Ġ t", "h e"]
+    tokens = ["<|endoftext|>", *bytes_to_unicode().values(), *(merge.replace(" ", "") for merge in merges)]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] + [1] * (len(tokens) - 1))  # 3: control, 1: normal
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(0)
+
+
+GGUF_VOCAB = 259  # gguf_tokenizer_fields' tokens
+
+
+def tiny_falcon():
+    """An untied Falcon-7B-layout model (one shared K/V head, parallel attention and MLP) of GGUF_VOCAB tokens."""
+    from transformers import FalconConfig
+
+    config = FalconConfig(vocab_size=GGUF_VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          multi_query=True, parallel_attn=True, new_decoder_architecture=False, bias=False,
+                          alibi=False, bos_token_id=0, eos_token_id=0, tie_word_embeddings=False,
+                          initializer_range=0.1)
+    return build_tiny(config)
+
+
+def write_falcon_gguf(path: Path, model, architecture: str = "falcon", tokenizer: bool = True,
+                      metadata: dict[str, int] | None = None) -> Path:
+    """``model`` (see :func:`tiny_falcon`) as an F32 GGUF file, ``output.weight`` included; ``metadata``: extra
+    uint16 fields."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(2048)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(4 * config.hidden_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(1)
+    writer.add_layer_norm_eps(config.layer_norm_epsilon)
+    writer.add_vocab_size(config.vocab_size)
+    if tokenizer:
+        gguf_tokenizer_fields(writer)
+    for key, value in (metadata or {}).items():
+        writer.add_uint16(key, value)
+    gguf_names = {hf: name for name, hf in get_gguf_hf_weights_map(model, TensorProcessor(), "falcon").items()}
+    for name, tensor in model.state_dict().items():
+        writer.add_tensor(gguf_names[name], tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_falcon_gguf_with_its_own_output_matrix_keeps_it_apart_from_the_embedding(cache, tmp_path):
+    """transformers' GGUF config ties Falcon's (and Bloom's) output matrix to the embedding even where the file holds
+    an output.weight; splice keeps the two apart, in the model and in its cached folder, as the original was."""
+    from safetensors.torch import load_file
+
+    original = tiny_falcon()
+    path = write_falcon_gguf(tmp_path / "falcon.gguf", original)
+    model, tokenizer = models.load(path)
+    assert not model.config.tie_word_embeddings
+    ids = tokenizer("the cat sat on the mat", return_tensors="pt").input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, original(ids).logits)
+    folder, _ = models.resolve_checkpoint(path)
+    saved = load_file(folder / "model.safetensors")
+    assert torch.equal(saved["transformer.word_embeddings.weight"], original.transformer.word_embeddings.weight)
+    assert torch.equal(saved["lm_head.weight"], original.lm_head.weight)
+
+
+@pytest.fixture
+def falcon_gguf(tmp_path):
+    """A complete tiny Falcon GGUF file's bytes."""
+    return write_falcon_gguf(tmp_path / "complete.gguf", tiny_falcon()).read_bytes()
+
+
+def _gguf_cut_to(size):
+    """Writes the first ``size`` bytes of the complete file, or that fraction of them."""
+    return lambda path, complete: path.write_bytes(complete[:size if size >= 1 else int(len(complete) * size)])
+
+
+@pytest.mark.parametrize("write, says", (
+    (lambda path, complete: path.write_bytes(b""), "is empty"),
+    (_gguf_cut_to(200), "cannot be read ("),  # within the metadata
+    (_gguf_cut_to(0.5), "cannot be read (ValueError: "),  # within the tensor data
+    (lambda path, complete: write_falcon_gguf(path, tiny_falcon(), tokenizer=False), "holds no tokenizer"),
+    (lambda path, complete: write_falcon_gguf(path, tiny_falcon(), architecture="bert"),
+     "reading its config failed (ValueError: GGUF model with architecture bert is not supported yet.)"),
+    (lambda path, complete: write_falcon_gguf(path, tiny_falcon(), metadata={"split.no": 1, "split.count": 3}),
+     "is part 2 of 3 of a split GGUF; splice reads a whole model from one file, so merge the parts first with "
+     "llama.cpp's `llama-gguf-split --merge FIRST-PART.gguf MERGED.gguf`"),
+), ids=("empty", "header cut short", "tensors cut short", "no tokenizer", "bert", "split part"))
+def test_a_gguf_file_splice_cannot_convert_is_named_with_what_is_allowed(cache, tmp_path, falcon_gguf, write, says):
+    path = tmp_path / "model.gguf"
+    write(path, falcon_gguf)
+    with pytest.raises(ValueError) as error:
+        models.load(path)
+    message = str(error.value)
+    assert message.startswith(f"GGUF file {str(path)!r}")
+    assert says in message
+    assert ("allowed: a complete GGUF file (not one part of a split GGUF) holding its tokenizer, of an architecture "
+            "transformers' GGUF loader reads as a causal language model (llama, ") in message
+    assert "falcon" in message.split("allowed: ")[1] and "t5" not in message.split("allowed: ")[1]

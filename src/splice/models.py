@@ -124,20 +124,20 @@ def load(name_or_path: str | os.PathLike, dtype: Any = None) -> tuple[nn.Module,
     ``dtype``: ``None`` keeps fp32 for a built-in model or a GGUF file (fp32 is the reference) and the checkpoint's own
     dtype for a folder; otherwise ``"fp32"``/``"bf16"``/``"fp16"`` (and aliases) or a ``torch.dtype``.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
+    asked_dtype = model_dtype(dtype) if dtype is not None else None  # before a GGUF is converted for nothing
     folder, default_dtype = resolve_checkpoint(name_or_path)
-    torch_dtype = model_dtype(dtype) if dtype is not None else default_dtype
+    torch_dtype = asked_dtype if asked_dtype is not None else default_dtype
     start = time.perf_counter()
     from .checkpoint import checkpoint_shapes
 
     shapes = checkpoint_shapes(folder)  # the file headers, read once for both checks
     _check_tensors_fit_config(folder, shapes)
+    tokenizer = _folder_tokenizer(folder)  # before the weights: a folder without one fails in a moment
     with _loader_errors(folder, "its model"), _progress_bars_on_rank_zero():
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype, local_files_only=True)
-    _check_loaded_dtypes(model, folder, shapes)
-    with _loader_errors(folder, "its tokenizer"):
-        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    _check_dtype_kinds(model, folder, shapes)  # again: a quantized or unbuildable config skipped the meta check
     log.info("splice: loaded %s from %s in %.1f s", name_or_path, folder, time.perf_counter() - start)
     return model.eval(), tokenizer
 
@@ -207,14 +207,18 @@ def model_dtype(dtype: Any) -> torch.dtype:
     """The floating dtype a model is loaded in, from the names splice's config accepts or a ``torch.dtype``."""
     from .config import parse_dtype
 
-    parsed = parse_dtype(dtype)
+    try:
+        parsed = parse_dtype(dtype)
+    except ValueError:  # its list of allowed names has int8, which a model is not loaded in
+        parsed = None
     if parsed not in _LOAD_DTYPES:
-        raise ValueError(f"a model cannot be loaded in {dtype!r}; allowed: fp32, bf16, fp16 or "
-                         f"torch.float32/bfloat16/float16 (quantize with the quant settings instead)")
+        raise ValueError(f"a model cannot be loaded in {dtype!r}; allowed: {_LOAD_DTYPE_HELP}")
     return parsed
 
 
 _LOAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LOAD_DTYPE_HELP = ("'fp32' ('float32', 'float'), 'bf16' ('bfloat16'), 'fp16' ('float16', 'half') in any case, or "
+                    "torch.float32/bfloat16/float16 (quantize with the quant settings instead)")
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -339,13 +343,17 @@ def _cache_writes(doing: str) -> Iterator[None]:
 
 
 def _gguf_config_and_tokenizer(gguf: Path) -> tuple[Any, Any]:
-    """The model config (without any ``quantization_config``: the saved folder is plain fp32) and the tokenizer."""
+    """The model config (without any ``quantization_config``: the saved folder is plain fp32) and the tokenizer,
+    after checking the file is one this conversion reads (:func:`_check_gguf_file`)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    _check_gguf_file(gguf)
+    with _gguf_errors(gguf, "reading its config"):
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    with _gguf_errors(gguf, "reading its tokenizer"):
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     return config, tokenizer
 
 
@@ -355,22 +363,131 @@ def _gguf_model(gguf: Path, config: Any) -> nn.Module:
     ``from_pretrained(gguf_file=...)`` would need ``accelerate`` (not a splice dependency) and returns a model that
     ``save_pretrained`` refuses; transformers' own GGUF reader (the one its GGUF quantizer falls back to) maps and
     de-quantises the tensors for a model we build ourselves.
+
+    transformers' config for a Falcon or Bloom GGUF ties the output matrix to the input embedding even where the
+    file holds an ``output.weight`` of its own; a model built that way would hold one of the two matrices under both
+    names, so where the file's two differ the model is built untied and keeps both (as does the saved folder).
     """
-    from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    from .checkpoint import match_checkpoint, materialize
+    from .checkpoint import match_checkpoint
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    materialize(model, torch.device("cpu"))
-    tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model,
-                                   torch_dtype=torch.float32)["tensors"]
+    model = _empty_gguf_model(gguf, config)
+    with _gguf_errors(gguf, "de-quantising its weights"):
+        tensors = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model,
+                                       torch_dtype=torch.float32)["tensors"]
+    if _tied_names_given_different_values(model, tensors):
+        config.tie_word_embeddings = False
+        model = _empty_gguf_model(gguf, config)
+        still_tied = _tied_names_given_different_values(model, tensors)
+        if still_tied:
+            raise ValueError(f"GGUF file {str(gguf)!r} holds different values for {', '.join(still_tied)} and the "
+                             f"weight {type(model).__name__} ties them to, which the model cannot keep apart; "
+                             f"allowed: {_gguf_allowed()}")
     match = match_checkpoint(model, {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()})
     if not match.ok:
         raise ValueError(f"{gguf}: the de-quantised GGUF tensors do not fit {type(model).__name__}: {match.describe()}")
-    model.load_state_dict(tensors, strict=False)  # strictness checked above; tied aliases are absent from a GGUF
+    model.load_state_dict(tensors, strict=False)  # strictness checked above; tied names hold equal values
     return model.eval()
+
+
+def _empty_gguf_model(gguf: Path, config: Any) -> nn.Module:
+    """The causal LM ``config`` describes, on the CPU, its weights not yet set."""
+    from transformers import AutoModelForCausalLM
+
+    from .checkpoint import materialize
+
+    with _gguf_errors(gguf, "building the model its metadata describes"):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return materialize(model, torch.device("cpu"))
+
+
+def _tied_names_given_different_values(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The names of ``model``'s tied parameters (one parameter under several names) for which ``tensors`` holds a
+    value other than the one it holds for the first name of the tie."""
+    from .checkpoint import tensor_groups
+
+    named = dict(model.named_parameters(remove_duplicate=False))
+    return [name for first, *others in tensor_groups(named) if first in tensors
+            for name in others if name in tensors and not torch.equal(tensors[name], tensors[first])]
+
+
+def _check_gguf_file(gguf: Path) -> None:
+    """Raise ValueError naming ``gguf`` where it is not a whole GGUF file with the metadata the conversion needs: an
+    empty, truncated or damaged file, one part of a split GGUF, one without an architecture or without a tokenizer
+    (transformers' own errors for these name neither the file nor what is allowed)."""
+    if gguf.stat().st_size == 0:
+        raise ValueError(f"GGUF file {str(gguf)!r} is empty; allowed: {_gguf_allowed()}")
+    fields = _gguf_fields(gguf)
+    _refuse_split_gguf(gguf, fields)
+    if "general.architecture" not in fields:
+        raise ValueError(f"GGUF file {str(gguf)!r} has no general.architecture in its metadata; "
+                         f"allowed: {_gguf_allowed()}")
+    if "tokenizer.ggml.model" not in fields:
+        raise ValueError(f"GGUF file {str(gguf)!r} holds no tokenizer (no tokenizer.ggml.model in its metadata), and "
+                         f"splice.load returns the model's tokenizer; allowed: {_gguf_allowed()}")
+
+
+def _gguf_fields(gguf: Path) -> dict[str, Any]:
+    """The GGUF's metadata fields, read with the gguf package's reader (the one transformers' GGUF loader uses),
+    which also maps every tensor: a file cut short fails here."""
+    from gguf import GGUFReader
+
+    try:
+        return dict(GGUFReader(gguf).fields)
+    except MemoryError:
+        raise
+    except Exception as error:  # struct.error, numpy's reshape errors, a bad magic number, ...
+        raise ValueError(f"GGUF file {str(gguf)!r} cannot be read ({type(error).__name__}: {_short(error)}): it is "
+                         f"truncated, damaged or not a GGUF file; allowed: {_gguf_allowed()}") from error
+
+
+def _refuse_split_gguf(gguf: Path, fields: dict[str, Any]) -> None:
+    """One part of a GGUF that llama.cpp split into several files (``split.count`` in its metadata) holds only some
+    of the tensors, and only the first part holds the config and tokenizer."""
+    count = _gguf_int(fields.get("split.count"))
+    if count is None or count <= 1:
+        return
+    number = _gguf_int(fields.get("split.no"))
+    part = f"part {number + 1} of {count}" if number is not None else f"one of {count} parts"
+    raise ValueError(f"GGUF file {str(gguf)!r} is {part} of a split GGUF; splice reads a whole model from one file, "
+                     "so merge the parts first with llama.cpp's `llama-gguf-split --merge FIRST-PART.gguf "
+                     f"MERGED.gguf`; allowed: {_gguf_allowed()}")
+
+
+def _gguf_int(field: Any) -> int | None:
+    """The value of a GGUF metadata field holding one integer, or None where there is no such field."""
+    if field is None or not field.data:
+        return None
+    return int(field.parts[field.data[0]][0])
+
+
+def _gguf_allowed() -> str:
+    """What a GGUF given to splice may be."""
+    return ("a complete GGUF file (not one part of a split GGUF) holding its tokenizer, of an architecture "
+            f"transformers' GGUF loader reads as a causal language model ({', '.join(_gguf_architectures())})")
+
+
+def _gguf_architectures() -> list[str]:
+    """The architectures in transformers' table of GGUF config mappings that it builds a causal LM for."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return [name for name in GGUF_SUPPORTED_ARCHITECTURES if name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+
+
+@contextlib.contextmanager
+def _gguf_errors(gguf: Path, doing: str) -> Iterator[None]:
+    """Whatever transformers or the gguf package raise while ``doing`` something with ``gguf`` (an architecture it
+    does not read, a tensor it cannot map, ...) as a ValueError naming the file, the step and what is allowed."""
+    try:
+        yield
+    except MemoryError:  # the machine, not the file
+        raise
+    except Exception as error:  # the loader's own types are many and vary between versions
+        raise ValueError(f"GGUF file {str(gguf)!r}: {doing} failed ({type(error).__name__}: {_short(error)}); "
+                         f"allowed: {_gguf_allowed()}") from error
 
 
 def _remove_stale_temporaries(folder: Path) -> None:
@@ -449,8 +566,9 @@ def read_manifest(folder: Path) -> dict | None:
     return manifest
 
 
-# (path, size, mtime_ns) -> sha256, so each file is hashed at most once per process.
-_VERIFIED_HASHES: dict[tuple[str, int, int], str] = {}
+# (path, inode, size, mtime_ns, ctime_ns) -> sha256, so each file is hashed at most once per process. The inode and
+# ctime tell a file replaced by another of the same size and mtime (cp -p, rsync -a, tar) from the one hashed.
+_VERIFIED_HASHES: dict[tuple[str, int, int, int, int], str] = {}
 
 
 def verify_files(folder: Path, manifest: dict) -> str | None:
@@ -473,9 +591,9 @@ def verify_files(folder: Path, manifest: dict) -> str | None:
 
 
 def cached_sha256(path: Path) -> str:
-    """``file_sha256``, remembered per process for an unchanged file (same path, size and mtime)."""
+    """``file_sha256``, remembered per process for an unchanged file (same path, inode, size, mtime and ctime)."""
     stat = path.stat()
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
     if key not in _VERIFIED_HASHES:
         _VERIFIED_HASHES[key] = file_sha256(path)
     return _VERIFIED_HASHES[key]
@@ -519,23 +637,26 @@ def _require_safetensors_folder(path: Path) -> None:
 
 
 def _check_tensors_fit_config(folder: Path, shapes: dict) -> None:
-    """The checkpoint holds every tensor its config.json gives the model, in its shape, checked on a meta-device
-    model before anything is loaded (for a wrong shape transformers would log a report and raise a RuntimeError
-    pointing at it; for a missing weight it would log a report and leave the weight random). A config transformers
-    refuses raises ValueError naming the folder too."""
+    """The checkpoint holds every tensor its config.json gives the model, in its shape and of its kind of dtype
+    (float or integer), checked on a meta-device model before anything is loaded (for a wrong shape transformers
+    would log a report and raise a RuntimeError pointing at it; for a missing weight it would log a report and leave
+    the weight random). A config transformers refuses, or one of a model that is not a causal language model, raises
+    ValueError naming the folder too."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from .checkpoint import CheckpointMatch, match_checkpoint
 
     with _loader_errors(folder, "its config.json"):
         config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    _require_causal_lm_config(folder, config)
     if getattr(config, "quantization_config", None) is not None:
         return  # packed quantized tensors have other shapes than the float model built here; the loader checks them
     try:
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-    except Exception:  # not buildable here (not a causal LM, say): from_pretrained's own error, wrapped, says why
+    except Exception:  # not buildable here: from_pretrained's own error, wrapped, says why
         return
+    _require_causal_attention(folder, model)
     match = match_checkpoint(model, shapes)
     if match.wrong_shape:
         raise ValueError(f"checkpoint {str(folder)!r} does not fit its config.json: "
@@ -546,6 +667,38 @@ def _check_tensors_fit_config(folder: Path, shapes: dict) -> None:
         raise ValueError(f"checkpoint {str(folder)!r} lacks tensors its config.json gives the model: "
                          f"{CheckpointMatch(missing=missing).describe()}; allowed: a checkpoint holding every weight "
                          "of the model")
+    _check_dtype_kinds(model, folder, shapes)
+
+
+def _require_causal_lm_config(folder: Path, config: Any) -> None:
+    """Refuse a config of a model type transformers builds no causal LM for (T5, a plain encoder's config saved by
+    another library), and an encoder-decoder one: AutoModelForCausalLM would build the decoder of a BART checkpoint
+    alone, without the encoder its cross-attention reads."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        _refuse_non_causal(folder, config, "transformers builds no causal language model for it")
+    if getattr(config, "is_encoder_decoder", False):
+        _refuse_non_causal(folder, config, "it is an encoder-decoder (sequence-to-sequence) model")
+
+
+def _require_causal_attention(folder: Path, model: nn.Module) -> None:
+    """Refuse a model whose attention looks both ways. The encoder families' causal-LM classes (BertLMHeadModel,
+    RobertaForCausalLM, ...) make their layers causal only when ``config.is_decoder`` is set; a masked-LM or plain
+    encoder checkpoint leaves it False, and its layers record that in their own ``is_decoder``. (Both facts are
+    needed: GPT-NeoX's config has an ``is_decoder`` of False that its always-causal layers never read.)"""
+    if getattr(model.config, "is_decoder", None) is not False:
+        return
+    if any(getattr(module, "is_decoder", None) is False for module in model.modules()):
+        _refuse_non_causal(folder, model.config, f"{type(model).__name__} attends both ways unless config.json sets "
+                                                 "is_decoder: true")
+
+
+def _refuse_non_causal(folder: Path, config: Any, reason: str) -> None:
+    saved_as = ", ".join(getattr(config, "architectures", None) or ()) or "no architectures listed"
+    raise ValueError(f"checkpoint {str(folder)!r} holds a {config.model_type!r} model ({saved_as}), which is not a "
+                     f"causal language model: {reason}; allowed: a causal (decoder) language model, the kind "
+                     "splice.load takes (transformers' AutoModelForCausalLM)")
 
 
 def _missing_weights(model: nn.Module, missing: list[str]) -> list[str]:
@@ -568,19 +721,53 @@ def _loader_errors(folder: Path, what: str):
     except MemoryError:  # the machine, not the checkpoint
         raise
     except Exception as error:  # the loader's own types are many and vary between versions
-        if isinstance(error, ValueError) and str(folder) in str(error):
-            raise
-        raise ValueError(f"checkpoint {str(folder)!r}: {what} cannot be loaded ({type(error).__name__}: "
-                         f"{_one_line(error)}); allowed: a folder transformers' from_pretrained reads") from error
+        raise _loader_error(folder, what, error) from error
+
+
+def _loader_error(folder: Path, what: str, error: Exception) -> ValueError:
+    return ValueError(f"checkpoint {str(folder)!r}: {what} cannot be loaded ({type(error).__name__}: "
+                      f"{_short(error)}); allowed: a folder transformers' from_pretrained reads")
 
 
 def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split())
 
 
-def _check_loaded_dtypes(model: nn.Module, folder: Path, shapes: dict) -> None:
+_MESSAGE_LIMIT = 600  # characters of a loader's message kept (some list every model type transformers knows)
+
+
+def _short(error: BaseException) -> str:
+    """The error's message on one line, cut to ``_MESSAGE_LIMIT`` characters."""
+    text = _one_line(error)
+    return text if len(text) <= _MESSAGE_LIMIT else text[:_MESSAGE_LIMIT] + " [...]"
+
+
+def _folder_tokenizer(folder: Path) -> Any:
+    """The folder's tokenizer; where it does not load, a ValueError naming the folder and the reason, which for a
+    folder holding none of :data:`TOKENIZER_FILES` is that the files are missing."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    except MemoryError:  # the machine, not the checkpoint
+        raise
+    except Exception as error:  # the loader's own types are many and vary between versions
+        if any((folder / name).is_file() for name in TOKENIZER_FILES):
+            raise _loader_error(folder, "its tokenizer", error) from error
+        raise ValueError(f"checkpoint {str(folder)!r} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is in "
+                         f"it ({type(error).__name__}: {_short(error)}); allowed: a folder holding the model's "
+                         "tokenizer files too, as tokenizer.save_pretrained(folder) writes them") from error
+
+
+# The files transformers' tokenizers are saved as: a fast tokenizer's one file, its settings, or the vocabulary
+# files of the slow (BPE, WordPiece, SentencePiece) tokenizers.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "vocab.txt", "spiece.model", "sentencepiece.bpe.model")
+
+
+def _check_dtype_kinds(model: nn.Module, folder: Path, shapes: dict) -> None:
     """A float weight stored as integers (or the reverse) is a broken checkpoint: transformers would cast it.
-    ``shapes``: the checkpoint's (``checkpoint.checkpoint_shapes``)."""
+    ``model``: loaded or on the meta device; ``shapes``: the checkpoint's (``checkpoint.checkpoint_shapes``)."""
     from .checkpoint import CheckpointMatch, match_checkpoint
 
     wrong = match_checkpoint(model, shapes).wrong_dtype
