@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/splice generate --kernel-inject --dtype bf16 "The capital of France is"
+	$(VENV)/bin/splice generate --chat --kernel-inject --dtype bf16 "What is the capital of France?"
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
