@@ -7,6 +7,7 @@ near one copy of the model.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import os
@@ -16,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Mapping, Union
+from typing import Callable, Container, Iterable, Iterator, Mapping, Union
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -370,19 +371,23 @@ def load_checkpoint(model: nn.Module, path: CheckpointSource, device: str | torc
 
 def differing_tied_names(model: nn.Module, files: list[Path], names: dict[str, str]) -> dict[str, str]:
     """Tied model names whose checkpoint tensors differ from the tensor loaded under the group's first present name:
-    name -> that first name. Only groups with several names in the checkpoint are read, in the model's dtype."""
+    name -> that first name (:func:`tied_names_differing`). Only groups with several names in the checkpoint are
+    read, in the model's dtype."""
     state = model.state_dict(keep_vars=True)
     source = {model_name: file_name for file_name, model_name in names.items()}
-    present_groups = [[n for n in group if n in source] for group in tensor_groups(state)]
-    present_groups = [group for group in present_groups if len(group) > 1]
-    if not present_groups:
-        return {}
-    where = tensor_index(files)
+    where = functools.cache(lambda: tensor_index(files))  # read only where a group has two names to compare
+    return tied_names_differing(state, source, lambda kept, name: _equal_tensors(
+        where(), source[kept], source[name], state[kept].dtype))
+
+
+def tied_names_differing(state: Mapping[str, torch.Tensor], present: Container[str],
+                         equal: Callable[[str, str], bool]) -> dict[str, str]:
+    """For each group of tied names in ``state`` (one tensor under several names), the names among ``present`` whose
+    value ``equal`` finds other than the group's first present name's: name -> that first name."""
     differing = {}
-    for kept, *others in present_groups:
-        for name in others:
-            if not _equal_tensors(where, source[kept], source[name], state[kept].dtype):
-                differing[name] = kept
+    for group in tensor_groups(state):
+        kept, *others = [name for name in group if name in present] or [None]
+        differing.update({name: kept for name in others if not equal(kept, name)})
     return differing
 
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from transformers.utils import ModelOutput
 
+from .arch.paths import input_embeddings
 from .config import InferenceConfig
 from .distributed import SINGLE_PROCESS, ParallelContext
 from .generation import check_request, check_token_ids, generate_arguments, request_input_ids
@@ -262,11 +263,7 @@ class InferenceEngine(nn.Module):
     def vocab_size(self) -> int | None:
         """The input embedding's number of tokens; None for a model without one (transformers' models without token
         inputs, such as Wav2Vec2, raise ``NotImplementedError`` from ``get_input_embeddings``)."""
-        try:
-            embeddings = self.module.get_input_embeddings()
-        except (AttributeError, NotImplementedError):
-            return None
-        return getattr(embeddings, "num_embeddings", None)
+        return getattr(input_embeddings(self.module), "num_embeddings", None)
 
     # --- DeepSpeed's engine methods -----------------------------------------------------------------------------------
     def destroy(self) -> None:

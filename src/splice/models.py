@@ -404,13 +404,12 @@ def _empty_gguf_model(gguf: Path, config: Any) -> nn.Module:
 
 
 def _tied_names_given_different_values(model: nn.Module, tensors: dict[str, torch.Tensor]) -> list[str]:
-    """The names of ``model``'s tied parameters (one parameter under several names) for which ``tensors`` holds a
-    value other than the one it holds for the first name of the tie."""
-    from .checkpoint import tensor_groups
+    """The names of ``model``'s tied tensors (one tensor under several names) for which ``tensors`` holds a value
+    other than the one it holds for the first of the tie's names it has."""
+    from .checkpoint import tied_names_differing
 
-    named = dict(model.named_parameters(remove_duplicate=False))
-    return [name for first, *others in tensor_groups(named) if first in tensors
-            for name in others if name in tensors and not torch.equal(tensors[name], tensors[first])]
+    return list(tied_names_differing(model.state_dict(keep_vars=True), tensors,
+                                     lambda kept, name: torch.equal(tensors[kept], tensors[name])))
 
 
 def _check_gguf_file(gguf: Path) -> None:

@@ -17,6 +17,15 @@ def get_path(root: nn.Module, path: str, *default) -> Any:
     return root
 
 
+def input_embeddings(model: nn.Module) -> nn.Module | None:
+    """A Hugging Face model's input embedding; None for a model without ``get_input_embeddings`` and for one whose
+    inputs are not tokens (transformers' Wav2Vec2 raises ``NotImplementedError`` from it)."""
+    try:
+        return model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        return None
+
+
 def optional_path(root: nn.Module, path: str | None) -> Any:
     """The module at the first of ``path``'s ``|`` alternatives that ``root`` has (and is not None), else None."""
     for option in (path or "").split("|"):

@@ -24,6 +24,7 @@ from torch import nn
 
 from .. import native
 from ..arch import learned_position_limit
+from ..arch.paths import input_embeddings
 from ..config import SpliceIgnoredOptionWarning, caller_stacklevel
 from ..kernel_choice import KernelChoice, quant_kernel
 from ..layers.conv1d import is_conv1d, linear_weight
@@ -204,18 +205,10 @@ def _is_integer_dtype(dtype: torch.dtype) -> bool:
 
 def _check_takes_token_ids(model: nn.Module) -> None:
     """GPTQ calibrates on the model's forward over token ids: a model without a token embedding cannot take them."""
-    if _input_embeddings(model) is None and not any(isinstance(m, nn.Embedding) for m in model.modules()):
+    if input_embeddings(model) is None and not any(isinstance(m, nn.Embedding) for m in model.modules()):
         raise ValueError(f"calibration_ids need a model with a token embedding (GPTQ runs its forward over the ids), "
                          f"but {type(model).__name__} has none (no get_input_embeddings(), no nn.Embedding); "
                          "allowed: calibration_ids=None (round-to-nearest) for this model")
-
-
-def _input_embeddings(model: nn.Module) -> nn.Module | None:
-    """A Hugging Face model's input embedding; None for other models and those without one."""
-    try:
-        return model.get_input_embeddings()
-    except (AttributeError, NotImplementedError):
-        return None
 
 
 def _check_ids_within_positions(model: nn.Module, ids: torch.Tensor) -> None:
@@ -230,7 +223,7 @@ def _check_ids_within_positions(model: nn.Module, ids: torch.Tensor) -> None:
 
 def _check_ids_in_vocabulary(model: nn.Module, ids: torch.Tensor) -> None:
     """Token ids outside the input embedding's rows would fail in the calibration forward as a bare IndexError."""
-    embeddings = _input_embeddings(model)
+    embeddings = input_embeddings(model)
     rows = getattr(embeddings, "num_embeddings", None)
     if rows is None:
         return
