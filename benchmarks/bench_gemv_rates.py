@@ -3,8 +3,9 @@ instructions a kernel issues bound it; and from memory, each kernel's read speed
 taking turns so each round's ratio sees one state of the host, where the reads should bound it. The int8 kernel is
 the one int8 weight-only layers call at that level (int16 activations at the avx2 level without AVX-VNNI, else int8
 ones); int8-tiles the same weight in the tiles int8 layers keep where ``native.int8_tiles_ready`` (the avx512 level
-with VNNI; elsewhere the kernels read them back to rows every call); int4 is asymmetric (a scale and zero per group),
-int4-sym symmetric (the scale alone), groups of 32. Run it before and after a kernel change::
+with VNNI; elsewhere the kernels read them back to rows every call); int8-g64 grouped int8 (a scale per row and 64
+columns) in the layout and on the activations its layers take at that level; int4 is asymmetric (a scale and zero
+per group), int4-sym symmetric (the scale alone), groups of 32. Run it before and after a kernel change::
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_gemv_rates.py
     PYTHONPATH=src .venv/bin/python benchmarks/bench_gemv_rates.py --level avx2 --memory-layers 0
@@ -25,16 +26,21 @@ from splice.native.memory import gather_on_huge_pages
 from bench_quant import FUSED
 from bench_read_sizes import best_gbs  # the probe's read patterns, the fastest taken
 
-KINDS = ("bf16", "int8", "int8-tiles", "int4", "int4-sym")
+KINDS = ("bf16", "int8", "int8-tiles", "int8-g64", "int4", "int4-sym")
 GROUP = 32
+INT8_GROUP = 64
 
 
 def operands(kind: str, n: int, k: int) -> tuple:
     """A random weight of ``kind`` [n, k] in the layout its decode GEMV takes."""
     if kind == "bf16":
         return ((torch.randn(n, k) * 0.02).bfloat16(),)
-    if kind in ("int8", "int8-tiles"):
+    if kind in ("int8", "int8-tiles", "int8-g64"):
         rows = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        if kind == "int8-g64":  # the layout Int8WeightOnlyLinear keeps at the active level
+            scales = native.int8_group_scales_pack(torch.rand(k // INT8_GROUP, n).bfloat16() * 0.01)
+            tiled = int16_activations() or native.int8_grouped_tiles_ready()
+            return native.int8_tile_pack(rows) if tiled else rows, scales
         return native.int8_tile_pack(rows) if kind == "int8-tiles" else rows, torch.rand(n).bfloat16() * 0.01
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     zeros = torch.zeros(k // GROUP, n) if kind == "int4-sym" else torch.randn(k // GROUP, n) * 0.01
@@ -49,6 +55,8 @@ def call(kind: str, x: torch.Tensor, weight: tuple, ops=None) -> torch.Tensor:
         return ops.bf16_gemv(x, *weight)
     if kind in ("int8", "int8-tiles"):
         return (ops.int8_dot16_gemv if int16_activations() else ops.int8_dot_gemv)(x, *weight)
+    if kind == "int8-g64":
+        return (ops.int8_dot16_gemv_grouped if int16_activations() else ops.int8_dot_gemv_grouped)(x, *weight)
     return ops.int4_dot_gemv(x, *weight, GROUP)
 
 

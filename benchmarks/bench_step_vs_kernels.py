@@ -39,6 +39,11 @@ def gemv_call(linear):
         op = ops.int4_dot_gemv if linear.use_dot_products else ops.int4_gemv
         return (lambda x: op(x, linear.packed, linear.packed_scales, linear.group)), linear.in_features, \
             linear.weight_nbytes()
+    if isinstance(linear, Int8WeightOnlyLinear) and linear.native_grouped:
+        if linear.groups_padded:
+            raise TypeError("a grouped int8 linear whose groups are padded spreads x first; this benchmark does not")
+        op = ops.int8_dot16_gemv_grouped if linear.use_dot_products == 16 else ops.int8_dot_gemv_grouped
+        return (lambda x: op(x, linear.qweight, linear.scales)), linear.in_features, linear.weight_nbytes()
     if isinstance(linear, Int8WeightOnlyLinear):
         # 16: activations rounded to int16 (the avx2 level without AVX-VNNI), 8: to int8, 0: float products
         op = {16: ops.int8_dot16_gemv, 8: ops.int8_dot_gemv}.get(linear.use_dot_products, ops.int8_gemv)

@@ -29,6 +29,11 @@ def test_each_kind_calls_the_kernel_its_layers_call_at_the_level():
     assert tiles8.dtype == torch.uint8
     assert torch.equal(bench.call("int8-tiles", x3, (tiles8, scales8)),
                        bench.call("int8", x3, (native.int8_tile_unpack(tiles8), scales8)))
+    with native.use_isa("avx2"), native.use_avx_vnni(False):  # grouped int8 on int16 activations, in tiles
+        grouped, packed = bench.operands("int8-g64", 32, 256)
+        assert grouped.dtype == torch.uint8 and packed.shape == (2, 4, 16)
+        assert torch.equal(bench.call("int8-g64", x, (grouped, packed)),
+                           torch.ops.splice_kernels.int8_dot16_gemv_grouped(x, grouped, packed))
     tiles, sz = bench.operands("int4", 32, 256)
     assert torch.equal(bench.call("int4", x, (tiles, sz)), torch.ops.splice_kernels.int4_dot_gemv(x, tiles, sz, 32))
     tiles_sym, sz_sym = bench.operands("int4-sym", 32, 256)

@@ -44,15 +44,19 @@ def test_dot_products_at_every_level_unless_switched_off(monkeypatch, config, le
 def test_int8_weight_only_rounds_to_int16_at_the_avx2_level_only_without_avx_vnni():
     """int16 activations where the avx2 level has no AVX-VNNI (vpmaddubsw's int8 product costs about as much
     arithmetic as bf16's); with AVX-VNNI (where the CPU has it) and at the VNNI levels, int8 ones."""
-    int8 = QuantConfig()
-    with native.use_isa("avx2"), native.use_avx_vnni(False):
-        assert kernel_choice.int16_activations() and kernel_choice.quant_kernel(int8, "cpu").dot_products == 16
-    if "avx_vnni" in native._cpu_flags():
-        with native.use_isa("avx2"), native.use_avx_vnni(True):
-            assert kernel_choice.quant_kernel(int8, "cpu").dot_products == 8
-    for level in native.supported_isas()[1:]:
-        with native.use_isa(level):
-            assert not kernel_choice.int16_activations() and kernel_choice.quant_kernel(int8, "cpu").dot_products == 8
+    for int8 in (QuantConfig(), QuantConfig(group_size=64)):  # per channel and grouped alike
+        with native.use_isa("avx2"), native.use_avx_vnni(False):
+            choice = kernel_choice.quant_kernel(int8, "cpu")
+            assert kernel_choice.int16_activations() and choice.dot_products == 16
+            assert "int16 per block of 256" in choice.reason and kernel_choice.INT16_DOT in choice.reason
+        if "avx_vnni" in native._cpu_flags():
+            with native.use_isa("avx2"), native.use_avx_vnni(True):
+                assert kernel_choice.quant_kernel(int8, "cpu").dot_products == 8
+        for level in native.supported_isas()[1:]:
+            with native.use_isa(level):
+                choice = kernel_choice.quant_kernel(int8, "cpu")
+                assert not kernel_choice.int16_activations() and choice.dot_products == 8
+                assert "int8 per block of 32" in choice.reason
 
 
 @needs_native

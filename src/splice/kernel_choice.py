@@ -142,19 +142,23 @@ def quant_kernel(config: QuantConfig, device: torch.device | str) -> KernelChoic
 def grouped_int8_kernel(device: torch.device) -> KernelChoice:
     """How int8 weight-only linears quantized in groups of input columns compute: splice's grouped GEMV on integer
     dot products where the native kernels run and the dot products are on, else torch's int8 kernel per group."""
-    from .quant.qmath import ACTIVATION_BLOCK as block  # here: splice.quant imports this module
+    from .quant.qmath import ACTIVATION_BLOCK as block, WIDE_ACTIVATION_BLOCK  # here: splice.quant imports this module
 
     per_group = "torch's int8 kernel, one call per group"
     dot = dot_products() if native.available_on(device) else ""
     if not dot:
         why = "SPLICE_NATIVE_DOT=0" if native.available_on(device) else why_not_native(device)
         return KernelChoice("torch", f"grouped int8 runs on {per_group} ({why})")
+    wide = int16_activations()
+    rounding = f"int16 per block of {WIDE_ACTIVATION_BLOCK}" if wide else f"int8 per block of {block}"
+    tiles = " the weight in 16-row tiles," if wide or native.int8_grouped_tiles_ready() else ""
+    dot = INT16_DOT if wide else dot
     return KernelChoice("native", f"splice's grouped int8 GEMV up to {native.MAX_ROWS['int8_dot']} rows on integer dot "
-                                  f"products ({dot}; each row of activations rounded to int8 per block of {block}) "
+                                  f"products ({dot}; each row of activations rounded to {rounding}),{tiles} "
                                   f"with each group zero-padded to whole blocks of {block} where that adds at most "
                                   f"half its bytes (else {per_group}), de-quantise + {prompt_gemm()} above; "
                                   f"{native_level()}",
-                        dot_products=8)
+                        dot_products=16 if wide else 8)
 
 
 def dot_products() -> str:

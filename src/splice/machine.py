@@ -329,7 +329,7 @@ def int4_torch_rows() -> list[dict[str, Any]]:
 
 
 def int8_grouped_rows() -> list[dict[str, Any]]:
-    from .kernel_choice import dot_products
+    from .kernel_choice import dot_products, int16_activations
 
     per_group = (kernels.INT8_KERNEL_MAX_ROWS, "torch._weight_int8pack_mm per group",
                  f"torch's int8 GEMV, one call per group (group size a multiple of {kernels.INT8PACK_CPU_K_MULTIPLE})")
@@ -337,8 +337,13 @@ def int8_grouped_rows() -> list[dict[str, Any]]:
     if not (native.available() and dot_products()):
         return _ranges("int8 weight-only, grouped", [per_group, prefill])
     block = qmath.ACTIVATION_BLOCK
-    grouped = (native.MAX_ROWS["int8_dot"], "splice_kernels.int8_dot_gemv_grouped",
-               f"native GEMV, x rounded to int8 per block of {block}, integer dot products, a scale per group")
+    if int16_activations():
+        grouped = (native.MAX_ROWS["int8_dot"], "splice_kernels.int8_dot16_gemv_grouped",
+                   f"native GEMV, x rounded to int16 per block of {qmath.WIDE_ACTIVATION_BLOCK}, integer dot products "
+                   "(the weight in 16-row tiles), a scale per group")
+    else:
+        grouped = (native.MAX_ROWS["int8_dot"], "splice_kernels.int8_dot_gemv_grouped",
+                   f"native GEMV, x rounded to int8 per block of {block}, integer dot products, a scale per group")
     if native.prompts_widened():
         prefill = (None, "splice_kernels.widened_linear", f"prefill: the weight de-quantised to bf16; {WIDENED_WHY}")
     return (_ranges(f"int8 weight-only, grouped (each group zero-padded to whole blocks of {block}, if that adds at "

@@ -183,6 +183,15 @@ def test_quantized_blocks_step_as_their_own_ops_do(scheme):
     assert_same_steps(engine)
 
 
+def test_grouped_int8_on_int16_activations_steps_as_its_own_ops_do():
+    """At the avx2 level without AVX-VNNI grouped int8 takes int16 activations: its own GEMV kind in the step."""
+    with native.use_isa("avx2"), native.use_avx_vnni(False):
+        engine = engine_of("llama", "int8-g64")
+        kinds = {layer_gemv(getattr(block, name)).kind for block in engine.runtime.blocks for name in LINEARS}
+        assert kinds == {native_layer.GEMV_INT8_GROUPED16}
+        assert_same_steps(engine)
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_float_product_gemvs_step_as_their_own_ops_do(monkeypatch, scheme):
     """With SPLICE_NATIVE_DOT=0 the quantized linears multiply in floats (int8_gemv, int4_gemv)."""
@@ -403,7 +412,7 @@ def test_the_op_names_bad_inputs():
         run(slots=torch.tensor([64]))
     with pytest.raises(RuntimeError, match="cos and sin come together"):
         run(rotary=[(rotary[0][0], None)])
-    with pytest.raises(RuntimeError, match="GEMV kind 9; allowed: 0 .. 6"):
+    with pytest.raises(RuntimeError, match="GEMV kind 9; allowed: 0 .. 7"):
         run(first._replace(kinds=[0, 0, 9, 0]))
     with pytest.raises(RuntimeError, match="cache layer 7 outside 0 .. 1"):
         run(first._replace(layers=[7]))

@@ -735,16 +735,47 @@ def test_int8_dot_gemv_grouped_sums_each_block_exactly_and_scales_it_by_its_grou
         assert ((got - exact).abs() <= bound).all(), (weight.dtype, ((got - exact).abs() / bound).max())
 
 
+# (N, K, group) on int16 activations besides: groups straddling x's blocks of 256 (96 and 160, the last block short)
+# and one longer than a block
 @needs_native
+@pytest.mark.parametrize("rows", (1, 2, 3, 8, 11))  # pairs of rows of x and one alone, passes of eight
+@pytest.mark.parametrize("n, k, group", GROUPED_SHAPES + [(48, 480, 160), (16 * 3 + 3, 640, 320)])
+def test_int8_dot16_gemv_grouped_sums_each_segment_exactly_and_scales_it_by_group_and_block(isa, rows, n, k, group):
+    """Grouped int8 on int16 activations (the avx2 level without AVX-VNNI): x rounded as ``int8_dot16_gemv`` rounds
+    it (int16 per row and block of 256, the last block what is left), the columns a group and a block share summed
+    exactly in integers, times the row's group scale, and each block times its d: every output is the exact product
+    of the rounded x within float32's sums, rounded once to bf16, on int8 rows and in tiles (``native.int8_tile_pack``:
+    the flipped bytes' excess taken off in integers); a row's outputs do not depend on the rows beside it."""
+    torch.manual_seed(rows * n + group)
+    x = torch.randn(rows, k).bfloat16() * torch.linspace(0.1, 10, k).bfloat16()
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    scales = (torch.rand(k // group, n) + 0.5).bfloat16()
+    per_column = scales.double().t().repeat_interleave(group, dim=1)
+    exact = round16(x) @ (q.double() * per_column).T
+    magnitude = round16(x).abs() @ ((q.double().abs() + 256) * per_column).T
+    bound = exact.abs() * 2.0 ** -8 + magnitude * 2.0 ** -20
+    packed = native.int8_group_scales_pack(scales)
+    op = torch.ops.splice_kernels.int8_dot16_gemv_grouped
+    for weight in (q, native.int8_tile_pack(q)):
+        got = op(x, weight, packed).double()
+        assert ((got - exact).abs() <= bound).all(), (weight.dtype, ((got - exact).abs() / bound).max())
+        assert torch.equal(got, torch.cat([op(row[None], weight, packed) for row in x]).double())
+    int8_rounded = torch.ops.splice_kernels.int8_dot_gemv_grouped(x, q, packed).double()
+    as_is = x.double() @ (q.double() * per_column).T
+    assert relative_error(exact, as_is) < relative_error(int8_rounded, as_is) / 20
+
+
+@needs_native
+@pytest.mark.parametrize("op", ["int8_dot_gemv_grouped", "int8_dot16_gemv_grouped"])
 @pytest.mark.parametrize("w, scales, message", [
     (torch.zeros(4, 96, dtype=torch.int8), torch.ones(1, 2, 16), "groups; each group must be a whole multiple of 32"),
     (torch.zeros(4, 96, dtype=torch.int8), torch.ones(3, 4), "scales must be a contiguous bf16 \\[1, groups, 16\\]"),
     (torch.zeros(20, 96, dtype=torch.int8), torch.ones(1, 3, 16), "scales must be a contiguous bf16 \\[2, groups"),
     (torch.zeros(4, 96), torch.ones(1, 3, 16), "w must be a contiguous CPU \\[N, K\\] tensor, int8 or uint8"),
 ])
-def test_int8_dot_gemv_grouped_names_bad_inputs(w, scales, message):
-    with pytest.raises(RuntimeError, match=f"int8_dot_gemv_grouped: .*{message}"):
-        torch.ops.splice_kernels.int8_dot_gemv_grouped(torch.randn(1, 96).bfloat16(), w, scales.bfloat16())
+def test_int8_grouped_gemvs_name_bad_inputs(op, w, scales, message):
+    with pytest.raises(RuntimeError, match=f"{op}: .*{message}"):
+        getattr(torch.ops.splice_kernels, op)(torch.randn(1, 96).bfloat16(), w, scales.bfloat16())
 
 
 @needs_native

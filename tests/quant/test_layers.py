@@ -338,12 +338,16 @@ def _grouped_int8_layer(linear: nn.Linear, group: int, use_native: bool) -> nn.M
                                                    native=use_native, dot_products=use_native)
 
 
-def _rounded_in_groups(x: torch.Tensor, group: int, kept: int) -> torch.Tensor:
-    """x as the grouped GEMV rounds it: per block of 32 of each group zero-padded to ``kept`` columns (K first padded
-    to whole groups)."""
+def _rounded_in_groups(x: torch.Tensor, group: int, kept: int, wide: bool = False) -> torch.Tensor:
+    """x as the grouped GEMV rounds it: per block of 32 (``wide``: to int16 per block of 256) of each group
+    zero-padded to ``kept`` columns (K first padded to whole groups)."""
     spread = F.pad(qmath.pad_to(x, 1, group).view(x.shape[0], -1, group), (0, kept - group)).flatten(1)
-    rounded = _reference_input(spread, "w8a8").view(x.shape[0], -1, kept)[..., :group]
-    return rounded.flatten(1)[:, : x.shape[1]]
+    if wide:
+        rounded = qmath.round_activations(spread.bfloat16().float(), qmath.WIDE_ACTIVATION_BLOCK,
+                                          qmath.WIDE_ACTIVATION_LEVELS)
+    else:
+        rounded = _reference_input(spread, "w8a8")
+    return rounded.view(x.shape[0], -1, kept)[..., :group].flatten(1)[:, : x.shape[1]]
 
 
 # 160: five blocks, so a 64-column step straddles two groups; 48 and 88 zero-padded to 64 and 96 columns (88 is
@@ -451,6 +455,32 @@ def test_int8_decode_rows_on_int16_dot_products_at_the_avx2_level(rows):
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [1, 3, 8, 40])
+@pytest.mark.parametrize("group, kept", [(64, 64), (160, 160), (88, 96)])
+def test_grouped_int8_decode_rows_on_int16_dot_products_at_the_avx2_level(rows, group, kept):
+    """``dot_products=16`` on a grouped weight (the kernel choice at the avx2 level without AVX-VNNI): the weight kept
+    in tiles (which ``int8_dot16_gemv_grouped`` reads best), decode rows rounded to int16 per block of 256 of the
+    zero-padded groups' columns and summed in integers, whatever level runs the layer later; state_dict() holds the
+    groups a layer on int8 activations holds."""
+    torch.manual_seed(0)
+    linear = nn.Linear(320, 200)
+    with native.use_isa("avx2"):
+        layer = HANDLERS["int8_weight_only"].from_float(linear.weight.detach(), linear.bias,
+                                                        QuantConfig(group_size=group), native=True, dot_products=16)
+    int8_layer = _grouped_int8_layer(linear, group, True)
+    assert layer.use_dot_products == 16 and layer.native_grouped and layer.kept_group == kept
+    assert layer.tiled and layer.qweight.dtype == torch.uint8
+    saved, int8_saved = layer.state_dict(), int8_layer.state_dict()
+    assert saved.keys() == int8_saved.keys() and all(torch.equal(saved[key], int8_saved[key]) for key in saved)
+    x = torch.randn(rows, 320)
+    expected = F.linear(_rounded_in_groups(x, group, kept, wide=True), layer.dequantize(), linear.bias)
+    with _spy("int8_dot16_gemv_grouped") as calls, _spy("int8_dot_gemv_grouped") as int8_calls:
+        out = layer(x)
+    assert calls.call_count == 1 and int8_calls.call_count == 0
+    assert (out - expected).norm() / expected.norm() < 5e-3
+
+
+@needs_native
 @pytest.mark.parametrize("rows", [1, 2, 40])
 @pytest.mark.parametrize("scheme", ["int4-g32", "int4-g128"])
 def test_int4_decode_rows_on_dot_products_round_activations_per_block(scheme, rows):
@@ -493,10 +523,10 @@ def test_int4_decode_rows_on_dot_products_at_the_avx2_level(scheme, rows):
 @needs_native
 @pytest.mark.parametrize("rows", [40, 130])
 @pytest.mark.parametrize("scheme, op", [("int8", "int8_dot16_gemv"), ("w8a8", "int8_dot_gemv"),
-                                        ("int4-g32", "int4_dot_gemv"), ("int8-g64", "int8_dot_gemv_grouped")])
+                                        ("int4-g32", "int4_dot_gemv"), ("int8-g64", "int8_dot16_gemv_grouped")])
 def test_prompt_rows_take_the_dot_products_at_the_avx2_level(scheme, op, rows):
     """At the avx2 level prompts past the float GEMVs' 32 rows take the integer dot products, as at the avx512 level
-    (they beat the widened float32 GEMMs there): activations rounded as decode rows are (int8 per channel: int16 per
+    (they beat the widened float32 GEMMs there): activations rounded as decode rows are (int8 weight-only: int16 per
     block of 256; the others int8 per block of 32), one call, the rounded product; no de-quantised GEMM."""
     torch.manual_seed(0)
     linear = nn.Linear(320, 200)
@@ -504,13 +534,13 @@ def test_prompt_rows_take_the_dot_products_at_the_avx2_level(scheme, op, rows):
         scheme, "int4_weight_only")
     with native.use_isa("avx2"):
         assert rows > native.MAX_ROWS["int8"] and rows <= native.MAX_ROWS["int8_dot"]
-        dots = 16 if scheme == "int8" else True
+        dots = 16 if scheme.startswith("int8") else True
         layer = HANDLERS[kind].from_float(linear.weight.detach(), linear.bias, SCHEMES[scheme], native=True,
                                           dot_products=dots)
         x = torch.randn(rows, 320)
         with _spy(op) as calls, _spy("int8_linear") as int8_prompts, _spy("int4_linear") as int4_prompts:
             out = layer(x)
-    if scheme == "int8":
+    if scheme.startswith("int8"):
         rounded = qmath.round_activations(x.bfloat16().float(), qmath.WIDE_ACTIVATION_BLOCK,
                                           qmath.WIDE_ACTIVATION_LEVELS)
     else:

@@ -27,7 +27,8 @@ from .native_linear import NativeLinear
 from .norm import RMSNorm
 
 #: decode_layers' GEMV kinds (gemv.cpp's LayerGemv)
-GEMV_BF16, GEMV_INT8, GEMV_INT8_DOT, GEMV_INT8_DOT16, GEMV_INT4, GEMV_INT4_DOT, GEMV_INT8_GROUPED = range(7)
+(GEMV_BF16, GEMV_INT8, GEMV_INT8_DOT, GEMV_INT8_DOT16, GEMV_INT4, GEMV_INT4_DOT, GEMV_INT8_GROUPED,
+ GEMV_INT8_GROUPED16) = range(8)
 #: the block's linears, in decode_layers' order
 LINEARS = ("qkv", "o", "gate_up", "down")
 
@@ -71,8 +72,9 @@ def layer_gemv(linear: nn.Module) -> LayerGemv | None:
         if not linear.use_native:
             return None
         if linear.native_grouped:  # K zero-padded to whole groups pads x too, which the native call does not
+            kind = GEMV_INT8_GROUPED16 if linear.use_dot_products == 16 else GEMV_INT8_GROUPED
             return None if linear.in_features % linear.group else LayerGemv(
-                GEMV_INT8_GROUPED, ("qweight", "scales", "bias"), linear.group, "int8_dot")
+                kind, ("qweight", "scales", "bias"), linear.group, "int8_dot")
         return INT8_GEMVS.get(linear.use_dot_products, INT8_GEMVS[0])
     return None
 

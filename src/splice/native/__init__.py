@@ -628,8 +628,8 @@ def _register_fakes() -> None:
     torch.library.register_fake("splice_kernels::int8_gemv")(lambda x, w, scales: fake_rows(x, w.shape[0]))
     torch.library.register_fake("splice_kernels::int8_dot_gemv")(lambda x, w, scales: fake_rows(x, w.shape[0]))
     torch.library.register_fake("splice_kernels::int8_dot16_gemv")(lambda x, w, scales: fake_rows(x, w.shape[0]))
-    torch.library.register_fake("splice_kernels::int8_dot_gemv_grouped")(
-        lambda x, w, scales: fake_rows(x, w.shape[0]))
+    for grouped in ("int8_dot_gemv_grouped", "int8_dot16_gemv_grouped"):
+        torch.library.register_fake(f"splice_kernels::{grouped}")(lambda x, w, scales: fake_rows(x, w.shape[0]))
     torch.library.register_fake("splice_kernels::int4_gemv")(
         lambda x, w, scales_and_zeros, group: fake_rows(x, w.shape[0] * INT4_TILE))
     torch.library.register_fake("splice_kernels::int4_dot_gemv")(

@@ -18,6 +18,8 @@
 //       scale; the scales of 16 rows side by side per group (splice.native.int8_group_scales_pack)
 //   int8_dot16_gemv(x, w, scales)  the same product with x rounded to int16 per row and block of 256: int8
 //       weight-only's decode rows at the avx2 level without AVX-VNNI (vpmaddwd, the AVX2 code at every level)
+//   int8_dot16_gemv_grouped(x, w, scales)  int8_dot_gemv_grouped's weight and scales on int8_dot16_gemv's rounding:
+//       grouped int8's decode rows there, fastest on the weight in tiles (lanes are weight rows: no horizontal sums)
 //   int4_gemv(x bf16 [M, K], w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group)
 //       tiles of 16 rows; dword (tile, c, r) holds q[r, 8c .. 8c+7] as nibbles in the order k = 0,2,4,6,1,3,5,7
 //       (so k and k+1 sit 16 bits apart); value = (q - 8) * scale + zero per (row, group). A symmetric weight (every
@@ -2633,6 +2635,12 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+inline int32_t horizontal_sum(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 1)));
+}
+
 at::Tensor to_float(const at::Tensor& x) { return x.to(at::kFloat).contiguous(); }
 
 inline __m256 widen(const at::BFloat16* p) { return bf16x8_to_f32(p); }
@@ -3013,14 +3021,17 @@ Dot16Rows round_rows16(const at::BFloat16* x, int64_t m, int64_t k) {
   return a;
 }
 
-// 16 int8 weights sign-extended to int16.
+// 16 int8 weights sign-extended to int16 (FLIPPED: stored as w + 128, the tiles' tail rows).
+template <bool FLIPPED = false>
 inline __m256i widen16(const int8_t* p) {
-  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (FLIPPED) return _mm256_sub_epi16(_mm256_cvtepu8_epi16(bytes), _mm256_set1_epi16(128));
+  return _mm256_cvtepi8_epi16(bytes);
 }
 
 // C rows of x (x, the first of them; rows k apart) against R weight rows (row_at) over `columns` columns, both from
 // the same column: their int32 pair sums in acc.
-template <int C, int R>
+template <int C, int R, bool FLIPPED = false>
 inline void dot16_chunk(const int16_t* x, int64_t k, const int8_t* const row_at[R], int64_t columns,
                         __m256i acc[C][R]) {
   UNROLLED for (int m = 0; m < C; ++m)
@@ -3030,7 +3041,7 @@ inline void dot16_chunk(const int16_t* x, int64_t k, const int8_t* const row_at[
 #pragma GCC unroll 1
   for (int64_t c = 0; c < columns; c += 16) {
     __m256i wv[R];
-    UNROLLED for (int r = 0; r < R; ++r) wv[r] = widen16(row_at[r] + c);
+    UNROLLED for (int r = 0; r < R; ++r) wv[r] = widen16<FLIPPED>(row_at[r] + c);
     UNROLLED for (int m = 0; m < C; ++m) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * k + c));
       UNROLLED for (int r = 0; r < R; ++r) acc[m][r] = _mm256_add_epi32(acc[m][r], _mm256_madd_epi16(wv[r], xv));
@@ -3047,18 +3058,42 @@ inline void for_pieces(F&& f) {
   }
 }
 
+// A grouped weight's scales for dot16_rows: columns per group, and each of the R rows' scale of group 0 (its scale of
+// group g SCALE_TILE values on, GroupedScales' layout); group 0 (per-channel scales, applied by the caller) for none.
+template <int R>
+struct Dot16Groups {
+  int64_t group = 0;
+  const at::BFloat16* first[R] = {};
+
+  Dot16Groups(const GroupedScales* gs, const int64_t* rows) {
+    if (!gs) return;
+    group = gs->group;
+    for (int r = 0; r < R; ++r) first[r] = gs->of(rows[r], 0);
+  }
+  // Row r's scale of group g, broadcast: the bf16 bits as 16-bit words, each 32-bit lane shifted to hold it as float32.
+  __m256 scale(int r, int64_t g) const {
+    const int16_t bits = *reinterpret_cast<const int16_t*>(first[r] + g * SCALE_TILE);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_set1_epi16(bits), 16));
+  }
+};
+
 // R weight rows against M rows of x (a.q from row m0): sums[m][r] in float32. APART as rows_dot's. Each block of
 // columns is taken by every row of x, in chunks of DOT16_CHUNK_ROWS rows against DOT16_GROUP_ROWS weight rows, before
-// the next block, so the block's weights and x stay in L1.
-template <int M, int R, bool APART>
-void dot16_rows(const Dot16Rows& a, int64_t m0, const int8_t* const row_at[R], int64_t k, float sums[M][R]) {
-  __m256 total[M][R];
+// the next block, so the block's weights and x stay in L1. A grouped weight's block is walked in segments that end
+// at its groups' ends: each segment's int32 sums times the row's scale of that group, summed in float32 over the
+// block, then times x's block scale, as per-channel sums are.
+template <int M, int R, bool APART, bool FLIPPED = false>
+void dot16_rows(const Dot16Rows& a, int64_t m0, const int8_t* const row_at[R], int64_t k, const Dot16Groups<R>& grouped,
+                float sums[M][R]) {
+  __m256 total[M][R], part[M][R];
   UNROLLED for (int m = 0; m < M; ++m)
     UNROLLED for (int r = 0; r < R; ++r) total[m][r] = _mm256_setzero_ps();
   const int16_t* x = a.q.data_ptr<int16_t>() + m0 * k;
+  const int64_t group = grouped.group;
+  int64_t g = 0;  // the group a segment is in
   for (int64_t b = 0; b < a.blocks; ++b) {
-    const int64_t c0 = b * DOT16_BLOCK, columns = std::min(DOT16_BLOCK, k - c0);
-    for (int64_t c = c0; c < c0 + columns; c += 32) {
+    const int64_t c0 = b * DOT16_BLOCK, c1 = std::min(c0 + DOT16_BLOCK, k);
+    for (int64_t c = c0; c < c1; c += 32) {
       if constexpr (APART) {
         if (c % 64 == 0)
           UNROLLED for (int r = 0; r < R; ++r) prefetch<PREFETCH_INT8>(row_at[r] + c + PREFETCH_BYTES, M);
@@ -3066,58 +3101,255 @@ void dot16_rows(const Dot16Rows& a, int64_t m0, const int8_t* const row_at[R], i
         prefetch_step<R, 32>(row_at, k, c, M);
       }
     }
-    for_pieces<R, DOT16_GROUP_ROWS>([&](auto r0_c, auto g_c) {
-      constexpr int R0 = decltype(r0_c)::value, G = decltype(g_c)::value;
-      const int8_t* group_at[G];
-      UNROLLED for (int g = 0; g < G; ++g) group_at[g] = row_at[R0 + g] + c0;
-      for_pieces<M, DOT16_CHUNK_ROWS>([&](auto mc_c, auto c_c) {
-        constexpr int MC = decltype(mc_c)::value, C = decltype(c_c)::value;
-        __m256i acc[C][G];
-        dot16_chunk<C, G>(x + MC * k + c0, k, group_at, columns, acc);
-        UNROLLED for (int m = 0; m < C; ++m) {
-          const __m256 d = _mm256_set1_ps(a.d[(m0 + MC + m) * a.blocks + b]);
-          UNROLLED for (int g = 0; g < G; ++g)
-            total[MC + m][R0 + g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][g]), d, total[MC + m][R0 + g]);
-        }
+    if (group)
+      UNROLLED for (int m = 0; m < M; ++m)
+        UNROLLED for (int r = 0; r < R; ++r) part[m][r] = _mm256_setzero_ps();
+    for (int64_t s0 = c0, s1; s0 < c1; s0 = s1) {
+      s1 = group ? std::min(c1, (g + 1) * group) : c1;
+      for_pieces<R, DOT16_GROUP_ROWS>([&](auto r0_c, auto g_c) {
+        constexpr int R0 = decltype(r0_c)::value, G = decltype(g_c)::value;
+        const int8_t* group_at[G];
+        UNROLLED for (int g = 0; g < G; ++g) group_at[g] = row_at[R0 + g] + s0;
+        __m256 scale[G];
+        if (group) UNROLLED for (int i = 0; i < G; ++i) scale[i] = grouped.scale(R0 + i, g);
+        for_pieces<M, DOT16_CHUNK_ROWS>([&](auto mc_c, auto c_c) {
+          constexpr int MC = decltype(mc_c)::value, C = decltype(c_c)::value;
+          __m256i acc[C][G];
+          dot16_chunk<C, G, FLIPPED>(x + MC * k + s0, k, group_at, s1 - s0, acc);
+          UNROLLED for (int m = 0; m < C; ++m) {
+            if (group) {
+              UNROLLED for (int i = 0; i < G; ++i)
+                part[MC + m][R0 + i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][i]), scale[i], part[MC + m][R0 + i]);
+              continue;
+            }
+            const __m256 d = _mm256_set1_ps(a.d[(m0 + MC + m) * a.blocks + b]);
+            UNROLLED for (int i = 0; i < G; ++i)
+              total[MC + m][R0 + i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][i]), d, total[MC + m][R0 + i]);
+          }
+        });
       });
-    });
+      if (group && s1 == (g + 1) * group) ++g;
+    }
+    if (group)
+      UNROLLED for (int m = 0; m < M; ++m) {
+        const __m256 d = _mm256_set1_ps(a.d[(m0 + m) * a.blocks + b]);
+        UNROLLED for (int r = 0; r < R; ++r) total[m][r] = _mm256_fmadd_ps(part[m][r], d, total[m][r]);
+      }
   }
   UNROLLED for (int m = 0; m < M; ++m)
     UNROLLED for (int r = 0; r < R; ++r) sums[m][r] = horizontal_sum(total[m][r]);
 }
 
-template <int M, int R>
-void int8_dot16_block(const Dot16Rows& a, int64_t m0, const int8_t* w, const at::BFloat16* scales, int64_t k,
-                      RowBlock block, at::BFloat16* out, int64_t n_total) {
+// A block of weight rows (for_row_blocks') against M rows of x from m0 into out: per-channel scales (scales, one per
+// row) or a grouped weight's (gs, with scales null). FLIPPED: the rows stored as w + 128 (the tiles' tail rows).
+template <int M, int R, bool FLIPPED = false>
+void int8_dot16_block(const Dot16Rows& a, int64_t m0, const int8_t* w, const at::BFloat16* scales,
+                      const GroupedScales* gs, int64_t k, RowBlock block, at::BFloat16* out, int64_t n_total) {
+  const auto store = [&](const auto& rows, const auto& sums, auto r_c) {
+    UNROLLED for (int m = 0; m < M; ++m)
+      UNROLLED for (int r = 0; r < decltype(r_c)::value; ++r)
+        out[m * n_total + rows[r]] = at::BFloat16(gs ? sums[m][r] : sums[m][r] * static_cast<float>(scales[rows[r]]));
+  };
   if constexpr (R == 8) {
     for_row_sets<2>(w, k, block, [&](const int64_t rows[2], const int8_t* const row_at[2]) {
+      const Dot16Groups<2> grouped(gs, rows);
       float sums[M][2];
-      dot16_rows<M, 2, true>(a, m0, row_at, k, sums);
-      UNROLLED for (int m = 0; m < M; ++m)
-        for (int t = 0; t < 2; ++t)
-          out[m * n_total + rows[t]] = at::BFloat16(sums[m][t] * static_cast<float>(scales[rows[t]]));
+      dot16_rows<M, 2, true, FLIPPED>(a, m0, row_at, k, grouped, sums);
+      store(rows, sums, Int<2>{});
     });
   } else {
     const int8_t* row_at[R];
     row_pointers<R>(w, k, block, row_at);
+    int64_t rows[R];
+    UNROLLED for (int r = 0; r < R; ++r) rows[r] = block.row(r);
+    const Dot16Groups<R> grouped(gs, rows);
     float sums[M][R];
-    dot16_rows<M, R, false>(a, m0, row_at, k, sums);
-    UNROLLED for (int m = 0; m < M; ++m)
-      UNROLLED for (int r = 0; r < R; ++r)
-        out[m * n_total + block.row(r)] = at::BFloat16(sums[m][r] * static_cast<float>(scales[block.row(r)]));
+    dot16_rows<M, R, false, FLIPPED>(a, m0, row_at, k, grouped, sums);
+    store(rows, sums, Int<R>{});
   }
 }
 
-at::Tensor int8_dot16_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+// int8_dot16_gemv's product for per-channel scales, or (gs) a grouped weight's.
+at::Tensor int8_dot16_product(const at::Tensor& x, const at::Tensor& w, const at::BFloat16* scales,
+                              const GroupedScales* gs) {
   const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
   const Dot16Rows a = round_rows16(x.data_ptr<at::BFloat16>(), m, k);
   auto out = kernel_output({m, n}, x.options());
-  const auto* sp = scales.data_ptr<at::BFloat16>();
   const int8_t* wp = w.data_ptr<int8_t>();
   auto* op = out.data_ptr<at::BFloat16>();
   for_row_blocks<DOT16_X_ROWS>(m, n, [&](auto m_c, auto r_c, RowBlock rows, int64_t m0) {
-    int8_dot16_block<decltype(m_c)::value, decltype(r_c)::value>(a, m0, wp, sp, k, rows, op + m0 * n, n);
+    int8_dot16_block<decltype(m_c)::value, decltype(r_c)::value>(a, m0, wp, scales, gs, k, rows, op + m0 * n, n);
   });
+  return out;
+}
+
+at::Tensor int8_dot16_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  return int8_dot16_product(x, w, scales.data_ptr<at::BFloat16>(), nullptr);
+}
+
+// ---- grouped int8 on int16 activations, the weight in int8 tiles ----------------------------------------------------
+// In the tiles of int8_tile_pack, 16 rows' four columns c .. c + 3 are 64 bytes at 16 c from the rows' first byte
+// (every step's vectors in sequence), each byte w + 128. Sixteen of them (four rows' four columns) zero-extended to
+// int16 and multiplied by x's four columns broadcast (vpmaddwd) give each row's two pair sums side by side in 8 int32
+// lanes, so the lanes are weight rows and a group's end needs no horizontal sums: per four rows, one subtraction of
+// the flipped bytes' excess (128 times the segment's sum of x, taken off one of each row's two lanes), a conversion
+// and a multiply-add by the four rows' scales, each twice. Per four columns, 16 rows and two rows of x: four loads of
+// weights, two of x and eight vpmaddwd and adds, as dot16_chunk's per 16 columns and four rows.
+constexpr int64_t DOT16_TILE_ROWS = 16;
+constexpr int64_t DOT16_TILE_STREAM_ROWS = 4;  // rows of x up to which a thread reads two tiles side by side
+
+// Segments of a row of x: [first, end) columns that share a block of x's scale and a group of the weight's.
+struct Dot16Segments {
+  std::vector<int64_t> first;  // and first.back() == k
+  std::vector<int64_t> block, group;  // per segment
+  std::vector<int32_t> excess;  // [m, segments]: 128 times the segment's sum of x's codes
+};
+
+Dot16Segments dot16_segments(const Dot16Rows& a, int64_t m, int64_t k, int64_t group) {
+  Dot16Segments seg;
+  for (int64_t c = 0; c < k;) {
+    const int64_t end = std::min({k, (c / DOT16_BLOCK + 1) * DOT16_BLOCK, (c / group + 1) * group});
+    seg.first.push_back(c), seg.block.push_back(c / DOT16_BLOCK), seg.group.push_back(c / group);
+    c = end;
+  }
+  seg.first.push_back(k);
+  const int64_t count = seg.block.size();
+  seg.excess.resize(m * count);
+  const int16_t* q = a.q.data_ptr<int16_t>();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t i = 0; i < m; ++i)
+    for (int64_t j = 0; j < count; ++j) {
+      __m256i sum = _mm256_setzero_si256();  // segments are whole blocks of DOT_BLOCK: 16 columns a step
+      for (int64_t c = seg.first[j]; c < seg.first[j + 1]; c += 16)
+        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(
+                                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i * k + c)), ones));
+      seg.excess[i * count + j] = 128 * horizontal_sum(sum);  // at most 128 * 256 * 32767 < 2^31
+    }
+  return seg;
+}
+
+// sum += v (int32 lanes) in sum's own register, as inline assembly: see dot16_tile_chunk.
+inline void add_in_place(__m256i& sum, __m256i v) { asm("vpaddd %1, %0, %0" : "+x"(sum) : "x"(v)); }
+
+// Four rows' scales, each in two lanes (the lanes' order: row 0's two pair sums, row 1's, ...), from 4 bf16 at s.
+inline __m256 four_row_scales(const at::BFloat16* s) {
+  const __m128i words = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(s));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_unpacklo_epi16(words, words)), 16));
+}
+
+// C rows of x (x: the first, rows k apart) against a tile's 16 rows (w: the tile's first byte) over columns
+// [c0, c1): acc[m][p] holds rows 4p .. 4p + 3's pair sums.
+template <int C>
+inline void dot16_tile_chunk(const int16_t* x, int64_t k, const uint8_t* w, int64_t c0, int64_t c1,
+                             __m256i acc[C][4]) {
+  UNROLLED for (int m = 0; m < C; ++m)
+    UNROLLED for (int p = 0; p < 4; ++p) acc[m][p] = _mm256_setzero_si256();
+  // Two rows of x add to each sum in place (add_in_place): GCC otherwise adds into the product's register and copies
+  // it back, and with 8 sums, four weights, x and the products it keeps a sum on the stack. One row of x leaves GCC
+  // registers enough (the assembly there has it keep the sums on the stack instead, with the folds' values).
+#pragma GCC unroll 1
+  for (int64_t c = c0; c < c1; c += 4) {
+    __m256i wv[4];
+    UNROLLED for (int p = 0; p < 4; ++p)
+      wv[p] = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * c + 16 * p)));
+    UNROLLED for (int m = 0; m < C; ++m) {
+      const __m256i xv = _mm256_set1_epi64x(*reinterpret_cast<const int64_t*>(x + m * k + c));
+      UNROLLED for (int p = 0; p < 4; ++p) {
+        const __m256i product = _mm256_madd_epi16(wv[p], xv);
+        if constexpr (C > 1) add_in_place(acc[m][p], product);
+        else acc[m][p] = _mm256_add_epi32(acc[m][p], product);
+      }
+    }
+  }
+}
+
+// M rows of x (from m0) times S tiles of 16 rows (the first from row n0, the next span rows on) into out, their
+// segments in turn so the S streams are read side by side: per segment the int32 sums less the excess, times the rows'
+// scales of its group, summed over x's block, then times the block's scale.
+template <int M, int S>
+void dot16_grouped_tiles(const Dot16Rows& a, const Dot16Segments& seg, int64_t m0, const uint8_t* w,
+                         const GroupedScales& gs, int64_t k, int64_t n0, int64_t span, at::BFloat16* out,
+                         int64_t n_total) {
+  const int16_t* x = a.q.data_ptr<int16_t>() + m0 * k;
+  const int64_t segments = seg.block.size();
+  __m256 total[S][M][4], part[S][M][4];
+  UNROLLED for (int t = 0; t < S; ++t)
+    UNROLLED for (int m = 0; m < M; ++m)
+      UNROLLED for (int p = 0; p < 4; ++p) total[t][m][p] = part[t][m][p] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < segments; ++j) {
+    const int64_t c0 = seg.first[j], c1 = seg.first[j + 1];
+    UNROLLED for (int t = 0; t < S; ++t) {
+      const int64_t first_row = n0 + t * span;
+      const uint8_t* tile = w + first_row * k;
+      for (int64_t c = c0; c < c1; c += 4)
+        prefetch<PREFETCH_INT8, _MM_HINT_T1>(tile + DOT16_TILE_ROWS * k + 16 * c, M);
+      const at::BFloat16* line = gs.tile_line(first_row, c0 / DOT_BLOCK);
+      __m256 scale[4];
+      UNROLLED for (int p = 0; p < 4; ++p) scale[p] = four_row_scales(line + 4 * p);
+      for_pieces<M, DOT16_CHUNK_ROWS>([&](auto mc_c, auto c_c) {
+        constexpr int MC = decltype(mc_c)::value, C = decltype(c_c)::value;
+        __m256i acc[C][4];
+        dot16_tile_chunk<C>(x + MC * k, k, tile, c0, c1, acc);
+        UNROLLED for (int m = 0; m < C; ++m) {
+          const int32_t e = seg.excess[(m0 + MC + m) * segments + j];
+          const __m256i off = _mm256_setr_epi32(e, 0, e, 0, e, 0, e, 0);
+          UNROLLED for (int p = 0; p < 4; ++p)
+            part[t][MC + m][p] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(acc[m][p], off)), scale[p],
+                                                 part[t][MC + m][p]);
+        }
+      });
+    }
+    if (j + 1 < segments && seg.block[j + 1] == seg.block[j]) continue;
+    UNROLLED for (int m = 0; m < M; ++m) {
+      const __m256 d = _mm256_set1_ps(a.d[(m0 + m) * a.blocks + seg.block[j]]);
+      UNROLLED for (int t = 0; t < S; ++t)
+        UNROLLED for (int p = 0; p < 4; ++p) {
+          total[t][m][p] = _mm256_fmadd_ps(part[t][m][p], d, total[t][m][p]);
+          part[t][m][p] = _mm256_setzero_ps();
+        }
+    }
+  }
+  UNROLLED for (int t = 0; t < S; ++t)
+    UNROLLED for (int m = 0; m < M; ++m) {
+      alignas(32) float lanes[4][8];
+      UNROLLED for (int p = 0; p < 4; ++p) _mm256_store_ps(lanes[p], total[t][m][p]);
+      for (int r = 0; r < DOT16_TILE_ROWS; ++r)
+        out[m * n_total + n0 + t * span + r] = at::BFloat16(lanes[r / 4][2 * (r % 4)] + lanes[r / 4][2 * (r % 4) + 1]);
+    }
+}
+
+// int8_dot16_gemv_grouped on tiles: the whole tiles split over the threads (two side by side a thread up to
+// DOT16_TILE_STREAM_ROWS rows of x), the row-major tail (stored flipped) on int8_dot16_block.
+void int8_dot16_grouped_tiles(const Dot16Rows& a, int64_t m, const uint8_t* w, const GroupedScales& gs, int64_t n,
+                              int64_t k, at::BFloat16* out) {
+  const Dot16Segments seg = dot16_segments(a, m, k, gs.group);
+  parallel_streams<2>(n / DOT16_TILE_ROWS, m, DOT16_TILE_STREAM_ROWS, [&](auto streams, int64_t unit, int64_t span) {
+    for_x_chunks<DOT16_X_ROWS>(m, [&](auto m_c, int64_t m0) {
+      dot16_grouped_tiles<decltype(m_c)::value, decltype(streams)::value>(
+          a, seg, m0, w, gs, k, unit * DOT16_TILE_ROWS, span * DOT16_TILE_ROWS, out + m0 * n, n);
+    });
+  });
+  const int64_t whole = n / DOT16_TILE_ROWS * DOT16_TILE_ROWS;
+  if (!leads_team() || whole == n) return;
+  const auto* rows = reinterpret_cast<const int8_t*>(w);
+  for (int64_t row = whole; row < n; row += 4)
+    with_rows(std::min<int64_t>(4, n - row), [&](auto r_c) {
+      for_x_chunks<DOT16_X_ROWS>(m, [&](auto m_c, int64_t m0) {
+        int8_dot16_block<decltype(m_c)::value, decltype(r_c)::value, true>(a, m0, rows, nullptr, &gs, k,
+                                                                            RowBlock{row, 0}, out + m0 * n, n);
+      });
+    });
+}
+
+// int8_dot_gemv_grouped's weight and scales on int16 activations: x rounded as int8_dot16_gemv rounds it; w int8
+// rows, or uint8 tiles (int8_dot16_grouped_tiles).
+at::Tensor int8_dot16_gemv_grouped(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  const int64_t n = w.size(0), k = w.size(1), m = x.size(0);
+  const GroupedScales gs(scales, k);
+  if (w.scalar_type() == at::kChar) return int8_dot16_product(x, w, nullptr, &gs);
+  const Dot16Rows a = round_rows16(x.data_ptr<at::BFloat16>(), m, k);
+  auto out = kernel_output({m, n}, x.options());
+  int8_dot16_grouped_tiles(a, m, w.data_ptr<uint8_t>(), gs, n, k, out.data_ptr<at::BFloat16>());
   return out;
 }
 
@@ -4138,6 +4370,16 @@ at::Tensor int8_dot16_gemv(const at::Tensor& x, const at::Tensor& w, const at::T
   return avx2::int8_dot16_gemv(x, int8_rows(w), scales);
 }
 
+// A grouped int8 weight's decode product on int16 activations (x rounded as int8_dot16_gemv rounds it): grouped int8's
+// decode rows at the avx2 level without AVX-VNNI, as int8_dot16_gemv is per-channel int8's.
+at::Tensor int8_dot16_gemv_grouped(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  const char* name = "int8_dot16_gemv_grouped";
+  check_isa(name);
+  check_int8_grouped_weight(w, scales, name);
+  check_rows(x, w.size(1), name);
+  return avx2::int8_dot16_gemv_grouped(x, w, scales);
+}
+
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
   check_isa("int4_gemv");
   check_int4_tiles(w, sz, group, "int4_gemv");
@@ -4372,9 +4614,11 @@ int64_t stream_read(const at::Tensor& t, int64_t streams, bool prefetch_ahead) {
 // Each linear is three entries of `tensors` (weight, scales, bias: None where absent) plus its GEMV kind and int4
 // group; a bias is added in bf16 after the GEMV, as the linear layers add it.
 enum LayerGemv : int64_t {
-  GEMV_BF16, GEMV_INT8, GEMV_INT8_DOT, GEMV_INT8_DOT16, GEMV_INT4, GEMV_INT4_DOT, GEMV_INT8_GROUPED, GEMV_KINDS
+  GEMV_BF16, GEMV_INT8, GEMV_INT8_DOT, GEMV_INT8_DOT16, GEMV_INT4, GEMV_INT4_DOT, GEMV_INT8_GROUPED,
+  GEMV_INT8_GROUPED16, GEMV_KINDS
 };
 inline bool int4_kind(int64_t kind) { return kind == GEMV_INT4 || kind == GEMV_INT4_DOT; }
+inline bool grouped_kind(int64_t kind) { return kind == GEMV_INT8_GROUPED || kind == GEMV_INT8_GROUPED16; }
 constexpr int64_t LAYER_LINEARS = 4, TENSORS_PER_LINEAR = 3;  // qkv, o, gate_up, down; weight, scales, bias
 
 struct LayerLinear {
@@ -4414,7 +4658,9 @@ void layer_gemv_into(const LayerLinear& l, const at::Tensor& x, const at::Tensor
       default: {
         const int64_t kept = kept_group(l.group);
         thread_local std::vector<at::BFloat16> spread;
-        int8_dot_gemv_grouped(kept == l.group ? x : spread_groups(x, l.group, kept, spread), l.w, l.scales);
+        const at::Tensor xs = kept == l.group ? x : spread_groups(x, l.group, kept, spread);
+        if (l.kind == GEMV_INT8_GROUPED16) int8_dot16_gemv_grouped(xs, l.w, l.scales);
+        else int8_dot_gemv_grouped(xs, l.w, l.scales);
       }
     }
   }
@@ -4503,7 +4749,7 @@ void check_layer_inputs(const at::Tensor& x, const at::Tensor& keys, const at::T
 // each group's padding left out).
 std::pair<int64_t, int64_t> linear_shape(const LayerLinear& l) {
   if (int4_kind(l.kind)) return {l.w.size(0) * TILE, l.w.size(1) * 8};
-  if (l.kind == GEMV_INT8_GROUPED && l.group > 0) return {l.w.size(0), l.w.size(1) / kept_group(l.group) * l.group};
+  if (grouped_kind(l.kind) && l.group > 0) return {l.w.size(0), l.w.size(1) / kept_group(l.group) * l.group};
   return {l.w.size(0), l.w.size(1)};
 }
 
@@ -4513,7 +4759,7 @@ void check_layer_linear(const LayerLinear& l, const std::string& name) {
     check_bf16_weight(l.w, name.c_str());
   } else if (int4_kind(l.kind)) {
     check_int4_tiles(l.w, l.scales, l.group, name.c_str());
-  } else if (l.kind == GEMV_INT8_GROUPED) {
+  } else if (grouped_kind(l.kind)) {
     check_int8_grouped_weight(l.w, l.scales, name.c_str());
     TORCH_CHECK(l.group >= 0 && (l.group == 0 || l.w.size(1) == l.scales.size(1) * kept_group(l.group)), name,
                 ": a grouped int8 weight of ", l.w.size(1), " columns in ", l.scales.size(1), " groups does not hold ",
@@ -4956,6 +5202,7 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("int8_dot_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int8_dot_gemv_grouped(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int8_dot16_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  lib.def("int8_dot16_gemv_grouped(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int4_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("int4_dot_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
   lib.def("stream_read(Tensor t, int streams=4, bool prefetch=True) -> int");
@@ -5013,6 +5260,7 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("int8_dot_gemv", &int8_dot_gemv);
   lib.impl("int8_dot_gemv_grouped", &int8_dot_gemv_grouped);
   lib.impl("int8_dot16_gemv", &int8_dot16_gemv);
+  lib.impl("int8_dot16_gemv_grouped", &int8_dot16_gemv_grouped);
   lib.impl("int4_gemv", &int4_gemv);
   lib.impl("stream_read", &stream_read);
   lib.impl("gptq_columns", &gptq_columns);

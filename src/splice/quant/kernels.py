@@ -128,15 +128,18 @@ def int8_grouped_mm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor
     return out
 
 
-def int8_grouped_dot_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, widen: bool = False
-                        ) -> torch.Tensor:
+def int8_grouped_dot_mm(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, widen: bool = False,
+                        dot_products: int = 8) -> torch.Tensor:
     """Grouped int8 on splice's integer dot products: ``x [M, K] bf16`` times ``weight [N, K]`` (int8 rows, or uint8
     tiles of ``native.int8_tile_pack``) with a scale per row and group of ``K / G`` inputs (whole blocks of 32: the
     layer zero-pads other groups, and x to match), in ``native.int8_group_scales_pack``'s layout. Rows up to
-    ``native.MAX_ROWS["int8_dot"]`` on ``int8_dot_gemv_grouped`` (x rounded to int8 per block of 32); more as one
-    matmul on the weight de-quantised to x's dtype, with ``widen`` (``native.prompts_widened``) as float32 GEMMs on
-    slabs of it widened (``splice_kernels.widened_linear``)."""
+    ``native.MAX_ROWS["int8_dot"]`` on ``int8_dot_gemv_grouped`` (``dot_products`` 8: x rounded to int8 per block of
+    32) or ``int8_dot16_gemv_grouped`` (16: to int16 per block of 256); more as one matmul on the weight de-quantised
+    to x's dtype, with ``widen`` (``native.prompts_widened``) as float32 GEMMs on slabs of it widened
+    (``splice_kernels.widened_linear``)."""
     if native.fits("int8_dot", x):
+        if dot_products == 16:
+            return torch.ops.splice_kernels.int8_dot16_gemv_grouped(x, weight, scales)
         return torch.ops.splice_kernels.int8_dot_gemv_grouped(x, weight, scales)
     rows = native.int8_tile_unpack(weight) if weight.dtype == torch.uint8 else weight
     scales = native.int8_group_scales_unpack(scales, rows.shape[0])

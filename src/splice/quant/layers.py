@@ -99,9 +99,8 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scales", scales.to(kernels.COMPUTE_DTYPE))
         # Per channel, same layout either way: the native GEMV runs for the rows it fits, torch's kernels otherwise.
-        # Grouped: the native grouped GEMV (x rounded to int8 per block of 32) where padding each group to whole
-        # blocks of 32 adds at most half its bytes, the weight then kept as rows of padded groups; torch's kernel per
-        # group otherwise.
+        # Grouped: the native grouped GEMV where padding each group to whole blocks of 32 adds at most half its bytes,
+        # the weight then kept as rows of padded groups (or tiles); torch's kernel per group otherwise.
         self.saved_group = qweight.shape[2] if qweight.dim() == 3 else 0
         self.kept_group = padded_group(self.saved_group)
         self.native_grouped = bool(native and dot_products and self.kept_group)
@@ -111,20 +110,23 @@ class Int8WeightOnlyLinear(QuantizedLinear):
         # block of 32, 16 to int16 per block of 256 (kernel_choice.int16_activations); 0 keeps float products.
         whole_blocks = self.native_grouped or in_features % qmath.ACTIVATION_BLOCK == 0
         dots = self.use_native and dot_products and whole_blocks
-        self.use_dot_products = (16 if dot_products == 16 and not self.native_grouped else 8) if dots else 0
+        self.use_dot_products = (16 if dot_products == 16 else 8) if dots else 0
         _check_native(native, qweight.device)
-        # Where the int8 dot products serve every decode row, the weight is kept in their tiles (uint8 [N, K];
+        # Where the dot products serve every decode row and read tiles best, the weight is kept in them (uint8 [N, K];
         # ``native.int8_tile_pack``); state_dict() still holds int8 rows (grouped: the groups).
-        tiles_here = int8_grouped_tiles_ready() if self.native_grouped else int8_tiles_ready()
-        self.tiled = self.use_native and self._dot_rows() and tiles_here
+        self.tiled = self.use_native and self._tiles_read_best()
         if self.native_grouped or self.tiled:
             self.qweight = self._kept_form(qweight)
         if self.native_grouped:
             self.scales = int8_group_scales_pack(self.scales)
 
-    def _dot_rows(self) -> bool:
-        """Whether decode rows go to ``int8_dot_gemv`` (x rounded to int8 per block of 32)."""
-        return self.use_dot_products == 8
+    def _tiles_read_best(self) -> bool:
+        """Whether this layer's decode GEMV reads the weight fastest in tiles: per channel, ``int8_dot_gemv`` where
+        ``native.int8_tiles_ready``; grouped, ``int8_dot_gemv_grouped`` where ``native.int8_grouped_tiles_ready``
+        and ``int8_dot16_gemv_grouped`` (int16 activations) always."""
+        if self.native_grouped:
+            return self.use_dot_products == 16 or (self.use_dot_products == 8 and int8_grouped_tiles_ready())
+        return self.use_dot_products == 8 and int8_tiles_ready()
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig,
@@ -182,7 +184,7 @@ class Int8WeightOnlyLinear(QuantizedLinear):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_grouped:
             return kernels.int8_grouped_dot_mm(self._spread(x), self.qweight, self.scales.to(x.dtype),
-                                               self.widen_prompts)
+                                               self.widen_prompts, self.use_dot_products)
         if not self.grouped:  # int8_weight_mm takes the tiles too (a uint8 qweight)
             return kernels.int8_weight_mm(x, self.qweight, self.scales.to(x.dtype), self.use_native,
                                           self.use_dot_products, self.widen_prompts)
