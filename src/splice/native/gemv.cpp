@@ -3194,14 +3194,15 @@ at::Tensor int8_dot16_gemv(const at::Tensor& x, const at::Tensor& w, const at::T
 // lanes, so the lanes are weight rows and a group's end needs no horizontal sums: per four rows, one subtraction of
 // the flipped bytes' excess (128 times the segment's sum of x, taken off one of each row's two lanes), a conversion
 // and a multiply-add by the four rows' scales, each twice. Per four columns, 16 rows and two rows of x: four loads of
-// weights, two of x and eight vpmaddwd and adds, as dot16_chunk's per 16 columns and four rows.
+// weights, two of x and eight vpmaddwd and adds, as dot16_chunk's per 16 columns and four rows. A lane's sum over a
+// segment (at most DOT16_BLOCK columns: 128 products of at most 255 * 32767) stays below 2^31.
 constexpr int64_t DOT16_TILE_ROWS = 16;
 constexpr int64_t DOT16_TILE_STREAM_ROWS = 4;  // rows of x up to which a thread reads two tiles side by side
 
 // Segments of a row of x: [first, end) columns that share a block of x's scale and a group of the weight's.
 struct Dot16Segments {
   std::vector<int64_t> first;  // and first.back() == k
-  std::vector<int64_t> block, group;  // per segment
+  std::vector<int64_t> block;  // per segment, x's block
   std::vector<int32_t> excess;  // [m, segments]: 128 times the segment's sum of x's codes
 };
 
@@ -3209,7 +3210,7 @@ Dot16Segments dot16_segments(const Dot16Rows& a, int64_t m, int64_t k, int64_t g
   Dot16Segments seg;
   for (int64_t c = 0; c < k;) {
     const int64_t end = std::min({k, (c / DOT16_BLOCK + 1) * DOT16_BLOCK, (c / group + 1) * group});
-    seg.first.push_back(c), seg.block.push_back(c / DOT16_BLOCK), seg.group.push_back(c / group);
+    seg.first.push_back(c), seg.block.push_back(c / DOT16_BLOCK);
     c = end;
   }
   seg.first.push_back(k);
