@@ -185,6 +185,30 @@ def test_profile_model_time_refuses_a_non_boolean(pair):
     engine = splice.init_inference(pair[1])
     with pytest.raises(TypeError, match="use_cuda_events='yes'"):
         engine.profile_model_time(use_cuda_events="yes")
+    with pytest.raises(ValueError, match=r"use_cuda_events=2; allowed: True or False \(or 1 or 0\)"):
+        engine.profile_model_time(use_cuda_events=2)
+    with pytest.raises(TypeError, match=r"use_cuda_events=1\.0 \(float\)"):
+        engine.profile_model_time(use_cuda_events=1.0)
+    assert not engine.model_profile_enabled  # a refused call starts nothing
+
+
+@pytest.mark.parametrize("given, taken", [(1, True), (0, False), (True, True), (False, False)])
+def test_profile_model_time_takes_one_and_zero_as_booleans(pair, given, taken):
+    """DeepSpeed's ``profile_model_time(use_cuda_events=True)`` reads the value as a truth value."""
+    engine = splice.init_inference(pair[1])
+    engine.profile_model_time(use_cuda_events=given)
+    assert engine._timer.use_cuda_events is taken
+    engine(PROMPTS)
+    assert len(engine.model_times()) == 1
+
+
+def test_model_times_before_profiling_is_an_assertion_error_as_in_deepspeed_and_a_runtime_error(pair):
+    """DeepSpeed asserts ``model_profile_enabled`` there; splice's callers catch RuntimeError."""
+    engine = splice.init_inference(pair[1])
+    with pytest.raises(AssertionError, match="needs profile_model_time"):
+        engine.model_times()
+    with pytest.raises(RuntimeError, match="needs profile_model_time"):
+        engine.model_times()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -309,10 +309,10 @@ class InferenceEngine(nn.Module):
         so N new tokens give N entries.
 
         ``use_cuda_events``: a model on a GPU is timed with CUDA events; otherwise (and on the CPU) with the wall
-        clock, the device synchronised before and after. Calling it again changes only this choice.
+        clock, the device synchronised before and after. Calling it again changes only this choice. ``1`` and ``0``
+        are taken as True and False (DeepSpeed reads the value as a truth value).
         """
-        if not isinstance(use_cuda_events, bool):
-            raise TypeError(f"use_cuda_events={use_cuda_events!r}; allowed: True or False")
+        use_cuda_events = _flag(use_cuda_events)
         if self._timer is None:
             self._timer = ForwardTimer(self.module, use_cuda_events)
         self._timer.use_cuda_events = use_cuda_events
@@ -326,8 +326,23 @@ class InferenceEngine(nn.Module):
     def model_times(self) -> list[float]:
         """The per-forward latencies in milliseconds since the last call, oldest first; clears them."""
         if self._timer is None:
-            raise RuntimeError("model_times() needs profile_model_time() to be called first")
+            raise ProfilingNotEnabled("model_times() needs profile_model_time() to be called first")
         return self._timer.take()
+
+
+class ProfilingNotEnabled(RuntimeError, AssertionError):
+    """``model_times()`` before ``profile_model_time()``. A RuntimeError for splice's callers, and an AssertionError
+    too because DeepSpeed's engine asserts there, so code written for DeepSpeed that catches that still catches it."""
+
+
+def _flag(use_cuda_events: Any) -> bool:
+    """``profile_model_time``'s ``use_cuda_events`` as a bool: True, False, or the ints 1 and 0 (bool is an int)."""
+    if isinstance(use_cuda_events, int) and use_cuda_events in (0, 1):
+        return bool(use_cuda_events)
+    if isinstance(use_cuda_events, int):
+        raise ValueError(f"use_cuda_events={use_cuda_events!r}; allowed: True or False (or 1 or 0)")
+    raise TypeError(f"use_cuda_events={use_cuda_events!r} ({type(use_cuda_events).__name__}); allowed: True or False "
+                    "(or 1 or 0)")
 
 
 #: what compile_kwargs a kernel-injected model's decode step takes (its shapes are static, its graph whole)

@@ -27,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from ..arch.paths import input_embeddings
 from ..layers.conv1d import in_out_features
 from .plan import Rule, TPPlan, collapse, linear_like
 from .split import Heads
@@ -403,13 +404,14 @@ def per_head_embeddings(model: nn.Module, attention: str, heads: Heads) -> dict[
 
 def edge_rules(model: nn.Module, linears: dict[str, nn.Module], covered: dict[str, Rule]) -> dict[str, Rule]:
     """Vocab-parallel embedding and lm_head (found with the model's get_*_embeddings) and every embedding sharing the
-    input embedding's weight (T5's and BART's encoder and decoder ``embed_tokens``), the rest replicated.
+    input embedding's weight (T5's and BART's encoder and decoder ``embed_tokens``), the rest replicated. A model
+    without a token embedding (Wav2Vec2's get_input_embeddings raises ``NotImplementedError``) gets no input rule.
 
     Any ``nn.Embedding`` is split, subclasses included: the parallel embedding runs the module's own forward on its
     rows (see :class:`splice.tp.layers.VocabParallelEmbedding`), so one that scales in its forward (Gemma in
     transformers 5) is split like the others, and a tied lm_head stays tied to the same rows."""
     names = {id(m): n for n, m in model.named_modules()}
-    embed = getattr(model, "get_input_embeddings", lambda: None)()
+    embed = input_embeddings(model)  # the lookup the engine and calibration use, so they agree on "no embedding"
     head = getattr(model, "get_output_embeddings", lambda: None)()
     rules = {}
     for module, kind in ((embed, nn.Embedding), (head, nn.Linear)):
