@@ -295,15 +295,27 @@ def _bart_seq2seq():
                                                    encoder_ffn_dim=128, decoder_ffn_dim=128))
 
 
+def _xlm_lm_head(causal: bool = False):
+    """A tiny XLMWithLMHeadModel: a masked LM (attending both ways) unless ``causal``."""
+    from transformers import XLMConfig, XLMWithLMHeadModel
+
+    torch.manual_seed(0)
+    return XLMWithLMHeadModel(XLMConfig(vocab_size=128, emb_dim=64, n_layers=1, n_heads=4, max_position_embeddings=64,
+                                        causal=causal)).eval()
+
+
 @pytest.mark.parametrize("build, model_type, reason", (
     (_bert_masked_lm, "'bert' model (BertForMaskedLM)", "BertLMHeadModel attends both ways unless config.json sets "
                                                         "is_decoder: true"),
     (_bert_base, "'bert' model (BertModel)", "BertLMHeadModel attends both ways"),
     (_bart_seq2seq, "'bart' model (BartForConditionalGeneration)", "it is an encoder-decoder"),
+    (_xlm_lm_head, "'xlm' model (XLMWithLMHeadModel)", "XLMWithLMHeadModel attends both ways unless config.json sets "
+                                                       "causal: true"),
 ))
 def test_a_folder_of_a_model_that_is_not_a_causal_lm_is_refused(tmp_path, build, model_type, reason):
     """AutoModelForCausalLM builds BertLMHeadModel for any BERT checkpoint, and it attends both ways (position 0
-    sees the tokens after it) unless config.is_decoder is set; a BART checkpoint gives the decoder alone."""
+    sees the tokens after it) unless config.is_decoder is set; XLM's LM head does the same unless config.causal is
+    set (its config has is_encoder, not is_decoder); a BART checkpoint gives the decoder alone."""
     build().save_pretrained(tmp_path)
     tiny_tokenizer().save_pretrained(tmp_path)
     with pytest.raises(ValueError) as error:
@@ -337,6 +349,17 @@ def test_is_decoder_false_is_refused_only_where_the_layers_read_it(tmp_path):
     torch.testing.assert_close(*first)
     with pytest.raises(ValueError, match="which is not a causal language model: BertLMHeadModel attends both ways"):
         models.load(saved(BertLMHeadModel(tiny_config("bert", is_decoder=False)), "encoder"))
+
+
+def test_an_xlm_lm_head_saved_with_causal_true_loads_and_attends_only_backwards(tmp_path):
+    """XLM's config.causal is read by its model (a triangular mask), so an XLM saved with it True is a causal LM."""
+    _xlm_lm_head(causal=True).save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    model, _ = models.load(tmp_path)
+    assert type(model).__name__ == "XLMWithLMHeadModel"
+    with torch.no_grad():  # position 0 does not see the tokens after it
+        first = [model(torch.tensor([[5, 60, later]])).logits[0, 0] for later in (70, 100)]
+    torch.testing.assert_close(*first)
 
 
 def test_cache_dir_honours_splice_cache(tmp_path, monkeypatch):
@@ -648,3 +671,57 @@ def test_a_gguf_file_splice_cannot_convert_is_named_with_what_is_allowed(cache, 
     assert ("allowed: a complete GGUF file (not one part of a split GGUF) holding its tokenizer, of an architecture "
             "transformers' GGUF loader reads as a causal language model (llama, ") in message
     assert "falcon" in message.split("allowed: ")[1] and "t5" not in message.split("allowed: ")[1]
+
+
+def write_llama_gguf(path: Path, architecture: str = "llama", name: str | None = None) -> Path:
+    """A tiny random Llama as an F32 GGUF file under ``architecture``, with ``general.name`` where given; the
+    tensors keep the Hugging Face layout (no llama.cpp Q/K permutation): these files test what is refused."""
+    import gguf
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    model = build_tiny(tiny_llama_config(vocab_size=GGUF_VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0))
+    config = model.config
+    writer = gguf.GGUFWriter(str(path), architecture)
+    if name is not None:
+        writer.add_name(name)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_vocab_size(config.vocab_size)
+    gguf_tokenizer_fields(writer)
+    gguf_names = {hf: name for name, hf in get_gguf_hf_weights_map(model, TensorProcessor(), "llama").items()}
+    for hf_name, tensor in model.state_dict().items():
+        writer.add_tensor(gguf_names[hf_name], tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("architecture, name, read_as", (
+    ("mistral", None, "its general.architecture is 'mistral'"),
+    ("llama", "mistral", "its general.architecture is 'llama' and its general.name is exactly 'mistral'"),
+), ids=("mistral", "llama named mistral"))
+def test_a_gguf_transformers_reads_as_mistral_is_refused_as_unsupported(cache, tmp_path, architecture, name, read_as):
+    """transformers reads these as Mistral models but finds no 'mistral' tensor names in gguf-py to convert them
+    with; splice says so, naming the file, instead of quoting the loader's advice to update gguf-py."""
+    path = write_llama_gguf(tmp_path / "model.gguf", architecture, name)
+    with pytest.raises(ValueError) as error:
+        models.load(path)
+    message = str(error.value)
+    assert message.startswith(f"GGUF file {str(path)!r} is one transformers reads as a 'mistral' model ({read_as}")
+    assert "cannot convert: gguf " in message and "has no 'mistral' tensor names" in message
+    assert "outdated" not in message
+    allowed = message.split("allowed: ")[1]
+    assert "(llama, " in allowed and "mistral" not in allowed
+
+
+def test_a_llama_gguf_with_another_name_than_mistral_loads_as_llama(cache, tmp_path):
+    """Only a general.name of exactly 'mistral' makes transformers read a llama GGUF as Mistral."""
+    model, _ = models.load(write_llama_gguf(tmp_path / "model.gguf", "llama", "Mistral-7B-Instruct"))
+    assert type(model).__name__ == "LlamaForCausalLM"

@@ -426,6 +426,51 @@ def _check_gguf_file(gguf: Path) -> None:
     if "tokenizer.ggml.model" not in fields:
         raise ValueError(f"GGUF file {str(gguf)!r} holds no tokenizer (no tokenizer.ggml.model in its metadata), and "
                          f"splice.load returns the model's tokenizer; allowed: {_gguf_allowed()}")
+    _refuse_unmappable_mistral(gguf, fields)
+
+
+def _refuse_unmappable_mistral(gguf: Path, fields: dict[str, Any]) -> None:
+    """transformers reads a GGUF of architecture ``mistral``, or of a llama architecture whose ``general.name`` is
+    exactly ``mistral``, as a Mistral model, then looks the model type ``mistral`` up in gguf-py's architectures to
+    map the tensor names; where gguf-py has none of that name (it writes Mistral models as llama), the conversion
+    fails only after reading the config and tokenizer, with a message blaming an outdated gguf-py."""
+    if _gguf_py_maps("mistral"):
+        return
+    architecture = _gguf_str(fields.get("general.architecture"))
+    name = _gguf_str(fields.get("general.name"))
+    if architecture == "mistral":
+        read_as = "its general.architecture is 'mistral'"
+    elif architecture is not None and "llama" in architecture and name == "mistral":
+        read_as = (f"its general.architecture is {architecture!r} and its general.name is exactly 'mistral'; with any "
+                   "other general.name it would be read, and converted, as llama")
+    else:
+        return
+    raise ValueError(f"GGUF file {str(gguf)!r} is one transformers reads as a 'mistral' model ({read_as}), an "
+                     f"architecture whose tensors the installed transformers {_version('transformers')} cannot "
+                     f"convert: gguf {_version('gguf')} has no 'mistral' tensor names; allowed: {_gguf_allowed()}")
+
+
+def _gguf_py_maps(model_type: str) -> bool:
+    """Whether gguf-py knows ``model_type`` as an architecture, which transformers' GGUF loader needs to map the
+    tensor names of a model of that type."""
+    from gguf import MODEL_ARCH_NAMES
+
+    return model_type in MODEL_ARCH_NAMES.values()
+
+
+def _gguf_str(field: Any) -> str | None:
+    """The value of a GGUF metadata field holding one string, or None where there is no such field."""
+    if field is None or not field.data:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+
+
+def _version(distribution: str) -> str:
+    """The installed version of ``distribution``, for messages."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
 
 
 def _gguf_fields(gguf: Path) -> dict[str, Any]:
@@ -473,7 +518,8 @@ def _gguf_architectures() -> list[str]:
     from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    return [name for name in GGUF_SUPPORTED_ARCHITECTURES if name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+    return [name for name in GGUF_SUPPORTED_ARCHITECTURES if name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            and (name != "mistral" or _gguf_py_maps(name))]  # see _refuse_unmappable_mistral
 
 
 @contextlib.contextmanager
@@ -682,15 +728,26 @@ def _require_causal_lm_config(folder: Path, config: Any) -> None:
 
 
 def _require_causal_attention(folder: Path, model: nn.Module) -> None:
-    """Refuse a model whose attention looks both ways. The encoder families' causal-LM classes (BertLMHeadModel,
-    RobertaForCausalLM, ...) make their layers causal only when ``config.is_decoder`` is set; a masked-LM or plain
-    encoder checkpoint leaves it False, and its layers record that in their own ``is_decoder``. (Both facts are
-    needed: GPT-NeoX's config has an ``is_decoder`` of False that its always-causal layers never read.)"""
-    if getattr(model.config, "is_decoder", None) is not False:
-        return
-    if any(getattr(module, "is_decoder", None) is False for module in model.modules()):
-        _refuse_non_causal(folder, model.config, f"{type(model).__name__} attends both ways unless config.json sets "
-                                                 "is_decoder: true")
+    """Refuse a model whose attention looks both ways, as its config says (``is_decoder`` or ``causal`` False) and
+    its modules confirm by recording the same value (see :func:`_reads_config_flag`).
+
+    The encoder families' causal-LM classes (BertLMHeadModel, RobertaForCausalLM, ...) make their layers causal only
+    when ``config.is_decoder`` is set; a masked-LM or plain encoder checkpoint leaves it False. XLM's LM head
+    (XLMWithLMHeadModel) masks attention to later tokens only when ``config.causal`` is set, which its masked-LM
+    checkpoints leave False."""
+    for flag in ("is_decoder", "causal"):
+        if _reads_config_flag(model, flag, False):
+            _refuse_non_causal(folder, model.config, f"{type(model).__name__} attends both ways unless config.json "
+                                                     f"sets {flag}: true")
+
+
+def _reads_config_flag(model: nn.Module, flag: str, value: bool) -> bool:
+    """Whether ``model.config.<flag>`` is ``value`` and a module of the model holds the same ``value`` under that
+    name: the config alone is not enough (GPT-NeoX's config has an ``is_decoder`` of False that its always-causal
+    layers never read)."""
+    if getattr(model.config, flag, None) is not value:
+        return False
+    return any(getattr(module, flag, None) is value for module in model.modules())
 
 
 def _refuse_non_causal(folder: Path, config: Any, reason: str) -> None:
