@@ -594,7 +594,6 @@ def write_falcon_gguf(path: Path, model, architecture: str = "falcon", tokenizer
     """``model`` (see :func:`tiny_falcon`) as an F32 GGUF file, ``output.weight`` included; ``metadata``: extra
     uint16 fields."""
     import gguf
-    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
     config = model.config
     writer = gguf.GGUFWriter(str(path), architecture)
@@ -610,9 +609,17 @@ def write_falcon_gguf(path: Path, model, architecture: str = "falcon", tokenizer
         gguf_tokenizer_fields(writer)
     for key, value in (metadata or {}).items():
         writer.add_uint16(key, value)
-    gguf_names = {hf: name for name, hf in get_gguf_hf_weights_map(model, TensorProcessor(), "falcon").items()}
-    for name, tensor in model.state_dict().items():
-        writer.add_tensor(gguf_names[name], tensor.numpy())
+    return finish_gguf(writer, model, "falcon", path)
+
+
+def finish_gguf(writer, model, names: str, path: Path) -> Path:
+    """``model``'s tensors into ``writer`` under the GGUF names transformers gives them for architecture ``names``,
+    then the file written and closed."""
+    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
+
+    gguf_names = {hf: name for name, hf in get_gguf_hf_weights_map(model, TensorProcessor(), names).items()}
+    for hf_name, tensor in model.state_dict().items():
+        writer.add_tensor(gguf_names[hf_name], tensor.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -677,7 +684,6 @@ def write_llama_gguf(path: Path, architecture: str = "llama", name: str | None =
     """A tiny random Llama as an F32 GGUF file under ``architecture``, with ``general.name`` where given; the
     tensors keep the Hugging Face layout (no llama.cpp Q/K permutation): these files test what is refused."""
     import gguf
-    from transformers.modeling_gguf_pytorch_utils import TensorProcessor, get_gguf_hf_weights_map
 
     model = build_tiny(tiny_llama_config(vocab_size=GGUF_VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0))
     config = model.config
@@ -693,14 +699,7 @@ def write_llama_gguf(path: Path, architecture: str = "llama", name: str | None =
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     gguf_tokenizer_fields(writer)
-    gguf_names = {hf: name for name, hf in get_gguf_hf_weights_map(model, TensorProcessor(), "llama").items()}
-    for hf_name, tensor in model.state_dict().items():
-        writer.add_tensor(gguf_names[hf_name], tensor.numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish_gguf(writer, model, "llama", path)
 
 
 @pytest.mark.parametrize("architecture, name, read_as", (

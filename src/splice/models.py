@@ -460,9 +460,16 @@ def _gguf_py_maps(model_type: str) -> bool:
 
 def _gguf_str(field: Any) -> str | None:
     """The value of a GGUF metadata field holding one string, or None where there is no such field."""
+    part = _gguf_value_part(field)
+    return None if part is None else bytes(part).decode("utf-8", errors="replace")
+
+
+def _gguf_value_part(field: Any) -> Any:
+    """The part of a GGUF metadata field that holds its one value (the gguf reader's array), or None where there is
+    no such field."""
     if field is None or not field.data:
         return None
-    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
+    return field.parts[field.data[0]]
 
 
 def _version(distribution: str) -> str:
@@ -502,9 +509,8 @@ def _refuse_split_gguf(gguf: Path, fields: dict[str, Any]) -> None:
 
 def _gguf_int(field: Any) -> int | None:
     """The value of a GGUF metadata field holding one integer, or None where there is no such field."""
-    if field is None or not field.data:
-        return None
-    return int(field.parts[field.data[0]][0])
+    part = _gguf_value_part(field)
+    return None if part is None else int(part[0])
 
 
 def _gguf_allowed() -> str:
