@@ -6,7 +6,8 @@ import logging
 import threading
 import weakref
 from contextlib import contextmanager, nullcontext
-from functools import partial
+from functools import partial, update_wrapper
+from types import MethodType
 from typing import Any, Iterator
 
 import torch
@@ -25,6 +26,26 @@ from .steps import StepReport
 from .steps.fuse import HiddenStatesHook
 
 log = logging.getLogger("splice")
+
+
+class _ModelMethod:
+    """A method the engine has only where the model it wraps has the method of that name (as DeepSpeed's engine, which
+    sets ``generate`` only then): ``hasattr(engine, "generate")`` answers as ``hasattr(model, "generate")``."""
+
+    def __init__(self, function: Any):
+        self.function = function
+        update_wrapper(self, function)
+
+    def __get__(self, engine: Any, owner: type | None = None) -> Any:
+        if engine is None:
+            return self
+        module = engine.__dict__.get("_modules", {}).get("module")
+        if module is not None and not hasattr(module, self.__name__):
+            raise self.missing(module)
+        return MethodType(self.function, engine)
+
+    def missing(self, module: nn.Module) -> AttributeError:
+        return AttributeError(f"{type(module).__name__} has no {self.__name__}(); only forward() is available")
 
 
 class InferenceEngine(nn.Module):
@@ -68,6 +89,9 @@ class InferenceEngine(nn.Module):
             module = self.__dict__.get("_modules", {}).get("module")
             if module is None or _is_dunder(name):
                 raise
+            method = getattr(type(self), name, None)
+            if isinstance(method, _ModelMethod):  # the model lacks it too (Python calls here when __get__ refuses)
+                raise method.missing(module) from None
         try:
             return getattr(module, name)
         except AttributeError:
@@ -167,12 +191,12 @@ class InferenceEngine(nn.Module):
                              "engine.train(False); train the model before init_inference")
         return super().train(mode)
 
+    @_ModelMethod
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """Hugging Face ``generate`` with every option it has, positional arguments in its order (``inputs``,
         ``generation_config``, ``logits_processor``, ...), after checking the request
-        (:func:`splice.generation.check_request`: ids, padding, sampling values, length within ``max_out_tokens``)."""
-        if not hasattr(self.module, "generate"):
-            raise TypeError(f"{type(self.module).__name__} has no generate(); only forward() is available")
+        (:func:`splice.generation.check_request`: ids, padding, sampling values, length within ``max_out_tokens``).
+        Only where the model has ``generate``: else reading ``engine.generate`` raises AttributeError."""
         # positional arguments by name, so the checks and the native loop read each where the model's generate does
         args, kwargs = generate_arguments(self.module, args, kwargs)
         check_request(self.module, args, kwargs, self.vocab_size, self._request_limit())
