@@ -114,6 +114,11 @@ def _configs():
         "gemma3_text": lambda: T.Gemma3TextConfig(**{**gemma2, "final_logit_softcapping": None,
                                                      "attn_logit_softcapping": None},
                                                   layer_types=["sliding_attention", "full_attention"]),
+        # mixtures of experts (no fused-block record: AutoTP only): every expert's weights in 3-D tensors, a router;
+        # Qwen2-MoE adds a shared expert scaled by a one-output gate
+        "mixtral": lambda: T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
+        "qwen2_moe": lambda: T.Qwen2MoeConfig(**COMMON, moe_intermediate_size=64, shared_expert_intermediate_size=128,
+                                              num_experts=4, num_experts_per_tok=2),
     }
 
 
@@ -122,6 +127,8 @@ NEW_FAMILIES = ("gpt_neox", "gpt2", "opt", "phi", "gptj", "falcon", "bloom", "ge
                 "gpt_neo", "gpt_bigcode")
 #: the families AutoTP and tensor parallelism are tested on (tests/tp)
 AUTOTP_FAMILIES = ("llama", "qwen2", "gpt2", "gpt_neox", "bloom", "falcon", "opt", "phi3", "gemma")
+#: mixtures of experts, tested under tensor parallelism (AutoTP splits each expert's intermediate features)
+MOE_FAMILIES = ("mixtral", "qwen2_moe")
 #: the encoders kernel injection fuses (bidirectional, post-norm; no decode runtime)
 ENCODERS = ("bert", "roberta", "distilbert")
 #: the task heads :func:`build_encoder` puts on an encoder: transformers' auto class for each

@@ -7,12 +7,15 @@ from pathlib import Path
 
 from tests.tp import workers
 from tests.tp.launch import run_ranks
-from tests.arch.tiny_models import AUTOTP_FAMILIES as FAMILIES, build
+from tests.arch.tiny_models import AUTOTP_FAMILIES as FAMILIES, MOE_FAMILIES, build
 
 #: ALiBi given to each attention module as one plane per head of the whole model: folded into Falcon's mask, MPT's
 #: position_bias (each rank must get its own heads' planes)
 ALIBI_CASES = [("falcon:alibi", "autotp", {}), ("mpt", "autotp", {})]
+#: mixtures of experts: AutoTP splits every expert's intermediate features and keeps the routers and one-output gates
+MOE_CASES = [(family, "autotp", {}) for family in MOE_FAMILIES]
 PARITY_CASES = [(family, mode, {}) for family in FAMILIES for mode in ("autotp", "policy")] + ALIBI_CASES
+PARITY_CASES += MOE_CASES
 #: at tp=3 also Falcon's new architecture (per-KV-group [q.., k, v] layout, 2 KV heads replicated over 3 ranks)
 TP3_CASES = [*PARITY_CASES, ("falcon", "autotp", {"new_decoder_architecture": True, "num_kv_heads": 2})]
 #: (family, config overrides); llama is saved in several files and loaded through its index JSON.

@@ -1,6 +1,8 @@
 """AutoTP's data-flow plans, user policies, verification and the plan as data (single process, meta models)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 from torch import nn
@@ -9,10 +11,10 @@ from splice.distributed import ParallelContext
 from splice.tp.apply import apply_plan
 from splice.tp.autotp import autotp_plan
 from splice.tp.loading import slice_in_memory
-from splice.tp.plan import Rule, TPPlan, verify
+from splice.tp.plan import Rule, TPPlan, experts_layout, verify
 from splice.tp.policy import policy_plan
 from splice.tp.split import Heads
-from tests.arch.tiny_models import AUTOTP_FAMILIES as FAMILIES, build
+from tests.arch.tiny_models import AUTOTP_FAMILIES as FAMILIES, MOE_FAMILIES, build
 from tests.snippet_models import tiny_bart, tiny_t5
 
 # family -> (attention output, fused or q layout, MLP output, expected q/kv heads)
@@ -353,3 +355,76 @@ def test_per_head_inputs_are_cut_to_the_rank_heads():
     assert torch.equal(rank_heads(flat, 4, (2, 4)), flat.reshape(2, 4, 1, 3)[:, 2:4].reshape(4, 1, 3))
     shared, local = torch.zeros(2, 1, 3, 3), torch.zeros(2, 2, 3, 3)
     assert rank_heads(shared, 4, (0, 2)) is shared and rank_heads(local, 4, (0, 2)) is local
+
+
+@dataclass(frozen=True)
+class _OwnPart(ParallelContext):
+    """A rank's context without a group: each rank's sums are its own part (the test adds the parts up)."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_autotp_splits_every_experts_features_and_keeps_routers_and_gates_whole(family):
+    """Each expert's gate/up outputs and down inputs are split by rank: the ranks' outputs of the experts module add
+    up to the unsharded one, each tensor is the slice its shard map names, and Qwen2-MoE's one-output
+    shared_expert_gate (it feeds no row-parallel linear) stays whole on every rank, as the router does."""
+    model = build(family)
+    plan = autotp_plan(model)
+    assert plan.rules["model.layers.*.mlp.experts"] == Rule("experts", "halves")
+    if family == "qwen2_moe":
+        assert plan.rules["model.layers.*.mlp.shared_expert_gate"] == Rule("replicate")
+        assert plan.rules["model.layers.*.mlp.shared_expert.down_proj"] == Rule("row")
+    experts = model.model.layers[0].mlp.experts
+    hidden = torch.randn(6, 64)
+    top_k_index = torch.tensor([[0, 1], [2, 3], [1, 3], [0, 2], [3, 1], [2, 0]])
+    top_k_weights = torch.rand(6, 2)
+    with torch.no_grad():
+        expected = experts(hidden, top_k_index, top_k_weights)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    total = torch.zeros_like(expected)
+    for rank in range(3):
+        sharded = build(family)
+        shards = apply_plan(sharded, plan, _OwnPart(rank, 3), grain=16)
+        for name, tensor in sharded.state_dict().items():
+            assert torch.equal(tensor, slice_in_memory(state, shards[name]) if name in shards else state[name]), name
+        part = sharded.model.layers[0].mlp.experts
+        width = part.down_proj.shape[2]
+        assert part.gate_up_proj.shape[1] == 2 * width and part.intermediate_dim == width < experts.intermediate_dim
+        with torch.no_grad():
+            total += part(hidden, top_k_index, top_k_weights)
+    assert torch.allclose(total, expected, atol=1e-6)
+
+
+class _Experts(nn.Module):
+    """transformers' experts interface as its decorator sets it: flags and 3-D weights."""
+
+    def __init__(self, has_gate=True, has_bias=False, is_transposed=False, is_concatenated=True, post_norm=False):
+        super().__init__()
+        self.has_gate, self.has_bias, self.is_transposed = has_gate, has_bias, is_transposed
+        self.is_concatenated, self.has_post_expert_norm = is_concatenated, post_norm
+        up = (4, 8, 16) if is_transposed else (4, 16, 8)
+        setattr(self, "gate_up_proj" if has_gate else "up_proj", nn.Parameter(torch.zeros(up)))
+        self.down_proj = nn.Parameter(torch.zeros(4, 8, 8))
+
+
+@pytest.mark.parametrize("flags, layout", [
+    (dict(), "halves"), (dict(is_transposed=True), "halves"), (dict(has_gate=False), "plain"),
+    (dict(has_bias=True), None),  # every rank would add the down projection's bias
+    (dict(is_concatenated=False), None),  # gate and up interleaved (GPT-OSS)
+    (dict(post_norm=True), None),  # a norm after each expert needs all its features
+])
+def test_experts_are_split_only_where_the_split_computes_the_same(flags, layout):
+    assert experts_layout(_Experts(**flags)) == layout
+    assert experts_layout(nn.Linear(4, 4)) is None
+
+
+def test_experts_whose_features_do_not_split_in_units_of_eight_are_refused_before_any_change():
+    model = build("mixtral", intermediate_size=20)  # 20 features: no whole units of 8 over two ranks
+    plan = autotp_plan(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.experts' have 20 intermediate features, which cannot "
+                                         r"be split over tensor_parallel.tp_size=2 ranks in whole units of 8"):
+        apply_plan(model, plan, _OwnPart(0, 2))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from tests.arch.tiny_models import build
+from tests.arch.tiny_models import MOE_FAMILIES, build
 
 PROMPT = [[5, 17, 33, 9, 90, 41, 7]]
 
@@ -114,6 +114,22 @@ def checkpoint_roundtrip(rank: int, world: int, family: str, overrides: dict, fo
             "meta_left": any(p.is_meta for p in again.parameters()), "loaded": report.loaded_from}
 
 
+def experts_roundtrip(rank: int, world: int, root: str) -> dict:
+    """Mixtures of experts: a model in memory sharded (every expert's features split) and saved with
+    save_mp_checkpoint_path, then its shards reloaded into a meta model; both equal the single-process model."""
+    results = {}
+    for family in MOE_FAMILIES:
+        ref = reference(build(family))
+        saved = f"{root}/{family}-experts"
+        model, _, _ = shard(build(family), world, save_mp_checkpoint_path=saved)
+        again, _, _ = shard(build(family, meta=True), world, checkpoint=f"{saved}/splice_tp.json")
+        experts = again.model.layers[0].mlp.experts
+        results[family] = {"first": compare(model, ref), "reloaded": compare(again, ref),
+                           "meta_left": any(p.is_meta for p in again.parameters()),
+                           "features": (experts.down_proj.shape[2], experts.intermediate_dim)}
+    return results
+
+
 def grain_roundtrip(rank: int, world: int, root: str) -> dict:
     """Shards saved at tp_grain_size 32 where it splits the MLP and the vocabulary otherwise than the default 64 (96
     columns: 64 + 32 against 48 + 48; 160 rows: 96 + 64 against 80 + 80) reload at the saved grain without naming it;
@@ -199,7 +215,7 @@ def tp2_suite(rank: int, world: int, cases: list, models: list, index_files: dic
     """Everything the tests run at tp=2, in one pair of processes (process start-up dominates on 2 cores)."""
     return {"distributed": distributed_checks(rank, world), "parity": parity(rank, world, cases),
             "checkpoints": checkpoints(rank, world, models, index_files, root), "bad": bad_inputs(rank, world),
-            "grain": grain_roundtrip(rank, world, root),
+            "grain": grain_roundtrip(rank, world, root), "experts": experts_roundtrip(rank, world, root),
             "fused": fused_pipeline(rank, world),
             "fused_families": fused_pipeline(rank, world, TP_VARIANTS),
             "fused_extra": {**fused_sampling_and_packing(rank, world),

@@ -19,8 +19,8 @@ from ..distributed import ParallelContext
 from .autotp import fused_layout, trace_model
 from .layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelLinear, local_embedding, plain_linear
 from ..layers.conv1d import in_out_features, is_conv1d
-from .plan import Rule, TPPlan, matches, verify
-from .split import Heads, HeadShare, Ranges, grained, head_share, layout_ranges, row_order, span
+from .plan import Rule, TPPlan, experts_features, experts_grain, matches, verify
+from .split import Heads, HeadShare, Ranges, grained, head_share, layout_ranges, row_order, span, width
 
 #: Attributes HF attention modules read for their head counts, and what each means. Set per rank on the module,
 #: only where the attribute exists and holds the model-wide value; the shared model config is never touched.
@@ -75,7 +75,8 @@ class _Sharder:
     def shard(self, name: str, module: nn.Module, rule: Rule) -> nn.Module:
         if isinstance(module, nn.Embedding):
             return self.embedding(name, module) if rule.style == "vocab" else self.embedding_columns(name, module, rule)
-        return {"column": self.column, "row": self.row, "vocab": self.vocab}[rule.style](name, module, rule)
+        styles = {"column": self.column, "row": self.row, "vocab": self.vocab, "experts": self.experts}
+        return styles[rule.style](name, module, rule)
 
     def ranges(self, layout: str, size: int, heads: Heads | None = None, grain: int | None = None) -> Ranges:
         return layout_ranges(layout, size, self.ctx.world_size, self.ctx.rank, heads,
@@ -89,6 +90,24 @@ class _Sharder:
         ranges = self.ranges(rule.layout, in_out_features(module)[0], rule.heads)
         weight = self.take(name, module, "weight", 1, ranges, f"{name}.linear.weight")
         return RowParallelLinear(plain_linear(weight, None), self.take(name, module, "bias", None, ()), self.ctx)
+
+    def experts(self, name: str, module: nn.Module, rule: Rule) -> nn.Module:
+        """An experts module (3-D weights, one matrix per expert) keeps the rank's intermediate features of every
+        expert: those outputs of its gate/up weight, those inputs of its down weight. Its output is then the rank's
+        part of a sum over those features, summed over the group after its forward (a hook). Same module, same
+        parameter names; an ``intermediate_dim`` attribute holding the whole width is set to the rank's."""
+        up_name = "gate_up_proj" if rule.layout == "halves" else "up_proj"
+        up_dim, down_dim = (2, 1) if module.is_transposed else (1, 2)  # where the intermediate features lie
+        features = experts_features(module)
+        grain = experts_grain(features, self.ctx.world_size, self.grain)
+        up_ranges = self.ranges(rule.layout, getattr(module, up_name).shape[up_dim], grain=grain)
+        down_ranges = self.ranges("plain", features, grain=grain)
+        setattr(module, up_name, self.take(name, module, up_name, up_dim, up_ranges, as_linear=False))
+        module.down_proj = self.take(name, module, "down_proj", down_dim, down_ranges, as_linear=False)
+        if getattr(module, "intermediate_dim", None) == features:
+            module.intermediate_dim = width(down_ranges)
+        module.register_forward_hook(_summed_over(self.ctx))
+        return module
 
     def vocab(self, name: str, module: nn.Module, rule: Rule) -> nn.Module:
         sizes = self.vocab_sizes(in_out_features(module)[1])
@@ -125,6 +144,13 @@ class _Sharder:
             part = tensor if source_dim is None else cut(tensor, source_dim, ranges)
             self._made[key] = nn.Parameter((part.t() if transpose else part).contiguous(), requires_grad=False)
         return self._made[key]
+
+
+def _summed_over(ctx: ParallelContext):
+    """A forward hook summing a module's output over the group (an experts module's partial sums)."""
+    def hook(module, args, output):
+        return ctx.all_reduce(output)
+    return hook
 
 
 def cut(tensor: torch.Tensor, dim: int, ranges: Ranges) -> torch.Tensor:

@@ -29,7 +29,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..arch.paths import input_embeddings
 from ..layers.conv1d import in_out_features
-from .plan import Rule, TPPlan, collapse, linear_like
+from .plan import Rule, TPPlan, collapse, experts_layout, linear_like
 from .split import Heads
 
 INPUT = "@in"
@@ -243,6 +243,17 @@ def roles_from_flow(trace: Trace, linears: dict[str, nn.Module]) -> dict[str, st
     return roles
 
 
+def without_side_gates(trace: Trace, roles: dict[str, str], linears: dict[str, nn.Module]) -> dict[str, str]:
+    """``roles`` less the columns that feed no row linear and have fewer outputs than inputs: a gate or a router
+    computing a few values per token from the block's input (Qwen2-MoE's ``shared_expert_gate``, a router written as
+    an ``nn.Linear``). Their outputs scale or pick what the block computes, so every rank needs all of them: they are
+    kept whole (replicated). A wider linear feeding no row linear still fails the grouping, as it is no such gate."""
+    fed = set().union(*(trace.inputs.get(n, frozenset()) for n, r in roles.items() if r == "row"))
+    side = {n for n, r in roles.items() if r == "column" and n not in fed
+            and in_out_features(linears[n])[1] < in_out_features(linears[n])[0]}
+    return {n: r for n, r in roles.items() if n not in side}
+
+
 def groups_from_roles(trace: Trace, roles: dict[str, str]) -> dict[str, list[str]]:
     """Row linear -> the column linears that feed it (from the traced data flow). Checks every column feeds exactly
     one row and never writes into the residual directly."""
@@ -349,7 +360,7 @@ def plan_from_roles(model: nn.Module, trace: Trace, roles: dict[str, str], block
     linears = {n: m for n, m in model.named_modules() if linear_like(m)}
     rules: dict[str, Rule] = {}
     attention: dict[str, Heads] = {}
-    for row, feeders in groups_from_roles(trace, roles).items():
+    for row, feeders in groups_from_roles(trace, without_side_gates(trace, roles, linears)).items():
         group, heads = group_rules(row, feeders, linears, trace, n_heads)
         check_between(model, trace, row, feeders, heads)
         rules.update(group)
@@ -357,11 +368,29 @@ def plan_from_roles(model: nn.Module, trace: Trace, roles: dict[str, str], block
             parent = common_parent([row, *feeders])
             attention[parent] = heads
             rules.update(per_head_embeddings(model, parent, heads))
+    rules.update(experts_rules(model, trace, rules))
     rules.update(edge_rules(model, linears, rules))
     prefixes = trace.block_lists
     ordered = {n: rules[n] for n, _ in model.named_modules() if n in rules}
     return TPPlan(collapse(ordered, prefixes), collapse(attention, prefixes),
                   list(collapse(dict.fromkeys(blocks, True), prefixes)), source)
+
+
+def experts_rules(model: nn.Module, trace: Trace, rules: dict[str, Rule]) -> dict[str, Rule]:
+    """An ``experts`` rule for each experts module in a block (:func:`splice.tp.plan.experts_layout`) that reads the
+    block's stream whole: its input carries no column-parallel linear's output (each rank would hold only part of
+    it). Its output is summed over the ranks right after it, so whatever the block does with it next sees all of it.
+    Experts that cannot be split stay whole on every rank, as any module without a rule."""
+    columns = {name for name, rule in rules.items() if rule.style == "column"}
+    found = {}
+    for name, module in model.named_modules():
+        layout = experts_layout(module)
+        calls = trace.weighted_inputs.get(name, [])
+        if layout is None or not calls or not any(name.startswith(block + ".") for block in trace.blocks):
+            continue
+        if all(INPUT in tags and not tags & columns for tags, _ in calls):
+            found[name] = Rule("experts", layout)
+    return found
 
 
 def check_between(model: nn.Module, trace: Trace, row: str, feeders: list[str], heads: Heads | None) -> None:

@@ -7,6 +7,9 @@ heads), "lm_head": Rule("vocab"), ...}``. Styles:
 - ``row``: the input features are split; the outputs are summed over the group (one all-reduce), then the bias added.
 - ``vocab``: an embedding or lm_head split by vocabulary rows (the lm_head's logits are all-gathered).
 - ``replicate``: every rank keeps the whole module.
+- ``experts``: a mixture-of-experts module holding every expert's weights as 3-D tensors (transformers' experts
+  interface): each expert's intermediate features are split (its gate/up outputs, its down inputs), and the module's
+  output, a partial sum over the rank's features, is summed over the group (one all-reduce).
 
 The ``layout`` (see :mod:`splice.tp.split`) says how the split dimension is organised, so fused projections are split
 by heads or halves rather than raw rows. ``attention`` lists the modules whose per-rank head counts must be set.
@@ -18,12 +21,15 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+import torch
 from torch import nn
 
 from ..layers.conv1d import is_conv1d
 from .split import HEAD_LAYOUTS, LAYOUTS, Heads, check_heads
 
-STYLES = ("column", "row", "vocab", "replicate")
+STYLES = ("column", "row", "vocab", "replicate", "experts")
+#: Flags transformers' experts interface (``use_experts_implementation``) sets on an experts module.
+EXPERTS_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
 
 
 @dataclass(frozen=True)
@@ -141,6 +147,52 @@ def linear_like(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or is_conv1d(module)
 
 
+def experts_layout(module: nn.Module) -> str | None:
+    """How an experts module's first weight lays out its intermediate features, where tensor parallelism can split
+    them: ``halves`` (every expert's ``gate_up_proj`` is ``[gate | up]``), ``plain`` (an ``up_proj`` alone); None for
+    any other module, and for experts whose split would change what they compute: a bias on the down projection
+    (each rank would add it), a norm after each expert, gate and up interleaved."""
+    flags = [getattr(module, flag, None) for flag in EXPERTS_FLAGS]
+    if not all(isinstance(flag, bool) for flag in flags) or getattr(module, "has_post_expert_norm", False):
+        return None
+    has_gate, has_bias, _, concatenated = flags
+    up = getattr(module, "gate_up_proj" if has_gate else "up_proj", None)
+    down = getattr(module, "down_proj", None)
+    if has_bias or (has_gate and not concatenated) or not _three_d(up) or not _three_d(down):
+        return None
+    return "halves" if has_gate else "plain"
+
+
+#: The unit an experts module's intermediate features are split in (at the least): a rank's share of a 2-byte
+#: weight then spans whole 16-byte strides, which grouped matrix products (transformers' ``grouped_mm`` experts)
+#: need of their operands.
+EXPERTS_GRAIN = 8
+
+
+def experts_features(module: nn.Module) -> int:
+    """An experts module's intermediate features (per expert): its down projection's inputs."""
+    return module.down_proj.shape[1 if module.is_transposed else 2]
+
+
+def experts_grain(features: int, tp: int, grain: int) -> int:
+    """The unit the features are split in: ``grain`` (tp_grain_size) where it divides them into ``tp`` parts or
+    more, else :data:`EXPERTS_GRAIN`."""
+    return grain if features % grain == 0 and features // grain >= tp else EXPERTS_GRAIN
+
+
+def _check_experts_split(name: str, module: nn.Module, tp: int) -> None:
+    features = experts_features(module)
+    if features % EXPERTS_GRAIN or features // EXPERTS_GRAIN < tp:
+        raise ValueError(f"the experts of {name!r} have {features} intermediate features, which cannot be split "
+                         f"over tensor_parallel.tp_size={tp} ranks in whole units of {EXPERTS_GRAIN} (what grouped "
+                         f"expert products need); allowed: tp_size <= {features // EXPERTS_GRAIN} where the features "
+                         f"are a multiple of {EXPERTS_GRAIN}, else tp_size=1")
+
+
+def _three_d(value: object) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 3
+
+
 
 
 def block_linears(model: nn.Module, blocks: list[str]) -> list[str]:
@@ -169,6 +221,8 @@ def verify(plan: TPPlan, model: nn.Module, tp: int, run_shards: bool = True) -> 
                          "give each a rule (column, row, replicate)")
     for name, rule in resolved.items():
         _check_kind(name, modules[name], rule)
+        if rule.style == "experts":
+            _check_experts_split(name, modules[name], tp)
         if rule.heads is not None:
             check_heads(rule.heads, tp)
     for heads in plan.attention.values():
@@ -181,6 +235,12 @@ def verify(plan: TPPlan, model: nn.Module, tp: int, run_shards: bool = True) -> 
 
 
 def _check_kind(name: str, module: nn.Module, rule: Rule) -> None:
+    if rule.style == "experts":
+        if experts_layout(module) != rule.layout:
+            raise ValueError(f"tensor-parallel rule {rule} for {name!r} ({type(module).__name__}) needs an experts "
+                             f"module whose weights tensor parallelism can split as {rule.layout!r}; this module's "
+                             f"layout: {experts_layout(module)} (see splice.tp.plan.experts_layout)")
+        return
     embedding_rule = rule.style in ("vocab", "replicate") or (rule.style == "column" and rule.heads is not None)
     ok = linear_like(module) or (embedding_rule and isinstance(module, nn.Embedding))
     if not ok:
