@@ -69,16 +69,21 @@ def formats_of(text: str) -> list[str]:
     return chosen
 
 
+def add_turn_arguments(parser: argparse.ArgumentParser, batch: int) -> None:
+    """The run's sizes: ``--batch``, ``--prompt``, ``--new``, ``--rounds``, ``--threads``."""
+    parser.add_argument("--batch", type=positive, default=batch)
+    parser.add_argument("--prompt", type=positive, default=32)
+    parser.add_argument("--new", type=at_least(3), default=24, help="new tokens a generate call")
+    parser.add_argument("--rounds", type=positive, default=5)
+    parser.add_argument("--threads", type=positive, default=2)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-1b", help="as splice bench: a name, folder or llama-1b")
     parser.add_argument("--formats", type=formats_of, default=formats_of("bf16,int8,int4-sym"),
                         help=f"comma-separated, the first the others are compared with; of {', '.join(FORMATS)}")
-    parser.add_argument("--batch", type=positive, default=8)
-    parser.add_argument("--prompt", type=positive, default=32)
-    parser.add_argument("--new", type=at_least(3), default=24, help="new tokens a generate call")
-    parser.add_argument("--rounds", type=positive, default=5)
-    parser.add_argument("--threads", type=positive, default=2)
+    add_turn_arguments(parser, batch=8)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     engines = {fmt: engine_for(args.model, fmt, args.prompt + args.new) for fmt in args.formats}

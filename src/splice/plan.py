@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from .quant import plan as quant_targets
 from .quant.api import check_calibration_ids, first_quantized_layer
 from .tp.autotp import autotp_plan, trace_model
 from .tp.loading import manifest_grain_size, manifest_plan, read_manifest
-from .tp.plan import TPPlan, verify
+from .tp.plan import TPPlan, experts_features, experts_grain, verify
 from .tp.plan import resolve as tp_rules
 from .tp.split import layout_ranges, width
 from .tp.policy import check_policy, policy_plan
@@ -466,14 +467,28 @@ def check_quantized_shards(model: nn.Module, targets: list[tuple[str, nn.Module]
         if rule is None or rule.style != "row":
             continue
         in_features = in_out_features(module)[0]
-        for rank in range(tp):
-            share = width(layout_ranges(rule.layout, in_features, tp, rank, rule.heads, grain))
-            try:
-                quant.group_for(share)
-            except ValueError as error:
-                raise ValueError(f"layer {name} is split by its inputs over tensor_parallel.tp_size={tp} ranks "
-                                 f"(row-parallel), and rank {rank} quantizes {share} of its {in_features}: "
-                                 f"{error}") from None
+        shares = [width(layout_ranges(rule.layout, in_features, tp, rank, rule.heads, grain)) for rank in range(tp)]
+        _check_shares(quant, shares, lambda rank, share: (
+            f"layer {name} is split by its inputs over tensor_parallel.tp_size={tp} ranks (row-parallel), and rank "
+            f"{rank} quantizes {share} of its {in_features}"))
+    for name, rule in rules.items():  # experts: each expert's down projection on the rank's share of its features
+        if rule.style == "experts":
+            features = experts_features(model.get_submodule(name))
+            unit = experts_grain(features, tp, grain)
+            shares = [width(layout_ranges("plain", features, tp, rank, None, unit)) for rank in range(tp)]
+            _check_shares(quant, shares, lambda rank, share: (
+                f"the experts of {name} are split by their {features} intermediate features over "
+                f"tensor_parallel.tp_size={tp} ranks, and rank {rank} quantizes each expert's down projection on "
+                f"{share} of them"))
+
+
+def _check_shares(quant: QuantConfig, shares: list[int], what: Callable[[int, int], str]) -> None:
+    """Raise, saying ``what(rank, share)`` and why, where the scheme's groups do not fit a rank's share of inputs."""
+    for rank, share in enumerate(shares):
+        try:
+            quant.group_for(share)
+        except ValueError as error:
+            raise ValueError(f"{what(rank, share)}: {error}") from None
 
 
 def check_quantized_on_host(config: InferenceConfig, quant: QuantConfig | None, device: torch.device) -> None:

@@ -11,6 +11,7 @@ from torch import nn
 from splice.config import SpliceIgnoredOptionWarning
 from splice.quant import QuantConfig, QuantizedLinear, plan, quantize, sqnr_db
 from tests.conftest import build_tiny, tiny_llama_config
+from tests.quant.dequantized import dequantized_copy
 
 
 def _logits(model, ids):
@@ -158,57 +159,40 @@ def test_qkv_setting_that_matches_no_projection_warns_before_the_model_changes()
     assert len([w for w in caught if "quant.qkv.enabled=False" in str(w.message)]) == 1
 
 
-# ---------------------------------------------------------------- weights held outside linears (mixture of experts)
-def _tiny_moe(name):
-    import transformers as T
-
-    sizes = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2)
-    configs = {
-        "mixtral": lambda: T.MixtralConfig(**sizes, num_local_experts=4, num_experts_per_tok=2),
-        "qwen2_moe": lambda: T.Qwen2MoeConfig(**sizes, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                                              shared_expert_intermediate_size=64),
-    }
-    return build_tiny(configs[name]())
+# ---------------------------------------------------------------- weights held outside linears
+def _with_table(model: nn.Module, shape: tuple[int, int]) -> nn.Module:
+    """``model`` with a matrix of ``shape`` held by its first MLP, outside any linear."""
+    model.model.layers[0].mlp.register_parameter("table", nn.Parameter(torch.randn(shape)))
+    return model
 
 
-def _matrices_outside_linears(model):
-    """Every parameter of two or more dimensions that is not the weight of an nn.Linear or an nn.Embedding."""
-    covered = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
-    return {name: p for name, p in model.named_parameters() if p.dim() >= 2 and id(p) not in covered}
-
-
-@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe"])
-def test_moe_expert_weights_stay_in_float_listed_in_the_report_and_warned_once(name):
+def test_a_matrix_outside_linears_stays_in_float_listed_in_the_report_and_warned_once(tiny_llama):
     import splice
 
-    model = _tiny_moe(name)
-    outside = _matrices_outside_linears(model)
-    kept = sum(p.numel() for p in outside.values())
+    model = _with_table(tiny_llama, (64, 512))
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         engine = splice.init_inference(model, dtype="int8", device="cpu")
     warned = [str(w.message) for w in caught if issubclass(w.category, SpliceIgnoredOptionWarning)]
     assert len(warned) == 1
-    assert f"{kept:,} parameters in {len(outside)} tensors ({kept / (kept + linear):.0%} of the model's" in warned[0]
+    assert f"32,768 parameters in 1 tensors ({32768 / (32768 + linear):.0%} of the model's" in warned[0]
     report = engine.step_report("quantize").quant
-    assert set(outside) <= set(report.kept_float) and "kept in float: none" not in report.summary()
-    assert all(engine.module.get_parameter(path).is_floating_point() for path in outside)
+    assert "model.layers.0.mlp.table" in report.kept_float and "kept in float: none" not in report.summary()
+    assert engine.module.get_parameter("model.layers.0.mlp.table").is_floating_point()
     assert isinstance(engine.module.model.layers[0].self_attn.q_proj, QuantizedLinear)
-    assert any(path.endswith("experts.gate_up_proj") for path in outside)
 
 
 def test_a_small_matrix_outside_linears_is_listed_without_a_warning(tiny_llama):
-    tiny_llama.model.layers[0].mlp.register_parameter("table", nn.Parameter(torch.randn(4, 4)))  # 16 of ~100k
+    _with_table(tiny_llama, (4, 4))  # 16 of ~100k
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _, report = plan(tiny_llama, QuantConfig())
     assert "model.layers.0.mlp.table" in report.kept_float and not report.notes
 
 
-def test_quantize_reports_what_plan_warns():
-    model = _tiny_moe("mixtral")
+def test_quantize_reports_what_plan_warns(tiny_llama):
+    model = _with_table(tiny_llama, (64, 512))
     with pytest.warns(SpliceIgnoredOptionWarning, match="stay in float"):
         _, planned = plan(model, QuantConfig())
     with warnings.catch_warnings():
@@ -229,21 +213,6 @@ def test_a_group_wider_than_a_layer_raises_naming_it_before_the_model_changes(ti
             in str(error.value))
     assert not any(isinstance(m, QuantizedLinear) for m in tiny_llama.modules())
     assert all(torch.equal(tiny_llama.state_dict()[k], v) for k, v in before.items())
-
-
-def _dequantized_copy(model: nn.Module) -> nn.Module:
-    """``model`` with every quantized layer replaced by a float ``nn.Linear`` of the weight it computes with."""
-    reference = copy.deepcopy(model)
-    dtype = next(p for p in reference.parameters() if p.is_floating_point()).dtype
-    for name, layer in list(reference.named_modules()):
-        if isinstance(layer, QuantizedLinear):
-            linear = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
-            with torch.no_grad():
-                linear.weight.copy_(layer.dequantize())
-                if layer.bias is not None:
-                    linear.bias.copy_(layer.bias.float())
-            reference.set_submodule(name, linear.to(dtype))
-    return reference
 
 
 #: scheme -> (config, least SQNR in dB of the logits against the de-quantized weights', against the float model's)
@@ -271,7 +240,7 @@ def test_falcon_linears_are_quantized_like_nn_linear(family, scheme):
     batch, mask = padded_batch()
     with torch.no_grad():
         quantized = model(batch, attention_mask=mask).logits[mask.bool()]
-        dequantized = _dequantized_copy(model)(batch, attention_mask=mask).logits[mask.bool()]
+        dequantized = dequantized_copy(model)(batch, attention_mask=mask).logits[mask.bool()]
         reference = float_model(batch, attention_mask=mask).logits[mask.bool()]
     assert sqnr_db(dequantized, quantized) >= min_sqnr_vs_dequantized
     assert sqnr_db(reference, quantized) >= min_sqnr_vs_float
@@ -291,7 +260,7 @@ def test_falcon_without_kernel_injection_quantizes_its_block_linears():
     batch, mask = padded_batch()
     with torch.no_grad():
         out = engine(batch, attention_mask=mask).logits[mask.bool()].float()
-        dequantized = _dequantized_copy(engine.module)(batch, attention_mask=mask).logits[mask.bool()].float()
+        dequantized = dequantized_copy(engine.module)(batch, attention_mask=mask).logits[mask.bool()].float()
         reference = float_model(batch, attention_mask=mask).logits[mask.bool()]
     assert sqnr_db(dequantized, out) >= 32 and sqnr_db(reference, out) >= 28
 

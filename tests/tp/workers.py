@@ -116,9 +116,18 @@ def checkpoint_roundtrip(rank: int, world: int, family: str, overrides: dict, fo
 
 def experts_roundtrip(rank: int, world: int, root: str) -> dict:
     """Mixtures of experts: a model in memory sharded (every expert's features split) and saved with
-    save_mp_checkpoint_path, then its shards reloaded into a meta model; both equal the single-process model."""
+    save_mp_checkpoint_path, then its shards reloaded into a meta model; both equal the single-process model. Sharded
+    then quantized (int8 in groups of 16), it equals the whole model quantized in one process, its experts keeping
+    the all-reduce."""
+    from splice.quant import QuantConfig, quantize
+
+    qconfig = QuantConfig(bits=8, group_size=16)  # groups that line up with the ranks' shares of the features
     results = {}
     for family in MOE_FAMILIES:
+        whole = build(family)
+        quantize(whole, qconfig)
+        quantized, _, _ = shard(build(family), world)
+        quantize(quantized, qconfig)
         ref = reference(build(family))
         saved = f"{root}/{family}-experts"
         model, _, _ = shard(build(family), world, save_mp_checkpoint_path=saved)
@@ -126,7 +135,9 @@ def experts_roundtrip(rank: int, world: int, root: str) -> dict:
         experts = again.model.layers[0].mlp.experts
         results[family] = {"first": compare(model, ref), "reloaded": compare(again, ref),
                            "meta_left": any(p.is_meta for p in again.parameters()),
-                           "features": (experts.down_proj.shape[2], experts.intermediate_dim)}
+                           "features": (experts.down_proj.shape[2], experts.intermediate_dim),
+                           "quantized": compare(quantized, reference(whole)),
+                           "quantized_hooks": len(quantized.model.layers[0].mlp.experts._forward_hooks)}
     return results
 
 

@@ -8,10 +8,12 @@ Eligible: modules whose type is exactly ``nn.Linear``, Hugging Face's ``Conv1D``
 say) that a replacement would drop. Parallel layers should wrap a plain ``nn.Linear`` instead; that inner linear is
 then quantized and the wrapper's collective is kept ("shard first, then quantize").
 
-Weight matrices held as parameters of other modules (a mixture-of-experts block's experts, ``[experts, out, in]``)
-stay in float: the report lists them. What cannot apply as asked (those weights, ``quantize_qkv=False`` on a model
-without a recognised q/k/v projection) is a note of the report; ``plan`` also warns it (``init_inference`` calls
-``plan`` when it resolves, so it warns once, before the model changes).
+A mixture of experts' experts module (transformers' experts interface: every expert's weights in 3-D tensors) is
+quantized too, one quantized linear per expert and matrix (:mod:`splice.quant.experts`); GPTQ calibrates linears only,
+so with calibration ids the experts are rounded to nearest (noted in the report). Other weight matrices held as
+parameters of other modules stay in float: the report lists them. What cannot apply as asked (those weights,
+``quantize_qkv=False`` on a model without a recognised q/k/v projection) is a note of the report; ``plan`` also warns
+it (``init_inference`` calls ``plan`` when it resolves, so it warns once, before the model changes).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from ..kernel_choice import KernelChoice, quant_kernel
 from ..layers.conv1d import is_conv1d, linear_weight
 from ..native.memory import SMALL_TENSOR_BYTES, gather_on_huge_pages
 from . import gptq
+from .experts import experts_weights, quantized_experts, reason_experts_stay_float
 from .layers import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantizedLinear
 from .scheme import ATTENTION_QKV_NAMES, QuantConfig, is_qkv_projection
 
@@ -104,8 +107,15 @@ def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str |
         calibrated = {name: m for name, m in targets if not _is_head(m, head) or config.head_scheme() is config}
         hessians = gptq.run_calibration(model, ids, calibrated, head_needed=any(m is head for m in calibrated.values()))
         report.calibration = f"GPTQ on {ids.shape[0]}x{ids.shape[1]} tokens" + (", act-order" if act_order else "")
+    experts = experts_targets(model, config)
+    if experts and calibration_ids is not None:
+        report.notes.append(f"GPTQ calibrates linear layers; the {len(experts)} experts modules' weights are rounded "
+                            "to nearest")
     replaced = []
     try:
+        for name, module in experts:
+            _replace_experts(model, name, module, config, device, kernel, report)
+            replaced.append((name, module))
         for name, module in targets:
             scheme = config.head_scheme() if _is_head(module, head) else config
             hessian = hessians.pop(name, None)
@@ -147,6 +157,43 @@ def _replace(model: nn.Module, name: str, module: nn.Module, config: QuantConfig
     model.set_submodule(name, layer)
     native.page_out(float_weight(module)[0])  # a memory-mapped float weight's pages: resident no more
     report.quantized.append(name)
+
+
+def experts_targets(model: nn.Module, config: QuantConfig) -> list[tuple[str, nn.Module]]:
+    """The experts modules ``quantize`` replaces (see :mod:`splice.quant.experts`); raises where the scheme's groups
+    do not fit one of their matrices, naming it."""
+    found = []
+    for name, module in model.named_modules():
+        weights = experts_weights(module)
+        if weights is None or reason_experts_stay_float(module) is not None:
+            continue
+        for matrix, (weight, _) in weights.items():
+            _check_scheme_fits(f"{name}.{matrix}", config, weight.shape[2])
+        found.append((name, module))
+    return found
+
+
+def _replace_experts(model: nn.Module, name: str, module: nn.Module, config: QuantConfig, device,
+                     kernel: KernelChoice | None, report: QuantReport) -> None:
+    """The experts ``module`` replaced by a copy holding one quantized linear per expert and matrix."""
+    handler = HANDLERS[config.kind]
+
+    def make_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> QuantizedLinear:
+        nonlocal kernel
+        if device is not None:
+            weight, bias = weight.to(device), None if bias is None else bias.to(device)
+        kernel = kernel or quant_kernel(config, weight.device)
+        layer = handler.from_float(weight, bias, config, native=kernel.native, dot_products=kernel.dot_products)
+        report.float_bytes += weight.numel() * 2  # against bf16, as for linears
+        report.quantized_bytes += layer.weight_nbytes()
+        return layer
+
+    quantized = quantized_experts(module, make_linear)
+    report.kernel = report.kernel or kernel
+    model.set_submodule(name, quantized)
+    for matrix, layers in ((n, getattr(quantized, n)) for n in experts_weights(module)):
+        report.quantized += [f"{name}.{matrix}.{expert}" for expert in range(len(layers))]
+        native.page_out(getattr(module, matrix))
 
 
 def check_not_quantized(model: nn.Module, config: QuantConfig) -> None:
@@ -256,9 +303,13 @@ def _plan(model: nn.Module, config: QuantConfig) -> tuple[list[tuple[str, nn.Mod
             targets.append((name, module))
         elif reason is not None:
             report.kept_float[name] = reason
+    experts_targets(model, config)  # the scheme must fit the experts' matrices too
     if not config.quantize_qkv and not _has_qkv_projection(modules):
         report.notes.append(_no_qkv_note(model))
-    outside = _weights_outside_linears(modules)
+    routers = _router_weights(modules)
+    report.kept_float.update(dict.fromkeys(routers, "a router's weight (it picks the experts each token runs "
+                                                    "through; rounded, it could pick others): kept in float"))
+    outside = {path: found for path, found in _weights_outside_linears(modules).items() if path not in routers}
     report.kept_float.update({name: reason for name, (_, reason) in outside.items()})
     share = _share_outside_linears(modules, outside) if outside else 0.0
     if share >= NOTED_SHARE_OUTSIDE_LINEARS:
@@ -326,11 +377,32 @@ def _weights_outside_linears(modules: dict[str, nn.Module]) -> dict[str, tuple[t
     for module_name, module in modules.items():
         if _is_linear_like(module) or _holds_no_matrices(module):
             continue
+        if experts_weights(module) is not None:
+            why = reason_experts_stay_float(module)
+            if why is not None:
+                found.update({f"{module_name}.{matrix}": (weight, why)
+                              for matrix, (weight, _) in experts_weights(module).items()})
+            continue
         for param_name, param in module.named_parameters(recurse=False):
             if _is_weight_matrix(param_name, param):
                 path = f"{module_name}.{param_name}" if module_name else param_name
                 found[path] = (param, f"a {'x'.join(map(str, param.shape))} weight held by {type(module).__name__}, "
                                       "not an nn.Linear; splice quantizes linear layers only")
+    return found
+
+
+def _router_weights(modules: dict[str, nn.Module]) -> set[str]:
+    """Parameter paths of routers: a matrix held outside linears, next to an experts module (same parent), with a row
+    per expert."""
+    found = set()
+    for name, module in modules.items():
+        parent = _parent(modules, name)
+        experts = [experts_weights(sibling) for sibling in (parent.children() if parent is not None else ())]
+        counts = {next(iter(weights.values()))[0].shape[0] for weights in experts if weights is not None}
+        if not counts or _is_linear_like(module):
+            continue
+        found.update(f"{name}.{param_name}" for param_name, param in module.named_parameters(recurse=False)
+                     if param.dim() == 2 and param.shape[0] in counts)
     return found
 
 

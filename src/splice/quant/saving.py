@@ -26,6 +26,7 @@ from torch import nn
 from ..checkpoint import compute_meta_buffers, has_meta_tensors, set_tensors, tensor_groups
 from ..kernel_choice import quant_kernel
 from .api import HANDLERS, output_head, reason_to_skip
+from .experts import experts_weights, quantized_experts
 from .layers import QuantizedLinear, fits_spec
 from .scheme import QuantConfig, is_qkv_projection
 
@@ -73,17 +74,20 @@ def load_quantized(model: nn.Module, directory: str | os.PathLike, config: Quant
         raise ValueError(f"{folder} holds weights quantized as {saved}, but {config} was asked for; re-quantize "
                          "from the float model, or load with the saved scheme (splice.quant.read_scheme)")
     _check_skeleton_is_float(model, folder)
-    _check_layers_exist(model, folder, record["layers"])
-    layers = {name: _empty_layer(model, name, layer, saved, torch.device(device))
+    shells = _experts_shells(model, record["layers"], saved, torch.device(device))
+    _check_layers_exist(model, folder, record["layers"], shells)
+    layers = {name: _saved_layer(model, shells, name, layer, saved, torch.device(device))
               for name, layer in record["layers"].items()}
     state = load_file(folder / WEIGHTS_NAME, device=str(device))
     for alias, kept in record["tied"].items():
         state[alias] = state[kept]
-    _check_state_fits(model, layers, state, folder)
+    _check_state_fits(model, layers, state, folder, shells)
     on_meta = has_meta_tensors(model)
     if not on_meta:  # a meta skeleton takes the saved tensors as they are (assign=True)
         _check_float_dtypes(model, layers, state, folder)
     buffers = compute_meta_buffers(model, torch.device(device))  # raises before any change where one cannot be
+    for name, shell in shells.items():
+        model.set_submodule(name, shell)
     for name, layer in layers.items():
         model.set_submodule(name, layer)
     model.load_state_dict(state, strict=True, assign=on_meta)
@@ -144,10 +148,42 @@ def _check_float_dtypes(model: nn.Module, layers: dict[str, QuantizedLinear], st
                          "dtype=torch.bfloat16)")
 
 
-def _check_layers_exist(model: nn.Module, folder: Path, layers: dict) -> None:
+def _experts_shells(model: nn.Module, layers: dict, config: QuantConfig, device: torch.device) -> dict[str, nn.Module]:
+    """For each experts module of the skeleton whose quantized linears the folder holds (``experts.down_proj.0``,
+    ...), the quantized copy :func:`~splice.quant.experts.quantized_experts` makes of it, with empty layers of the
+    saved kind to load into; the skeleton is not changed."""
+    kernel = quant_kernel(config, device)
+    handler = HANDLERS[config.kind]
+
+    def empty(weight: torch.Tensor, bias: torch.Tensor | None) -> QuantizedLinear:
+        dtype = weight.dtype if weight.is_floating_point() else torch.bfloat16
+        return handler.empty(weight.shape[1], weight.shape[0], bias is not None, config, device, dtype,
+                             native=kernel.native, dot_products=kernel.dot_products)
+
+    return {name: quantized_experts(module, empty) for name, module in model.named_modules()
+            if experts_weights(module) is not None and any(saved.startswith(f"{name}.") for saved in layers)}
+
+
+def _saved_layer(model: nn.Module, shells: dict[str, nn.Module], name: str, layer: dict, config: QuantConfig,
+                 device: torch.device) -> QuantizedLinear:
+    """The empty quantized layer the folder's layer ``name`` loads into: one of an experts shell's, checked against
+    the saved description, or a new one for a linear of the skeleton."""
+    owner = next((shell_name for shell_name in shells if name.startswith(f"{shell_name}.")), None)
+    if owner is None:
+        return _empty_layer(model, name, layer, config, device)
+    made = shells[owner].get_submodule(name[len(owner) + 1:])
+    if _describe(made) != layer:
+        raise ValueError(f"layer {name} was saved as {layer}, but the model's experts make {_describe(made)}; "
+                         "allowed: a skeleton of the saved model's architecture and sizes")
+    return made
+
+
+def _check_layers_exist(model: nn.Module, folder: Path, layers: dict, shells: dict[str, nn.Module]) -> None:
     """A ``ValueError`` naming the saved quantized layers ``model`` has no module for (a checkpoint of a
     kernel-injected engine needs a kernel-injected skeleton, and the other way round)."""
     modules = dict(model.named_modules())
+    modules.update({f"{owner}.{name}": module for owner, shell in shells.items()
+                    for name, module in shell.named_modules() if name})
     missing = [name for name in layers if name not in modules]
     if missing:
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
@@ -157,11 +193,11 @@ def _check_layers_exist(model: nn.Module, folder: Path, layers: dict) -> None:
 
 
 def _check_state_fits(model: nn.Module, layers: dict[str, QuantizedLinear], state: dict[str, torch.Tensor],
-                      folder: Path) -> None:
+                      folder: Path, shells: dict[str, nn.Module]) -> None:
     """A ``ValueError`` naming the tensors ``state`` lacks, has in excess, or holds in another shape or kind of dtype
     than ``model`` with ``layers`` in place would take: checked before any change, as ``load_state_dict`` would
     raise only after replacing the layers and copying every tensor that fits."""
-    expected = _expected_specs(model, layers)
+    expected = _expected_specs(model, layers, shells)
     problems = [f"missing {key}" for key in expected if key not in state]
     problems += [f"unexpected {key}" for key in state if key not in expected]
     problems += [f"{key}: saved {tuple(state[key].shape)} {state[key].dtype}, the model takes {shape} {dtype}"
@@ -183,10 +219,14 @@ def _takes(layers: dict[str, QuantizedLinear], key: str, saved: torch.Tensor, sh
     return name in layers and layers[name].takes_saved(leaf, saved)
 
 
-def _expected_specs(model: nn.Module, layers: dict[str, QuantizedLinear]) -> dict:
-    """``{key: (shape, dtype)}`` of ``model.state_dict()`` once each of ``layers`` replaces the module of its name."""
+def _expected_specs(model: nn.Module, layers: dict[str, QuantizedLinear], shells: dict[str, nn.Module]) -> dict:
+    """``{key: (shape, dtype)}`` of ``model.state_dict()`` once each of ``shells`` (experts) and then of ``layers``
+    replaces the module of its name."""
     specs = {key: (tuple(t.shape), t.dtype) for key, t in model.state_dict(keep_vars=True).items()
-             if key.rpartition(".")[0] not in layers}
+             if key.rpartition(".")[0] not in layers and key.rpartition(".")[0] not in shells}
+    for owner, shell in shells.items():  # the experts' own tensors besides their quantized layers
+        specs.update({f"{owner}.{key}": (tuple(t.shape), t.dtype) for key, t in shell.state_dict(keep_vars=True).items()
+                      if f"{owner}.{key}".rpartition(".")[0] not in layers})
     for name, layer in layers.items():
         specs.update({f"{name}.{key}": spec for key, spec in layer.saved_specs().items()})
     return specs

@@ -1,0 +1,30 @@
+"""``benchmarks/bench_moe.py``: a mixture of experts in bf16 and with quantized experts, decoding in turns."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from splice.quant import QuantizedLinear
+
+from .benchmark_scripts import load_benchmark
+
+
+def test_each_format_decodes_on_a_model_of_its_own_with_its_experts_quantized():
+    bench = load_benchmark("bench_moe")
+    engines = {fmt: bench.engine_for(bench.build(64, 64, 4, 1, 128), fmt) for fmt in ("bf16", "int8")}
+    experts = {fmt: engine.module.model.layers[0].mlp.experts for fmt, engine in engines.items()}
+    assert isinstance(experts["bf16"].down_proj, torch.nn.Parameter)
+    assert isinstance(experts["int8"].down_proj[0], QuantizedLinear)
+    assert bench.weight_mib(engines["int8"]) < bench.weight_mib(engines["bf16"])
+    times = bench.turns(engines, torch.randint(0, 128, (1, 5)), new=4, rounds=2)
+    assert [len(ms) for ms in times.values()] == [2, 2] and min(map(min, times.values())) > 0
+    rows = bench.summary(times, batch=1)
+    assert [row[0] for row in rows] == ["bf16", "int8"] and rows[0][3] == 1.0
+
+
+@pytest.mark.parametrize("text", ["bf16", "bf16,bf16", "bf16,fp8"])
+def test_the_formats_are_two_or_more_known_ones(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="two or more different formats"):
+        load_benchmark("bench_moe").formats_of(text)  # bench_format_turns' formats
