@@ -119,6 +119,10 @@ def _configs():
         "mixtral": lambda: T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
         "qwen2_moe": lambda: T.Qwen2MoeConfig(**COMMON, moe_intermediate_size=64, shared_expert_intermediate_size=128,
                                               num_experts=4, num_experts_per_tok=2),
+        # attention sinks (one learned logit per head), biased experts with gate and up interleaved
+        "gpt_oss": lambda: T.GptOssConfig(**{**COMMON, "intermediate_size": 64}, num_local_experts=4,
+                                          num_experts_per_tok=2, head_dim=16, sliding_window=8,
+                                          layer_types=["sliding_attention", "full_attention"]),
     }
 
 

@@ -16,6 +16,8 @@ from splice.quant.experts import quantized_experts, reason_experts_stay_float
 from tests.arch.tiny_models import MOE_FAMILIES, build
 from tests.quant.dequantized import dequantized_copy
 
+#: the mixtures of experts tensor parallelism is tested on, and GPT-OSS (biased experts, gate and up interleaved)
+FAMILIES = (*MOE_FAMILIES, "gpt_oss")
 PROMPT = torch.tensor([[5, 17, 33, 9, 90, 41, 7, 64, 3, 100, 12, 55]])
 
 
@@ -30,7 +32,7 @@ SCHEMES = {"int8": (QuantConfig(), 40, 35), "int8-g32": (QuantConfig(group_size=
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_every_experts_matrix_is_quantized_and_computes_as_its_dequantized_weight(family, scheme):
     config, against_dequantized, against_float = SCHEMES[scheme]
     reference = build(family)
@@ -44,16 +46,17 @@ def test_every_experts_matrix_is_quantized_and_computes_as_its_dequantized_weigh
     assert type(experts) is type(reference.model.layers[0].mlp.experts)  # the model's own class, hooks and flags
     assert {f"model.layers.{i}.mlp.experts.{m}.{e}" for i in range(2) for m in ("gate_up_proj", "down_proj")
             for e in range(4)} <= set(report.quantized)
-    routers = {"model.layers.0.mlp.gate.weight", "model.layers.1.mlp.gate.weight"}
+    router = "router" if family == "gpt_oss" else "gate"
+    routers = {f"model.layers.{i}.mlp.{router}.weight" for i in range(2)}
     assert report.kept_float.keys() == {*routers, "lm_head"}  # the head by the scheme's default
     assert all("router" in report.kept_float[name] for name in routers)
-    assert model.model.layers[0].mlp.gate.weight.dtype == torch.float32
+    assert model.get_parameter(f"model.layers.0.mlp.{router}.weight").dtype == torch.float32
     got = _logits(model)
     assert sqnr_db(_logits(dequantized_copy(model)), got) > against_dequantized
     assert sqnr_db(_logits(reference), got) > against_float
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_int8_experts_generate_the_reference_tokens(family):
     reference = build(family)
     expected = reference.generate(PROMPT, max_new_tokens=16, do_sample=False, pad_token_id=0)

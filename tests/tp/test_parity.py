@@ -55,3 +55,9 @@ def test_ranks_reseeded_after_init_still_sample_the_same_tokens():
     first, second = (r["reseeded"] for r in suite.tp2())
     assert first["tokens"] == second["tokens"]
     assert first["group_size"] == second["group_size"] == 2  # engine.mp_group: the tensor-parallel group, not None
+
+
+def test_attention_sinks_are_cut_to_each_rank_heads():
+    """GPT-OSS at tp=2: each rank adds its own heads' sink logits; the same logits and tokens as one process."""
+    for r in (r["sinks"] for r in suite.tp2()):
+        assert r["max_diff"] < 1e-4 and r["tokens_equal"] and r["sinks"] == (2,), r

@@ -428,3 +428,15 @@ def test_experts_whose_features_do_not_split_in_units_of_eight_are_refused_befor
                                          r"be split over tensor_parallel.tp_size=2 ranks in whole units of 8"):
         apply_plan(model, plan, _OwnPart(0, 2))
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_an_attention_modules_per_head_parameters_are_cut_to_the_rank_heads():
+    """GPT-OSS adds one learned logit per head to its attention scores (``sinks``): each rank keeps its heads' ones,
+    recorded in the shard map; its biased experts, whose gate and up interleave, stay whole."""
+    model = build("gpt_oss")
+    sinks = model.model.layers[0].self_attn.sinks.detach().clone()
+    plan = autotp_plan(model)
+    assert not any(rule.style == "experts" for rule in plan.rules.values())
+    shards = apply_plan(model, plan, ParallelContext(1, 2))
+    assert torch.equal(model.model.layers[0].self_attn.sinks, sinks[2:])
+    assert shards["model.layers.0.self_attn.sinks"].ranges == ((2, 4),)

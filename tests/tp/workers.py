@@ -141,6 +141,13 @@ def experts_roundtrip(rank: int, world: int, root: str) -> dict:
     return results
 
 
+def attention_sinks(rank: int, world: int) -> dict:
+    """GPT-OSS (a learned logit per head added to the scores; biased experts kept whole) sharded by AutoTP."""
+    ref = reference(build("gpt_oss"))
+    model, _, _ = shard(build("gpt_oss"), world)
+    return {**compare(model, ref), "sinks": tuple(model.model.layers[0].self_attn.sinks.shape)}
+
+
 def grain_roundtrip(rank: int, world: int, root: str) -> dict:
     """Shards saved at tp_grain_size 32 where it splits the MLP and the vocabulary otherwise than the default 64 (96
     columns: 64 + 32 against 48 + 48; 160 rows: 96 + 64 against 80 + 80) reload at the saved grain without naming it;
@@ -227,6 +234,7 @@ def tp2_suite(rank: int, world: int, cases: list, models: list, index_files: dic
     return {"distributed": distributed_checks(rank, world), "parity": parity(rank, world, cases),
             "checkpoints": checkpoints(rank, world, models, index_files, root), "bad": bad_inputs(rank, world),
             "grain": grain_roundtrip(rank, world, root), "experts": experts_roundtrip(rank, world, root),
+            "sinks": attention_sinks(rank, world),
             "fused": fused_pipeline(rank, world),
             "fused_families": fused_pipeline(rank, world, TP_VARIANTS),
             "fused_extra": {**fused_sampling_and_packing(rank, world),

@@ -399,7 +399,7 @@ def _router_weights(modules: dict[str, nn.Module]) -> set[str]:
         parent = _parent(modules, name)
         experts = [experts_weights(sibling) for sibling in (parent.children() if parent is not None else ())]
         counts = {next(iter(weights.values()))[0].shape[0] for weights in experts if weights is not None}
-        if not counts or _is_linear_like(module):
+        if not counts or _is_linear_like(module) or experts_weights(module) is not None:
             continue
         found.update(f"{name}.{param_name}" for param_name, param in module.named_parameters(recurse=False)
                      if param.dim() == 2 and param.shape[0] in counts)

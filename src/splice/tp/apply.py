@@ -59,10 +59,12 @@ def apply_plan(model: nn.Module, plan: TPPlan, ctx: ParallelContext, grain: int 
     for name, rule in resolved.items():
         if rule.style != "replicate":
             model.set_submodule(name, sharder.shard(name, model.get_submodule(name), rule))
-    for name, module in model.named_modules():
+    for name, module in list(model.named_modules()):
         heads = next((h for p, h in plan.attention.items() if matches(p, name)), None)
         if heads is not None:
-            localize_heads(module, heads, head_share(heads, ctx.world_size, ctx.rank))
+            share = head_share(heads, ctx.world_size, ctx.rank)
+            sharder.per_head_parameters(name, module, heads, share)
+            localize_heads(module, heads, share)
     return sharder.slices
 
 
@@ -108,6 +110,13 @@ class _Sharder:
             module.intermediate_dim = width(down_ranges)
         module.register_forward_hook(_summed_over(self.ctx))
         return module
+
+    def per_head_parameters(self, name: str, module: nn.Module, heads: Heads, share: HeadShare) -> None:
+        """An attention module's own parameters holding one value per query head (GPT-OSS's attention sinks, added
+        to each head's scores) cut to the rank's heads, as its q projection is."""
+        for attr, tensor in list(module.named_parameters(recurse=False)):
+            if tensor.dim() == 1 and tensor.shape[0] == heads.n_q:
+                setattr(module, attr, self.take(name, module, attr, 0, (share.q,), as_linear=False))
 
     def vocab(self, name: str, module: nn.Module, rule: Rule) -> nn.Module:
         sizes = self.vocab_sizes(in_out_features(module)[1])
