@@ -32,7 +32,8 @@ from .quant import plan as quant_targets
 from .quant.api import check_calibration_ids, first_quantized_layer
 from .tp.autotp import autotp_plan, trace_model
 from .tp.loading import manifest_grain_size, manifest_plan, read_manifest
-from .tp.plan import TPPlan, experts_features, experts_grain, verify
+from .layers.experts import experts_features
+from .tp.plan import TPPlan, experts_grain, verify
 from .tp.plan import resolve as tp_rules
 from .tp.split import layout_ranges, width
 from .tp.policy import check_policy, policy_plan

@@ -32,7 +32,8 @@ from ..kernel_choice import KernelChoice, quant_kernel
 from ..layers.conv1d import is_conv1d, linear_weight
 from ..native.memory import SMALL_TENSOR_BYTES, gather_on_huge_pages
 from . import gptq
-from .experts import experts_weights, quantized_experts, reason_experts_stay_float
+from ..layers.experts import experts_matrices
+from .experts import quantized_experts, reason_experts_stay_float
 from .layers import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantizedLinear
 from .scheme import ATTENTION_QKV_NAMES, QuantConfig, is_qkv_projection
 
@@ -164,7 +165,7 @@ def experts_targets(model: nn.Module, config: QuantConfig) -> list[tuple[str, nn
     do not fit one of their matrices, naming it."""
     found = []
     for name, module in model.named_modules():
-        weights = experts_weights(module)
+        weights = experts_matrices(module)
         if weights is None or reason_experts_stay_float(module) is not None:
             continue
         for matrix, (weight, _) in weights.items():
@@ -191,7 +192,7 @@ def _replace_experts(model: nn.Module, name: str, module: nn.Module, config: Qua
     quantized = quantized_experts(module, make_linear)
     report.kernel = report.kernel or kernel
     model.set_submodule(name, quantized)
-    for matrix, layers in ((n, getattr(quantized, n)) for n in experts_weights(module)):
+    for matrix, layers in ((n, getattr(quantized, n)) for n in experts_matrices(module)):
         report.quantized += [f"{name}.{matrix}.{expert}" for expert in range(len(layers))]
         native.page_out(getattr(module, matrix))
 
@@ -377,11 +378,11 @@ def _weights_outside_linears(modules: dict[str, nn.Module]) -> dict[str, tuple[t
     for module_name, module in modules.items():
         if _is_linear_like(module) or _holds_no_matrices(module):
             continue
-        if experts_weights(module) is not None:
+        if experts_matrices(module) is not None:
             why = reason_experts_stay_float(module)
             if why is not None:
                 found.update({f"{module_name}.{matrix}": (weight, why)
-                              for matrix, (weight, _) in experts_weights(module).items()})
+                              for matrix, (weight, _) in experts_matrices(module).items()})
             continue
         for param_name, param in module.named_parameters(recurse=False):
             if _is_weight_matrix(param_name, param):
@@ -397,9 +398,9 @@ def _router_weights(modules: dict[str, nn.Module]) -> set[str]:
     found = set()
     for name, module in modules.items():
         parent = _parent(modules, name)
-        experts = [experts_weights(sibling) for sibling in (parent.children() if parent is not None else ())]
+        experts = [experts_matrices(sibling) for sibling in (parent.children() if parent is not None else ())]
         counts = {next(iter(weights.values()))[0].shape[0] for weights in experts if weights is not None}
-        if not counts or _is_linear_like(module) or experts_weights(module) is not None:
+        if not counts or _is_linear_like(module) or experts_matrices(module) is not None:
             continue
         found.update(f"{name}.{param_name}" for param_name, param in module.named_parameters(recurse=False)
                      if param.dim() == 2 and param.shape[0] in counts)

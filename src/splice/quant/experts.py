@@ -1,9 +1,7 @@
 """Quantized mixture-of-experts weights: an experts module's 3-D weights as one quantized linear per expert.
 
-transformers holds a mixture of experts' weights in one experts module (its experts interface,
-``use_experts_implementation``: Mixtral, Qwen2-MoE, OLMoE, ...): ``gate_up_proj`` (or ``up_proj``) and ``down_proj``,
-``[experts, out, in]`` (``[experts, in, out]`` where ``is_transposed``), biases ``gate_up_proj_bias`` /
-``down_proj_bias`` where ``has_bias``. :func:`quantized_experts` gives a copy of such a module whose weights are
+An experts module (transformers' experts interface, :mod:`splice.layers.experts`) holds every expert's weights in
+3-D tensors. :func:`quantized_experts` gives a copy of such a module whose weights are
 ``nn.ModuleList`` s of quantized linears under the same names (``experts.gate_up_proj.3`` is expert 3's), each on the
 same kernels as any quantized linear of the model, and whose forward runs each routed token through its experts as
 transformers' own eager forward does: gate/up, the module's own ``_apply_gate`` (or its activation without a gate),
@@ -20,27 +18,7 @@ from types import MethodType
 import torch
 from torch import nn
 
-#: Flags transformers' experts interface sets on an experts module.
-EXPERTS_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
-
-
-def experts_weights(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]] | None:
-    """``{name: (weight [experts, out, in], bias [experts, out] or None)}`` of an experts module's matrices, or None
-    for any other module."""
-    flags = [getattr(module, flag, None) for flag in EXPERTS_FLAGS]
-    if not all(isinstance(flag, bool) for flag in flags):
-        return None
-    has_gate, has_bias, transposed, _ = flags
-    found = {}
-    for name in ("gate_up_proj" if has_gate else "up_proj", "down_proj"):
-        weight = getattr(module, name, None)
-        bias = getattr(module, f"{name}_bias", None) if has_bias else None
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or (has_bias and bias is None):
-            return None
-        weight, bias = weight.detach(), None if bias is None else bias.detach()  # a model may still need gradients
-        found[name] = (weight.transpose(1, 2) if transposed else weight, bias)
-    return found
-
+from ..layers.experts import experts_matrices
 
 def reason_experts_stay_float(module: nn.Module) -> str | None:
     """Why an experts module's weights cannot be quantized here (None: they can)."""
@@ -53,7 +31,7 @@ def quantized_experts(module: nn.Module, make_linear: Callable[[torch.Tensor, to
                       ) -> nn.Module:
     """A copy of the experts ``module`` (see the module docstring) whose weights are quantized linears made by
     ``make_linear(weight [out, in], bias [out] or None)``, one per expert and matrix. ``module`` is not changed."""
-    weights = experts_weights(module)
+    weights = experts_matrices(module)
     quantized = copy.copy(module)  # the same attributes; fresh tables of parameters, submodules, buffers and hooks
     for table in ("_parameters", "_modules", "_buffers", "_forward_hooks", "_forward_pre_hooks",
                   "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs", "_forward_hooks_always_called"):

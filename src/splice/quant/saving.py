@@ -26,7 +26,8 @@ from torch import nn
 from ..checkpoint import compute_meta_buffers, has_meta_tensors, set_tensors, tensor_groups
 from ..kernel_choice import quant_kernel
 from .api import HANDLERS, output_head, reason_to_skip
-from .experts import experts_weights, quantized_experts
+from ..layers.experts import experts_matrices
+from .experts import quantized_experts
 from .layers import QuantizedLinear, fits_spec
 from .scheme import QuantConfig, is_qkv_projection
 
@@ -161,7 +162,7 @@ def _experts_shells(model: nn.Module, layers: dict, config: QuantConfig, device:
                              native=kernel.native, dot_products=kernel.dot_products)
 
     return {name: quantized_experts(module, empty) for name, module in model.named_modules()
-            if experts_weights(module) is not None and any(saved.startswith(f"{name}.") for saved in layers)}
+            if experts_matrices(module) is not None and any(saved.startswith(f"{name}.") for saved in layers)}
 
 
 def _saved_layer(model: nn.Module, shells: dict[str, nn.Module], name: str, layer: dict, config: QuantConfig,

@@ -19,7 +19,8 @@ from ..distributed import ParallelContext
 from .autotp import fused_layout, trace_model
 from .layers import RowParallelLinear, VocabParallelEmbedding, VocabParallelLinear, local_embedding, plain_linear
 from ..layers.conv1d import in_out_features, is_conv1d
-from .plan import Rule, TPPlan, experts_features, experts_grain, matches, verify
+from ..layers.experts import experts_features, up_name
+from .plan import Rule, TPPlan, experts_grain, matches, verify
 from .split import Heads, HeadShare, Ranges, grained, head_share, layout_ranges, row_order, span, width
 
 #: Attributes HF attention modules read for their head counts, and what each means. Set per rank on the module,
@@ -98,13 +99,13 @@ class _Sharder:
         expert: those outputs of its gate/up weight, those inputs of its down weight. Its output is then the rank's
         part of a sum over those features, summed over the group after its forward (a hook). Same module, same
         parameter names; an ``intermediate_dim`` attribute holding the whole width is set to the rank's."""
-        up_name = "gate_up_proj" if rule.layout == "halves" else "up_proj"
+        first = up_name(module)
         up_dim, down_dim = (2, 1) if module.is_transposed else (1, 2)  # where the intermediate features lie
         features = experts_features(module)
         grain = experts_grain(features, self.ctx.world_size, self.grain)
-        up_ranges = self.ranges(rule.layout, getattr(module, up_name).shape[up_dim], grain=grain)
+        up_ranges = self.ranges(rule.layout, getattr(module, first).shape[up_dim], grain=grain)
         down_ranges = self.ranges("plain", features, grain=grain)
-        setattr(module, up_name, self.take(name, module, up_name, up_dim, up_ranges, as_linear=False))
+        setattr(module, first, self.take(name, module, first, up_dim, up_ranges, as_linear=False))
         module.down_proj = self.take(name, module, "down_proj", down_dim, down_ranges, as_linear=False)
         if getattr(module, "intermediate_dim", None) == features:
             module.intermediate_dim = width(down_ranges)

@@ -21,15 +21,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-import torch
 from torch import nn
 
 from ..layers.conv1d import is_conv1d
+from ..layers.experts import experts_features, experts_matrices
 from .split import HEAD_LAYOUTS, LAYOUTS, Heads, check_heads
 
 STYLES = ("column", "row", "vocab", "replicate", "experts")
-#: Flags transformers' experts interface (``use_experts_implementation``) sets on an experts module.
-EXPERTS_FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
 
 
 @dataclass(frozen=True)
@@ -152,26 +150,17 @@ def experts_layout(module: nn.Module) -> str | None:
     them: ``halves`` (every expert's ``gate_up_proj`` is ``[gate | up]``), ``plain`` (an ``up_proj`` alone); None for
     any other module, and for experts whose split would change what they compute: a bias on the down projection
     (each rank would add it), a norm after each expert, gate and up interleaved."""
-    flags = [getattr(module, flag, None) for flag in EXPERTS_FLAGS]
-    if not all(isinstance(flag, bool) for flag in flags) or getattr(module, "has_post_expert_norm", False):
+    if experts_matrices(module) is None or getattr(module, "has_post_expert_norm", False):
         return None
-    has_gate, has_bias, _, concatenated = flags
-    up = getattr(module, "gate_up_proj" if has_gate else "up_proj", None)
-    down = getattr(module, "down_proj", None)
-    if has_bias or (has_gate and not concatenated) or not _three_d(up) or not _three_d(down):
+    if module.has_bias or (module.has_gate and not module.is_concatenated):
         return None
-    return "halves" if has_gate else "plain"
+    return "halves" if module.has_gate else "plain"
 
 
 #: The unit an experts module's intermediate features are split in (at the least): a rank's share of a 2-byte
 #: weight then spans whole 16-byte strides, which grouped matrix products (transformers' ``grouped_mm`` experts)
 #: need of their operands.
 EXPERTS_GRAIN = 8
-
-
-def experts_features(module: nn.Module) -> int:
-    """An experts module's intermediate features (per expert): its down projection's inputs."""
-    return module.down_proj.shape[1 if module.is_transposed else 2]
 
 
 def experts_grain(features: int, tp: int, grain: int) -> int:
@@ -187,12 +176,6 @@ def _check_experts_split(name: str, module: nn.Module, tp: int) -> None:
                          f"over tensor_parallel.tp_size={tp} ranks in whole units of {EXPERTS_GRAIN} (what grouped "
                          f"expert products need); allowed: tp_size <= {features // EXPERTS_GRAIN} where the features "
                          f"are a multiple of {EXPERTS_GRAIN}, else tp_size=1")
-
-
-def _three_d(value: object) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() == 3
-
-
 
 
 def block_linears(model: nn.Module, blocks: list[str]) -> list[str]:
