@@ -109,21 +109,26 @@ class _Exact(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
 
+#: routings of tokens to two experts each: no expert in every row; expert 0 in every row; one token
+ROUTINGS = [[[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]], [[0, 2], [1, 0], [0, 1], [0, 1], [2, 0]], [[2, 1]]]
+
+
+@pytest.mark.parametrize("routing", ROUTINGS, ids=["some", "every", "one"])
 @pytest.mark.parametrize("flags", [dict(), dict(is_transposed=True), dict(has_bias=True),
                                    dict(is_transposed=True, has_bias=True)])
-def test_transposed_and_biased_experts_route_as_the_eager_forward(flags):
+def test_transposed_and_biased_experts_route_as_the_eager_forward(flags, routing):
     torch.manual_seed(0)
     experts = _Experts(**flags)
-    hidden = torch.randn(5, 32)
-    index = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1], [2, 0]])
-    weights = torch.rand(5, 2)
+    index = torch.tensor(routing)
+    hidden = torch.randn(len(index), 32)
+    weights = torch.rand(len(index), 2)
     hooked = []
     experts.register_forward_hook(lambda module, args, out: hooked.append(out.shape))
     copied = quantized_experts(experts, _Exact)
     with torch.no_grad():
         expected, got = experts(hidden, index, weights), copied(hidden, index, weights)
     assert torch.allclose(got, expected, atol=1e-4)
-    assert hooked == [(5, 32), (5, 32)]  # the copy keeps the module's hooks (a tensor-parallel all-reduce, say)
+    assert hooked == [(len(index), 32)] * 2  # the copy keeps the module's hooks (a tensor-parallel all-reduce, say)
     assert isinstance(experts.gate_up_proj, nn.Parameter) and experts.forward.__func__ is _Experts.forward  # unchanged
 
 

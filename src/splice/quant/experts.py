@@ -58,8 +58,12 @@ def _routed_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         if expert >= len(up):
             continue
         token, slot = torch.where(top_k_index == expert)
-        projected = up[expert](hidden_states[token])
+        every = len(token) == len(hidden_states)  # each token picks an expert once: then these are all, in order
+        projected = up[expert](hidden_states if every else hidden_states[token])
         projected = self._apply_gate(projected) if self.has_gate else self.act_fn(projected)
-        routed = self.down_proj[expert](projected) * top_k_weights[token, slot, None]
-        out.index_add_(0, token, routed.to(out.dtype))
+        routed = (self.down_proj[expert](projected) * top_k_weights[token, slot, None]).to(out.dtype)
+        if every:  # a decode step of one sequence, say: a plain add
+            out.add_(routed)
+        else:
+            out.index_add_(0, token, routed)
     return out
