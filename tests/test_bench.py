@@ -20,11 +20,16 @@ def parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(["bench", *argv])
 
 
-@pytest.fixture
-def tiny_bench(monkeypatch):
-    monkeypatch.setattr(bench, "load_model", lambda name, dtype: build_family("llama", dtype=bench_dtype(dtype)))
+def bench_on(monkeypatch, load) -> None:
+    """The bench on the model ``load(dtype)`` gives for the name "tiny", with a probe that reads 10 GB/s."""
+    monkeypatch.setattr(bench, "load_model", lambda name, dtype: load(dtype))
     monkeypatch.setattr(bench, "read_bandwidth_gbs", lambda: 10.0)
     monkeypatch.setattr(bench, "check_model", lambda name: None)  # "tiny" is no model splice.load finds
+
+
+@pytest.fixture
+def tiny_bench(monkeypatch):
+    bench_on(monkeypatch, lambda dtype: build_family("llama", dtype=bench_dtype(dtype)))
 
 
 def bench_dtype(name: str) -> torch.dtype:
@@ -217,16 +222,36 @@ def test_a_compiled_run_of_steps_in_one_native_call_reads_the_eager_steps_slots(
     assert bench.slots_run(compiled[0], "inject", 1) == "inject" and bench.slots_run(None, "hf", 1) == "hf"
 
 
-def test_quant_rows_are_quantized_and_smaller(tiny_bench, tmp_path):
+@pytest.mark.parametrize("family, modes, quant, rows", [
+    ("llama", "hf", "int8,int4", ["hf", "inject+int8", "inject+int4"]),
+    ("mixtral", "hf,plain", "int8", ["hf", "plain", "plain+int8"]),  # no injection record: on the plain model
+])
+def test_quant_rows_are_quantized_and_smaller(monkeypatch, tmp_path, family, modes, quant, rows):
+    bench_on(monkeypatch, lambda dtype: build_family(family, dtype=bench_dtype(dtype)))
     out = tmp_path / "bench.json"
-    args = parse("--model", "tiny", "--prompt", "8", "--new", "4", "--repeat", "1", "--modes", "hf",
-                 "--quant", "int8,int4", "--json", str(out))
+    args = parse("--model", "tiny", "--prompt", "8", "--new", "4", "--repeat", "1", "--modes", modes,
+                 "--quant", quant, "--json", str(out))
     assert args.run(args) == 0
-    rows = json.loads(out.read_text())["results"]
-    assert [r["mode"] for r in rows] == ["hf", "inject+int8", "inject+int4"]
-    hf, int8, int4 = rows
-    assert int8["roofline_tok_s"] > hf["roofline_tok_s"] and int4["roofline_tok_s"] > int8["roofline_tok_s"]
-    assert all(r["decode_tok_s"] > 0 and r["speedup"] > 0 for r in rows)
+    results = json.loads(out.read_text())["results"]
+    assert [r["mode"] for r in results] == rows
+    rooflines = [r["roofline_tok_s"] for r in results[len(modes.split(",")) - 1:]]  # the last float row on
+    assert rooflines == sorted(set(rooflines))  # each scheme fewer bytes a step (a mixture's experts included)
+    assert all(r["decode_tok_s"] > 0 and r["speedup"] > 0 for r in results)
+
+
+@pytest.fixture
+def tiny_moe_bench(monkeypatch):
+    """The bench on a tiny Mixtral: a family kernel injection has no record for."""
+    bench_on(monkeypatch, lambda dtype: build_family("mixtral", dtype=bench_dtype(dtype)))
+
+
+def test_options_for_injected_rows_are_refused_where_every_quant_row_is_plain(tiny_moe_bench, tmp_path, capsys):
+    args = parse("--model", "tiny", "--modes", "hf,plain", "--quant", "int8", "--compile", "--json",
+                 str(tmp_path / "b.json"))
+    with pytest.raises(ValueError, match=r"--compile: kernel injection has no record for tiny's family \('mixtral'\), "
+                                         r"so its --quant rows run on the plain model and nothing would be compiled"):
+        args.run(args)
+    assert capsys.readouterr().out == ""  # before any row was timed or printed
 
 
 def test_bad_quant_scheme_is_refused(tiny_bench, tmp_path):

@@ -191,12 +191,39 @@ def check_injected_only_options(args: argparse.Namespace, modes: list[str], sche
     the JSON though nothing was compiled): refused."""
     if "inject" in modes or schemes:
         return
+    found = _injected_only_given(args)
+    if found:
+        given, option, effect = found
+        raise ValueError(f"{given} with --modes {','.join(modes)} and no --quant: nothing would be {effect}; "
+                         f"allowed: --modes including inject, or --quant with a scheme (or no --{option})")
+
+
+def _injected_only_given(args: argparse.Namespace) -> tuple[str, str, str] | None:
+    """The first option of INJECTED_ONLY given, as (how it was given, its name, what it would do), or None."""
     for option, effect in INJECTED_ONLY.items():
         value = getattr(args, option)
         if value:
-            given = f"--{option}" if value is True else f"--{option} {value}"
-            raise ValueError(f"{given} with --modes {','.join(modes)} and no --quant: nothing would be {effect}; "
-                             f"allowed: --modes including inject, or --quant with a scheme (or no --{option})")
+            return (f"--{option}" if value is True else f"--{option} {value}"), option, effect
+    return None
+
+
+def injectable(model: torch.nn.Module) -> bool:
+    """Whether kernel injection has a record for ``model``'s family."""
+    from .arch import REGISTRY
+
+    return getattr(getattr(model, "config", None), "model_type", None) in REGISTRY
+
+
+def check_quantized_plain(args: argparse.Namespace, model: torch.nn.Module) -> None:
+    """--quant rows of a model without a kernel-injection record run on the plain model, where the options of
+    INJECTED_ONLY have nothing to act on unless ``inject`` is in --modes (which then fails on injection's own
+    error): refused, naming the model's family."""
+    found = None if "inject" in split_commas(args.modes) else _injected_only_given(args)
+    if found:
+        given, option, effect = found
+        raise ValueError(f"{given}: kernel injection has no record for {args.model}'s family "
+                         f"({model.config.model_type!r}), so its --quant rows run on the plain model and nothing "
+                         f"would be {effect}; allowed: a model of a family kernel injection takes, or no --{option}")
 
 
 def check_prompt_beside_context(args: argparse.Namespace) -> None:
@@ -261,6 +288,8 @@ def bench_configuration(args, dtype: str, batch: int, modes: list[str], probe: B
 
     bandwidth = probe.readings[0]
     model = load_model(args.model, dtype)
+    if args.quant and not injectable(model):
+        check_quantized_plain(args, model)  # before any row is timed
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(100, model.config.vocab_size, (batch, args.prompt), generator=generator)
     weights = weight_bytes_per_step(model)
@@ -298,25 +327,28 @@ def bench_configuration(args, dtype: str, batch: int, modes: list[str], probe: B
 
 def bench_quantized(args, dtype: str, batch: int, schemes: list[str], probe: BandwidthProbe, hf_speed: float
                     ) -> list[Row]:
-    """One kernel-injected, quantized row per scheme (and one compiled, with ``--compile``); speedup is against the HF
-    eager row of the same dtype/batch. The probe as bench_configuration's."""
+    """One quantized row per scheme (and one compiled, with ``--compile``): kernel-injected, or on the plain model
+    for a model kernel injection has no record for (a mixture of experts, say; rows ``plain+<scheme>``); speedup is
+    against the HF eager row of the same dtype/batch. The probe as bench_configuration's."""
     import splice
 
     bandwidth = probe.readings[0]
     rows = []
     for scheme in schemes:
         model = load_model(args.model, dtype)
+        inject = injectable(model)  # else bench_configuration has checked the options
         generator = torch.Generator().manual_seed(0)
         prompt = torch.randint(100, model.config.vocab_size, (batch, args.prompt), generator=generator)
-        engine = splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=args.prompt + args.new,
+        engine = splice.init_inference(model, replace_with_kernel_inject=inject, max_out_tokens=args.prompt + args.new,
                                        **QUANT_SCHEMES[scheme])
         weights = stored_weight_bytes(engine.module)
-        for run in [f"inject+{scheme}"] + ([f"inject+{scheme}+compile"] if args.compile else []):
+        mode = "inject" if inject else "plain"
+        for run in [f"{mode}+{scheme}"] + ([f"{mode}+{scheme}+compile"] if args.compile else []):
             first_s = float("nan")
             if run.endswith("+compile"):
                 engine.runtime.compile_decode()
                 first_s = time_first_run(engine.generate, prompt, args.new)
-            for name, level in _runs_at_levels(run, args.isa_levels):
+            for name, level in _runs_at_levels(run, args.isa_levels if inject else []):
                 with _native_level(level):
                     prefill_ms, tok_s, peak = time_generate(engine.generate, prompt, args.new, args.repeat)
                 slots = attended_slots(args, slots_run(engine, run, batch))

@@ -44,7 +44,8 @@ def add_bench_parser(subparsers) -> None:
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--repeat", type=POSITIVE_INT, default=2, help="timed runs per mode, best kept (default 2)")
     parser.add_argument("--quant", default="", help=f"comma-separated quantized rows to add: {','.join(QUANT_SCHEMES)} "
-                        "(kernel-injected, each on a fresh copy of the model)")
+                        "(kernel-injected, each on a fresh copy of the model; on the plain model, rows "
+                        "plain+<scheme>, for a family kernel injection has no record for)")
     parser.add_argument("--compile", action="store_true",
                         help="also run the injected (and quantized) models with their decode step compiled "
                              "(compile_decode=True)")
