@@ -119,6 +119,8 @@ def _configs():
         "mixtral": lambda: T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
         "qwen2_moe": lambda: T.Qwen2MoeConfig(**COMMON, moe_intermediate_size=64, shared_expert_intermediate_size=128,
                                               num_experts=4, num_experts_per_tok=2),
+        "qwen3_moe": lambda: T.Qwen3MoeConfig(**COMMON, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
+                                              head_dim=16),
         # attention sinks (one learned logit per head), biased experts with gate and up interleaved
         "gpt_oss": lambda: T.GptOssConfig(**{**COMMON, "intermediate_size": 64}, num_local_experts=4,
                                           num_experts_per_tok=2, head_dim=16, sliding_window=8,
@@ -132,7 +134,7 @@ NEW_FAMILIES = ("gpt_neox", "gpt2", "opt", "phi", "gptj", "falcon", "bloom", "ge
 #: the families AutoTP and tensor parallelism are tested on (tests/tp)
 AUTOTP_FAMILIES = ("llama", "qwen2", "gpt2", "gpt_neox", "bloom", "falcon", "opt", "phi3", "gemma")
 #: mixtures of experts, tested under tensor parallelism (AutoTP splits each expert's intermediate features)
-MOE_FAMILIES = ("mixtral", "qwen2_moe")
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 #: the encoders kernel injection fuses (bidirectional, post-norm; no decode runtime)
 ENCODERS = ("bert", "roberta", "distilbert")
 #: the task heads :func:`build_encoder` puts on an encoder: transformers' auto class for each

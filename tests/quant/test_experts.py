@@ -57,13 +57,16 @@ def test_every_experts_matrix_is_quantized_and_computes_as_its_dequantized_weigh
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_int8_experts_generate_the_reference_tokens(family):
+def test_int8_experts_pick_the_reference_tokens(family):
+    """On the reference's greedy continuation (teacher-forced, so one near-tie does not change every later token; the
+    end-of-sequence id held back so that it runs 32 tokens): the int8 engine's next-token picks agree with the fp32
+    model's at 90 % of the positions or more."""
     reference = build(family)
-    expected = reference.generate(PROMPT, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    sequence = reference.generate(PROMPT, max_new_tokens=32, min_new_tokens=32, do_sample=False, pad_token_id=0)
     engine = splice.init_inference(build(family), dtype="int8")
-    got = engine.generate(PROMPT, max_new_tokens=16, do_sample=False, pad_token_id=0)
-    agreement = (got[0, PROMPT.shape[1]:] == expected[0, PROMPT.shape[1]:]).float().mean()
-    assert agreement >= 0.9, (got, expected)
+    new = slice(PROMPT.shape[1] - 1, -1)
+    picks = [_logits(model, sequence)[0, new].argmax(-1) for model in (reference, engine)]
+    assert (picks[1] == picks[0]).float().mean() >= 0.9, picks
 
 
 class _Experts(nn.Module):
