@@ -121,6 +121,13 @@ def _configs():
                                               num_experts=4, num_experts_per_tok=2),
         "qwen3_moe": lambda: T.Qwen3MoeConfig(**COMMON, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
                                               head_dim=16),
+        # multi-head latent attention (queries and keys/values from low-rank latents, values narrower than keys), a
+        # dense first layer, then shared and routed experts
+        "deepseek_v3": lambda: T.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=64,
+                                                  n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                                  first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
+                                                  qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=2,
+                                                  topk_group=1),
         # attention sinks (one learned logit per head), biased experts with gate and up interleaved
         "gpt_oss": lambda: T.GptOssConfig(**{**COMMON, "intermediate_size": 64}, num_local_experts=4,
                                           num_experts_per_tok=2, head_dim=16, sliding_window=8,

@@ -15,7 +15,9 @@ ALIBI_CASES = [("falcon:alibi", "autotp", {}), ("mpt", "autotp", {})]
 #: mixtures of experts: AutoTP splits every expert's intermediate features and keeps the routers and one-output gates
 MOE_CASES = [(family, "autotp", {}) for family in MOE_FAMILIES]
 PARITY_CASES = [(family, mode, {}) for family in FAMILIES for mode in ("autotp", "policy")] + ALIBI_CASES
-PARITY_CASES += MOE_CASES
+#: multi-head latent attention (DeepSeek-V3): low-rank downs kept whole, each projection split by heads at its width
+LATENT_CASES = [("deepseek_v3", "autotp", {})]
+PARITY_CASES += MOE_CASES + LATENT_CASES
 #: at tp=3 also Falcon's new architecture (per-KV-group [q.., k, v] layout, 2 KV heads replicated over 3 ranks)
 TP3_CASES = [*PARITY_CASES, ("falcon", "autotp", {"new_decoder_architecture": True, "num_kv_heads": 2})]
 #: (family, config overrides); llama is saved in several files and loaded through its index JSON.

@@ -440,3 +440,20 @@ def test_an_attention_modules_per_head_parameters_are_cut_to_the_rank_heads():
     shards = apply_plan(model, plan, ParallelContext(1, 2))
     assert torch.equal(model.model.layers[0].self_attn.sinks, sinks[2:])
     assert shards["model.layers.0.self_attn.sinks"].ranges == ((2, 4),)
+
+
+def test_latent_attention_keeps_its_low_rank_downs_whole_and_splits_each_projection_by_heads():
+    """DeepSeek-V3's attention: ``q_a_proj`` and ``kv_a_proj_with_mqa`` read the block's input into a few features that
+    ``q_b_proj`` and ``kv_b_proj`` alone read; the downs stay whole, the ups and ``o_proj`` are split by the 4 heads,
+    each at its own width (queries 16 a head, keys with values 24, the output 16)."""
+    model = build("deepseek_v3")
+    rules = autotp_plan(model).rules
+    attention = "model.layers.*.self_attn"
+    assert rules[f"{attention}.q_a_proj"] == rules[f"{attention}.kv_a_proj_with_mqa"] == Rule("replicate")
+    assert rules[f"{attention}.q_b_proj"] == Rule("column", "q", Heads(4, 4, 16))
+    assert rules[f"{attention}.kv_b_proj"] == Rule("column", "q", Heads(4, 4, 24))
+    assert rules[f"{attention}.o_proj"] == Rule("row", "q", Heads(4, 4, 16))
+    apply_plan(model, autotp_plan(build("deepseek_v3")), ParallelContext(1, 2))
+    layer = model.model.layers[1].self_attn
+    assert (layer.q_b_proj.out_features, layer.kv_b_proj.out_features, layer.o_proj.in_features) == (32, 48, 32)
+    assert layer.q_a_proj.out_features == 32 and layer.num_heads == 2

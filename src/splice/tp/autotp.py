@@ -227,11 +227,14 @@ def roles_from_flow(trace: Trace, linears: dict[str, nn.Module]) -> dict[str, st
     roles, unclear = {}, []
     for block in trace.blocks:
         names = [n for n in linears if n.startswith(block + ".")]
+        down = low_rank_downs(trace, names, linears)
         for name in names:
             seen = trace.inputs.get(name)
             if seen is None:
                 unclear.append(f"{name} (never called in the forward pass)")
-            elif INPUT in seen:
+            elif name in down:
+                roles[name] = "replicate"
+            elif INPUT in seen or (seen - {ATTENTION} and seen - {ATTENTION} <= down):
                 roles[name] = "column"
             elif seen - {ATTENTION} and seen <= {*names, ATTENTION} and name in trace.block_out.get(block, ()):
                 roles[name] = "row"
@@ -241,6 +244,17 @@ def roles_from_flow(trace: Trace, linears: dict[str, nn.Module]) -> dict[str, st
         raise ValueError(f"AutoTP cannot place {len(unclear)} linear(s) as column- or row-parallel: {unclear[:8]}; "
                          "give an injection_policy naming the row-parallel (output) linears")
     return roles
+
+
+def low_rank_downs(trace: Trace, names: list[str], linears: dict[str, nn.Module]) -> set[str]:
+    """A block's low-rank down-projections: linears that read the block's input into fewer features than it has,
+    whose output other linears of the block read alone (DeepSeek's multi-head latent attention: ``q_a_proj`` and
+    ``kv_a_proj_with_mqa`` feed ``q_b_proj`` and ``kv_b_proj``). Kept whole on every rank (their outputs are small
+    and every head needs them), the linears reading them are split by heads as if they read the input."""
+    narrow = {n for n in names if INPUT in trace.inputs.get(n, ()) and
+              in_out_features(linears[n])[1] < in_out_features(linears[n])[0]}
+    read = [trace.inputs.get(n, frozenset()) - {ATTENTION} for n in names if INPUT not in trace.inputs.get(n, ())]
+    return {n for n in narrow if any(n in seen and seen <= narrow for seen in read)}
 
 
 def without_side_gates(trace: Trace, roles: dict[str, str], linears: dict[str, nn.Module]) -> dict[str, str]:
@@ -258,8 +272,9 @@ def groups_from_roles(trace: Trace, roles: dict[str, str]) -> dict[str, list[str
     """Row linear -> the column linears that feed it (from the traced data flow). Checks every column feeds exactly
     one row and never writes into the residual directly."""
     groups = {}
+    whole = {n for n, r in roles.items() if r == "replicate"}  # low-rank downs: every rank holds their outputs
     for row in (n for n, r in roles.items() if r == "row"):
-        feeders = sorted(trace.inputs.get(row, frozenset()) - {INPUT, ATTENTION})
+        feeders = sorted(trace.inputs.get(row, frozenset()) - {INPUT, ATTENTION} - whole)
         wrong = [f for f in feeders if roles.get(f) != "column"]
         if wrong or not feeders:
             raise ValueError(f"row-parallel linear {row!r} must read only column-parallel linears' outputs, but it "
@@ -283,12 +298,38 @@ def group_rules(row: str, feeders: list[str], linears: dict[str, nn.Module], tra
     outs = {f: in_out_features(linears[f])[1] for f in feeders}
     if ATTENTION not in trace.inputs.get(row, ()):
         return {row: Rule("row"), **{f: _mlp_rule(f, o, r_in) for f, o in outs.items()}}, None
-    heads = attention_heads(row, r_in, outs, n_heads)
+    try:
+        heads = attention_heads(row, r_in, outs, n_heads)
+    except ValueError:
+        latent = latent_attention(row, r_in, outs, trace, n_heads)
+        if latent is None:
+            raise
+        return latent
     rules = {row: Rule("row", "q", heads)}
     for f, o in outs.items():
         layout = "q" if o == heads.n_q * heads.head_dim else "kv" if o == heads.n_kv * heads.head_dim else \
             fused_layout(f, trace, heads)
         rules[f] = Rule("column", layout, heads)
+    return rules, heads
+
+
+def latent_attention(row: str, r_in: int, outs: dict[str, int], trace: Trace, n_heads: int | None
+                     ) -> tuple[dict[str, Rule], Heads] | None:
+    """Rules for attention whose projections each have a head width of their own (DeepSeek's multi-head latent
+    attention: queries of ``qk_nope + qk_rope`` features a head, keys and values expanded together from the latent,
+    ``qk_nope + v`` a head, the output ``v`` a head): every projection's output first viewed as the config's heads of
+    its own width, each head its own key/value head. Split by heads, each projection at its width; None where the
+    trace shows anything else."""
+    if not n_heads or r_in % n_heads or len(outs) < 2 or any(o % n_heads for o in outs.values()):
+        return None
+    widths = {f: o // n_heads for f, o in outs.items()}
+    for name, width in widths.items():
+        op, shapes = trace.first_op.get(name, ("nothing", ()))
+        if op not in _VIEWS or not shapes or tuple(shapes[0][-2:]) != (n_heads, width):
+            return None
+    heads = Heads(n_heads, n_heads, r_in // n_heads)
+    rules = {row: Rule("row", "q", heads)}
+    rules.update({name: Rule("column", "q", Heads(n_heads, n_heads, width)) for name, width in widths.items()})
     return rules, heads
 
 
