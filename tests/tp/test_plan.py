@@ -457,3 +457,11 @@ def test_latent_attention_keeps_its_low_rank_downs_whole_and_splits_each_project
     layer = model.model.layers[1].self_attn
     assert (layer.q_b_proj.out_features, layer.kv_b_proj.out_features, layer.o_proj.in_features) == (32, 48, 32)
     assert layer.q_a_proj.out_features == 32 and layer.num_heads == 2
+
+
+def test_an_mlp_narrower_than_the_model_is_no_low_rank_down():
+    """gate/up read the block's input into fewer features (intermediate 32 < hidden 64), and down_proj reads them
+    alone: still an MLP split by columns, as its down projection writes the block's output."""
+    rules = autotp_plan(build("llama", intermediate_size=32)).rules
+    assert rules["model.layers.*.mlp.gate_proj"] == rules["model.layers.*.mlp.up_proj"] == Rule("column")
+    assert rules["model.layers.*.mlp.down_proj"] == Rule("row")

@@ -227,7 +227,7 @@ def roles_from_flow(trace: Trace, linears: dict[str, nn.Module]) -> dict[str, st
     roles, unclear = {}, []
     for block in trace.blocks:
         names = [n for n in linears if n.startswith(block + ".")]
-        down = low_rank_downs(trace, names, linears)
+        down = low_rank_downs(trace, block, names, linears)
         for name in names:
             seen = trace.inputs.get(name)
             if seen is None:
@@ -246,14 +246,18 @@ def roles_from_flow(trace: Trace, linears: dict[str, nn.Module]) -> dict[str, st
     return roles
 
 
-def low_rank_downs(trace: Trace, names: list[str], linears: dict[str, nn.Module]) -> set[str]:
+def low_rank_downs(trace: Trace, block: str, names: list[str], linears: dict[str, nn.Module]) -> set[str]:
     """A block's low-rank down-projections: linears that read the block's input into fewer features than it has,
-    whose output other linears of the block read alone (DeepSeek's multi-head latent attention: ``q_a_proj`` and
-    ``kv_a_proj_with_mqa`` feed ``q_b_proj`` and ``kv_b_proj``). Kept whole on every rank (their outputs are small
-    and every head needs them), the linears reading them are split by heads as if they read the input."""
+    whose output other linears of the block read alone, linears that do not write the block's output themselves
+    (DeepSeek's multi-head latent attention: ``q_a_proj`` and ``kv_a_proj_with_mqa`` feed ``q_b_proj`` and
+    ``kv_b_proj``, whose outputs go on to attention; an MLP narrower than the model, whose down projection writes the
+    block's output, is no such thing). Kept whole on every rank (their outputs are small and every head needs them),
+    the linears reading them are split by heads as if they read the input."""
     narrow = {n for n in names if INPUT in trace.inputs.get(n, ()) and
               in_out_features(linears[n])[1] < in_out_features(linears[n])[0]}
-    read = [trace.inputs.get(n, frozenset()) - {ATTENTION} for n in names if INPUT not in trace.inputs.get(n, ())]
+    writes = trace.block_out.get(block, frozenset())
+    read = [trace.inputs.get(n, frozenset()) - {ATTENTION} for n in names
+            if INPUT not in trace.inputs.get(n, ()) and n not in writes]
     return {n for n in narrow if any(n in seen and seen <= narrow for seen in read)}
 
 
