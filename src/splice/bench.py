@@ -209,9 +209,9 @@ def _injected_only_given(args: argparse.Namespace) -> tuple[str, str, str] | Non
 
 def injectable(model: torch.nn.Module) -> bool:
     """Whether kernel injection has a record for ``model``'s family."""
-    from .arch import REGISTRY
+    from .arch import find
 
-    return getattr(getattr(model, "config", None), "model_type", None) in REGISTRY
+    return find(getattr(model, "config", None)) is not None
 
 
 def check_quantized_plain(args: argparse.Namespace, model: torch.nn.Module) -> None:

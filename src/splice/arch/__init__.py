@@ -9,7 +9,7 @@ from .record import (ArchRecord, ModelDims, RopeSpec, check_fits, learned_positi
 
 REGISTRY: dict[str, ArchRecord] = {record.model_type: record for record in RECORDS}
 
-__all__ = ["ArchRecord", "ModelDims", "RopeSpec", "REGISTRY", "check_fits", "learned_position_limit", "lookup",
+__all__ = ["ArchRecord", "ModelDims", "RopeSpec", "REGISTRY", "check_fits", "find", "learned_position_limit", "lookup",
            "model_dims", "record_for", "rooted", "supported", "tensor_parallel_plan"]
 
 
@@ -17,10 +17,15 @@ def supported() -> list[str]:
     return sorted(REGISTRY)
 
 
+def find(config: Any) -> ArchRecord | None:
+    """The record for ``config.model_type``, or None where kernel injection has none."""
+    return REGISTRY.get(getattr(config, "model_type", None))
+
+
 def lookup(config: Any) -> ArchRecord:
     """The record for ``config.model_type``; raises ``ValueError`` naming the supported families otherwise."""
     model_type = getattr(config, "model_type", None)
-    record = REGISTRY.get(model_type)
+    record = find(config)
     if record is None:
         raise ValueError(
             f"kernel injection has no architecture record for model_type={model_type!r}; "
@@ -39,5 +44,5 @@ def learned_position_limit(model: Any) -> int | None:
     ``max_position_embeddings``: the families whose record says ``positions="learned"``, as kernel injection reads
     it); None for a model that computes its positions (rotary, ALiBi) or whose family splice has no record of."""
     config = getattr(model, "config", None)
-    record = REGISTRY.get(getattr(config, "model_type", None))
+    record = find(config)
     return None if record is None else learned_positions(record, config)

@@ -2635,6 +2635,12 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// A bf16 value broadcast as float32: its bits as 16-bit words, each 32-bit lane shifted to hold them as float32.
+inline __m256 broadcast_bf16(const at::BFloat16* p) {
+  const int16_t bits = *reinterpret_cast<const int16_t*>(p);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_set1_epi16(bits), 16));
+}
+
 inline int32_t horizontal_sum(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
@@ -2940,9 +2946,7 @@ void int8_dot_grouped_set(const DotRows& a, int64_t m0, const int64_t (&rows)[S]
       }
     }
     UNROLLED for (int t = 0; t < S; ++t) {
-      // the bf16 scale broadcast as 16-bit words, each 32-bit lane shifted to hold it as float32
-      const int16_t bits = *reinterpret_cast<const int16_t*>(gs.of(rows[t], first));
-      const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_set1_epi16(bits), 16));
+      const __m256 scale = broadcast_bf16(gs.of(rows[t], first));
       UNROLLED for (int m = 0; m < M; ++m) acc[m][t] = _mm256_fmadd_ps(group_sums[m][t], scale, acc[m][t]);
     }
   }
@@ -3070,11 +3074,8 @@ struct Dot16Groups {
     group = gs->group;
     for (int r = 0; r < R; ++r) first[r] = gs->of(rows[r], 0);
   }
-  // Row r's scale of group g, broadcast: the bf16 bits as 16-bit words, each 32-bit lane shifted to hold it as float32.
-  __m256 scale(int r, int64_t g) const {
-    const int16_t bits = *reinterpret_cast<const int16_t*>(first[r] + g * SCALE_TILE);
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_set1_epi16(bits), 16));
-  }
+  // Row r's scale of group g, broadcast as float32.
+  __m256 scale(int r, int64_t g) const { return broadcast_bf16(first[r] + g * SCALE_TILE); }
 };
 
 // R weight rows against M rows of x (a.q from row m0): sums[m][r] in float32. APART as rows_dot's. Each block of

@@ -139,15 +139,27 @@ def quantize(model: nn.Module, config: QuantConfig, device: torch.device | str |
 def _replace(model: nn.Module, name: str, module: nn.Module, config: QuantConfig, device, kernel: KernelChoice | None,
              report: QuantReport, hessian: torch.Tensor | None = None, act_order: bool = False) -> None:
     """``module`` replaced by its quantized layer in ``config``'s scheme (the output head's own, where that differs)."""
-    handler = HANDLERS[config.kind]
     weight, bias = float_weight(module)
-    if device is not None:
-        weight, bias = weight.to(device), None if bias is None else bias.to(device)
-    kernel = kernel or quant_kernel(config, weight.device)
+    layer, kernel = _quantized_layer(weight, bias, config, device, kernel, report, hessian, act_order)
     if config.kind == report.kind:
         report.kernel = report.kernel or kernel
     else:
         report.head = f"{name}: {config.kind} per output channel ({kernel.kernel} kernels)"
+    model.set_submodule(name, layer)
+    native.page_out(float_weight(module)[0])  # a memory-mapped float weight's pages: resident no more
+    report.quantized.append(name)
+
+
+def _quantized_layer(weight: torch.Tensor, bias: torch.Tensor | None, config: QuantConfig, device,
+                     kernel: KernelChoice | None, report: QuantReport, hessian: torch.Tensor | None = None,
+                     act_order: bool = False) -> tuple[QuantizedLinear, KernelChoice]:
+    """``weight [out, in]`` (and ``bias``) as ``config``'s quantized layer, packed on ``device`` (default: the
+    weight's) for ``kernel`` (default: ``quant_kernel``'s choice there), its bytes counted in ``report``; with the
+    kernel it calls."""
+    if device is not None:
+        weight, bias = weight.to(device), None if bias is None else bias.to(device)
+    kernel = kernel or quant_kernel(config, weight.device)
+    handler = HANDLERS[config.kind]
     if hessian is None:
         layer = handler.from_float(weight, bias, config, native=kernel.native, dot_products=kernel.dot_products)
     else:
@@ -155,9 +167,7 @@ def _replace(model: nn.Module, name: str, module: nn.Module, config: QuantConfig
                                    hessian=hessian, act_order=act_order)
     report.float_bytes += weight.numel() * 2  # against bf16, the dtype these kernels replace
     report.quantized_bytes += layer.weight_nbytes()
-    model.set_submodule(name, layer)
-    native.page_out(float_weight(module)[0])  # a memory-mapped float weight's pages: resident no more
-    report.quantized.append(name)
+    return layer, kernel
 
 
 def experts_targets(model: nn.Module, config: QuantConfig) -> list[tuple[str, nn.Module]]:
@@ -177,16 +187,9 @@ def experts_targets(model: nn.Module, config: QuantConfig) -> list[tuple[str, nn
 def _replace_experts(model: nn.Module, name: str, module: nn.Module, config: QuantConfig, device,
                      kernel: KernelChoice | None, report: QuantReport) -> None:
     """The experts ``module`` replaced by a copy holding one quantized linear per expert and matrix."""
-    handler = HANDLERS[config.kind]
-
     def make_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> QuantizedLinear:
         nonlocal kernel
-        if device is not None:
-            weight, bias = weight.to(device), None if bias is None else bias.to(device)
-        kernel = kernel or quant_kernel(config, weight.device)
-        layer = handler.from_float(weight, bias, config, native=kernel.native, dot_products=kernel.dot_products)
-        report.float_bytes += weight.numel() * 2  # against bf16, as for linears
-        report.quantized_bytes += layer.weight_nbytes()
+        layer, kernel = _quantized_layer(weight, bias, config, device, kernel, report)
         return layer
 
     quantized = quantized_experts(module, make_linear)

@@ -153,13 +153,8 @@ def _experts_shells(model: nn.Module, layers: dict, config: QuantConfig, device:
     """For each experts module of the skeleton whose quantized linears the folder holds (``experts.down_proj.0``,
     ...), the quantized copy :func:`~splice.quant.experts.quantized_experts` makes of it, with empty layers of the
     saved kind to load into; the skeleton is not changed."""
-    kernel = quant_kernel(config, device)
-    handler = HANDLERS[config.kind]
-
     def empty(weight: torch.Tensor, bias: torch.Tensor | None) -> QuantizedLinear:
-        dtype = weight.dtype if weight.is_floating_point() else torch.bfloat16
-        return handler.empty(weight.shape[1], weight.shape[0], bias is not None, config, device, dtype,
-                             native=kernel.native, dot_products=kernel.dot_products)
+        return _empty_quantized(weight.shape[1], weight.shape[0], bias is not None, weight, config, device)
 
     return {name: quantized_experts(module, empty) for name, module in model.named_modules()
             if experts_matrices(module) is not None and any(saved.startswith(f"{name}.") for saved in layers)}
@@ -278,12 +273,18 @@ def _empty_layer(model: nn.Module, name: str, layer: dict, config: QuantConfig,
     config = _layer_scheme(model, model.get_submodule(name), config) or config
     if layer["kind"] != config.kind:
         raise ValueError(f"layer {name} was saved as {layer['kind']!r} but the scheme says {config.kind!r}")
-    current = model.get_submodule(name)
-    weight = getattr(current, "weight", None)
+    weight = getattr(model.get_submodule(name), "weight", None)
+    return _empty_quantized(layer["in_features"], layer["out_features"], layer["bias"], weight, config, device)
+
+
+def _empty_quantized(in_features: int, out_features: int, bias: bool, weight: torch.Tensor | None,
+                     config: QuantConfig, device: torch.device) -> QuantizedLinear:
+    """An empty layer of ``config``'s kind to load saved weights into, for the kernels ``device`` runs, its float
+    tensors (the bias) in the dtype of the float ``weight`` it stands in for (bf16 where there is none)."""
     dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.bfloat16
     kernel = quant_kernel(config, device)
-    return HANDLERS[layer["kind"]].empty(layer["in_features"], layer["out_features"], layer["bias"], config, device,
-                                         dtype, native=kernel.native, dot_products=kernel.dot_products)
+    return HANDLERS[config.kind].empty(in_features, out_features, bias, config, device, dtype,
+                                       native=kernel.native, dot_products=kernel.dot_products)
 
 
 def _dedupe(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
