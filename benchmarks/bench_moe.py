@@ -1,14 +1,14 @@
-"""A mixture of experts decoding: the bf16 model as transformers runs it against splice's quantized experts, in turns.
+"""A mixture of experts decoding: the bf16 model as transformers runs it against splice's engines, in turns.
 
 Random weights of a Mixtral shape scaled down (``MixtralConfig`` with the sizes below; nothing is downloaded), one
-process. Every format is ``splice.init_inference`` of its own bf16 copy of the model, without kernel injection (no
-fused-block record for mixtures of experts): ``bf16`` leaves the model as transformers runs it, the quantized
-formats replace its linears and each expert's matrices by quantized layers (``splice.quant.experts``). The formats
-take turns (``bench_format_turns.turns``); the table gives each one's median ms a step and its speed ratio to the
-first format's, round by round::
+process. Every row is ``splice.init_inference`` of its own bf16 copy of the model in one format and mode: ``plain``
+without kernel injection (``plain:bf16`` is the model as transformers runs it), ``inject`` with it (fused attention
+blocks, splice's decode loop; each layer's own mixture of experts); the quantized formats replace the linears and each
+expert's matrices by quantized layers (``splice.quant.experts``). The rows take turns (``bench_format_turns.turns``);
+the table gives each one's median ms a step and its speed ratio to the first row's, round by round::
 
-    PYTHONPATH=src .venv/bin/python benchmarks/bench_moe.py                          # bf16, int8, int4-sym; batch 1
-    PYTHONPATH=src .venv/bin/python benchmarks/bench_moe.py --formats bf16,int8 --batch 4 --layers 8
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_moe.py              # plain and inject; bf16, int8, int4-sym
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_moe.py --modes plain --formats bf16,int8 --batch 4 --layers 8
 """
 from __future__ import annotations
 
@@ -35,9 +35,20 @@ def build(hidden: int, features: int, experts: int, layers: int, vocab: int) -> 
     return MixtralForCausalLM(config).to(torch.bfloat16).eval()
 
 
-def engine_for(model: torch.nn.Module, fmt: str):
+MODES = ("plain", "inject")
+
+
+def engine_for(model: torch.nn.Module, mode: str, fmt: str):
     options = {"dtype": "bf16"} if fmt == "bf16" else {**QUANT_SCHEMES, **MORE_SCHEMES}[fmt]
-    return splice.init_inference(model, **options)
+    return splice.init_inference(model, replace_with_kernel_inject=mode == "inject", **options)
+
+
+def modes_of(text: str) -> list[str]:
+    """An argparse type: comma-separated modes of :data:`MODES`, else an error naming the value."""
+    modes = text.split(",")
+    if not modes or any(mode not in MODES for mode in modes) or len(set(modes)) != len(modes):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected distinct modes of {', '.join(MODES)}")
+    return modes
 
 
 def weight_mib(engine) -> float:
@@ -55,20 +66,23 @@ def main() -> None:
     parser.add_argument("--experts", type=at_least(2), default=8)
     parser.add_argument("--layers", type=positive, default=4)
     parser.add_argument("--vocab", type=at_least(128), default=32000)
+    parser.add_argument("--modes", type=modes_of, default=modes_of("plain,inject"),
+                        help="comma-separated: plain (no kernel injection), inject")
     add_turn_arguments(parser, batch=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = build(args.hidden, args.features, args.experts, args.layers, args.vocab)
-    engines = {fmt: engine_for(build(args.hidden, args.features, args.experts, args.layers, args.vocab)
-                               if i else model, fmt) for i, fmt in enumerate(args.formats)}
+    rows = [(mode, fmt) for mode in args.modes for fmt in args.formats]
+    engines = {f"{mode}:{fmt}": engine_for(build(args.hidden, args.features, args.experts, args.layers, args.vocab),
+                                           mode, fmt) for mode, fmt in rows}
     prompt = torch.randint(100, args.vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
     times = turns(engines, prompt, args.new, args.rounds)
     print(f"Mixtral shape: hidden {args.hidden}, {args.experts} experts of {args.features} features (2 a token), "
           f"{args.layers} layers, vocab {args.vocab}; batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, "
           f"{args.rounds} rounds, {args.threads} threads")
-    print(f"{'format':<10} {'MiB':>8} {'ms a step':>10} {'tok/s':>9} {'x ' + args.formats[0]:>10} {'range':>13}")
+    first = next(iter(engines))
+    print(f"{'row':<16} {'MiB':>8} {'ms a step':>10} {'tok/s':>9} {'x ' + first:>16} {'range':>13}")
     for name, ms, tok_s, ratio, low, high in summary(times, args.batch):
-        print(f"{name:<10} {weight_mib(engines[name]):>8.0f} {ms:>10.2f} {tok_s:>9.1f} {ratio:>9.3f}x "
+        print(f"{name:<16} {weight_mib(engines[name]):>8.0f} {ms:>10.2f} {tok_s:>9.1f} {ratio:>15.3f}x "
               f"{low:>6.3f}-{high:.3f}x")
 
 

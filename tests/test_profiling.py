@@ -31,7 +31,8 @@ def test_eager_step_profile_covers_every_stage_and_leaves_no_hooks():
     profile = profile_decode(engine, PROMPT, new_tokens=5)
     assert profile.step == "eager" and profile.steps == 4
     assert set(profile.stages) == set(STAGES)
-    timed = [s for s in STAGES if s not in ("other", "blocks")]  # float32: no block runs in a native call
+    # float32: no block runs in a native call; a dense model has no experts
+    timed = [s for s in STAGES if s not in ("other", "blocks", "experts")]
     assert all(profile.stages[s] > 0 for s in timed), profile.stages
     assert profile.stages["blocks"] == 0
     assert sum(profile.stages.values()) == pytest.approx(profile.step_ms)
@@ -39,6 +40,13 @@ def test_eager_step_profile_covers_every_stage_and_leaves_no_hooks():
     for block in engine.runtime.blocks:
         assert not {"attend", "project", "native_step"} & set(vars(block))
     assert installed_hooks(engine.module) == hooks_before
+
+
+def test_a_mixture_of_experts_layers_own_mlp_is_the_experts_stage():
+    engine = splice.init_inference(build_family("mixtral"), replace_with_kernel_inject=True, max_out_tokens=32)
+    profile = profile_decode(engine, PROMPT, new_tokens=5)
+    assert profile.stages["experts"] > 0 and profile.stages["gate_up"] == profile.stages["down"] == 0
+    assert profile.stages["qkv"] > 0 and sum(profile.stages.values()) == pytest.approx(profile.step_ms)
 
 
 @pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")

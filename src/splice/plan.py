@@ -265,7 +265,9 @@ def resolve_tensor_parallel(config: InferenceConfig, model: nn.Module, tp: int,
                             manifest: dict | None) -> TPPlan | None:
     """The verified plan at ``tp`` ranks (None at 1): the stored one of a tensor-parallel checkpoint's ``manifest``
     (:func:`tp_manifest`), else the injection_policy's, else with kernel injection the family record's, else AutoTP's
-    (as DeepSpeed: its injection containers carry their own policies, AutoTP serves the models it does not inject).
+    (as DeepSpeed: its injection containers carry their own policies, AutoTP serves the models it does not inject). A
+    mixture of experts' record leaves its plan to AutoTP, which reads each layer's MLP module as it is (experts split
+    by their features, routers whole, a dense layer's MLP by columns and rows).
     An injection_policy is checked in every case: at tp 1 it then warns (it has no effect), with a manifest it must
     give the stored plan's split. A manifest's shards load only at the tp_size they were saved for, 1 included.
     Any injection_policy but None counts as given: an empty one raises (it names nothing to shard)."""
@@ -300,7 +302,7 @@ def resolve_tensor_parallel(config: InferenceConfig, model: nn.Module, tp: int,
             check_policy_fits_manifest(checked_policy_plan(model, policy, tp), plan, manifest, policy)
     elif policy is not None:
         plan = policy_plan(model, policy, trace_model(model))
-    elif config.replace_with_kernel_inject:
+    elif config.replace_with_kernel_inject and record_for(model).moe is None:
         plan = tensor_parallel_plan(record_for(model), model.config)
     else:
         plan = autotp_plan(model, trace_model(model))

@@ -102,9 +102,11 @@ def _on_cuda(module: nn.Module) -> bool:
 
 # ---- where one decode step's time goes (``splice bench --profile``) --------------------------------------------------
 #: the stages of a decode step, in the order they are reported
-STAGES = ("blocks", "qkv", "attention", "o", "gate_up", "down", "norms", "rotary", "lm_head", "sampling", "other")
-#: a fused block's submodules and the stage each one's time counts to
-BLOCK_MODULES = {"qkv": "qkv", "o": "o", "gate_up": "gate_up", "down": "down", "attn_norm": "norms",
+STAGES = ("blocks", "qkv", "attention", "o", "gate_up", "down", "experts", "norms", "rotary", "lm_head", "sampling",
+          "other")
+#: a fused block's submodules and the stage each one's time counts to (``moe``: a mixture of experts' own MLP module,
+#: its router included)
+BLOCK_MODULES = {"qkv": "qkv", "o": "o", "gate_up": "gate_up", "down": "down", "moe": "experts", "attn_norm": "norms",
                  "mlp_norm": "norms", "qk_norm": "norms", "attn_out_norm": "norms", "mlp_out_norm": "norms"}
 #: the fused block's methods timed as stages: ``project``'s own time (its norm and QKV GEMV are timed apart) is the
 #: rotary embedding and the head split

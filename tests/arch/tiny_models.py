@@ -114,8 +114,8 @@ def _configs():
         "gemma3_text": lambda: T.Gemma3TextConfig(**{**gemma2, "final_logit_softcapping": None,
                                                      "attn_logit_softcapping": None},
                                                   layer_types=["sliding_attention", "full_attention"]),
-        # mixtures of experts (no fused-block record: AutoTP only): every expert's weights in 3-D tensors, a router;
-        # Qwen2-MoE adds a shared expert scaled by a one-output gate
+        # mixtures of experts (the fused blocks call each layer's own MLP module): every expert's weights in 3-D
+        # tensors, a router; Qwen2-MoE adds a shared expert scaled by a one-output gate
         "mixtral": lambda: T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
         "qwen2_moe": lambda: T.Qwen2MoeConfig(**COMMON, moe_intermediate_size=64, shared_expert_intermediate_size=128,
                                               num_experts=4, num_experts_per_tok=2),
@@ -137,10 +137,11 @@ def _configs():
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
 NEW_FAMILIES = ("gpt_neox", "gpt2", "opt", "phi", "gptj", "falcon", "bloom", "gemma2", "gemma3_text", "gemma3",
-                "gpt_neo", "gpt_bigcode")
+                "gpt_neo", "gpt_bigcode", "mixtral", "qwen2_moe", "qwen3_moe")
 #: the families AutoTP and tensor parallelism are tested on (tests/tp)
 AUTOTP_FAMILIES = ("llama", "qwen2", "gpt2", "gpt_neox", "bloom", "falcon", "opt", "phi3", "gemma")
-#: mixtures of experts, tested under tensor parallelism (AutoTP splits each expert's intermediate features)
+#: mixtures of experts kernel injection fuses (the blocks call each layer's own MLP module), also tested under
+#: tensor parallelism (AutoTP splits each expert's intermediate features)
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 #: the encoders kernel injection fuses (bidirectional, post-norm; no decode runtime)
 ENCODERS = ("bert", "roberta", "distilbert")
@@ -150,7 +151,7 @@ ENCODER_TASKS = {"base": "AutoModel", "masked_lm": "AutoModelForMaskedLM",
 VARIANTS = (
     "gpt_neox", "gpt_neox:sequential", "gpt2", "gpt2:layer_scaled", "opt", "opt:post_norm", "phi", "gptj",
     "falcon", "falcon:new_architecture", "falcon:sequential", "falcon:alibi", "bloom", "bloom:six_heads", "gemma2",
-    "gemma3_text", "gemma3", "gpt_neo", "gpt_bigcode", "gpt_bigcode:multi_head")
+    "gemma3_text", "gemma3", "gpt_neo", "gpt_bigcode", "gpt_bigcode:multi_head", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def family_config(name: str):

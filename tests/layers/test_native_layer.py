@@ -327,6 +327,7 @@ def test_a_compiled_engine_runs_steps_in_one_native_call_eagerly(fresh_compiles)
     ("gemma", "not SiLU"),
     ("gpt2", "not a causal pre-norm block"),
     ("gpt_neox", "not a causal pre-norm block"),
+    ("mixtral", "its MLP is the model's own MixtralSparseMoeBlock (a mixture of experts)"),
 ])
 def test_blocks_it_does_not_fit_keep_their_own_ops_and_the_report_says_why(family, reason):
     engine = engine_of(family)
@@ -534,3 +535,65 @@ def test_a_step_that_sees_every_slot_gives_the_masked_steps_logits(family):
     assert all(torch.equal(a, b) for a, b in zip(masked, steps(True)))
     runtime.blocks[0].native_layer = False  # the first block on its own ops: its mask is made for it
     assert all(torch.equal(a, b) for a, b in zip(masked, steps(True)))
+
+
+# ---- a mixture of experts' routed experts in one native call (experts_decode) -------------------------------------
+def routed(engine, rows: int, none_here: bool = False):
+    """The first block's experts module, ``rows`` normed hidden states and their routing (with ``none_here`` one pick
+    of the last row an index past the last expert, as expert parallelism marks "none here")."""
+    moe = engine.runtime.blocks[0].moe
+    x = (torch.randn(rows, moe.experts.hidden_dim, generator=torch.Generator().manual_seed(rows)) * 0.5).bfloat16()
+    _, weights, index = moe.gate(x)
+    if none_here:
+        index[-1, 0] = len(moe.experts.down_proj)
+    return moe.experts, x, index, weights
+
+
+def python_experts(experts, x, index, weights):
+    """The experts module's forward with the native call ruled out (each expert's linears as modules)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(native_layer, "experts_call", lambda module, rows: None)
+        return experts(x, index, weights)
+
+
+@pytest.mark.parametrize("scheme", ["bf16", "int8", "int4", "int4-sym", "int8-g64"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])  # float32 and bf16 routing weights
+@pytest.mark.parametrize("rows, none_here", [(1, False), (3, False), (4, True)])
+def test_routed_experts_in_one_native_call_equal_their_modules_bit_for_bit(scheme, family, rows, none_here):
+    experts, x, index, weights = routed(engine_of(family, scheme), rows, none_here)
+    assert native_layer.experts_call(experts, x) is not None
+    with torch.inference_mode():
+        assert torch.equal(experts(x, index, weights), python_experts(experts, x, index, weights))
+
+
+def test_routed_experts_at_the_avx2_level_equal_their_modules_bit_for_bit():
+    with native.use_isa("avx2"), native.use_avx_vnni(False):
+        for scheme in ("bf16", "int8", "int4-sym"):
+            experts, x, index, weights = routed(engine_of("mixtral", scheme), 2)
+            with torch.inference_mode():
+                assert torch.equal(experts(x, index, weights), python_experts(experts, x, index, weights)), scheme
+
+
+def test_experts_the_native_call_cannot_compute_run_their_own_forward():
+    """Float32 rows, more rows than a GEMV takes, or a gate other than transformers' default SiLU gate: the module's
+    own per-expert forward."""
+    experts, x, index, weights = routed(engine_of("mixtral"), 2)
+    assert native_layer.experts_call(experts, x.float()) is None
+    too_many = torch.zeros(native.MAX_ROWS["bf16"] + 1, x.shape[1], dtype=torch.bfloat16)
+    assert native_layer.experts_call(experts, too_many) is None
+    experts.act_fn = torch.nn.GELU()
+    assert native_layer.experts_call(experts, x) is None
+
+
+def test_the_native_experts_call_names_bad_input():
+    experts, x, index, weights = routed(engine_of("mixtral", "int8"), 2)
+    call = native_layer.experts_call(experts, x)
+    decode = torch.ops.splice_kernels.experts_decode
+    with pytest.raises(RuntimeError, match=r"row 1 picks expert -1; allowed: 0 \.\. 4"):
+        decode(x, torch.tensor([[0, 1], [2, -1]]), weights, *call)
+    with pytest.raises(RuntimeError, match="weights must be float32 or bf16 of index's shape"):
+        decode(x, index, weights[:, :1], *call)
+    with pytest.raises(RuntimeError, match="two linears an expert"):
+        decode(x, index, weights, call.tensors, call.kinds[:-1], call.groups)
+    with pytest.raises(RuntimeError, match=r"expert 0's linears are \[.*\]; rows of 32 need"):
+        decode(x[:, :32].contiguous(), index, weights, *call)

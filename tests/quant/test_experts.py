@@ -12,7 +12,8 @@ from torch import nn
 import splice
 from splice.config import SpliceIgnoredOptionWarning
 from splice.quant import QuantConfig, QuantizedLinear, load_quantized, quantize, save_quantized, sqnr_db
-from splice.quant.experts import quantized_experts, reason_experts_stay_float
+from splice.layers.experts import experts_of_linears
+from splice.quant.experts import reason_experts_stay_float
 from tests.arch.tiny_models import MOE_FAMILIES, build
 from tests.quant.dequantized import dequantized_copy
 
@@ -127,7 +128,7 @@ def test_transposed_and_biased_experts_route_as_the_eager_forward(flags, routing
     weights = torch.rand(len(index), 2)
     hooked = []
     experts.register_forward_hook(lambda module, args, out: hooked.append(out.shape))
-    copied = quantized_experts(experts, _Exact)
+    copied = experts_of_linears(experts, _Exact)
     with torch.no_grad():
         expected, got = experts(hidden, index, weights), copied(hidden, index, weights)
     assert torch.allclose(got, expected, atol=1e-4)

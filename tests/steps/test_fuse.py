@@ -88,6 +88,16 @@ def test_one_qkv_gemm_and_one_gate_up_gemm_per_block():
         assert block.gate_up.out_features == 2 * 128
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_a_mixture_of_experts_block_calls_the_layers_own_mlp_module(family):
+    model = build_family(family)
+    mlps = [layer.mlp for layer in model.model.layers]
+    engine = splice.init_inference(model, replace_with_kernel_inject=True, max_out_tokens=32)
+    for block, mlp in zip(engine.runtime.blocks, mlps):
+        assert block.moe is mlp and block.gate_up is None and block.down is None
+    assert "the layer's own mixture of experts" in engine.step_report("fuse").summary()
+
+
 def test_parameter_memory_does_not_grow():
     model = build_family("llama")
     before = sum(p.numel() for p in model.parameters())
@@ -280,3 +290,15 @@ def test_the_decode_runtime_and_its_cache_go_with_the_engine(name):
         assert scaled_error(expected[mask.bool()], got[mask.bool()]) < 1e-4
         assert torch.equal(model.generate(ids, attention_mask=mask, **greedy),
                            reference.generate(ids, attention_mask=mask, **greedy))
+
+
+def test_a_mixture_of_experts_records_its_router_logits_as_the_model_does():
+    reference = build_family("mixtral")
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=32)
+    ids = torch.randint(3, 128, (1, 7), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected, got = reference(ids, output_router_logits=True), engine(ids, output_router_logits=True)
+    assert len(got.router_logits) == len(expected.router_logits) == 2
+    for want, have in zip(expected.router_logits, got.router_logits):
+        torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.aux_loss, expected.aux_loss)

@@ -1,4 +1,6 @@
 """The kernels step: the fused blocks' decode-step attention as the plan chose it, and said so."""
+import copy
+
 import pytest
 import torch
 
@@ -52,3 +54,28 @@ def test_the_blocks_norms_and_biases_share_huge_pages_and_the_tokens_stay_the_sa
         assert "norms and biases on 2 MiB pages" in summary
     else:
         assert "norms and biases" not in summary
+
+
+@pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
+def test_a_mixture_of_experts_linears_take_the_native_gemv_and_the_logits_stay_close():
+    """Qwen2-MoE's shared expert and its one-output gate are plain linears inside the layer's own MLP module; each
+    expert's matrices become a native GEMV on its slice of the 3-D weight (nothing copied)."""
+    from splice.layers.native_linear import NativeLinear
+
+    reference = build_family("qwen2_moe", dtype=torch.bfloat16)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, dtype=torch.bfloat16,
+                                   max_out_tokens=32)
+    moe = engine.runtime.blocks[0].moe
+    shared = moe.shared_expert
+    assert all(isinstance(linear, NativeLinear)
+               for linear in (shared.gate_proj, shared.up_proj, shared.down_proj, moe.shared_expert_gate))
+    experts = moe.experts
+    assert [len(experts.gate_up_proj), len(experts.down_proj)] == [4, 4]
+    assert all(isinstance(layer, NativeLinear) for layer in [*experts.gate_up_proj, *experts.down_proj])
+    first, second = experts.gate_up_proj[0].weight, experts.gate_up_proj[1].weight
+    assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()  # views of one weight
+    assert "native" in engine.step_report("kernels").summary()
+    with torch.inference_mode():
+        expected = reference(PROMPT).logits
+        got = engine(PROMPT).logits
+    assert ((got - expected).float().abs().max() / expected.float().std()).item() < 0.05

@@ -1,7 +1,7 @@
 """Kernel injection under tensor parallelism on real processes (gloo): ``init_inference(model,
-tensor_parallel={"tp_size": N}, replace_with_kernel_inject=True)`` on every family with a fused-block record, at tp=2
-and tp=3 (4 query heads over 3 ranks: 1, 1, 2 per rank, the 2 KV heads replicated), against the single-process
-unmodified Hugging Face model.
+tensor_parallel={"tp_size": N}, replace_with_kernel_inject=True)`` on every family with a fused-block record
+(mixtures of experts: AutoTP's plan, their experts split by features), at tp=2 and tp=3 (4 query heads over 3
+ranks: 1, 1, 2 per rank, the 2 KV heads replicated), against the single-process unmodified Hugging Face model.
 
 The cases run inside the shared tp=2 and tp=3 runs of ``tests.tp.suite`` (process start-up dominates on 2 cores).
 """
@@ -34,9 +34,12 @@ def check_fused(results: list[dict], tp: int, families: tuple = FAMILIES) -> Non
             assert tuple(r["config_heads"]) == (dims.n_heads, dims.n_kv_heads), where
             share = head_share(Heads(dims.n_heads, dims.n_kv_heads, dims.head_dim), tp, rank)
             assert tuple(r["shape"]) == (share.n_q, share.n_kv), where
-            # exactly two all-reduces per block (after o and after down); the vocab-parallel embedding adds one
-            assert r["all_reduce"] - r["embed_all_reduce"] == 2 * r["layers"], where
-            assert r["modules"][2:] == ["RowParallelLinear", "RowParallelLinear"], where
+            # exactly two all-reduces per block (after o and after down, or a mixture of experts' experts module),
+            # a shared expert's down projection one more; the vocab-parallel embedding adds one
+            per_block = 3 if r["shared_expert"] else 2
+            assert r["all_reduce"] - r["embed_all_reduce"] == per_block * r["layers"], where
+            mlp = "NoneType" if lookup(config).moe else "RowParallelLinear"  # the layer's own module stays as it is
+            assert r["modules"][2:] == ["RowParallelLinear", mlp], where
             # vocab-parallel embedding and lm_head in every family, Gemma's (which scales by sqrt(hidden) in its own
             # forward, and is tied to its lm_head) included: one all-reduce in the embedding, one all-gather in the
             # head; a tied head (the tiny Gemma's, GPT-2's, ...) still shares the embedding's rows

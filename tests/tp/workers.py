@@ -364,9 +364,9 @@ FUSED_NEW_TOKENS = 12
 #: multi-query, per-KV-group (a group's query heads split over two ranks) and ALiBi ones (each rank's slopes follow
 #: its heads)
 TP_VARIANTS = ("gpt_neox", "gpt2", "opt:post_norm", "falcon", "falcon:alibi", "bloom", "gemma2", "gemma3",
-               "gpt_bigcode", "phi", "gptj", "gemma3_text", "gpt_neo")
+               "gpt_bigcode", "phi", "gptj", "gemma3_text", "gpt_neo", *MOE_FAMILIES)
 TP3_VARIANTS = ("falcon", "falcon:new_architecture", "falcon:alibi", "bloom", "gpt_neox", "gpt2", "opt:post_norm",
-                "gemma2", "gemma3", "gpt_bigcode", "phi", "gptj", "gemma3_text", "gpt_neo")
+                "gemma2", "gemma3", "gpt_bigcode", "phi", "gptj", "gemma3_text", "gpt_neo", *MOE_FAMILIES)
 
 
 def fused_pipeline(rank: int, world: int, families: tuple | None = None) -> dict:
@@ -407,6 +407,7 @@ def fused_pipeline(rank: int, world: int, families: tuple | None = None) -> dict
             "all_gather": counts["all_gather"], "layers": len(runtime.blocks),
             "shape": (block.shape.n_heads, block.shape.n_kv_heads),
             "modules": [type(m).__name__ for m in (runtime.embed, runtime.lm_head, block.o, block.down)],
+            "shared_expert": hasattr(block.moe, "shared_expert"),
             "config_heads": (dims.n_heads, dims.n_kv_heads),
             "tied": runtime.lm_head.linear.weight is runtime.embed.weight}
     return out

@@ -21,6 +21,15 @@ QWEN3 = ArchRecord(model_type="qwen3", sliding_window=True, q_norm="self_attn.q_
 PHI3 = ArchRecord(model_type="phi3", qkv="self_attn.qkv_proj", gate_up="mlp.gate_up_proj", sliding_window=True,
                  partial_rotary=True)
 
+# Mixtures of experts (no DeepSpeed container; DeepSpeed's AutoTP lists Mixtral and Qwen2-MoE): each family's
+# attention fused as its dense relative's, the layer's MLP module (router and experts; Qwen2-MoE's shared expert and
+# dense layers) called as it is
+MIXTRAL = replace(MISTRAL, model_type="mixtral", moe="mlp")
+
+QWEN2_MOE = replace(QWEN2, model_type="qwen2_moe", moe="mlp")
+
+QWEN3_MOE = replace(QWEN3, model_type="qwen3_moe", moe="mlp")
+
 # use_bidirectional_attention (embedding Gemmas) attends to later tokens, which a causal block with a KV cache cannot
 BIDIRECTIONAL = ("use_bidirectional_attention", True)
 
@@ -139,4 +148,5 @@ DISTILBERT = ArchRecord(
     hf_args=("attention_mask",))
 
 RECORDS: tuple[ArchRecord, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GPT_NEOX, GPT2, OPT, PHI, GPTJ, FALCON,
-                                   BLOOM, GEMMA2, GEMMA3_TEXT, GEMMA3, GPT_NEO, GPT_BIGCODE, BERT, ROBERTA, DISTILBERT)
+                                   BLOOM, GEMMA2, GEMMA3_TEXT, GEMMA3, GPT_NEO, GPT_BIGCODE, BERT, ROBERTA, DISTILBERT,
+                                   MIXTRAL, QWEN2_MOE, QWEN3_MOE)

@@ -64,9 +64,13 @@ def missing_parts(record, parallel: bool, model: nn.Module) -> list[str]:
         return missing
     layer = get_path(model, record.layers)[0]
     attention = [record.qkv] if record.qkv else [record.q, record.k, record.v]
-    mlp = [record.gate_up] if record.gated and record.gate_up else [record.gate, record.up] if record.gated else \
-        [record.up]
-    needed = [*attention, record.o, *mlp, record.down, record.attn_norm]
+    if record.moe:
+        mlp = [record.moe]
+    elif record.gated:
+        mlp = [record.gate_up, record.down] if record.gate_up else [record.gate, record.up, record.down]
+    else:
+        mlp = [record.up, record.down]
+    needed = [*attention, record.o, *mlp, record.attn_norm]
     if not parallel:
         needed.append(record.mlp_norm)
     return [f"{record.layers}.0.{path}" for path in needed if not path or optional_path(layer, path) is None]

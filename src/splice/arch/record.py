@@ -56,6 +56,9 @@ class ArchRecord:
     up: str = "mlp.up_proj"
     gate_up: str | None = None
     down: str = "mlp.down_proj"
+    # a mixture of experts: the layer's own MLP module (router, experts, any shared expert; a dense layer's MLP
+    # alike), which the block calls as it is instead of the MLP above; None: the MLP above
+    moe: str | None = None
     # norms: "rms" (``norm_offset`` 1.0 means the checkpoint stores ``weight - 1``: y = norm(x) * (1 + w)) or "layer"
     # (the model's own LayerNorm modules, with their biases). ``mlp_norm`` absent: a parallel block's MLP reads the
     # attention norm's output. ``attn_out_norm`` / ``mlp_out_norm``: norms on the branch outputs (Gemma 2/3).
@@ -365,7 +368,11 @@ def tensor_parallel_plan(record: ArchRecord, config: Any) -> TPPlan:
     """The family's tensor-parallel plan: a decoder's embedding and lm_head split by vocabulary, q/k/v (or the fused
     qkv, by its layout) and the MLP's input projections column-parallel by heads and halves, o and down row-parallel
     (two all-reduces a block). Everything else (norms, position embeddings, OPT's projections; an encoder's embeddings,
-    pooler and task heads) is replicated. ``record``'s paths must be rooted at the model (:func:`rooted`)."""
+    pooler and task heads) is replicated. ``record``'s paths must be rooted at the model (:func:`rooted`). A mixture
+    of experts' record has none (its layers' MLP modules differ: AutoTP plans them): ``ValueError``."""
+    if record.moe:
+        raise ValueError(f"record {record.model_type!r} calls each layer's own MLP module ({record.moe}), which the "
+                         "record does not describe: AutoTP plans its tensor parallelism")
     dims = model_dims(record, config)
     heads = Heads(dims.n_heads, dims.n_kv_heads, dims.head_dim)
     block = f"{record.layers}.*"

@@ -4,7 +4,9 @@ It knows nothing about any family's names: ``splice.steps.fuse`` builds it from 
 variants are data (:class:`BlockLayout`): causal or bidirectional (encoder) attention, pre- or post-norm, sequential
 or parallel residual (one norm or two), norms on the branch outputs, gated or plain MLP, rotary (applied to the first
 ``rotary_dim`` features), ALiBi (exact, or rounded as Falcon's HF model rounds it) or no positions inside the block,
-the score scale and soft-capping. Two entry points share the same fused code:
+the score scale and soft-capping. A mixture of experts keeps its layer's own MLP module (``moe``: router, experts,
+any shared expert), which the block calls where it would compute its MLP. Two entry points share the same fused
+code:
 
 * ``forward`` has the Hugging Face decoder-layer interface, so the model's own forward and ``generate`` (any
   option, any HF cache) still run on the injected model;
@@ -87,14 +89,14 @@ class SpliceBlock(nn.Module):
 
     ``qkv`` produces ``[q; k; v]``, ``gate_up`` produces ``[gate; up]`` (a plain MLP: its input projection);
     ``o`` and ``down`` are the model's own modules. ``alibi_slopes`` (one per local head) add ALiBi's bias
-    (:meth:`alibi`).
+    (:meth:`alibi`). ``moe``: the layer's own MLP module, called as it is (``gate_up`` and ``down`` are then None).
     """
 
     def __init__(self, layer_idx: int, shape: BlockShape, qkv: nn.Module, o: nn.Module, gate_up: nn.Module,
                  down: nn.Module, attn_norm: nn.Module | None, mlp_norm: nn.Module | None,
                  qk_norm: HeadRMSNorm | None = None, layout: BlockLayout = BlockLayout(),
                  attn_out_norm: nn.Module | None = None, mlp_out_norm: nn.Module | None = None,
-                 alibi_slopes: torch.Tensor | None = None):
+                 alibi_slopes: torch.Tensor | None = None, moe: nn.Module | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.shape = shape
@@ -102,7 +104,7 @@ class SpliceBlock(nn.Module):
         self.window = shape.window
         self.act = activation(shape.activation)
         self.attn_norm, self.qkv, self.qk_norm, self.o = attn_norm, qkv, qk_norm, o
-        self.mlp_norm, self.gate_up, self.down = mlp_norm, gate_up, down
+        self.mlp_norm, self.gate_up, self.down, self.moe = mlp_norm, gate_up, down, moe
         self.attn_out_norm, self.mlp_out_norm = attn_out_norm, mlp_out_norm
         self.scale = layout.scale if layout.scale is not None else shape.head_dim ** -0.5
         self.native_attention = False  # decode steps on splice's attention kernel (the kernels step's choice)
@@ -270,7 +272,9 @@ class SpliceBlock(nn.Module):
         return x.add_(self.mlp(self.mlp_norm(x)))
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        if self.layout.gated:
+        if self.moe is not None:
+            out = self.moe(h)
+        elif self.layout.gated:
             gate, up = self.gate_up(h).chunk(2, dim=-1)
             out = self.down(self.act(gate).mul_(up))
         else:

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from transformers.activations import SiLUActivation
 
 from .. import native
 from ..quant.layers import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear
@@ -31,6 +32,8 @@ from .norm import RMSNorm
  GEMV_INT8_GROUPED16) = range(8)
 #: the block's linears, in decode_layers' order
 LINEARS = ("qkv", "o", "gate_up", "down")
+#: the activation modules transformers gives an experts module for "silu" ("swish")
+SILU_CLASSES = (nn.SiLU, SiLUActivation)
 
 
 class LayerGemv(NamedTuple):
@@ -82,6 +85,8 @@ def layer_gemv(linear: nn.Module) -> LayerGemv | None:
 def unfit_reason(block: nn.Module) -> str | None:
     """Why ``block`` (a :class:`~splice.layers.block.SpliceBlock`) cannot step in a native call, or None if it can."""
     layout, shape = block.layout, block.shape
+    if block.moe is not None:
+        return f"its MLP is the model's own {type(block.moe).__name__} (a mixture of experts)"
     if not (layout.causal and layout.norm_before and not layout.parallel and layout.gated):
         return "its layout is not a causal pre-norm block with a sequential residual and a gated MLP"
     if shape.activation not in ("silu", "swish"):
@@ -140,6 +145,35 @@ def layer_call(block: nn.Module, rows: int, read=getattr) -> LayerCall | None:
     return LayerCall(block.layer_idx, (read(attn_norm, "weight"), read(mlp_norm, "weight")),
                      (attn_norm.eps, mlp_norm.eps), tensors, [gemv.kind for gemv in gemvs],
                      [gemv.group for gemv in gemvs], (shape.n_heads, shape.n_kv_heads), block.scale)
+
+
+class ExpertsCall(NamedTuple):
+    """What ``experts_decode`` takes of an experts module besides the rows and their routing: each expert's gate_up
+    and down linears' tensors (weight, scales, bias each), GEMV kinds and groups, expert by expert."""
+
+    tensors: list[torch.Tensor | None]
+    kinds: list[int]
+    groups: list[int]
+
+
+def experts_call(experts: nn.Module, x: torch.Tensor) -> ExpertsCall | None:
+    """An experts module's part of an ``experts_decode`` call for rows ``x [rows, hidden]``, or None where its own
+    forward runs: a module of one linear per expert and matrix (:func:`~splice.layers.experts.experts_of_linears`),
+    gated by SiLU the way transformers' default gate does it, without biases, every linear on a native GEMV that takes
+    these rows, and ``x`` bf16 on CPU."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    if not (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and native.available()
+            and experts.has_gate and not experts.has_bias and isinstance(experts.act_fn, SILU_CLASSES)
+            and getattr(type(experts), "_apply_gate", None) is _default_apply_gate):
+        return None
+    pairs = list(zip(experts.gate_up_proj, experts.down_proj))
+    gemvs = [layer_gemv(linear) for pair in pairs for linear in pair]
+    if not all(gemv is not None and x.shape[0] <= native.MAX_ROWS[gemv.rows] for gemv in gemvs):
+        return None
+    linears = [linear for pair in pairs for linear in pair]
+    tensors = [getattr(linear, name) if name else None for linear, gemv in zip(linears, gemvs) for name in gemv.tensors]
+    return ExpertsCall(tensors, [gemv.kind for gemv in gemvs], [gemv.group for gemv in gemvs])
 
 
 class HeadCall(NamedTuple):

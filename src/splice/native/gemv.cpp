@@ -5145,6 +5145,98 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::
   return run_layer_stack(stack, x, keys, values, slots, masks, kv_len, cos, sin, "decode_layers");
 }
 
+// ---- a mixture of experts' routed experts for decode rows ----------------------------------------------------------
+// experts_decode(x, index, weights, tensors, kinds, groups): rows x [rows, hidden] bf16 through the experts each row
+// was routed to (index [rows, k], an index past the last expert skipped, as expert parallelism's "none here"), as
+// transformers' eager experts forward computes them in bf16 with a SiLU gate: per expert, in ascending order, the rows
+// routed to it gathered, gate_up GEMV, bf16(bf16(silu(gate)) * up), down GEMV, each row's result times its routing
+// weight (weights [rows, k], float32 or bf16) rounded to bf16 and added into the row's sum (from zeros), rounded to
+// bf16. Expert e's two linears are entries 2e and 2e + 1 of kinds and groups and three tensors each of `tensors`
+// (weight, scales, bias), as decode_layers takes a layer's. One parallel region for every expert's GEMVs.
+at::Tensor experts_decode(const at::Tensor& x, const at::Tensor& index, const at::Tensor& weights,
+                          const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds,
+                          at::IntArrayRef groups) {
+  check_isa("experts_decode");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && x.device().is_cpu(),
+              "experts_decode: x must be contiguous bf16 [rows, hidden] on the CPU, got ", x.sizes(), " ",
+              x.scalar_type());
+  TORCH_CHECK(index.dim() == 2 && index.size(0) == x.size(0) && index.scalar_type() == at::kLong,
+              "experts_decode: index must be int64 [rows, k] for ", x.size(0), " rows, got ", index.sizes(), " ",
+              index.scalar_type());
+  TORCH_CHECK(weights.sizes() == index.sizes() &&
+                  (weights.scalar_type() == at::kFloat || weights.scalar_type() == at::kBFloat16),
+              "experts_decode: weights must be float32 or bf16 of index's shape ", index.sizes(), ", got ",
+              weights.sizes(), " ", weights.scalar_type());
+  const int64_t experts = static_cast<int64_t>(kinds.size()) / 2, rows = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(kinds.size() % 2 == 0 && groups.size() == kinds.size() &&
+                  static_cast<int64_t>(tensors.size()) == static_cast<int64_t>(kinds.size()) * TENSORS_PER_LINEAR,
+              "experts_decode: two linears an expert: kinds and groups of 2 x experts, tensors of 6 x experts; got ",
+              kinds.size(), " kinds, ", groups.size(), " groups, ", tensors.size(), " tensors");
+  const at::Tensor picks = index.contiguous(), scale = weights.to(at::kFloat).contiguous();
+  std::vector<std::vector<std::pair<int64_t, float>>> routed(experts);  // per expert: (row, routing weight)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < picks.size(1); ++j) {
+      const int64_t e = picks.data_ptr<int64_t>()[r * picks.size(1) + j];
+      TORCH_CHECK(e >= 0, "experts_decode: row ", r, " picks expert ", e, "; allowed: 0 .. ", experts);
+      if (e < experts) routed[e].emplace_back(r, scale.data_ptr<float>()[r * picks.size(1) + j]);
+    }
+  struct Routed {
+    int64_t expert, ffn;
+    LayerLinear up, down;
+    at::Tensor rows_x, gate_up, act, out;
+  };
+  std::vector<Routed> work;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (routed[e].empty()) continue;
+    Routed w{e, 0, {}, {}, {}, {}, {}, {}};
+    LayerLinear* pair[2] = {&w.up, &w.down};
+    for (int64_t i = 0; i < 2; ++i) {
+      const std::string who = "experts_decode: expert " + std::to_string(e) + (i ? "'s down" : "'s gate_up");
+      pair[i]->kind = kinds[2 * e + i];
+      pair[i]->group = groups[2 * e + i];
+      take_linear_tensors(*pair[i], tensors, (2 * e + i) * TENSORS_PER_LINEAR, who);
+      check_layer_linear(*pair[i], who);
+    }
+    w.ffn = linear_shape(w.down).second;
+    TORCH_CHECK(linear_shape(w.up) == std::make_pair(2 * w.ffn, hidden) && linear_shape(w.down).first == hidden,
+                "experts_decode: expert ", e, "'s linears are [", linear_shape(w.up).first, ", ",
+                linear_shape(w.up).second, "] and [", linear_shape(w.down).first, ", ", w.ffn, "]; rows of ", hidden,
+                " need [2 ffn, ", hidden, "] and [", hidden, ", ffn]");
+    const int64_t m = static_cast<int64_t>(routed[e].size());
+    w.rows_x = m == rows ? x : at::empty({m, hidden}, x.options());
+    w.gate_up = at::empty({m, 2 * w.ffn}, x.options());
+    w.act = at::empty({m, w.ffn}, x.options());
+    w.out = at::empty({m, hidden}, x.options());
+    work.push_back(std::move(w));
+  }
+  at::Tensor sums = at::zeros({rows, hidden}, x.options());
+  at::BFloat16* sp = sums.data_ptr<at::BFloat16>();
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  run_as_team([&] {
+    for (Routed& w : work) {
+      const std::vector<std::pair<int64_t, float>>& to = routed[w.expert];
+      const bool every = w.rows_x.is_same(x);  // every row, in order (each row picks an expert once)
+      if (!every && leads_team())
+        for (size_t i = 0; i < to.size(); ++i)
+          std::copy_n(xp + to[i].first * hidden, hidden, w.rows_x.data_ptr<at::BFloat16>() + i * hidden);
+      team_barrier();
+      layer_gemv_into(w.up, w.rows_x, w.gate_up);
+      silu_mul_rows(w.gate_up, w.ffn, w.act);
+      team_barrier();
+      layer_gemv_into(w.down, w.act, w.out);
+      if (leads_team())
+        for (size_t i = 0; i < to.size(); ++i) {
+          at::BFloat16* sum = sp + to[i].first * hidden;
+          const at::BFloat16* out = w.out.data_ptr<at::BFloat16>() + i * hidden;
+          for (int64_t c = 0; c < hidden; ++c)
+            sum[c] = at::BFloat16(static_cast<float>(sum[c]) +
+                                  static_cast<float>(at::BFloat16(static_cast<float>(out[c]) * to[i].second)));
+        }
+    }
+  });
+  return sums;
+}
+
 // Stacks kept by register_layers, by number, until release_layers.
 std::mutex registered_stacks_mutex;
 std::unordered_map<int64_t, std::shared_ptr<const LayerStack>> registered_stacks;
@@ -5218,6 +5310,8 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("argmax_rows(Tensor x) -> Tensor");
   lib.def("greedy_next(Tensor logits, Tensor(a!) sequences, int column, Tensor(b!) unfinished, Tensor? eos, int pad) "
           "-> (Tensor, int)");
+  lib.def("experts_decode(Tensor x, Tensor index, Tensor weights, Tensor?[] tensors, int[] kinds, int[] groups) "
+          "-> Tensor");
   lib.def("decode_layers(Tensor x, Tensor(a!) keys, Tensor(b!) values, int[] layers, Tensor slots, Tensor?[] masks, "
           "int kv_len, Tensor?[] cos, Tensor?[] sin, Tensor[] norms, float[] eps, Tensor?[] tensors, int[] kinds, "
           "int[] groups, int[] heads, float[] scales, Tensor?[] head, float head_eps, int head_kind, int head_group) "
@@ -5275,5 +5369,6 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("argmax_rows", &argmax_rows);
   lib.impl("greedy_next", &greedy_next);
   lib.impl("decode_layers", &decode_layers);
+  lib.impl("experts_decode", &experts_decode);
   lib.impl("decode_registered", &decode_registered);
 }

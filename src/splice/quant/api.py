@@ -31,9 +31,9 @@ from ..config import SpliceIgnoredOptionWarning, caller_stacklevel
 from ..kernel_choice import KernelChoice, quant_kernel
 from ..layers.conv1d import is_conv1d, linear_weight
 from ..native.memory import SMALL_TENSOR_BYTES, gather_on_huge_pages
+from ..layers.experts import experts_matrices, experts_of_linears
 from . import gptq
-from ..layers.experts import experts_matrices
-from .experts import quantized_experts, reason_experts_stay_float
+from .experts import reason_experts_stay_float
 from .layers import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantizedLinear
 from .scheme import ATTENTION_QKV_NAMES, QuantConfig, is_qkv_projection
 
@@ -192,7 +192,7 @@ def _replace_experts(model: nn.Module, name: str, module: nn.Module, config: Qua
         layer, kernel = _quantized_layer(weight, bias, config, device, kernel, report)
         return layer
 
-    quantized = quantized_experts(module, make_linear)
+    quantized = experts_of_linears(module, make_linear)
     report.kernel = report.kernel or kernel
     model.set_submodule(name, quantized)
     for matrix, layers in ((n, getattr(quantized, n)) for n in experts_matrices(module)):

@@ -25,9 +25,8 @@ from torch import nn
 
 from ..checkpoint import compute_meta_buffers, has_meta_tensors, set_tensors, tensor_groups
 from ..kernel_choice import quant_kernel
+from ..layers.experts import experts_matrices, experts_of_linears
 from .api import HANDLERS, output_head, reason_to_skip
-from ..layers.experts import experts_matrices
-from .experts import quantized_experts
 from .layers import QuantizedLinear, fits_spec
 from .scheme import QuantConfig, is_qkv_projection
 
@@ -151,12 +150,12 @@ def _check_float_dtypes(model: nn.Module, layers: dict[str, QuantizedLinear], st
 
 def _experts_shells(model: nn.Module, layers: dict, config: QuantConfig, device: torch.device) -> dict[str, nn.Module]:
     """For each experts module of the skeleton whose quantized linears the folder holds (``experts.down_proj.0``,
-    ...), the quantized copy :func:`~splice.quant.experts.quantized_experts` makes of it, with empty layers of the
+    ...), the quantized copy :func:`~splice.layers.experts.experts_of_linears` makes of it, with empty layers of the
     saved kind to load into; the skeleton is not changed."""
     def empty(weight: torch.Tensor, bias: torch.Tensor | None) -> QuantizedLinear:
         return _empty_quantized(weight.shape[1], weight.shape[0], bias is not None, weight, config, device)
 
-    return {name: quantized_experts(module, empty) for name, module in model.named_modules()
+    return {name: experts_of_linears(module, empty) for name, module in model.named_modules()
             if experts_matrices(module) is not None and any(saved.startswith(f"{name}.") for saved in layers)}
 
 

@@ -47,6 +47,7 @@ class FuseReport(StepReport):
     rank: int
     world_size: int
     encoder: bool = False  # bidirectional layers, no KV cache, no decode runtime
+    moe: bool = False  # the blocks call the layers' own MLP modules (a mixture of experts)
 
     def summary(self) -> str:
         if self.family is None:
@@ -58,8 +59,9 @@ class FuseReport(StepReport):
         if self.encoder:
             return (f"{self.layers} {self.family} encoder layers -> SpliceBlock (bidirectional attention, one QKV "
                     f"GEMM, one MLP input GEMM, SDPA; no KV cache, no decode runtime){parallel}")
-        return (f"{self.layers} {self.family} decoder layers -> SpliceBlock (one QKV GEMM, one MLP input GEMM, SDPA, "
-                f"static KV cache of {self.kv_cache_tokens} tokens){parallel}")
+        mlp = "the layer's own mixture of experts" if self.moe else "one MLP input GEMM"
+        return (f"{self.layers} {self.family} decoder layers -> SpliceBlock (one QKV GEMM, {mlp}, SDPA, static KV "
+                f"cache of {self.kv_cache_tokens} tokens){parallel}")
 
 
 def fuse(stage: Stage, plan: Plan) -> tuple[Stage, FuseReport]:
@@ -73,7 +75,8 @@ def fuse(stage: Stage, plan: Plan) -> tuple[Stage, FuseReport]:
     heads = (shape.n_heads, shape.n_kv_heads) if parallel.world_size > 1 else None
     cache_tokens = 0 if record.encoder else plan.max_out_tokens
     return stage.with_(runtime=runtime), FuseReport("fuse", stage.model.config.model_type, len(blocks), cache_tokens,
-                                                    heads, parallel.rank, parallel.world_size, record.encoder)
+                                                    heads, parallel.rank, parallel.world_size, record.encoder,
+                                                    record.moe is not None)
 
 
 def inject(model: nn.Module, max_out_tokens: int, parallel: ParallelContext = SINGLE_PROCESS) -> SpliceCausalLM:
@@ -202,10 +205,12 @@ def fused_block(record: ArchRecord, dims: ModelDims, index: int, layer: nn.Modul
     number of the layer's first query head (not 0 on tensor-parallel ranks past the first)."""
     n_q, n_kv = head_counts(record, dims, layer)
     qkv = fused_qkv(record, dims, layer, n_q, n_kv)
-    if record.gated:
-        gate_up = fused_linear(layer, record.gate_up, (record.gate, record.up))
-    else:
-        gate_up = as_linear(get_path(layer, record.up))
+    moe = get_path(layer, record.moe) if record.moe else None
+    gate_up = down = None
+    if moe is None:
+        gate_up = fused_linear(layer, record.gate_up, (record.gate, record.up)) if record.gated else \
+            as_linear(get_path(layer, record.up))
+        down = as_linear(get_path(layer, record.down))
     shape = BlockShape(n_q, n_kv, dims.head_dim, dims.windows[index], dims.activation)
     qk_norm = None
     if record.q_norm:
@@ -221,9 +226,8 @@ def fused_block(record: ArchRecord, dims: ModelDims, index: int, layer: nn.Modul
                          hf_returns_tuple=record.hf_returns_tuple, hf_alibi_in_mask=record.hf_alibi_in_mask,
                          hf_window_in_mask=record.hf_window_in_mask)
     slopes = alibi_slopes(dims.n_heads)[first_head:first_head + n_q] if dims.positions == "alibi" else None
-    return SpliceBlock(index, shape, qkv, as_linear(get_path(layer, record.o)), gate_up,
-                       as_linear(get_path(layer, record.down)), attn_norm, mlp_norm, qk_norm, layout,
-                       attn_out_norm, mlp_out_norm, slopes)
+    return SpliceBlock(index, shape, qkv, as_linear(get_path(layer, record.o)), gate_up, down, attn_norm, mlp_norm,
+                       qk_norm, layout, attn_out_norm, mlp_out_norm, slopes, moe)
 
 
 def rope_index(dims: ModelDims, index: int) -> int:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ..layers.block import SpliceBlock
+from ..layers.experts import experts_matrices, experts_of_linears
 from ..layers.causal_lm import SpliceCausalLM
 from ..layers.native_layer import unfit_reason
 from ..layers.native_linear import NativeLinear
@@ -147,6 +149,10 @@ def wrap_linears(model: nn.Module, runtime: SpliceCausalLM | None, wrapper: type
     for block in blocks:
         for name in ("qkv", "o", "gate_up", "down"):
             count += wrap_in(block, name, wrapper)
+        if block.moe is not None:  # a mixture of experts' own linears (shared expert, dense MLP, gates), its experts
+            count += sum(wrap_in(parent, name, wrapper) for parent, name in child_linears(block.moe))
+            if wrapper is NativeLinear:
+                count += native_experts(block.moe)
     if runtime is None:
         return count
     head = runtime.lm_head
@@ -159,6 +165,38 @@ def wrap_linears(model: nn.Module, runtime: SpliceCausalLM | None, wrapper: type
         model.set_output_embeddings(runtime.lm_head)
         count += 1
     return count
+
+
+def native_experts(module: nn.Module) -> int:
+    """Give every float experts module inside ``module`` (transformers' experts interface: 3-D weights) one native
+    bf16 GEMV per expert and matrix, each on its expert's slice of the weight (gathered on 2 MiB pages first, nothing
+    copied; :func:`~splice.layers.experts.experts_of_linears`); returns how many linears that made."""
+    count = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            weights = experts_matrices(child)
+            if weights is None or any(w.dtype != torch.bfloat16 or not w[0].is_contiguous()
+                                      for w, _ in weights.values()):
+                continue
+            gather_on_huge_pages([t for pair in weights.values() for t in pair if t is not None])
+            setattr(parent, name, experts_of_linears(child, native_linear))
+            count += sum(len(w) for w, _ in weights.values())
+    return count
+
+
+def native_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> NativeLinear:
+    """splice's native bf16 GEMV over ``weight [out, in]`` (and ``bias``) as they are."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
+    return NativeLinear(linear)
+
+
+def child_linears(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, name) of every plain or row-parallel linear inside ``module``."""
+    return [(parent, name) for parent in module.modules() for name, child in parent.named_children()
+            if type(child) is nn.Linear or isinstance(child, RowParallelLinear)]
 
 
 def wrap_in(parent: nn.Module, name: str, wrapper: type[nn.Module]) -> int:
