@@ -8,10 +8,12 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEm
 
 from splice.arch import lookup, model_dims
 from splice.layers.kv_cache import StaticKVCache
-from splice.layers.norm import RMSNorm
+import splice
+from splice import native
+from splice.layers.norm import NATIVE_ROWS, RMSNorm
 from splice.layers.rotary import apply_rotary_, build_table
 
-from ..arch.tiny_models import family_config
+from ..arch.tiny_models import build_family, family_config
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -22,6 +24,34 @@ def test_rms_norm_matches_llama(dtype):
     ours = RMSNorm(hf.weight, 1e-5)
     assert ours.weight.data_ptr() == hf.weight.data_ptr()  # moved, not copied
     torch.testing.assert_close(ours(x), hf(x), rtol=0, atol=1e-6 if dtype == torch.float32 else 0)
+
+
+@pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
+def test_rms_norm_of_decode_rows_in_one_native_call_rounds_as_llama():
+    """bf16 decode rows on the native call: HF's values but where a float32 sum of squares in another order rounds
+    the normed value the other way (one bf16 step, rarely, and the weight's product rounded after it); a prompt's
+    rows (more than NATIVE_ROWS) take the eager ops, exactly."""
+    hf = LlamaRMSNorm(1000, eps=1e-6).bfloat16().requires_grad_(False)
+    torch.nn.init.normal_(hf.weight)
+    ours = RMSNorm(hf.weight, 1e-6)
+    ours.native_rows = True
+    rows = (torch.randn(4, 4, 1000, generator=torch.Generator().manual_seed(0)) * 3).bfloat16()
+    expected, got = hf(rows), ours(rows)
+    assert (got == expected).float().mean() > 0.99
+    steps = (got.float() - expected.float()).abs() / expected.float().abs().clamp_min(1e-30)
+    assert steps.max() <= 2 ** -6  # at most two bf16 rounding steps apart
+    prompt = torch.randn(1, NATIVE_ROWS + 1, 1000).bfloat16()
+    assert torch.equal(ours(prompt), hf(prompt))
+    with pytest.raises(RuntimeError, match=r"rms_norm: x must be contiguous bf16 \[\.\.\., n\] and weight bf16 \[n\]"):
+        torch.ops.splice_kernels.rms_norm(rows, hf.weight[:10], 1e-6)
+
+
+def test_the_kernels_step_puts_bf16_blocks_norms_on_the_native_call_only():
+    for dtype, native_rows in ((torch.bfloat16, native.available()), (torch.float32, False)):
+        engine = splice.init_inference(build_family("qwen3", dtype=dtype), dtype=dtype,
+                                       replace_with_kernel_inject=True, max_out_tokens=16)
+        norms = [m for m in engine.module.modules() if isinstance(m, RMSNorm)]
+        assert norms and all(norm.native_rows == native_rows for norm in norms), dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -6,12 +6,21 @@ import torch.nn.functional as F
 from torch import nn
 
 
+#: the most rows :class:`RMSNorm` gives its native call (a decode step's; a prompt's take the eager ops, in parallel)
+NATIVE_ROWS = 16
+
+
 class RMSNorm(nn.Module):
     """``y = norm(x) * w`` over the last ``weight.numel()`` features.
 
     ``offset`` is for checkpoints that store ``w - offset`` (Gemma: 1.0); the folded weight is kept in fp32 then, as
     Gemma computes ``norm(x) * (1 + w)`` in fp32. Takes the given weight over (moved, not copied) when ``offset`` is 0.
+    ``native_rows`` (set by the kernels step where a decode step's small ops run on splice's kernels): bf16 rows on
+    the CPU, up to :data:`NATIVE_ROWS` of them, take one native call (``splice_kernels.rms_norm``, rounded the same
+    way) instead of the four ops of the eager form.
     """
+
+    native_rows = False
 
     def __init__(self, weight: torch.Tensor, eps: float, offset: float = 0.0):
         super().__init__()
@@ -24,6 +33,9 @@ class RMSNorm(nn.Module):
         weight = self.weight
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.shape, weight, self.eps)
+        if self.native_rows and weight.dtype == torch.bfloat16 and x.device.type == "cpu" and x.is_contiguous() \
+                and x.numel() <= NATIVE_ROWS * self.shape[0]:
+            return torch.ops.splice_kernels.rms_norm(x, weight, self.eps)
         if weight.dtype == torch.float32:  # folded offset weight: scale in fp32, round once (as Gemma)
             return F.rms_norm(x.float(), self.shape, weight, self.eps).to(x.dtype)
         return F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype).mul_(weight)  # round, then scale (Llama)

@@ -4803,6 +4803,21 @@ void rms_norm_rows(const at::BFloat16* x, int64_t rows, int64_t hidden, const at
                        out + m * hidden);
 }
 
+// rms_norm(x, weight, eps): RMSNorm of bf16 rows x [..., n] with a bf16 weight [n], rounded as splice.layers.norm
+// rounds it in bf16 (as decode_layers' norms): for a decode step's few rows, one call where the eager form makes four.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_isa("rms_norm");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && weight.scalar_type() == at::kBFloat16 && x.device().is_cpu() &&
+                  weight.device().is_cpu() && x.is_contiguous() && weight.is_contiguous() && weight.dim() == 1 &&
+                  x.dim() >= 1 && x.size(-1) == weight.numel(),
+              "rms_norm: x must be contiguous bf16 [..., n] and weight bf16 [n] on the CPU, got ", x.sizes(), " ",
+              x.scalar_type(), " and ", weight.sizes(), " ", weight.scalar_type());
+  at::Tensor out = at::empty_like(x);
+  const int64_t n = weight.numel();
+  if (n > 0) rms_norm_rows(x.data_ptr<at::BFloat16>(), x.numel() / n, n, weight, eps, out.data_ptr<at::BFloat16>());
+  return out;
+}
+
 // out[m] = a[m] + b[m] for rows of `width`, in bf16.
 void add_rows(const at::BFloat16* a, const at::BFloat16* b, int64_t rows, int64_t width, at::BFloat16* out) {
   for (int64_t m = 0; m < rows; ++m) avx2::add_row(a + m * width, b + m * width, width, out + m * width);
@@ -5310,6 +5325,7 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("argmax_rows(Tensor x) -> Tensor");
   lib.def("greedy_next(Tensor logits, Tensor(a!) sequences, int column, Tensor(b!) unfinished, Tensor? eos, int pad) "
           "-> (Tensor, int)");
+  lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   lib.def("experts_decode(Tensor x, Tensor index, Tensor weights, Tensor?[] tensors, int[] kinds, int[] groups) "
           "-> Tensor");
   lib.def("decode_layers(Tensor x, Tensor(a!) keys, Tensor(b!) values, int[] layers, Tensor slots, Tensor?[] masks, "
@@ -5370,5 +5386,6 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("greedy_next", &greedy_next);
   lib.impl("decode_layers", &decode_layers);
   lib.impl("experts_decode", &experts_decode);
+  lib.impl("rms_norm", &rms_norm);
   lib.impl("decode_registered", &decode_registered);
 }

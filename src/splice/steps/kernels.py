@@ -22,6 +22,7 @@ from ..layers.experts import experts_matrices, experts_of_linears
 from ..layers.causal_lm import SpliceCausalLM
 from ..layers.native_layer import unfit_reason
 from ..layers.native_linear import NativeLinear
+from ..layers.norm import RMSNorm
 from ..layers.packed_linear import PackedLinear
 from ..layers.widened_linear import WidenedLinear
 from ..native.memory import SMALL_TENSOR_BYTES, gather_on_huge_pages
@@ -100,6 +101,9 @@ def select_kernels(stage: Stage, plan: Plan) -> tuple[Stage, KernelsReport]:
     if fused and stage.runtime is not None:
         for block in stage.runtime.blocks:
             block.native_attention = plan.attention_kernel.native
+        for norm in [*stage.runtime.blocks.modules(), stage.runtime.norm]:
+            if isinstance(norm, RMSNorm):  # the blocks' own small ops for decode rows
+                norm.native_rows = plan.layer_kernel.native
         attention = plan.attention_kernel.reason
         layers = choose_native_layers(stage.runtime.blocks, plan)
         small = gather_on_huge_pages(small_step_tensors(stage.runtime))
