@@ -194,7 +194,9 @@ class RecordedOps(TorchDispatchMode):
 
 class EmulatedGraph:
     """A replay runs the recorded operators again on the captured tensors and writes each result into the tensor the
-    capture made for it, as a CUDA graph's kernels write the same memory each replay."""
+    capture made for it, as a CUDA graph's kernels write the same memory each replay. A result that shares an input's
+    memory (a view, an in-place operator's) was written there already; one that does not gets the fresh values, also
+    where the operator may alias (``to`` a new dtype copies)."""
 
     def __init__(self):
         self.ops = []
@@ -203,10 +205,10 @@ class EmulatedGraph:
         with torch.inference_mode():  # a graph writes its memory whatever the tensors' flags
             for func, args, kwargs, out in self.ops:
                 again = func(*args, **kwargs)
-                if func.is_view or func._schema.is_mutable:
-                    continue  # a view shares the captured storage; an in-place operator wrote the captured tensor
+                inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                          if isinstance(t, torch.Tensor)}
                 for captured, fresh in zip(tree_flatten(out)[0], tree_flatten(again)[0]):
-                    if isinstance(captured, torch.Tensor):
+                    if isinstance(captured, torch.Tensor) and captured.untyped_storage().data_ptr() not in inputs:
                         captured.copy_(fresh)
 
 
@@ -457,7 +459,28 @@ def test_emulated_engine_call_after_a_cast_of_the_model_captures_again(emulated_
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
+def test_emulated_mixture_of_experts_generates_hf_s_tokens(emulated_graphs):
+    """A mixture of experts' blocks (each layer's own router and experts) under graph replay: HF's tokens, whether
+    a step's routing is captured or runs eagerly."""
+    check_mixture_of_experts_tokens("cpu")
+
+
+def check_mixture_of_experts_tokens(device: str) -> None:
+    reference = build_family("mixtral").to(device)
+    ids, mask = (t.to(device) for t in padded_batch(vocab=reference.config.vocab_size))
+    expected = reference.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, enable_cuda_graph=True,
+                                   max_out_tokens=64, device=device)
+    for _ in range(2):
+        assert torch.equal(engine.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False), expected)
+
+
 # ---- on a CUDA device ------------------------------------------------------------------------------------------------
+@needs_cuda
+def test_mixture_of_experts_generates_hf_s_tokens_with_cuda_graphs():
+    check_mixture_of_experts_tokens("cuda")
+
+
 @needs_cuda
 def test_generate_logits_of_each_step_are_hf_s_on_cuda():
     check_generate_logits_of_each_step_are_hf_s("cuda")
