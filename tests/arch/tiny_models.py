@@ -121,6 +121,15 @@ def _configs():
                                               num_experts=4, num_experts_per_tok=2),
         "qwen3_moe": lambda: T.Qwen3MoeConfig(**COMMON, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=2,
                                               head_dim=16),
+        # a dense MLP on some layers (mlp_only_layers), the routing weights normalised or not, a sliding window
+        "qwen2_moe:dense_layers": lambda: T.Qwen2MoeConfig(
+            **COMMON, moe_intermediate_size=64, shared_expert_intermediate_size=128, num_experts=4,
+            num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=True),
+        "qwen3_moe:dense_layers": lambda: T.Qwen3MoeConfig(
+            **COMMON, moe_intermediate_size=64, num_experts=4, num_experts_per_tok=3, head_dim=16, mlp_only_layers=[1],
+            norm_topk_prob=False),
+        "mixtral:sliding": lambda: T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                                                   sliding_window=4),
         # multi-head latent attention (queries and keys/values from low-rank latents, values narrower than keys), a
         # dense first layer, then shared and routed experts
         "deepseek_v3": lambda: T.DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, moe_intermediate_size=64,
@@ -151,7 +160,8 @@ ENCODER_TASKS = {"base": "AutoModel", "masked_lm": "AutoModelForMaskedLM",
 VARIANTS = (
     "gpt_neox", "gpt_neox:sequential", "gpt2", "gpt2:layer_scaled", "opt", "opt:post_norm", "phi", "gptj",
     "falcon", "falcon:new_architecture", "falcon:sequential", "falcon:alibi", "bloom", "bloom:six_heads", "gemma2",
-    "gemma3_text", "gemma3", "gpt_neo", "gpt_bigcode", "gpt_bigcode:multi_head", "mixtral", "qwen2_moe", "qwen3_moe")
+    "gemma3_text", "gemma3", "gpt_neo", "gpt_bigcode", "gpt_bigcode:multi_head", "mixtral", "mixtral:sliding",
+    "qwen2_moe", "qwen2_moe:dense_layers", "qwen3_moe", "qwen3_moe:dense_layers")
 
 
 def family_config(name: str):
