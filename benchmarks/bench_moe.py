@@ -9,6 +9,7 @@ the table gives each one's median ms a step and its speed ratio to the first row
 
     PYTHONPATH=src .venv/bin/python benchmarks/bench_moe.py              # plain and inject; bf16, int8, int4-sym
     PYTHONPATH=src .venv/bin/python benchmarks/bench_moe.py --modes plain --formats bf16,int8 --batch 4 --layers 8
+    PYTHONPATH=src .venv/bin/python benchmarks/bench_moe.py --experts 64 --per-token 8 --features 384  # many small
 """
 from __future__ import annotations
 
@@ -23,14 +24,15 @@ from bench_format_turns import FORMATS, MORE_SCHEMES, add_turn_arguments, format
 from bench_gemv_rates import at_least, positive
 
 
-def build(hidden: int, features: int, experts: int, layers: int, vocab: int) -> torch.nn.Module:
-    """A random Mixtral of these sizes in bf16 (heads of 64, a quarter as many key/value heads, two experts a token)."""
+def build(hidden: int, features: int, experts: int, layers: int, vocab: int, per_token: int = 2) -> torch.nn.Module:
+    """A random Mixtral of these sizes in bf16 (heads of 64, a quarter as many key/value heads, ``per_token`` experts
+    a token)."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     heads = max(1, hidden // 64)
     config = MixtralConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=features, num_hidden_layers=layers,
                            num_attention_heads=heads, num_key_value_heads=max(1, heads // 4), num_local_experts=experts,
-                           num_experts_per_tok=2, max_position_embeddings=4096)
+                           num_experts_per_tok=per_token, max_position_embeddings=4096)
     torch.manual_seed(0)
     return MixtralForCausalLM(config).to(torch.bfloat16).eval()
 
@@ -64,6 +66,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=at_least(64), default=1024)
     parser.add_argument("--features", type=at_least(64), default=2816, help="each expert's intermediate size")
     parser.add_argument("--experts", type=at_least(2), default=8)
+    parser.add_argument("--per-token", type=positive, default=2, help="experts a token is routed to")
     parser.add_argument("--layers", type=positive, default=4)
     parser.add_argument("--vocab", type=at_least(128), default=32000)
     parser.add_argument("--modes", type=modes_of, default=modes_of("plain,inject"),
@@ -72,11 +75,12 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = [(mode, fmt) for mode in args.modes for fmt in args.formats]
-    engines = {f"{mode}:{fmt}": engine_for(build(args.hidden, args.features, args.experts, args.layers, args.vocab),
-                                           mode, fmt) for mode, fmt in rows}
+    sizes = (args.hidden, args.features, args.experts, args.layers, args.vocab, args.per_token)
+    engines = {f"{mode}:{fmt}": engine_for(build(*sizes), mode, fmt) for mode, fmt in rows}
     prompt = torch.randint(100, args.vocab, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
     times = turns(engines, prompt, args.new, args.rounds)
-    print(f"Mixtral shape: hidden {args.hidden}, {args.experts} experts of {args.features} features (2 a token), "
+    print(f"Mixtral shape: hidden {args.hidden}, {args.experts} experts of {args.features} features "
+          f"({args.per_token} a token), "
           f"{args.layers} layers, vocab {args.vocab}; batch {args.batch}, prompt {args.prompt}, {args.new} new tokens, "
           f"{args.rounds} rounds, {args.threads} threads")
     first = next(iter(engines))

@@ -538,30 +538,37 @@ def test_a_step_that_sees_every_slot_gives_the_masked_steps_logits(family):
 
 
 # ---- a mixture of experts' routed experts in one native call (experts_decode) -------------------------------------
-def routed(engine, rows: int, none_here: bool = False):
+def routed(engine, rows: int, none_here: bool = False, one_expert: bool = False):
     """The first block's experts module, ``rows`` normed hidden states and their routing (with ``none_here`` one pick
-    of the last row an index past the last expert, as expert parallelism marks "none here")."""
+    of the last row an index past the last expert, as expert parallelism marks "none here"; with ``one_expert`` every
+    row's first pick expert 1 and its others none here: fewer experts than threads)."""
     moe = engine.runtime.blocks[0].moe
     x = (torch.randn(rows, moe.experts.hidden_dim, generator=torch.Generator().manual_seed(rows)) * 0.5).bfloat16()
     _, weights, index = moe.gate(x)
     if none_here:
         index[-1, 0] = len(moe.experts.down_proj)
+    if one_expert:
+        index[:, 0], index[:, 1:] = 1, len(moe.experts.down_proj)
     return moe.experts, x, index, weights
 
 
 def python_experts(experts, x, index, weights):
     """The experts module's forward with the native call ruled out (each expert's linears as modules)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(native_layer, "experts_call", lambda module, rows: None)
+        patch.setattr(native_layer, "experts_call", lambda module, rows, index: None)
         return experts(x, index, weights)
 
 
 @pytest.mark.parametrize("scheme", ["bf16", "int8", "int4", "int4-sym", "int8-g64"])
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])  # float32 and bf16 routing weights
-@pytest.mark.parametrize("rows, none_here", [(1, False), (3, False), (4, True)])
-def test_routed_experts_in_one_native_call_equal_their_modules_bit_for_bit(scheme, family, rows, none_here):
-    experts, x, index, weights = routed(engine_of(family, scheme), rows, none_here)
-    assert native_layer.experts_call(experts, x) is not None
+@pytest.mark.parametrize("rows, none_here, one_expert", [(1, False, False), (3, False, False), (4, True, False),
+                                                         (3, False, True)])
+def test_routed_experts_in_one_native_call_equal_their_modules_bit_for_bit(scheme, family, rows, none_here,
+                                                                           one_expert):
+    """Each thread whole experts (as many as threads, or more), or (one expert) the threads sharing its GEMVs."""
+    experts, x, index, weights = routed(engine_of(family, scheme), rows, none_here, one_expert)
+    call = native_layer.experts_call(experts, x, index)
+    assert call is not None and call.chosen == sorted({e for e in index.flatten().tolist() if e < call.experts})
     with torch.inference_mode():
         assert torch.equal(experts(x, index, weights), python_experts(experts, x, index, weights))
 
@@ -578,22 +585,27 @@ def test_experts_the_native_call_cannot_compute_run_their_own_forward():
     """Float32 rows, more rows than a GEMV takes, or a gate other than transformers' default SiLU gate: the module's
     own per-expert forward."""
     experts, x, index, weights = routed(engine_of("mixtral"), 2)
-    assert native_layer.experts_call(experts, x.float()) is None
-    too_many = torch.zeros(native.MAX_ROWS["bf16"] + 1, x.shape[1], dtype=torch.bfloat16)
-    assert native_layer.experts_call(experts, too_many) is None
+    assert native_layer.experts_call(experts, x.float(), index) is None
+    rows = native.MAX_ROWS["bf16"] + 1
+    too_many = torch.zeros(rows, x.shape[1], dtype=torch.bfloat16)
+    assert native_layer.experts_call(experts, too_many, torch.zeros(rows, 2, dtype=torch.long)) is None
     experts.act_fn = torch.nn.GELU()
-    assert native_layer.experts_call(experts, x) is None
+    assert native_layer.experts_call(experts, x, index) is None
 
 
 def test_the_native_experts_call_names_bad_input():
     experts, x, index, weights = routed(engine_of("mixtral", "int8"), 2)
-    call = native_layer.experts_call(experts, x)
+    index = torch.tensor([[0, 1], [2, 4]])  # expert 4 of 4: none here
+    call = native_layer.experts_call(experts, x, index)
+    assert (call.chosen, call.experts) == ([0, 1, 2], 4)
     decode = torch.ops.splice_kernels.experts_decode
-    with pytest.raises(RuntimeError, match=r"row 1 picks expert -1; allowed: 0 \.\. 4"):
-        decode(x, torch.tensor([[0, 1], [2, -1]]), weights, *call)
+    with pytest.raises(RuntimeError, match=r"row 1 picks expert 3; allowed: the chosen \[0, 1, 2\], or 4 and past"):
+        decode(x, torch.tensor([[0, 1], [2, 3]]), weights, *call)
     with pytest.raises(RuntimeError, match="weights must be float32 or bf16 of index's shape"):
         decode(x, index, weights[:, :1], *call)
-    with pytest.raises(RuntimeError, match="two linears an expert"):
-        decode(x, index, weights, call.tensors, call.kinds[:-1], call.groups)
+    with pytest.raises(RuntimeError, match="two linears a chosen expert"):
+        decode(x, index, weights, call.chosen, call.experts, call.tensors, call.kinds[:-1], call.groups)
+    with pytest.raises(RuntimeError, match=r"chosen must list experts of 0 \.\. 3 in ascending order"):
+        decode(x, index, weights, [1, 0, 2], *call[1:])
     with pytest.raises(RuntimeError, match=r"expert 0's linears are \[.*\]; rows of 32 need"):
         decode(x[:, :32].contiguous(), index, weights, *call)

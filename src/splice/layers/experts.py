@@ -85,7 +85,7 @@ def _routed_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     expert (``splice_kernels.experts_decode``, :func:`~splice.layers.native_layer.experts_call`)."""
     from .native_layer import experts_call
 
-    call = experts_call(self, hidden_states)
+    call = experts_call(self, hidden_states, top_k_index)
     if call is not None:
         return torch.ops.splice_kernels.experts_decode(hidden_states, top_k_index, top_k_weights, *call)
     up = self.gate_up_proj if self.has_gate else self.up_proj

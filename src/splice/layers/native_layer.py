@@ -148,32 +148,36 @@ def layer_call(block: nn.Module, rows: int, read=getattr) -> LayerCall | None:
 
 
 class ExpertsCall(NamedTuple):
-    """What ``experts_decode`` takes of an experts module besides the rows and their routing: each expert's gate_up
-    and down linears' tensors (weight, scales, bias each), GEMV kinds and groups, expert by expert."""
+    """What ``experts_decode`` takes of an experts module besides the rows and their routing: the experts the rows
+    were routed to (ascending), how many the module has, and each chosen expert's gate_up and down linears' tensors
+    (weight, scales, bias each), GEMV kinds and groups, expert by expert."""
 
+    chosen: list[int]
+    experts: int
     tensors: list[torch.Tensor | None]
     kinds: list[int]
     groups: list[int]
 
 
-def experts_call(experts: nn.Module, x: torch.Tensor) -> ExpertsCall | None:
-    """An experts module's part of an ``experts_decode`` call for rows ``x [rows, hidden]``, or None where its own
-    forward runs: a module of one linear per expert and matrix (:func:`~splice.layers.experts.experts_of_linears`),
-    gated by SiLU the way transformers' default gate does it, without biases, every linear on a native GEMV that takes
-    these rows, and ``x`` bf16 on CPU."""
+def experts_call(experts: nn.Module, x: torch.Tensor, index: torch.Tensor) -> ExpertsCall | None:
+    """An experts module's part of an ``experts_decode`` call for rows ``x [rows, hidden]`` routed by ``index [rows,
+    k]``, or None where its own forward runs: a module of one linear per expert and matrix
+    (:func:`~splice.layers.experts.experts_of_linears`), gated by SiLU the way transformers' default gate does it,
+    without biases, the chosen experts' linears all on native GEMVs that take these rows, and ``x`` bf16 on CPU."""
     from transformers.integrations.moe import _default_apply_gate
 
     if not (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and native.available()
             and experts.has_gate and not experts.has_bias and isinstance(experts.act_fn, SILU_CLASSES)
             and getattr(type(experts), "_apply_gate", None) is _default_apply_gate):
         return None
-    pairs = list(zip(experts.gate_up_proj, experts.down_proj))
-    gemvs = [layer_gemv(linear) for pair in pairs for linear in pair]
+    count = len(experts.down_proj)
+    chosen = sorted({e for e in index.flatten().tolist() if 0 <= e < count})  # past the last: "none here"
+    linears = [linear for e in chosen for linear in (experts.gate_up_proj[e], experts.down_proj[e])]
+    gemvs = [layer_gemv(linear) for linear in linears]
     if not all(gemv is not None and x.shape[0] <= native.MAX_ROWS[gemv.rows] for gemv in gemvs):
         return None
-    linears = [linear for pair in pairs for linear in pair]
     tensors = [getattr(linear, name) if name else None for linear, gemv in zip(linears, gemvs) for name in gemv.tensors]
-    return ExpertsCall(tensors, [gemv.kind for gemv in gemvs], [gemv.group for gemv in gemvs])
+    return ExpertsCall(chosen, count, tensors, [gemv.kind for gemv in gemvs], [gemv.group for gemv in gemvs])
 
 
 class HeadCall(NamedTuple):

@@ -647,7 +647,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("splice_kernels::decode_layers")(_fake_decode_layers)
     torch.library.register_fake("splice_kernels::rms_norm")(lambda x, weight, eps: torch.empty_like(x))
     torch.library.register_fake("splice_kernels::experts_decode")(
-        lambda x, index, weights, tensors, kinds, groups: x.new_empty(x.shape))
+        lambda x, index, weights, chosen, experts, tensors, kinds, groups: x.new_empty(x.shape))
 
 
 def _fake_decode_layers(x, keys, values, layers, slots, masks, kv_len, cos, sin, norms, eps, tensors, kinds, groups,

@@ -5161,14 +5161,17 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::
 }
 
 // ---- a mixture of experts' routed experts for decode rows ----------------------------------------------------------
-// experts_decode(x, index, weights, tensors, kinds, groups): rows x [rows, hidden] bf16 through the experts each row
-// was routed to (index [rows, k], an index past the last expert skipped, as expert parallelism's "none here"), as
-// transformers' eager experts forward computes them in bf16 with a SiLU gate: per expert, in ascending order, the rows
-// routed to it gathered, gate_up GEMV, bf16(bf16(silu(gate)) * up), down GEMV, each row's result times its routing
-// weight (weights [rows, k], float32 or bf16) rounded to bf16 and added into the row's sum (from zeros), rounded to
-// bf16. Expert e's two linears are entries 2e and 2e + 1 of kinds and groups and three tensors each of `tensors`
-// (weight, scales, bias), as decode_layers takes a layer's. One parallel region for every expert's GEMVs.
+// experts_decode(x, index, weights, chosen, experts, tensors, kinds, groups): rows x [rows, hidden] bf16 through the
+// experts each row was routed to (index [rows, k] into `experts` experts, an index past the last one skipped, as
+// expert parallelism's "none here"), as transformers' eager experts forward computes them in bf16 with a SiLU gate:
+// per expert, in ascending order, the rows routed to it gathered, gate_up GEMV, bf16(bf16(silu(gate)) * up), down
+// GEMV, each row's result times its routing weight (weights [rows, k], float32 or bf16) rounded to bf16 and added into
+// the row's sum (from zeros), rounded to bf16. `chosen` lists the experts the rows were routed to, ascending; the
+// linears of chosen[i] are entries 2i and 2i + 1 of kinds and groups and three tensors each of `tensors` (weight,
+// scales, bias), as decode_layers takes a layer's. One parallel region for every expert's GEMVs: with at least as many
+// experts as threads each thread computes whole experts, else the threads share each expert's GEMVs.
 at::Tensor experts_decode(const at::Tensor& x, const at::Tensor& index, const at::Tensor& weights,
+                          at::IntArrayRef chosen, int64_t experts,
                           const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds,
                           at::IntArrayRef groups) {
   check_isa("experts_decode");
@@ -5182,34 +5185,43 @@ at::Tensor experts_decode(const at::Tensor& x, const at::Tensor& index, const at
                   (weights.scalar_type() == at::kFloat || weights.scalar_type() == at::kBFloat16),
               "experts_decode: weights must be float32 or bf16 of index's shape ", index.sizes(), ", got ",
               weights.sizes(), " ", weights.scalar_type());
-  const int64_t experts = static_cast<int64_t>(kinds.size()) / 2, rows = x.size(0), hidden = x.size(1);
-  TORCH_CHECK(kinds.size() % 2 == 0 && groups.size() == kinds.size() &&
-                  static_cast<int64_t>(tensors.size()) == static_cast<int64_t>(kinds.size()) * TENSORS_PER_LINEAR,
-              "experts_decode: two linears an expert: kinds and groups of 2 x experts, tensors of 6 x experts; got ",
-              kinds.size(), " kinds, ", groups.size(), " groups, ", tensors.size(), " tensors");
+  const int64_t count = static_cast<int64_t>(chosen.size()), rows = x.size(0), hidden = x.size(1);
+  TORCH_CHECK(static_cast<int64_t>(kinds.size()) == 2 * count && groups.size() == kinds.size() &&
+                  static_cast<int64_t>(tensors.size()) == 2 * count * TENSORS_PER_LINEAR,
+              "experts_decode: two linears a chosen expert: kinds and groups of 2 x ", count, ", tensors of 6 x ",
+              count, "; got ", kinds.size(), " kinds, ", groups.size(), " groups, ", tensors.size(), " tensors");
+  TORCH_CHECK(experts >= 0, "experts_decode: experts must be a count, got ", experts);
+  std::vector<int64_t> position(experts, -1);  // an expert's place in chosen
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(0 <= chosen[i] && chosen[i] < experts && (i == 0 || chosen[i - 1] < chosen[i]),
+                "experts_decode: chosen must list experts of 0 .. ", experts - 1, " in ascending order, got ", chosen);
+    position[chosen[i]] = i;
+  }
   const at::Tensor picks = index.contiguous(), scale = weights.to(at::kFloat).contiguous();
-  std::vector<std::vector<std::pair<int64_t, float>>> routed(experts);  // per expert: (row, routing weight)
+  std::vector<std::vector<std::pair<int64_t, float>>> routed(count);  // per chosen expert: (row, routing weight)
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < picks.size(1); ++j) {
       const int64_t e = picks.data_ptr<int64_t>()[r * picks.size(1) + j];
-      TORCH_CHECK(e >= 0, "experts_decode: row ", r, " picks expert ", e, "; allowed: 0 .. ", experts);
-      if (e < experts) routed[e].emplace_back(r, scale.data_ptr<float>()[r * picks.size(1) + j]);
+      TORCH_CHECK(e >= 0 && (e >= experts || position[e] >= 0), "experts_decode: row ", r, " picks expert ", e,
+                  "; allowed: the chosen ", chosen, ", or ", experts, " and past (none here)");
+      if (e < experts) routed[position[e]].emplace_back(r, scale.data_ptr<float>()[r * picks.size(1) + j]);
     }
   struct Routed {
-    int64_t expert, ffn;
+    int64_t place, ffn;  // the expert's place in chosen
     LayerLinear up, down;
     at::Tensor rows_x, gate_up, act, out;
   };
   std::vector<Routed> work;
-  for (int64_t e = 0; e < experts; ++e) {
-    if (routed[e].empty()) continue;
-    Routed w{e, 0, {}, {}, {}, {}, {}, {}};
+  for (int64_t p = 0; p < count; ++p) {
+    if (routed[p].empty()) continue;
+    const int64_t e = chosen[p];
+    Routed w{p, 0, {}, {}, {}, {}, {}, {}};
     LayerLinear* pair[2] = {&w.up, &w.down};
     for (int64_t i = 0; i < 2; ++i) {
       const std::string who = "experts_decode: expert " + std::to_string(e) + (i ? "'s down" : "'s gate_up");
-      pair[i]->kind = kinds[2 * e + i];
-      pair[i]->group = groups[2 * e + i];
-      take_linear_tensors(*pair[i], tensors, (2 * e + i) * TENSORS_PER_LINEAR, who);
+      pair[i]->kind = kinds[2 * p + i];
+      pair[i]->group = groups[2 * p + i];
+      take_linear_tensors(*pair[i], tensors, (2 * p + i) * TENSORS_PER_LINEAR, who);
       check_layer_linear(*pair[i], who);
     }
     w.ffn = linear_shape(w.down).second;
@@ -5217,38 +5229,59 @@ at::Tensor experts_decode(const at::Tensor& x, const at::Tensor& index, const at
                 "experts_decode: expert ", e, "'s linears are [", linear_shape(w.up).first, ", ",
                 linear_shape(w.up).second, "] and [", linear_shape(w.down).first, ", ", w.ffn, "]; rows of ", hidden,
                 " need [2 ffn, ", hidden, "] and [", hidden, ", ffn]");
-    const int64_t m = static_cast<int64_t>(routed[e].size());
-    w.rows_x = m == rows ? x : at::empty({m, hidden}, x.options());
+    const int64_t m = static_cast<int64_t>(routed[p].size());
+    bool in_order = m == rows;  // every row, each once and in order: x as it is
+    for (int64_t i = 0; in_order && i < m; ++i) in_order = routed[p][i].first == i;
+    w.rows_x = in_order ? x : at::empty({m, hidden}, x.options());
     w.gate_up = at::empty({m, 2 * w.ffn}, x.options());
     w.act = at::empty({m, w.ffn}, x.options());
     w.out = at::empty({m, hidden}, x.options());
     work.push_back(std::move(w));
   }
+  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+  const auto gather = [&](const Routed& w) {
+    const std::vector<std::pair<int64_t, float>>& to = routed[w.place];
+    if (!w.rows_x.is_same(x))
+      for (size_t i = 0; i < to.size(); ++i)
+        std::copy_n(xp + to[i].first * hidden, hidden, w.rows_x.data_ptr<at::BFloat16>() + i * hidden);
+  };
+  const int64_t threads = at::get_num_threads();
+  if (static_cast<int64_t>(work.size()) >= threads || threads == 1 || at::in_parallel_region()) {
+    // as many experts as threads, or more: each thread computes whole experts on its own (its kernels see the
+    // parallel region and run on it alone), with no barrier between an expert's steps
+    at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        Routed& w = work[i];
+        gather(w);
+        layer_gemv_into(w.up, w.rows_x, w.gate_up);
+        silu_mul_rows(w.gate_up, w.ffn, w.act);
+        layer_gemv_into(w.down, w.act, w.out);
+      }
+    });
+  } else {
+    run_as_team([&] {  // fewer experts than threads: every thread takes its share of each expert's GEMVs
+      for (Routed& w : work) {
+        if (leads_team()) gather(w);
+        team_barrier();
+        layer_gemv_into(w.up, w.rows_x, w.gate_up);
+        silu_mul_rows(w.gate_up, w.ffn, w.act);
+        team_barrier();
+        layer_gemv_into(w.down, w.act, w.out);
+      }
+    });
+  }
   at::Tensor sums = at::zeros({rows, hidden}, x.options());
   at::BFloat16* sp = sums.data_ptr<at::BFloat16>();
-  const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-  run_as_team([&] {
-    for (Routed& w : work) {
-      const std::vector<std::pair<int64_t, float>>& to = routed[w.expert];
-      const bool every = w.rows_x.is_same(x);  // every row, in order (each row picks an expert once)
-      if (!every && leads_team())
-        for (size_t i = 0; i < to.size(); ++i)
-          std::copy_n(xp + to[i].first * hidden, hidden, w.rows_x.data_ptr<at::BFloat16>() + i * hidden);
-      team_barrier();
-      layer_gemv_into(w.up, w.rows_x, w.gate_up);
-      silu_mul_rows(w.gate_up, w.ffn, w.act);
-      team_barrier();
-      layer_gemv_into(w.down, w.act, w.out);
-      if (leads_team())
-        for (size_t i = 0; i < to.size(); ++i) {
-          at::BFloat16* sum = sp + to[i].first * hidden;
-          const at::BFloat16* out = w.out.data_ptr<at::BFloat16>() + i * hidden;
-          for (int64_t c = 0; c < hidden; ++c)
-            sum[c] = at::BFloat16(static_cast<float>(sum[c]) +
-                                  static_cast<float>(at::BFloat16(static_cast<float>(out[c]) * to[i].second)));
-        }
+  for (const Routed& w : work) {  // in ascending expert order, as transformers adds them
+    const std::vector<std::pair<int64_t, float>>& to = routed[w.place];
+    for (size_t i = 0; i < to.size(); ++i) {
+      at::BFloat16* sum = sp + to[i].first * hidden;
+      const at::BFloat16* out = w.out.data_ptr<at::BFloat16>() + i * hidden;
+      for (int64_t c = 0; c < hidden; ++c)
+        sum[c] = at::BFloat16(static_cast<float>(sum[c]) +
+                              static_cast<float>(at::BFloat16(static_cast<float>(out[c]) * to[i].second)));
     }
-  });
+  }
   return sums;
 }
 
@@ -5326,8 +5359,8 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("greedy_next(Tensor logits, Tensor(a!) sequences, int column, Tensor(b!) unfinished, Tensor? eos, int pad) "
           "-> (Tensor, int)");
   lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  lib.def("experts_decode(Tensor x, Tensor index, Tensor weights, Tensor?[] tensors, int[] kinds, int[] groups) "
-          "-> Tensor");
+  lib.def("experts_decode(Tensor x, Tensor index, Tensor weights, int[] chosen, int experts, Tensor?[] tensors, "
+          "int[] kinds, int[] groups) -> Tensor");
   lib.def("decode_layers(Tensor x, Tensor(a!) keys, Tensor(b!) values, int[] layers, Tensor slots, Tensor?[] masks, "
           "int kv_len, Tensor?[] cos, Tensor?[] sin, Tensor[] norms, float[] eps, Tensor?[] tensors, int[] kinds, "
           "int[] groups, int[] heads, float[] scales, Tensor?[] head, float head_eps, int head_kind, int head_group) "
