@@ -34,7 +34,8 @@ def test_shards_reload_at_the_grain_they_were_cut_with():
 def test_experts_split_by_rank_are_saved_and_reload():
     """Mixtral and Qwen2-MoE sharded in memory (each expert's 128 or 64 features split in two), saved with
     save_mp_checkpoint_path and reloaded into meta models: the same tokens and logits as the whole model; sharded
-    then quantized, the same as the whole model quantized (the experts keep their all-reduce)."""
+    then quantized, the same as the whole model quantized (the experts keep their all-reduce, also after a native
+    call for their bf16 decode rows)."""
     for r in (r["experts"] for r in suite.tp2()):
         for family, whole in (("mixtral", 128), ("qwen2_moe", 64)):
             case = r[family]
@@ -43,3 +44,6 @@ def test_experts_split_by_rank_are_saved_and_reload():
             assert case["features"] == (whole // 2, whole // 2) and not case["meta_left"], (family, case)
             assert case["quantized"]["tokens_equal"] and case["quantized"]["max_diff"] < 1e-4, (family, case)
             assert case["quantized_hooks"] == 1, (family, case)
+            # bf16 decode rows through the rank's experts in one native call, then the all-reduce: the whole
+            # module's result but for each rank's sum rounded to bf16 apart
+            assert case["native_bf16"] is None or case["native_bf16"] < 0.02, (family, case)

@@ -137,8 +137,26 @@ def experts_roundtrip(rank: int, world: int, root: str) -> dict:
                            "meta_left": any(p.is_meta for p in again.parameters()),
                            "features": (experts.down_proj.shape[2], experts.intermediate_dim),
                            "quantized": compare(quantized, reference(whole)),
-                           "quantized_hooks": len(quantized.model.layers[0].mlp.experts._forward_hooks)}
+                           "quantized_hooks": len(quantized.model.layers[0].mlp.experts._forward_hooks),
+                           "native_bf16": native_experts_error(quantized, whole)}
     return results
+
+
+def native_experts_error(sharded, whole) -> float | None:
+    """Relative difference of the first layer's quantized experts on bf16 decode rows, this rank's share (its
+    experts in one native call, then the module's all-reduce) against the whole module's; None without the native
+    kernels."""
+    from splice import native
+
+    if not native.available():
+        return None
+    x = (torch.randn(3, whole.config.hidden_size, generator=torch.Generator().manual_seed(3)) * 0.5).bfloat16()
+    index = torch.tensor([[0, 1], [2, 3], [1, 3]])
+    weights = torch.tensor([[0.6, 0.4], [0.3, 0.7], [0.5, 0.5]])
+    with torch.inference_mode():
+        expected = whole.model.layers[0].mlp.experts(x, index, weights).float()
+        got = sharded.model.layers[0].mlp.experts(x, index, weights).float()
+    return float((got - expected).norm() / expected.norm())
 
 
 def attention_sinks(rank: int, world: int) -> dict:
