@@ -30,8 +30,8 @@ from ..arch.paths import input_embeddings
 from ..config import SpliceIgnoredOptionWarning, caller_stacklevel
 from ..kernel_choice import KernelChoice, quant_kernel
 from ..layers.conv1d import is_conv1d, linear_weight
-from ..native.memory import SMALL_TENSOR_BYTES, gather_on_huge_pages
 from ..layers.experts import experts_matrices, experts_of_linears
+from ..native.memory import SMALL_TENSOR_BYTES, gather_on_huge_pages
 from . import gptq
 from .experts import reason_experts_stay_float
 from .layers import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear, QuantizedLinear

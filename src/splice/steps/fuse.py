@@ -54,8 +54,11 @@ class FuseReport(StepReport):
             return "skipped (replace_with_kernel_inject=False)"
         parallel = ""
         if self.heads_here is not None:
+            rows = ("o row-parallel, each layer's MLP module as AutoTP split it (an all-reduce after o and after the "
+                    "experts, and after a shared expert's down)" if self.moe else
+                    "o/down row-parallel (two all-reduces a block)")
             parallel = (f"; tensor-parallel rank {self.rank}/{self.world_size}: {self.heads_here[0]} query and "
-                        f"{self.heads_here[1]} KV heads here, o/down row-parallel (two all-reduces a block)")
+                        f"{self.heads_here[1]} KV heads here, {rows}")
         if self.encoder:
             return (f"{self.layers} {self.family} encoder layers -> SpliceBlock (bidirectional attention, one QKV "
                     f"GEMM, one MLP input GEMM, SDPA; no KV cache, no decode runtime){parallel}")

@@ -7,8 +7,11 @@ computes. This step wraps each plain float linear of the fused blocks and the lm
 float, or all of them; an encoder's task heads stay the model's own) in its kernel's layer: splice's native bf16 GEMV
 (``layers.native_linear``, plain weights gathered on 2 MiB pages, nothing copied), or a oneDNN-packed weight (``layers.packed_linear``, 16-bit weights where
 the native kernels do not run; a tied lm_head stays as it is), or for fp16 on a CPU without fp16 arithmetic a
-layer that widens the weight to fp32 for prompts (``layers.widened_linear``). Quantized layers were built for their
-kernel by the quantize step (``plan.quant_kernel``); the report names both choices and their reasons.
+layer that widens the weight to fp32 for prompts (``layers.widened_linear``). A mixture of experts' block (its
+layer's own MLP module) has its plain linears wrapped the same way, and on the native GEMV each float expert's
+matrices too (one layer per expert on its slice of the 3-D weight). Quantized layers were built for their kernel by
+the quantize step (``plan.quant_kernel``); the report names both choices and their reasons. Where decode steps run in
+native calls, the blocks' RMSNorms take one for a step's rows too (``layers.norm``).
 """
 from __future__ import annotations
 
@@ -18,8 +21,8 @@ import torch
 from torch import nn
 
 from ..layers.block import SpliceBlock
-from ..layers.experts import experts_matrices, experts_of_linears
 from ..layers.causal_lm import SpliceCausalLM
+from ..layers.experts import experts_matrices, experts_of_linears
 from ..layers.native_layer import unfit_reason
 from ..layers.native_linear import NativeLinear
 from ..layers.norm import RMSNorm
@@ -141,7 +144,8 @@ def choose_native_layers(blocks, plan: Plan) -> str:
 
 
 def wrap_linears(model: nn.Module, runtime: SpliceCausalLM | None, wrapper: type[nn.Module]) -> int:
-    """Swap the fused blocks' plain ``nn.Linear`` layers and the runtime's lm_head for ``wrapper(linear)``; returns
+    """Swap the fused blocks' plain ``nn.Linear`` layers (a mixture of experts' own ones included, and with the
+    native GEMV its float experts: :func:`native_experts`) and the runtime's lm_head for ``wrapper(linear)``; returns
     how many. Without a runtime (an encoder) only the blocks' linears are wrapped.
 
     Under tensor parallelism the row- and vocab-parallel wrappers keep their all-reduce / all-gather: only the plain
