@@ -219,22 +219,26 @@ class ZeroConfig(_Section):
         "(offload_param, ...) are rejected as unknown."))
 
 
+#: what the moe section's fields other than enabled say
+NOT_DEEPSPEED_MOE = "only used with DeepSpeed-MoE layers, which splice does not implement"
+
+
 class MoEConfig(_Section):
     enabled: bool = Field(False, description="The model is a mixture of experts.", json_schema_extra=_note(
-        "DeepSpeed defaults to True and uses it only for models with MoE layers; splice has no MoE kernels or "
-        "expert parallelism, so enabling it raises."))
+        "DeepSpeed defaults to True and uses it only for models with DeepSpeed-MoE layers, which splice does not "
+        "implement (nor expert parallelism), so enabling it raises; Hugging Face mixtures of experts (Mixtral, "
+        "Qwen2-MoE, Qwen3-MoE, ...) need no moe section."))
     ep_size: int = Field(1, ge=1, description="Expert-parallel group size.", json_schema_extra=_note(
-        "only used with MoE, which splice does not implement"))
+        NOT_DEEPSPEED_MOE))
     moe_experts: list[int] = Field(default_factory=lambda: [1], alias="num_experts",
                                    description="Global number of experts per MoE layer.",
-                                   json_schema_extra=_note("only used with MoE, which splice does not implement"))
+                                   json_schema_extra=_note(NOT_DEEPSPEED_MOE))
     type: Literal["standard", "residual"] = Field("standard", description="MoE layer type.",
-                                                  json_schema_extra=_note("only used with MoE, which splice "
-                                                                          "does not implement"))
+                                                  json_schema_extra=_note(NOT_DEEPSPEED_MOE))
     ep_mp_group: Any = Field(None, description="Expert model-parallel process group.",
-                             json_schema_extra=_note("only used with MoE, which splice does not implement"))
+                             json_schema_extra=_note(NOT_DEEPSPEED_MOE))
     ep_group: Any = Field(None, alias="expert_group", description="Expert-parallel process group.",
-                          json_schema_extra=_note("only used with MoE, which splice does not implement"))
+                          json_schema_extra=_note(NOT_DEEPSPEED_MOE))
 
 
 class WeightQuantConfig(_Section):
