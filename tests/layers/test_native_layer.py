@@ -85,9 +85,10 @@ def assert_same_steps(engine, per_row_slots: bool = False, batch: int = 2) -> No
         torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "mistral", "qwen3"])
 def test_families_blocks_step_as_their_own_ops_do(family):
-    """Llama; qkv biases and a sliding window (qwen2); rotary on half of each head (phi3); a window (mistral)."""
+    """Llama; qkv biases and a sliding window (qwen2); rotary on half of each head (phi3); a window (mistral);
+    per-head q and k norms before rotary (qwen3)."""
     engine = engine_of(family)
     assert all(block.native_layer for block in engine.runtime.blocks)
     assert_same_steps(engine)
@@ -144,7 +145,7 @@ def test_a_block_on_its_own_ops_splits_the_run():
     assert (got[0].argmax(-1) == expected[0].argmax(-1)).all()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "qwen3"])
 def test_decode_steps_agree_with_the_hf_reference(family):
     """The native calls' decode steps, teacher-forced one token at a time, against the unmodified bf16 HF model's
     logits at the same positions: within 5 % of the logit std and the argmax above 90 % the same (bf16 rounding
@@ -323,7 +324,6 @@ def test_a_compiled_engine_runs_steps_in_one_native_call_eagerly(fresh_compiles)
 
 
 @pytest.mark.parametrize("family, reason", [
-    ("qwen3", "it has qk_norm"),
     ("gemma", "not SiLU"),
     ("gpt2", "not a causal pre-norm block"),
     ("gpt_neox", "not a causal pre-norm block"),
@@ -497,13 +497,22 @@ def test_the_registered_ops_name_bad_inputs():
     with pytest.raises(RuntimeError, match=r"layer 0: mask 0 and rotary table 0 of 0 masks and 1 tables"):
         ops.decode_registered(x, cache.keys, cache.values, number, slots, [], 4, [rotary[0][0]], [rotary[0][1]])
     count = ops.registered_layer_stacks()
-    wrong_norms = [norm.float() for norm in run.norms]
+    wrong_norms = [None if norm is None else norm.float() for norm in run.norms]
     with pytest.raises(RuntimeError, match=r"register_layers: layer 0: the norms' weights must be contiguous bf16"):
         ops.register_layers(run.layers, wrong_norms, run.eps, run.tensors, run.kinds, run.groups, run.heads,
                             run.scales, [], 0.0, 0, 0, 64, 16, [0] * len(run.layers), [0] * len(run.layers))
     with pytest.raises(RuntimeError, match="register_layers: head_dim 72; the layers take a head_dim a multiple of 16"):
         ops.register_layers(run.layers, run.norms, run.eps, run.tensors, run.kinds, run.groups, run.heads,
                             run.scales, [], 0.0, 0, 0, 64, 72, [0] * len(run.layers), [0] * len(run.layers))
+    with pytest.raises(RuntimeError, match="layer 0: the attention and MLP norms' weights are needed"):
+        ops.register_layers(run.layers, [None] * len(run.norms), run.eps, run.tensors, run.kinds, run.groups,
+                            run.heads, run.scales, [], 0.0, 0, 0, 64, 16, [0] * len(run.layers),
+                            [0] * len(run.layers))
+    wrong_qk = list(run.norms)
+    wrong_qk[2] = torch.ones(3, 16, dtype=torch.bfloat16)  # 4 query and 2 KV heads need 6 rows
+    with pytest.raises(RuntimeError, match=r"layer 0: the qk-norm's weights must be contiguous bf16 \[6, 16\]"):
+        ops.register_layers(run.layers, wrong_qk, run.eps, run.tensors, run.kinds, run.groups, run.heads,
+                            run.scales, [], 0.0, 0, 0, 64, 16, [0] * len(run.layers), [0] * len(run.layers))
     assert ops.registered_layer_stacks() == count  # nothing kept from a refused call
 
 
@@ -609,3 +618,11 @@ def test_the_native_experts_call_names_bad_input():
         decode(x, index, weights, [1, 0, 2], *call[1:])
     with pytest.raises(RuntimeError, match=r"expert 0's linears are \[.*\]; rows of 32 need"):
         decode(x[:, :32].contiguous(), index, weights, *call)
+
+
+def test_a_qk_norm_scaled_in_float32_keeps_its_blocks_own_ops():
+    """Gemma 3's qk-norm (an offset weight, scaled in float32) rounds otherwise than the native call's norm."""
+    block = engine_of("qwen3").runtime.blocks[0]
+    assert unfit_reason(block) is None
+    block.qk_norm.offset = 1.0
+    assert unfit_reason(block) == "its qk-norm scales in float32 (an offset weight, as Gemma 3's)"

@@ -1,10 +1,10 @@
 """A decode step's fused blocks as native calls (``splice_kernels.decode_layers``): a run of consecutive blocks in one.
 
-A pre-norm block with a gated SiLU MLP (Llama's and its relatives') makes a dozen calls a decode step through its
-modules: norms, four GEMVs, rotary, the cache writes, attention, residual adds, the activation. Each has its dispatch,
-allocations and threads to wake, and in a small model those, and the Python around them, cost more than reading the
-weights. ``decode_layers`` does the same work for every block of a run in one call, with the same GEMVs and attention
-kernel, rounding each elementwise result to bf16 where the block's eager ops round it.
+A pre-norm block with a gated SiLU MLP (Llama's and its relatives', with or without Qwen3's qk-norm) makes a dozen calls
+a decode step through its modules: norms, four GEMVs, rotary, the cache writes, attention, residual adds, the
+activation. Each has its dispatch, allocations and threads to wake, and in a small model those, and the Python around
+them, cost more than reading the weights. ``decode_layers`` does the same work for every block of a run in one call,
+with the same GEMVs and attention kernel, rounding each elementwise result to bf16 where the block's eager ops round it.
 
 :func:`unfit_reason` says whether a block's structure and layers allow it (the kernels step asks once per block);
 :func:`step_takes_calls` and :func:`layer_call` whether a given step does (one new token per row, bf16, every linear on
@@ -91,10 +91,12 @@ def unfit_reason(block: nn.Module) -> str | None:
         return "its layout is not a causal pre-norm block with a sequential residual and a gated MLP"
     if shape.activation not in ("silu", "swish"):
         return f"its MLP's activation is {shape.activation}, not SiLU"
-    extras = [name for name in ("qk_norm", "attn_out_norm", "mlp_out_norm", "alibi_slopes")
-              if getattr(block, name) is not None]
+    extras = [name for name in ("attn_out_norm", "mlp_out_norm", "alibi_slopes") if getattr(block, name) is not None]
     if extras or layout.softcap is not None:
         return f"it has {', '.join(extras or ['soft-capped scores'])}"
+    qk_norm = block.qk_norm
+    if qk_norm is not None and (qk_norm.offset or qk_norm.weight.dtype != torch.bfloat16):
+        return "its qk-norm scales in float32 (an offset weight, as Gemma 3's)"
     for norm in (block.attn_norm, block.mlp_norm):
         if not isinstance(norm, RMSNorm) or norm.weight.dtype != torch.bfloat16:
             return "its norms are not RMSNorm with bf16 weights"
@@ -114,12 +116,12 @@ def step_takes_calls(x: torch.Tensor) -> bool:
 
 class LayerCall(NamedTuple):
     """What ``decode_layers`` takes of one block, besides a step's mask and rotary rows: its cache layer, its norms'
-    weights and eps, its linears' tensors (weight, scales, bias each), GEMV kinds and groups (:class:`LayerGemv`), its
-    query and KV heads and its attention scale."""
+    weights and eps (the attention's, the MLP's, the qk-norm's or None and 0.0), its linears' tensors (weight, scales,
+    bias each), GEMV kinds and groups (:class:`LayerGemv`), its query and KV heads and its attention scale."""
 
     layer: int
-    norms: tuple[torch.Tensor, torch.Tensor]
-    eps: tuple[float, float]
+    norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+    eps: tuple[float, float, float]
     tensors: list[torch.Tensor | None]
     kinds: list[int]
     groups: list[int]
@@ -140,10 +142,11 @@ def layer_call(block: nn.Module, rows: int, read=getattr) -> LayerCall | None:
     if not all(gemv is not None and rows <= native.MAX_ROWS[gemv.rows] for gemv in gemvs):
         return None
     tensors = [read(linear, name) if name else None for linear, gemv in zip(linears, gemvs) for name in gemv.tensors]
-    attn_norm, mlp_norm = read(block, "attn_norm"), read(block, "mlp_norm")
+    attn_norm, mlp_norm, qk_norm = read(block, "attn_norm"), read(block, "mlp_norm"), read(block, "qk_norm")
     shape = block.shape
-    return LayerCall(block.layer_idx, (read(attn_norm, "weight"), read(mlp_norm, "weight")),
-                     (attn_norm.eps, mlp_norm.eps), tensors, [gemv.kind for gemv in gemvs],
+    qk = (read(qk_norm, "weight"), qk_norm.eps) if qk_norm is not None else (None, 0.0)
+    return LayerCall(block.layer_idx, (read(attn_norm, "weight"), read(mlp_norm, "weight"), qk[0]),
+                     (attn_norm.eps, mlp_norm.eps, qk[1]), tensors, [gemv.kind for gemv in gemvs],
                      [gemv.group for gemv in gemvs], (shape.n_heads, shape.n_kv_heads), block.scale)
 
 
@@ -245,7 +248,7 @@ class NativeRun(NamedTuple):
     windows: list[int | None]
     ropes: list[int]
     layers: list[int]
-    norms: list[torch.Tensor]
+    norms: list[torch.Tensor | None]
     eps: list[float]
     tensors: list[torch.Tensor | None]
     kinds: list[int]

@@ -4606,7 +4606,8 @@ int64_t stream_read(const at::Tensor& t, int64_t streams, bool prefetch_ahead) {
 
 // ---- one decoder layer of a decode step ----------------------------------------------------------------------------
 // A pre-norm decoder layer with a gated SiLU MLP (Llama's and its relatives') for one new token per row, as one
-// function (layer_step, run by decode_layers below): RMSNorm, the QKV GEMV, rotary on q and k, the keys and values
+// function (layer_step, run by decode_layers below): RMSNorm, the QKV GEMV, a per-head RMSNorm of q and k where the
+// layer has one (qk-norm), rotary on q and k, the keys and values
 // written into the layer's cache at their slots, decode_attention, the o GEMV and residual add, RMSNorm, the gate+up
 // GEMV, SiLU(gate) * up, the down GEMV and residual add. The fused block's ops make a dozen calls for that, each with
 // its dispatch, allocations and threads to wake: in a small model those cost more than reading the weights. The
@@ -4622,6 +4623,7 @@ enum LayerGemv : int64_t {
 inline bool int4_kind(int64_t kind) { return kind == GEMV_INT4 || kind == GEMV_INT4_DOT; }
 inline bool grouped_kind(int64_t kind) { return kind == GEMV_INT8_GROUPED || kind == GEMV_INT8_GROUPED16; }
 constexpr int64_t LAYER_LINEARS = 4, TENSORS_PER_LINEAR = 3;  // qkv, o, gate_up, down; weight, scales, bias
+constexpr int64_t LAYER_NORMS = 3;  // the attention's, the MLP's, the qk-norm's (or None): weights and eps
 
 struct LayerLinear {
   int64_t kind = GEMV_BF16, group = 0;  // int4: columns per group; grouped int8: inputs per group (0: the weight's)
@@ -4827,9 +4829,17 @@ void add_rows(const at::BFloat16* a, const at::BFloat16* b, int64_t rows, int64_
 // keys and values [rows, kv_heads, L, dim] at the row's slot.
 void rotate_and_store(at::Tensor& qkv, const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
                       const at::Tensor& keys, const at::Tensor& values, const at::Tensor& slots, int64_t n_heads,
-                      int64_t n_kv_heads) {
+                      int64_t n_kv_heads, const at::Tensor& qk_norm, double qk_eps) {
   const int64_t rows = qkv.size(0), width = qkv.size(1), dim = keys.size(3);
   at::BFloat16* qp = qkv.data_ptr<at::BFloat16>();
+  if (qk_norm.defined()) {  // each q and k head RMS-normed with its row of qk_norm [heads + kv_heads, dim]
+    const at::BFloat16* wp = qk_norm.data_ptr<at::BFloat16>();
+    for (int64_t m = 0; m < rows; ++m)
+      for (int64_t head = 0; head < n_heads + n_kv_heads; ++head) {
+        at::BFloat16* h = qp + m * width + head * dim;
+        avx2::rms_norm_row(h, wp + head * dim, dim, static_cast<float>(qk_eps), h);
+      }
+  }
   if (cos) {
     const int64_t rotary = cos->size(-1);
     const at::BFloat16* cp = cos->data_ptr<at::BFloat16>();
@@ -4854,8 +4864,8 @@ void rotate_and_store(at::Tensor& qkv, const std::optional<at::Tensor>& cos, con
 
 // One layer of a decode_layers call, unpacked from its lists: what stays the same from step to step (LayerStack).
 struct LayerCall {
-  at::Tensor attn_norm, mlp_norm;
-  double attn_eps = 0, mlp_eps = 0, scale = 0;
+  at::Tensor attn_norm, mlp_norm, qk_norm;  // qk_norm: undefined, or per-head RMSNorm weights of q and k
+  double attn_eps = 0, mlp_eps = 0, qk_eps = 0, scale = 0;
   int64_t n_heads = 0, n_kv_heads = 0;
   std::vector<LayerLinear> linears;
 };
@@ -4945,7 +4955,8 @@ void layer_step(const at::Tensor& x, const LayerCall& l, const LayerInputs& in, 
   if (leads_team()) rms_norm_rows(x.data_ptr<at::BFloat16>(), batch, hidden, l.attn_norm, l.attn_eps, normed);
   team_barrier();
   layer_gemv_into(linears[0], b.normed, b.qkv);
-  if (leads_team()) rotate_and_store(b.qkv, in.cos, in.sin, in.keys, in.values, slots, l.n_heads, l.n_kv_heads);
+  if (leads_team())
+    rotate_and_store(b.qkv, in.cos, in.sin, in.keys, in.values, slots, l.n_heads, l.n_kv_heads, l.qk_norm, l.qk_eps);
   team_barrier();
   // the queries are the first n_heads heads of each qkv row
   const AttentionInputs<at::BFloat16> attention = attention_inputs<at::BFloat16>(
@@ -5015,7 +5026,8 @@ struct LayerStack {
 // The stack of n = layers.size() layers from decode_layers' lists (layer i: norms 2i and 2i + 1, linears 4i .. 4i + 3
 // of three tensors each, heads 2i and 2i + 1, scale i; its mask and rotary rows those at mask_of[i] and rope_of[i] of
 // a step's lists), for rows of `hidden` and heads of `head_dim`: every norm, linear and the head checked against them.
-LayerStack layer_stack(at::IntArrayRef layers, at::TensorList norms, at::ArrayRef<double> eps,
+LayerStack layer_stack(at::IntArrayRef layers, const c10::List<std::optional<at::Tensor>>& norms,
+                       at::ArrayRef<double> eps,
                        const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds,
                        at::IntArrayRef groups, at::IntArrayRef heads, at::ArrayRef<double> scales,
                        const c10::List<std::optional<at::Tensor>>& head, double head_eps, int64_t head_kind,
@@ -5027,7 +5039,8 @@ LayerStack layer_stack(at::IntArrayRef layers, at::TensorList norms, at::ArrayRe
                          static_cast<int64_t>(groups.size()), static_cast<int64_t>(heads.size()),
                          static_cast<int64_t>(scales.size()), static_cast<int64_t>(mask_of.size()),
                          static_cast<int64_t>(rope_of.size())};
-  const int64_t per_layer[] = {2, 2, LAYER_LINEARS * TENSORS_PER_LINEAR, LAYER_LINEARS, LAYER_LINEARS, 2, 1, 1, 1};
+  const int64_t per_layer[] = {LAYER_NORMS, LAYER_NORMS, LAYER_LINEARS * TENSORS_PER_LINEAR, LAYER_LINEARS,
+                               LAYER_LINEARS, 2, 1, 1, 1};
   const char* const names[] = {"norms", "eps", "tensors", "kinds", "groups", "heads", "scales", "mask indices",
                                "rotary indices"};
   check_list_sizes(n, got, per_layer, names, op);
@@ -5043,10 +5056,15 @@ LayerStack layer_stack(at::IntArrayRef layers, at::TensorList norms, at::ArrayRe
   for (int64_t i = 0; i < n; ++i) {
     const std::string who = std::string(op) + ": layer " + std::to_string(i);
     LayerCall& l = stack.calls[i];
-    l.attn_norm = norms[2 * i];
-    l.mlp_norm = norms[2 * i + 1];
-    l.attn_eps = eps[2 * i];
-    l.mlp_eps = eps[2 * i + 1];
+    const std::optional<at::Tensor> attn_norm = norms.get(LAYER_NORMS * i), mlp_norm = norms.get(LAYER_NORMS * i + 1);
+    const std::optional<at::Tensor> qk_norm = norms.get(LAYER_NORMS * i + 2);
+    TORCH_CHECK(attn_norm.has_value() && mlp_norm.has_value(), who, ": the attention and MLP norms' weights are "
+                "needed (only the qk-norm may be None)");
+    l.attn_norm = *attn_norm;
+    l.mlp_norm = *mlp_norm;
+    l.attn_eps = eps[LAYER_NORMS * i];
+    l.mlp_eps = eps[LAYER_NORMS * i + 1];
+    l.qk_eps = eps[LAYER_NORMS * i + 2];
     l.n_heads = heads[2 * i];
     l.n_kv_heads = heads[2 * i + 1];
     l.scale = scales[i];
@@ -5054,6 +5072,15 @@ LayerStack layer_stack(at::IntArrayRef layers, at::TensorList norms, at::ArrayRe
       check_norm_weight(*norm, hidden, who + ": the norms' weights");
     TORCH_CHECK(l.n_kv_heads >= 1 && l.n_heads % l.n_kv_heads == 0, who, ": ", l.n_heads,
                 " query heads are not a multiple of ", l.n_kv_heads, " KV heads");
+    if (qk_norm) {
+      l.qk_norm = *qk_norm;
+      TORCH_CHECK(l.qk_norm.dim() == 2 && l.qk_norm.size(0) == l.n_heads + l.n_kv_heads &&
+                      l.qk_norm.size(1) == head_dim && l.qk_norm.scalar_type() == at::kBFloat16 &&
+                      l.qk_norm.is_contiguous(),
+                  who, ": the qk-norm's weights must be contiguous bf16 [", l.n_heads + l.n_kv_heads, ", ", head_dim,
+                  "] (a row a query head, then a row a KV head), got ", l.qk_norm.scalar_type(), " ",
+                  l.qk_norm.sizes());
+    }
     l.linears = layer_linears(tensors, kinds, groups, i, who);
     check_layer_linears(l.linears, hidden, (l.n_heads + 2 * l.n_kv_heads) * head_dim, l.n_heads * head_dim, who);
     for (LayerLinear& linear : l.linears)
@@ -5133,17 +5160,20 @@ at::Tensor run_layer_stack(const LayerStack& stack, const at::Tensor& x, const a
 // decode_layers runs consecutive decoder layers (each as layer_step, above) on rows x [B, 1, hidden], one after
 // another, in one call: a step's Python and dispatch per layer cost more than a small layer's weights take to read.
 // Layer i reads and writes the KV cache's layer layers[i] (keys, values: the whole cache [cache layers, B, kv_heads,
-// L, head_dim]); its mask, cos and sin are entry i of their lists, its norms' weights and eps entries 2i and 2i + 1,
-// its linears 4i .. 4i + 3 (three tensors each: weight, scales, bias), its query and KV heads entries 2i and 2i + 1
-// of heads, its scale entry i. With a head (HeadCall) the call returns its logits [B, vocab], else the last layer's
-// hidden states. Every layer and the head are checked before any is run.
+// L, head_dim]); its mask, cos and sin are entry i of their lists, its norms' weights and eps entries 3i .. 3i + 2
+// (the attention's, the MLP's, and the qk-norm's: None, or a bf16 row a query head then a row a KV head, applied to
+// each q and k head before rotary as the fused block's HeadRMSNorm does), its linears 4i .. 4i + 3 (three tensors
+// each: weight, scales, bias), its query and KV heads entries 2i and 2i + 1 of heads, its scale entry i. With a head
+// (HeadCall) the call returns its logits [B, vocab], else the last layer's hidden states. Every layer and the head
+// are checked before any is run.
 at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, at::IntArrayRef layers,
                          const at::Tensor& slots, const c10::List<std::optional<at::Tensor>>& masks, int64_t kv_len,
                          const c10::List<std::optional<at::Tensor>>& cos,
-                         const c10::List<std::optional<at::Tensor>>& sin, at::TensorList norms,
-                         at::ArrayRef<double> eps, const c10::List<std::optional<at::Tensor>>& tensors,
-                         at::IntArrayRef kinds, at::IntArrayRef groups, at::IntArrayRef heads,
-                         at::ArrayRef<double> scales, const c10::List<std::optional<at::Tensor>>& head,
+                         const c10::List<std::optional<at::Tensor>>& sin,
+                         const c10::List<std::optional<at::Tensor>>& norms, at::ArrayRef<double> eps,
+                         const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds,
+                         at::IntArrayRef groups, at::IntArrayRef heads, at::ArrayRef<double> scales,
+                         const c10::List<std::optional<at::Tensor>>& head,
                          double head_eps, int64_t head_kind, int64_t head_group) {
   check_isa("decode_layers");
   const int64_t n = static_cast<int64_t>(layers.size());
@@ -5292,7 +5322,8 @@ int64_t next_stack_number = 1;
 
 // decode_layers' unchanging arguments, checked and kept for decode_registered calls (layer i takes mask mask_of[i] and
 // rotary table rope_of[i] of a call's lists); returns the stack's number. It holds the tensors until release_layers.
-int64_t register_layers(at::IntArrayRef layers, at::TensorList norms, at::ArrayRef<double> eps,
+int64_t register_layers(at::IntArrayRef layers, const c10::List<std::optional<at::Tensor>>& norms,
+                        at::ArrayRef<double> eps,
                         const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds,
                         at::IntArrayRef groups, at::IntArrayRef heads, at::ArrayRef<double> scales,
                         const c10::List<std::optional<at::Tensor>>& head, double head_eps, int64_t head_kind,
@@ -5362,13 +5393,13 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("experts_decode(Tensor x, Tensor index, Tensor weights, int[] chosen, int experts, Tensor?[] tensors, "
           "int[] kinds, int[] groups) -> Tensor");
   lib.def("decode_layers(Tensor x, Tensor(a!) keys, Tensor(b!) values, int[] layers, Tensor slots, Tensor?[] masks, "
-          "int kv_len, Tensor?[] cos, Tensor?[] sin, Tensor[] norms, float[] eps, Tensor?[] tensors, int[] kinds, "
+          "int kv_len, Tensor?[] cos, Tensor?[] sin, Tensor?[] norms, float[] eps, Tensor?[] tensors, int[] kinds, "
           "int[] groups, int[] heads, float[] scales, Tensor?[] head, float head_eps, int head_kind, int head_group) "
           "-> Tensor");
   lib.def("decode_registered(Tensor x, Tensor(a!) keys, Tensor(b!) values, int stack, Tensor slots, Tensor?[] masks, "
           "int kv_len, Tensor?[] cos, Tensor?[] sin) -> Tensor");
   // keeps tensors, computes nothing: one kernel for every backend
-  lib.def("register_layers(int[] layers, Tensor[] norms, float[] eps, Tensor?[] tensors, int[] kinds, int[] groups, "
+  lib.def("register_layers(int[] layers, Tensor?[] norms, float[] eps, Tensor?[] tensors, int[] kinds, int[] groups, "
           "int[] heads, float[] scales, Tensor?[] head, float head_eps, int head_kind, int head_group, int hidden, "
           "int head_dim, int[] mask_of, int[] rope_of) -> int", &register_layers);
   // no tensors: one kernel for every backend
