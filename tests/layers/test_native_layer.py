@@ -626,3 +626,61 @@ def test_a_qk_norm_scaled_in_float32_keeps_its_blocks_own_ops():
     assert unfit_reason(block) is None
     block.qk_norm.offset = 1.0
     assert unfit_reason(block) == "its qk-norm scales in float32 (an offset weight, as Gemma 3's)"
+
+
+# ---- a block whose MLP runs elsewhere: its attention half in one native call (decode_attention_half) ---------------
+def decode_with_attention_half(engine, on: bool):
+    """``decode``'s steps with the blocks' attention halves in native calls or on their own ops."""
+    blocks = engine.runtime.blocks
+    chosen = [block.native_attention_half for block in blocks]
+    for block in blocks:
+        block.native_attention_half = block.native_attention_half and on
+    try:
+        with torch.profiler.profile() as profile:
+            out = decode(engine, False)
+    finally:
+        for block, was in zip(blocks, chosen):
+            block.native_attention_half = was
+    calls = sum(event.name == "splice_kernels::decode_attention_half" for event in profile.events())
+    return out, calls
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])  # qkv biases (qwen2_moe), qk-norm (qwen3)
+@pytest.mark.parametrize("scheme", ["bf16", "int4-sym"])
+def test_a_mixture_of_experts_attention_half_steps_as_its_own_ops_do(family, scheme):
+    engine = engine_of(family, scheme)
+    blocks = engine.runtime.blocks
+    assert all(block.native_attention_half and not block.native_layer for block in blocks)
+    assert "(a mixture of experts); its attention in one" in engine.step_report("kernels").summary()
+    (logits, keys, values), calls = decode_with_attention_half(engine, True)
+    (expected, expected_keys, expected_values), none = decode_with_attention_half(engine, False)
+    assert calls == STEPS * len(blocks) and none == 0
+    assert (logits - expected).abs().max().item() <= 0.02 * expected.abs().max().item()
+    assert (logits.argmax(-1) == expected.argmax(-1)).all()
+    for got, want in ((keys, expected_keys), (values, expected_values)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02 * want.abs().max().item())
+
+
+def test_the_attention_half_op_names_bad_inputs():
+    engine = engine_of("mixtral")
+    runtime, block = engine.runtime, engine.runtime.blocks[0]
+    cache = runtime.new_cache(1)
+    x = torch.randn(1, 1, 64).to(torch.bfloat16)
+    cos, sin = runtime.rope().lookup(torch.tensor([[3]]))
+    call = native_layer.attention_call(block, 1)
+
+    def run(call=call, x=x, layer=0):
+        return native_layer.decode_attention_half(call._replace(layer=layer), x, cache.keys, cache.values,
+                                                  torch.tensor([3]), None, 4, cos, sin)
+
+    out, normed = run()
+    assert out.shape == normed.shape == x.shape
+    with pytest.raises(RuntimeError, match="decode_attention_half: cache layer 5 outside 0 .. 1"):
+        run(layer=5)
+    with pytest.raises(RuntimeError, match=r"decode_attention_half: 1 layers take 6 tensors \(6 a layer\), got 5"):
+        run(call._replace(tensors=call.tensors[:5]))
+    with pytest.raises(RuntimeError, match=r"layer 0: the qkv linear is \[128, 64\] \(outputs, inputs\); the layer "
+                                           r"needs \[96, 64\]"):
+        run(call._replace(heads=[2, 2]))
+    with pytest.raises(RuntimeError, match="x must be a contiguous bf16 CPU tensor"):
+        run(x=x.float())

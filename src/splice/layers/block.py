@@ -109,6 +109,8 @@ class SpliceBlock(nn.Module):
         self.scale = layout.scale if layout.scale is not None else shape.head_dim ** -0.5
         self.native_attention = False  # decode steps on splice's attention kernel (the kernels step's choice)
         self.native_layer = False  # decode steps in native calls (layers.native_layer; the kernels step's choice)
+        # a block whose MLP runs elsewhere (a mixture of experts'): its decode steps' attention half in a native call
+        self.native_attention_half = False
         if alibi_slopes is not None:
             self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
         else:
@@ -160,7 +162,17 @@ class SpliceBlock(nn.Module):
         """splice's native path: updates ``x`` in place (post-norm: returns a new tensor), keys and values go to
         ``cache`` at ``slots``.
 
-        ``mask`` None means plain causal attention over the first ``kv_len`` slots (an unpadded prompt)."""
+        ``mask`` None means plain causal attention over the first ``kv_len`` slots (an unpadded prompt). A decode step
+        of a block whose attention half the kernels step put on a native call (``native_attention_half``) makes that
+        call, then its MLP."""
+        if self.native_attention_half:
+            from .native_layer import attention_call, decode_attention_half, step_takes_calls
+
+            call = attention_call(self, x.shape[0]) if step_takes_calls(x) and (
+                mask is None or mask.dtype == torch.bool) else None
+            if call is not None:
+                out, h = decode_attention_half(call, x, cache.keys, cache.values, slots, mask, kv_len, cos, sin)
+                return out.add_(self.mlp(h))
         q, k, v, h = self.project(x, cos, sin)
         k, v = cache.update(self.layer_idx, k, v, slots, kv_len)
         bias = self.alibi(q.shape[2], kv_len, cache.valid[:, :kv_len], None if mask is None else slots)

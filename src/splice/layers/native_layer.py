@@ -91,6 +91,15 @@ def unfit_reason(block: nn.Module) -> str | None:
         return "its layout is not a causal pre-norm block with a sequential residual and a gated MLP"
     if shape.activation not in ("silu", "swish"):
         return f"its MLP's activation is {shape.activation}, not SiLU"
+    return attention_unfit_reason(block) or linears_unfit_reason(block, ("gate_up", "down"))
+
+
+def attention_unfit_reason(block: nn.Module) -> str | None:
+    """Why ``block``'s attention half (its norm, qkv, rotary, attention, o and residual add, and its MLP's norm) cannot
+    step in a native call (``decode_attention_half``), or None if it can."""
+    layout, shape = block.layout, block.shape
+    if not (layout.causal and layout.norm_before and not layout.parallel):
+        return "its layout is not a causal pre-norm block with a sequential residual"
     extras = [name for name in ("attn_out_norm", "mlp_out_norm", "alibi_slopes") if getattr(block, name) is not None]
     if extras or layout.softcap is not None:
         return f"it has {', '.join(extras or ['soft-capped scores'])}"
@@ -102,7 +111,11 @@ def unfit_reason(block: nn.Module) -> str | None:
             return "its norms are not RMSNorm with bf16 weights"
     if shape.head_dim % 16 or shape.head_dim > 256:
         return f"its head_dim {shape.head_dim} is not a multiple of 16 up to 256"
-    for name in LINEARS:
+    return linears_unfit_reason(block, ("qkv", "o"))
+
+
+def linears_unfit_reason(block: nn.Module, names: tuple[str, ...]) -> str | None:
+    for name in names:
         if layer_gemv(getattr(block, name)) is None:
             return f"its {name} linear ({type(getattr(block, name)).__name__}) runs no native GEMV for decode rows"
     return None
@@ -137,7 +150,22 @@ def layer_call(block: nn.Module, rows: int, read=getattr) -> LayerCall | None:
     (:func:`held` in eager steps, ``getattr`` in a compiled step's trace)."""
     if not block.native_layer:
         return None
-    linears = [read(block, name) for name in LINEARS]
+    return linears_call(block, LINEARS, rows, read)
+
+
+def attention_call(block: nn.Module, rows: int) -> LayerCall | None:
+    """The block's part of a ``decode_attention_half`` call (a :class:`LayerCall` of its qkv and o linears) for a step
+    of ``rows`` rows that takes calls (:func:`step_takes_calls`), or None where it runs its own ops: not chosen by the
+    kernels step (``native_attention_half``), or its qkv or o linear without a native GEMV that takes these rows."""
+    if not block.native_attention_half:
+        return None
+    return linears_call(block, ("qkv", "o"), rows, getattr)
+
+
+def linears_call(block: nn.Module, names: tuple[str, ...], rows: int, read) -> LayerCall | None:
+    """The block's :class:`LayerCall` with its linears ``names``, or None where one runs no native GEMV that takes
+    ``rows`` rows."""
+    linears = [read(block, name) for name in names]
     gemvs = [layer_gemv(linear) for linear in linears]
     if not all(gemv is not None and rows <= native.MAX_ROWS[gemv.rows] for gemv in gemvs):
         return None
@@ -148,6 +176,16 @@ def layer_call(block: nn.Module, rows: int, read=getattr) -> LayerCall | None:
     return LayerCall(block.layer_idx, (read(attn_norm, "weight"), read(mlp_norm, "weight"), qk[0]),
                      (attn_norm.eps, mlp_norm.eps, qk[1]), tensors, [gemv.kind for gemv in gemvs],
                      [gemv.group for gemv in gemvs], (shape.n_heads, shape.n_kv_heads), block.scale)
+
+
+def decode_attention_half(call: LayerCall, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          slots: torch.Tensor, mask: torch.Tensor | None, kv_len: int, cos: torch.Tensor | None,
+                          sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block's attention half for decode rows ``x`` in one native call (its keys and values written into its layer
+    of ``keys, values``, the cache, at ``slots``): the rows after the attention's residual add and their MLP norm."""
+    out, normed = torch.ops.splice_kernels.decode_attention_half(x.contiguous(), keys, values, call.layer, slots,
+                                                                 mask, kv_len, cos, sin, *call[1:])
+    return out, normed
 
 
 class ExpertsCall(NamedTuple):

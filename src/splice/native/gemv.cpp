@@ -4943,13 +4943,14 @@ void silu_mul_rows(const at::Tensor& gate_up, int64_t ffn, const at::Tensor& act
   });
 }
 
-// The layer's step for rows x [B, 1, hidden] (checked: decode_layers) into out (the same shape; not x), with its
-// inputs `in` and buffers b: its keys and values written at slots. In a team every thread calls it; the leader runs
-// the small ops between the kernels, and out is complete (on the leader) when it returns.
-void layer_step(const at::Tensor& x, const LayerCall& l, const LayerInputs& in, const at::Tensor& slots,
-                int64_t kv_len, LayerBuffers& b, const at::Tensor& out) {
+// The attention half of a layer's step for rows x [B, 1, hidden] (checked: decode_layers) into out (the same shape;
+// not x: x plus the attention's o), and its MLP's RMSNorm of out into b.normed, with its inputs `in` and buffers b:
+// its keys and values written at slots. In a team every thread calls it; the leader runs the small ops between the
+// kernels, and out and b.normed are complete (on every thread) when it returns.
+void attention_step(const at::Tensor& x, const LayerCall& l, const LayerInputs& in, const at::Tensor& slots,
+                    int64_t kv_len, LayerBuffers& b, const at::Tensor& out) {
   const std::vector<LayerLinear>& linears = l.linears;
-  const int64_t batch = x.size(0), hidden = x.size(2), dim = in.keys.size(3), ffn = linear_shape(linears[3]).second;
+  const int64_t batch = x.size(0), hidden = x.size(2), dim = in.keys.size(3);
   at::BFloat16* normed = b.normed.data_ptr<at::BFloat16>();
   at::BFloat16* outp = out.data_ptr<at::BFloat16>();
   if (leads_team()) rms_norm_rows(x.data_ptr<at::BFloat16>(), batch, hidden, l.attn_norm, l.attn_eps, normed);
@@ -4969,6 +4970,17 @@ void layer_step(const at::Tensor& x, const LayerCall& l, const LayerInputs& in, 
     rms_norm_rows(outp, batch, hidden, l.mlp_norm, l.mlp_eps, normed);
   }
   team_barrier();
+}
+
+// The layer's step for rows x [B, 1, hidden] (checked: decode_layers) into out (the same shape; not x), with its
+// inputs `in` and buffers b: its keys and values written at slots. In a team every thread calls it; the leader runs
+// the small ops between the kernels, and out is complete (on the leader) when it returns.
+void layer_step(const at::Tensor& x, const LayerCall& l, const LayerInputs& in, const at::Tensor& slots,
+                int64_t kv_len, LayerBuffers& b, const at::Tensor& out) {
+  const std::vector<LayerLinear>& linears = l.linears;
+  const int64_t batch = x.size(0), hidden = x.size(2), ffn = linear_shape(linears[3]).second;
+  at::BFloat16* outp = out.data_ptr<at::BFloat16>();
+  attention_step(x, l, in, slots, kv_len, b, out);
   layer_gemv_into(linears[2], b.normed, b.gate_up);
   silu_mul_rows(b.gate_up, ffn, b.act);
   team_barrier();
@@ -5023,9 +5035,42 @@ struct LayerStack {
   int64_t hidden = 0, head_dim = 0;
 };
 
-// The stack of n = layers.size() layers from decode_layers' lists (layer i: norms 2i and 2i + 1, linears 4i .. 4i + 3
-// of three tensors each, heads 2i and 2i + 1, scale i; its mask and rotary rows those at mask_of[i] and rope_of[i] of
-// a step's lists), for rows of `hidden` and heads of `head_dim`: every norm, linear and the head checked against them.
+// Layer i's norms (the attention's, the MLP's, the qk-norm's or None), eps, heads and scale from decode_layers' lists
+// (their sizes checked beforehand) into l, checked.
+void take_layer_norms(LayerCall& l, const c10::List<std::optional<at::Tensor>>& norms, at::ArrayRef<double> eps,
+                      at::IntArrayRef heads, at::ArrayRef<double> scales, int64_t i, int64_t hidden, int64_t head_dim,
+                      const std::string& who) {
+  const std::optional<at::Tensor> attn_norm = norms.get(LAYER_NORMS * i), mlp_norm = norms.get(LAYER_NORMS * i + 1);
+  const std::optional<at::Tensor> qk_norm = norms.get(LAYER_NORMS * i + 2);
+  TORCH_CHECK(attn_norm.has_value() && mlp_norm.has_value(), who, ": the attention and MLP norms' weights are "
+              "needed (only the qk-norm may be None)");
+  l.attn_norm = *attn_norm;
+  l.mlp_norm = *mlp_norm;
+  l.attn_eps = eps[LAYER_NORMS * i];
+  l.mlp_eps = eps[LAYER_NORMS * i + 1];
+  l.qk_eps = eps[LAYER_NORMS * i + 2];
+  l.n_heads = heads[2 * i];
+  l.n_kv_heads = heads[2 * i + 1];
+  l.scale = scales[i];
+  for (const at::Tensor* norm : {&l.attn_norm, &l.mlp_norm})
+    check_norm_weight(*norm, hidden, who + ": the norms' weights");
+  TORCH_CHECK(l.n_kv_heads >= 1 && l.n_heads % l.n_kv_heads == 0, who, ": ", l.n_heads,
+              " query heads are not a multiple of ", l.n_kv_heads, " KV heads");
+  if (qk_norm) {
+    l.qk_norm = *qk_norm;
+    TORCH_CHECK(l.qk_norm.dim() == 2 && l.qk_norm.size(0) == l.n_heads + l.n_kv_heads &&
+                    l.qk_norm.size(1) == head_dim && l.qk_norm.scalar_type() == at::kBFloat16 &&
+                    l.qk_norm.is_contiguous(),
+                who, ": the qk-norm's weights must be contiguous bf16 [", l.n_heads + l.n_kv_heads, ", ", head_dim,
+                "] (a row a query head, then a row a KV head), got ", l.qk_norm.scalar_type(), " ",
+                l.qk_norm.sizes());
+  }
+}
+
+// The stack of n = layers.size() layers from decode_layers' lists (layer i: norms and eps 3i .. 3i + 2, linears
+// 4i .. 4i + 3 of three tensors each, heads 2i and 2i + 1, scale i; its mask and rotary rows those at mask_of[i] and
+// rope_of[i] of a step's lists), for rows of `hidden` and heads of `head_dim`: every norm, linear and the head checked
+// against them.
 LayerStack layer_stack(at::IntArrayRef layers, const c10::List<std::optional<at::Tensor>>& norms,
                        at::ArrayRef<double> eps,
                        const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds,
@@ -5056,31 +5101,7 @@ LayerStack layer_stack(at::IntArrayRef layers, const c10::List<std::optional<at:
   for (int64_t i = 0; i < n; ++i) {
     const std::string who = std::string(op) + ": layer " + std::to_string(i);
     LayerCall& l = stack.calls[i];
-    const std::optional<at::Tensor> attn_norm = norms.get(LAYER_NORMS * i), mlp_norm = norms.get(LAYER_NORMS * i + 1);
-    const std::optional<at::Tensor> qk_norm = norms.get(LAYER_NORMS * i + 2);
-    TORCH_CHECK(attn_norm.has_value() && mlp_norm.has_value(), who, ": the attention and MLP norms' weights are "
-                "needed (only the qk-norm may be None)");
-    l.attn_norm = *attn_norm;
-    l.mlp_norm = *mlp_norm;
-    l.attn_eps = eps[LAYER_NORMS * i];
-    l.mlp_eps = eps[LAYER_NORMS * i + 1];
-    l.qk_eps = eps[LAYER_NORMS * i + 2];
-    l.n_heads = heads[2 * i];
-    l.n_kv_heads = heads[2 * i + 1];
-    l.scale = scales[i];
-    for (const at::Tensor* norm : {&l.attn_norm, &l.mlp_norm})
-      check_norm_weight(*norm, hidden, who + ": the norms' weights");
-    TORCH_CHECK(l.n_kv_heads >= 1 && l.n_heads % l.n_kv_heads == 0, who, ": ", l.n_heads,
-                " query heads are not a multiple of ", l.n_kv_heads, " KV heads");
-    if (qk_norm) {
-      l.qk_norm = *qk_norm;
-      TORCH_CHECK(l.qk_norm.dim() == 2 && l.qk_norm.size(0) == l.n_heads + l.n_kv_heads &&
-                      l.qk_norm.size(1) == head_dim && l.qk_norm.scalar_type() == at::kBFloat16 &&
-                      l.qk_norm.is_contiguous(),
-                  who, ": the qk-norm's weights must be contiguous bf16 [", l.n_heads + l.n_kv_heads, ", ", head_dim,
-                  "] (a row a query head, then a row a KV head), got ", l.qk_norm.scalar_type(), " ",
-                  l.qk_norm.sizes());
-    }
+    take_layer_norms(l, norms, eps, heads, scales, i, hidden, head_dim, who);
     l.linears = layer_linears(tensors, kinds, groups, i, who);
     check_layer_linears(l.linears, hidden, (l.n_heads + 2 * l.n_kv_heads) * head_dim, l.n_heads * head_dim, who);
     for (LayerLinear& linear : l.linears)
@@ -5188,6 +5209,64 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::
   const LayerStack stack = layer_stack(layers, norms, eps, tensors, kinds, groups, heads, scales, head, head_eps,
                                        head_kind, head_group, x.size(2), keys.size(4), each, each, "decode_layers");
   return run_layer_stack(stack, x, keys, values, slots, masks, kv_len, cos, sin, "decode_layers");
+}
+
+// decode_attention_half(x, keys, values, layer, slots, mask, kv_len, cos, sin, norms, eps, tensors, kinds, groups,
+// heads, scale): the attention half of one layer's decode step (attention_step) for a layer whose MLP runs elsewhere (a
+// mixture of experts' own module), its arguments as decode_layers takes one layer's but for two linears (qkv, o):
+// returns the rows after the attention's residual add and their MLP norm, [B, 1, hidden] each. Its inputs are checked
+// before the cache is written.
+std::vector<at::Tensor> decode_attention_half(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values,
+                                              int64_t layer, const at::Tensor& slots,
+                                              const std::optional<at::Tensor>& mask, int64_t kv_len,
+                                              const std::optional<at::Tensor>& cos,
+                                              const std::optional<at::Tensor>& sin,
+                                              const c10::List<std::optional<at::Tensor>>& norms,
+                                              at::ArrayRef<double> eps,
+                                              const c10::List<std::optional<at::Tensor>>& tensors,
+                                              at::IntArrayRef kinds, at::IntArrayRef groups, at::IntArrayRef heads,
+                                              double scale) {
+  const char* op = "decode_attention_half";
+  check_isa(op);
+  TORCH_CHECK(keys.dim() == 5 && values.dim() == 5 && x.dim() == 3, op, ": keys and values must be the whole cache "
+              "[layers, B, kv_heads, L, head_dim] and x [B, 1, hidden], got ", keys.sizes(), ", ", values.sizes(),
+              " and ", x.sizes());
+  TORCH_CHECK(0 <= layer && layer < keys.size(0), op, ": cache layer ", layer, " outside 0 .. ", keys.size(0) - 1);
+  const int64_t got[] = {static_cast<int64_t>(norms.size()), static_cast<int64_t>(eps.size()),
+                         static_cast<int64_t>(tensors.size()), static_cast<int64_t>(kinds.size()),
+                         static_cast<int64_t>(groups.size()), static_cast<int64_t>(heads.size())};
+  const int64_t per_layer[] = {LAYER_NORMS, LAYER_NORMS, 2 * TENSORS_PER_LINEAR, 2, 2, 2};
+  const char* const names[] = {"norms", "eps", "tensors", "kinds", "groups", "heads"};
+  check_list_sizes(1, got, per_layer, names, op);
+  const int64_t hidden = x.size(2), head_dim = keys.size(4);
+  TORCH_CHECK(head_dim > 0 && head_dim_fits(head_dim), op, ": head_dim ", head_dim,
+              "; the layers take a head_dim a multiple of 16 up to ", MAX_HEAD_DIM);
+  const std::string who = std::string(op) + ": layer " + std::to_string(layer);
+  LayerCall l;
+  take_layer_norms(l, norms, eps, heads, at::ArrayRef<double>(&scale, 1), 0, hidden, head_dim, who);
+  l.linears.resize(2);
+  const char* linear_names[] = {"qkv", "o"};
+  const std::pair<int64_t, int64_t> wanted[] = {{(l.n_heads + 2 * l.n_kv_heads) * head_dim, hidden},
+                                                {hidden, l.n_heads * head_dim}};
+  for (int64_t i = 0; i < 2; ++i) {
+    LayerLinear& linear = l.linears[i];
+    const std::string name = who + ": the " + linear_names[i] + " linear";
+    linear.kind = kinds[i];
+    linear.group = groups[i];
+    take_linear_tensors(linear, tensors, i * TENSORS_PER_LINEAR, name);
+    check_layer_linear(linear, name);
+    TORCH_CHECK(linear_shape(linear) == wanted[i], name, " is [", linear_shape(linear).first, ", ",
+                linear_shape(linear).second, "] (outputs, inputs); the layer needs [", wanted[i].first, ", ",
+                wanted[i].second, "]");
+    if (linear.bias.defined()) linear.bias = linear.bias.to(at::kBFloat16).contiguous();
+  }
+  const LayerInputs in{keys.select(0, layer), values.select(0, layer), mask, cos, sin};
+  check_layer_inputs(x, in.keys, in.values, slots, kv_len, in.cos, in.sin, l.n_kv_heads, who);
+  check_layer_mask(in.mask, x.size(0), kv_len, who);
+  LayerBuffers b = layer_buffers(x, l, 0, head_dim, kv_len);
+  const at::Tensor out = at::empty_like(x);
+  run_as_team([&] { attention_step(x, l, in, slots, kv_len, b, out); });
+  return {out, b.normed.view(x.sizes())};
 }
 
 // ---- a mixture of experts' routed experts for decode rows ----------------------------------------------------------
@@ -5390,6 +5469,9 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("greedy_next(Tensor logits, Tensor(a!) sequences, int column, Tensor(b!) unfinished, Tensor? eos, int pad) "
           "-> (Tensor, int)");
   lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  lib.def("decode_attention_half(Tensor x, Tensor(a!) keys, Tensor(b!) values, int layer, Tensor slots, "
+          "Tensor? mask, int kv_len, Tensor? cos, Tensor? sin, Tensor?[] norms, float[] eps, Tensor?[] tensors, "
+          "int[] kinds, int[] groups, int[] heads, float scale) -> Tensor[]");
   lib.def("experts_decode(Tensor x, Tensor index, Tensor weights, int[] chosen, int experts, Tensor?[] tensors, "
           "int[] kinds, int[] groups) -> Tensor");
   lib.def("decode_layers(Tensor x, Tensor(a!) keys, Tensor(b!) values, int[] layers, Tensor slots, Tensor?[] masks, "
@@ -5450,6 +5532,7 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("greedy_next", &greedy_next);
   lib.impl("decode_layers", &decode_layers);
   lib.impl("experts_decode", &experts_decode);
+  lib.impl("decode_attention_half", &decode_attention_half);
   lib.impl("rms_norm", &rms_norm);
   lib.impl("decode_registered", &decode_registered);
 }

@@ -23,7 +23,7 @@ from torch import nn
 from ..layers.block import SpliceBlock
 from ..layers.causal_lm import SpliceCausalLM
 from ..layers.experts import experts_matrices, experts_of_linears
-from ..layers.native_layer import unfit_reason
+from ..layers.native_layer import attention_unfit_reason, unfit_reason
 from ..layers.native_linear import NativeLinear
 from ..layers.norm import RMSNorm
 from ..layers.packed_linear import PackedLinear
@@ -134,6 +134,9 @@ def choose_native_layers(blocks, plan: Plan) -> str:
     for block in blocks:
         reason = unfit_reason(block)
         block.native_layer = reason is None
+        if reason is not None and block.moe is not None:  # its MLP elsewhere: its attention half in a call maybe
+            block.native_attention_half = attention_unfit_reason(block) is None
+            reason += "; its attention in one" if block.native_attention_half else ""
         if reason is not None:
             reasons.setdefault(reason, block.layer_idx)
     taken = sum(block.native_layer for block in blocks)
