@@ -77,12 +77,14 @@ def experts_of_linears(module: nn.Module, make_linear: Callable[[torch.Tensor, t
     return copied
 
 
+@torch.compiler.disable  # which experts run is read from the routing on the host: a graph would keep the traced ones
 def _routed_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """transformers' eager experts forward on per-expert linears: each expert a token was routed to (an index past
     the last expert, which expert parallelism uses for "none here", is skipped), its output times the routing
     weight, added into the token's row. Decode rows whose experts all run native GEMVs take one native call for every
-    expert (``splice_kernels.experts_decode``, :func:`~splice.layers.native_layer.experts_call`)."""
+    expert (``splice_kernels.experts_decode``, :func:`~splice.layers.native_layer.experts_call`). A compiled step runs
+    it eagerly."""
     from .native_layer import experts_call
 
     call = experts_call(self, hidden_states, top_k_index)

@@ -207,7 +207,7 @@ def experts_call(experts: nn.Module, x: torch.Tensor, index: torch.Tensor) -> Ex
     without biases, the chosen experts' linears all on native GEMVs that take these rows, and ``x`` bf16 on CPU."""
     from transformers.integrations.moe import _default_apply_gate
 
-    if not (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2 and native.available()
+    if not (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
             and x.shape[0] <= max(native.MAX_ROWS.values()) and experts.has_gate and not experts.has_bias
             and isinstance(experts.act_fn, SILU_CLASSES)
             and getattr(type(experts), "_apply_gate", None) is _default_apply_gate):

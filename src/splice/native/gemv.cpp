@@ -5216,16 +5216,12 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::
 // mixture of experts' own module), its arguments as decode_layers takes one layer's but for two linears (qkv, o):
 // returns the rows after the attention's residual add and their MLP norm, [B, 1, hidden] each. Its inputs are checked
 // before the cache is written.
-std::vector<at::Tensor> decode_attention_half(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values,
-                                              int64_t layer, const at::Tensor& slots,
-                                              const std::optional<at::Tensor>& mask, int64_t kv_len,
-                                              const std::optional<at::Tensor>& cos,
-                                              const std::optional<at::Tensor>& sin,
-                                              const c10::List<std::optional<at::Tensor>>& norms,
-                                              at::ArrayRef<double> eps,
-                                              const c10::List<std::optional<at::Tensor>>& tensors,
-                                              at::IntArrayRef kinds, at::IntArrayRef groups, at::IntArrayRef heads,
-                                              double scale) {
+std::tuple<at::Tensor, at::Tensor> decode_attention_half(
+    const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, int64_t layer, const at::Tensor& slots,
+    const std::optional<at::Tensor>& mask, int64_t kv_len, const std::optional<at::Tensor>& cos,
+    const std::optional<at::Tensor>& sin, const c10::List<std::optional<at::Tensor>>& norms, at::ArrayRef<double> eps,
+    const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds, at::IntArrayRef groups,
+    at::IntArrayRef heads, double scale) {
   const char* op = "decode_attention_half";
   check_isa(op);
   TORCH_CHECK(keys.dim() == 5 && values.dim() == 5 && x.dim() == 3, op, ": keys and values must be the whole cache "
@@ -5471,7 +5467,7 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   lib.def("decode_attention_half(Tensor x, Tensor(a!) keys, Tensor(b!) values, int layer, Tensor slots, "
           "Tensor? mask, int kv_len, Tensor? cos, Tensor? sin, Tensor?[] norms, float[] eps, Tensor?[] tensors, "
-          "int[] kinds, int[] groups, int[] heads, float scale) -> Tensor[]");
+          "int[] kinds, int[] groups, int[] heads, float scale) -> (Tensor, Tensor)");
   lib.def("experts_decode(Tensor x, Tensor index, Tensor weights, int[] chosen, int experts, Tensor?[] tensors, "
           "int[] kinds, int[] groups) -> Tensor");
   lib.def("decode_layers(Tensor x, Tensor(a!) keys, Tensor(b!) values, int[] layers, Tensor slots, Tensor?[] masks, "
