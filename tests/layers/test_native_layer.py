@@ -629,7 +629,7 @@ def test_a_qk_norm_scaled_in_float32_keeps_its_blocks_own_ops():
 
 
 # ---- a block whose MLP runs elsewhere: its attention half in one native call (decode_attention_half) ---------------
-def decode_with_attention_half(engine, on: bool):
+def decode_with_attention_half(engine, on: bool, per_row_slots: bool = False):
     """``decode``'s steps with the blocks' attention halves in native calls or on their own ops."""
     blocks = engine.runtime.blocks
     chosen = [block.native_attention_half for block in blocks]
@@ -637,7 +637,7 @@ def decode_with_attention_half(engine, on: bool):
         block.native_attention_half = block.native_attention_half and on
     try:
         with torch.profiler.profile() as profile:
-            out = decode(engine, False)
+            out = decode(engine, False, per_row_slots)
     finally:
         for block, was in zip(blocks, chosen):
             block.native_attention_half = was
@@ -645,15 +645,18 @@ def decode_with_attention_half(engine, on: bool):
     return out, calls
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])  # qkv biases (qwen2_moe), qk-norm (qwen3)
-@pytest.mark.parametrize("scheme", ["bf16", "int4-sym"])
-def test_a_mixture_of_experts_attention_half_steps_as_its_own_ops_do(family, scheme):
+@pytest.mark.parametrize("family, scheme, per_row_slots", [
+    ("mixtral", "bf16", False), ("mixtral", "int4-sym", False), ("qwen2_moe", "bf16", False),  # qkv biases
+    ("qwen2_moe", "int4-sym", False), ("qwen3_moe", "bf16", False), ("qwen3_moe", "int4-sym", False),  # qk-norm
+    ("mixtral", "bf16", True),  # each row at its own slot, as splice serve's rows
+])
+def test_a_mixture_of_experts_attention_half_steps_as_its_own_ops_do(family, scheme, per_row_slots):
     engine = engine_of(family, scheme)
     blocks = engine.runtime.blocks
     assert all(block.native_attention_half and not block.native_layer for block in blocks)
     assert "(a mixture of experts); its attention in one" in engine.step_report("kernels").summary()
-    (logits, keys, values), calls = decode_with_attention_half(engine, True)
-    (expected, expected_keys, expected_values), none = decode_with_attention_half(engine, False)
+    (logits, keys, values), calls = decode_with_attention_half(engine, True, per_row_slots)
+    (expected, expected_keys, expected_values), none = decode_with_attention_half(engine, False, per_row_slots)
     assert calls == STEPS * len(blocks) and none == 0
     assert (logits - expected).abs().max().item() <= 0.02 * expected.abs().max().item()
     assert (logits.argmax(-1) == expected.argmax(-1)).all()
