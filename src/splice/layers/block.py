@@ -172,7 +172,8 @@ class SpliceBlock(nn.Module):
                 mask is None or mask.dtype == torch.bool) else None
             if call is not None:
                 out, h = decode_attention_half(call, x, cache.keys, cache.values, slots, mask, kv_len, cos, sin)
-                return out.add_(self.mlp(h))
+                mlp = self.mlp(h)  # before out.add_ is looked up: a compiled step may resume after the MLP
+                return out.add_(mlp)
         q, k, v, h = self.project(x, cos, sin)
         k, v = cache.update(self.layer_idx, k, v, slots, kv_len)
         bias = self.alibi(q.shape[2], kv_len, cache.valid[:, :kv_len], None if mask is None else slots)
@@ -281,7 +282,8 @@ class SpliceBlock(nn.Module):
             x = self.attn_norm(x + out)
             return self.mlp_norm(x + self.mlp(x))
         x.add_(out)
-        return x.add_(self.mlp(self.mlp_norm(x)))
+        mlp = self.mlp(self.mlp_norm(x))  # before x.add_ is looked up: a compiled step may resume after the MLP
+        return x.add_(mlp)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         if self.moe is not None:
