@@ -31,7 +31,7 @@ from ..layers.widened_linear import WidenedLinear
 from ..native.memory import SMALL_TENSOR_BYTES, gather_on_huge_pages
 from ..plan import Plan
 from ..quant import QuantizedLinear
-from ..tp.layers import RowParallelLinear, VocabParallelLinear
+from ..tp.layers import RowParallelLinear, VocabParallelLinear, plain_linear
 from . import Stage, StepReport
 
 WRAPPERS = {"native": NativeLinear, "packed": PackedLinear, "widened": WidenedLinear}
@@ -190,18 +190,9 @@ def native_experts(module: nn.Module) -> int:
                                       for w, _ in weights.values()):
                 continue
             gather_on_huge_pages([t for pair in weights.values() for t in pair if t is not None])
-            setattr(parent, name, experts_of_linears(child, native_linear))
+            setattr(parent, name, experts_of_linears(child, lambda w, b: NativeLinear(plain_linear(w, b))))
             count += sum(len(w) for w, _ in weights.values())
     return count
-
-
-def native_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> NativeLinear:
-    """splice's native bf16 GEMV over ``weight [out, in]`` (and ``bias``) as they are."""
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
-    linear.weight = nn.Parameter(weight, requires_grad=False)
-    if bias is not None:
-        linear.bias = nn.Parameter(bias, requires_grad=False)
-    return NativeLinear(linear)
 
 
 def child_linears(module: nn.Module) -> list[tuple[nn.Module, str]]:
