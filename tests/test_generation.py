@@ -672,3 +672,126 @@ def test_a_request_past_the_learned_positions_raises_before_work_without_kernel_
     assert not forwards
     with pytest.raises(ValueError, match="learned positions"):
         splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
+
+
+def greedy_both_ways(engine, ids, monkeypatch, **options):
+    """``engine.generate(ids, **options)`` with greedy decoding's native steps (``runtime.greedy_steps``), then with
+    the loop's own steps (``runtime.greedy_steps`` offering none): the two outcomes, each call's streamed tokens (a
+    streamer given) and the steps each native call took."""
+    runtime = engine.runtime
+    taken, streamed = [], {True: [], False: []}
+    offer = runtime.greedy_steps
+
+    def counted(*args):
+        steps = offer(*args)
+        if steps is None:
+            return None
+
+        def step(*step_args):
+            out = steps(*step_args)
+            if out is not None:
+                taken.append(out[2])
+            return out
+        return step
+
+    class Recorder:
+        def __init__(self, into):
+            self.into = into
+
+        def put(self, value):
+            self.into.append(value.clone())
+
+        def end(self):
+            pass
+
+    outs, stream = {}, options.pop("stream", False)
+    for fused in (True, False):
+        with monkeypatch.context() as patch:
+            patch.setattr(runtime, "greedy_steps", counted if fused else lambda *args: None)
+            streamer = {"streamer": Recorder(streamed[fused])} if stream else {}
+            with torch.inference_mode():
+                outs[fused] = engine.generate(ids, **options, **streamer)
+    return outs[True], outs[False], streamed, taken
+
+
+GREEDY_CASES = [  # family, scheme, overrides, rows
+    ("llama", "bf16", {}, 1),
+    ("llama", "int4-sym", {}, 2),
+    ("qwen3", "bf16", {}, 1),
+    ("mistral", "bf16", {"sliding_window": 14}, 1),  # native calls up to 14 slots, then the loop's steps with a mask
+]
+
+
+@pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("family, scheme, overrides, rows", GREEDY_CASES, ids=[c[0] + "-" + c[1] for c in GREEDY_CASES])
+def test_greedy_steps_in_one_native_call_give_the_loop_s_tokens(family, scheme, overrides, rows, stream, monkeypatch):
+    """bf16 steps that run in one native call take greedy decoding's steps with the loop's bookkeeping (positions,
+    slot, cache marks, the pick, eos, the minimum length's eos ban) in native calls: one a token with a streamer, else
+    one for them all. The same kernels on the same inputs: the tokens (and streamed tokens) of the loop's own steps,
+    which the tests above hold to Hugging Face's: without eos, with an eos id that ends a row early, and with that
+    eos banned below a minimum length."""
+    from .layers.test_native_layer import engine_of
+
+    engine = engine_of(family, scheme) if not overrides else splice.init_inference(
+        build(family, **overrides), replace_with_kernel_inject=True, max_out_tokens=64, dtype=torch.bfloat16)
+    ids = torch.randint(3, 100, (rows, 10), generator=torch.Generator().manual_seed(1))
+    options = dict(max_new_tokens=12, do_sample=False, stream=stream)
+    got, expected, streamed, taken = greedy_both_ways(engine, ids, monkeypatch, eos_token_id=None, **options)
+    assert torch.equal(got, expected) and got.shape == (rows, 22)
+    new = 12 - 1  # the first new token comes from the prompt's logits
+    if family == "mistral":
+        new = 14 - 10  # the steps attending to up to 14 slots
+    assert taken == ([1] * new if stream else [new])
+    assert all(torch.equal(a, b) for a, b in zip(streamed[True], streamed[False], strict=True))
+    eos = int(got[0, 13])  # the fourth new token of the first row
+    for minimum in ({}, {"min_new_tokens": 6}):
+        got, expected, streamed, taken = greedy_both_ways(engine, ids, monkeypatch, eos_token_id=eos, pad_token_id=0,
+                                                      **options, **minimum)
+        assert torch.equal(got, expected) and taken
+        assert all(torch.equal(a, b) for a, b in zip(streamed[True], streamed[False], strict=True))
+        if not minimum and rows == 1:
+            assert got.shape[1] <= 14  # the first row's eos ended it
+        if minimum:
+            assert not (got[:, 10:16] == eos).any()  # eos banned for the first 6 new tokens
+
+
+@pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
+def test_greedy_steps_scale_the_embeddings_as_the_loop_does(monkeypatch):
+    """A family that scales its embeddings (the runtime's ``embed_scale``, a value bf16 rounds): the native steps
+    round the scaled rows as torch does, so the loop's tokens."""
+    from .layers.test_native_layer import engine_of
+
+    engine = engine_of("llama")
+    engine.runtime.embed_scale = 3.3
+    ids = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(2))
+    got, expected, _, taken = greedy_both_ways(engine, ids, monkeypatch, max_new_tokens=16, do_sample=False,
+                                               eos_token_id=None)
+    assert torch.equal(got, expected) and taken == [15]
+    engine.runtime.embed_scale = None
+    plain, _, _, _ = greedy_both_ways(engine, ids, monkeypatch, max_new_tokens=16, do_sample=False, eos_token_id=None)
+    assert not torch.equal(plain, got)  # the scale changed the tokens
+
+
+@pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
+def test_greedy_steps_stay_in_the_loop_where_a_step_needs_what_they_do_not_do(monkeypatch):
+    """A left-padded batch (its steps need a mask), float32 (no native steps), sampling and a timed forward
+    (``profile_model_time``: every step timed) step through the loop."""
+    from .layers.test_native_layer import engine_of
+
+    engine = engine_of("llama")
+    ids, mask = padded_batch(batch=2, length=10)
+    taken = []
+    offer = engine.runtime.greedy_steps
+    monkeypatch.setattr(engine.runtime, "greedy_steps", lambda *args: taken.append(offer(*args)) or taken[-1])
+    with torch.inference_mode():
+        engine.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, eos_token_id=None)
+        engine.generate(ids[:1], max_new_tokens=4, do_sample=True, eos_token_id=None)
+        engine.profile_model_time()
+        engine.generate(ids[:1], max_new_tokens=4, do_sample=False, eos_token_id=None)
+        assert len(engine.model_times()) == 4
+    assert taken == [None]  # asked once, for the padded batch
+    float_engine = splice.init_inference(build_family("llama"), replace_with_kernel_inject=True, max_out_tokens=64)
+    with torch.inference_mode():
+        float_engine.generate(ids[:1], max_new_tokens=4, do_sample=False, eos_token_id=None)
+    assert float_engine.runtime.greedy_steps(1, float_engine.runtime.cache_for(1), None, 0, 0) is None

@@ -589,6 +589,12 @@ def decode(runtime: SpliceCausalLM, req: Request, streamer=None, timer: ForwardT
     # greedy, no processor, no scores kept: the pick reads the logits as they are (the indices of their float32
     # copies, which it does not need to make)
     pick_from_logits = native_pick and not req.processors and not (req.output_scores or req.output_logits)
+    # greedy, no scores kept, no processor but the minimum lengths' eos ban, no forward timed: the loop's steps may run
+    # in native calls that do the loop's bookkeeping too (runtime.greedy_steps), all of them in one without a streamer
+    bans = [p.length for p in req.processors if isinstance(p, EosBannedBelowLength)]
+    fused = runtime.greedy_steps(batch, cache, req.eos, req.pad if req.eos is not None else 0, max(bans, default=0)) \
+        if native_pick and timer is None and sequences.device.type == "cpu" and len(bans) == len(req.processors) \
+        and not (req.output_scores or req.output_logits) else None
     while True:
         running = None  # the rows not finished, where the pick counted them
         if pick_from_logits and native.argmax_fits(logits) and sequences.device.type == "cpu":
@@ -612,6 +618,19 @@ def decode(runtime: SpliceCausalLM, req: Request, streamer=None, timer: ForwardT
         if streamer is not None:
             streamer.put(tokens.cpu())
         if length == total or not (running if running is not None else bool(unfinished.any())):
+            break
+        finished = False
+        while fused is not None and not finished:
+            steps = fused(sequences, length, position, slot, unfinished, 1 if streamer is not None else total - length)
+            if steps is None:  # past a layer's window: its steps need a mask from here on
+                fused = None
+                break
+            tokens, running, taken = steps
+            length += taken
+            if streamer is not None:
+                streamer.put(tokens.cpu())
+            finished = length == total or not running
+        if finished:
             break
         position.add_(1)
         slot.add_(1)

@@ -516,6 +516,60 @@ def test_the_registered_ops_name_bad_inputs():
     assert ops.registered_layer_stacks() == count  # nothing kept from a refused call
 
 
+def test_decode_greedy_names_what_it_cannot_take_before_writing():
+    """Greedy decoding's native steps (``decode_greedy``) refuse a step whose rows have padding, a slot that is not
+    the step's last, a token outside the embedding, columns past the sequences, rotary tables the layers do not read
+    or layers without the head, naming it, before they write anything."""
+    engine = engine_of("llama")
+    runtime = engine.runtime
+    ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        cache = runtime.cache_for(1)
+        cache.start(torch.ones_like(ids))
+        runtime(ids, torch.arange(6)[None], cache.slot_ids[:6], cache, 6, dense=True)  # fills slots 0 .. 5
+        steps = runtime.greedy_steps(1, cache, None, 0, 0)
+    run = steps.run
+    assert run.registered.number is not None
+    sequences = torch.zeros(1, 20, dtype=torch.long)
+    sequences[:, :6], sequences[0, 6] = ids, 7  # the prompt and its first new token
+    table = runtime.rope()
+    state = dict(slot=torch.tensor([5]), valid=cache.valid, positions=torch.tensor([[5]]), sequences=sequences,
+                 unfinished=torch.ones(1, dtype=torch.long))
+
+    def step(stack=run.registered.number, kv_len=7, steps=1, tables=1, **changes):
+        given = {**state, **changes}
+        return torch.ops.splice_kernels.decode_greedy(
+            runtime.embed.weight, None, cache.keys, cache.values, stack, given["slot"], given["valid"],
+            given["positions"], [table.cos] * tables, [table.sin] * tables, given["sequences"], kv_len,
+            given["unfinished"], None, 0, 0, steps)
+
+    before = {name: tensor.clone() for name, tensor in state.items()}
+    keys = cache.keys.clone()
+    padded = cache.valid.clone()
+    padded[0, 2] = False
+    out_of_vocab = sequences.clone()
+    out_of_vocab[0, 6] = 10_000
+    headless = native_layer.registered_plan(native_layer.step_plan(runtime.blocks, 1, {None: None}))[0]
+    headless_number = headless.registered.registered(headless, 64, 16)
+    refused = [
+        (dict(valid=padded), "row 0 has padding among its first 6 slots"),
+        (dict(slot=torch.tensor([3])), r"slot 3 \+ 1 is not the step's last of 7 slots"),
+        (dict(sequences=out_of_vocab), "token 10000 outside the embedding's 0 .. 127"),
+        (dict(steps=14), r"sequences must .* inside, got \[1, 20\] with kv_len 7 and 14 steps"),
+        (dict(tables=2), "the layers read 1 rotary tables"),
+        (dict(stack=headless_number), "the registered layers must end with the model's head"),
+        (dict(stack=123456), "no layers registered as 123456"),
+    ]
+    for changes, message in refused:
+        with pytest.raises(RuntimeError, match="decode_greedy: " + message):
+            step(**changes)
+        assert all(torch.equal(state[name], before[name]) for name in state) and torch.equal(cache.keys, keys)
+    tokens, running, taken = step(steps=3)
+    assert taken == 3 and running == 1 and int(state["slot"]) == 8 and int(state["positions"]) == 8
+    assert cache.valid[0, :9].all() and not cache.valid[0, 9:].any() and (sequences[0, 7:10] > 0).any()
+    assert torch.equal(tokens, sequences[:, 9])
+
+
 @pytest.mark.parametrize("family", ("llama", "qwen2"))
 def test_a_step_that_sees_every_slot_gives_the_masked_steps_logits(family):
     """An unpadded decode step runs its native calls without a mask; a block on its own ops still gets one. The

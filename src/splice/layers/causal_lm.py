@@ -61,6 +61,38 @@ class Ends:
     project_out: nn.Module | None = None
 
 
+class GreedySteps:
+    """Greedy decoding's steps through one registered native run that ends with the model's head, in native calls
+    (``splice_kernels.decode_greedy``) that do what ``generate``'s loop does for each token: the rows' positions, the
+    shared slot and the cache's marks one further, the step on each row's last token, the pick written after it
+    (finished rows take ``pad``; a row picking an ``eos`` id finishes; below ``eos_banned_below`` columns no eos id
+    is picked). Made by :meth:`SpliceCausalLM.greedy_steps`, its arguments gathered once: between steps a call's
+    Python is slow to start, each step having streamed the weights through the caches."""
+
+    def __init__(self, run: native_layer.NativeRun, embedding: torch.Tensor, embed_scale: float | None,
+                 cache: StaticKVCache, cos: list, sin: list, window: int | None, eos: torch.Tensor | None, pad: int,
+                 eos_banned_below: int):
+        self.run, self.cache, self.window = run, cache, window  # the run holds its registration
+        self.before = (embedding, embed_scale, cache.keys, cache.values, run.registered.number)
+        self.tables = (cos, sin)
+        self.after = (eos, pad, eos_banned_below)
+
+    def __call__(self, sequences: torch.Tensor, length: int, positions: torch.Tensor, slot: torch.Tensor,
+                 unfinished: torch.Tensor, steps: int) -> tuple[torch.Tensor, int, int] | None:
+        """Up to ``steps`` steps, the first on each row's token at column ``length - 1`` of ``sequences``; fewer
+        where a layer's window would hide a slot (its step needs a mask), or once every row has finished. The last
+        step's tokens, the rows unfinished and the steps taken, or None where no step may run so."""
+        if self.window is not None:
+            steps = min(steps, self.window - length + 1)
+        if steps < 1:
+            return None
+        tokens, running, taken = torch.ops.splice_kernels.decode_greedy(
+            *self.before, slot, self.cache.valid, positions, *self.tables, sequences, length, unfinished,
+            *self.after, steps)
+        self.cache.filled += taken  # each step marked the slot after the last filled one
+        return tokens, running, taken
+
+
 class SpliceCausalLM:
     """``forward(tokens, positions, slots, cache, kv_len)`` returns the logits of the last position (or all).
 
@@ -251,6 +283,33 @@ class SpliceCausalLM:
         x = torch.empty((rows, 1, 0), dtype=self.dtype, device=self.device)  # what step_plan reads of x
         plan = self.step_plan(x, {window: None for window in self.windows}, last_logits=True)  # masks: None or bool
         return len(plan) == 1 and isinstance(plan[0], native_layer.NativeRun)
+
+    def greedy_steps(self, rows: int, cache: StaticKVCache, eos: torch.Tensor | None, pad: int,
+                     eos_banned_below: int) -> "GreedySteps | None":
+        """Greedy decoding's next steps of ``rows`` rows in native calls that do the loop's bookkeeping too
+        (:class:`GreedySteps`; ``eos``, ``pad`` and ``eos_banned_below`` as it takes them), or None where they cannot
+        run so: the eager step must be one native run ending with the head (:meth:`step_runs_natively`), the
+        embedding a plain lookup in a contiguous bf16 CPU table (no module that scales it, no learned positions, norm
+        or projection after it, no hooks on it), and every step must see every slot: a prompt without padding filled
+        ``cache`` from its first slot (``cache.filled``). Registers the run with the native library."""
+        if self.graphs is not None or not cache.filled or not self.step_runs_natively(rows):
+            return None
+        embed, ends = self.embed, self.ends
+        weight = getattr(embed, "weight", None)
+        if type(embed) is not nn.Embedding or embed.max_norm is not None or embed._forward_hooks or \
+                embed._forward_pre_hooks or ends.position_embed is not None or ends.embed_norm is not None or \
+                ends.project_in is not None or weight.dtype != torch.bfloat16 or not weight.is_contiguous() or \
+                weight.device.type != "cpu":
+            return None
+        x = torch.empty((rows, 1, 0), dtype=self.dtype, device=self.device)  # what step_plan reads of x
+        run = self.step_plan(x, {window: None for window in self.windows}, last_logits=True)[0]
+        if run.head is None or run.registered is None:
+            return None
+        run.registered.registered(run, self.dims.hidden, cache.keys.shape[-1])
+        tables = [self.rope(index) for index in run.registered.ropes] if self.ropes else []
+        window = min((w for w in self.windows if w is not None), default=None)
+        return GreedySteps(run, weight, self.embed_scale, cache, [table.cos for table in tables],
+                           [table.sin for table in tables], window, eos, pad, eos_banned_below)
 
     def direct_step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, cache: StaticKVCache,
                     attended: int):

@@ -260,11 +260,16 @@ class Registered:
 
     def step(self, run: "NativeRun", x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
              masks: dict, kv_len: int, rotary: list) -> torch.Tensor:
-        if self.number is None:
-            self._register(run, x.shape[-1], keys.shape[-1])
         return torch.ops.splice_kernels.decode_registered(
-            x.contiguous(), keys, values, self.number, slots, [masks[window] for window in self.windows], kv_len,
-            *rotary_rows(rotary, self.ropes))
+            x.contiguous(), keys, values, self.registered(run, x.shape[-1], keys.shape[-1]), slots,
+            [masks[window] for window in self.windows], kv_len, *rotary_rows(rotary, self.ropes))
+
+    def registered(self, run: "NativeRun", hidden: int, head_dim: int) -> int:
+        """The run's number with the native library, registering it first (rows of ``hidden``, heads of
+        ``head_dim``) where it is not yet."""
+        if self.number is None:
+            self._register(run, hidden, head_dim)
+        return self.number
 
     def _register(self, run: "NativeRun", hidden: int, head_dim: int) -> None:
         self.windows, self.ropes = list(dict.fromkeys(run.windows)), list(dict.fromkeys(run.ropes))

@@ -5437,6 +5437,133 @@ void release_layers(int64_t stack) {
   TORCH_CHECK(registered_stacks.erase(stack) == 1, "release_layers: no layers registered as ", stack);
 }
 
+// Greedy decoding's next `steps` tokens through registered layers that end with the model's head, each step as
+// generate's loop takes it: the rows' positions [B, 1] and the shared slot [1] one further, the slot marked as holding
+// a real token in every row of valid [B, L], each row's last token (sequences [B, S] at column kv_len - 1) looked up in
+// embedding [vocab, hidden] (times embed_scale, rounded as torch rounds the bf16 product), its rotary rows read from
+// each table (cos, sin [positions, rotary]; no tables without rotary) at the row's position, the layers and head run
+// (decode_registered, no mask: every row sees every slot, checked) and the pick written at column kv_len
+// (greedy_next; while kv_len is below eos_banned_below, no eos id is picked: Hugging Face's minimum lengths), kv_len
+// one further each step. Stops once no row is unfinished. Returns the last step's tokens [B],
+// the rows still unfinished and the steps taken. Between steps generate's loop makes a dozen torch calls, each slow to
+// start after a step has streamed the weights through the caches.
+std::tuple<at::Tensor, int64_t, int64_t> decode_greedy(
+    const at::Tensor& embedding, std::optional<double> embed_scale, at::Tensor& keys, at::Tensor& values,
+    int64_t stack, at::Tensor& slot, at::Tensor& valid, at::Tensor& positions, at::TensorList cos_tables,
+    at::TensorList sin_tables, at::Tensor& sequences, int64_t kv_len, at::Tensor& unfinished,
+    const std::optional<at::Tensor>& eos, int64_t pad, int64_t eos_banned_below, int64_t steps) {
+  check_isa("decode_greedy");
+  const std::shared_ptr<const LayerStack> layers = registered_stack(stack, "decode_greedy");
+  TORCH_CHECK(layers->head.given(), "decode_greedy: the registered layers must end with the model's head");
+  const int64_t batch = sequences.size(0), hidden = layers->hidden, vocab = embedding.size(0);
+  TORCH_CHECK(embedding.dim() == 2 && embedding.size(1) == hidden && embedding.scalar_type() == at::kBFloat16 &&
+                  embedding.is_contiguous() && embedding.device().is_cpu(),
+              "decode_greedy: embedding must be a contiguous bf16 CPU tensor [vocab, ", hidden, "], got ",
+              embedding.scalar_type(), " ", embedding.sizes());
+  TORCH_CHECK(sequences.dim() == 2 && sequences.scalar_type() == at::kLong && sequences.is_contiguous() && steps >= 1 &&
+                  1 <= kv_len && kv_len + steps <= sequences.size(1),
+              "decode_greedy: sequences must be contiguous int64 [B, S] with columns kv_len - 1 .. kv_len + steps - 1 "
+              "inside, got ", sequences.sizes(), " with kv_len ", kv_len, " and ", steps, " steps");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.dim() == 2 &&
+                  positions.size(0) == batch && positions.size(1) == 1,
+              "decode_greedy: positions must be contiguous int64 [", batch, ", 1], got ", positions.sizes());
+  TORCH_CHECK(slot.scalar_type() == at::kLong && slot.dim() == 1 && slot.numel() == 1,
+              "decode_greedy: slot must be int64 [1] (one slot the rows share), got ", slot.sizes());
+  TORCH_CHECK(valid.scalar_type() == at::kBool && valid.dim() == 2 && valid.size(0) == batch &&
+                  valid.size(1) == keys.size(3) && valid.is_contiguous(),
+              "decode_greedy: valid must be contiguous bool [", batch, ", ", keys.size(3), "], got ", valid.sizes());
+  TORCH_CHECK(!eos || (eos->dim() == 1 && eos->scalar_type() == at::kLong && eos->is_contiguous()),
+              "decode_greedy: eos must be contiguous int64 ids [n], got ", eos ? eos->sizes() : at::IntArrayRef());
+  TORCH_CHECK(unfinished.dim() == 1 && unfinished.size(0) == batch && unfinished.scalar_type() == at::kLong &&
+                  unfinished.is_contiguous(),
+              "decode_greedy: unfinished must be contiguous int64 [", batch, "], got ", unfinished.sizes());
+  int64_t tables = 0;
+  for (const int64_t rope : layers->rope_of) tables = std::max(tables, rope + 1);
+  TORCH_CHECK((cos_tables.empty() || static_cast<int64_t>(cos_tables.size()) == tables) &&
+                  sin_tables.size() == cos_tables.size(),
+              "decode_greedy: the layers read ", tables, " rotary tables (or none, without rotary), got ",
+              cos_tables.size(), " cos and ", sin_tables.size(), " sin tables");
+  for (size_t t = 0; t < cos_tables.size(); ++t)
+    TORCH_CHECK(cos_tables[t].dim() == 2 && cos_tables[t].sizes() == sin_tables[t].sizes() &&
+                    cos_tables[t].scalar_type() == at::kBFloat16 && sin_tables[t].scalar_type() == at::kBFloat16 &&
+                    cos_tables[t].is_contiguous() && sin_tables[t].is_contiguous(),
+                "decode_greedy: rotary table ", t, " must be contiguous bf16 cos and sin [positions, rotary], got ",
+                cos_tables[t].sizes(), " and ", sin_tables[t].sizes());
+  int64_t windows = 0;
+  for (const int64_t mask : layers->mask_of) windows = std::max(windows, mask + 1);
+  c10::List<std::optional<at::Tensor>> no_masks;
+  for (int64_t w = 0; w < windows; ++w) no_masks.push_back(std::nullopt);
+  // every step's inputs in buffers made once
+  const at::Tensor x = at::empty({batch, 1, hidden}, embedding.options());
+  c10::List<std::optional<at::Tensor>> cos, sin;
+  for (int64_t t = 0; cos_tables.empty() && t < tables; ++t) {
+    cos.push_back(std::nullopt);
+    sin.push_back(std::nullopt);
+  }
+  for (size_t t = 0; t < cos_tables.size(); ++t) {
+    cos.push_back(at::empty({batch, 1, 1, cos_tables[t].size(1)}, cos_tables[t].options()));
+    sin.push_back(at::empty({batch, 1, 1, cos_tables[t].size(1)}, cos_tables[t].options()));
+  }
+  const at::Tensor step_slot = at::empty({1}, slot.options());
+  const c10::BFloat16 scale(static_cast<float>(embed_scale.value_or(1.0)));
+  int64_t* pp = positions.data_ptr<int64_t>();
+  int64_t* slot_p = slot.data_ptr<int64_t>();
+  bool* vp = valid.data_ptr<bool>();
+  const int64_t* seq = sequences.data_ptr<int64_t>();
+  const int64_t columns = sequences.size(1), slots = valid.size(1);
+  at::Tensor tokens;
+  int64_t running = 0, taken = 0;
+  while (taken < steps) {
+    // each step's inputs checked before anything is written: a refused step leaves the earlier steps' state
+    const int64_t kv = kv_len + taken;
+    TORCH_CHECK(*slot_p + 1 == kv - 1, "decode_greedy: slot ", *slot_p, " + 1 is not the step's last of ", kv,
+                " slots");
+    TORCH_CHECK(kv <= slots, "decode_greedy: ", kv, " slots past the cache's ", slots);
+    for (int64_t b = 0; b < batch; ++b) {
+      TORCH_CHECK(std::all_of(vp + b * slots, vp + b * slots + kv - 1, [](bool v) { return v; }), "decode_greedy: row ",
+                  b, " has padding among its first ", kv - 1, " slots (a step without a mask sees every one)");
+      const int64_t token = seq[b * columns + kv - 1], position = pp[b] + 1;
+      TORCH_CHECK(0 <= token && token < vocab, "decode_greedy: token ", token, " outside the embedding's 0 .. ",
+                  vocab - 1);
+      const at::BFloat16* row = embedding.data_ptr<at::BFloat16>() + token * hidden;
+      at::BFloat16* xp = x.data_ptr<at::BFloat16>() + b * hidden;
+      if (embed_scale)
+        for (int64_t i = 0; i < hidden; ++i) xp[i] = static_cast<float>(row[i]) * static_cast<float>(scale);
+      else
+        std::copy(row, row + hidden, xp);
+      for (size_t t = 0; t < cos_tables.size(); ++t) {
+        const int64_t rotary = cos_tables[t].size(1);
+        TORCH_CHECK(0 <= position && position < cos_tables[t].size(0), "decode_greedy: position ", position,
+                    " outside rotary table ", t, "'s 0 .. ", cos_tables[t].size(0) - 1);
+        std::copy_n(cos_tables[t].data_ptr<at::BFloat16>() + position * rotary, rotary,
+                    cos.get(t)->data_ptr<at::BFloat16>() + b * rotary);
+        std::copy_n(sin_tables[t].data_ptr<at::BFloat16>() + position * rotary, rotary,
+                    sin.get(t)->data_ptr<at::BFloat16>() + b * rotary);
+      }
+    }
+    *step_slot.data_ptr<int64_t>() = kv - 1;
+    const at::Tensor logits =
+        run_layer_stack(*layers, x, keys, values, step_slot, no_masks, kv, cos, sin, "decode_greedy");
+    *slot_p = kv - 1;
+    for (int64_t b = 0; b < batch; ++b) {
+      vp[b * slots + kv - 1] = true;
+      pp[b] += 1;
+    }
+    if (kv < eos_banned_below && eos) {
+      at::BFloat16* lp = logits.data_ptr<at::BFloat16>();
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t i = 0; i < eos->numel(); ++i) {
+          const int64_t id = eos->data_ptr<int64_t>()[i];
+          if (0 <= id && id < logits.size(1)) lp[b * logits.size(1) + id] = -std::numeric_limits<float>::infinity();
+        }
+    }
+    std::tie(tokens, running) = greedy_next(logits, sequences, kv, unfinished, eos, pad);
+    ++taken;
+    if (running == 0) break;
+  }
+  return {tokens, running, taken};
+}
+
 int64_t registered_layer_stacks() {
   const std::lock_guard<std::mutex> lock(registered_stacks_mutex);
   return static_cast<int64_t>(registered_stacks.size());
@@ -5476,6 +5603,10 @@ TORCH_LIBRARY(splice_kernels, lib) {
           "-> Tensor");
   lib.def("decode_registered(Tensor x, Tensor(a!) keys, Tensor(b!) values, int stack, Tensor slots, Tensor?[] masks, "
           "int kv_len, Tensor?[] cos, Tensor?[] sin) -> Tensor");
+  lib.def("decode_greedy(Tensor embedding, float? embed_scale, Tensor(a!) keys, Tensor(b!) values, int stack, "
+          "Tensor(c!) slot, Tensor(d!) valid, Tensor(e!) positions, Tensor[] cos, Tensor[] sin, Tensor(f!) sequences, "
+          "int kv_len, Tensor(g!) unfinished, Tensor? eos, int pad, int eos_banned_below, int steps) "
+          "-> (Tensor, int, int)");
   // keeps tensors, computes nothing: one kernel for every backend
   lib.def("register_layers(int[] layers, Tensor?[] norms, float[] eps, Tensor?[] tensors, int[] kinds, int[] groups, "
           "int[] heads, float[] scales, Tensor?[] head, float head_eps, int head_kind, int head_group, int hidden, "
@@ -5531,4 +5662,5 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("decode_attention_half", &decode_attention_half);
   lib.impl("rms_norm", &rms_norm);
   lib.impl("decode_registered", &decode_registered);
+  lib.impl("decode_greedy", &decode_greedy);
 }
