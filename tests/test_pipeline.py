@@ -136,6 +136,44 @@ def test_a_checkpoint_loaded_into_another_dtype_leaves_the_originals_restorable(
     assert_same_state(before, state(model))
 
 
+@pytest.mark.parametrize("options", [dict(replace_with_kernel_inject=True), dict(dtype=torch.int8)],
+                         ids=["inject", "int8"])
+def test_a_model_made_in_inference_mode_is_converted(options):
+    """Weights made (or loaded) in inference mode keep no version counter: the pipeline runs on them all the same and
+    gives the reference's greedy tokens (fp32 injected) or its int8 outputs within int8's bounds."""
+    with torch.inference_mode():
+        model = build_tiny(tiny_llama_config())
+        reference = copy.deepcopy(model)
+        engine = splice.init_inference(model, max_out_tokens=64, **options)
+        expected = reference.generate(IDS, max_new_tokens=8, do_sample=False)
+        if "dtype" not in options:
+            assert torch.equal(engine.generate(IDS, max_new_tokens=8, do_sample=False), expected)
+        else:
+            got, want = engine(IDS).logits, reference(IDS).logits
+            assert (got - want).abs().max() < 0.05 * want.abs().max()
+
+
+def test_a_model_made_in_inference_mode_is_put_back_and_the_note_says_what_it_cannot_tell(monkeypatch):
+    """A failed step puts such a model back. Its weights converted to another dtype, their original values were never
+    written: the note names none of them. Kept in their dtype (the rotary buffers bf16 leaves in float32, every
+    tensor without dtype), nothing shows they were not written in place: the note names them as values a step may
+    have overwritten. Either way the values are the ones before the call."""
+    inject_failure(monkeypatch, "fuse")
+    with torch.inference_mode():
+        model = build_tiny(tiny_llama_config())
+        before = state(model)
+        with pytest.raises(Injected) as failure:
+            splice.init_inference(model, dtype=torch.bfloat16, replace_with_kernel_inject=True)
+        note = str(failure.value.__notes__)
+        assert "put back as it was" in note and ".weight" not in note  # only buffers bf16 leaves in float32 named
+        assert_same_state(before, state(model))
+        with pytest.raises(Injected) as failure:
+            splice.init_inference(model, replace_with_kernel_inject=True)
+        assert "except the values of model.embed_tokens.weight" in str(failure.value.__notes__)
+        assert "or may have: tensors made in inference mode" in str(failure.value.__notes__)
+        assert_same_state(before, state(model))
+
+
 def test_without_memory_for_a_rollback_the_error_says_the_model_changed(monkeypatch):
     model = build_tiny(tiny_llama_config())
     monkeypatch.setattr(rollback, "free_bytes", lambda device: 1024)

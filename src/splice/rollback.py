@@ -23,7 +23,7 @@ from .machine import free_bytes
 class _SavedTensor:
     tensor: torch.Tensor  # the parameter or buffer object the model holds
     data: torch.Tensor  # its data before the pipeline (a detached alias: shares the storage and the version counter)
-    version: int
+    version: int | None  # None: a tensor made in inference mode, which keeps no version counter
     requires_grad: bool
 
 
@@ -36,11 +36,13 @@ class Rollback:
                                                   *model.named_buffers(remove_duplicate=False)]}
         tensors = {id(t): t for module in model.modules()
                    for t in [*module._parameters.values(), *module._buffers.values()] if t is not None}
-        self.tensors = [_SavedTensor(t, t.detach(), t._version, t.requires_grad) for t in tensors.values()]
+        self.tensors = [_SavedTensor(t, t.detach(), None if t.is_inference() else t._version, t.requires_grad)
+                        for t in tensors.values()]
 
     def restore(self) -> list[str]:
-        """Put the model back; returns the names of the tensors whose values were overwritten in place (empty: the
-        model equals its state before the pipeline)."""
+        """Put the model back; returns the names of the tensors whose values were overwritten in place, or may have
+        been (a tensor made in inference mode keeps no version counter to show it was not), empty where the model
+        equals its state before the pipeline."""
         held = _storages(self.modules[0][0]) if self.modules else set()  # what the steps left, before it goes
         for module, attributes in self.modules:
             module.__dict__.clear()
@@ -81,8 +83,9 @@ def _overwritten(saved: _SavedTensor, held: set[tuple]) -> bool:
     model (``held``: the storages the steps left in it), still holds that data. Data that nothing holds any more was
     either replaced by a conversion to another dtype or device (the dtype step; the load step's move to the home
     device), which comes before any step writes weights, so the writes went into the converted copy; or replaced
-    otherwise (gathered into one buffer), where the answer errs on the side of "overwritten"."""
-    if saved.data.is_meta or saved.data._version == saved.version:
+    otherwise (gathered into one buffer), where the answer errs on the side of "overwritten". A tensor made in
+    inference mode has no counter: only the rest of the test applies."""
+    if saved.data.is_meta or (saved.version is not None and saved.data._version == saved.version):
         return False
     if _storage(saved.tensor) == _storage(saved.data) or _storage(saved.data) in held:
         return True
