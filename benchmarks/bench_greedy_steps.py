@@ -2,7 +2,7 @@
 slot, cache marks, the step, the pick, eos, the minimum length's eos ban) against ``generate``'s loop stepping itself,
 in one process, in turns: ms a new token each way, the prefill left out.
 
-Ways: ``streamed``, one native call a token (a streamer takes each); ``whole``, one native call for every token;
+Ways: ``streamed``, one native call a token (a streamer takes each); ``whole``, no streamer (16 tokens a call);
 ``loop``, the loop's own steps with ``min_new_tokens`` as ``splice bench`` asks (its eos ban is a processor there:
 the pick goes through torch); ``loop-plain``, the loop's own steps without a minimum length (the native pick).
 Streamed ways are timed between the streamer's puts; the others as the call's time less a one-token call's::

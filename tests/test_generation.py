@@ -759,7 +759,8 @@ def test_greedy_steps_in_one_native_call_give_the_loop_s_tokens(family, scheme, 
 @pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
 def test_greedy_steps_scale_the_embeddings_as_the_loop_does(monkeypatch):
     """A family that scales its embeddings (the runtime's ``embed_scale``, a value bf16 rounds): the native steps
-    round the scaled rows as torch does, so the loop's tokens."""
+    round the scaled rows as torch does, so the loop's tokens; a long request without a streamer takes its steps
+    16 a call at most."""
     from .layers.test_native_layer import engine_of
 
     engine = engine_of("llama")
@@ -768,6 +769,9 @@ def test_greedy_steps_scale_the_embeddings_as_the_loop_does(monkeypatch):
     got, expected, _, taken = greedy_both_ways(engine, ids, monkeypatch, max_new_tokens=16, do_sample=False,
                                                eos_token_id=None)
     assert torch.equal(got, expected) and taken == [15]
+    got, expected, _, taken = greedy_both_ways(engine, ids, monkeypatch, max_new_tokens=41, do_sample=False,
+                                               eos_token_id=None)
+    assert torch.equal(got, expected) and taken == [16, 16, 8]  # at most GREEDY_STEPS_A_CALL a call
     engine.runtime.embed_scale = None
     plain, _, _, _ = greedy_both_ways(engine, ids, monkeypatch, max_new_tokens=16, do_sample=False, eos_token_id=None)
     assert not torch.equal(plain, got)  # the scale changed the tokens

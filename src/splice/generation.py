@@ -590,7 +590,7 @@ def decode(runtime: SpliceCausalLM, req: Request, streamer=None, timer: ForwardT
     # copies, which it does not need to make)
     pick_from_logits = native_pick and not req.processors and not (req.output_scores or req.output_logits)
     # greedy, no scores kept, no processor but the minimum lengths' eos ban, no forward timed: the loop's steps may run
-    # in native calls that do the loop's bookkeeping too (runtime.greedy_steps), all of them in one without a streamer
+    # in native calls that do the loop's bookkeeping too (runtime.greedy_steps), several a call without a streamer
     bans = [p.length for p in req.processors if isinstance(p, EosBannedBelowLength)]
     fused = runtime.greedy_steps(batch, cache, req.eos, req.pad if req.eos is not None else 0, max(bans, default=0)) \
         if native_pick and timer is None and sequences.device.type == "cpu" and len(bans) == len(req.processors) \

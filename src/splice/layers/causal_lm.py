@@ -26,6 +26,9 @@ from .rotary import RopeTable, build_table
 
 #: the compiled decode step attends over at least this many slots (see ``SpliceCausalLM.attended_length``)
 MIN_ATTENDED = 256
+#: greedy steps one native call takes at most (:class:`GreedySteps`): Python handles a signal (Ctrl-C) only between
+#: calls, so a long generate without a streamer still stops within a few steps' time
+GREEDY_STEPS_A_CALL = 16
 
 
 def inductor_options(device: torch.device, cpp_wrapper: bool = True) -> dict:
@@ -79,9 +82,11 @@ class GreedySteps:
 
     def __call__(self, sequences: torch.Tensor, length: int, positions: torch.Tensor, slot: torch.Tensor,
                  unfinished: torch.Tensor, steps: int) -> tuple[torch.Tensor, int, int] | None:
-        """Up to ``steps`` steps, the first on each row's token at column ``length - 1`` of ``sequences``; fewer
-        where a layer's window would hide a slot (its step needs a mask), or once every row has finished. The last
-        step's tokens, the rows unfinished and the steps taken, or None where no step may run so."""
+        """Up to ``steps`` steps (at most :data:`GREEDY_STEPS_A_CALL`), the first on each row's token at column
+        ``length - 1`` of ``sequences``; fewer where a layer's window would hide a slot (its step needs a mask), or
+        once every row has finished. The last step's tokens, the rows unfinished and the steps taken, or None where no
+        step may run so."""
+        steps = min(steps, GREEDY_STEPS_A_CALL)
         if self.window is not None:
             steps = min(steps, self.window - length + 1)
         if steps < 1:
