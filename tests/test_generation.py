@@ -714,34 +714,40 @@ def greedy_both_ways(engine, ids, monkeypatch, **options):
     return outs[True], outs[False], streamed, taken
 
 
-GREEDY_CASES = [  # family, scheme, overrides, rows
+GREEDY_CASES = [  # family, scheme, overrides, rows (or "padded": 3 left-padded rows)
     ("llama", "bf16", {}, 1),
     ("llama", "int4-sym", {}, 2),
+    ("llama", "int4-sym", {}, "padded"),  # every step masked
     ("qwen3", "bf16", {}, 1),
-    ("mistral", "bf16", {"sliding_window": 14}, 1),  # native calls up to 14 slots, then the loop's steps with a mask
+    ("mistral", "bf16", {"sliding_window": 14}, 1),  # no mask up to 14 slots, then the window's
+    ("mistral", "bf16", {"sliding_window": 14}, "padded"),
 ]
 
 
 @pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-@pytest.mark.parametrize("family, scheme, overrides, rows", GREEDY_CASES, ids=[c[0] + "-" + c[1] for c in GREEDY_CASES])
+@pytest.mark.parametrize("family, scheme, overrides, rows", GREEDY_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[3]}" for c in GREEDY_CASES])
 def test_greedy_steps_in_one_native_call_give_the_loop_s_tokens(family, scheme, overrides, rows, stream, monkeypatch):
     """bf16 steps that run in one native call take greedy decoding's steps with the loop's bookkeeping (positions,
-    slot, cache marks, the pick, eos, the minimum length's eos ban) in native calls: one a token with a streamer, else
-    one for them all. The same kernels on the same inputs: the tokens (and streamed tokens) of the loop's own steps,
-    which the tests above hold to Hugging Face's: without eos, with an eos id that ends a row early, and with that
-    eos banned below a minimum length."""
+    slot, cache marks, the masks, the pick, eos, the minimum length's eos ban) in native calls: one a token with a
+    streamer, else several. The same kernels on the same inputs: the tokens (and streamed tokens) of the loop's own
+    steps, which the tests above hold to Hugging Face's: without eos, with an eos id that ends a row early, and with
+    that eos banned below a minimum length; left-padded rows and a sliding window past its size masked as the loop
+    masks them."""
     from .layers.test_native_layer import engine_of
 
     engine = engine_of(family, scheme) if not overrides else splice.init_inference(
         build(family, **overrides), replace_with_kernel_inject=True, max_out_tokens=64, dtype=torch.bfloat16)
-    ids = torch.randint(3, 100, (rows, 10), generator=torch.Generator().manual_seed(1))
-    options = dict(max_new_tokens=12, do_sample=False, stream=stream)
+    if rows == "padded":
+        ids, mask = padded_batch(batch=3, length=10)
+        rows, padding = 3, {"attention_mask": mask}
+    else:
+        ids, padding = torch.randint(3, 100, (rows, 10), generator=torch.Generator().manual_seed(1)), {}
+    options = dict(max_new_tokens=12, do_sample=False, stream=stream, **padding)
     got, expected, streamed, taken = greedy_both_ways(engine, ids, monkeypatch, eos_token_id=None, **options)
     assert torch.equal(got, expected) and got.shape == (rows, 22)
     new = 12 - 1  # the first new token comes from the prompt's logits
-    if family == "mistral":
-        new = 14 - 10  # the steps attending to up to 14 slots
     assert taken == ([1] * new if stream else [new])
     assert all(torch.equal(a, b) for a, b in zip(streamed[True], streamed[False], strict=True))
     eos = int(got[0, 13])  # the fourth new token of the first row
@@ -779,22 +785,21 @@ def test_greedy_steps_scale_the_embeddings_as_the_loop_does(monkeypatch):
 
 @pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
 def test_greedy_steps_stay_in_the_loop_where_a_step_needs_what_they_do_not_do(monkeypatch):
-    """A left-padded batch (its steps need a mask), float32 (no native steps), sampling and a timed forward
-    (``profile_model_time``: every step timed) step through the loop."""
+    """Sampling and a timed forward (``profile_model_time``: every step timed) step through the loop; float32 runs no
+    native steps to take."""
     from .layers.test_native_layer import engine_of
 
     engine = engine_of("llama")
-    ids, mask = padded_batch(batch=2, length=10)
+    ids, _ = padded_batch(batch=2, length=10)
     taken = []
     offer = engine.runtime.greedy_steps
     monkeypatch.setattr(engine.runtime, "greedy_steps", lambda *args: taken.append(offer(*args)) or taken[-1])
     with torch.inference_mode():
-        engine.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, eos_token_id=None)
         engine.generate(ids[:1], max_new_tokens=4, do_sample=True, eos_token_id=None)
         engine.profile_model_time()
         engine.generate(ids[:1], max_new_tokens=4, do_sample=False, eos_token_id=None)
         assert len(engine.model_times()) == 4
-    assert taken == [None]  # asked once, for the padded batch
+    assert not taken  # not even asked
     float_engine = splice.init_inference(build_family("llama"), replace_with_kernel_inject=True, max_out_tokens=64)
     with torch.inference_mode():
         float_engine.generate(ids[:1], max_new_tokens=4, do_sample=False, eos_token_id=None)

@@ -619,18 +619,14 @@ def decode(runtime: SpliceCausalLM, req: Request, streamer=None, timer: ForwardT
             streamer.put(tokens.cpu())
         if length == total or not (running if running is not None else bool(unfinished.any())):
             break
-        finished = False
-        while fused is not None and not finished:
-            steps = fused(sequences, length, position, slot, unfinished, 1 if streamer is not None else total - length)
-            if steps is None:  # past a layer's window: its steps need a mask from here on
-                fused = None
-                break
-            tokens, running, taken = steps
-            length += taken
-            if streamer is not None:
-                streamer.put(tokens.cpu())
-            finished = length == total or not running
-        if finished:
+        if fused is not None:  # the remaining steps in native calls, until every row has finished
+            running = None
+            while length < total and running != 0:
+                tokens, running, taken = fused(sequences, length, position, slot, unfinished,
+                                               1 if streamer is not None else total - length)
+                length += taken
+                if streamer is not None:
+                    streamer.put(tokens.cpu())
             break
         position.add_(1)
         slot.add_(1)

@@ -517,9 +517,9 @@ def test_the_registered_ops_name_bad_inputs():
 
 
 def test_decode_greedy_names_what_it_cannot_take_before_writing():
-    """Greedy decoding's native steps (``decode_greedy``) refuse a step whose rows have padding, a slot that is not
-    the step's last, a token outside the embedding, columns past the sequences, rotary tables the layers do not read
-    or layers without the head, naming it, before they write anything."""
+    """Greedy decoding's native steps (``decode_greedy``) refuse a slot that is not the step's last, a token outside
+    the embedding, columns past the sequences, rotary tables or windows the layers do not read or layers without the
+    head, naming it, before they write anything."""
     engine = engine_of("llama")
     runtime = engine.runtime
     ids = torch.randint(3, 100, (1, 6), generator=torch.Generator().manual_seed(0))
@@ -536,23 +536,21 @@ def test_decode_greedy_names_what_it_cannot_take_before_writing():
     state = dict(slot=torch.tensor([5]), valid=cache.valid, positions=torch.tensor([[5]]), sequences=sequences,
                  unfinished=torch.ones(1, dtype=torch.long))
 
-    def step(stack=run.registered.number, kv_len=7, steps=1, tables=1, **changes):
+    def step(stack=run.registered.number, kv_len=7, steps=1, tables=1, windows=(0,), **changes):
         given = {**state, **changes}
         return torch.ops.splice_kernels.decode_greedy(
-            runtime.embed.weight, None, cache.keys, cache.values, stack, given["slot"], given["valid"],
-            given["positions"], [table.cos] * tables, [table.sin] * tables, given["sequences"], kv_len,
+            runtime.embed.weight, None, cache.keys, cache.values, stack, given["slot"], given["valid"], 6,
+            list(windows), given["positions"], [table.cos] * tables, [table.sin] * tables, given["sequences"], kv_len,
             given["unfinished"], None, 0, 0, steps)
 
     before = {name: tensor.clone() for name, tensor in state.items()}
     keys = cache.keys.clone()
-    padded = cache.valid.clone()
-    padded[0, 2] = False
     out_of_vocab = sequences.clone()
     out_of_vocab[0, 6] = 10_000
     headless = native_layer.registered_plan(native_layer.step_plan(runtime.blocks, 1, {None: None}))[0]
     headless_number = headless.registered.registered(headless, 64, 16)
     refused = [
-        (dict(valid=padded), "row 0 has padding among its first 6 slots"),
+        (dict(windows=(0, 4)), r"the layers read 1 masks: one window each \(0 for none\), got \[0, 4\]"),
         (dict(slot=torch.tensor([3])), r"slot 3 \+ 1 is not the step's last of 7 slots"),
         (dict(sequences=out_of_vocab), "token 10000 outside the embedding's 0 .. 127"),
         (dict(steps=14), r"sequences must .* inside, got \[1, 20\] with kv_len 7 and 14 steps"),
@@ -564,8 +562,8 @@ def test_decode_greedy_names_what_it_cannot_take_before_writing():
         with pytest.raises(RuntimeError, match="decode_greedy: " + message):
             step(**changes)
         assert all(torch.equal(state[name], before[name]) for name in state) and torch.equal(cache.keys, keys)
-    tokens, running, taken = step(steps=3)
-    assert taken == 3 and running == 1 and int(state["slot"]) == 8 and int(state["positions"]) == 8
+    tokens, running, taken, filled = step(steps=3)
+    assert taken == 3 and running == 1 and int(state["slot"]) == 8 and int(state["positions"]) == 8 and filled == 9
     assert cache.valid[0, :9].all() and not cache.valid[0, 9:].any() and (sequences[0, 7:10] > 0).any()
     assert torch.equal(tokens, sequences[:, 9])
 

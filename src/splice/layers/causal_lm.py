@@ -66,35 +66,31 @@ class Ends:
 
 class GreedySteps:
     """Greedy decoding's steps through one registered native run that ends with the model's head, in native calls
-    (``splice_kernels.decode_greedy``) that do what ``generate``'s loop does for each token: the rows' positions, the
-    shared slot and the cache's marks one further, the step on each row's last token, the pick written after it
-    (finished rows take ``pad``; a row picking an ``eos`` id finishes; below ``eos_banned_below`` columns no eos id
-    is picked). Made by :meth:`SpliceCausalLM.greedy_steps`, its arguments gathered once: between steps a call's
-    Python is slow to start, each step having streamed the weights through the caches."""
+    (``splice_kernels.decode_greedy``) that do what ``generate``'s loop does for each token: the rows' positions,
+    the shared slot and the cache's marks one further, the step on each row's last token (masked as the loop masks
+    it), the pick written after it (finished rows take ``pad``; a row picking an ``eos`` id finishes; below
+    ``eos_banned_below`` columns no eos id is picked). Made by :meth:`SpliceCausalLM.greedy_steps`, its arguments
+    gathered once: between steps a call's Python is slow to start, each step having streamed the weights through the
+    caches."""
 
     def __init__(self, run: native_layer.NativeRun, embedding: torch.Tensor, embed_scale: float | None,
-                 cache: StaticKVCache, cos: list, sin: list, window: int | None, eos: torch.Tensor | None, pad: int,
-                 eos_banned_below: int):
-        self.run, self.cache, self.window = run, cache, window  # the run holds its registration
+                 cache: StaticKVCache, cos: list, sin: list, eos: torch.Tensor | None, pad: int, eos_banned_below: int):
+        self.run, self.cache = run, cache  # the run holds its registration
         self.before = (embedding, embed_scale, cache.keys, cache.values, run.registered.number)
+        self.windows = [window or 0 for window in run.registered.windows]  # each of the run's masks'
         self.tables = (cos, sin)
         self.after = (eos, pad, eos_banned_below)
 
     def __call__(self, sequences: torch.Tensor, length: int, positions: torch.Tensor, slot: torch.Tensor,
-                 unfinished: torch.Tensor, steps: int) -> tuple[torch.Tensor, int, int] | None:
+                 unfinished: torch.Tensor, steps: int) -> tuple[torch.Tensor, int, int]:
         """Up to ``steps`` steps (at most :data:`GREEDY_STEPS_A_CALL`), the first on each row's token at column
-        ``length - 1`` of ``sequences``; fewer where a layer's window would hide a slot (its step needs a mask), or
-        once every row has finished. The last step's tokens, the rows unfinished and the steps taken, or None where no
-        step may run so."""
-        steps = min(steps, GREEDY_STEPS_A_CALL)
-        if self.window is not None:
-            steps = min(steps, self.window - length + 1)
-        if steps < 1:
-            return None
-        tokens, running, taken = torch.ops.splice_kernels.decode_greedy(
-            *self.before, slot, self.cache.valid, positions, *self.tables, sequences, length, unfinished,
-            *self.after, steps)
-        self.cache.filled += taken  # each step marked the slot after the last filled one
+        ``length - 1`` of ``sequences``, each masked as the loop's own step would be (``cache.mask``, none where every
+        row sees every slot); fewer once every row has finished. The last step's tokens, the rows unfinished and the
+        steps taken."""
+        cache = self.cache
+        tokens, running, taken, cache.filled = torch.ops.splice_kernels.decode_greedy(
+            *self.before, slot, cache.valid, cache.filled, self.windows, positions, *self.tables, sequences, length,
+            unfinished, *self.after, min(steps, GREEDY_STEPS_A_CALL))
         return tokens, running, taken
 
 
@@ -293,11 +289,10 @@ class SpliceCausalLM:
                      eos_banned_below: int) -> "GreedySteps | None":
         """Greedy decoding's next steps of ``rows`` rows in native calls that do the loop's bookkeeping too
         (:class:`GreedySteps`; ``eos``, ``pad`` and ``eos_banned_below`` as it takes them), or None where they cannot
-        run so: the eager step must be one native run ending with the head (:meth:`step_runs_natively`), the
+        run so: the eager step must be one native run ending with the head (:meth:`step_runs_natively`) and the
         embedding a plain lookup in a contiguous bf16 CPU table (no module that scales it, no learned positions, norm
-        or projection after it, no hooks on it), and every step must see every slot: a prompt without padding filled
-        ``cache`` from its first slot (``cache.filled``). Registers the run with the native library."""
-        if self.graphs is not None or not cache.filled or not self.step_runs_natively(rows):
+        or projection after it, no hooks on it). Registers the run with the native library."""
+        if self.graphs is not None or not self.step_runs_natively(rows):
             return None
         embed, ends = self.embed, self.ends
         weight = getattr(embed, "weight", None)
@@ -312,9 +307,8 @@ class SpliceCausalLM:
             return None
         run.registered.registered(run, self.dims.hidden, cache.keys.shape[-1])
         tables = [self.rope(index) for index in run.registered.ropes] if self.ropes else []
-        window = min((w for w in self.windows if w is not None), default=None)
         return GreedySteps(run, weight, self.embed_scale, cache, [table.cos for table in tables],
-                           [table.sin for table in tables], window, eos, pad, eos_banned_below)
+                           [table.sin for table in tables], eos, pad, eos_banned_below)
 
     def direct_step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, cache: StaticKVCache,
                     attended: int):

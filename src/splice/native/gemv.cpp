@@ -5442,16 +5442,19 @@ void release_layers(int64_t stack) {
 // a real token in every row of valid [B, L], each row's last token (sequences [B, S] at column kv_len - 1) looked up in
 // embedding [vocab, hidden] (times embed_scale, rounded as torch rounds the bf16 product), its rotary rows read from
 // each table (cos, sin [positions, rotary]; no tables without rotary) at the row's position, the layers and head run
-// (decode_registered, no mask: every row sees every slot, checked) and the pick written at column kv_len
-// (greedy_next; while kv_len is below eos_banned_below, no eos id is picked: Hugging Face's minimum lengths), kv_len
-// one further each step. Stops once no row is unfinished. Returns the last step's tokens [B],
-// the rows still unfinished and the steps taken. Between steps generate's loop makes a dozen torch calls, each slow to
-// start after a step has streamed the weights through the caches.
-std::tuple<at::Tensor, int64_t, int64_t> decode_greedy(
+// (decode_registered) and the pick written at column kv_len (greedy_next; while kv_len is below eos_banned_below, no
+// eos id is picked: Hugging Face's minimum lengths), kv_len one further each step. Each of the stack's masks is the
+// one StaticKVCache.mask makes (the real slots, within its window: windows[m], 0 for none), or none where every row
+// sees every slot: the first `filled` slots hold real tokens in every row (StaticKVCache.filled, which a step's slot
+// extends where it is the next one) and the window takes them all. Stops once no row is unfinished. Returns the last
+// step's tokens [B], the rows still unfinished, the steps taken and `filled` after them. Between steps generate's loop
+// makes a dozen torch calls, each slow to start after a step has streamed the weights through the caches.
+std::tuple<at::Tensor, int64_t, int64_t, int64_t> decode_greedy(
     const at::Tensor& embedding, std::optional<double> embed_scale, at::Tensor& keys, at::Tensor& values,
-    int64_t stack, at::Tensor& slot, at::Tensor& valid, at::Tensor& positions, at::TensorList cos_tables,
-    at::TensorList sin_tables, at::Tensor& sequences, int64_t kv_len, at::Tensor& unfinished,
-    const std::optional<at::Tensor>& eos, int64_t pad, int64_t eos_banned_below, int64_t steps) {
+    int64_t stack, at::Tensor& slot, at::Tensor& valid, int64_t filled, at::IntArrayRef windows,
+    at::Tensor& positions, at::TensorList cos_tables, at::TensorList sin_tables, at::Tensor& sequences, int64_t kv_len,
+    at::Tensor& unfinished, const std::optional<at::Tensor>& eos, int64_t pad, int64_t eos_banned_below,
+    int64_t steps) {
   check_isa("decode_greedy");
   const std::shared_ptr<const LayerStack> layers = registered_stack(stack, "decode_greedy");
   TORCH_CHECK(layers->head.given(), "decode_greedy: the registered layers must end with the model's head");
@@ -5489,10 +5492,11 @@ std::tuple<at::Tensor, int64_t, int64_t> decode_greedy(
                     cos_tables[t].is_contiguous() && sin_tables[t].is_contiguous(),
                 "decode_greedy: rotary table ", t, " must be contiguous bf16 cos and sin [positions, rotary], got ",
                 cos_tables[t].sizes(), " and ", sin_tables[t].sizes());
-  int64_t windows = 0;
-  for (const int64_t mask : layers->mask_of) windows = std::max(windows, mask + 1);
-  c10::List<std::optional<at::Tensor>> no_masks;
-  for (int64_t w = 0; w < windows; ++w) no_masks.push_back(std::nullopt);
+  int64_t masks_read = 0;
+  for (const int64_t mask : layers->mask_of) masks_read = std::max(masks_read, mask + 1);
+  TORCH_CHECK(static_cast<int64_t>(windows.size()) == masks_read &&
+                  std::all_of(windows.begin(), windows.end(), [](int64_t w) { return w >= 0; }),
+              "decode_greedy: the layers read ", masks_read, " masks: one window each (0 for none), got ", windows);
   // every step's inputs in buffers made once
   const at::Tensor x = at::empty({batch, 1, hidden}, embedding.options());
   c10::List<std::optional<at::Tensor>> cos, sin;
@@ -5515,13 +5519,24 @@ std::tuple<at::Tensor, int64_t, int64_t> decode_greedy(
   int64_t running = 0, taken = 0;
   while (taken < steps) {
     // each step's inputs checked before anything is written: a refused step leaves the earlier steps' state
-    const int64_t kv = kv_len + taken;
-    TORCH_CHECK(*slot_p + 1 == kv - 1, "decode_greedy: slot ", *slot_p, " + 1 is not the step's last of ", kv,
-                " slots");
+    const int64_t kv = kv_len + taken, q = kv - 1;
+    TORCH_CHECK(*slot_p + 1 == q, "decode_greedy: slot ", *slot_p, " + 1 is not the step's last of ", kv, " slots");
     TORCH_CHECK(kv <= slots, "decode_greedy: ", kv, " slots past the cache's ", slots);
+    const int64_t filled_now = filled > 0 && q == filled ? filled + 1 : filled;
+    c10::List<std::optional<at::Tensor>> masks;
+    for (const int64_t window : windows) {
+      if (kv <= filled_now && (window == 0 || kv <= window)) {
+        masks.push_back(std::nullopt);
+        continue;
+      }
+      const at::Tensor mask = at::empty({batch, 1, 1, kv}, valid.options());
+      bool* mp = mask.data_ptr<bool>();
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t k = 0; k < kv; ++k)
+          mp[b * kv + k] = (k == q || vp[b * slots + k]) && (window == 0 || k > q - window);
+      masks.push_back(mask);
+    }
     for (int64_t b = 0; b < batch; ++b) {
-      TORCH_CHECK(std::all_of(vp + b * slots, vp + b * slots + kv - 1, [](bool v) { return v; }), "decode_greedy: row ",
-                  b, " has padding among its first ", kv - 1, " slots (a step without a mask sees every one)");
       const int64_t token = seq[b * columns + kv - 1], position = pp[b] + 1;
       TORCH_CHECK(0 <= token && token < vocab, "decode_greedy: token ", token, " outside the embedding's 0 .. ",
                   vocab - 1);
@@ -5543,10 +5558,11 @@ std::tuple<at::Tensor, int64_t, int64_t> decode_greedy(
     }
     *step_slot.data_ptr<int64_t>() = kv - 1;
     const at::Tensor logits =
-        run_layer_stack(*layers, x, keys, values, step_slot, no_masks, kv, cos, sin, "decode_greedy");
-    *slot_p = kv - 1;
+        run_layer_stack(*layers, x, keys, values, step_slot, masks, kv, cos, sin, "decode_greedy");
+    *slot_p = q;
+    filled = filled_now;
     for (int64_t b = 0; b < batch; ++b) {
-      vp[b * slots + kv - 1] = true;
+      vp[b * slots + q] = true;
       pp[b] += 1;
     }
     if (kv < eos_banned_below && eos) {
@@ -5561,7 +5577,7 @@ std::tuple<at::Tensor, int64_t, int64_t> decode_greedy(
     ++taken;
     if (running == 0) break;
   }
-  return {tokens, running, taken};
+  return {tokens, running, taken, filled};
 }
 
 int64_t registered_layer_stacks() {
@@ -5604,9 +5620,9 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("decode_registered(Tensor x, Tensor(a!) keys, Tensor(b!) values, int stack, Tensor slots, Tensor?[] masks, "
           "int kv_len, Tensor?[] cos, Tensor?[] sin) -> Tensor");
   lib.def("decode_greedy(Tensor embedding, float? embed_scale, Tensor(a!) keys, Tensor(b!) values, int stack, "
-          "Tensor(c!) slot, Tensor(d!) valid, Tensor(e!) positions, Tensor[] cos, Tensor[] sin, Tensor(f!) sequences, "
-          "int kv_len, Tensor(g!) unfinished, Tensor? eos, int pad, int eos_banned_below, int steps) "
-          "-> (Tensor, int, int)");
+          "Tensor(c!) slot, Tensor(d!) valid, int filled, int[] windows, Tensor(e!) positions, Tensor[] cos, "
+          "Tensor[] sin, Tensor(f!) sequences, int kv_len, Tensor(g!) unfinished, Tensor? eos, int pad, "
+          "int eos_banned_below, int steps) -> (Tensor, int, int, int)");
   // keeps tensors, computes nothing: one kernel for every backend
   lib.def("register_layers(int[] layers, Tensor?[] norms, float[] eps, Tensor?[] tensors, int[] kinds, int[] groups, "
           "int[] heads, float[] scales, Tensor?[] head, float head_eps, int head_kind, int head_group, int hidden, "
