@@ -29,23 +29,33 @@ def test_every_way_times_its_tokens_and_the_native_ways_give_the_loop_s():
         return steps
 
     runtime.greedy_steps = offering
-    prompt = torch.randint(3, 100, (1, 8), generator=torch.Generator().manual_seed(0))
-    tokens = {}
-    with torch.inference_mode():
-        for way in script.WAYS:
-            offered.clear()
-            ms, tokens[way] = script.ms_per_token(engine, prompt, 6, way)
-            # a tiny model's time a token is within the noise of the one-token call the unstreamed ways subtract
-            assert math.isfinite(ms) and tokens[way].shape == (1, 14)
-            assert any(offered) == (way in ("streamed", "whole"))
-    assert torch.equal(tokens["streamed"], tokens["whole"]) and torch.equal(tokens["whole"], tokens["loop"])
+    for rows, padding in ((1, 0), (3, 2)):  # one row; three rows left-padded by 0, 2 and 4
+        prompt = torch.randint(3, 100, (rows, 8), generator=torch.Generator().manual_seed(0))
+        mask = script.left_padded(rows, 8, padding)
+        assert (mask is None) == (padding == 0)
+        assert mask is None or mask.sum(-1).tolist() == [8, 6, 4]
+        tokens = {}
+        with torch.inference_mode():
+            for way in script.WAYS:
+                offered.clear()
+                ms, tokens[way] = script.ms_per_token(engine, prompt, 6, way, mask)
+                # a tiny model's time a token is within the noise of the one-token call the unstreamed ways subtract
+                assert math.isfinite(ms) and tokens[way].shape == (rows, 14)
+                assert any(offered) == (way in ("streamed", "whole"))
+        assert torch.equal(tokens["streamed"], tokens["whole"]) and torch.equal(tokens["whole"], tokens["loop"])
     assert runtime.greedy_steps is offering
 
 
-def test_a_way_it_does_not_know_is_named(monkeypatch, capsys):
+@pytest.mark.parametrize("argv, message", [
+    (["--ways", "streamed,fast"],
+     "--ways 'streamed,fast': allowed, comma-separated: streamed, whole, loop, loop-plain"),
+    (["--batch", "3", "--prompt", "8", "--padded", "4"],
+     "--padded 4: row 2 would be all padding; allowed: (batch - 1) x padded < prompt (8)"),
+])
+def test_a_bad_option_is_named(monkeypatch, capsys, argv, message):
     script = load_benchmark("bench_greedy_steps")
-    monkeypatch.setattr("sys.argv", ["bench_greedy_steps.py", "--ways", "streamed,fast"])
+    monkeypatch.setattr("sys.argv", ["bench_greedy_steps.py", *argv])
+    monkeypatch.setattr(script, "load_model", lambda *args: pytest.fail("loaded a model before the options' check"))
     with pytest.raises(SystemExit):
         script.main()
-    error = capsys.readouterr().err
-    assert "--ways 'streamed,fast': allowed, comma-separated: streamed, whole, loop, loop-plain" in error
+    assert message in capsys.readouterr().err
