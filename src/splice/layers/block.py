@@ -166,10 +166,9 @@ class SpliceBlock(nn.Module):
         of a block whose attention half the kernels step put on a native call (``native_attention_half``) makes that
         call, then its MLP."""
         if self.native_attention_half:
-            from .native_layer import attention_call, decode_attention_half, step_takes_calls
+            from .native_layer import attention_call, decode_attention_half, mask_takes_calls, step_takes_calls
 
-            call = attention_call(self, x.shape[0]) if step_takes_calls(x) and (
-                mask is None or mask.dtype == torch.bool) else None
+            call = attention_call(self, x.shape[0]) if step_takes_calls(x) and mask_takes_calls(mask) else None
             if call is not None:
                 out, h = decode_attention_half(call, x, cache.keys, cache.values, slots, mask, kv_len, cos, sin)
                 mlp = self.mlp(h)  # before out.add_ is looked up: a compiled step may resume after the MLP

@@ -212,7 +212,7 @@ class SpliceCausalLM:
         rows = x.shape[0]
         if torch.compiler.is_compiling():
             return native_layer.step_plan(self.blocks, rows, masks, head=self.head_call(rows) if last_logits else None)
-        key = (rows, tuple(mask is None or mask.dtype == torch.bool for mask in masks.values()),
+        key = (rows, tuple(native_layer.mask_takes_calls(mask) for mask in masks.values()),
                tuple(native.MAX_ROWS.values()), last_logits and self.head_in_call)  # MAX_ROWS: the active level's
         plan = self._step_plans.get(key)
         if plan is None:
@@ -279,11 +279,16 @@ class SpliceCausalLM:
         :meth:`head_call` allows): its plan, the one :meth:`forward` then takes (kept until the next prompt), a single
         run. A compiled engine runs such steps eagerly (unless ``compile_native_steps``): the graph would hold the same
         call, with next to nothing around it to fuse, and its own inputs and guards to pay for at every step."""
+        return self.native_step_run(rows) is not None
+
+    def native_step_run(self, rows: int) -> native_layer.NativeRun | None:
+        """The one native run an eager decode step of ``rows`` rows is, end to end (:meth:`step_runs_natively`), or
+        None."""
         if self.compile_native_steps:
-            return False
+            return None
         x = torch.empty((rows, 1, 0), dtype=self.dtype, device=self.device)  # what step_plan reads of x
         plan = self.step_plan(x, {window: None for window in self.windows}, last_logits=True)  # masks: None or bool
-        return len(plan) == 1 and isinstance(plan[0], native_layer.NativeRun)
+        return plan[0] if len(plan) == 1 and isinstance(plan[0], native_layer.NativeRun) else None
 
     def greedy_steps(self, rows: int, cache: StaticKVCache, eos: torch.Tensor | None, pad: int,
                      eos_banned_below: int) -> "GreedySteps | None":
@@ -292,7 +297,8 @@ class SpliceCausalLM:
         run so: the eager step must be one native run ending with the head (:meth:`step_runs_natively`) and the
         embedding a plain lookup in a contiguous bf16 CPU table (no module that scales it, no learned positions, norm
         or projection after it, no hooks on it). Registers the run with the native library."""
-        if self.graphs is not None or not self.step_runs_natively(rows):
+        run = self.native_step_run(rows) if self.graphs is None else None
+        if run is None or run.head is None or run.registered is None:
             return None
         embed, ends = self.embed, self.ends
         weight = getattr(embed, "weight", None)
@@ -300,10 +306,6 @@ class SpliceCausalLM:
                 embed._forward_pre_hooks or ends.position_embed is not None or ends.embed_norm is not None or \
                 ends.project_in is not None or weight.dtype != torch.bfloat16 or not weight.is_contiguous() or \
                 weight.device.type != "cpu":
-            return None
-        x = torch.empty((rows, 1, 0), dtype=self.dtype, device=self.device)  # what step_plan reads of x
-        run = self.step_plan(x, {window: None for window in self.windows}, last_logits=True)[0]
-        if run.head is None or run.registered is None:
             return None
         run.registered.registered(run, self.dims.hidden, cache.keys.shape[-1])
         tables = [self.rope(index) for index in run.registered.ropes] if self.ropes else []

@@ -121,6 +121,12 @@ def linears_unfit_reason(block: nn.Module, names: tuple[str, ...]) -> str | None
     return None
 
 
+def mask_takes_calls(mask: torch.Tensor | None) -> bool:
+    """Whether a step's mask is one the native calls take: none, or boolean (a float mask sends its block to its own
+    ops)."""
+    return mask is None or mask.dtype == torch.bool
+
+
 def step_takes_calls(x: torch.Tensor) -> bool:
     """Whether a step on ``x [batch, seq, hidden]`` may run blocks in native calls: one token per row, bf16 on CPU.
     Shapes only, so ``torch.compile`` traces it."""
@@ -183,9 +189,8 @@ def decode_attention_half(call: LayerCall, x: torch.Tensor, keys: torch.Tensor, 
                           sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """A block's attention half for decode rows ``x`` in one native call (its keys and values written into its layer
     of ``keys, values``, the cache, at ``slots``): the rows after the attention's residual add and their MLP norm."""
-    out, normed = torch.ops.splice_kernels.decode_attention_half(x.contiguous(), keys, values, call.layer, slots,
-                                                                 mask, kv_len, cos, sin, *call[1:])
-    return out, normed
+    return torch.ops.splice_kernels.decode_attention_half(x.contiguous(), keys, values, call.layer, slots, mask,
+                                                          kv_len, cos, sin, *call[1:])
 
 
 class ExpertsCall(NamedTuple):
@@ -318,7 +323,7 @@ def step_plan(blocks, rows: int, masks: dict, read=getattr, head: HeadCall | Non
     plan, run, calls = [], [], []
     for block in blocks:
         mask = masks[block.window]
-        call = layer_call(block, rows, read) if mask is None or mask.dtype == torch.bool else None
+        call = layer_call(block, rows, read) if mask_takes_calls(mask) else None
         if call is not None:
             run.append(block)
             calls.append(call)

@@ -4693,12 +4693,14 @@ void take_linear_tensors(LayerLinear& l, const c10::List<std::optional<at::Tenso
   if (bias) l.bias = *bias;
 }
 
-// Layer `layer`'s four linears from decode_layers' lists (the list sizes checked beforehand).
+// Layer `layer`'s `count` linears from decode_layers' lists (the list sizes checked beforehand): its four, or
+// the attention's two (qkv, o: decode_attention_half).
 std::vector<LayerLinear> layer_linears(const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds,
-                                       at::IntArrayRef groups, int64_t layer, const std::string& who) {
-  std::vector<LayerLinear> linears(LAYER_LINEARS);
-  for (int64_t i = 0; i < LAYER_LINEARS; ++i) {
-    const int64_t at = layer * LAYER_LINEARS + i, first = at * TENSORS_PER_LINEAR;
+                                       at::IntArrayRef groups, int64_t layer, const std::string& who,
+                                       int64_t count = LAYER_LINEARS) {
+  std::vector<LayerLinear> linears(count);
+  for (int64_t i = 0; i < count; ++i) {
+    const int64_t at = layer * count + i, first = at * TENSORS_PER_LINEAR;
     LayerLinear& l = linears[i];
     l.kind = kinds[at];
     l.group = groups[at];
@@ -4785,12 +4787,13 @@ void check_layer_linear(const LayerLinear& l, const std::string& name) {
 void check_layer_linears(const std::vector<LayerLinear>& linears, int64_t hidden, int64_t width, int64_t attended,
                          const std::string& who) {
   const char* names[LAYER_LINEARS] = {"qkv", "o", "gate_up", "down"};
-  for (int64_t i = 0; i < LAYER_LINEARS; ++i)
+  const int64_t count = static_cast<int64_t>(linears.size());  // all four, or the attention's two (qkv, o)
+  for (int64_t i = 0; i < count; ++i)
     check_layer_linear(linears[i], who + ": the " + names[i] + " linear");
-  const int64_t ffn = linear_shape(linears[3]).second;
+  const int64_t ffn = count == LAYER_LINEARS ? linear_shape(linears[3]).second : 0;
   const std::pair<int64_t, int64_t> wanted[LAYER_LINEARS] = {
       {width, hidden}, {hidden, attended}, {2 * ffn, hidden}, {hidden, ffn}};
-  for (int64_t i = 0; i < LAYER_LINEARS; ++i) {
+  for (int64_t i = 0; i < count; ++i) {
     const auto [n, k] = linear_shape(linears[i]);
     TORCH_CHECK(n == wanted[i].first && k == wanted[i].second, who, ": the ", names[i], " linear is [", n,
                 ", ", k, "] (outputs, inputs); the layer needs [", wanted[i].first, ", ", wanted[i].second, "]");
@@ -5240,22 +5243,10 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_half(
   const std::string who = std::string(op) + ": layer " + std::to_string(layer);
   LayerCall l;
   take_layer_norms(l, norms, eps, heads, at::ArrayRef<double>(&scale, 1), 0, hidden, head_dim, who);
-  l.linears.resize(2);
-  const char* linear_names[] = {"qkv", "o"};
-  const std::pair<int64_t, int64_t> wanted[] = {{(l.n_heads + 2 * l.n_kv_heads) * head_dim, hidden},
-                                                {hidden, l.n_heads * head_dim}};
-  for (int64_t i = 0; i < 2; ++i) {
-    LayerLinear& linear = l.linears[i];
-    const std::string name = who + ": the " + linear_names[i] + " linear";
-    linear.kind = kinds[i];
-    linear.group = groups[i];
-    take_linear_tensors(linear, tensors, i * TENSORS_PER_LINEAR, name);
-    check_layer_linear(linear, name);
-    TORCH_CHECK(linear_shape(linear) == wanted[i], name, " is [", linear_shape(linear).first, ", ",
-                linear_shape(linear).second, "] (outputs, inputs); the layer needs [", wanted[i].first, ", ",
-                wanted[i].second, "]");
+  l.linears = layer_linears(tensors, kinds, groups, 0, who, 2);  // qkv, o
+  check_layer_linears(l.linears, hidden, (l.n_heads + 2 * l.n_kv_heads) * head_dim, l.n_heads * head_dim, who);
+  for (LayerLinear& linear : l.linears)
     if (linear.bias.defined()) linear.bias = linear.bias.to(at::kBFloat16).contiguous();
-  }
   const LayerInputs in{keys.select(0, layer), values.select(0, layer), mask, cos, sin};
   check_layer_inputs(x, in.keys, in.values, slots, kv_len, in.cos, in.sin, l.n_kv_heads, who);
   check_layer_mask(in.mask, x.size(0), kv_len, who);
