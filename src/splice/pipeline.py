@@ -67,7 +67,8 @@ def failure_note(step: Step, rollback: Rollback | None, why: str) -> str:
     overwritten = rollback.restore()
     if overwritten:
         shown = ", ".join(overwritten[:3]) + (f" and {len(overwritten) - 3} more" if len(overwritten) > 3 else "")
-        return (f"{where}; the model was put back as it was, except the values of {shown}, which a step "
-                "overwrote in place (or may have: tensors made in inference mode keep no count of writes): load it "
-                "again before using it")
+        unsure = "" if rollback.counts_writes else \
+            " (or may have: tensors made in inference mode keep no count of writes)"
+        return (f"{where}; the model was put back as it was, except the values of {shown}, which a step overwrote in "
+                f"place{unsure}: load it again before using it")
     return f"{where}; the model was put back as it was before the call"

@@ -39,6 +39,12 @@ class Rollback:
         self.tensors = [_SavedTensor(t, t.detach(), None if t.is_inference() else t._version, t.requires_grad)
                         for t in tensors.values()]
 
+    @property
+    def counts_writes(self) -> bool:
+        """Whether every tensor keeps a version counter (none was made in inference mode), so that :meth:`restore`
+        names only tensors a step did write into."""
+        return all(saved.version is not None for saved in self.tensors)
+
     def restore(self) -> list[str]:
         """Put the model back; returns the names of the tensors whose values were overwritten in place, or may have
         been (a tensor made in inference mode keeps no version counter to show it was not), empty where the model
