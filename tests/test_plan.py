@@ -125,6 +125,22 @@ def test_a_scheme_that_fits_the_whole_layer_but_not_a_ranks_shard_raises_at_plan
         plan_at_two_ranks(quant={"enabled": True, "weight": weight})
 
 
+def test_kernel_injection_at_two_ranks_refuses_a_norm_over_every_head_before_any_change():
+    """OLMo 2's q_norm spans every head: no rank can run it on its share, so the plan is refused and the model left
+    untouched."""
+    from splice.distributed import ParallelContext
+
+    from .arch.tiny_models import build_family
+
+    model = build_family("olmo2")
+    state = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"model_type='olmo2' normalises each whole q and k projection.*tensor "
+                                         r"parallelism cannot split its attention; allowed: tp_size=1"):
+        resolve(resolve_config({"tensor_parallel": {"tp_size": 2}, "replace_with_kernel_inject": True}), model,
+                ParallelContext(rank=0, world_size=2), torch.device("cpu"))
+    assert all(torch.equal(value, state[name]) for name, value in model.state_dict().items())
+
+
 def test_a_scheme_that_fits_every_shard_resolves_at_two_ranks():
     plan = plan_at_two_ranks(quant={"enabled": True, "weight": {"num_bits": 4, "group_size": 32}})
     assert plan.quant.kind == "int4_weight_only" and plan.tp_plan is not None

@@ -7,7 +7,7 @@ import pytest
 
 from splice.arch import REGISTRY, lookup, model_dims, supported
 
-from .tiny_models import FAMILIES, MOE_FAMILIES, VARIANTS, family_config
+from .tiny_models import FAMILIES, MOE_FAMILIES, NORMS_OVER_HEADS, VARIANTS, family_config
 
 
 def test_every_family_has_a_record():
@@ -80,9 +80,9 @@ def shares(rule, size: int, tp: int) -> list:
 
 #: AutoTP traces a text-only forward, so the multimodal Gemma 3's vision tower never runs and AutoTP cannot place it;
 #: with kernel injection the record's plan serves it (tests/tp/test_inject_tp.py). A mixture of experts' record has
-#: no plan of its own (AutoTP's serves it).
+#: no plan of its own (AutoTP's serves it); norms over every head refuse both (below).
 @pytest.mark.parametrize("name", [name for name in FAMILIES + VARIANTS
-                                  if name.split(":")[0] not in ("gemma3", *MOE_FAMILIES)])
+                                  if name.split(":")[0] not in ("gemma3", *MOE_FAMILIES, *NORMS_OVER_HEADS)])
 def test_the_record_tensor_parallel_plan_is_autotps(name):
     """Each record carries its family's tensor-parallel plan; AutoTP, analysing the model's data flow, must find the
     same one (what every rank gets of every module at tp=2 and tp=3, attention heads, blocks) for every family and
@@ -109,3 +109,23 @@ def test_the_record_tensor_parallel_plan_is_autotps(name):
             assert shares(a, size, tp) == shares(b, size, tp), (module, tp, a, b)
     assert record_plan.attention == found.attention and record_plan.blocks == found.blocks
     assert record_plan.source == "record"
+
+
+@pytest.mark.parametrize("name", NORMS_OVER_HEADS)
+def test_norms_over_every_head_refuse_tensor_parallelism_in_either_plan(name):
+    """OLMo 2's q and k norms span every head of their projections: the record's plan refuses to split them, naming the
+    norms and what is allowed, and AutoTP refuses them too (OLMoE's record has no plan: AutoTP's refusal serves it)."""
+    from splice.arch import tensor_parallel_plan
+    from splice.tp.autotp import autotp_plan, trace_model
+    from splice.tp.plan import verify
+
+    from .tiny_models import build_family
+
+    model = build_family(name)
+    record = lookup(model.config)
+    if not record.moe:
+        with pytest.raises(ValueError, match=rf"model_type='{name}' normalises each whole q and k projection "
+                                             r"\(self_attn\.q_norm, self_attn\.k_norm\).*allowed: tp_size=1"):
+            tensor_parallel_plan(record, model.config)
+    with pytest.raises(ValueError, match=r"self_attn\.q_norm.*are not one head's"):
+        verify(autotp_plan(model, trace_model(model)), model, 2)

@@ -197,6 +197,21 @@ def test_quantized_weights_agree_with_the_reference(name, quant):
     assert agreement > (0.9 if int8 else 0.6), agreement
 
 
+@pytest.mark.parametrize("name", ["olmo", "olmo2", "olmo3"])
+def test_families_rotating_in_float32_decode_on_float32_tables(name):
+    """OLMo's rotary tables stay float32 and its bf16 q and k are rotated in float32 (rounded once), in the decode
+    runtime as in the HF path: bf16 greedy tokens agree with the bf16 reference's."""
+    reference = build_family(name, dtype=torch.bfloat16)
+    engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, dtype=torch.bfloat16,
+                                   max_out_tokens=64)
+    assert engine.runtime.rope(0).cos.dtype == torch.float32
+    ids, mask = padded_batch()
+    with torch.inference_mode():
+        expected = reference.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)[:, ids.shape[1]:]
+        got = engine.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)[:, ids.shape[1]:]
+    assert (expected == got).float().mean() > 0.9
+
+
 #: (family, smallest attended length, max_out_tokens, new tokens, the attended lengths compiled). ALiBi,
 #: soft-capped, interleaved-rotary, post-norm (learned positions and OPT's projections in the graph) and local-window
 #: blocks cross a change of the attended length (16, then 32 slots); every other family and variant compiles one.
@@ -206,7 +221,7 @@ COMPILED_CASES = [
     *[(name, 32, 32, 12, {32}) for name in (
         "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt_neox", "gpt_neox:sequential", "gpt2", "opt", "phi",
         "falcon", "falcon:new_architecture", "gemma3_text", "gemma3", "gpt_bigcode", "mixtral", "qwen2_moe",
-        "qwen3_moe")],
+        "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe")],
 ]
 
 

@@ -137,6 +137,15 @@ def _configs():
                                                   first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32,
                                                   qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=2,
                                                   topk_group=1),
+        # OLMo: norms without weights, q, k and v clamped; OLMo 2: norms on the branch outputs alone, q and k each
+        # normalised over its whole projection; OLMo 3: that with sliding and full layers; OLMoE: pre-norm, the
+        # projections' norms, clamping and experts
+        "olmo": lambda: T.OlmoConfig(**COMMON, clip_qkv=0.05),
+        "olmo2": lambda: T.Olmo2Config(**COMMON),
+        "olmo3": lambda: T.Olmo3Config(**COMMON, sliding_window=4,
+                                       layer_types=["sliding_attention", "full_attention"]),
+        "olmoe": lambda: T.OlmoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2,
+                                       clip_qkv=0.3),
         # attention sinks (one learned logit per head), biased experts with gate and up interleaved
         "gpt_oss": lambda: T.GptOssConfig(**{**COMMON, "intermediate_size": 64}, num_local_experts=4,
                                           num_experts_per_tok=2, head_dim=16, sliding_window=8,
@@ -146,7 +155,10 @@ def _configs():
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
 NEW_FAMILIES = ("gpt_neox", "gpt2", "opt", "phi", "gptj", "falcon", "bloom", "gemma2", "gemma3_text", "gemma3",
-                "gpt_neo", "gpt_bigcode", "mixtral", "qwen2_moe", "qwen3_moe")
+                "gpt_neo", "gpt_bigcode", "mixtral", "qwen2_moe", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe")
+#: families whose q and k norms span every head of their projections: no rank can run them on a share of the heads,
+#: so neither the record nor AutoTP plans tensor parallelism for them
+NORMS_OVER_HEADS = ("olmo2", "olmo3", "olmoe")
 #: the families AutoTP and tensor parallelism are tested on (tests/tp)
 AUTOTP_FAMILIES = ("llama", "qwen2", "gpt2", "gpt_neox", "bloom", "falcon", "opt", "phi3", "gemma")
 #: mixtures of experts kernel injection fuses (the blocks call each layer's own MLP module), also tested under
@@ -161,7 +173,7 @@ VARIANTS = (
     "gpt_neox", "gpt_neox:sequential", "gpt2", "gpt2:layer_scaled", "opt", "opt:post_norm", "phi", "gptj",
     "falcon", "falcon:new_architecture", "falcon:sequential", "falcon:alibi", "bloom", "bloom:six_heads", "gemma2",
     "gemma3_text", "gemma3", "gpt_neo", "gpt_bigcode", "gpt_bigcode:multi_head", "mixtral", "mixtral:sliding",
-    "qwen2_moe", "qwen2_moe:dense_layers", "qwen3_moe", "qwen3_moe:dense_layers")
+    "qwen2_moe", "qwen2_moe:dense_layers", "qwen3_moe", "qwen3_moe:dense_layers", "olmo", "olmo2", "olmo3", "olmoe")
 
 
 def family_config(name: str):

@@ -191,6 +191,63 @@ def test_head_rms_norm_with_offset_matches_gemma3(dtype):
     torch.testing.assert_close(ours, torch.cat([q_norm(x[:, :, :3]), k_norm(x[:, :, 3:])], dim=2), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_scaling_in_float32_matches_olmo2(dtype):
+    """OLMo 2 multiplies by its weight in float32 and rounds once; Llama rounds, then multiplies (its bf16 results
+    differ: the scale_float norm must be OLMo 2's, bit for bit)."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    hf = Olmo2RMSNorm(64, eps=1e-6).to(dtype)
+    torch.nn.init.normal_(hf.weight)
+    x = (3 * torch.randn(4, 5, 64)).to(dtype)
+    torch.testing.assert_close(RMSNorm(hf.weight, 1e-6, scale_float=True)(x), hf(x), rtol=0, atol=0)
+    if dtype == torch.bfloat16:
+        assert not torch.equal(RMSNorm(hf.weight, 1e-6)(x), hf(x))
+
+
+def test_projection_rms_norm_matches_olmo2s_q_and_k_norms():
+    """Each of q and k normalised over all its heads at once (OLMo 2's q_norm over num_heads * head_dim features)."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+
+    from splice.layers.norm import ProjectionRMSNorm
+
+    q_norm, k_norm = Olmo2RMSNorm(3 * 16, eps=1e-6), Olmo2RMSNorm(16, eps=1e-6)
+    torch.nn.init.normal_(q_norm.weight)
+    torch.nn.init.normal_(k_norm.weight)
+    x = torch.randn(2, 5, 3 + 1, 16)
+    ours = ProjectionRMSNorm(q_norm.weight, k_norm.weight, 3, 1e-6, scale_float=True)(x)
+    expected = torch.cat([q_norm(x[:, :, :3].flatten(2)).view(2, 5, 3, 16), k_norm(x[:, :, 3:].flatten(2))[:, :, None]],
+                         dim=2)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=1e-6)
+    per_head = torch.cat([q_norm(x[:, :, :3].flatten(2)), k_norm(x[:, :, 3:].flatten(2))], dim=2)
+    assert ours.shape == (2, 5, 4, 16) and torch.equal(ours.flatten(2), per_head)
+
+
+def test_rotary_in_float32_matches_olmo2_in_bf16():
+    """OLMo 2 keeps cos and sin in float32 and rounds the rotated bf16 q and k once; splice's float32 table and
+    apply_rotary_float_ give its bits, where the bf16 in-place rotation (Llama's rounding) does not."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RotaryEmbedding
+    from transformers.models.olmo2.modeling_olmo2 import apply_rotary_pos_emb as olmo2_rotary
+
+    from splice.layers.rotary import apply_rotary_float_
+
+    config = family_config("olmo2")
+    dims = model_dims(lookup(config), config)
+    assert dims.rotary_float
+    table = build_table(dims.rope, config, dims.head_dim, 40, torch.float32, "cpu")
+    positions = torch.tensor([[0, 3, 7, 39], [1, 2, 30, 31]])
+    cos, sin = Olmo2RotaryEmbedding(config)(torch.zeros(1, dtype=torch.bfloat16), positions)
+    assert cos.dtype == torch.float32
+    q, k = torch.randn(2, 4, 4, 16).bfloat16(), torch.randn(2, 2, 4, 16).bfloat16()  # [batch, heads, seq, dim]
+    q_ref, k_ref = olmo2_rotary(q, k, cos, sin)
+    qk = torch.cat([q, k], dim=1).transpose(1, 2).clone()  # [batch, seq, heads, head_dim]
+    apply_rotary_float_(qk, *table.lookup(positions))
+    assert torch.equal(qk[:, :, :4].transpose(1, 2), q_ref) and torch.equal(qk[:, :, 4:].transpose(1, 2), k_ref)
+    rounded = torch.cat([q, k], dim=1).transpose(1, 2).clone()
+    apply_rotary_(rounded, *build_table(dims.rope, config, dims.head_dim, 40, torch.bfloat16, "cpu").lookup(positions))
+    assert not torch.equal(rounded[:, :, :4].transpose(1, 2), q_ref)
+
+
 @pytest.mark.parametrize("name", ["silu", "swish", "gelu_pytorch_tanh", "gelu_new", "gelu_fast", "gelu_python_tanh",
                                   "gelu", "gelu_python", "relu"])
 def test_activations_match_hugging_faces(name):

@@ -328,6 +328,8 @@ def test_a_compiled_engine_runs_steps_in_one_native_call_eagerly(fresh_compiles)
     ("gpt2", "not a causal pre-norm block"),
     ("gpt_neox", "not a causal pre-norm block"),
     ("mixtral", "its MLP is the model's own MixtralSparseMoeBlock (a mixture of experts)"),
+    ("olmo", "it clamps q, k and v (clip_qkv)"),
+    ("olmo2", "it has attn_out_norm, mlp_out_norm"),
 ])
 def test_blocks_it_does_not_fit_keep_their_own_ops_and_the_report_says_why(family, reason):
     engine = engine_of(family)
@@ -678,6 +680,20 @@ def test_a_qk_norm_scaled_in_float32_keeps_its_blocks_own_ops():
     assert unfit_reason(block) is None
     block.qk_norm.offset = 1.0
     assert unfit_reason(block) == "its qk-norm scales in float32 (an offset weight, as Gemma 3's)"
+
+
+def test_a_qk_norm_over_each_whole_projection_keeps_its_blocks_own_ops():
+    """OLMoE's q and k norms span every head (the native call normalises each head alone): its attention half stays
+    on the block's own ops, and so do its experts."""
+    from splice.layers.native_layer import attention_unfit_reason
+
+    model = randomised_vectors(build_tiny(tiny_config("olmoe", clip_qkv=None)), 0)
+    engine = splice.init_inference(model, replace_with_kernel_inject=True, dtype=torch.bfloat16, max_out_tokens=64)
+    block = engine.runtime.blocks[0]
+    assert attention_unfit_reason(block) == "its qk-norm spans each whole projection, not one head"
+    assert not block.native_attention_half and not block.native_layer
+    block.layout = dataclasses.replace(block.layout, clip_qkv=0.3)
+    assert attention_unfit_reason(block) == "it clamps q, k and v (clip_qkv)"
 
 
 # ---- a block whose MLP runs elsewhere: its attention half in one native call (decode_attention_half) ---------------

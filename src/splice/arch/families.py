@@ -147,6 +147,24 @@ DISTILBERT = ArchRecord(
     mlp_norm="output_layer_norm", norm_before=False, positions="none", activation_key="activation",
     hf_args=("attention_mask",))
 
+# (no DeepSpeed container) OLMo: norms without weights (the model's own LayerNorm modules), q, k and v clamped,
+# rotary computed in float32
+OLMO = ArchRecord(model_type="olmo", norm="layer", clip_qkv_key="clip_qkv", rotary_float=True)
+
+# (no DeepSpeed container) OLMo 2: no norm before the attention or the MLP, a norm on each branch's output (scaling in
+# float32), q and k each normalised over its whole projection, rotary computed in float32
+OLMO2 = ArchRecord(model_type="olmo2", attn_norm=None, mlp_norm=None, attn_out_norm="post_attention_layernorm",
+                   mlp_out_norm="post_feedforward_layernorm", norm_scale_float=True, q_norm="self_attn.q_norm",
+                   k_norm="self_attn.k_norm", qk_norm_width="projection", rotary_float=True)
+
+# (no DeepSpeed container) OLMo 3: OLMo 2's layout with sliding-window and full-attention layers
+OLMO3 = replace(OLMO2, model_type="olmo3", sliding_window=True)
+
+# (no DeepSpeed container) OLMoE: pre-norm, q and k normalised over their whole projections, q, k and v clamped, a
+# mixture of experts
+OLMOE = ArchRecord(model_type="olmoe", q_norm="self_attn.q_norm", k_norm="self_attn.k_norm",
+                   qk_norm_width="projection", clip_qkv_key="clip_qkv", moe="mlp")
+
 RECORDS: tuple[ArchRecord, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GPT_NEOX, GPT2, OPT, PHI, GPTJ, FALCON,
                                    BLOOM, GEMMA2, GEMMA3_TEXT, GEMMA3, GPT_NEO, GPT_BIGCODE, BERT, ROBERTA, DISTILBERT,
-                                   MIXTRAL, QWEN2_MOE, QWEN3_MOE)
+                                   MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMO, OLMO2, OLMO3, OLMOE)

@@ -70,7 +70,7 @@ def missing_parts(record, parallel: bool, model: nn.Module) -> list[str]:
         mlp = [record.gate_up, record.down] if record.gate_up else [record.gate, record.up, record.down]
     else:
         mlp = [record.up, record.down]
-    needed = [*attention, record.o, *mlp, record.attn_norm]
-    if not parallel:
-        needed.append(record.mlp_norm)
+    # a norm the record names must be there; one it names as None the family does not have (OLMo 2's inputs)
+    norms = [record.attn_norm] if parallel else [record.attn_norm, record.mlp_norm]
+    needed = [*attention, record.o, *mlp, *(path for path in norms if path is not None)]
     return [f"{record.layers}.0.{path}" for path in needed if not path or optional_path(layer, path) is None]

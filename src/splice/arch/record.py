@@ -61,17 +61,24 @@ class ArchRecord:
     moe: str | None = None
     # norms: "rms" (``norm_offset`` 1.0 means the checkpoint stores ``weight - 1``: y = norm(x) * (1 + w)) or "layer"
     # (the model's own LayerNorm modules, with their biases). ``mlp_norm`` absent: a parallel block's MLP reads the
-    # attention norm's output. ``attn_out_norm`` / ``mlp_out_norm``: norms on the branch outputs (Gemma 2/3).
+    # attention norm's output; in a sequential pre-norm block an absent norm reads its input as it is (OLMo 2 normalises
+    # the branch outputs alone). ``attn_out_norm`` / ``mlp_out_norm``: norms on the branch outputs (Gemma 2/3, OLMo 2).
+    # ``norm_scale_float``: the RMSNorms scale by their weight in float32 and round once (OLMo 2), as offset norms do.
     norm: str = "rms"
-    attn_norm: str = "input_layernorm"
+    attn_norm: str | None = "input_layernorm"
     mlp_norm: str | None = "post_attention_layernorm"
     attn_out_norm: str | None = None
     mlp_out_norm: str | None = None
     norm_offset: float = 0.0
+    norm_scale_float: bool = False
     eps_key: str = "rms_norm_eps"
-    # per-head RMSNorm on q and k before rotary (qk-norm), or None
+    # RMSNorm on q and k before rotary (qk-norm), or None: per head (``qk_norm_width`` "head": one head's weight, every
+    # head normalised alone) or over each whole projection ("projection": every head of q, of k, at once; OLMo 2)
     q_norm: str | None = None
     k_norm: str | None = None
+    qk_norm_width: str = "head"
+    # the config key of a bound q, k and v are clamped to after their projections (and qk-norm), or None (OLMo)
+    clip_qkv_key: str | None = None
     # residual layout: parallel ``x + attn(n1(x)) + mlp(n2(x))`` (True, or config keys any of which makes it so);
     # ``norm_before`` False (or a config key that is False) puts each norm after its residual add (post-norm)
     parallel: bool | tuple[str, ...] = False
@@ -85,6 +92,7 @@ class ArchRecord:
     alibi_scaled: bool = False
     alibi_bf16: bool = False
     rotary_interleaved: bool = False  # GPT-J: rotate every two features instead of the two halves
+    rotary_float: bool = False  # the rotation computed in float32 (float32 cos and sin), rounded once (OLMo, OLMo 2)
     # how much of each head the family's HF attention rotates: the whole head, where its default rope never reads
     # partial_rotary_factor (Llama, Gemma, Falcon, ...); the config's partial_rotary_factor (``partial_rotary``: Phi,
     # Phi-3, GPT-NeoX's rotary_pct); or the number of features the config key ``rotary_dim_key`` names (GPT-J)
@@ -151,6 +159,8 @@ class ModelDims:
     attn_softcap: float | None = None
     final_softcap: float | None = None
     position_limit: int | None = None  # learned positions: the table's length
+    clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] (OLMo's clip_qkv)
+    rotary_float: bool = False  # rotary in float32, rounded once (the record's rotary_float)
 
     @property
     def rotary_dim(self) -> int:
@@ -210,6 +220,8 @@ def model_dims(record: ArchRecord, config: Any) -> ModelDims:
         attn_softcap=getattr(config, record.attn_softcap_key, None) if record.attn_softcap_key else None,
         final_softcap=getattr(config, "final_logit_softcapping", None),
         position_limit=learned_positions(record, config),
+        clip_qkv=getattr(config, record.clip_qkv_key, None) if record.clip_qkv_key else None,
+        rotary_float=record.rotary_float,
     )
 
 
@@ -236,6 +248,9 @@ def check_fits(record: ArchRecord, config: Any) -> None:
         raise ValueError(f"kernel injection cannot fuse a model loaded with attn_implementation={implementation!r}: "
                          "the fused blocks take the boolean or float masks Hugging Face builds for sdpa and eager "
                          "attention; allowed: attn_implementation='sdpa' or 'eager'")
+    if record.qk_norm_width not in ("head", "projection"):
+        raise ValueError(f"record {record.model_type!r}: qk_norm_width={record.qk_norm_width!r}; allowed: head, "
+                         "projection")
     if record.qkv_layout not in ("contiguous", "grouped"):
         raise ValueError(f"record {record.model_type!r}: qkv_layout={record.qkv_layout!r}; allowed: contiguous, "
                          "grouped")
@@ -373,6 +388,10 @@ def tensor_parallel_plan(record: ArchRecord, config: Any) -> TPPlan:
     if record.moe:
         raise ValueError(f"record {record.model_type!r} calls each layer's own MLP module ({record.moe}), which the "
                          "record does not describe: AutoTP plans its tensor parallelism")
+    if record.q_norm and record.qk_norm_width == "projection":
+        raise ValueError(f"model_type={record.model_type!r} normalises each whole q and k projection ({record.q_norm}, "
+                         f"{record.k_norm}): one rank's share of the heads cannot compute that norm, so tensor "
+                         "parallelism cannot split its attention; allowed: tp_size=1 for this model")
     dims = model_dims(record, config)
     heads = Heads(dims.n_heads, dims.n_kv_heads, dims.head_dim)
     block = f"{record.layers}.*"

@@ -2,9 +2,10 @@
 
 It knows nothing about any family's names: ``splice.steps.fuse`` builds it from an architecture record, and the
 variants are data (:class:`BlockLayout`): causal or bidirectional (encoder) attention, pre- or post-norm, sequential
-or parallel residual (one norm or two), norms on the branch outputs, gated or plain MLP, rotary (applied to the first
-``rotary_dim`` features), ALiBi (exact, or rounded as Falcon's HF model rounds it) or no positions inside the block,
-the score scale and soft-capping. A mixture of experts keeps its layer's own MLP module (``moe``: router, experts,
+or parallel residual (one norm or two), norms on the branch outputs (with or without norms before the branches),
+gated or plain MLP, rotary (applied to the first ``rotary_dim`` features; rounded per op, or computed in float32 and
+rounded once), ALiBi (exact, or rounded as Falcon's HF model rounds it) or no positions inside the block, q/k/v
+clamping, the score scale and soft-capping. A mixture of experts keeps its layer's own MLP module (``moe``: router, experts,
 any shared expert), which the block calls where it would compute its MLP. Two entry points share the same fused
 code:
 
@@ -25,7 +26,7 @@ from torch import nn
 from .. import native
 from .kv_cache import StaticKVCache
 from .norm import HeadRMSNorm
-from .rotary import apply_rotary_, signed_sin
+from .rotary import apply_rotary_, apply_rotary_float_, signed_sin
 
 #: transformers' activation names (``ACT2FN``) -> the function; names of one function differ only in float rounding.
 #: The tanh GELU: ``gelu_fast`` writes sqrt(2 / pi) as 0.7978845608 (relative error 4e-12, far below fp32's 6e-8);
@@ -81,6 +82,8 @@ class BlockLayout:
     hf_returns_tuple: bool = False
     hf_alibi_in_mask: bool = False  # the HF model folds the ALiBi bias into the mask it passes
     hf_window_in_mask: bool = True  # False: the HF model passes a full causal mask to sliding-window layers
+    clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] after the qk-norm (OLMo)
+    rotary_float: bool = False  # rotary computed in float32 from float32 tables, rounded once (OLMo, OLMo 2)
 
 
 class SpliceBlock(nn.Module):
@@ -183,14 +186,17 @@ class SpliceBlock(nn.Module):
         the attention's (normed) input."""
         batch, seq, _ = x.shape
         n_q, n_kv = self.shape.n_heads, self.shape.n_kv_heads
-        h = self.attn_norm(x) if self.layout.norm_before else x
+        h = self.attn_norm(x) if self.layout.norm_before and self.attn_norm is not None else x
         qkv = self.qkv(h).view(batch, seq, n_q + 2 * n_kv, self.shape.head_dim)
-        qk = qkv[:, :, : n_q + n_kv]
+        qk, v = qkv[:, :, : n_q + n_kv], qkv[:, :, n_q + n_kv:]
         if self.qk_norm is not None:
             qk = self.qk_norm(qk)
+        if self.layout.clip_qkv is not None:
+            bound = self.layout.clip_qkv
+            qk, v = qk.clamp(-bound, bound), v.clamp(-bound, bound)
         if cos is not None:
-            apply_rotary_(qk, cos, sin)
-        q, k, v = qk[:, :, :n_q], qk[:, :, n_q:], qkv[:, :, n_q + n_kv:]
+            (apply_rotary_float_ if self.layout.rotary_float else apply_rotary_)(qk, cos, sin)
+        q, k = qk[:, :, :n_q], qk[:, :, n_q:]
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), h
 
     def alibi(self, q_len: int, kv_len: int, valid: torch.Tensor | None = None,
@@ -281,7 +287,8 @@ class SpliceBlock(nn.Module):
             x = self.attn_norm(x + out)
             return self.mlp_norm(x + self.mlp(x))
         x.add_(out)
-        mlp = self.mlp(self.mlp_norm(x))  # before x.add_ is looked up: a compiled step may resume after the MLP
+        # before x.add_ is looked up: a compiled step may resume after the MLP
+        mlp = self.mlp(x if self.mlp_norm is None else self.mlp_norm(x))
         return x.add_(mlp)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:

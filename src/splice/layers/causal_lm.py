@@ -138,11 +138,12 @@ class SpliceCausalLM:
         return self.embed.weight.dtype
 
     def rope(self, index: int = 0) -> RopeTable:
-        """Rotary table ``index`` for ``max_len`` positions on the model's device and dtype (built once)."""
+        """Rotary table ``index`` for ``max_len`` positions on the model's device, in its dtype (float32 where the
+        family rotates in float32: ``dims.rotary_float``), built once."""
+        dtype = torch.float32 if self.dims.rotary_float else self.dtype
         table = self._rope.get(index)
-        if table is None or table.cos.device != self.device or table.cos.dtype != self.dtype:
-            table = build_table(self.ropes[index], self.config, self.dims.head_dim, self.max_len, self.dtype,
-                                self.device)
+        if table is None or table.cos.device != self.device or table.cos.dtype != dtype:
+            table = build_table(self.ropes[index], self.config, self.dims.head_dim, self.max_len, dtype, self.device)
             self._rope[index] = table
         return table
 

@@ -25,7 +25,7 @@ from .. import native
 from ..quant.layers import Int4WeightOnlyLinear, Int8DynamicLinear, Int8WeightOnlyLinear
 from ..quant.qmath import ACTIVATION_BLOCK
 from .native_linear import NativeLinear
-from .norm import RMSNorm
+from .norm import HeadRMSNorm, RMSNorm
 
 #: decode_layers' GEMV kinds (gemv.cpp's LayerGemv)
 (GEMV_BF16, GEMV_INT8, GEMV_INT8_DOT, GEMV_INT8_DOT16, GEMV_INT4, GEMV_INT4_DOT, GEMV_INT8_GROUPED,
@@ -103,7 +103,11 @@ def attention_unfit_reason(block: nn.Module) -> str | None:
     extras = [name for name in ("attn_out_norm", "mlp_out_norm", "alibi_slopes") if getattr(block, name) is not None]
     if extras or layout.softcap is not None:
         return f"it has {', '.join(extras or ['soft-capped scores'])}"
+    if layout.clip_qkv is not None:
+        return "it clamps q, k and v (clip_qkv)"
     qk_norm = block.qk_norm
+    if qk_norm is not None and not isinstance(qk_norm, HeadRMSNorm):
+        return "its qk-norm spans each whole projection, not one head"
     if qk_norm is not None and (qk_norm.offset or qk_norm.weight.dtype != torch.bfloat16):
         return "its qk-norm scales in float32 (an offset weight, as Gemma 3's)"
     for norm in (block.attn_norm, block.mlp_norm):

@@ -14,7 +14,8 @@ class RMSNorm(nn.Module):
     """``y = norm(x) * w`` over the last ``weight.numel()`` features.
 
     ``offset`` is for checkpoints that store ``w - offset`` (Gemma: 1.0); the folded weight is kept in fp32 then, as
-    Gemma computes ``norm(x) * (1 + w)`` in fp32. Takes the given weight over (moved, not copied) when ``offset`` is 0.
+    Gemma computes ``norm(x) * (1 + w)`` in fp32. ``scale_float``: the weight kept in fp32 without an offset (OLMo 2
+    scales in fp32 and rounds once). Takes the given weight over (moved, not copied) otherwise.
     ``native_rows`` (set by the kernels step where a decode step's small ops run on splice's kernels): bf16 rows on
     the CPU, up to :data:`NATIVE_ROWS` of them, take one native call (``splice_kernels.rms_norm``, rounded the same
     way) instead of the four ops of the eager form.
@@ -22,9 +23,9 @@ class RMSNorm(nn.Module):
 
     native_rows = False
 
-    def __init__(self, weight: torch.Tensor, eps: float, offset: float = 0.0):
+    def __init__(self, weight: torch.Tensor, eps: float, offset: float = 0.0, scale_float: bool = False):
         super().__init__()
-        folded = weight.detach().float() + offset if offset else weight.detach()
+        folded = weight.detach().float() + offset if offset or scale_float else weight.detach()
         self.weight = nn.Parameter(folded, requires_grad=False)
         self.eps = eps
         self.shape = (weight.shape[-1],)
@@ -65,3 +66,21 @@ class HeadRMSNorm(nn.Module):
         if self.offset:
             return F.rms_norm(x.float(), self.shape, None, self.eps).mul_(self.weight).to(x.dtype)
         return F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype).mul_(self.weight)
+
+
+class ProjectionRMSNorm(nn.Module):
+    """RMSNorm over each whole projection for q and k at once (qk-norm over every head together: OLMo 2, OLMoE).
+
+    ``x`` is ``[..., q_heads + kv_heads, head_dim]``: the first ``q_heads`` rows together are normalised by the q norm
+    (its weight ``[q_heads * head_dim]``), the rest together by the k norm. ``scale_float`` as in :class:`RMSNorm`."""
+
+    def __init__(self, q_weight: torch.Tensor, k_weight: torch.Tensor, q_heads: int, eps: float,
+                 scale_float: bool = False):
+        super().__init__()
+        self.q_norm = RMSNorm(q_weight, eps, scale_float=scale_float)
+        self.k_norm = RMSNorm(k_weight, eps, scale_float=scale_float)
+        self.q_heads = q_heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = x[..., : self.q_heads, :], x[..., self.q_heads:, :]
+        return torch.cat([self.q_norm(q.flatten(-2)).view(q.shape), self.k_norm(k.flatten(-2)).view(k.shape)], dim=-2)

@@ -74,3 +74,13 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) 
     swapped = torch.roll(part, rotary_dim // 2, dims=-1).mul_(sin_signed)
     part.mul_(cos).add_(swapped)
     return x
+
+
+def apply_rotary_float_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rotary_` computed in float32 (with float32 ``cos`` and ``sin``) and rounded to ``x``'s dtype once,
+    as the families whose rotary embedding keeps its tables in float32 compute it (OLMo, OLMo 2)."""
+    rotary_dim = cos.shape[-1]
+    part = x if rotary_dim == x.shape[-1] else x[..., :rotary_dim]
+    wide = part.float()
+    part.copy_(wide * cos + torch.roll(wide, rotary_dim // 2, dims=-1) * sin_signed)
+    return x

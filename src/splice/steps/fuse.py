@@ -31,7 +31,7 @@ from ..distributed import SINGLE_PROCESS, ParallelContext
 from ..layers.block import BlockLayout, BlockShape, SpliceBlock, alibi_slopes
 from ..layers.causal_lm import Ends, SpliceCausalLM
 from ..layers.conv1d import in_out_features, is_conv1d, linear_weight
-from ..layers.norm import HeadRMSNorm, RMSNorm
+from ..layers.norm import HeadRMSNorm, ProjectionRMSNorm, RMSNorm
 from ..layers.rotary import RopeTable, build_table, interleaved_to_halves
 from ..plan import Plan
 from ..tp.split import Heads, head_share
@@ -165,7 +165,7 @@ def decode_runtime(model: nn.Module, layers: nn.ModuleList, max_out_tokens: int)
     dims = model_dims(record, model.config)
     if record.norm == "rms" and record.final_norm:
         norm = get_path(model, record.final_norm)
-        set_path(model, record.final_norm, RMSNorm(norm.weight, dims.eps, record.norm_offset))
+        set_path(model, record.final_norm, RMSNorm(norm.weight, dims.eps, record.norm_offset, record.norm_scale_float))
     ends = Ends(get_path(model, record.embed), get_path(model, record.lm_head),
                 norm=optional_path(model, record.final_norm),
                 position_embed=optional_path(model, record.position_embed), position_offset=record.position_offset,
@@ -215,10 +215,7 @@ def fused_block(record: ArchRecord, dims: ModelDims, index: int, layer: nn.Modul
             as_linear(get_path(layer, record.up))
         down = as_linear(get_path(layer, record.down))
     shape = BlockShape(n_q, n_kv, dims.head_dim, dims.windows[index], dims.activation)
-    qk_norm = None
-    if record.q_norm:
-        qk_norm = HeadRMSNorm(get_path(layer, record.q_norm).weight, get_path(layer, record.k_norm).weight,
-                              shape.n_heads, shape.n_kv_heads, dims.eps, record.norm_offset)
+    qk_norm = qk_norms(record, dims, layer, shape) if record.q_norm else None
     attn_norm, mlp_norm, attn_out_norm, mlp_out_norm = (
         block_norm(record, dims, layer, path) for path in (record.attn_norm, record.mlp_norm, record.attn_out_norm,
                                                            record.mlp_out_norm))
@@ -227,10 +224,26 @@ def fused_block(record: ArchRecord, dims: ModelDims, index: int, layer: nn.Modul
                          scale=dims.layer_scale(index), softcap=dims.attn_softcap, hf_args=record.hf_args,
                          alibi_scaled=record.alibi_scaled, alibi_bf16=record.alibi_bf16,
                          hf_returns_tuple=record.hf_returns_tuple, hf_alibi_in_mask=record.hf_alibi_in_mask,
-                         hf_window_in_mask=record.hf_window_in_mask)
+                         hf_window_in_mask=record.hf_window_in_mask, clip_qkv=dims.clip_qkv,
+                         rotary_float=dims.rotary_float)
     slopes = alibi_slopes(dims.n_heads)[first_head:first_head + n_q] if dims.positions == "alibi" else None
     return SpliceBlock(index, shape, qkv, as_linear(get_path(layer, record.o)), gate_up, down, attn_norm, mlp_norm,
                        qk_norm, layout, attn_out_norm, mlp_out_norm, slopes, moe)
+
+
+def qk_norms(record: ArchRecord, dims: ModelDims, layer: nn.Module, shape: BlockShape) -> nn.Module:
+    """The layer's q and k norms as one module over the qkv rows' q and k heads: per head (:class:`HeadRMSNorm`) or
+    over each whole projection (:class:`ProjectionRMSNorm`, its weights checked against the block's heads)."""
+    q_weight, k_weight = get_path(layer, record.q_norm).weight, get_path(layer, record.k_norm).weight
+    if record.qk_norm_width == "head":
+        return HeadRMSNorm(q_weight, k_weight, shape.n_heads, shape.n_kv_heads, dims.eps, record.norm_offset)
+    widths = (shape.n_heads * shape.head_dim, shape.n_kv_heads * shape.head_dim)
+    if (q_weight.numel(), k_weight.numel()) != widths:
+        raise ValueError(f"{record.model_type} layer norms q and k over their whole projections, {widths[0]} and "
+                         f"{widths[1]} features here, but its q_norm and k_norm weights hold {q_weight.numel()} and "
+                         f"{k_weight.numel()}: a norm over every head cannot run on a share of them (tensor "
+                         "parallelism); allowed: tp_size=1 for this model")
+    return ProjectionRMSNorm(q_weight, k_weight, shape.n_heads, dims.eps, record.norm_scale_float)
 
 
 def rope_index(dims: ModelDims, index: int) -> int:
@@ -244,7 +257,7 @@ def block_norm(record: ArchRecord, dims: ModelDims, layer: nn.Module, path: str 
     module = optional_path(layer, path)
     if module is None or record.norm == "layer":
         return module
-    return RMSNorm(module.weight, dims.eps, record.norm_offset)
+    return RMSNorm(module.weight, dims.eps, record.norm_offset, record.norm_scale_float)
 
 
 def fused_qkv(record: ArchRecord, dims: ModelDims, layer: nn.Module, n_q: int, n_kv: int) -> nn.Module:
