@@ -95,7 +95,7 @@ def test_a_longrope_configs_original_context_is_read_where_transformers_4_keeps_
 ROTARY_FAMILIES = sorted(record.model_type for record in RECORDS if record.positions == "rotary" and not record.encoder)
 #: the families whose Hugging Face attention rotates only ``partial_rotary_factor`` of each head (their rotary classes
 #: and attention read it); the others' default rope rotates the whole head whatever the factor (GPT-J: rotary_dim)
-HF_ROTATES_PART = ("gpt_neox", "phi", "phi3")
+HF_ROTATES_PART = ("gpt_neox", "phi", "phi3", "stablelm")
 
 
 def with_partial_factor(config, factor: float, where: str):

@@ -221,7 +221,7 @@ COMPILED_CASES = [
     *[(name, 32, 32, 12, {32}) for name in (
         "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt_neox", "gpt_neox:sequential", "gpt2", "opt", "phi",
         "falcon", "falcon:new_architecture", "gemma3_text", "gemma3", "gpt_bigcode", "mixtral", "qwen2_moe",
-        "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe")],
+        "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "starcoder2", "stablelm:parallel")],
 ]
 
 
@@ -248,6 +248,14 @@ def test_a_config_the_block_cannot_express_is_refused_before_any_change():
     with pytest.raises(ValueError, match="apply_residual_connection_post_layernorm=True"):
         splice.init_inference(model, replace_with_kernel_inject=True)
     assert type(model.transformer.h[0]).__name__ == "BloomBlock"
+
+
+def test_stablelms_per_head_qk_layernorms_are_refused_before_any_change():
+    """One LayerNorm module a head (StableLM's qk_layernorm) is not a qk-norm the fused block computes."""
+    model = build_tiny(tiny_config("stablelm", qk_layernorm=True))
+    with pytest.raises(ValueError, match="model_type='stablelm' with qk_layernorm=True"):
+        splice.init_inference(model, replace_with_kernel_inject=True)
+    assert type(model.model.layers[0]).__name__ == "StableLmDecoderLayer"
 
 
 def test_a_layer_without_the_parts_its_record_names_is_refused_before_any_change():

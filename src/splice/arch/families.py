@@ -165,6 +165,15 @@ OLMO3 = replace(OLMO2, model_type="olmo3", sliding_window=True)
 OLMOE = ArchRecord(model_type="olmoe", q_norm="self_attn.q_norm", k_norm="self_attn.k_norm",
                    qk_norm_width="projection", clip_qkv_key="clip_qkv", moe="mlp")
 
+# (no DeepSpeed container) StarCoder 2: LayerNorms, biased projections, a plain MLP (c_fc, c_proj), sliding window
+STARCODER2 = ArchRecord(model_type="starcoder2", norm="layer", eps_key="norm_epsilon", gated=False, up="mlp.c_fc",
+                        down="mlp.c_proj", sliding_window=True)
+
+# (no DeepSpeed container) StableLM: LayerNorms, partial rotary, a parallel residual from one norm where the config
+# says so; its per-head qk LayerNorms (one module a head) are refused
+STABLELM = ArchRecord(model_type="stablelm", norm="layer", eps_key="layer_norm_eps", partial_rotary=True,
+                      parallel=("use_parallel_residual",), refuse=(("qk_layernorm", True),))
+
 RECORDS: tuple[ArchRecord, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GPT_NEOX, GPT2, OPT, PHI, GPTJ, FALCON,
                                    BLOOM, GEMMA2, GEMMA3_TEXT, GEMMA3, GPT_NEO, GPT_BIGCODE, BERT, ROBERTA, DISTILBERT,
-                                   MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMO, OLMO2, OLMO3, OLMOE)
+                                   MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMO, OLMO2, OLMO3, OLMOE, STARCODER2, STABLELM)
