@@ -7,7 +7,7 @@ import pytest
 
 from splice.arch import REGISTRY, lookup, model_dims, supported
 
-from .tiny_models import FAMILIES, MOE_FAMILIES, NORMS_OVER_HEADS, VARIANTS, family_config
+from .tiny_models import FAMILIES, NORMS_OVER_HEADS, VARIANTS, family_config
 
 
 def test_every_family_has_a_record():
@@ -82,7 +82,8 @@ def shares(rule, size: int, tp: int) -> list:
 #: with kernel injection the record's plan serves it (tests/tp/test_inject_tp.py). A mixture of experts' record has
 #: no plan of its own (AutoTP's serves it); norms over every head refuse both (below).
 @pytest.mark.parametrize("name", [name for name in FAMILIES + VARIANTS
-                                  if name.split(":")[0] not in ("gemma3", *MOE_FAMILIES, *NORMS_OVER_HEADS)])
+                                  if name.split(":")[0] not in ("gemma3", *NORMS_OVER_HEADS)
+                                  and not REGISTRY[name.split(":")[0]].moe])
 def test_the_record_tensor_parallel_plan_is_autotps(name):
     """Each record carries its family's tensor-parallel plan; AutoTP, analysing the model's data flow, must find the
     same one (what every rank gets of every module at tp=2 and tp=3, attention heads, blocks) for every family and

@@ -330,6 +330,7 @@ def test_a_compiled_engine_runs_steps_in_one_native_call_eagerly(fresh_compiles)
     ("mixtral", "its MLP is the model's own MixtralSparseMoeBlock (a mixture of experts)"),
     ("olmo", "it clamps q, k and v (clip_qkv)"),
     ("olmo2", "it has attn_out_norm, mlp_out_norm"),
+    ("granite", "it scales its branch outputs before the residual adds (residual_multiplier)"),
 ])
 def test_blocks_it_does_not_fit_keep_their_own_ops_and_the_report_says_why(family, reason):
     engine = engine_of(family)
@@ -680,6 +681,33 @@ def test_a_qk_norm_scaled_in_float32_keeps_its_blocks_own_ops():
     assert unfit_reason(block) is None
     block.qk_norm.offset = 1.0
     assert unfit_reason(block) == "its qk-norm scales in float32 (an offset weight, as Gemma 3's)"
+
+
+def test_granites_embedding_multiplier_and_logits_divisor_stay_out_of_the_native_calls():
+    """Blocks that do not scale their branches step natively, but an embedding multiplier (a float torch does not round
+    first, which decode_greedy's scale would) keeps greedy steps in the loop, and a logits divisor keeps the head out
+    of the native call; Llama's engine, without them, takes both. The tokens stay the bf16 reference's."""
+    def engine_and_reference(name, **overrides):
+        reference = randomised_vectors(build_tiny(tiny_config(name, **overrides), dtype=torch.bfloat16), 0)
+        engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
+        return engine, reference
+
+    def offers(engine):
+        runtime = engine.runtime
+        return (runtime.head_call(1) is not None,
+                runtime.greedy_steps(1, runtime.cache_for(1), None, 0, 0) is not None)
+
+    assert offers(engine_and_reference("llama")[0]) == (True, True)
+    cases = (({"logits_scaling": 1.0}, (True, False)), ({"embedding_multiplier": 1.0}, (False, False)))
+    for overrides, expected in cases:
+        engine, reference = engine_and_reference("granite", residual_multiplier=1.0, **overrides)
+        assert all(block.native_layer for block in engine.runtime.blocks)
+        assert offers(engine) == expected
+        ids, mask = padded_batch()
+        with torch.inference_mode():
+            want = reference.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)[:, ids.shape[1]:]
+            got = engine.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)[:, ids.shape[1]:]
+        assert (want == got).float().mean() > 0.9
 
 
 def test_a_qk_norm_over_each_whole_projection_keeps_its_blocks_own_ops():

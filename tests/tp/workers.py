@@ -382,8 +382,8 @@ FUSED_NEW_TOKENS = 12
 #: multi-query, per-KV-group (a group's query heads split over two ranks) and ALiBi ones (each rank's slopes follow
 #: its heads)
 TP_VARIANTS = ("gpt_neox", "gpt2", "opt:post_norm", "falcon", "falcon:alibi", "bloom", "gemma2", "gemma3",
-               "gpt_bigcode", "phi", "gptj", "gemma3_text", "gpt_neo", "olmo", "starcoder2", "stablelm",
-               *MOE_FAMILIES)
+               "gpt_bigcode", "phi", "gptj", "gemma3_text", "gpt_neo", "olmo", "starcoder2", "stablelm", "granite",
+               "granitemoe", *MOE_FAMILIES)
 TP3_VARIANTS = ("falcon", "falcon:new_architecture", "falcon:alibi", "bloom", "gpt_neox", "gpt2", "opt:post_norm",
                 "gemma2", "gemma3", "gpt_bigcode", "phi", "gptj", "gemma3_text", "gpt_neo", "olmo", "starcoder2",
                 "stablelm:parallel", *MOE_FAMILIES)

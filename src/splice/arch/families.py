@@ -174,6 +174,14 @@ STARCODER2 = ArchRecord(model_type="starcoder2", norm="layer", eps_key="norm_eps
 STABLELM = ArchRecord(model_type="stablelm", norm="layer", eps_key="layer_norm_eps", partial_rotary=True,
                       parallel=("use_parallel_residual",), refuse=(("qk_layernorm", True),))
 
+# (no DeepSpeed container) Granite: Llama's layout with multipliers on the embeddings, the scores and the branch
+# outputs, and the logits divided; Granite MoE: that with its layer's own mixture of experts
+GRANITE = ArchRecord(model_type="granite", embed_multiplier_key="embedding_multiplier",
+                     residual_multiplier_key="residual_multiplier", attn_scale_key="attention_multiplier",
+                     logits_divisor_key="logits_scaling")
+GRANITE_MOE = replace(GRANITE, model_type="granitemoe", moe="block_sparse_moe")
+
 RECORDS: tuple[ArchRecord, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GPT_NEOX, GPT2, OPT, PHI, GPTJ, FALCON,
                                    BLOOM, GEMMA2, GEMMA3_TEXT, GEMMA3, GPT_NEO, GPT_BIGCODE, BERT, ROBERTA, DISTILBERT,
-                                   MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMO, OLMO2, OLMO3, OLMOE, STARCODER2, STABLELM)
+                                   MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMO, OLMO2, OLMO3, OLMOE, STARCODER2, STABLELM,
+                                   GRANITE, GRANITE_MOE)

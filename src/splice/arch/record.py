@@ -103,6 +103,12 @@ class ArchRecord:
     activation: str | None = None
     # multiply token embeddings by sqrt(hidden_size)
     embed_scale: bool = False
+    # config keys of Granite's multipliers: the token embeddings' (a float, not rounded to the model's dtype first),
+    # the branch outputs' before each residual add, the attention scores' scale, and the final logits' divisor
+    embed_multiplier_key: str | None = None
+    residual_multiplier_key: str | None = None
+    attn_scale_key: str | None = None
+    logits_divisor_key: str | None = None
     # honour the config's sliding window (``window_key``), on the layers ``layer_types_key`` lists as
     # ``window_layer_type`` when the config has that list (else on every layer)
     sliding_window: bool = False
@@ -161,6 +167,9 @@ class ModelDims:
     position_limit: int | None = None  # learned positions: the table's length
     clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] (OLMo's clip_qkv)
     rotary_float: bool = False  # rotary in float32, rounded once (the record's rotary_float)
+    embed_multiplier: float | None = None  # token embeddings times this float (Granite's embedding_multiplier)
+    residual_multiplier: float | None = None  # branch outputs times this before their residual adds
+    logits_divisor: float | None = None  # final logits divided by this (Granite's logits_scaling)
 
     @property
     def rotary_dim(self) -> int:
@@ -215,13 +224,17 @@ def model_dims(record: ArchRecord, config: Any) -> ModelDims:
         positions="alibi" if alibi else record.positions,
         parallel=config_flag(record.parallel, config),
         norm_before=config_flag(record.norm_before, config),
-        attn_scale=record.attn_scale if record.attn_scale is not None else attention_scale(config),
+        attn_scale=(record.attn_scale if record.attn_scale is not None
+                    else attention_scale(config, record.attn_scale_key)),
         scale_by_layer=bool(getattr(config, "scale_attn_by_inverse_layer_idx", False)),
         attn_softcap=getattr(config, record.attn_softcap_key, None) if record.attn_softcap_key else None,
         final_softcap=getattr(config, "final_logit_softcapping", None),
         position_limit=learned_positions(record, config),
         clip_qkv=getattr(config, record.clip_qkv_key, None) if record.clip_qkv_key else None,
         rotary_float=record.rotary_float,
+        embed_multiplier=config_multiplier(config, record.embed_multiplier_key),
+        residual_multiplier=config_multiplier(config, record.residual_multiplier_key),
+        logits_divisor=config_multiplier(config, record.logits_divisor_key),
     )
 
 
@@ -304,9 +317,18 @@ def kv_heads(config: Any, n_heads: int) -> int:
     return n_heads
 
 
-def attention_scale(config: Any) -> float | None:
-    """The score scale the config asks for: ``query_pre_attn_scalar ** -0.5`` (Gemma 2/3), 1 when
-    ``scale_attn_weights`` is False (GPT-2), else None (1 / sqrt(head_dim))."""
+def config_multiplier(config: Any, key: str | None) -> float | None:
+    """The float the config key ``key`` holds, None where the record names no key or the value is 1 (no change)."""
+    value = getattr(config, key, None) if key else None
+    return None if value is None or value == 1 else float(value)
+
+
+def attention_scale(config: Any, key: str | None = None) -> float | None:
+    """The score scale the config asks for: the value of the record's ``attn_scale_key`` (Granite's
+    ``attention_multiplier``), ``query_pre_attn_scalar ** -0.5`` (Gemma 2/3), 1 when ``scale_attn_weights`` is False
+    (GPT-2), else None (1 / sqrt(head_dim))."""
+    if key and getattr(config, key, None) is not None:
+        return float(getattr(config, key))
     scalar = getattr(config, "query_pre_attn_scalar", None)
     if scalar:
         return float(scalar) ** -0.5

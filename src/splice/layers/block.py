@@ -1,13 +1,13 @@
 """The generic fused transformer block that replaces a model's decoder layers.
 
-It knows nothing about any family's names: ``splice.steps.fuse`` builds it from an architecture record, and the
-variants are data (:class:`BlockLayout`): causal or bidirectional (encoder) attention, pre- or post-norm, sequential
-or parallel residual (one norm or two), norms on the branch outputs (with or without norms before the branches),
-gated or plain MLP, rotary (applied to the first ``rotary_dim`` features; rounded per op, or computed in float32 and
-rounded once), ALiBi (exact, or rounded as Falcon's HF model rounds it) or no positions inside the block, q/k/v
-clamping, the score scale and soft-capping. A mixture of experts keeps its layer's own MLP module (``moe``: router, experts,
-any shared expert), which the block calls where it would compute its MLP. Two entry points share the same fused
-code:
+It knows nothing about any family's names: ``splice.steps.fuse`` builds it from an architecture record, and the variants
+are data (:class:`BlockLayout`): causal or bidirectional (encoder) attention, pre- or post-norm, sequential or parallel
+residual (one norm or two), norms on the branch outputs (with or without norms before the branches), gated or plain MLP,
+rotary (applied to the first ``rotary_dim`` features; rounded per op, or computed in float32 and rounded once), ALiBi
+(exact, or rounded as Falcon's HF model rounds it) or no positions inside the block, q/k/v clamping, the score scale and
+soft-capping, branch outputs scaled before their residual adds. A mixture of experts keeps its layer's own MLP module
+(``moe``: router, experts, any shared expert), which the block calls where it would compute its MLP. Two entry points
+share the same fused code:
 
 * ``forward`` has the Hugging Face decoder-layer interface, so the model's own forward and ``generate`` (any
   option, any HF cache) still run on the injected model;
@@ -84,6 +84,7 @@ class BlockLayout:
     hf_window_in_mask: bool = True  # False: the HF model passes a full causal mask to sliding-window layers
     clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] after the qk-norm (OLMo)
     rotary_float: bool = False  # rotary computed in float32 from float32 tables, rounded once (OLMo, OLMo 2)
+    residual_scale: float | None = None  # each branch's output times this before its residual add (Granite)
 
 
 class SpliceBlock(nn.Module):
@@ -280,6 +281,8 @@ class SpliceBlock(nn.Module):
         out = self.o(attn)
         if self.attn_out_norm is not None:
             out = self.attn_out_norm(out)
+        if self.layout.residual_scale is not None:
+            out = out * self.layout.residual_scale
         if self.layout.parallel:
             mlp = self.mlp(h if self.mlp_norm is None else self.mlp_norm(x))
             return x.add_(out).add_(mlp)
@@ -299,7 +302,9 @@ class SpliceBlock(nn.Module):
             out = self.down(self.act(gate).mul_(up))
         else:
             out = self.down(self.act(self.gate_up(h)))
-        return out if self.mlp_out_norm is None else self.mlp_out_norm(out)
+        if self.mlp_out_norm is not None:
+            out = self.mlp_out_norm(out)
+        return out if self.layout.residual_scale is None else out * self.layout.residual_scale
 
 
 def additive_mask(mask: torch.Tensor | None, q_len: int, kv_len: int, dtype, device,

@@ -224,8 +224,9 @@ class SpliceCausalLM:
 
     def head_call(self, rows: int, read=getattr) -> native_layer.HeadCall | None:
         """The head's part of a step's last native call (``native_layer.head_call``): where ``head_in_call`` is on
-        and the head is the final norm and the lm_head alone (no projection out, no logit soft-cap)."""
-        if not self.head_in_call or self.ends.project_out is not None or self.dims.final_softcap is not None:
+        and the head is the final norm and the lm_head alone (no projection out, no logit soft-cap or divisor)."""
+        if not self.head_in_call or self.ends.project_out is not None or self.dims.final_softcap is not None or \
+                self.dims.logits_divisor is not None:
             return None
         return native_layer.head_call(self.norm, self.lm_head, rows, read)
 
@@ -296,8 +297,8 @@ class SpliceCausalLM:
         """Greedy decoding's next steps of ``rows`` rows in native calls that do the loop's bookkeeping too
         (:class:`GreedySteps`; ``eos``, ``pad`` and ``eos_banned_below`` as it takes them), or None where they cannot
         run so: the eager step must be one native run ending with the head (:meth:`step_runs_natively`) and the
-        embedding a plain lookup in a contiguous bf16 CPU table (no module that scales it, no learned positions, norm
-        or projection after it, no hooks on it). Registers the run with the native library."""
+        embedding a plain lookup in a contiguous bf16 CPU table (no module or multiplier that scales it, no learned
+        positions, norm or projection after it, no hooks on it). Registers the run with the native library."""
         run = self.native_step_run(rows) if self.graphs is None else None
         if run is None or run.head is None or run.registered is None:
             return None
@@ -306,7 +307,7 @@ class SpliceCausalLM:
         if type(embed) is not nn.Embedding or embed.max_norm is not None or embed._forward_hooks or \
                 embed._forward_pre_hooks or ends.position_embed is not None or ends.embed_norm is not None or \
                 ends.project_in is not None or weight.dtype != torch.bfloat16 or not weight.is_contiguous() or \
-                weight.device.type != "cpu":
+                weight.device.type != "cpu" or self.dims.embed_multiplier is not None:
             return None
         run.registered.registered(run, self.dims.hidden, cache.keys.shape[-1])
         tables = [self.rope(index) for index in run.registered.ropes] if self.ropes else []
@@ -409,6 +410,8 @@ class SpliceCausalLM:
         x = self.embed(tokens)
         if self.embed_scale is not None:
             x.mul_(torch.tensor(self.embed_scale, dtype=torch.float32).to(x.dtype))
+        if self.dims.embed_multiplier is not None:  # a float, as Granite multiplies (not rounded to x's dtype first)
+            x = x * self.dims.embed_multiplier
         if ends.project_in is not None:
             x = ends.project_in(x)
         if ends.position_embed is not None:
@@ -418,11 +421,14 @@ class SpliceCausalLM:
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm, projection out, lm_head and the final logit soft-cap (Gemma 2), as the family does."""
+        """Final norm, projection out, lm_head, the logits' divisor (Granite) and the final logit soft-cap (Gemma 2), as
+        the family does."""
         if self.norm is not None:
             x = self.norm(x)
         if self.ends.project_out is not None:
             x = self.ends.project_out(x)
         logits = self.lm_head(x)
+        if self.dims.logits_divisor is not None:
+            logits = logits / self.dims.logits_divisor
         cap = self.dims.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -105,6 +105,8 @@ def attention_unfit_reason(block: nn.Module) -> str | None:
         return f"it has {', '.join(extras or ['soft-capped scores'])}"
     if layout.clip_qkv is not None:
         return "it clamps q, k and v (clip_qkv)"
+    if layout.residual_scale is not None:
+        return "it scales its branch outputs before the residual adds (residual_multiplier)"
     qk_norm = block.qk_norm
     if qk_norm is not None and not isinstance(qk_norm, HeadRMSNorm):
         return "its qk-norm spans each whole projection, not one head"

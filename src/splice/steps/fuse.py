@@ -225,7 +225,7 @@ def fused_block(record: ArchRecord, dims: ModelDims, index: int, layer: nn.Modul
                          alibi_scaled=record.alibi_scaled, alibi_bf16=record.alibi_bf16,
                          hf_returns_tuple=record.hf_returns_tuple, hf_alibi_in_mask=record.hf_alibi_in_mask,
                          hf_window_in_mask=record.hf_window_in_mask, clip_qkv=dims.clip_qkv,
-                         rotary_float=dims.rotary_float)
+                         rotary_float=dims.rotary_float, residual_scale=dims.residual_multiplier)
     slopes = alibi_slopes(dims.n_heads)[first_head:first_head + n_q] if dims.positions == "alibi" else None
     return SpliceBlock(index, shape, qkv, as_linear(get_path(layer, record.o)), gate_up, down, attn_norm, mlp_norm,
                        qk_norm, layout, attn_out_norm, mlp_out_norm, slopes, moe)
