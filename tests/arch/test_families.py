@@ -197,14 +197,15 @@ def test_quantized_weights_agree_with_the_reference(name, quant):
     assert agreement > (0.9 if int8 else 0.6), agreement
 
 
-@pytest.mark.parametrize("name", ["olmo", "olmo2", "olmo3"])
-def test_families_rotating_in_float32_decode_on_float32_tables(name):
-    """OLMo's rotary tables stay float32 and its bf16 q and k are rotated in float32 (rounded once), in the decode
-    runtime as in the HF path: bf16 greedy tokens agree with the bf16 reference's."""
+@pytest.mark.parametrize("name, tables", [("olmo", torch.float32), ("olmo2", torch.float32), ("olmo3", torch.float32),
+                                          ("cohere", torch.bfloat16)])
+def test_families_rotating_in_float32_decode_on_their_own_tables(name, tables):
+    """OLMo's rotary tables stay float32, Cohere's are rounded to bf16, and both rotate their bf16 q and k in float32
+    (rounded once), in the decode runtime as in the HF path: bf16 greedy tokens agree with the bf16 reference's."""
     reference = build_family(name, dtype=torch.bfloat16)
     engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, dtype=torch.bfloat16,
                                    max_out_tokens=64)
-    assert engine.runtime.rope(0).cos.dtype == torch.float32
+    assert engine.runtime.blocks[0].layout.rotary_float and engine.runtime.rope(0).cos.dtype == tables
     ids, mask = padded_batch()
     with torch.inference_mode():
         expected = reference.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)[:, ids.shape[1]:]
@@ -221,7 +222,8 @@ COMPILED_CASES = [
     *[(name, 32, 32, 12, {32}) for name in (
         "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt_neox", "gpt_neox:sequential", "gpt2", "opt", "phi",
         "falcon", "falcon:new_architecture", "gemma3_text", "gemma3", "gpt_bigcode", "mixtral", "qwen2_moe",
-        "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "starcoder2", "stablelm:parallel", "granite", "granitemoe")],
+        "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "starcoder2", "stablelm:parallel", "granite", "granitemoe",
+        "cohere")],
 ]
 
 
@@ -250,12 +252,15 @@ def test_a_config_the_block_cannot_express_is_refused_before_any_change():
     assert type(model.transformer.h[0]).__name__ == "BloomBlock"
 
 
-def test_stablelms_per_head_qk_layernorms_are_refused_before_any_change():
-    """One LayerNorm module a head (StableLM's qk_layernorm) is not a qk-norm the fused block computes."""
-    model = build_tiny(tiny_config("stablelm", qk_layernorm=True))
-    with pytest.raises(ValueError, match="model_type='stablelm' with qk_layernorm=True"):
+@pytest.mark.parametrize("name, key, layer", [("stablelm", "qk_layernorm", "StableLmDecoderLayer"),
+                                              ("cohere", "use_qk_norm", "CohereDecoderLayer")])
+def test_per_head_qk_layernorms_are_refused_before_any_change(name, key, layer):
+    """One LayerNorm module a head (StableLM's qk_layernorm) or a weight row a head (Cohere's use_qk_norm) is not a
+    qk-norm the fused block computes."""
+    model = build_tiny(tiny_config(name, **{key: True}))
+    with pytest.raises(ValueError, match=f"model_type='{name}' with {key}=True"):
         splice.init_inference(model, replace_with_kernel_inject=True)
-    assert type(model.model.layers[0]).__name__ == "StableLmDecoderLayer"
+    assert type(model.model.layers[0]).__name__ == layer
 
 
 def test_a_layer_without_the_parts_its_record_names_is_refused_before_any_change():

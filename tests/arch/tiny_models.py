@@ -158,6 +158,8 @@ def _configs():
         "granitemoe": lambda: T.GraniteMoeConfig(**COMMON, embedding_multiplier=6.0, attention_multiplier=0.2,
                                                  residual_multiplier=0.3, logits_scaling=4.0, num_local_experts=4,
                                                  num_experts_per_tok=2),
+        # Cohere: attention and MLP in parallel from one LayerNorm, every-two rotary, the logits scaled
+        "cohere": lambda: T.CohereConfig(**{**COMMON, "tie_word_embeddings": True}, logit_scale=0.3),
         # attention sinks (one learned logit per head), biased experts with gate and up interleaved
         "gpt_oss": lambda: T.GptOssConfig(**{**COMMON, "intermediate_size": 64}, num_local_experts=4,
                                           num_experts_per_tok=2, head_dim=16, sliding_window=8,
@@ -168,7 +170,7 @@ def _configs():
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
 NEW_FAMILIES = ("gpt_neox", "gpt2", "opt", "phi", "gptj", "falcon", "bloom", "gemma2", "gemma3_text", "gemma3",
                 "gpt_neo", "gpt_bigcode", "mixtral", "qwen2_moe", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe",
-                "starcoder2", "stablelm", "granite", "granitemoe")
+                "starcoder2", "stablelm", "granite", "granitemoe", "cohere")
 #: families whose q and k norms span every head of their projections: no rank can run them on a share of the heads,
 #: so neither the record nor AutoTP plans tensor parallelism for them
 NORMS_OVER_HEADS = ("olmo2", "olmo3", "olmoe")
@@ -187,7 +189,7 @@ VARIANTS = (
     "falcon", "falcon:new_architecture", "falcon:sequential", "falcon:alibi", "bloom", "bloom:six_heads", "gemma2",
     "gemma3_text", "gemma3", "gpt_neo", "gpt_bigcode", "gpt_bigcode:multi_head", "mixtral", "mixtral:sliding",
     "qwen2_moe", "qwen2_moe:dense_layers", "qwen3_moe", "qwen3_moe:dense_layers", "olmo", "olmo2", "olmo3", "olmoe",
-    "starcoder2", "stablelm", "stablelm:parallel", "granite", "granitemoe")
+    "starcoder2", "stablelm", "stablelm:parallel", "granite", "granitemoe", "cohere")
 
 
 def family_config(name: str):

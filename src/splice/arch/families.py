@@ -149,13 +149,15 @@ DISTILBERT = ArchRecord(
 
 # (no DeepSpeed container) OLMo: norms without weights (the model's own LayerNorm modules), q, k and v clamped,
 # rotary computed in float32
-OLMO = ArchRecord(model_type="olmo", norm="layer", clip_qkv_key="clip_qkv", rotary_float=True)
+OLMO = ArchRecord(model_type="olmo", norm="layer", clip_qkv_key="clip_qkv", rotary_float=True,
+                  rotary_tables_float=True)
 
 # (no DeepSpeed container) OLMo 2: no norm before the attention or the MLP, a norm on each branch's output (scaling in
 # float32), q and k each normalised over its whole projection, rotary computed in float32
 OLMO2 = ArchRecord(model_type="olmo2", attn_norm=None, mlp_norm=None, attn_out_norm="post_attention_layernorm",
                    mlp_out_norm="post_feedforward_layernorm", norm_scale_float=True, q_norm="self_attn.q_norm",
-                   k_norm="self_attn.k_norm", qk_norm_width="projection", rotary_float=True)
+                   k_norm="self_attn.k_norm", qk_norm_width="projection", rotary_float=True,
+                   rotary_tables_float=True)
 
 # (no DeepSpeed container) OLMo 3: OLMo 2's layout with sliding-window and full-attention layers
 OLMO3 = replace(OLMO2, model_type="olmo3", sliding_window=True)
@@ -181,7 +183,14 @@ GRANITE = ArchRecord(model_type="granite", embed_multiplier_key="embedding_multi
                      logits_divisor_key="logits_scaling")
 GRANITE_MOE = replace(GRANITE, model_type="granitemoe", moe="block_sparse_moe")
 
+# (no DeepSpeed container) Cohere (Command R): attention and MLP in parallel from one LayerNorm (the model's own, in
+# float32, without bias), every-two rotary computed in float32 from tables in the model's dtype, the logits scaled;
+# its qk-norm (a weight row a head) is refused
+COHERE = ArchRecord(model_type="cohere", norm="layer", eps_key="layer_norm_eps", mlp_norm=None, parallel=True,
+                    rotary_interleaved=True, rotary_float=True, logits_multiplier_key="logit_scale",
+                    refuse=(("use_qk_norm", True),))
+
 RECORDS: tuple[ArchRecord, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GPT_NEOX, GPT2, OPT, PHI, GPTJ, FALCON,
                                    BLOOM, GEMMA2, GEMMA3_TEXT, GEMMA3, GPT_NEO, GPT_BIGCODE, BERT, ROBERTA, DISTILBERT,
                                    MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMO, OLMO2, OLMO3, OLMOE, STARCODER2, STABLELM,
-                                   GRANITE, GRANITE_MOE)
+                                   GRANITE, GRANITE_MOE, COHERE)

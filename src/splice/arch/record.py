@@ -92,7 +92,10 @@ class ArchRecord:
     alibi_scaled: bool = False
     alibi_bf16: bool = False
     rotary_interleaved: bool = False  # GPT-J: rotate every two features instead of the two halves
-    rotary_float: bool = False  # the rotation computed in float32 (float32 cos and sin), rounded once (OLMo, OLMo 2)
+    # the rotation computed in float32 and rounded once (OLMo, OLMo 2, Cohere), with cos and sin kept in float32
+    # (``rotary_tables_float``: OLMo, OLMo 2) or rounded to the model's dtype first (Cohere)
+    rotary_float: bool = False
+    rotary_tables_float: bool = False
     # how much of each head the family's HF attention rotates: the whole head, where its default rope never reads
     # partial_rotary_factor (Llama, Gemma, Falcon, ...); the config's partial_rotary_factor (``partial_rotary``: Phi,
     # Phi-3, GPT-NeoX's rotary_pct); or the number of features the config key ``rotary_dim_key`` names (GPT-J)
@@ -104,11 +107,13 @@ class ArchRecord:
     # multiply token embeddings by sqrt(hidden_size)
     embed_scale: bool = False
     # config keys of Granite's multipliers: the token embeddings' (a float, not rounded to the model's dtype first),
-    # the branch outputs' before each residual add, the attention scores' scale, and the final logits' divisor
+    # the branch outputs' before each residual add, the attention scores' scale, and the final logits' divisor; and of
+    # the final logits' multiplier (Cohere's logit_scale)
     embed_multiplier_key: str | None = None
     residual_multiplier_key: str | None = None
     attn_scale_key: str | None = None
     logits_divisor_key: str | None = None
+    logits_multiplier_key: str | None = None
     # honour the config's sliding window (``window_key``), on the layers ``layer_types_key`` lists as
     # ``window_layer_type`` when the config has that list (else on every layer)
     sliding_window: bool = False
@@ -167,9 +172,11 @@ class ModelDims:
     position_limit: int | None = None  # learned positions: the table's length
     clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] (OLMo's clip_qkv)
     rotary_float: bool = False  # rotary in float32, rounded once (the record's rotary_float)
+    rotary_tables_float: bool = False  # its cos and sin in float32 (the record's rotary_tables_float)
     embed_multiplier: float | None = None  # token embeddings times this float (Granite's embedding_multiplier)
     residual_multiplier: float | None = None  # branch outputs times this before their residual adds
     logits_divisor: float | None = None  # final logits divided by this (Granite's logits_scaling)
+    logits_multiplier: float | None = None  # final logits times this (Cohere's logit_scale)
 
     @property
     def rotary_dim(self) -> int:
@@ -232,9 +239,11 @@ def model_dims(record: ArchRecord, config: Any) -> ModelDims:
         position_limit=learned_positions(record, config),
         clip_qkv=getattr(config, record.clip_qkv_key, None) if record.clip_qkv_key else None,
         rotary_float=record.rotary_float,
+        rotary_tables_float=record.rotary_tables_float,
         embed_multiplier=config_multiplier(config, record.embed_multiplier_key),
         residual_multiplier=config_multiplier(config, record.residual_multiplier_key),
         logits_divisor=config_multiplier(config, record.logits_divisor_key),
+        logits_multiplier=config_multiplier(config, record.logits_multiplier_key),
     )
 
 

@@ -83,7 +83,7 @@ class BlockLayout:
     hf_alibi_in_mask: bool = False  # the HF model folds the ALiBi bias into the mask it passes
     hf_window_in_mask: bool = True  # False: the HF model passes a full causal mask to sliding-window layers
     clip_qkv: float | None = None  # q, k and v clamped to [-clip_qkv, clip_qkv] after the qk-norm (OLMo)
-    rotary_float: bool = False  # rotary computed in float32 from float32 tables, rounded once (OLMo, OLMo 2)
+    rotary_float: bool = False  # rotary computed in float32, rounded once (OLMo, OLMo 2, Cohere)
     residual_scale: float | None = None  # each branch's output times this before its residual add (Granite)
 
 

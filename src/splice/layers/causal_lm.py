@@ -139,8 +139,8 @@ class SpliceCausalLM:
 
     def rope(self, index: int = 0) -> RopeTable:
         """Rotary table ``index`` for ``max_len`` positions on the model's device, in its dtype (float32 where the
-        family rotates in float32: ``dims.rotary_float``), built once."""
-        dtype = torch.float32 if self.dims.rotary_float else self.dtype
+        family keeps them so: ``dims.rotary_tables_float``), built once."""
+        dtype = torch.float32 if self.dims.rotary_tables_float else self.dtype
         table = self._rope.get(index)
         if table is None or table.cos.device != self.device or table.cos.dtype != dtype:
             table = build_table(self.ropes[index], self.config, self.dims.head_dim, self.max_len, dtype, self.device)
@@ -224,9 +224,10 @@ class SpliceCausalLM:
 
     def head_call(self, rows: int, read=getattr) -> native_layer.HeadCall | None:
         """The head's part of a step's last native call (``native_layer.head_call``): where ``head_in_call`` is on
-        and the head is the final norm and the lm_head alone (no projection out, no logit soft-cap or divisor)."""
-        if not self.head_in_call or self.ends.project_out is not None or self.dims.final_softcap is not None or \
-                self.dims.logits_divisor is not None:
+        and the head is the final norm and the lm_head alone (no projection out, no logit soft-cap or scale)."""
+        dims = self.dims
+        if not self.head_in_call or self.ends.project_out is not None or dims.final_softcap is not None or \
+                dims.logits_divisor is not None or dims.logits_multiplier is not None:
             return None
         return native_layer.head_call(self.norm, self.lm_head, rows, read)
 
@@ -421,8 +422,8 @@ class SpliceCausalLM:
         return x
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
-        """Final norm, projection out, lm_head, the logits' divisor (Granite) and the final logit soft-cap (Gemma 2), as
-        the family does."""
+        """Final norm, projection out, lm_head, the logits' divisor (Granite) or multiplier (Cohere) and the final logit
+        soft-cap (Gemma 2), as the family does."""
         if self.norm is not None:
             x = self.norm(x)
         if self.ends.project_out is not None:
@@ -430,5 +431,7 @@ class SpliceCausalLM:
         logits = self.lm_head(x)
         if self.dims.logits_divisor is not None:
             logits = logits / self.dims.logits_divisor
+        if self.dims.logits_multiplier is not None:
+            logits = logits * self.dims.logits_multiplier
         cap = self.dims.final_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
