@@ -77,8 +77,8 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) 
 
 
 def apply_rotary_float_(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """:func:`apply_rotary_` computed in float32 and rounded to ``x``'s dtype once, ``cos`` and ``sin`` as given (float32
-    tables for OLMo and OLMo 2, tables rounded to the model's dtype for Cohere), as those families compute it."""
+    """:func:`apply_rotary_` computed in float32 and rounded to ``x``'s dtype once, ``cos`` and ``sin`` as given
+    (float32 tables for OLMo and OLMo 2, tables rounded to the model's dtype for Cohere), as those families do."""
     rotary_dim = cos.shape[-1]
     part = x if rotary_dim == x.shape[-1] else x[..., :rotary_dim]
     wide = part.float()
