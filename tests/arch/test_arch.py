@@ -1,6 +1,7 @@
 """Architecture records: the registry, and the numbers read from each family's config."""
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -110,6 +111,21 @@ def test_the_record_tensor_parallel_plan_is_autotps(name):
             assert shares(a, size, tp) == shares(b, size, tp), (module, tp, a, b)
     assert record_plan.attention == found.attention and record_plan.blocks == found.blocks
     assert record_plan.source == "record"
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"qk_norm_width": "heads"}, "qk_norm_width='heads'; allowed: head, projection"),
+    ({"rotary_tables_float": True}, "rotary_tables_float=True with rotary_float=False"),
+])
+def test_a_record_with_a_variant_the_block_does_not_have_is_refused(change, message):
+    from dataclasses import replace
+
+    from splice.arch import check_fits
+
+    config = family_config("llama")
+    check_fits(lookup(config), config)
+    with pytest.raises(ValueError, match=rf"record 'llama': {re.escape(message)}"):
+        check_fits(replace(lookup(config), **change), config)
 
 
 @pytest.mark.parametrize("name", NORMS_OVER_HEADS)

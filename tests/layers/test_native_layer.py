@@ -675,6 +675,15 @@ def test_the_native_experts_call_names_bad_input():
         decode(x[:, :32].contiguous(), index, weights, *call)
 
 
+def test_a_rotation_in_float32_keeps_its_blocks_own_ops():
+    """The native call rotates bf16 q and k in bf16, rounding each op: a block that rotates in float32 (OLMo's and
+    Cohere's rounding) keeps its own ops."""
+    block = engine_of("qwen3").runtime.blocks[0]
+    assert unfit_reason(block) is None
+    block.layout = dataclasses.replace(block.layout, rotary_float=True)
+    assert unfit_reason(block) == "it rotates q and k in float32, rounding once (rotary_float)"
+
+
 def test_a_qk_norm_scaled_in_float32_keeps_its_blocks_own_ops():
     """Gemma 3's qk-norm (an offset weight, scaled in float32) rounds otherwise than the native call's norm."""
     block = engine_of("qwen3").runtime.blocks[0]

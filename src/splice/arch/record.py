@@ -273,6 +273,10 @@ def check_fits(record: ArchRecord, config: Any) -> None:
     if record.qk_norm_width not in ("head", "projection"):
         raise ValueError(f"record {record.model_type!r}: qk_norm_width={record.qk_norm_width!r}; allowed: head, "
                          "projection")
+    if record.rotary_tables_float and not record.rotary_float:
+        raise ValueError(f"record {record.model_type!r}: rotary_tables_float=True with rotary_float=False (float32 "
+                         "tables rotating in the model's dtype, which no family does); allowed: rotary_tables_float "
+                         "with rotary_float=True")
     if record.qkv_layout not in ("contiguous", "grouped"):
         raise ValueError(f"record {record.model_type!r}: qkv_layout={record.qkv_layout!r}; allowed: contiguous, "
                          "grouped")

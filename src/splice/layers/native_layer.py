@@ -107,6 +107,8 @@ def attention_unfit_reason(block: nn.Module) -> str | None:
         return "it clamps q, k and v (clip_qkv)"
     if layout.residual_scale is not None:
         return "it scales its branch outputs before the residual adds (residual_multiplier)"
+    if layout.rotary_float:
+        return "it rotates q and k in float32, rounding once (rotary_float)"
     qk_norm = block.qk_norm
     if qk_norm is not None and not isinstance(qk_norm, HeadRMSNorm):
         return "its qk-norm spans each whole projection, not one head"
