@@ -208,8 +208,10 @@ def test_gptq_int4_g64_within_issue_budget(bf16_model, config, calibrations, mon
 # channel).
 # Perplexity differences between two so close computations swing by more than a percent on 256 tokens of one text,
 # either way; docs/quantization.md has the pooled figures. Each bound is about twice the measured KL: what a wrong
-# scale or block would break, not the CPU's float rounding.
+# scale or block would break, not the CPU's float rounding. Two texts: the KL is steady from text to text, and each
+# text is a few hundred forwards per model.
 DECODE_TOKENS = 192
+DECODE_TEXTS = 2
 DECODE_MAX_KL = {"best": 0.02, "avx2": 0.006}
 
 
@@ -224,37 +226,63 @@ def _decode_log_probs(model, ids: torch.Tensor) -> list[torch.Tensor]:
     return out
 
 
+def _decode_texts(bf16_model) -> list[torch.Tensor]:
+    return [ids[:, :DECODE_TOKENS] for ids in list(bf16_model.ids.values())[:DECODE_TEXTS]]
+
+
+def _quantized_copy(bf16_model, case: str, dot: bool, monkeypatch) -> torch.nn.Module:
+    """A copy of the bf16 model quantized as ``case``, its layers multiplying in integers (``dot``) or in float,
+    checked to take that path at the active level."""
+    from splice.kernel_choice import int16_activations
+    from splice.quant import Int8WeightOnlyLinear, QuantizedLinear
+
+    monkeypatch.setenv("SPLICE_NATIVE_DOT", "1" if dot else "0")
+    model = copy.deepcopy(bf16_model.model)
+    quantize(model, CASES[case][0]())
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    grouped = [isinstance(m, Int8WeightOnlyLinear) and m.grouped for m in layers]
+    wide = [isinstance(m, Int8WeightOnlyLinear) and int16_activations() for m in layers]
+    assert layers and [m.use_dot_products for m in layers] == [(16 if w else 8) if dot else 0 for w in wide]
+    assert all(m.use_native == (dot or not g) for m, g in zip(layers, grouped))
+    return model
+
+
+@pytest.fixture(scope="module")
+def float_product_log_probs(bf16_model):
+    """``log_probs(case)``: the decode log-probabilities of ``case``'s weights multiplied in float at the best level
+    (splice's float-product GEMVs; grouped int8 on torch's per-group kernel), per decode text, computed once per
+    case for both levels' tests."""
+    done: dict[str, list[list[torch.Tensor]]] = {}
+
+    def log_probs(case: str) -> list[list[torch.Tensor]]:
+        if case not in done:
+            with pytest.MonkeyPatch.context() as monkeypatch:
+                model = _quantized_copy(bf16_model, case, False, monkeypatch)
+                done[case] = [_decode_log_probs(model, ids) for ids in _decode_texts(bf16_model)]
+        return done[case]
+    return log_probs
+
+
 @pytest.mark.parametrize("case, level", [("int8", "best"), ("int8-g64", "best"), ("int4-g32-asym", "best"),
                                          ("int8", "avx2"), ("int8-g64", "avx2")])
-def test_decode_activation_rounding_costs_little(bf16_model, case, level, monkeypatch):
+def test_decode_activation_rounding_costs_little(bf16_model, float_product_log_probs, case, level, monkeypatch):
     """At the best level this CPU runs, and for int8 weight-only (per channel and grouped) at the avx2 level without
-    AVX-VNNI too, where its activations are rounded to int16 (``kernel_choice.int16_activations``). Grouped int8
-    against torch's per-group kernel, where its float products run."""
+    AVX-VNNI too, where its activations are rounded to int16 (``kernel_choice.int16_activations``); against the same
+    weights' float products at the best level (grouped int8 on torch's per-group kernel, which no level changes)."""
     from splice import native
-    from splice.kernel_choice import dot_products, int16_activations
-    from splice.quant import Int8WeightOnlyLinear, QuantizedLinear
+    from splice.kernel_choice import dot_products
 
     if not dot_products():
         pytest.skip("splice's native integer dot products do not run here (no native kernels, or SPLICE_NATIVE_DOT=0)")
+    plain_texts = float_product_log_probs(case)
     with contextlib.ExitStack() as at_level:
         if level == "avx2":
             at_level.enter_context(native.use_isa("avx2"))
             at_level.enter_context(native.use_avx_vnni(False))
-        models = {}
-        for dot in (True, False):
-            monkeypatch.setenv("SPLICE_NATIVE_DOT", "1" if dot else "0")
-            model = copy.deepcopy(bf16_model.model)
-            quantize(model, CASES[case][0]())
-            layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-            grouped = [isinstance(m, Int8WeightOnlyLinear) and m.grouped for m in layers]
-            wide = [isinstance(m, Int8WeightOnlyLinear) and int16_activations() for m in layers]
-            assert layers and [m.use_dot_products for m in layers] == [(16 if w else 8) if dot else 0 for w in wide]
-            assert all(m.use_native == (dot or not g) for m, g in zip(layers, grouped))
-            models[dot] = model
+        model = _quantized_copy(bf16_model, case, True, monkeypatch)
         kl, nll, positions = 0.0, {True: 0.0, False: 0.0}, 0
-        for ids in bf16_model.ids.values():
-            ids = ids[:, :DECODE_TOKENS]
-            rounded, plain = _decode_log_probs(models[True], ids), _decode_log_probs(models[False], ids)
+        for ids, plain in zip(_decode_texts(bf16_model), plain_texts):
+            rounded = _decode_log_probs(model, ids)
             for i, (p, q) in enumerate(zip(plain, rounded)):
                 kl += float((p.exp() * (p - q)).sum())
                 nll[True] -= float(q[ids[0, i + 1]])
