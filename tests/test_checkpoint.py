@@ -103,6 +103,75 @@ def test_meta_load_is_bit_identical_across_families(tmp_path, model_type):
         assert torch.equal(model.get_buffer(name), buffer), name
 
 
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_meta_load_stacks_per_expert_tensors_as_transformers_does(tmp_path, family):
+    """A Hugging Face mixture-of-experts checkpoint holds each expert's weights apart (Mixtral's experts.N.w1/w2/w3,
+    Qwen's experts.N.gate_proj/...); the model holds them stacked (experts.gate_up_proj, experts.down_proj), which
+    transformers' conversion ops make: loaded into a meta model, bit for bit what from_pretrained gives."""
+    from tests.arch.tiny_models import build, tiny_config
+
+    save(build(family), tmp_path)
+    stored = checkpoint_shapes(tmp_path)
+    assert any(".experts.0." in name for name in stored) and not any(name.endswith("gate_up_proj") for name in stored)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    match = check_checkpoint(meta_model(tiny_config(family)), tmp_path)
+    assert match.ok and len(match.conversions) == 2 * reference.config.num_hidden_layers  # gate_up and down
+    model = load_checkpoint(meta_model(tiny_config(family)), tmp_path, "cpu")
+    assert not has_meta_tensors(model)
+    assert torch.equal(logits(model), logits(reference))
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+
+
+def test_init_inference_fills_a_meta_mixture_of_experts_and_injects_its_kernels(tmp_path):
+    import splice
+    from tests.arch.tiny_models import build, tiny_config
+
+    save(build("qwen2_moe"), tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    engine = splice.init_inference(meta_model(tiny_config("qwen2_moe")), checkpoint=str(tmp_path),
+                                   dtype=torch.float32, replace_with_kernel_inject=True)
+    with torch.no_grad():
+        expected = reference.generate(IDS, max_new_tokens=8, do_sample=False)
+        assert torch.equal(engine.generate(IDS, max_new_tokens=8, do_sample=False), expected)
+        assert torch.allclose(engine(IDS).logits, reference(IDS).logits, atol=1e-5)
+
+
+def _without(folder, out, drop=(), replace=None):
+    """The checkpoint in ``folder`` written to ``out`` without the tensors ``drop`` names, ``replace`` changing some."""
+    from safetensors.torch import load_file
+
+    state = {k: v for k, v in load_file(folder / "model.safetensors").items() if k not in drop}
+    state.update(replace or {})
+    save_file(state, out)
+    return out
+
+
+def test_an_expert_missing_or_misshapen_is_refused_before_the_model_changes(tmp_path):
+    from tests.arch.tiny_models import build, tiny_config
+
+    folder = save(build("mixtral"), tmp_path / "hf")
+    stored = checkpoint_shapes(folder)
+    expert = "model.layers.1.block_sparse_moe.experts.3.w1.weight"
+    missing = _without(folder, tmp_path / "missing.safetensors", drop=[expert])
+    model = meta_model(tiny_config("mixtral"))
+    made_from = r"\(3 of \.experts\.\*\.w1\.weight, 4 of \.experts\.\*\.w3\.weight\)"
+    with pytest.raises(ValueError, match=r"cannot make: model\.layers\.1\.mlp\.experts\.gate_up_proj from 7 tensors "
+                                         + made_from) as error:
+        load_checkpoint(model, missing, "cpu")
+    assert "missing from the checkpoint" not in str(error.value)
+    assert all(p.is_meta for p in model.parameters())
+    shape = stored[expert][0]
+    bad = _without(folder, tmp_path / "bad.safetensors", replace={expert: torch.zeros(shape[1], shape[0])})
+    with pytest.raises(ValueError, match=r"transformers' weight conversion \(fusing or splitting\) cannot make: "
+                                         r"model\.layers\.1\.mlp\.experts\.gate_up_proj from 8 tensors"):
+        load_checkpoint(model, bad, "cpu")
+    assert all(p.is_meta for p in model.parameters())
+
+
 def test_meta_load_converts_to_the_model_dtype(saved):
     config, folder, reference = saved
     model = meta_model(config, dtype=torch.bfloat16)

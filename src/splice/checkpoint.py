@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import chain
@@ -194,19 +194,20 @@ class CheckpointMatch:
     wrong_shape: list[tuple[str, Shape, Shape]] = field(default_factory=list)  # (name, checkpoint shape, model shape)
     wrong_dtype: list[tuple[str, torch.dtype, torch.dtype]] = field(default_factory=list)  # a float tensor stored
     # as integers or the reverse: (name, checkpoint dtype, model dtype); float-to-float is a conversion, not an error
-    needs_conversion: list[str] = field(default_factory=list)  # need a transformers fuse/split op, not a rename
+    conversions: list[Conversion] = field(default_factory=list)  # model tensors transformers' ops fuse or split
+    failed_conversions: list[str] = field(default_factory=list)  # "target: why", where those ops refuse the tensors
     ignored: list[str] = field(default_factory=list)  # in the checkpoint, deliberately not loaded
 
     @property
     def ok(self) -> bool:
-        return not (self.missing or self.unexpected or self.wrong_shape or self.wrong_dtype or self.needs_conversion)
+        return not (self.missing or self.unexpected or self.wrong_shape or self.wrong_dtype or self.failed_conversions)
 
     def describe(self, limit: int = 5) -> str:
         parts = []
         for label, items in (("missing from the checkpoint", self.missing),
                              ("unexpected in the checkpoint", self.unexpected),
-                             ("needing a transformers weight conversion (fusing/splitting) splice does not do; "
-                              "load with from_pretrained instead", self.needs_conversion)):
+                             ("that transformers' weight conversion (fusing or splitting) cannot make",
+                              self.failed_conversions)):
             if items:
                 parts.append(f"{len(items)} {label}: {_first(items, limit)}")
         if self.wrong_shape:
@@ -225,15 +226,16 @@ def match_checkpoint(model: nn.Module, shapes: dict[str, tuple[Shape, torch.dtyp
 
     Tied tensors need only one of their names. Checkpoint names go through the same renamings transformers applies
     when loading (legacy names such as GPT-NeoX ``embed_out`` -> ``lm_head``, an added or dropped base-model prefix).
-    A model tensor that a transformers conversion would fill from the checkpoint's tensors is not missing (those
-    tensors are listed in ``needs_conversion``).
+    Model tensors that transformers' conversion ops make from several checkpoint tensors (a mixture of experts'
+    per-expert weights stacked into one tensor) are matched by running those ops on meta tensors of the headers'
+    shapes: the names and shapes they give must be the model's.
     """
     state = model.state_dict(keep_vars=True)
     match = CheckpointMatch()
     rename = checkpoint_renamer(model, state)
     ignored = _ignored_checkpoint_name(model)
     found: dict[str, Shape] = {}  # model name -> checkpoint shape
-    converted: set[str] = set()  # model names a conversion fills
+    converted: list[str] = []  # checkpoint names a conversion takes
     for file_name, (shape, dtype) in shapes.items():
         name, targets = rename(file_name)
         if name in state and not targets:
@@ -244,13 +246,29 @@ def match_checkpoint(model: nn.Module, shapes: dict[str, tuple[Shape, torch.dtyp
         elif ignored(name):
             match.ignored.append(file_name)
         elif targets:
-            match.needs_conversion.append(file_name)
-            converted.update(targets)
+            converted.append(file_name)
         else:
             match.unexpected.append(file_name)
+    match.conversions = checkpoint_conversions(model, state, converted)
+    failed: set[str] = set()  # first targets of conversions that raised (reported as such, not as missing)
+    for conversion in match.conversions:
+        try:
+            made = convert(model, conversion, lambda stored: torch.empty(shapes[stored][0], dtype=shapes[stored][1],
+                                                                         device="meta"))
+        except Exception as e:  # transformers' ops raise what their torch calls raise
+            counts = Counter(pattern for pattern, _ in conversion.sources)
+            match.failed_conversions.append(f"{conversion.first} from {len(conversion.sources)} tensors ("
+                                            f"{', '.join(f'{n} of {p}' for p, n in counts.items())}): {e}")
+            failed.add(conversion.first)
+            continue
+        for name, tensor in made.items():
+            if name not in state:
+                match.unexpected.append(name)
+            else:
+                found[name] = tuple(tensor.shape)
     for names in tensor_groups(state):
         present = [n for n in names if n in found]
-        if not present and converted.isdisjoint(names):
+        if not present and failed.isdisjoint(names):
             match.missing.append(names[0])
         for name in present:
             if found[name] != tuple(state[name].shape):
@@ -275,22 +293,32 @@ def _ignored_checkpoint_name(model: nn.Module) -> Callable[[str], bool]:
     return ignored
 
 
-def checkpoint_renamer(model: nn.Module, state: dict[str, torch.Tensor]) -> Callable[[str], tuple[str, list[str]]]:
-    """checkpoint name -> (model name, the model names a transformers conversion op fills from it: empty where it
-    needs none), using transformers' own key mapping."""
-    identity = lambda name: (name, [])  # noqa: E731
+def _transformers_mapping(model: nn.Module):
+    """transformers' loading transforms for ``model``: (renamings, converters, base-model prefix), or None for a model
+    that is not a transformers model, or a transformers without conversion mappings (exact names only then)."""
     try:
         from transformers import PreTrainedModel
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-    except ImportError:  # another transformers version: exact names only
-        return identity
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+    except ImportError:
+        return None
     if not isinstance(model, PreTrainedModel):
-        return identity
+        return None
     transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    prefix = getattr(model, "base_model_prefix", None) or None
+    return ([t for t in transforms if isinstance(t, WeightRenaming)],
+            [t for t in transforms if isinstance(t, WeightConverter)],
+            getattr(model, "base_model_prefix", None) or None)
+
+
+def checkpoint_renamer(model: nn.Module, state: dict[str, torch.Tensor]) -> Callable[[str], tuple[str, list[str]]]:
+    """checkpoint name -> (model name, the model names a transformers conversion op fills from it: empty where it
+    needs none), using transformers' own key mapping."""
+    mapping = _transformers_mapping(model)
+    if mapping is None:
+        return lambda name: (name, [])
+    from transformers.core_model_loading import rename_source_key
+
+    renamings, converters, prefix = mapping
 
     def rename(name: str) -> tuple[str, list[str]]:
         renamed, converter_pattern = rename_source_key(name, renamings, converters, prefix, state)
@@ -309,6 +337,84 @@ def _conversion_targets(renamed: str, source_pattern: str, converters: list) -> 
         if source_pattern in converter.source_patterns and first in renamed:
             return [renamed, *(renamed.replace(first, target) for target in others)]
     return [renamed]
+
+
+@dataclass
+class Conversion:
+    """Checkpoint tensors that one of transformers' weight converters turns into model tensors (a layer's per-expert
+    ``w1`` and ``w3`` stacked and joined into its experts' ``gate_up_proj``): the model name transformers files the
+    conversion under (its first target), the converter, and its sources as (source pattern, checkpoint name) in
+    transformers' loading order (checkpoint names in natural order: expert 2 before expert 10)."""
+
+    first: str
+    converter: object
+    sources: list[tuple[str, str]] = field(default_factory=list)
+
+
+def checkpoint_conversions(model: nn.Module, state: Mapping[str, torch.Tensor],
+                           stored_names: Iterable[str]) -> list[Conversion]:
+    """The conversions that fill model tensors from ``stored_names`` (checkpoint names that transformers converts),
+    grouped as transformers' loading groups them; ``state`` holds the model's (unsharded) tensor names."""
+    mapping = _transformers_mapping(model)
+    if mapping is None:
+        return []
+    from transformers.core_model_loading import dot_natural_key, rename_source_key
+
+    renamings, converters, prefix = mapping
+    by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
+    groups: dict[str, Conversion] = {}
+    for stored in sorted(stored_names, key=dot_natural_key):
+        renamed, pattern = rename_source_key(stored, renamings, converters, prefix, state)
+        if pattern is not None:
+            groups.setdefault(renamed, Conversion(renamed, by_pattern[pattern])).sources.append((pattern, stored))
+    return list(groups.values())
+
+
+def convert(model: nn.Module, conversion: Conversion, read: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model tensors ``conversion`` makes, by name, from its sources as ``read(checkpoint name)`` gives them (run
+    through transformers' own ops, on a copy of its converter: the converter collects its inputs)."""
+    converter = copy.deepcopy(conversion.converter)
+    for pattern, stored in conversion.sources:
+        converter.add_tensor(conversion.first, stored, pattern, functools.partial(read, stored))
+    made = converter.convert(conversion.first, model=model, config=getattr(model, "config", None))
+    return {name: value[0] if isinstance(value, list) else value for name, value in made.items()}
+
+
+class ConvertedTensors:
+    """Model tensors that transformers' conversions make from a checkpoint's files, for loading them a slice at a time
+    (tensor parallelism): ``take(name)`` runs the conversion that makes ``name`` when first asked, and keeps that
+    conversion's other outputs (a split's siblings) until they are taken. ``state`` holds the model's unsharded
+    names."""
+
+    def __init__(self, model: nn.Module, state: Mapping[str, torch.Tensor], files: list[Path]):
+        self.model, self.where = model, tensor_index(files)
+        rename = checkpoint_renamer(model, state)
+        targets = {stored: rename(stored)[1] for stored in self.where}
+        conversions = checkpoint_conversions(model, state, [stored for stored, made in targets.items() if made])
+        self.by_target = {name: c for c in conversions for name in targets[c.sources[0][1]]}
+        self.made: dict[str, torch.Tensor] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.by_target
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.made:
+            self.made.update(convert(self.model, self.by_target[name],
+                                     lambda stored: _read(self.where[stored], stored)))
+        return self.made.pop(name)
+
+
+def load_conversions(model: nn.Module, conversions: list[Conversion], files: list[Path], progress: bool) -> None:
+    """Fill the model tensors ``conversions`` make, one conversion (a layer's experts) in memory at a time."""
+    if not conversions:
+        return
+    where = tensor_index(files)
+    state = model.state_dict(keep_vars=True)
+    with torch.no_grad():
+        for conversion in tqdm(conversions, desc="splice: converting checkpoint tensors", unit="tensor",
+                               disable=not progress, leave=False):
+            for name, value in convert(model, conversion, lambda stored: _read(where[stored], stored)).items():
+                state[name].copy_(value)
 
 
 def check_checkpoint(model: nn.Module, path: CheckpointSource) -> CheckpointMatch:
@@ -346,7 +452,9 @@ def load_checkpoint(model: nn.Module, path: CheckpointSource, device: str | torc
 
     A model with meta tensors is materialised first (``to_empty``); its tied weights are tied again and its
     non-persistent buffers (e.g. rotary ``inv_freq``) recomputed. A normal model is moved to ``device`` and its
-    weights overwritten. Each tensor is converted to the dtype of the model's tensor it lands in.
+    weights overwritten. Each tensor is converted to the dtype of the model's tensor it lands in. Tensors that
+    transformers' loading fuses from several checkpoint tensors (a mixture of experts' per-expert weights) are made
+    by transformers' own conversion ops, one layer's at a time.
 
     Tied names the checkpoint holds with different values (saved from an untied model) are untied, each loading its
     own tensor, with a warning: what transformers' ``from_pretrained`` does.
@@ -366,6 +474,7 @@ def load_checkpoint(model: nn.Module, path: CheckpointSource, device: str | torc
         model.to(device)
     _untie(model, list(untie))
     _stream_weights(model, files, match.names, progress)
+    load_conversions(model, match.conversions, files, progress)
     return model
 
 

@@ -33,7 +33,9 @@ def test_shards_reload_at_the_grain_they_were_cut_with():
 
 def test_experts_split_by_rank_are_saved_and_reload():
     """Mixtral and Qwen2-MoE sharded in memory (each expert's 128 or 64 features split in two), saved with
-    save_mp_checkpoint_path and reloaded into meta models: the same tokens and logits as the whole model; sharded
+    save_mp_checkpoint_path and reloaded into meta models, and meta models filled from the Hugging Face checkpoint's
+    per-expert tensors (stacked by transformers' conversion, each rank copying its slice): the same tokens and
+    logits as the whole model; sharded
     then quantized, the same as the whole model quantized (the experts keep their all-reduce, also after a native
     call for their bf16 decode rows)."""
     for r in (r["experts"] for r in suite.tp2()):
@@ -41,6 +43,8 @@ def test_experts_split_by_rank_are_saved_and_reload():
             case = r[family]
             assert case["first"]["tokens_equal"] and case["first"]["max_diff"] < 1e-4, (family, case)
             assert case["reloaded"]["tokens_equal"] and case["reloaded"]["max_diff"] < 1e-4, (family, case)
+            assert case["from_hf"]["tokens_equal"] and case["from_hf"]["max_diff"] < 1e-4, (family, case)
+            assert case["hf_features"] == whole // 2, (family, case)
             assert case["features"] == (whole // 2, whole // 2) and not case["meta_left"], (family, case)
             assert case["quantized"]["tokens_equal"] and case["quantized"]["max_diff"] < 1e-4, (family, case)
             assert case["quantized_hooks"] == 1, (family, case)

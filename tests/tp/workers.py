@@ -116,9 +116,10 @@ def checkpoint_roundtrip(rank: int, world: int, family: str, overrides: dict, fo
 
 def experts_roundtrip(rank: int, world: int, root: str) -> dict:
     """Mixtures of experts: a model in memory sharded (every expert's features split) and saved with
-    save_mp_checkpoint_path, then its shards reloaded into a meta model; both equal the single-process model. Sharded
-    then quantized (int8 in groups of 16), it equals the whole model quantized in one process, its experts keeping
-    the all-reduce."""
+    save_mp_checkpoint_path, then its shards reloaded into a meta model; both equal the single-process model, and so
+    does a meta model filled with its rank's slices from the Hugging Face checkpoint (per-expert tensors, which
+    transformers' conversion stacks). Sharded then quantized (int8 in groups of 16), it equals the whole model
+    quantized in one process, its experts keeping the all-reduce."""
     from splice.quant import QuantConfig, quantize
 
     qconfig = QuantConfig(bits=8, group_size=16)  # groups that line up with the ranks' shares of the features
@@ -132,8 +133,14 @@ def experts_roundtrip(rank: int, world: int, root: str) -> dict:
         saved = f"{root}/{family}-experts"
         model, _, _ = shard(build(family), world, save_mp_checkpoint_path=saved)
         again, _, _ = shard(build(family, meta=True), world, checkpoint=f"{saved}/splice_tp.json")
+        if rank == 0:
+            build(family).save_pretrained(f"{root}/{family}-hf")
+        torch.distributed.barrier()
+        from_hf, _, _ = shard(build(family, meta=True), world, checkpoint=f"{root}/{family}-hf")
         experts = again.model.layers[0].mlp.experts
         results[family] = {"first": compare(model, ref), "reloaded": compare(again, ref),
+                           "from_hf": compare(from_hf, ref),
+                           "hf_features": from_hf.model.layers[0].mlp.experts.down_proj.shape[2],
                            "meta_left": any(p.is_meta for p in again.parameters()),
                            "features": (experts.down_proj.shape[2], experts.intermediate_dim),
                            "quantized": compare(quantized, reference(whole)),

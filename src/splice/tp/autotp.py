@@ -180,7 +180,7 @@ def trace_model(model: nn.Module, tokens: int = 4) -> Trace:
                         module.register_forward_hook(tagger.block_post(name))]
     inputs = trace_inputs(model, tokens)
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), _in_eval_mode(model), tagger:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), _in_eval_mode(model), _meta_experts(model), tagger:
             model(**inputs, use_cache=False)
     except Exception as e:
         raise ValueError(f"tensor parallelism traces one forward of {type(model).__name__} ({', '.join(inputs)} of "
@@ -203,6 +203,24 @@ def _in_eval_mode(model: nn.Module) -> Iterator[None]:
     finally:
         for module, training in flags:
             module.training = training
+
+
+@contextlib.contextmanager
+def _meta_experts(model: nn.Module) -> Iterator[None]:
+    """On the meta device, transformers' experts modules run its ``batched_mm`` implementation while the tracing
+    forward runs (each config's choice put back after): its default ``grouped_mm`` takes bf16 weights only on meta,
+    and a meta model (filled from a checkpoint after the plan) may be in any dtype. Both compute the same products."""
+    configs = {id(m.config): m.config for m in model.modules()
+               if experts_layout(m) is not None and any(p.is_meta for p in m.parameters(recurse=False))}
+    chosen = {key: config._experts_implementation for key, config in configs.items()
+              if getattr(config, "_experts_implementation", None) == "grouped_mm"}
+    for key in chosen:
+        configs[key]._experts_implementation = "batched_mm"
+    try:
+        yield
+    finally:
+        for key, implementation in chosen.items():
+            configs[key]._experts_implementation = implementation
 
 
 def trace_inputs(model: nn.Module, tokens: int) -> dict[str, torch.Tensor]:

@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from ..checkpoint import checkpoint_files, checkpoint_renamer, open_safetensors, tensor_groups, tensor_index
+from ..checkpoint import (ConvertedTensors, checkpoint_files, checkpoint_renamer, open_safetensors, tensor_groups,
+                          tensor_index)
 from ..distributed import ParallelContext
 from .apply import ShardMap, Slice, cut
 from .split import width
@@ -29,14 +30,20 @@ MANIFEST = "splice_tp.json"
 FORMAT = "splice-tp/1"
 
 
+def unsharded_state(model: nn.Module, shards: ShardMap) -> dict[str, torch.Tensor]:
+    """The sharded model's tensors under their unsharded names (what a checkpoint's names are renamed against)."""
+    return {shards.get(name, Slice(name)).source: tensor for names, tensor in unique_tensors(model) for name in names}
+
+
 def renamed_index(model: nn.Module, shards: ShardMap, files: list[Path]) -> dict[str, tuple[Path, str]]:
     """The unsharded model's tensor name -> (file, the name the checkpoint stores it under), each checkpoint name
     renamed as transformers renames it when loading (GPT-NeoX's ``embed_out`` -> ``lm_head``, a base-model prefix
-    added or dropped): the renaming the plan's checkpoint check applied when it approved the checkpoint."""
-    unsharded = {shards.get(name, Slice(name)).source: tensor for names, tensor in unique_tensors(model)
-                 for name in names}
-    rename = checkpoint_renamer(model, unsharded)
-    return {rename(stored)[0]: (file, stored) for stored, file in tensor_index(files).items()}
+    added or dropped): the renaming the plan's checkpoint check applied when it approved the checkpoint. Checkpoint
+    tensors that a transformers conversion takes are left out (:class:`splice.checkpoint.ConvertedTensors`)."""
+    rename = checkpoint_renamer(model, unsharded_state(model, shards))
+    renamed = {stored: rename(stored) for stored in tensor_index(files)}
+    return {name: (file, stored) for stored, file in tensor_index(files).items()
+            for name, converted in [renamed[stored]] if not converted}
 
 
 def load_slices(model: nn.Module, shards: ShardMap, path, chunk_mib: int = 16) -> None:
@@ -46,17 +53,29 @@ def load_slices(model: nn.Module, shards: ShardMap, path, chunk_mib: int = 16) -
     chunks of about ``chunk_mib`` straight into the target, each through a freshly opened (memory-mapped) file, so
     neither a temporary copy nor the file's mapped pages grow past one chunk. Raises naming the tensors the
     checkpoint lacks or whose slice has the wrong shape. Checkpoint names are renamed as transformers renames them
-    (:func:`renamed_index`).
+    (:func:`renamed_index`); a tensor that transformers' loading fuses from several checkpoint tensors (a mixture of
+    experts' per-expert weights) is made whole by transformers' conversion ops, one at a time, and its slice copied.
     """
-    fill(model, shards, renamed_index(model, shards, checkpoint_files(path)), path, chunk_mib)
+    files = checkpoint_files(path)
+    converted = ConvertedTensors(model, unsharded_state(model, shards), files)
+    fill(model, shards, renamed_index(model, shards, files), path, chunk_mib, converted)
 
 
-def fill(model: nn.Module, shards: ShardMap, index: dict[str, tuple[Path, str]], path, chunk_mib: int = 16) -> None:
-    """:func:`load_slices` from ``index`` (model tensor name -> (file, stored name))."""
+def fill(model: nn.Module, shards: ShardMap, index: dict[str, tuple[Path, str]], path, chunk_mib: int = 16,
+         converted: ConvertedTensors | None = None) -> None:
+    """:func:`load_slices` from ``index`` (model tensor name -> (file, stored name)) and ``converted``."""
     missing, wrong = [], []
     with torch.no_grad():
         for names, target in unique_tensors(model):
             found = [s for s in (shards.get(n, Slice(n)) for n in names) if s.source in index]
+            made = [s for s in (shards.get(n, Slice(n)) for n in names) if converted and s.source in converted]
+            if not found and made:
+                part = slice_in_memory({made[0].source: converted.take(made[0].source)}, made[0])
+                if part.shape != target.shape:
+                    wrong.append(f"{names[0]} (converted slice {list(part.shape)} vs model {list(target.shape)})")
+                else:
+                    target.copy_(part)
+                continue
             if not found:
                 missing.append(names[0])
                 continue
