@@ -85,10 +85,10 @@ def assert_same_steps(engine, per_row_slots: bool = False, batch: int = 2) -> No
         torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "mistral", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "mistral", "qwen3", "granite"])
 def test_families_blocks_step_as_their_own_ops_do(family):
     """Llama; qkv biases and a sliding window (qwen2); rotary on half of each head (phi3); a window (mistral);
-    per-head q and k norms before rotary (qwen3)."""
+    per-head q and k norms before rotary (qwen3); each branch's output scaled before its residual add (granite)."""
     engine = engine_of(family)
     assert all(block.native_layer for block in engine.runtime.blocks)
     assert_same_steps(engine)
@@ -145,7 +145,7 @@ def test_a_block_on_its_own_ops_splits_the_run():
     assert (got[0].argmax(-1) == expected[0].argmax(-1)).all()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "qwen3", "granite"])
 def test_decode_steps_agree_with_the_hf_reference(family):
     """The native calls' decode steps, teacher-forced one token at a time, against the unmodified bf16 HF model's
     logits at the same positions: within 5 % of the logit std and the argmax above 90 % the same (bf16 rounding
@@ -330,7 +330,6 @@ def test_a_compiled_engine_runs_steps_in_one_native_call_eagerly(fresh_compiles)
     ("mixtral", "its MLP is the model's own MixtralSparseMoeBlock (a mixture of experts)"),
     ("olmo", "it clamps q, k and v (clip_qkv)"),
     ("olmo2", "it has attn_out_norm, mlp_out_norm"),
-    ("granite", "it scales its branch outputs before the residual adds (residual_multiplier)"),
 ])
 def test_blocks_it_does_not_fit_keep_their_own_ops_and_the_report_says_why(family, reason):
     engine = engine_of(family)
@@ -693,9 +692,10 @@ def test_a_qk_norm_scaled_in_float32_keeps_its_blocks_own_ops():
 
 
 def test_granites_embedding_multiplier_and_logits_divisor_stay_out_of_the_native_calls():
-    """Blocks that do not scale their branches step natively, but an embedding multiplier (a float torch does not round
-    first, which decode_greedy's scale would) keeps greedy steps in the loop, and a logits divisor keeps the head out
-    of the native call; Llama's engine, without them, takes both. The tokens stay the bf16 reference's."""
+    """Granite's blocks step natively (their residual multiplier in the call), but an embedding multiplier (a float
+    torch does not round first, which decode_greedy's scale would) keeps greedy steps in the loop, and a logits divisor
+    keeps the head out of the native call; Llama's engine, without them, takes both. The tokens stay the bf16
+    reference's."""
     def engine_and_reference(name, **overrides):
         reference = randomised_vectors(build_tiny(tiny_config(name, **overrides), dtype=torch.bfloat16), 0)
         engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
@@ -709,7 +709,7 @@ def test_granites_embedding_multiplier_and_logits_divisor_stay_out_of_the_native
     assert offers(engine_and_reference("llama")[0]) == (True, True)
     cases = (({"logits_scaling": 1.0}, (True, False)), ({"embedding_multiplier": 1.0}, (False, False)))
     for overrides, expected in cases:
-        engine, reference = engine_and_reference("granite", residual_multiplier=1.0, **overrides)
+        engine, reference = engine_and_reference("granite", **overrides)
         assert all(block.native_layer for block in engine.runtime.blocks)
         assert offers(engine) == expected
         ids, mask = padded_batch()
@@ -754,6 +754,7 @@ def decode_with_attention_half(engine, on: bool, per_row_slots: bool = False):
     ("mixtral", "bf16", False), ("mixtral", "int4-sym", False), ("qwen2_moe", "bf16", False),  # qkv biases
     ("qwen2_moe", "int4-sym", False), ("qwen3_moe", "bf16", False), ("qwen3_moe", "int4-sym", False),  # qk-norm
     ("mixtral", "bf16", True),  # each row at its own slot, as splice serve's rows
+    ("granitemoe", "bf16", False),  # the attention's output scaled before its residual add
 ])
 def test_a_mixture_of_experts_attention_half_steps_as_its_own_ops_do(family, scheme, per_row_slots):
     engine = engine_of(family, scheme)

@@ -105,8 +105,6 @@ def attention_unfit_reason(block: nn.Module) -> str | None:
         return f"it has {', '.join(extras or ['soft-capped scores'])}"
     if layout.clip_qkv is not None:
         return "it clamps q, k and v (clip_qkv)"
-    if layout.residual_scale is not None:
-        return "it scales its branch outputs before the residual adds (residual_multiplier)"
     if layout.rotary_float:
         return "it rotates q and k in float32, rounding once (rotary_float)"
     qk_norm = block.qk_norm
@@ -144,7 +142,8 @@ def step_takes_calls(x: torch.Tensor) -> bool:
 class LayerCall(NamedTuple):
     """What ``decode_layers`` takes of one block, besides a step's mask and rotary rows: its cache layer, its norms'
     weights and eps (the attention's, the MLP's, the qk-norm's or None and 0.0), its linears' tensors (weight, scales,
-    bias each), GEMV kinds and groups (:class:`LayerGemv`), its query and KV heads and its attention scale."""
+    bias each), GEMV kinds and groups (:class:`LayerGemv`), its query and KV heads, its attention scale and its
+    residual scale (each branch's output times it before the residual add; 1.0: none)."""
 
     layer: int
     norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
@@ -154,6 +153,7 @@ class LayerCall(NamedTuple):
     groups: list[int]
     heads: tuple[int, int]
     scale: float
+    residual_scale: float
 
 
 def layer_call(block: nn.Module, rows: int, read=getattr) -> LayerCall | None:
@@ -189,7 +189,8 @@ def linears_call(block: nn.Module, names: tuple[str, ...], rows: int, read) -> L
     qk = (read(qk_norm, "weight"), qk_norm.eps) if qk_norm is not None else (None, 0.0)
     return LayerCall(block.layer_idx, (read(attn_norm, "weight"), read(mlp_norm, "weight"), qk[0]),
                      (attn_norm.eps, mlp_norm.eps, qk[1]), tensors, [gemv.kind for gemv in gemvs],
-                     [gemv.group for gemv in gemvs], (shape.n_heads, shape.n_kv_heads), block.scale)
+                     [gemv.group for gemv in gemvs], (shape.n_heads, shape.n_kv_heads), block.scale,
+                     1.0 if block.layout.residual_scale is None else block.layout.residual_scale)
 
 
 def decode_attention_half(call: LayerCall, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -320,7 +321,8 @@ def native_run(blocks: list[nn.Module], calls: list[LayerCall]) -> NativeRun:
                      [call.layer for call in calls], [t for call in calls for t in call.norms],
                      [e for call in calls for e in call.eps], [t for call in calls for t in call.tensors],
                      [k for call in calls for k in call.kinds], [g for call in calls for g in call.groups],
-                     [h for call in calls for h in call.heads], [call.scale for call in calls])
+                     [h for call in calls for h in call.heads],
+                     [s for call in calls for s in (call.scale, call.residual_scale)])
 
 
 def step_plan(blocks, rows: int, masks: dict, read=getattr, head: HeadCall | None = None) -> list:

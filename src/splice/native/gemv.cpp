@@ -4828,6 +4828,13 @@ void add_rows(const at::BFloat16* a, const at::BFloat16* b, int64_t rows, int64_
   for (int64_t m = 0; m < rows; ++m) avx2::add_row(a + m * width, b + m * width, width, out + m * width);
 }
 
+// x [rows, width] times `scale` in place, each product in float32 rounded to bf16: what torch computes for a bf16
+// tensor times a Python float (a branch's output times Granite's residual multiplier, before its residual add).
+void scale_rows(at::BFloat16* x, int64_t rows, int64_t width, double scale) {
+  const float s = static_cast<float>(scale);
+  for (int64_t i = 0; i < rows * width; ++i) x[i] = at::BFloat16(static_cast<float>(x[i]) * s);
+}
+
 // Rotary on each row's q and k heads of qkv [rows, (heads + 2 kv_heads) * dim], then its k and v heads written into
 // keys and values [rows, kv_heads, L, dim] at the row's slot.
 void rotate_and_store(at::Tensor& qkv, const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
@@ -4869,6 +4876,7 @@ void rotate_and_store(at::Tensor& qkv, const std::optional<at::Tensor>& cos, con
 struct LayerCall {
   at::Tensor attn_norm, mlp_norm, qk_norm;  // qk_norm: undefined, or per-head RMSNorm weights of q and k
   double attn_eps = 0, mlp_eps = 0, qk_eps = 0, scale = 0;
+  double residual_scale = 1;  // each branch's output times this before its residual add (scale_rows; 1: none)
   int64_t n_heads = 0, n_kv_heads = 0;
   std::vector<LayerLinear> linears;
 };
@@ -4969,6 +4977,7 @@ void attention_step(const at::Tensor& x, const LayerCall& l, const LayerInputs& 
   team_barrier();
   layer_gemv_into(linears[1], b.attended, b.o);
   if (leads_team()) {
+    if (l.residual_scale != 1) scale_rows(b.o.data_ptr<at::BFloat16>(), batch, hidden, l.residual_scale);
     add_rows(x.data_ptr<at::BFloat16>(), b.o.data_ptr<at::BFloat16>(), batch, hidden, outp);
     rms_norm_rows(outp, batch, hidden, l.mlp_norm, l.mlp_eps, normed);
   }
@@ -4988,7 +4997,10 @@ void layer_step(const at::Tensor& x, const LayerCall& l, const LayerInputs& in, 
   silu_mul_rows(b.gate_up, ffn, b.act);
   team_barrier();
   layer_gemv_into(linears[3], b.act, b.down);
-  if (leads_team()) add_rows(outp, b.down.data_ptr<at::BFloat16>(), batch, hidden, outp);
+  if (leads_team()) {
+    if (l.residual_scale != 1) scale_rows(b.down.data_ptr<at::BFloat16>(), batch, hidden, l.residual_scale);
+    add_rows(outp, b.down.data_ptr<at::BFloat16>(), batch, hidden, outp);
+  }
 }
 
 // The model's head after the last layer, where a decode_layers call ends the step: the final RMSNorm and the
@@ -5038,8 +5050,8 @@ struct LayerStack {
   int64_t hidden = 0, head_dim = 0;
 };
 
-// Layer i's norms (the attention's, the MLP's, the qk-norm's or None), eps, heads and scale from decode_layers' lists
-// (their sizes checked beforehand) into l, checked.
+// Layer i's norms (the attention's, the MLP's, the qk-norm's or None), eps, heads and scales (the attention's, the
+// residual's: 2i and 2i + 1) from decode_layers' lists (their sizes checked beforehand) into l, checked.
 void take_layer_norms(LayerCall& l, const c10::List<std::optional<at::Tensor>>& norms, at::ArrayRef<double> eps,
                       at::IntArrayRef heads, at::ArrayRef<double> scales, int64_t i, int64_t hidden, int64_t head_dim,
                       const std::string& who) {
@@ -5054,7 +5066,8 @@ void take_layer_norms(LayerCall& l, const c10::List<std::optional<at::Tensor>>& 
   l.qk_eps = eps[LAYER_NORMS * i + 2];
   l.n_heads = heads[2 * i];
   l.n_kv_heads = heads[2 * i + 1];
-  l.scale = scales[i];
+  l.scale = scales[2 * i];
+  l.residual_scale = scales[2 * i + 1];
   for (const at::Tensor* norm : {&l.attn_norm, &l.mlp_norm})
     check_norm_weight(*norm, hidden, who + ": the norms' weights");
   TORCH_CHECK(l.n_kv_heads >= 1 && l.n_heads % l.n_kv_heads == 0, who, ": ", l.n_heads,
@@ -5071,7 +5084,7 @@ void take_layer_norms(LayerCall& l, const c10::List<std::optional<at::Tensor>>& 
 }
 
 // The stack of n = layers.size() layers from decode_layers' lists (layer i: norms and eps 3i .. 3i + 2, linears
-// 4i .. 4i + 3 of three tensors each, heads 2i and 2i + 1, scale i; its mask and rotary rows those at mask_of[i] and
+// 4i .. 4i + 3 of three tensors each, heads and scales 2i and 2i + 1; its mask and rotary rows those at mask_of[i] and
 // rope_of[i] of a step's lists), for rows of `hidden` and heads of `head_dim`: every norm, linear and the head checked
 // against them.
 LayerStack layer_stack(at::IntArrayRef layers, const c10::List<std::optional<at::Tensor>>& norms,
@@ -5088,7 +5101,7 @@ LayerStack layer_stack(at::IntArrayRef layers, const c10::List<std::optional<at:
                          static_cast<int64_t>(scales.size()), static_cast<int64_t>(mask_of.size()),
                          static_cast<int64_t>(rope_of.size())};
   const int64_t per_layer[] = {LAYER_NORMS, LAYER_NORMS, LAYER_LINEARS * TENSORS_PER_LINEAR, LAYER_LINEARS,
-                               LAYER_LINEARS, 2, 1, 1, 1};
+                               LAYER_LINEARS, 2, 2, 1, 1};
   const char* const names[] = {"norms", "eps", "tensors", "kinds", "groups", "heads", "scales", "mask indices",
                                "rotary indices"};
   check_list_sizes(n, got, per_layer, names, op);
@@ -5187,7 +5200,8 @@ at::Tensor run_layer_stack(const LayerStack& stack, const at::Tensor& x, const a
 // L, head_dim]); its mask, cos and sin are entry i of their lists, its norms' weights and eps entries 3i .. 3i + 2
 // (the attention's, the MLP's, and the qk-norm's: None, or a bf16 row a query head then a row a KV head, applied to
 // each q and k head before rotary as the fused block's HeadRMSNorm does), its linears 4i .. 4i + 3 (three tensors
-// each: weight, scales, bias), its query and KV heads entries 2i and 2i + 1 of heads, its scale entry i. With a head
+// each: weight, scales, bias), its query and KV heads entries 2i and 2i + 1 of heads, and of scales its attention's
+// score scale and its residual scale (each branch's output times it before the residual add; 1: none). With a head
 // (HeadCall) the call returns its logits [B, vocab], else the last layer's hidden states. Every layer and the head
 // are checked before any is run.
 at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, at::IntArrayRef layers,
@@ -5215,16 +5229,16 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::
 }
 
 // decode_attention_half(x, keys, values, layer, slots, mask, kv_len, cos, sin, norms, eps, tensors, kinds, groups,
-// heads, scale): the attention half of one layer's decode step (attention_step) for a layer whose MLP runs elsewhere (a
-// mixture of experts' own module), its arguments as decode_layers takes one layer's but for two linears (qkv, o):
-// returns the rows after the attention's residual add and their MLP norm, [B, 1, hidden] each. Its inputs are checked
-// before the cache is written.
+// heads, scale, residual_scale): the attention half of one layer's decode step (attention_step) for a layer whose
+// MLP runs elsewhere (a mixture of experts' own module), its arguments as decode_layers takes one layer's but for two
+// linears (qkv, o) and its two scales apart: returns the rows after the attention's residual add and their MLP norm,
+// [B, 1, hidden] each. Its inputs are checked before the cache is written.
 std::tuple<at::Tensor, at::Tensor> decode_attention_half(
     const at::Tensor& x, const at::Tensor& keys, const at::Tensor& values, int64_t layer, const at::Tensor& slots,
     const std::optional<at::Tensor>& mask, int64_t kv_len, const std::optional<at::Tensor>& cos,
     const std::optional<at::Tensor>& sin, const c10::List<std::optional<at::Tensor>>& norms, at::ArrayRef<double> eps,
     const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds, at::IntArrayRef groups,
-    at::IntArrayRef heads, double scale) {
+    at::IntArrayRef heads, double scale, double residual_scale) {
   const char* op = "decode_attention_half";
   check_isa(op);
   TORCH_CHECK(keys.dim() == 5 && values.dim() == 5 && x.dim() == 3, op, ": keys and values must be the whole cache "
@@ -5242,7 +5256,8 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_half(
               "; the layers take a head_dim a multiple of 16 up to ", MAX_HEAD_DIM);
   const std::string who = std::string(op) + ": layer " + std::to_string(layer);
   LayerCall l;
-  take_layer_norms(l, norms, eps, heads, at::ArrayRef<double>(&scale, 1), 0, hidden, head_dim, who);
+  const double scales[] = {scale, residual_scale};
+  take_layer_norms(l, norms, eps, heads, scales, 0, hidden, head_dim, who);
   l.linears = layer_linears(tensors, kinds, groups, 0, who, 2);  // qkv, o
   check_layer_linears(l.linears, hidden, (l.n_heads + 2 * l.n_kv_heads) * head_dim, l.n_heads * head_dim, who);
   for (LayerLinear& linear : l.linears)
@@ -5601,7 +5616,7 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   lib.def("decode_attention_half(Tensor x, Tensor(a!) keys, Tensor(b!) values, int layer, Tensor slots, "
           "Tensor? mask, int kv_len, Tensor? cos, Tensor? sin, Tensor?[] norms, float[] eps, Tensor?[] tensors, "
-          "int[] kinds, int[] groups, int[] heads, float scale) -> (Tensor, Tensor)");
+          "int[] kinds, int[] groups, int[] heads, float scale, float residual_scale=1.0) -> (Tensor, Tensor)");
   lib.def("experts_decode(Tensor x, Tensor index, Tensor weights, int[] chosen, int experts, Tensor?[] tensors, "
           "int[] kinds, int[] groups) -> Tensor");
   lib.def("decode_layers(Tensor x, Tensor(a!) keys, Tensor(b!) values, int[] layers, Tensor slots, Tensor?[] masks, "
