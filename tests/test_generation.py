@@ -784,6 +784,19 @@ def test_greedy_steps_scale_the_embeddings_as_the_loop_does(monkeypatch):
 
 
 @pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
+def test_greedy_steps_multiply_granites_embeddings_by_its_unrounded_float(monkeypatch):
+    """Granite multiplies its embeddings by a float that torch does not round to bf16 first (3.3, not bf16's 3.296875):
+    the native steps take it as it is, so the loop's tokens, which the family tests hold to Hugging Face's."""
+    engine = splice.init_inference(build("granite", embedding_multiplier=3.3, logits_scaling=1.0),
+                                   replace_with_kernel_inject=True, max_out_tokens=64, dtype=torch.bfloat16)
+    assert engine.runtime.greedy_embed_scale() == 3.3
+    ids = torch.randint(3, 100, (2, 10), generator=torch.Generator().manual_seed(2))
+    got, expected, _, taken = greedy_both_ways(engine, ids, monkeypatch, max_new_tokens=16, do_sample=False,
+                                               eos_token_id=None)
+    assert torch.equal(got, expected) and taken == [15]
+
+
+@pytest.mark.skipif(not native.available(), reason="splice's native kernels are not available here")
 def test_greedy_steps_stay_in_the_loop_where_a_step_needs_what_they_do_not_do(monkeypatch):
     """Sampling and a timed forward (``profile_model_time``: every step timed) step through the loop; float32 runs no
     native steps to take."""

@@ -691,11 +691,11 @@ def test_a_qk_norm_scaled_in_float32_keeps_its_blocks_own_ops():
     assert unfit_reason(block) == "its qk-norm scales in float32 (an offset weight, as Gemma 3's)"
 
 
-def test_granites_embedding_multiplier_and_logits_divisor_stay_out_of_the_native_calls():
-    """Granite's blocks step natively (their residual multiplier in the call), but an embedding multiplier (a float
-    torch does not round first, which decode_greedy's scale would) keeps greedy steps in the loop, and a logits divisor
-    keeps the head out of the native call; Llama's engine, without them, takes both. The tokens stay the bf16
-    reference's."""
+def test_granites_logits_divisor_keeps_the_head_out_of_the_native_calls():
+    """Granite's blocks step natively (their residual multiplier in the call) and its embedding multiplier (a float
+    torch does not round first, unlike Gemma's normalizer) goes into the greedy steps' call, but a logits divisor keeps
+    the head out of the native call, and so the greedy steps in the loop; Llama's engine takes both. The tokens stay
+    the bf16 reference's."""
     def engine_and_reference(name, **overrides):
         reference = randomised_vectors(build_tiny(tiny_config(name, **overrides), dtype=torch.bfloat16), 0)
         engine = splice.init_inference(copy.deepcopy(reference), replace_with_kernel_inject=True, max_out_tokens=64)
@@ -707,7 +707,7 @@ def test_granites_embedding_multiplier_and_logits_divisor_stay_out_of_the_native
                 runtime.greedy_steps(1, runtime.cache_for(1), None, 0, 0) is not None)
 
     assert offers(engine_and_reference("llama")[0]) == (True, True)
-    cases = (({"logits_scaling": 1.0}, (True, False)), ({"embedding_multiplier": 1.0}, (False, False)))
+    cases = (({"logits_scaling": 1.0}, (True, True)), ({"embedding_multiplier": 1.0}, (False, False)))
     for overrides, expected in cases:
         engine, reference = engine_and_reference("granite", **overrides)
         assert all(block.native_layer for block in engine.runtime.blocks)

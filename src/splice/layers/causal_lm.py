@@ -298,8 +298,9 @@ class SpliceCausalLM:
         """Greedy decoding's next steps of ``rows`` rows in native calls that do the loop's bookkeeping too
         (:class:`GreedySteps`; ``eos``, ``pad`` and ``eos_banned_below`` as it takes them), or None where they cannot
         run so: the eager step must be one native run ending with the head (:meth:`step_runs_natively`) and the
-        embedding a plain lookup in a contiguous bf16 CPU table (no module or multiplier that scales it, no learned
-        positions, norm or projection after it, no hooks on it). Registers the run with the native library."""
+        embedding a plain lookup in a contiguous bf16 CPU table (no module that scales it, no learned positions, norm
+        or projection after it, no hooks on it; at most one scale, Gemma's or Granite's). Registers the run with the
+        native library."""
         run = self.native_step_run(rows) if self.graphs is None else None
         if run is None or run.head is None or run.registered is None:
             return None
@@ -308,12 +309,19 @@ class SpliceCausalLM:
         if type(embed) is not nn.Embedding or embed.max_norm is not None or embed._forward_hooks or \
                 embed._forward_pre_hooks or ends.position_embed is not None or ends.embed_norm is not None or \
                 ends.project_in is not None or weight.dtype != torch.bfloat16 or not weight.is_contiguous() or \
-                weight.device.type != "cpu" or self.dims.embed_multiplier is not None:
+                weight.device.type != "cpu" or None not in (self.embed_scale, self.dims.embed_multiplier):
             return None
         run.registered.registered(run, self.dims.hidden, cache.keys.shape[-1])
         tables = [self.rope(index) for index in run.registered.ropes] if self.ropes else []
-        return GreedySteps(run, weight, self.embed_scale, cache, [table.cos for table in tables],
+        return GreedySteps(run, weight, self.greedy_embed_scale(), cache, [table.cos for table in tables],
                            [table.sin for table in tables], eos, pad, eos_banned_below)
+
+    def greedy_embed_scale(self) -> float | None:
+        """The float the greedy steps multiply each embedding row by, as :meth:`embed_inputs` scales it: Gemma's
+        ``sqrt(hidden)`` rounded to bf16 first, Granite's multiplier as it is; None for neither."""
+        if self.embed_scale is not None:
+            return float(torch.tensor(self.embed_scale, dtype=torch.float32).to(torch.bfloat16))
+        return self.dims.embed_multiplier
 
     def direct_step(self, tokens: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor, cache: StaticKVCache,
                     attended: int):

@@ -5446,15 +5446,17 @@ void release_layers(int64_t stack) {
 // Greedy decoding's next `steps` tokens through registered layers that end with the model's head, each step as
 // generate's loop takes it: the rows' positions [B, 1] and the shared slot [1] one further, the slot marked as holding
 // a real token in every row of valid [B, L], each row's last token (sequences [B, S] at column kv_len - 1) looked up in
-// embedding [vocab, hidden] (times embed_scale, rounded as torch rounds the bf16 product), its rotary rows read from
-// each table (cos, sin [positions, rotary]; no tables without rotary) at the row's position, the layers and head run
-// (decode_registered) and the pick written at column kv_len (greedy_next; while kv_len is below eos_banned_below, no
-// eos id is picked: Hugging Face's minimum lengths), kv_len one further each step. Each of the stack's masks is the
-// one StaticKVCache.mask makes (the real slots, within its window: windows[m], 0 for none), or none where every row
-// sees every slot: the first `filled` slots hold real tokens in every row (StaticKVCache.filled, which a step's slot
-// extends where it is the next one) and the window takes them all. Stops once no row is unfinished. Returns the last
-// step's tokens [B], the rows still unfinished, the steps taken and `filled` after them. Between steps generate's loop
-// makes a dozen torch calls, each slow to start after a step has streamed the weights through the caches.
+// embedding [vocab, hidden] (times embed_scale as a float32, each product rounded to bf16 as torch rounds a bf16
+// tensor times a float: a caller whose model rounds its scale to bf16 first, as Gemma's, passes it so), its rotary
+// rows read from each table (cos, sin [positions, rotary]; no tables without rotary) at the row's position, the layers
+// and head run (decode_registered) and the pick written at column kv_len (greedy_next; while kv_len is below
+// eos_banned_below, no eos id is picked: Hugging Face's minimum lengths), kv_len one further each step. Each of the
+// stack's masks is the one StaticKVCache.mask makes (the real slots, within its window: windows[m], 0 for none), or
+// none where every row sees every slot: the first `filled` slots hold real tokens in every row (StaticKVCache.filled,
+// which a step's slot extends where it is the next one) and the window takes them all. Stops once no row is
+// unfinished. Returns the last step's tokens [B], the rows still unfinished, the steps taken and `filled` after them.
+// Between steps generate's loop makes a dozen torch calls, each slow to start after a step has streamed the weights
+// through the caches.
 std::tuple<at::Tensor, int64_t, int64_t, int64_t> decode_greedy(
     const at::Tensor& embedding, std::optional<double> embed_scale, at::Tensor& keys, at::Tensor& values,
     int64_t stack, at::Tensor& slot, at::Tensor& valid, int64_t filled, at::IntArrayRef windows,
@@ -5515,7 +5517,7 @@ std::tuple<at::Tensor, int64_t, int64_t, int64_t> decode_greedy(
     sin.push_back(at::empty({batch, 1, 1, cos_tables[t].size(1)}, cos_tables[t].options()));
   }
   const at::Tensor step_slot = at::empty({1}, slot.options());
-  const c10::BFloat16 scale(static_cast<float>(embed_scale.value_or(1.0)));
+  const float scale = static_cast<float>(embed_scale.value_or(1.0));
   int64_t* pp = positions.data_ptr<int64_t>();
   int64_t* slot_p = slot.data_ptr<int64_t>();
   bool* vp = valid.data_ptr<bool>();
@@ -5549,7 +5551,7 @@ std::tuple<at::Tensor, int64_t, int64_t, int64_t> decode_greedy(
       const at::BFloat16* row = embedding.data_ptr<at::BFloat16>() + token * hidden;
       at::BFloat16* xp = x.data_ptr<at::BFloat16>() + b * hidden;
       if (embed_scale)
-        for (int64_t i = 0; i < hidden; ++i) xp[i] = static_cast<float>(row[i]) * static_cast<float>(scale);
+        for (int64_t i = 0; i < hidden; ++i) xp[i] = static_cast<float>(row[i]) * scale;
       else
         std::copy(row, row + hidden, xp);
       for (size_t t = 0; t < cos_tables.size(); ++t) {
