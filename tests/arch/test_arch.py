@@ -43,6 +43,10 @@ def test_variants_are_read_from_the_config():
     gemma = family_config("gemma")
     dims = model_dims(lookup(gemma), gemma)
     assert dims.activation == "gelu_pytorch_tanh" and lookup(gemma).norm_offset == 1.0
+    cohere2 = family_config("cohere2")  # a sliding-window layer with rotary, a full-attention one without positions
+    dims = model_dims(lookup(cohere2), cohere2)
+    assert dims.windows == (6, None) and dims.unrotated == (1,) and dims.positions == "rotary"
+    assert model_dims(lookup(mistral), mistral).unrotated == ()
 
 
 def test_rope_parameters_of_transformers_4_are_read():

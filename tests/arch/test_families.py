@@ -198,7 +198,7 @@ def test_quantized_weights_agree_with_the_reference(name, quant):
 
 
 @pytest.mark.parametrize("name, tables", [("olmo", torch.float32), ("olmo2", torch.float32), ("olmo3", torch.float32),
-                                          ("cohere", torch.bfloat16)])
+                                          ("cohere", torch.bfloat16), ("cohere2", torch.bfloat16)])
 def test_families_rotating_in_float32_decode_on_their_own_tables(name, tables):
     """OLMo's rotary tables stay float32, Cohere's are rounded to bf16, and both rotate their bf16 q and k in float32
     (rounded once), in the decode runtime as in the HF path: bf16 greedy tokens agree with the bf16 reference's."""
@@ -223,7 +223,7 @@ COMPILED_CASES = [
         "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt_neox", "gpt_neox:sequential", "gpt2", "opt", "phi",
         "falcon", "falcon:new_architecture", "gemma3_text", "gemma3", "gpt_bigcode", "mixtral", "qwen2_moe",
         "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "starcoder2", "stablelm:parallel", "granite", "granitemoe",
-        "cohere")],
+        "cohere", "cohere2")],
 ]
 
 

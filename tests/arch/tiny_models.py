@@ -160,6 +160,9 @@ def _configs():
                                                  num_experts_per_tok=2),
         # Cohere: attention and MLP in parallel from one LayerNorm, every-two rotary, the logits scaled
         "cohere": lambda: T.CohereConfig(**{**COMMON, "tie_word_embeddings": True}, logit_scale=0.3),
+        # Cohere 2: Cohere's block; sliding-window layers with rotary, full-attention layers without positions
+        "cohere2": lambda: T.Cohere2Config(**{**COMMON, "tie_word_embeddings": True}, logit_scale=0.3,
+                                           sliding_window=6, layer_types=["sliding_attention", "full_attention"]),
         # attention sinks (one learned logit per head), biased experts with gate and up interleaved
         "gpt_oss": lambda: T.GptOssConfig(**{**COMMON, "intermediate_size": 64}, num_local_experts=4,
                                           num_experts_per_tok=2, head_dim=16, sliding_window=8,
@@ -170,7 +173,7 @@ def _configs():
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
 NEW_FAMILIES = ("gpt_neox", "gpt2", "opt", "phi", "gptj", "falcon", "bloom", "gemma2", "gemma3_text", "gemma3",
                 "gpt_neo", "gpt_bigcode", "mixtral", "qwen2_moe", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe",
-                "starcoder2", "stablelm", "granite", "granitemoe", "cohere")
+                "starcoder2", "stablelm", "granite", "granitemoe", "cohere", "cohere2")
 #: families whose q and k norms span every head of their projections: no rank can run them on a share of the heads,
 #: so neither the record nor AutoTP plans tensor parallelism for them
 NORMS_OVER_HEADS = ("olmo2", "olmo3", "olmoe")
@@ -189,7 +192,7 @@ VARIANTS = (
     "falcon", "falcon:new_architecture", "falcon:sequential", "falcon:alibi", "bloom", "bloom:six_heads", "gemma2",
     "gemma3_text", "gemma3", "gpt_neo", "gpt_bigcode", "gpt_bigcode:multi_head", "mixtral", "mixtral:sliding",
     "qwen2_moe", "qwen2_moe:dense_layers", "qwen3_moe", "qwen3_moe:dense_layers", "olmo", "olmo2", "olmo3", "olmoe",
-    "starcoder2", "stablelm", "stablelm:parallel", "granite", "granitemoe", "cohere")
+    "starcoder2", "stablelm", "stablelm:parallel", "granite", "granitemoe", "cohere", "cohere2")
 
 
 def family_config(name: str):

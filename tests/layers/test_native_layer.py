@@ -683,6 +683,14 @@ def test_a_rotation_in_float32_keeps_its_blocks_own_ops():
     assert unfit_reason(block) == "it rotates q and k in float32, rounding once (rotary_float)"
 
 
+def test_a_layer_without_positions_in_a_rotary_model_keeps_its_blocks_own_ops():
+    """The native call rotates every layer of a run with its table: a layer that takes no positions (Cohere 2's
+    full-attention layers) keeps its own ops, which take the table and leave q and k as they are."""
+    block = engine_of("llama").runtime.blocks[0]
+    block.layout = dataclasses.replace(block.layout, rotary=False)
+    assert unfit_reason(block) == "it takes no rotary positions"
+
+
 def test_a_qk_norm_scaled_in_float32_keeps_its_blocks_own_ops():
     """Gemma 3's qk-norm (an offset weight, scaled in float32) rounds otherwise than the native call's norm."""
     block = engine_of("qwen3").runtime.blocks[0]

@@ -190,7 +190,11 @@ COHERE = ArchRecord(model_type="cohere", norm="layer", eps_key="layer_norm_eps",
                     rotary_interleaved=True, rotary_float=True, logits_multiplier_key="logit_scale",
                     refuse=(("use_qk_norm", True),))
 
+# (no DeepSpeed container) Cohere 2 (Command R7B): Cohere's block, sliding-window layers that rotate and
+# full-attention layers without positions
+COHERE2 = replace(COHERE, model_type="cohere2", sliding_window=True, rotary_layer_type="sliding_attention", refuse=())
+
 RECORDS: tuple[ArchRecord, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GPT_NEOX, GPT2, OPT, PHI, GPTJ, FALCON,
                                    BLOOM, GEMMA2, GEMMA3_TEXT, GEMMA3, GPT_NEO, GPT_BIGCODE, BERT, ROBERTA, DISTILBERT,
                                    MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMO, OLMO2, OLMO3, OLMOE, STARCODER2, STABLELM,
-                                   GRANITE, GRANITE_MOE, COHERE)
+                                   GRANITE, GRANITE_MOE, COHERE, COHERE2)

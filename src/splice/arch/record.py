@@ -120,6 +120,9 @@ class ArchRecord:
     window_key: str = "sliding_window"
     layer_types_key: str = "layer_types"
     window_layer_type: str = "sliding_attention"
+    # rotary on the layers ``layer_types_key`` lists as this type alone, no positions on the others (Cohere 2's
+    # full-attention layers); None: rotary on every layer
+    rotary_layer_type: str | None = None
     # a fixed score scale where the family has one its config does not state (GPT-Neo: 1), else read from the config
     attn_scale: float | None = None
     # the config key of the attention scores' soft-cap, None where the family's attention never applies one
@@ -162,6 +165,7 @@ class ModelDims:
     # can hold, which bounds max_out_tokens
     rope: RopeSpec
     layer_ropes: tuple[RopeSpec, ...] = ()  # per layer, when layers differ (Gemma 3's local and global layers)
+    unrotated: tuple[int, ...] = ()  # layers without positions where the model has rotary (Cohere 2's global ones)
     positions: str = "rotary"  # "rotary", "learned", "alibi" or "none"
     parallel: bool = False
     norm_before: bool = True
@@ -228,6 +232,7 @@ def model_dims(record: ArchRecord, config: Any) -> ModelDims:
         windows=layer_windows(record, config),
         rope=min(ropes, key=lambda spec: spec.max_positions),
         layer_ropes=ropes if len(set(ropes)) > 1 else (),
+        unrotated=unrotated_layers(record, config),
         positions="alibi" if alibi else record.positions,
         parallel=config_flag(record.parallel, config),
         norm_before=config_flag(record.norm_before, config),
@@ -245,6 +250,16 @@ def model_dims(record: ArchRecord, config: Any) -> ModelDims:
         logits_divisor=config_multiplier(config, record.logits_divisor_key),
         logits_multiplier=config_multiplier(config, record.logits_multiplier_key),
     )
+
+
+def unrotated_layers(record: ArchRecord, config: Any) -> tuple[int, ...]:
+    """The layers that take no positions in a rotary model: those ``layer_types`` lists as another type than the
+    record's ``rotary_layer_type`` (none without one)."""
+    if record.rotary_layer_type is None:
+        return ()
+    layer_types = getattr(config, record.layer_types_key, None) or ()
+    return tuple(i for i, kind in enumerate(layer_types[:config.num_hidden_layers])
+                 if kind != record.rotary_layer_type)
 
 
 def learned_positions(record: ArchRecord, config: Any) -> int | None:

@@ -195,7 +195,7 @@ class SpliceBlock(nn.Module):
         if self.layout.clip_qkv is not None:
             bound = self.layout.clip_qkv
             qk, v = qk.clamp(-bound, bound), v.clamp(-bound, bound)
-        if cos is not None:
+        if cos is not None and self.layout.rotary:  # a layer without positions in a rotary model gets its table too
             (apply_rotary_float_ if self.layout.rotary_float else apply_rotary_)(qk, cos, sin)
         q, k = qk[:, :, :n_q], qk[:, :, n_q:]
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), h

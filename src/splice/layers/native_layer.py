@@ -103,6 +103,8 @@ def attention_unfit_reason(block: nn.Module) -> str | None:
     extras = [name for name in ("attn_out_norm", "mlp_out_norm", "alibi_slopes") if getattr(block, name) is not None]
     if extras or layout.softcap is not None:
         return f"it has {', '.join(extras or ['soft-capped scores'])}"
+    if not layout.rotary:
+        return "it takes no rotary positions"
     if layout.clip_qkv is not None:
         return "it clamps q, k and v (clip_qkv)"
     if layout.rotary_float:

@@ -220,7 +220,8 @@ def fused_block(record: ArchRecord, dims: ModelDims, index: int, layer: nn.Modul
         block_norm(record, dims, layer, path) for path in (record.attn_norm, record.mlp_norm, record.attn_out_norm,
                                                            record.mlp_out_norm))
     layout = BlockLayout(causal=not record.encoder, parallel=dims.parallel, norm_before=dims.norm_before,
-                         gated=record.gated, rotary=dims.positions == "rotary", rope_index=rope_index(dims, index),
+                         gated=record.gated, rotary=dims.positions == "rotary" and index not in dims.unrotated,
+                         rope_index=rope_index(dims, index),
                          scale=dims.layer_scale(index), softcap=dims.attn_softcap, hf_args=record.hf_args,
                          alibi_scaled=record.alibi_scaled, alibi_bf16=record.alibi_bf16,
                          hf_returns_tuple=record.hf_returns_tuple, hf_alibi_in_mask=record.hf_alibi_in_mask,
