@@ -61,3 +61,4 @@ def test_attention_sinks_are_cut_to_each_rank_heads():
     """GPT-OSS at tp=2: each rank adds its own heads' sink logits; the same logits and tokens as one process."""
     for r in (r["sinks"] for r in suite.tp2()):
         assert r["max_diff"] < 1e-4 and r["tokens_equal"] and r["sinks"] == (2,), r
+        assert r["from_hf"]["max_diff"] < 1e-4 and r["from_hf"]["tokens_equal"], r  # a meta model from its checkpoint

@@ -166,11 +166,17 @@ def native_experts_error(sharded, whole) -> float | None:
     return float((got - expected).norm() / expected.norm())
 
 
-def attention_sinks(rank: int, world: int) -> dict:
-    """GPT-OSS (a learned logit per head added to the scores; biased experts kept whole) sharded by AutoTP."""
+def attention_sinks(rank: int, world: int, root: str) -> dict:
+    """GPT-OSS (a learned logit per head added to the scores; biased experts kept whole) sharded by AutoTP, and a meta
+    model of it filled from its Hugging Face checkpoint (AutoTP tracing the meta model's experts)."""
     ref = reference(build("gpt_oss"))
     model, _, _ = shard(build("gpt_oss"), world)
-    return {**compare(model, ref), "sinks": tuple(model.model.layers[0].self_attn.sinks.shape)}
+    if rank == 0:
+        build("gpt_oss").save_pretrained(f"{root}/gpt_oss-hf")
+    torch.distributed.barrier()
+    from_hf, _, _ = shard(build("gpt_oss", meta=True), world, checkpoint=f"{root}/gpt_oss-hf")
+    return {**compare(model, ref), "sinks": tuple(model.model.layers[0].self_attn.sinks.shape),
+            "from_hf": compare(from_hf, ref)}
 
 
 def grain_roundtrip(rank: int, world: int, root: str) -> dict:
@@ -259,7 +265,7 @@ def tp2_suite(rank: int, world: int, cases: list, models: list, index_files: dic
     return {"distributed": distributed_checks(rank, world), "parity": parity(rank, world, cases),
             "checkpoints": checkpoints(rank, world, models, index_files, root), "bad": bad_inputs(rank, world),
             "grain": grain_roundtrip(rank, world, root), "experts": experts_roundtrip(rank, world, root),
-            "sinks": attention_sinks(rank, world),
+            "sinks": attention_sinks(rank, world, root),
             "fused": fused_pipeline(rank, world),
             "fused_families": fused_pipeline(rank, world, TP_VARIANTS),
             "fused_extra": {**fused_sampling_and_packing(rank, world),

@@ -29,6 +29,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 from ..arch.paths import input_embeddings
 from ..layers.conv1d import in_out_features
+from ..layers.experts import is_experts
 from .plan import Rule, TPPlan, collapse, experts_layout, linear_like
 from .split import Heads
 
@@ -211,7 +212,7 @@ def _meta_experts(model: nn.Module) -> Iterator[None]:
     forward runs (each config's choice put back after): its default ``grouped_mm`` takes bf16 weights only on meta,
     and a meta model (filled from a checkpoint after the plan) may be in any dtype. Both compute the same products."""
     configs = {id(m.config): m.config for m in model.modules()
-               if experts_layout(m) is not None and any(p.is_meta for p in m.parameters(recurse=False))}
+               if is_experts(m) and any(p.is_meta for p in m.parameters(recurse=False))}
     chosen = {key: config._experts_implementation for key, config in configs.items()
               if getattr(config, "_experts_implementation", None) == "grouped_mm"}
     for key in chosen:
