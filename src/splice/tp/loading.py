@@ -41,9 +41,12 @@ def renamed_index(model: nn.Module, shards: ShardMap, files: list[Path]) -> dict
     added or dropped): the renaming the plan's checkpoint check applied when it approved the checkpoint. Checkpoint
     tensors that a transformers conversion takes are left out (:class:`splice.checkpoint.ConvertedTensors`)."""
     rename = checkpoint_renamer(model, unsharded_state(model, shards))
-    renamed = {stored: rename(stored) for stored in tensor_index(files)}
-    return {name: (file, stored) for stored, file in tensor_index(files).items()
-            for name, converted in [renamed[stored]] if not converted}
+    index = {}
+    for stored, file in tensor_index(files).items():
+        name, targets = rename(stored)
+        if not targets:
+            index[name] = (file, stored)
+    return index
 
 
 def load_slices(model: nn.Module, shards: ShardMap, path, chunk_mib: int = 16) -> None:
