@@ -223,7 +223,7 @@ COMPILED_CASES = [
         "mistral", "qwen2", "qwen3", "phi3", "gemma", "gpt_neox", "gpt_neox:sequential", "gpt2", "opt", "phi",
         "falcon", "falcon:new_architecture", "gemma3_text", "gemma3", "gpt_bigcode", "mixtral", "qwen2_moe",
         "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe", "starcoder2", "stablelm:parallel", "granite", "granitemoe",
-        "cohere", "cohere2")],
+        "cohere", "cohere2", "gpt_oss")],
 ]
 
 

@@ -173,7 +173,7 @@ def _configs():
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma")
 NEW_FAMILIES = ("gpt_neox", "gpt2", "opt", "phi", "gptj", "falcon", "bloom", "gemma2", "gemma3_text", "gemma3",
                 "gpt_neo", "gpt_bigcode", "mixtral", "qwen2_moe", "qwen3_moe", "olmo", "olmo2", "olmo3", "olmoe",
-                "starcoder2", "stablelm", "granite", "granitemoe", "cohere", "cohere2")
+                "starcoder2", "stablelm", "granite", "granitemoe", "cohere", "cohere2", "gpt_oss")
 #: families whose q and k norms span every head of their projections: no rank can run them on a share of the heads,
 #: so neither the record nor AutoTP plans tensor parallelism for them
 NORMS_OVER_HEADS = ("olmo2", "olmo3", "olmoe")
@@ -192,7 +192,7 @@ VARIANTS = (
     "falcon", "falcon:new_architecture", "falcon:sequential", "falcon:alibi", "bloom", "bloom:six_heads", "gemma2",
     "gemma3_text", "gemma3", "gpt_neo", "gpt_bigcode", "gpt_bigcode:multi_head", "mixtral", "mixtral:sliding",
     "qwen2_moe", "qwen2_moe:dense_layers", "qwen3_moe", "qwen3_moe:dense_layers", "olmo", "olmo2", "olmo3", "olmoe",
-    "starcoder2", "stablelm", "stablelm:parallel", "granite", "granitemoe", "cohere", "cohere2")
+    "starcoder2", "stablelm", "stablelm:parallel", "granite", "granitemoe", "cohere", "cohere2", "gpt_oss")
 
 
 def family_config(name: str):

@@ -108,11 +108,11 @@ def test_smollm2_greedy_equals_hf_alone_while_rows_join_and_leave(smol, max_batc
         assert_one_final_event(events, "length" if len(want) == n and want[-1] not in eos else "stop")
 
 
-@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "mixtral", "qwen2_moe", "gpt_oss", "cohere2"])
 def test_tiny_family_greedy_equals_hf_alone(family):
     """A non-Llama family record (learned positions / partial rotary, parallel residual; a mixture of experts, its
-    rows routed together), 12 requests through 3 rows; the references are tie-free so rounding cannot decide a
-    token."""
+    rows routed together; attention sinks; layers without positions), 12 requests through 3 rows; the references are
+    tie-free so rounding cannot decide a token."""
     engine, hf = tiny_engine_and_hf(family)
     prompts = [torch.randint(3, 128, (3 + 3 * i,), generator=torch.Generator().manual_seed(i)).tolist()
                for i in range(12)]

@@ -396,10 +396,10 @@ FUSED_NEW_TOKENS = 12
 #: its heads)
 TP_VARIANTS = ("gpt_neox", "gpt2", "opt:post_norm", "falcon", "falcon:alibi", "bloom", "gemma2", "gemma3",
                "gpt_bigcode", "phi", "gptj", "gemma3_text", "gpt_neo", "olmo", "starcoder2", "stablelm", "granite",
-               "cohere", "cohere2", "granitemoe", *MOE_FAMILIES)
+               "cohere", "cohere2", "granitemoe", "gpt_oss", *MOE_FAMILIES)
 TP3_VARIANTS = ("falcon", "falcon:new_architecture", "falcon:alibi", "bloom", "gpt_neox", "gpt2", "opt:post_norm",
                 "gemma2", "gemma3", "gpt_bigcode", "phi", "gptj", "gemma3_text", "gpt_neo", "olmo", "starcoder2",
-                "stablelm:parallel", "cohere", "cohere2", *MOE_FAMILIES)
+                "stablelm:parallel", "cohere", "cohere2", "gpt_oss", *MOE_FAMILIES)
 
 
 def fused_pipeline(rank: int, world: int, families: tuple | None = None) -> dict:

@@ -194,7 +194,13 @@ COHERE = ArchRecord(model_type="cohere", norm="layer", eps_key="layer_norm_eps",
 # full-attention layers without positions
 COHERE2 = replace(COHERE, model_type="cohere2", sliding_window=True, rotary_layer_type="sliding_attention", refuse=())
 
+# (no DeepSpeed container) GPT-OSS: attention sinks, q/k/v/o biases, RMSNorms scaling in float32, sliding-window and
+# full layers, cos and sin for half of each head from HF, its own mixture of experts (biased experts, gate and up
+# interleaved, a clamped gate), which returns its router scores beside its output
+GPT_OSS = ArchRecord(model_type="gpt_oss", moe="mlp", sinks="self_attn.sinks", norm_scale_float=True,
+                     sliding_window=True, hf_rotary_halves=True)
+
 RECORDS: tuple[ArchRecord, ...] = (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, GEMMA, GPT_NEOX, GPT2, OPT, PHI, GPTJ, FALCON,
                                    BLOOM, GEMMA2, GEMMA3_TEXT, GEMMA3, GPT_NEO, GPT_BIGCODE, BERT, ROBERTA, DISTILBERT,
                                    MIXTRAL, QWEN2_MOE, QWEN3_MOE, OLMO, OLMO2, OLMO3, OLMOE, STARCODER2, STABLELM,
-                                   GRANITE, GRANITE_MOE, COHERE, COHERE2)
+                                   GRANITE, GRANITE_MOE, COHERE, COHERE2, GPT_OSS)

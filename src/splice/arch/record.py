@@ -57,8 +57,12 @@ class ArchRecord:
     gate_up: str | None = None
     down: str = "mlp.down_proj"
     # a mixture of experts: the layer's own MLP module (router, experts, any shared expert; a dense layer's MLP
-    # alike), which the block calls as it is instead of the MLP above; None: the MLP above
+    # alike), which the block calls as it is instead of the MLP above; None: the MLP above. A module that returns a
+    # tuple (GPT-OSS's: the output, then its router scores) gives the block its first entry.
     moe: str | None = None
+    # attention sinks: the path of a learned logit per query head that joins each query's scores in the softmax
+    # (taking its share of the probability, with no value: GPT-OSS's ``self_attn.sinks``); None: none
+    sinks: str | None = None
     # norms: "rms" (``norm_offset`` 1.0 means the checkpoint stores ``weight - 1``: y = norm(x) * (1 + w)) or "layer"
     # (the model's own LayerNorm modules, with their biases). ``mlp_norm`` absent: a parallel block's MLP reads the
     # attention norm's output; in a sequential pre-norm block an absent norm reads its input as it is (OLMo 2 normalises
@@ -123,6 +127,9 @@ class ArchRecord:
     # rotary on the layers ``layer_types_key`` lists as this type alone, no positions on the others (Cohere 2's
     # full-attention layers); None: rotary on every layer
     rotary_layer_type: str | None = None
+    # the family's HF model passes cos and sin for half of each rotated head (GPT-OSS): the block's HF path takes its
+    # own table's rows instead, as for every-two rotary
+    hf_rotary_halves: bool = False
     # a fixed score scale where the family has one its config does not state (GPT-Neo: 1), else read from the config
     attn_scale: float | None = None
     # the config key of the attention scores' soft-cap, None where the family's attention never applies one

@@ -94,13 +94,15 @@ class SpliceBlock(nn.Module):
     ``qkv`` produces ``[q; k; v]``, ``gate_up`` produces ``[gate; up]`` (a plain MLP: its input projection);
     ``o`` and ``down`` are the model's own modules. ``alibi_slopes`` (one per local head) add ALiBi's bias
     (:meth:`alibi`). ``moe``: the layer's own MLP module, called as it is (``gate_up`` and ``down`` are then None).
+    ``sinks``: a learned logit per local query head that joins the scores' softmax (GPT-OSS), or None.
     """
 
     def __init__(self, layer_idx: int, shape: BlockShape, qkv: nn.Module, o: nn.Module, gate_up: nn.Module,
                  down: nn.Module, attn_norm: nn.Module | None, mlp_norm: nn.Module | None,
                  qk_norm: HeadRMSNorm | None = None, layout: BlockLayout = BlockLayout(),
                  attn_out_norm: nn.Module | None = None, mlp_out_norm: nn.Module | None = None,
-                 alibi_slopes: torch.Tensor | None = None, moe: nn.Module | None = None):
+                 alibi_slopes: torch.Tensor | None = None, moe: nn.Module | None = None,
+                 sinks: nn.Parameter | None = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.shape = shape
@@ -119,6 +121,7 @@ class SpliceBlock(nn.Module):
             self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
         else:
             self.alibi_slopes = None
+        self.sinks = sinks
         # (positions, dtype) -> (cos, sin), for HF layers that pass no usable cos/sin (set by the fuse step; it must
         # hold no reference to the decode runtime, which would then live as long as the model)
         self.rotary_table = None
@@ -248,6 +251,9 @@ class SpliceBlock(nn.Module):
     def attend(self, q, k, v, mask, causal: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``q`` over ``k, v`` under ``mask`` (None: causal where ``causal``, else none), ``bias``
         (ALiBi's, :meth:`alibi`) added to the scores."""
+        if self.sinks is not None:
+            mask = additive_mask(mask, q.shape[2], k.shape[2], q.dtype, q.device, causal)
+            return attend_with_sinks(q, k, v, mask, self.scale, self.sinks).transpose(1, 2).flatten(2)
         if self.native_attention and self.takes_native_attention(q, k, mask, bias):
             return torch.ops.splice_kernels.decode_attention(q, k, v, mask, self.scale).transpose(1, 2).flatten(2)
         if mask is not None and q.shape[2] == 1 and torch.compiler.is_compiling():
@@ -268,8 +274,8 @@ class SpliceBlock(nn.Module):
     def takes_native_attention(self, q, k, mask, bias) -> bool:
         """Whether splice's attention kernel computes this call: one query per row, a boolean mask or none, no ALiBi
         bias or soft-capping, and shapes and dtypes it takes (``native.attention_fits``)."""
-        return (bias is None and self.layout.softcap is None and (mask is None or mask.dtype == torch.bool)
-                and native.attention_fits(q, k))
+        return (bias is None and self.layout.softcap is None and self.sinks is None
+                and (mask is None or mask.dtype == torch.bool) and native.attention_fits(q, k))
 
     @property
     def updates_in_place(self) -> bool:
@@ -297,6 +303,7 @@ class SpliceBlock(nn.Module):
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         if self.moe is not None:
             out = self.moe(h)
+            out = out[0] if isinstance(out, tuple) else out  # GPT-OSS's MLP returns its router scores too
         elif self.layout.gated:
             gate, up = self.gate_up(h).chunk(2, dim=-1)
             out = self.down(self.act(gate).mul_(up))
@@ -398,6 +405,20 @@ def attend_capped(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> 
     scores = torch.tanh(scores / softcap) * softcap + mask
     probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
+
+
+def attend_with_sinks(q, k, v, mask: torch.Tensor, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention whose softmax also takes one learned logit per query head (``sinks``), which takes its share of the
+    probability and adds no value (GPT-OSS's attention sinks), in the model's dtype as its eager attention computes it:
+    the scores plus the additive ``mask``, the sink joined, the row's maximum taken off, softmax, the sink dropped."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(2, 3)) * scale + mask
+    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = logits.softmax(-1, dtype=logits.dtype)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 def attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None,

@@ -105,6 +105,8 @@ def attention_unfit_reason(block: nn.Module) -> str | None:
         return f"it has {', '.join(extras or ['soft-capped scores'])}"
     if not layout.rotary:
         return "it takes no rotary positions"
+    if block.sinks is not None:
+        return "its attention has sinks (a learned logit per head in the softmax)"
     if layout.clip_qkv is not None:
         return "it clamps q, k and v (clip_qkv)"
     if layout.rotary_float:

@@ -172,7 +172,8 @@ def decode_runtime(model: nn.Module, layers: nn.ModuleList, max_out_tokens: int)
                 embed_norm=optional_path(model, record.embed_norm), project_in=optional_path(model, record.project_in),
                 project_out=optional_path(model, record.project_out))
     runtime = SpliceCausalLM(text_config(model.config), dims, ends, layers, record.embed_scale, max_out_tokens)
-    if record.rotary_interleaved and dims.positions == "rotary":  # HF passes cos/sin in its own layout: use splice's
+    if (record.rotary_interleaved or record.hf_rotary_halves) and dims.positions == "rotary":
+        # HF passes cos/sin in its own layout: the blocks' HF path takes splice's table
         for block in layers:
             block.rotary_table = RotaryLookup(runtime.ropes[block.layout.rope_index], runtime.config, dims.head_dim,
                                               max_out_tokens)
@@ -228,8 +229,9 @@ def fused_block(record: ArchRecord, dims: ModelDims, index: int, layer: nn.Modul
                          hf_window_in_mask=record.hf_window_in_mask, clip_qkv=dims.clip_qkv,
                          rotary_float=dims.rotary_float, residual_scale=dims.residual_multiplier)
     slopes = alibi_slopes(dims.n_heads)[first_head:first_head + n_q] if dims.positions == "alibi" else None
+    sinks = get_path(layer, record.sinks) if record.sinks else None
     return SpliceBlock(index, shape, qkv, as_linear(get_path(layer, record.o)), gate_up, down, attn_norm, mlp_norm,
-                       qk_norm, layout, attn_out_norm, mlp_out_norm, slopes, moe)
+                       qk_norm, layout, attn_out_norm, mlp_out_norm, slopes, moe, sinks)
 
 
 def qk_norms(record: ArchRecord, dims: ModelDims, layer: nn.Module, shape: BlockShape) -> nn.Module:
