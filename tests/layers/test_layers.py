@@ -258,3 +258,24 @@ def test_activations_match_hugging_faces(name):
 
     x = torch.randn(20000, generator=torch.Generator().manual_seed(0)) * 6
     torch.testing.assert_close(activation(name)(x), ACT2FN[name](x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_with_sinks_is_gpt_oss_eager_attention(dtype):
+    """The fused block's attention with sinks against GPT-OSS's own eager attention function on the same q, k, v (two
+    query heads a KV head), sinks and causal mask (HF's at the dtype's minimum, splice's at -inf): bit for bit."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    from splice.layers.block import additive_mask, attend_with_sinks
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 7, 16, generator=generator).to(dtype) for heads in (4, 2, 2))
+    sinks = torch.randn(4, generator=generator).to(dtype)
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()
+    hf_mask = torch.zeros(1, 1, 7, 7, dtype=dtype).masked_fill(~causal, torch.finfo(dtype).min)
+    module = SimpleNamespace(num_key_value_groups=2, sinks=sinks, training=False)
+    expected, _ = eager_attention_forward(module, q, k, v, hf_mask, scaling=0.25)
+    got = attend_with_sinks(q, k, v, additive_mask(causal[None, None], 7, 7, dtype, q.device), 0.25, sinks)
+    assert torch.equal(got.transpose(1, 2), expected)

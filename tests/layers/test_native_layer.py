@@ -691,6 +691,20 @@ def test_a_layer_without_positions_in_a_rotary_model_keeps_its_blocks_own_ops():
     assert unfit_reason(block) == "it takes no rotary positions"
 
 
+def test_attention_sinks_keep_their_blocks_own_ops():
+    """GPT-OSS's sinks join each query's softmax, which neither the attention kernel nor the native calls compute:
+    its attention half and its attention both stay on the block's own ops, and the kernels step says why."""
+    from splice.layers.native_layer import attention_unfit_reason
+
+    engine = engine_of("gpt_oss")
+    block = engine.runtime.blocks[0]
+    reason = "its attention has sinks (a learned logit per head in the softmax)"
+    assert attention_unfit_reason(block) == reason and reason in engine.step_report("kernels").summary()
+    assert not block.native_attention_half and not block.native_layer
+    q, k = torch.zeros(1, 4, 1, 16, dtype=torch.bfloat16), torch.zeros(1, 2, 3, 16, dtype=torch.bfloat16)
+    assert not block.takes_native_attention(q, k, None, None)
+
+
 def test_a_qk_norm_scaled_in_float32_keeps_its_blocks_own_ops():
     """Gemma 3's qk-norm (an offset weight, scaled in float32) rounds otherwise than the native call's norm."""
     block = engine_of("qwen3").runtime.blocks[0]

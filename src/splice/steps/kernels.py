@@ -135,8 +135,10 @@ def choose_native_layers(blocks, plan: Plan) -> str:
         reason = unfit_reason(block)
         block.native_layer = reason is None
         if reason is not None and block.moe is not None:  # its MLP elsewhere: its attention half in a call maybe
-            block.native_attention_half = attention_unfit_reason(block) is None
-            reason += "; its attention in one" if block.native_attention_half else ""
+            attention_reason = attention_unfit_reason(block)
+            block.native_attention_half = attention_reason is None
+            reason += "; its attention in one" if block.native_attention_half else f"; nor its attention: " \
+                f"{attention_reason}"
         if reason is not None:
             reasons.setdefault(reason, block.layer_idx)
     taken = sum(block.native_layer for block in blocks)
