@@ -224,7 +224,7 @@ def test_a_compiled_run_of_steps_in_one_native_call_reads_the_eager_steps_slots(
 
 @pytest.mark.parametrize("family, modes, quant, rows", [
     ("llama", "hf", "int8,int4", ["hf", "inject+int8", "inject+int4"]),
-    ("gpt_oss", "hf,plain", "int8", ["hf", "plain", "plain+int8"]),  # no injection record: on the plain model
+    ("deepseek_v3", "hf,plain", "int8", ["hf", "plain", "plain+int8"]),  # no injection record: on the plain model
 ])
 def test_quant_rows_are_quantized_and_smaller(monkeypatch, tmp_path, family, modes, quant, rows):
     bench_on(monkeypatch, lambda dtype: build_family(family, dtype=bench_dtype(dtype)))
@@ -241,14 +241,15 @@ def test_quant_rows_are_quantized_and_smaller(monkeypatch, tmp_path, family, mod
 
 @pytest.fixture
 def tiny_moe_bench(monkeypatch):
-    """The bench on a tiny GPT-OSS: a mixture of experts kernel injection has no record for."""
-    bench_on(monkeypatch, lambda dtype: build_family("gpt_oss", dtype=bench_dtype(dtype)))
+    """The bench on a tiny DeepSeek-V3: a mixture of experts kernel injection has no record for."""
+    bench_on(monkeypatch, lambda dtype: build_family("deepseek_v3", dtype=bench_dtype(dtype)))
 
 
 def test_options_for_injected_rows_are_refused_where_every_quant_row_is_plain(tiny_moe_bench, tmp_path, capsys):
     args = parse("--model", "tiny", "--modes", "hf,plain", "--quant", "int8", "--compile", "--json",
                  str(tmp_path / "b.json"))
-    with pytest.raises(ValueError, match=r"--compile: kernel injection has no record for tiny's family \('gpt_oss'\), "
+    family = r"\('deepseek_v3'\)"
+    with pytest.raises(ValueError, match=rf"--compile: kernel injection has no record for tiny's family {family}, "
                                          r"so its --quant rows run on the plain model and nothing would be compiled"):
         args.run(args)
     assert capsys.readouterr().out == ""  # before any row was timed or printed

@@ -691,18 +691,26 @@ def test_a_layer_without_positions_in_a_rotary_model_keeps_its_blocks_own_ops():
     assert unfit_reason(block) == "it takes no rotary positions"
 
 
-def test_attention_sinks_keep_their_blocks_own_ops():
-    """GPT-OSS's sinks join each query's softmax, which neither the attention kernel nor the native calls compute:
-    its attention half and its attention both stay on the block's own ops, and the kernels step says why."""
+def test_attention_sinks_attend_on_the_attention_kernel_but_keep_the_layer_calls_off():
+    """GPT-OSS's sinks join each query's softmax: its decode steps attend on splice's attention kernel, which takes
+    them (as its own ops give within bf16's rounding), and a block with sinks stays out of the layer calls, which do
+    not (the kernels step says why)."""
     from splice.layers.native_layer import attention_unfit_reason
 
     engine = engine_of("gpt_oss")
     block = engine.runtime.blocks[0]
+    assert block.native_attention and not block.native_attention_half and not block.native_layer
     reason = "its attention has sinks (a learned logit per head in the softmax)"
     assert attention_unfit_reason(block) == reason and reason in engine.step_report("kernels").summary()
-    assert not block.native_attention_half and not block.native_layer
-    q, k = torch.zeros(1, 4, 1, 16, dtype=torch.bfloat16), torch.zeros(1, 2, 3, 16, dtype=torch.bfloat16)
-    assert not block.takes_native_attention(q, k, None, None)
+    q = torch.randn(2, 4, 1, 16).bfloat16()
+    k, v = torch.randn(2, 2, 9, 16).bfloat16(), torch.randn(2, 2, 9, 16).bfloat16()
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    mask[1, ..., :4] = False
+    assert block.takes_native_attention(q, k, mask, None)
+    got = block.attend(q, k, v, mask, causal=False)
+    block.native_attention = False
+    expected = block.attend(q, k, v, mask, causal=False)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=0.02, atol=0.02)
 
 
 def test_a_qk_norm_scaled_in_float32_keeps_its_blocks_own_ops():

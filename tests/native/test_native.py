@@ -555,13 +555,43 @@ def test_decode_attention_ignores_what_masked_keys_hold(isa, dtype, heads, dim):
     assert torch.equal(got, clean)
 
 
-def _reference_attention(q, k, v, mask, scale):
+def _reference_attention(q, k, v, mask, scale, sinks=None):
     group = q.shape[1] // k.shape[1]
     k, v = k.double().repeat_interleave(group, 1), v.double().repeat_interleave(group, 1)
     scores = (q.double() @ k.transpose(-1, -2)) * scale
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return scores.softmax(-1) @ v
+    if sinks is None:
+        return scores.softmax(-1) @ v
+    sink = sinks.double().reshape(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+    return torch.cat([scores, sink], -1).softmax(-1)[..., :-1] @ v
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("rows, heads, kv_heads, keys, dim", ATTENTION_SHAPES[:4])
+def test_decode_attention_with_sinks_matches_float64_attention(isa, dtype, rows, heads, kv_heads, keys, dim):
+    """Attention sinks (GPT-OSS): a logit per query head that joins each row's softmax with no value, merged once
+    over every part of the keys; sinks above and below the scores, and a row whose keys are all masked (its sink takes
+    all the weight: zeros out)."""
+    generator = torch.Generator().manual_seed(keys + 1)
+    cache = torch.randn(2, rows, kv_heads, keys, dim, generator=generator).to(dtype)
+    q = torch.randn(rows, heads, 1, dim, generator=generator).to(dtype)
+    sinks = torch.randn(heads, generator=generator) * 4
+    mask = torch.rand(rows, 1, 1, keys, generator=generator) > 0.4
+    mask[..., 0] = True
+    mask[-1] = False  # the last row sees no key
+    for visible in (mask, None):
+        got = torch.ops.splice_kernels.decode_attention(q, cache[0], cache[1], visible, 0.3, sinks)
+        expected = _reference_attention(q, cache[0], cache[1], visible, 0.3, sinks)
+        if visible is not None:
+            expected[-1] = 0.0
+        tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
+    with pytest.raises(RuntimeError, match=rf"sinks must be contiguous float32 \[{heads}\]"):
+        torch.ops.splice_kernels.decode_attention(q, cache[0], cache[1], None, 0.3, sinks[:-1])
+    with pytest.raises(RuntimeError, match="sinks must be contiguous float32"):
+        torch.ops.splice_kernels.decode_attention(q, cache[0], cache[1], None, 0.3, sinks.bfloat16())
 
 
 @needs_native

@@ -251,11 +251,12 @@ class SpliceBlock(nn.Module):
     def attend(self, q, k, v, mask, causal: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of ``q`` over ``k, v`` under ``mask`` (None: causal where ``causal``, else none), ``bias``
         (ALiBi's, :meth:`alibi`) added to the scores."""
+        if self.native_attention and self.takes_native_attention(q, k, mask, bias):
+            return torch.ops.splice_kernels.decode_attention(q, k, v, mask, self.scale,
+                                                             self.sink_logits()).transpose(1, 2).flatten(2)
         if self.sinks is not None:
             mask = additive_mask(mask, q.shape[2], k.shape[2], q.dtype, q.device, causal)
             return attend_with_sinks(q, k, v, mask, self.scale, self.sinks).transpose(1, 2).flatten(2)
-        if self.native_attention and self.takes_native_attention(q, k, mask, bias):
-            return torch.ops.splice_kernels.decode_attention(q, k, v, mask, self.scale).transpose(1, 2).flatten(2)
         if mask is not None and q.shape[2] == 1 and torch.compiler.is_compiling():
             return attend_one_query(q, k, v, mask, self.scale, bias, self.layout.softcap).transpose(1, 2).flatten(2)
         if bias is not None or self.layout.softcap is not None:
@@ -274,8 +275,12 @@ class SpliceBlock(nn.Module):
     def takes_native_attention(self, q, k, mask, bias) -> bool:
         """Whether splice's attention kernel computes this call: one query per row, a boolean mask or none, no ALiBi
         bias or soft-capping, and shapes and dtypes it takes (``native.attention_fits``)."""
-        return (bias is None and self.layout.softcap is None and self.sinks is None
-                and (mask is None or mask.dtype == torch.bool) and native.attention_fits(q, k))
+        return (bias is None and self.layout.softcap is None and (mask is None or mask.dtype == torch.bool)
+                and native.attention_fits(q, k))
+
+    def sink_logits(self) -> torch.Tensor | None:
+        """The attention sinks as the native attention takes them (float32, contiguous), or None."""
+        return None if self.sinks is None else self.sinks.detach().float().contiguous()
 
     @property
     def updates_in_place(self) -> bool:

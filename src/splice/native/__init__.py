@@ -643,7 +643,7 @@ def _register_fakes() -> None:
         lambda w, scales_and_zeros, group: w.new_empty((w.shape[0] * INT4_TILE, w.shape[1] * INT4_CHUNK),
                                                        dtype=torch.bfloat16))
     torch.library.register_fake("splice_kernels::decode_attention")(
-        lambda q, k, v, mask, scale: q.new_empty((q.shape[0], q.shape[1], 1, q.shape[3])))
+        lambda q, k, v, mask, scale, sinks=None: q.new_empty((q.shape[0], q.shape[1], 1, q.shape[3])))
     torch.library.register_fake("splice_kernels::decode_layers")(_fake_decode_layers)
     torch.library.register_fake("splice_kernels::decode_attention_half")(
         lambda x, keys, values, layer, slots, mask, kv_len, cos, sin, norms, eps, tensors, kinds, groups, heads, scale,

@@ -4087,6 +4087,7 @@ struct AttentionInputs {
   int64_t mask_b, mask_j;
   int64_t batch, heads, kv, keys, dim;
   float scale;
+  const float* sinks = nullptr;  // a logit per query head that joins each row's softmax with no value, or none
 };
 
 // The queries given as `heads` heads of k's head_dim at q, a row q_b and a head q_h apart; the first `keys` slots of
@@ -4151,8 +4152,9 @@ void attend_into(const AttentionInputs<T>& in, int64_t parts, float* partial, T*
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / heads, h = bh % heads;
       const float* first = partial + ((b * kv + h / group) * parts * group + h % group) * row;
-      float top = -INFINITY, total = 0.f;
+      float top = in.sinks ? in.sinks[h] : -INFINITY, total = 0.f;
       for (int64_t p = 0; p < parts; ++p) top = std::max(top, first[p * group * row + dim]);
+      if (in.sinks) total = std::exp(in.sinks[h] - top);  // the sink's share: a weight with no value
       std::fill(sum, sum + dim, 0.f);
       for (int64_t p = 0; p < parts; ++p) {
         const float* part = first + p * group * row;
@@ -4168,9 +4170,11 @@ void attend_into(const AttentionInputs<T>& in, int64_t parts, float* partial, T*
 
 template <typename T>
 at::Tensor decode_attention_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const std::optional<at::Tensor>& mask, double scale) {
-  const AttentionInputs<T> in =
+                               const std::optional<at::Tensor>& mask, double scale,
+                               const std::optional<at::Tensor>& sinks) {
+  AttentionInputs<T> in =
       attention_inputs<T>(q.data_ptr<T>(), q.stride(0), q.stride(1), q.size(1), k, v, k.size(2), mask, scale);
+  if (sinks) in.sinks = sinks->data_ptr<float>();
   const int64_t parts = attention_parts(in.batch, in.kv, in.keys, at::get_num_threads());
   std::vector<float> partial(attention_partial_floats(in.batch, in.heads, in.dim, parts));
   const at::Tensor out = at::empty({in.batch, in.heads, 1, in.dim}, q.options());
@@ -4230,12 +4234,22 @@ std::tuple<at::Tensor, int64_t> greedy_next(const at::Tensor& logits, at::Tensor
   return {tokens, running};
 }
 
+// Attention sinks: float32 [heads], a logit per query head that joins each row's softmax with no value (GPT-OSS).
+void check_sinks(const std::optional<at::Tensor>& sinks, int64_t heads, const char* op) {
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == heads &&
+                         sinks->is_contiguous()),
+              op, ": sinks must be contiguous float32 [", heads, "] (a logit per query head), got ",
+              sinks ? sinks->scalar_type() : at::kFloat, " ", sinks ? sinks->sizes() : at::IntArrayRef());
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const std::optional<at::Tensor>& mask, double scale) {
+                            const std::optional<at::Tensor>& mask, double scale,
+                            const std::optional<at::Tensor>& sinks) {
   check_isa("decode_attention");
   check_attention(q, k, v, mask);
-  return q.scalar_type() == at::kFloat ? decode_attention_of<float>(q, k, v, mask, scale)
-                                       : decode_attention_of<at::BFloat16>(q, k, v, mask, scale);
+  check_sinks(sinks, q.size(1), "decode_attention");
+  return q.scalar_type() == at::kFloat ? decode_attention_of<float>(q, k, v, mask, scale, sinks)
+                                       : decode_attention_of<at::BFloat16>(q, k, v, mask, scale, sinks);
 }
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   check_isa("bf16_gemv");
@@ -5611,7 +5625,7 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("int8_linear(Tensor x, Tensor w, Tensor scales, bool widen=False) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor w, Tensor scales_and_zeros, int group, bool widen=False) -> Tensor");
   lib.def("widened_linear(Tensor x, Tensor w) -> Tensor");
-  lib.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+  lib.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, Tensor? sinks=None) -> Tensor");
   lib.def("argmax_rows(Tensor x) -> Tensor");
   lib.def("greedy_next(Tensor logits, Tensor(a!) sequences, int column, Tensor(b!) unfinished, Tensor? eos, int pad) "
           "-> (Tensor, int)");
