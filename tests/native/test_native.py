@@ -582,16 +582,16 @@ def test_decode_attention_with_sinks_matches_float64_attention(isa, dtype, rows,
     mask[..., 0] = True
     mask[-1] = False  # the last row sees no key
     for visible in (mask, None):
-        got = torch.ops.splice_kernels.decode_attention(q, cache[0], cache[1], visible, 0.3, sinks)
+        got = torch.ops.splice_kernels.decode_attention_sinks(q, cache[0], cache[1], visible, 0.3, sinks)
         expected = _reference_attention(q, cache[0], cache[1], visible, 0.3, sinks)
         if visible is not None:
             expected[-1] = 0.0
         tolerance = 1e-5 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance)
     with pytest.raises(RuntimeError, match=rf"sinks must be contiguous float32 \[{heads}\]"):
-        torch.ops.splice_kernels.decode_attention(q, cache[0], cache[1], None, 0.3, sinks[:-1])
+        torch.ops.splice_kernels.decode_attention_sinks(q, cache[0], cache[1], None, 0.3, sinks[:-1])
     with pytest.raises(RuntimeError, match="sinks must be contiguous float32"):
-        torch.ops.splice_kernels.decode_attention(q, cache[0], cache[1], None, 0.3, sinks.bfloat16())
+        torch.ops.splice_kernels.decode_attention_sinks(q, cache[0], cache[1], None, 0.3, sinks.bfloat16())
 
 
 @needs_native

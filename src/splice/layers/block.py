@@ -252,8 +252,11 @@ class SpliceBlock(nn.Module):
         """Attention of ``q`` over ``k, v`` under ``mask`` (None: causal where ``causal``, else none), ``bias``
         (ALiBi's, :meth:`alibi`) added to the scores."""
         if self.native_attention and self.takes_native_attention(q, k, mask, bias):
-            return torch.ops.splice_kernels.decode_attention(q, k, v, mask, self.scale,
-                                                             self.sink_logits()).transpose(1, 2).flatten(2)
+            if self.sinks is not None:
+                out = torch.ops.splice_kernels.decode_attention_sinks(q, k, v, mask, self.scale, self.sink_logits())
+            else:
+                out = torch.ops.splice_kernels.decode_attention(q, k, v, mask, self.scale)
+            return out.transpose(1, 2).flatten(2)
         if self.sinks is not None:
             mask = additive_mask(mask, q.shape[2], k.shape[2], q.dtype, q.device, causal)
             return attend_with_sinks(q, k, v, mask, self.scale, self.sinks).transpose(1, 2).flatten(2)

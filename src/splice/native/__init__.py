@@ -643,11 +643,13 @@ def _register_fakes() -> None:
         lambda w, scales_and_zeros, group: w.new_empty((w.shape[0] * INT4_TILE, w.shape[1] * INT4_CHUNK),
                                                        dtype=torch.bfloat16))
     torch.library.register_fake("splice_kernels::decode_attention")(
-        lambda q, k, v, mask, scale, sinks=None: q.new_empty((q.shape[0], q.shape[1], 1, q.shape[3])))
+        lambda q, k, v, mask, scale: q.new_empty((q.shape[0], q.shape[1], 1, q.shape[3])))
+    torch.library.register_fake("splice_kernels::decode_attention_sinks")(
+        lambda q, k, v, mask, scale, sinks: q.new_empty((q.shape[0], q.shape[1], 1, q.shape[3])))
     torch.library.register_fake("splice_kernels::decode_layers")(_fake_decode_layers)
     torch.library.register_fake("splice_kernels::decode_attention_half")(
         lambda x, keys, values, layer, slots, mask, kv_len, cos, sin, norms, eps, tensors, kinds, groups, heads, scale,
-        residual_scale=1.0: (torch.empty_like(x), torch.empty_like(x)))
+        residual_scale: (torch.empty_like(x), torch.empty_like(x)))
     torch.library.register_fake("splice_kernels::rms_norm")(lambda x, weight, eps: torch.empty_like(x))
     torch.library.register_fake("splice_kernels::experts_decode")(
         lambda x, index, weights, chosen, experts, tensors, kinds, groups: x.new_empty(x.shape))

@@ -4242,14 +4242,26 @@ void check_sinks(const std::optional<at::Tensor>& sinks, int64_t heads, const ch
               sinks ? sinks->scalar_type() : at::kFloat, " ", sinks ? sinks->sizes() : at::IntArrayRef());
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const std::optional<at::Tensor>& mask, double scale,
-                            const std::optional<at::Tensor>& sinks) {
-  check_isa("decode_attention");
+at::Tensor decode_attention_with(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                 const std::optional<at::Tensor>& mask, double scale,
+                                 const std::optional<at::Tensor>& sinks, const char* op) {
+  check_isa(op);
   check_attention(q, k, v, mask);
-  check_sinks(sinks, q.size(1), "decode_attention");
+  check_sinks(sinks, q.size(1), op);
   return q.scalar_type() == at::kFloat ? decode_attention_of<float>(q, k, v, mask, scale, sinks)
                                        : decode_attention_of<at::BFloat16>(q, k, v, mask, scale, sinks);
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const std::optional<at::Tensor>& mask, double scale) {
+  return decode_attention_with(q, k, v, mask, scale, std::nullopt, "decode_attention");
+}
+
+// decode_attention with attention sinks (check_sinks): an op of its own, so every call passes every argument (a
+// compiled step's C++ wrapper calls an op with the arguments the graph gives it, leaving out defaulted ones).
+at::Tensor decode_attention_sinks(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const std::optional<at::Tensor>& mask, double scale, const at::Tensor& sinks) {
+  return decode_attention_with(q, k, v, mask, scale, sinks, "decode_attention_sinks");
 }
 at::Tensor bf16_gemv(const at::Tensor& x, const at::Tensor& w) {
   check_isa("bf16_gemv");
@@ -5625,14 +5637,15 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("int8_linear(Tensor x, Tensor w, Tensor scales, bool widen=False) -> Tensor");
   lib.def("int4_linear(Tensor x, Tensor w, Tensor scales_and_zeros, int group, bool widen=False) -> Tensor");
   lib.def("widened_linear(Tensor x, Tensor w) -> Tensor");
-  lib.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, Tensor? sinks=None) -> Tensor");
+  lib.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+  lib.def("decode_attention_sinks(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, Tensor sinks) -> Tensor");
   lib.def("argmax_rows(Tensor x) -> Tensor");
   lib.def("greedy_next(Tensor logits, Tensor(a!) sequences, int column, Tensor(b!) unfinished, Tensor? eos, int pad) "
           "-> (Tensor, int)");
   lib.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   lib.def("decode_attention_half(Tensor x, Tensor(a!) keys, Tensor(b!) values, int layer, Tensor slots, "
           "Tensor? mask, int kv_len, Tensor? cos, Tensor? sin, Tensor?[] norms, float[] eps, Tensor?[] tensors, "
-          "int[] kinds, int[] groups, int[] heads, float scale, float residual_scale=1.0) -> (Tensor, Tensor)");
+          "int[] kinds, int[] groups, int[] heads, float scale, float residual_scale) -> (Tensor, Tensor)");
   lib.def("experts_decode(Tensor x, Tensor index, Tensor weights, int[] chosen, int experts, Tensor?[] tensors, "
           "int[] kinds, int[] groups) -> Tensor");
   lib.def("decode_layers(Tensor x, Tensor(a!) keys, Tensor(b!) values, int[] layers, Tensor slots, Tensor?[] masks, "
@@ -5693,6 +5706,7 @@ TORCH_LIBRARY_IMPL(splice_kernels, CPU, lib) {
   lib.impl("int4_linear", &int4_linear);
   lib.impl("widened_linear", &widened_linear);
   lib.impl("decode_attention", &decode_attention);
+  lib.impl("decode_attention_sinks", &decode_attention_sinks);
   lib.impl("argmax_rows", &argmax_rows);
   lib.impl("greedy_next", &greedy_next);
   lib.impl("decode_layers", &decode_layers);
