@@ -384,13 +384,13 @@ class ConvertedTensors:
     """Model tensors that transformers' conversions make from a checkpoint's files, for loading them a slice at a time
     (tensor parallelism): ``take(name)`` runs the conversion that makes ``name`` when first asked, and keeps that
     conversion's other outputs (a split's siblings) until they are taken. ``state`` holds the model's unsharded
-    names."""
+    names, ``where`` each checkpoint name's file (:func:`tensor_index`) and ``targets`` the checkpoint names a
+    conversion takes, each with the model names it fills (:func:`checkpoint_renamer`'s second item)."""
 
-    def __init__(self, model: nn.Module, state: Mapping[str, torch.Tensor], files: list[Path]):
-        self.model, self.where = model, tensor_index(files)
-        rename = checkpoint_renamer(model, state)
-        targets = {stored: rename(stored)[1] for stored in self.where}
-        conversions = checkpoint_conversions(model, state, [stored for stored, made in targets.items() if made])
+    def __init__(self, model: nn.Module, state: Mapping[str, torch.Tensor], where: dict[str, Path],
+                 targets: dict[str, list[str]]):
+        self.model, self.where = model, where
+        conversions = checkpoint_conversions(model, state, targets)
         self.by_target = {name: c for c in conversions for name in targets[c.sources[0][1]]}
         self.made: dict[str, torch.Tensor] = {}
 

@@ -133,10 +133,7 @@ def experts_roundtrip(rank: int, world: int, root: str) -> dict:
         saved = f"{root}/{family}-experts"
         model, _, _ = shard(build(family), world, save_mp_checkpoint_path=saved)
         again, _, _ = shard(build(family, meta=True), world, checkpoint=f"{saved}/splice_tp.json")
-        if rank == 0:
-            build(family).save_pretrained(f"{root}/{family}-hf")
-        torch.distributed.barrier()
-        from_hf, _, _ = shard(build(family, meta=True), world, checkpoint=f"{root}/{family}-hf")
+        from_hf = from_hf_checkpoint(family, rank, world, root)
         experts = again.model.layers[0].mlp.experts
         results[family] = {"first": compare(model, ref), "reloaded": compare(again, ref),
                            "from_hf": compare(from_hf, ref),
@@ -147,6 +144,16 @@ def experts_roundtrip(rank: int, world: int, root: str) -> dict:
                            "quantized_hooks": len(quantized.model.layers[0].mlp.experts._forward_hooks),
                            "native_bf16": native_experts_error(quantized, whole)}
     return results
+
+
+def from_hf_checkpoint(family: str, rank: int, world: int, root: str):
+    """A meta model of ``family`` sharded and filled from the tiny model's Hugging Face checkpoint (rank 0 writes it;
+    the process group must be up)."""
+    folder = f"{root}/{family}-hf"
+    if rank == 0:
+        build(family).save_pretrained(folder)
+    torch.distributed.barrier()
+    return shard(build(family, meta=True), world, checkpoint=folder)[0]
 
 
 def native_experts_error(sharded, whole) -> float | None:
@@ -171,10 +178,7 @@ def attention_sinks(rank: int, world: int, root: str) -> dict:
     model of it filled from its Hugging Face checkpoint (AutoTP tracing the meta model's experts)."""
     ref = reference(build("gpt_oss"))
     model, _, _ = shard(build("gpt_oss"), world)
-    if rank == 0:
-        build("gpt_oss").save_pretrained(f"{root}/gpt_oss-hf")
-    torch.distributed.barrier()
-    from_hf, _, _ = shard(build("gpt_oss", meta=True), world, checkpoint=f"{root}/gpt_oss-hf")
+    from_hf = from_hf_checkpoint("gpt_oss", rank, world, root)
     return {**compare(model, ref), "sinks": tuple(model.model.layers[0].self_attn.sinks.shape),
             "from_hf": compare(from_hf, ref)}
 

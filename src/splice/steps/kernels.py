@@ -137,8 +137,7 @@ def choose_native_layers(blocks, plan: Plan) -> str:
         if reason is not None and block.moe is not None:  # its MLP elsewhere: its attention half in a call maybe
             attention_reason = attention_unfit_reason(block)
             block.native_attention_half = attention_reason is None
-            reason += "; its attention in one" if block.native_attention_half else f"; nor its attention: " \
-                f"{attention_reason}"
+            reason += f"; nor its attention: {attention_reason}" if attention_reason else "; its attention in one"
         if reason is not None:
             reasons.setdefault(reason, block.layer_idx)
     taken = sum(block.native_layer for block in blocks)

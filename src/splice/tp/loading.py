@@ -35,18 +35,23 @@ def unsharded_state(model: nn.Module, shards: ShardMap) -> dict[str, torch.Tenso
     return {shards.get(name, Slice(name)).source: tensor for names, tensor in unique_tensors(model) for name in names}
 
 
-def renamed_index(model: nn.Module, shards: ShardMap, files: list[Path]) -> dict[str, tuple[Path, str]]:
+def renamed_index(model: nn.Module, shards: ShardMap,
+                  files: list[Path]) -> tuple[dict[str, tuple[Path, str]], ConvertedTensors]:
     """The unsharded model's tensor name -> (file, the name the checkpoint stores it under), each checkpoint name
     renamed as transformers renames it when loading (GPT-NeoX's ``embed_out`` -> ``lm_head``, a base-model prefix
-    added or dropped): the renaming the plan's checkpoint check applied when it approved the checkpoint. Checkpoint
-    tensors that a transformers conversion takes are left out (:class:`splice.checkpoint.ConvertedTensors`)."""
-    rename = checkpoint_renamer(model, unsharded_state(model, shards))
-    index = {}
-    for stored, file in tensor_index(files).items():
+    added or dropped): the renaming the plan's checkpoint check applied when it approved the checkpoint; and the
+    tensors transformers' conversions make from the checkpoint tensors they take, which the index leaves out."""
+    state = unsharded_state(model, shards)
+    rename = checkpoint_renamer(model, state)
+    where = tensor_index(files)
+    index, converted = {}, {}
+    for stored, file in where.items():
         name, targets = rename(stored)
-        if not targets:
+        if targets:
+            converted[stored] = targets
+        else:
             index[name] = (file, stored)
-    return index
+    return index, ConvertedTensors(model, state, where, converted)
 
 
 def load_slices(model: nn.Module, shards: ShardMap, path, chunk_mib: int = 16) -> None:
@@ -59,9 +64,8 @@ def load_slices(model: nn.Module, shards: ShardMap, path, chunk_mib: int = 16) -
     (:func:`renamed_index`); a tensor that transformers' loading fuses from several checkpoint tensors (a mixture of
     experts' per-expert weights) is made whole by transformers' conversion ops, one at a time, and its slice copied.
     """
-    files = checkpoint_files(path)
-    converted = ConvertedTensors(model, unsharded_state(model, shards), files)
-    fill(model, shards, renamed_index(model, shards, files), path, chunk_mib, converted)
+    index, converted = renamed_index(model, shards, checkpoint_files(path))
+    fill(model, shards, index, path, chunk_mib, converted)
 
 
 def fill(model: nn.Module, shards: ShardMap, index: dict[str, tuple[Path, str]], path, chunk_mib: int = 16,
@@ -70,9 +74,10 @@ def fill(model: nn.Module, shards: ShardMap, index: dict[str, tuple[Path, str]],
     missing, wrong = [], []
     with torch.no_grad():
         for names, target in unique_tensors(model):
-            found = [s for s in (shards.get(n, Slice(n)) for n in names) if s.source in index]
-            made = [s for s in (shards.get(n, Slice(n)) for n in names) if converted and s.source in converted]
-            if not found and made:
+            specs = [shards.get(n, Slice(n)) for n in names]
+            found = [s for s in specs if s.source in index]
+            made = [s for s in specs if converted is not None and s.source in converted] if not found else []
+            if made:
                 part = slice_in_memory({made[0].source: converted.take(made[0].source)}, made[0])
                 if part.shape != target.shape:
                     wrong.append(f"{names[0]} (converted slice {list(part.shape)} vs model {list(target.shape)})")
