@@ -29,13 +29,12 @@ def main() -> None:
     if not native.available() or "avx_vnni" not in native._cpu_flags():
         raise SystemExit("needs splice's native kernels on a CPU with AVX-VNNI")
     n, k = 256, 2048
-    w4 = torch.randint(-2**31, 2**31 - 1, (n // 16, k // 8, 16), dtype=torch.int32)
-    sz = torch.randn(n // 16, k // 32, 16, 2).bfloat16()
+    w4 = native.int4_tile_pack(torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.randn(k // 32, n, 2).bfloat16())
     w8, scales = torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n).bfloat16()
     with native.use_isa("avx2"):
         for rows in (1, 4):
             x = torch.randn(rows, k).bfloat16()
-            for name, call in (("int4_dot_gemv", lambda: torch.ops.splice_kernels.int4_dot_gemv(x, w4, sz, 32)),
+            for name, call in (("int4_dot_gemv", lambda: torch.ops.splice_kernels.int4_dot_gemv(x, w4, 32)),
                                ("int8_dot_gemv", lambda: torch.ops.splice_kernels.int8_dot_gemv(x, w8, scales))):
                 times = {True: [], False: []}
                 for on in (False, True, False, True):

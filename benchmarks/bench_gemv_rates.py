@@ -45,7 +45,7 @@ def operands(kind: str, n: int, k: int) -> tuple:
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     zeros = torch.zeros(k // GROUP, n) if kind == "int4-sym" else torch.randn(k // GROUP, n) * 0.01
     scales_and_zeros = torch.stack([torch.rand(k // GROUP, n) * 0.01, zeros], -1)
-    return native.int4_tile_pack(codes), native.int4_tile_scales(scales_and_zeros)
+    return (native.int4_tile_pack(codes, scales_and_zeros),)  # the tiles hold the scales and zeros too
 
 
 def call(kind: str, x: torch.Tensor, weight: tuple, ops=None) -> torch.Tensor:

@@ -51,7 +51,7 @@ def build(layers: int) -> dict[str, list[tuple]]:
                                     torch.rand(n, dtype=torch.bfloat16) * 0.01))
             q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
             sz = (torch.rand(k // GROUP, n, 2) * 0.01).to(torch.bfloat16)
-            weights["int4"].append((native.int4_tile_pack(q), native.int4_tile_scales(sz)))
+            weights["int4"].append((native.int4_tile_pack(q, sz),))  # the tiles hold the scales and zeros too
             weights["torch int4"].append((torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1), sz))
     gather_on_huge_pages([t for group in weights.values() for entry in group for t in entry if t.nbytes >= 1 << 16])
     return weights
@@ -67,9 +67,9 @@ def kernels(weights: dict[str, list[tuple]], levels: tuple[str, ...]) -> dict[st
     for level in levels:
         rows[f"native {level} bf16"] = (lambda x, w: ops.bf16_gemv(x, w[0]), "bf16", level)
         rows[f"native {level} int8"] = (lambda x, w: ops.int8_gemv(x, w[0], w[1]), "int8", level)
-        rows[f"native {level} int4"] = (lambda x, w: ops.int4_gemv(x, w[0], w[1], GROUP), "int4", level)
+        rows[f"native {level} int4"] = (lambda x, w: ops.int4_gemv(x, w[0], GROUP), "int4", level)
         rows[f"native {level} int8 dot"] = (lambda x, w: ops.int8_dot_gemv(x, w[0], w[1]), "int8", level)
-        rows[f"native {level} int4 dot"] = (lambda x, w: ops.int4_dot_gemv(x, w[0], w[1], GROUP), "int4", level)
+        rows[f"native {level} int4 dot"] = (lambda x, w: ops.int4_dot_gemv(x, w[0], GROUP), "int4", level)
     rows["torch bf16"] = (lambda x, w: F.linear(x, w[0]), "bf16", None)
     rows["torch int8"] = (lambda x, w: torch._weight_int8pack_mm(x, w[0], w[1]), "int8", None)
     rows["torch int4"] = (lambda x, w: torch._weight_int4pack_mm_for_cpu(x, w[0], GROUP, w[1]), "torch int4", None)

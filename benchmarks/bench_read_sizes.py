@@ -59,16 +59,16 @@ def kernels_against_probe(rounds: int, layers: int = 12) -> None:
     torch.manual_seed(0)
     int4, int8 = int4_layers(layers), int8_layers(layers)
     for group in (int4, int8):
-        for tensors in list(zip(*group))[1:]:  # the weights into one buffer on 2 MiB pages, the scales into another
+        for tensors in list(zip(*group))[1:]:  # the weights into one buffer on 2 MiB pages, int8's scales into another
             gather_on_huge_pages(list(tensors))
     x = {k: torch.randn(1, k).bfloat16() for k in (2048, 5632)}
     runs = {
-        "int4_dot_gemv": (lambda: [torch.ops.splice_kernels.int4_dot_gemv(x[k], w, s, 32) for k, w, s in int4], int4),
+        "int4_dot_gemv": (lambda: [torch.ops.splice_kernels.int4_dot_gemv(x[k], w, 32) for k, w in int4], int4),
         "int8_dot_gemv": (lambda: [torch.ops.splice_kernels.int8_dot_gemv(x[k], w, s) for k, w, s in int8], int8),
     }
     for name, (call, weights) in runs.items():
-        weight_bytes = sum(w.nbytes + s.nbytes for _, w, s in weights)
-        probe = [w.view(torch.uint8).flatten() for _, w, _ in weights]
+        weight_bytes = sum(t.nbytes for _, *tensors in weights for t in tensors)
+        probe = [w.view(torch.uint8).flatten() for _, w, *_ in weights]  # int4's tiles hold their scales, int8's not
         kernel_best, probe_best = 0.0, 0.0
         for _ in range(rounds):
             start = time.perf_counter()

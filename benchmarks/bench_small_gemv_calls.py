@@ -34,10 +34,10 @@ def main() -> None:
             cells = []
             for k in WIDTHS:
                 x = torch.randn(1, k).bfloat16()
-                tiles = native.int4_tile_pack(torch.randint(0, 16, (64, k), dtype=torch.uint8))
-                scales = native.int4_tile_scales((torch.rand(k // 32, 64, 2) * 0.01).bfloat16())
+                q = torch.randint(0, 16, (64, k), dtype=torch.uint8)
+                tiles = native.int4_tile_pack(q, (torch.rand(k // 32, 64, 2) * 0.01).bfloat16())
                 w8, s8 = torch.randint(-127, 128, (64, k), dtype=torch.int8), torch.rand(64).bfloat16()
-                int4 = best_us(lambda: ops.int4_dot_gemv(x, tiles, scales, 32), args.calls, args.rounds)
+                int4 = best_us(lambda: ops.int4_dot_gemv(x, tiles, 32), args.calls, args.rounds)
                 int8 = best_us(lambda: ops.int8_dot_gemv(x, w8, s8), args.calls, args.rounds)
                 cells.append(f"k={k} int4 {int4:.1f} int8 {int8:.1f}")
             print(f"{level}: " + " | ".join(cells), flush=True)

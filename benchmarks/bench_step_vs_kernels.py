@@ -37,8 +37,7 @@ def gemv_call(linear):
     ops = torch.ops.splice_kernels
     if isinstance(linear, Int4WeightOnlyLinear):
         op = ops.int4_dot_gemv if linear.use_dot_products else ops.int4_gemv
-        return (lambda x: op(x, linear.packed, linear.packed_scales, linear.group)), linear.in_features, \
-            linear.weight_nbytes()
+        return (lambda x: op(x, linear.packed, linear.group)), linear.in_features, linear.weight_nbytes()
     if isinstance(linear, Int8WeightOnlyLinear) and linear.native_grouped:
         if linear.groups_padded:
             raise TypeError("a grouped int8 linear whose groups are padded spreads x first; this benchmark does not")

@@ -66,14 +66,14 @@ def model_rounds(name: str, schemes: list[str], new: int, rounds: int, compare: 
         del engine, engines
 
 
-def int4_layers(layers: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """(in features, tiles, scales) of ``layers`` llama-1b layers' random symmetric g32 int4 weights, in the native
-    tiles (the scales alone)."""
+def int4_layers(layers: int) -> list[tuple[int, torch.Tensor]]:
+    """(in features, tiles) of ``layers`` llama-1b layers' random symmetric g32 int4 weights, in the native tiles
+    (which hold each group's scales, alone, beside its codes)."""
     weights = []
     for n, k in LAYER_SHAPES * layers:
         q, scales = torch.randint(0, 16, (n, k), dtype=torch.uint8), torch.randn(k // 32, n, 2).bfloat16()
         scales[..., 1] = 0
-        weights.append((k, native.int4_tile_pack(q), native.int4_tile_scales(scales)))
+        weights.append((k, native.int4_tile_pack(q, scales)))
     return weights
 
 
@@ -92,8 +92,8 @@ def kernel_rounds(rows: int, rounds: int = 6, compare: str = "streams") -> None:
     gather_on_huge_pages([t for _, *tensors in int4 + int8 + bf16 for t in tensors])
     x = {k: torch.randn(rows, k).bfloat16() for k in (2048, 5632)}
     kernels = {
-        "int4_dot_gemv": (lambda: [torch.ops.splice_kernels.int4_dot_gemv(x[k], w, s, 32) for k, w, s in int4],
-                          sum(w.nbytes + s.nbytes for _, w, s in int4)),
+        "int4_dot_gemv": (lambda: [torch.ops.splice_kernels.int4_dot_gemv(x[k], w, 32) for k, w in int4],
+                          sum(w.nbytes for _, w in int4)),
         "int8_dot_gemv": (lambda: [torch.ops.splice_kernels.int8_dot_gemv(x[k], w, s) for k, w, s in int8],
                           sum(w.nbytes + s.nbytes for _, w, s in int8)),
         "bf16_gemv": (lambda: [torch.ops.splice_kernels.bf16_gemv(x[k], w) for k, w in bf16],

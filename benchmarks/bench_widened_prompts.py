@@ -48,8 +48,9 @@ def main() -> None:
     bf16 = [(torch.randn(N, K) * 0.02).bfloat16() for _ in range(args.layers)]
     int8 = [torch.randint(-127, 128, (N, K), dtype=torch.int8) for _ in range(args.layers)]
     scales = torch.rand(N).bfloat16() * 0.01
-    int4 = [native.int4_tile_pack(torch.randint(0, 16, (N, K), dtype=torch.uint8)) for _ in range(args.layers)]
-    int4_scales = native.int4_tile_scales((torch.rand(K // GROUP, N, 2) * 0.01).bfloat16())
+    codes = [torch.randint(0, 16, (N, K), dtype=torch.uint8) for _ in range(args.layers)]
+    int4_scales = (torch.rand(K // GROUP, N, 2) * 0.01).bfloat16()  # one set of scales, packed into every layer's tiles
+    int4 = [native.int4_tile_pack(q, int4_scales) for q in codes]
     print(f"level {native.isa()}, prompts widened here: {native.prompts_widened()}, {torch.get_num_threads()} threads; "
           f"us per {N}x{K} layer")
     print("rows   bf16_gemv  widened | int8_dot  int8_lin(w) | int4_dot  int4_lin(w)")
@@ -58,8 +59,8 @@ def main() -> None:
         timed = [per_layer_us(op, args.layers, args.passes) for op in (
             lambda i: ops.bf16_gemv(x, bf16[i]), lambda i: ops.widened_linear(x, bf16[i]),
             lambda i: ops.int8_dot_gemv(x, int8[i], scales), lambda i: ops.int8_linear(x, int8[i], scales, True),
-            lambda i: ops.int4_dot_gemv(x, int4[i], int4_scales, GROUP),
-            lambda i: ops.int4_linear(x, int4[i], int4_scales, GROUP, True))]
+            lambda i: ops.int4_dot_gemv(x, int4[i], GROUP),
+            lambda i: ops.int4_linear(x, int4[i], GROUP, True))]
         print(f"{m:4d}  " + "  ".join(f"{t:9.0f}" for t in timed), flush=True)
 
 

@@ -34,12 +34,13 @@ def test_each_kind_calls_the_kernel_its_layers_call_at_the_level():
         assert grouped.dtype == torch.uint8 and packed.shape == (2, 4, 16)
         assert torch.equal(bench.call("int8-g64", x, (grouped, packed)),
                            torch.ops.splice_kernels.int8_dot16_gemv_grouped(x, grouped, packed))
-    tiles, sz = bench.operands("int4", 32, 256)
-    assert torch.equal(bench.call("int4", x, (tiles, sz)), torch.ops.splice_kernels.int4_dot_gemv(x, tiles, sz, 32))
-    tiles_sym, sz_sym = bench.operands("int4-sym", 32, 256)
-    assert sz_sym.nbytes * 2 == sz.nbytes  # symmetric: the scales alone
-    assert torch.equal(bench.call("int4-sym", x, (tiles_sym, sz_sym)),
-                       torch.ops.splice_kernels.int4_dot_gemv(x, tiles_sym, sz_sym, 32))
+    (tiles,) = bench.operands("int4", 32, 256)  # one tensor: the codes with each group's scales and zeros
+    assert torch.equal(bench.call("int4", x, (tiles,)), torch.ops.splice_kernels.int4_dot_gemv(x, tiles, 32))
+    (tiles_sym,) = bench.operands("int4-sym", 32, 256)
+    codes = 32 * 256 // 2  # bytes of the nibbles themselves
+    assert (tiles_sym.nbytes - codes) * 2 == tiles.nbytes - codes  # symmetric: the scales alone
+    assert torch.equal(bench.call("int4-sym", x, (tiles_sym,)),
+                       torch.ops.splice_kernels.int4_dot_gemv(x, tiles_sym, 32))
     assert bench.call("bf16", x, bench.operands("bf16", 32, 256)).shape == (2, 32)
 
 

@@ -223,7 +223,7 @@ def test_dot_products_round_x_exactly_as_the_reference(isa):
     codes = torch.full((k, k), 8, dtype=torch.uint8).fill_diagonal_(9)
     sz = torch.zeros(k // 32, k, 2).bfloat16()
     sz[..., 0] = 1
-    got4 = torch.ops.splice_kernels.int4_dot_gemv(x, native.int4_tile_pack(codes), native.int4_tile_scales(sz), 32)
+    got4 = torch.ops.splice_kernels.int4_dot_gemv(x, native.int4_tile_pack(codes, sz), 32)
     error = (got4.float().reshape(4, -1, 32) - expected).abs()
     assert (error <= d / 4).all(), error.amax()
 
@@ -241,7 +241,7 @@ def _int4_operands(rows: int, n: int, k: int, group: int, symmetric: bool, seed:
     if symmetric:
         scales_and_zeros[..., 1] = 0
     scales_and_zeros = scales_and_zeros.bfloat16()
-    return x.bfloat16(), q, scales_and_zeros, native.int4_tile_pack(q), native.int4_tile_scales(scales_and_zeros)
+    return x.bfloat16(), q, scales_and_zeros, native.int4_tile_pack(q, scales_and_zeros)
 
 
 INT4_DOT_SHAPES = [(64, 128, 32), (32, 576, 64), (16, 256, 128), (48, 2048, 128), (32, 120, 24)]
@@ -255,8 +255,8 @@ def test_int4_dot_gemv_rounds_x_per_block_where_it_can(isa, rows, n, k, group, s
     """Integer dot products (AVX512-VNNI, or vpmaddubsw at the avx2 level) where the group is whole blocks of 32 and
     AMX does not take the rows: the product of x rounded as ``qmath.round_activations`` does, not of x itself;
     otherwise exactly ``int4_gemv``."""
-    x, q, scales_and_zeros, w, sz = _int4_operands(rows, n, k, group, symmetric)
-    got = torch.ops.splice_kernels.int4_dot_gemv(x, w, sz, group)
+    x, q, scales_and_zeros, w = _int4_operands(rows, n, k, group, symmetric)
+    got = torch.ops.splice_kernels.int4_dot_gemv(x, w, group)
     amx = native.amx_ready() and rows >= native.amx_thresholds()["int4_dot_min_rows"] and group % 32 == 0
     if torch.ops.splice_kernels.int4_dot_ready() and group % 32 == 0 and not amx:
         weight = qmath.dequantize_int4(q, scales_and_zeros).double()
@@ -264,7 +264,7 @@ def test_int4_dot_gemv_rounds_x_per_block_where_it_can(isa, rows, n, k, group, s
         error = relative_error(got, expected)
         assert error < 4e-3 and relative_error(x.double() @ weight.T, expected) > 4 * error  # not x's own product
     else:
-        torch.testing.assert_close(got, torch.ops.splice_kernels.int4_gemv(x, w, sz, group), rtol=0, atol=0)
+        torch.testing.assert_close(got, torch.ops.splice_kernels.int4_gemv(x, w, group), rtol=0, atol=0)
 
 
 @needs_native
@@ -276,11 +276,11 @@ def test_int4_dot_gemv_gives_the_same_result_at_every_level(rows, n, k, group, s
     scales in the same float steps: bit for bit the same output."""
     if "avx512" not in native.supported_isas() or "avx512_vnni" not in native._cpu_flags():
         pytest.skip("this CPU has no AVX512-VNNI kernel to compare the avx2 one with")
-    x, _, _, w, sz = _int4_operands(rows, n, k, group, symmetric, seed=rows)
+    x, _, _, w = _int4_operands(rows, n, k, group, symmetric, seed=rows)
     results = {}
     for level in ("avx2", "avx512"):
         with native.use_isa(level):
-            results[level] = torch.ops.splice_kernels.int4_dot_gemv(x, w, sz, group)
+            results[level] = torch.ops.splice_kernels.int4_dot_gemv(x, w, group)
     assert torch.equal(results["avx2"], results["avx512"])
 
 
@@ -304,8 +304,8 @@ def test_weight_streams_give_the_same_output_as_one(isa, rows, n):
     every level, with tiles or row blocks left over by the streams and a tail of rows, one thread and two; int4 in
     groups of 64 and of one block (32, a loop of its own), with and without zeros."""
     k = 256
-    x, _, _, w4, sz = _int4_operands(rows, n // 16 * 16, k, 64, symmetric=rows % 2 == 1, seed=rows)
-    _, _, _, w32, sz32 = _int4_operands(rows, n // 16 * 16, k, 32, symmetric=rows % 2 == 0, seed=rows)
+    x, _, _, w4 = _int4_operands(rows, n // 16 * 16, k, 64, symmetric=rows % 2 == 1, seed=rows)
+    _, _, _, w32 = _int4_operands(rows, n // 16 * 16, k, 32, symmetric=rows % 2 == 0, seed=rows)
     x8, w8, s8 = torch.randn(rows, k).bfloat16(), torch.randint(-127, 128, (n, k), dtype=torch.int8), \
         torch.rand(n).bfloat16()
     wb = torch.randn(n, k).bfloat16()
@@ -315,8 +315,8 @@ def test_weight_streams_give_the_same_output_as_one(isa, rows, n):
             results = {}
             for streams in (1, 2, 4):
                 with native.use_weight_streams(streams):
-                    results[streams] = (torch.ops.splice_kernels.int4_dot_gemv(x, w4, sz, 64),
-                                        torch.ops.splice_kernels.int4_dot_gemv(x, w32, sz32, 32),
+                    results[streams] = (torch.ops.splice_kernels.int4_dot_gemv(x, w4, 64),
+                                        torch.ops.splice_kernels.int4_dot_gemv(x, w32, 32),
                                         torch.ops.splice_kernels.int8_dot_gemv(x8, w8, s8),
                                         torch.ops.splice_kernels.int8_gemv(x8, w8, s8),
                                         torch.ops.splice_kernels.bf16_gemv(x8, wb))
@@ -332,7 +332,7 @@ def test_threads_taking_each_others_pieces_give_the_same_output(isa, rows, strea
     of static shares, with enough tiles and blocks for many pieces a thread, two and three threads, and equal to the
     float product within bf16 rounding (no unit skipped, none computed twice into a wrong place)."""
     k, n = 256, 16 * 41
-    x, _, _, w4, sz = _int4_operands(rows, n, k, 64, symmetric=False, seed=rows)
+    x, _, _, w4 = _int4_operands(rows, n, k, 64, symmetric=False, seed=rows)
     x8, w8, s8 = torch.randn(rows, k).bfloat16(), torch.randint(-127, 128, (n + 2, k), dtype=torch.int8), \
         torch.rand(n + 2).bfloat16()
     wb = torch.randn(n + 2, k).bfloat16()
@@ -342,7 +342,7 @@ def test_threads_taking_each_others_pieces_give_the_same_output(isa, rows, strea
             results = {}
             for stealing in (False, True):
                 with native.use_work_stealing(stealing):
-                    results[stealing] = (torch.ops.splice_kernels.int4_dot_gemv(x, w4, sz, 64),
+                    results[stealing] = (torch.ops.splice_kernels.int4_dot_gemv(x, w4, 64),
                                          torch.ops.splice_kernels.int8_dot_gemv(x8, w8, s8),
                                          torch.ops.splice_kernels.int8_gemv(x8, w8, s8),
                                          torch.ops.splice_kernels.bf16_gemv(x8, wb))
@@ -393,8 +393,8 @@ def test_software_prefetch_gives_the_same_output(isa, rows, streams):
     them; int8 on both; bf16) with every kind's prefetch on, off, each alone, and each from more rows of x than the
     call has and from as many; int4 in groups of 64 and 32."""
     k, n = 256, 16 * 9 + 2
-    x, _, _, w4, sz = _int4_operands(rows, 16 * 9, k, 64, symmetric=False, seed=rows)
-    _, _, _, w32, sz32 = _int4_operands(rows, 16 * 9, k, 32, symmetric=rows % 2 == 1, seed=rows)
+    x, _, _, w4 = _int4_operands(rows, 16 * 9, k, 64, symmetric=False, seed=rows)
+    _, _, _, w32 = _int4_operands(rows, 16 * 9, k, 32, symmetric=rows % 2 == 1, seed=rows)
     x8, w8, s8 = torch.randn(rows, k).bfloat16(), torch.randint(-127, 128, (n, k), dtype=torch.int8), \
         torch.rand(n).bfloat16()
     wb = torch.randn(n, k).bfloat16()
@@ -408,9 +408,9 @@ def test_software_prefetch_gives_the_same_output(isa, rows, streams):
                 expected = (dict.fromkeys(native.PREFETCH_KINDS, 1) if kinds is True else {} if kinds is False
                             else kinds if isinstance(kinds, dict) else dict.fromkeys(kinds, 1))
                 assert native.software_prefetch() == expected
-                results.append((torch.ops.splice_kernels.int4_dot_gemv(x, w4, sz, 64),
-                                torch.ops.splice_kernels.int4_dot_gemv(x, w32, sz32, 32),
-                                torch.ops.splice_kernels.int4_gemv(x, w4, sz, 64),
+                results.append((torch.ops.splice_kernels.int4_dot_gemv(x, w4, 64),
+                                torch.ops.splice_kernels.int4_dot_gemv(x, w32, 32),
+                                torch.ops.splice_kernels.int4_gemv(x, w4, 64),
                                 torch.ops.splice_kernels.int8_dot_gemv(x8, w8, s8),
                                 torch.ops.splice_kernels.int8_gemv(x8, w8, s8),
                                 torch.ops.splice_kernels.bf16_gemv(x8, wb)))
@@ -488,7 +488,7 @@ def test_avx2_dot_products_are_the_same_with_and_without_avx_vnni(rows):
     same outputs (int4 and int8, one row and batches, a tail of weight rows)."""
     if "avx2" not in native.supported_isas() or "avx_vnni" not in native._cpu_flags():
         pytest.skip("this CPU lacks AVX-VNNI (flag avx_vnni), so the avx2 kernels have one path only")
-    x, _, _, w, sz = _int4_operands(rows, 64, 256, 64, symmetric=False, seed=rows)
+    x, _, _, w = _int4_operands(rows, 64, 256, 64, symmetric=False, seed=rows)
     x8 = torch.randn(rows, 256).bfloat16()
     w8, scales = torch.randint(-127, 128, (37, 256), dtype=torch.int8), torch.rand(37).bfloat16()
     results = {}
@@ -496,7 +496,7 @@ def test_avx2_dot_products_are_the_same_with_and_without_avx_vnni(rows):
         for on in (True, False):
             with native.use_avx_vnni(on):
                 assert native.avx_vnni_ready() is on
-                results[on] = (torch.ops.splice_kernels.int4_dot_gemv(x, w, sz, 64),
+                results[on] = (torch.ops.splice_kernels.int4_dot_gemv(x, w, 64),
                                torch.ops.splice_kernels.int8_dot_gemv(x8, w8, scales))
     assert native.avx_vnni_ready()  # restored
     for with_vnni, without in zip(results[True], results[False]):
@@ -700,7 +700,7 @@ def test_dot_products_give_nan_where_x_has_a_nan(isa, rows):
     cases = ((torch.ops.splice_kernels.int8_dot_gemv(x, w8, scales), (rounded @ w8.float().T) * scales.float()),
              (torch.ops.splice_kernels.int8_dot16_gemv(x, w8, scales),
               (round16(x).float() @ w8.float().T) * scales.float()),
-             (torch.ops.splice_kernels.int4_dot_gemv(x, native.int4_tile_pack(q), native.int4_tile_scales(sz), group),
+             (torch.ops.splice_kernels.int4_dot_gemv(x, native.int4_tile_pack(q, sz), group),
               rounded @ qmath.dequantize_int4(q, sz).T))
     for got, expected in cases:
         assert expected[0].isnan().all() and got[0].float().isnan().all()
@@ -716,10 +716,10 @@ def test_quant_kernels_dispatch_only_shapes_the_native_ops_take(isa):
 
     w8, scales = torch.randint(-128, 128, (64, 40), dtype=torch.int8), torch.rand(64).bfloat16()
     q, sz = torch.randint(0, 16, (64, 64), dtype=torch.uint8), torch.randn(2, 64, 2).bfloat16()
-    tiles, tiled_sz = native.int4_tile_pack(q), native.int4_tile_scales(sz)
+    tiles, none = kernels.int4_pack(q, sz, use_native=True)
     for dot in (False, True):
         assert kernels.int8_weight_mm(torch.zeros(0, 40).bfloat16(), w8, scales, True, dot).shape == (0, 64)
-        assert kernels.int4_mm(torch.zeros(0, 64).bfloat16(), tiles, 32, tiled_sz, True, dot).shape == (0, 64)
+        assert kernels.int4_mm(torch.zeros(0, 64).bfloat16(), tiles, 32, none, True, dot).shape == (0, 64)
     x = torch.randn(3, 40).bfloat16()
     expected = (x.float() @ w8.float().T) * scales.float()
     assert relative_error(kernels.int8_weight_mm(x, w8, scales, True, True), expected) < 1e-2
@@ -840,8 +840,7 @@ def test_int4_gemv_matches_the_dequantized_product(isa, rows, n, k, group, symme
     if symmetric:
         scales_and_zeros[..., 1] = 0
     expected = x.float() @ qmath.dequantize_int4(q, scales_and_zeros).T
-    got = torch.ops.splice_kernels.int4_gemv(x, native.int4_tile_pack(q), native.int4_tile_scales(scales_and_zeros),
-                                             group)
+    got = torch.ops.splice_kernels.int4_gemv(x, native.int4_tile_pack(q, scales_and_zeros), group)
     assert relative_error(got, expected) < 1e-2
 
 
@@ -904,10 +903,10 @@ def test_int4_linear_widened_multiplies_the_bf16_dequantized_weight(isa, n, k, g
     """The slabs hold the same bf16 weight ``int4_dequantize`` gives (rows a whole number of tiles), widened."""
     q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     scales_and_zeros = torch.randn(k // group, n, 2).bfloat16() * 0.05
-    w, sz = native.int4_tile_pack(q), native.int4_tile_scales(scales_and_zeros)
+    w = native.int4_tile_pack(q, scales_and_zeros)
     x = torch.randn(24, k).bfloat16()
-    expected = x.float() @ torch.ops.splice_kernels.int4_dequantize(w, sz, group).float().T
-    got = torch.ops.splice_kernels.int4_linear(x, w, sz, group, True)
+    expected = x.float() @ torch.ops.splice_kernels.int4_dequantize(w, group).float().T
+    got = torch.ops.splice_kernels.int4_linear(x, w, group, True)
     torch.testing.assert_close(got.float(), expected.bfloat16().float(), rtol=1e-2, atol=1e-2)
 
 
@@ -936,8 +935,7 @@ def test_int4_dequantize_equals_the_reference_rounded_to_bf16(isa, n, k, group, 
     scales_and_zeros = torch.randn(k // group, n, 2).bfloat16()
     if symmetric:
         scales_and_zeros[..., 1] = 0
-    got = torch.ops.splice_kernels.int4_dequantize(native.int4_tile_pack(q), native.int4_tile_scales(scales_and_zeros),
-                                                   group)
+    got = torch.ops.splice_kernels.int4_dequantize(native.int4_tile_pack(q, scales_and_zeros), group)
     assert got.dtype == torch.bfloat16 and got.shape == (n, k)
     assert torch.equal(got, qmath.dequantize_int4(q, scales_and_zeros).bfloat16())
 
@@ -945,45 +943,69 @@ def test_int4_dequantize_equals_the_reference_rounded_to_bf16(isa, n, k, group, 
 @needs_native
 def test_int4_dequantize_traces_under_torch_compile():
     q = torch.randint(0, 16, (32, 64), dtype=torch.uint8)
-    tiles, scales_and_zeros = native.int4_tile_pack(q), native.int4_tile_scales(torch.randn(2, 32, 2).bfloat16())
-    step = torch.compile(lambda x: x @ torch.ops.splice_kernels.int4_dequantize(tiles, scales_and_zeros, 32).T,
-                         fullgraph=True)
+    tiles = native.int4_tile_pack(q, torch.randn(2, 32, 2).bfloat16())
+    step = torch.compile(lambda x: x @ torch.ops.splice_kernels.int4_dequantize(tiles, 32).T, fullgraph=True)
     x = torch.randn(20, 64).bfloat16()
-    torch.testing.assert_close(step(x), x @ torch.ops.splice_kernels.int4_dequantize(tiles, scales_and_zeros, 32).T)
+    torch.testing.assert_close(step(x), x @ torch.ops.splice_kernels.int4_dequantize(tiles, 32).T)
 
 
-def test_int4_tile_layout_round_trips():
+@pytest.mark.parametrize("group", [32, 24, 8])
+def test_int4_tile_layout_round_trips(group):
     q = torch.randint(0, 16, (48, 96), dtype=torch.uint8)
-    scales_and_zeros = torch.randn(3, 48, 2).bfloat16()
-    tiles = native.int4_tile_pack(q)
-    assert tiles.shape == (3, 12, 16) and tiles.dtype == torch.int32
+    scales_and_zeros = torch.randn(96 // group, 48, 2).bfloat16()
+    tiles = native.int4_tile_pack(q, scales_and_zeros)
+    assert tiles.shape == (3, 96 // group, 2 * group + 16) and tiles.dtype == torch.int32
+    assert native.int4_tile_group(tiles) == group
     assert torch.equal(native.int4_tile_unpack(tiles), q)
-    assert torch.equal(native.int4_untile_scales(native.int4_tile_scales(scales_and_zeros)), scales_and_zeros)
-    assert native.int4_tile_scales(scales_and_zeros).shape == (3, 3, 16, 2)
+    assert torch.equal(native.int4_untile_scales(tiles), scales_and_zeros)
+
+
+def test_int4_tiles_hold_each_group_before_its_scales():
+    """Per tile and group, the group's chunk words (row r's columns 8c .. 8c + 7 in word 16c + r), then its 16 rows'
+    bf16 (scale, zero) pairs: one sequential stream a tile, in the order the GEMVs read it."""
+    q = torch.randint(0, 16, (32, 64), dtype=torch.uint8)
+    scales_and_zeros = torch.randn(2, 32, 2).bfloat16()
+    tiles = native.int4_tile_pack(q, scales_and_zeros)
+    tile, g, c, r = 1, 1, 2, 5
+    word = int(tiles[tile, g, 16 * c + r]) & 0xFFFFFFFF
+    columns = [32 * g + 8 * c + column for column in native.INT4_ORDER]
+    assert [(word >> (4 * slot)) & 15 for slot in range(8)] == [int(q[16 * tile + r, k]) for k in columns]
+    pairs = tiles[tile, g, 64:].view(torch.bfloat16).reshape(16, 2)
+    assert torch.equal(pairs, scales_and_zeros[g, 16 * tile: 16 * tile + 16])
 
 
 def test_int4_symmetric_scales_tile_alone_and_round_trip():
-    """Every zero 0: the tiles hold the scales alone (half the bytes), and untiling gives the zeros back."""
+    """Every zero 0: the tiles hold the scales alone (8 words a group instead of 16), and untiling gives the zeros
+    back."""
+    q = torch.randint(0, 16, (48, 96), dtype=torch.uint8)
     scales_and_zeros = torch.randn(3, 48, 2).bfloat16()
     scales_and_zeros[..., 1] = 0
-    tiled = native.int4_tile_scales(scales_and_zeros)
-    assert tiled.shape == (3, 3, 16) and tiled.nbytes * 2 == scales_and_zeros.nbytes
-    assert torch.equal(native.int4_untile_scales(tiled), scales_and_zeros)
+    tiles = native.int4_tile_pack(q, scales_and_zeros)
+    assert tiles.shape == (3, 3, 2 * 32 + 8) and native.int4_tile_group(tiles) == 32
+    assert torch.equal(native.int4_untile_scales(tiles), scales_and_zeros)
+    assert torch.equal(native.int4_tile_unpack(tiles), q)
+
+
+def test_int4_tile_pack_names_shapes_it_cannot_tile():
+    with pytest.raises(ValueError, match=r"q \(40, 64\) and scales_and_zeros \(2, 40, 2\)"):
+        native.int4_tile_pack(torch.zeros(40, 64, dtype=torch.uint8), torch.zeros(2, 40, 2))
+    with pytest.raises(ValueError, match="group a multiple of 8"):
+        native.int4_tile_pack(torch.zeros(32, 60, dtype=torch.uint8), torch.zeros(5, 32, 2))
 
 
 @needs_native
 def test_bad_shapes_name_the_value(isa):
     with pytest.raises(RuntimeError, match="must be \\[M, 64\\]"):
         torch.ops.splice_kernels.bf16_gemv(torch.randn(1, 32).bfloat16(), torch.randn(8, 64).bfloat16())
-    with pytest.raises(RuntimeError, match="group 48"):
-        torch.ops.splice_kernels.int4_gemv(torch.randn(1, 64).bfloat16(), torch.zeros(1, 8, 16, dtype=torch.int32),
-                                           torch.zeros(1, 1, 16, 2).bfloat16(), 48)
+    with pytest.raises(RuntimeError, match="group 44 must be a positive multiple of 8"):
+        torch.ops.splice_kernels.int4_gemv(torch.randn(1, 88).bfloat16(), torch.zeros(1, 2, 104, dtype=torch.int32),
+                                           44)
     with pytest.raises(RuntimeError, match="scales must be a contiguous bf16 tensor of 8 elements, got Float \\[8\\]"):
         torch.ops.splice_kernels.int8_gemv(torch.randn(1, 64).bfloat16(), torch.zeros(8, 64, dtype=torch.int8),
                                            torch.ones(8))
-    with pytest.raises(RuntimeError, match="scales_and_zeros must be contiguous bf16 \\[1, 2, 16, 2\\]"):
-        torch.ops.splice_kernels.int4_dequantize(torch.zeros(1, 8, 16, dtype=torch.int32),
-                                                 torch.zeros(1, 1, 16, 2).bfloat16(), 32)
+    with pytest.raises(RuntimeError, match=r"int4 tiles \[N/16, K/32, 80\] \(scale and zero pairs\) or \[N/16, "
+                                           r"K/32, 72\] \(scales alone, zero 0\) for group 32, got Int \[1, 8, 16\]"):
+        torch.ops.splice_kernels.int4_dequantize(torch.zeros(1, 8, 16, dtype=torch.int32), 32)
 
 
 @needs_native
@@ -1034,7 +1056,7 @@ def test_environment_caps_the_level_and_its_row_limits(variable, value):
         "x = torch.randn(8, 256).bfloat16(); q = torch.randint(0, 16, (64, 256), dtype=torch.uint8)\n"
         "sz = torch.randn(256 // 32, 64, 2).bfloat16()\n"
         "expected = x.float() @ qmath.dequantize_int4(q, sz).T\n"
-        "got = torch.ops.splice_kernels.int4_gemv(x, native.int4_tile_pack(q), native.int4_tile_scales(sz), 32)\n"
+        "got = torch.ops.splice_kernels.int4_gemv(x, native.int4_tile_pack(q, sz), 32)\n"
         "assert ((got.float() - expected).abs().max() / expected.abs().max()).item() < 1e-2\n"
         "w8, s8 = torch.randint(-127, 128, (64, 256), dtype=torch.int8), torch.rand(64).bfloat16()\n"
         "expected = (x.float() @ w8.float().T) * s8.float()\n"
@@ -1136,13 +1158,13 @@ def test_amx_gemvs_and_onednn_take_turns_on_the_same_threads(isa):
     torch.manual_seed(0)
     q = torch.randint(0, 16, (256, 512), dtype=torch.uint8)
     scales_and_zeros = torch.randn(512 // 32, 256, 2).bfloat16()
-    words, tiled = native.int4_tile_pack(q), native.int4_tile_scales(scales_and_zeros)
+    words = native.int4_tile_pack(q, scales_and_zeros)
     w8, s8 = torch.randint(-127, 128, (256, 512), dtype=torch.int8), torch.rand(256).bfloat16()
     dense = torch.randn(384, 512).bfloat16()
     for _ in range(3):
         x = torch.randn(8, 512).bfloat16()
         expected = x.float() @ qmath.dequantize_int4(q, scales_and_zeros).T
-        assert relative_error(torch.ops.splice_kernels.int4_gemv(x, words, tiled, 32), expected) < 1e-2
+        assert relative_error(torch.ops.splice_kernels.int4_gemv(x, words, 32), expected) < 1e-2
         expected = (x.float() @ w8.float().T) * s8.float()
         assert relative_error(torch.ops.splice_kernels.int8_gemv(x, w8, s8), expected) < 1e-2
         rows = torch.randn(128, 512).bfloat16()

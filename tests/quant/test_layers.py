@@ -567,14 +567,15 @@ def test_native_int4_runs_the_gemv_for_few_rows_and_dequantizes_for_more(scheme,
 @needs_native
 @pytest.mark.parametrize("scheme", ["int4-g32", "int4-g64-asym", "int4-g128"])
 def test_native_int4_holds_one_copy_in_the_tile_layout(scheme):
-    """One copy in tiles; a symmetric scheme (zeros 0) keeps its scales alone: half the scale bytes of torch's
-    (scale, zero) layout."""
+    """One copy in tiles, each group's scales beside its weight words (nothing in ``packed_scales``); a symmetric
+    scheme (zeros 0) keeps its scales alone: half the scale bytes of torch's (scale, zero) layout."""
     linear, layer = _layer(scheme, out_features=256, bias=False)
     _, torch_layer = _layer(scheme, out_features=256, bias=False, use_native=False)
     n, k = layer.padded_shape
     symmetric = SCHEMES[scheme].symmetric
-    assert layer.packed.shape == (n // 16, k // 8, 16) and layer.packed.dtype == torch.int32
-    assert layer.packed_scales.shape == (n // 16, k // layer.group, 16) + (() if symmetric else (2,))
+    words = 2 * layer.group + (8 if symmetric else 16)  # the group's chunk words, then its scales (and zeros)
+    assert layer.packed.shape == (n // 16, k // layer.group, words) and layer.packed.dtype == torch.int32
+    assert layer.packed_scales.numel() == 0
     stored = sum(b.numel() * b.element_size() for b in layer.buffers())
     scale_bytes = n * (k // layer.group) * 2
     assert layer.weight_nbytes() == stored == torch_layer.weight_nbytes() - (scale_bytes if symmetric else 0)

@@ -65,8 +65,8 @@ def layer_gemv(linear: nn.Module) -> LayerGemv | None:
         if not linear.use_native or linear.padded_shape != (linear.out_features, linear.in_features):
             return None
         if linear.use_dot_products:
-            return LayerGemv(GEMV_INT4_DOT, ("packed", "packed_scales", "bias"), linear.group, "int4_dot")
-        return LayerGemv(GEMV_INT4, ("packed", "packed_scales", "bias"), linear.group, "int4")
+            return LayerGemv(GEMV_INT4_DOT, ("packed", "", "bias"), linear.group, "int4_dot")
+        return LayerGemv(GEMV_INT4, ("packed", "", "bias"), linear.group, "int4")
     if isinstance(linear, Int8DynamicLinear):
         if not linear.use_native or linear.in_features % ACTIVATION_BLOCK:
             return None

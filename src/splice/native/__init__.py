@@ -631,16 +631,16 @@ def _register_fakes() -> None:
     for grouped in ("int8_dot_gemv_grouped", "int8_dot16_gemv_grouped"):
         torch.library.register_fake(f"splice_kernels::{grouped}")(lambda x, w, scales: fake_rows(x, w.shape[0]))
     torch.library.register_fake("splice_kernels::int4_gemv")(
-        lambda x, w, scales_and_zeros, group: fake_rows(x, w.shape[0] * INT4_TILE))
+        lambda x, w, group: fake_rows(x, w.shape[0] * INT4_TILE))
     torch.library.register_fake("splice_kernels::int4_dot_gemv")(
-        lambda x, w, scales_and_zeros, group: fake_rows(x, w.shape[0] * INT4_TILE))
+        lambda x, w, group: fake_rows(x, w.shape[0] * INT4_TILE))
     torch.library.register_fake("splice_kernels::int8_linear")(
         lambda x, w, scales, widen=False: fake_rows(x, w.shape[0]))
     torch.library.register_fake("splice_kernels::int4_linear")(
-        lambda x, w, scales_and_zeros, group, widen=False: fake_rows(x, w.shape[0] * INT4_TILE))
+        lambda x, w, group, widen=False: fake_rows(x, w.shape[0] * INT4_TILE))
     torch.library.register_fake("splice_kernels::widened_linear")(lambda x, w: x.new_empty((x.shape[0], w.shape[0])))
     torch.library.register_fake("splice_kernels::int4_dequantize")(
-        lambda w, scales_and_zeros, group: w.new_empty((w.shape[0] * INT4_TILE, w.shape[1] * INT4_CHUNK),
+        lambda w, group: w.new_empty((w.shape[0] * INT4_TILE, w.shape[1] * group),
                                                        dtype=torch.bfloat16))
     torch.library.register_fake("splice_kernels::decode_attention")(
         lambda q, k, v, mask, scale: q.new_empty((q.shape[0], q.shape[1], 1, q.shape[3])))
@@ -705,44 +705,59 @@ def fits(kind: str, x: torch.Tensor) -> bool:
 
 
 # ---- int4 layout ----------------------------------------------------------------------------------------------------
-def int4_tile_pack(q: torch.Tensor) -> torch.Tensor:
-    """``q [N, K]`` values 0..15 (N a multiple of 16, K of 8) -> the kernel's ``[N/16, K/8, 16]`` int32 tiles: word
-    (t, c, r) holds ``q[16t + r, 8c .. 8c + 7]`` as nibbles in the order k = 0, 2, 4, 6, 1, 3, 5, 7."""
+def int4_tile_pack(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """``q [N, K]`` values 0..15 (N a multiple of 16) and ``scales_and_zeros [K/group, N, 2]`` -> the kernels' int4
+    tiles, one tensor: per tile of 16 rows and group, the group's chunk words, then its rows' bf16 (scale, zero)
+    pairs, ``int32 [N/16, K/group, 2 * group + 16]``; the scales alone (16 bf16 in 8 words, ``2 * group + 8``) where
+    every zero is 0 (a symmetric weight: the kernels stream a tenth fewer bytes). Word ``16c + r`` of (tile, group)
+    holds row ``16 tile + r``'s columns ``8c .. 8c + 7`` of the group as nibbles in the order k = 0, 2, 4, 6, 1, 3, 5,
+    7. A tile's weights and scales are one sequential stream, in the order the GEMVs read them."""
     n, k = q.shape
-    chunks = q.to(torch.int32).reshape(n // INT4_TILE, INT4_TILE, k // INT4_CHUNK, INT4_CHUNK).transpose(1, 2)
+    groups = scales_and_zeros.shape[0]
+    group, tiles = k // groups, n // INT4_TILE
+    if k != groups * group or group % INT4_CHUNK or n % INT4_TILE or scales_and_zeros.shape != (groups, n, 2):
+        raise ValueError(f"int4_tile_pack: q {tuple(q.shape)} and scales_and_zeros {tuple(scales_and_zeros.shape)} "
+                         f"are not [N, K] (N a multiple of {INT4_TILE}) and [K/group, N, 2] with group a multiple of "
+                         f"{INT4_CHUNK}")
+    chunks = q.to(torch.int32).reshape(tiles, INT4_TILE, k // INT4_CHUNK, INT4_CHUNK).transpose(1, 2)
     words = torch.zeros(chunks.shape[:-1], dtype=torch.int32, device=q.device)
     for slot, column in enumerate(INT4_ORDER):
         words |= chunks[..., column] << (4 * slot)
-    return words.contiguous()
+    lines = scales_and_zeros.to(torch.bfloat16).reshape(groups, tiles, INT4_TILE, 2).transpose(0, 1)
+    if not lines[..., 1].any():
+        lines = lines[..., 0]
+    lines = lines.contiguous().reshape(tiles, groups, -1).view(torch.int32)
+    return torch.cat([words.reshape(tiles, groups, -1), lines], dim=2).contiguous()
 
 
-def int4_tile_unpack(words: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`int4_tile_pack`: ``q [N, K]`` uint8."""
-    tiles, chunks, _ = words.shape
+def int4_tile_group(w: torch.Tensor) -> int:
+    """The columns per group of int4 tiles from :func:`int4_tile_pack` (their words per tile and group tell)."""
+    words = w.shape[2]  # the group's chunk words (a multiple of 16), then 16 words of pairs or 8 of scales alone
+    scale_words = INT4_TILE if words % INT4_TILE == 0 else INT4_TILE // 2
+    return (words - scale_words) * INT4_CHUNK // INT4_TILE
+
+
+def int4_tile_unpack(w: torch.Tensor) -> torch.Tensor:
+    """The codes of :func:`int4_tile_pack`'s tiles: ``q [N, K]`` uint8."""
+    tiles, groups, _ = w.shape
+    group = int4_tile_group(w)
+    words = w[..., : group * INT4_TILE // INT4_CHUNK].reshape(tiles, groups * group // INT4_CHUNK, INT4_TILE)
     columns = [None] * INT4_CHUNK
     for slot, column in enumerate(INT4_ORDER):
         columns[column] = (words >> (4 * slot)) & 15
     q = torch.stack(columns, dim=-1)  # [tiles, chunks, 16, 8]
-    return q.transpose(1, 2).reshape(tiles * INT4_TILE, chunks * INT4_CHUNK).to(torch.uint8)
+    return q.transpose(1, 2).reshape(tiles * INT4_TILE, groups * group).to(torch.uint8)
 
 
-def int4_tile_scales(scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """``[K/group, N, 2]`` -> the kernel's bf16 lines, one per tile and group: ``[N/16, K/group, 16]`` scales alone
-    when every zero is 0 (a symmetric weight: the kernels stream a tenth fewer bytes), else ``[N/16, K/group, 16, 2]``
-    (scale, zero) pairs."""
-    groups, n, _ = scales_and_zeros.shape
-    tiled = scales_and_zeros.to(torch.bfloat16).reshape(groups, n // INT4_TILE, INT4_TILE, 2).transpose(0, 1)
-    if not tiled[..., 1].any():
-        tiled = tiled[..., 0]
-    return tiled.contiguous()
-
-
-def int4_untile_scales(tiled: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`int4_tile_scales`: ``[K/group, N, 2]`` (zeros 0 for scales alone)."""
-    if tiled.dim() == 3:
-        tiled = torch.stack([tiled, torch.zeros_like(tiled)], dim=-1)
-    tiles, groups, _, _ = tiled.shape
-    return tiled.transpose(0, 1).reshape(groups, tiles * INT4_TILE, 2).contiguous()
+def int4_untile_scales(w: torch.Tensor) -> torch.Tensor:
+    """The scales and zeros of :func:`int4_tile_pack`'s tiles: ``[K/group, N, 2]`` bf16 (zeros 0 for scales alone)."""
+    tiles, groups, _ = w.shape
+    group = int4_tile_group(w)
+    lines = w[..., group * INT4_TILE // INT4_CHUNK:].contiguous().view(torch.bfloat16)
+    lines = lines.reshape(tiles, groups, INT4_TILE, -1)
+    if lines.shape[-1] == 1:
+        lines = torch.cat([lines, torch.zeros_like(lines)], dim=-1)
+    return lines.transpose(0, 1).reshape(groups, tiles * INT4_TILE, 2).contiguous()
 
 
 # ---- int8 layout ----------------------------------------------------------------------------------------------------

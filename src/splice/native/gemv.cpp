@@ -20,16 +20,20 @@
 //       weight-only's decode rows at the avx2 level without AVX-VNNI (vpmaddwd, the AVX2 code at every level)
 //   int8_dot16_gemv_grouped(x, w, scales)  int8_dot_gemv_grouped's weight and scales on int8_dot16_gemv's rounding:
 //       grouped int8's decode rows there, fastest on the weight in tiles (lanes are weight rows: no horizontal sums)
-//   int4_gemv(x bf16 [M, K], w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16, 2], group)
-//       tiles of 16 rows; dword (tile, c, r) holds q[r, 8c .. 8c+7] as nibbles in the order k = 0,2,4,6,1,3,5,7
-//       (so k and k+1 sit 16 bits apart); value = (q - 8) * scale + zero per (row, group). A symmetric weight (every
-//       zero 0) may pass its scales alone, sz bf16 [N/16, K/group, 16]: a tenth fewer bytes to stream than the pairs.
-//   int4_dot_gemv(x, w, sz, group)  the same with x rounded to int8 per row and block of 32, integer dot products
+//   int4_gemv(x bf16 [M, K], w int32 [N/16, K/group, 2 * group + 16], group)
+//       tiles of 16 rows, each tile its groups in column order, each group its chunks' words then its scales: word
+//       (tile, g, 16c + r) holds q[16 tile + r, group g's columns 8c .. 8c+7] as nibbles in the order k =
+//       0,2,4,6,1,3,5,7 (so k and k+1 sit 16 bits apart), and the group's last 16 words its rows' bf16 (scale, zero)
+//       pairs (scale in the low half); value = (q - 8) * scale + zero per (row, group). A symmetric weight (every
+//       zero 0) keeps its scales alone, 16 bf16 in 8 words: w int32 [N/16, K/group, 2 * group + 8], a tenth fewer
+//       bytes to stream than the pairs. One stream holds a tile's weights and scales both, in the order the GEMVs
+//       read them (splice.native.int4_tile_pack).
+//   int4_dot_gemv(x, w, group)  the same with x rounded to int8 per row and block of 32, integer dot products
 //       (AVX512-VNNI, else AVX-VNNI, else vpmaddubsw; groups of whole blocks); else int4_gemv
-//   int4_dequantize(w int32 [N/16, K/8, 16], sz bf16 [N/16, K/group, 16(, 2)], group) -> bf16 [N, K]
+//   int4_dequantize(w, group) -> bf16 [N, K]
 //       the same tiles back as a row-major bf16 weight, (q - 8) * scale + zero in float32 rounded once to bf16
 //       (for prefill: one oneDNN GEMM on it beats the GEMV above once there are more than a few rows).
-//   int8_linear(x, w, scales, widen), int4_linear(x, w, sz, group, widen)  prefill: the weight de-quantised for one
+//   int8_linear(x, w, scales, widen), int4_linear(x, w, group, widen)  prefill: the weight de-quantised for one
 //       bf16 GEMM, or with widen (a CPU without bf16 arithmetic) float32 GEMMs a slab of widened rows at a time
 //   widened_linear(x, w bf16/fp16 [N, K])  prefill of a 16-bit weight as float32 GEMMs on widened slabs
 // Also, at quantization time: gptq_columns, GPTQ's column-by-column rounding and error spreading in one block.
@@ -251,30 +255,39 @@ void check_int8_scales(const at::Tensor& scales, int64_t n, const char* name) {
               scales.sizes());
 }
 
-void check_int4_tiles(const at::Tensor& w, const at::Tensor& sz, int64_t group, const char* name) {
-  TORCH_CHECK(w.dim() == 3 && w.size(2) == TILE && w.scalar_type() == at::kInt && w.is_contiguous() &&
-              w.device().is_cpu(), name, ": w must be a contiguous int32 CPU [N/16, K/8, 16] tensor");
-  const int64_t tiles = w.size(0), k = w.size(1) * 8;
-  TORCH_CHECK(group > 0 && group % 8 == 0 && k % group == 0, name, ": group ", group, " must divide K=", k,
-              " in steps of 8");
-  TORCH_CHECK(sz.scalar_type() == at::kBFloat16 && sz.is_contiguous() && sz.device().is_cpu() &&
-              (sz.sizes() == at::IntArrayRef({tiles, k / group, TILE, 2}) ||
-               sz.sizes() == at::IntArrayRef({tiles, k / group, TILE})),
-              name, ": scales_and_zeros must be contiguous bf16 [", tiles, ", ", k / group, ", 16, 2] (scale and "
-              "zero) or [", tiles, ", ", k / group, ", 16] (scales alone, zero 0), got ", sz.scalar_type(), " ",
-              sz.sizes());
+// Words of one (tile, group) of an int4 weight: its chunks' (group / 8 of 16 words) and its 16 rows' scales (8 words of
+// bf16 scales alone, 16 of (scale, zero) pairs).
+constexpr int64_t int4_group_words(int64_t group, bool pairs) { return group * 2 + (pairs ? 16 : 8); }
+
+void check_int4_tiles(const at::Tensor& w, int64_t group, const char* name) {
+  TORCH_CHECK(group > 0 && group % 8 == 0, name, ": group ", group, " must be a positive multiple of 8");
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kInt && w.is_contiguous() && w.device().is_cpu() &&
+                  (w.size(2) == int4_group_words(group, true) || w.size(2) == int4_group_words(group, false)),
+              name, ": w must be contiguous int32 CPU int4 tiles [N/16, K/", group, ", ",
+              int4_group_words(group, true), "] (scale and zero pairs) or [N/16, K/", group, ", ",
+              int4_group_words(group, false), "] (scales alone, zero 0) for group ", group, ", got ",
+              w.scalar_type(), " ", w.sizes());
 }
 
-// The group scales of int4 tiles: one 16-row line per (tile, group) of bf16 (scale, zero) pairs, or of scales alone
-// for a symmetric weight (every zero 0; half the bytes). Each level widens a line into its scale and zero vectors.
-struct Int4Scales {
-  const at::BFloat16* p;
-  int64_t groups;  // per tile
+// An int4 weight in tiles (check_int4_tiles): per tile and group, the group's chunk words, then one 16-row line of
+// bf16 (scale, zero) pairs, or of scales alone for a symmetric weight (every zero 0; half the bytes). Each level
+// widens a line into its scale and zero vectors.
+struct Int4Tiles {
+  const int32_t* p;
+  int64_t groups, group;  // per tile; columns per group
   bool pairs;
+  int64_t stride;  // words per (tile, group)
 
-  explicit Int4Scales(const at::Tensor& sz)
-      : p(sz.data_ptr<at::BFloat16>()), groups(sz.size(1)), pairs(sz.dim() == 4) {}
-  const at::BFloat16* line(int64_t tile, int64_t g) const { return p + (tile * groups + g) * TILE * (pairs ? 2 : 1); }
+  Int4Tiles(const at::Tensor& w, int64_t group)
+      : p(w.data_ptr<int32_t>()), groups(w.size(1)), group(group), pairs(w.size(2) == int4_group_words(group, true)),
+        stride(w.size(2)) {}
+  int64_t k() const { return groups * group; }
+  int64_t chunks_per_group() const { return group / 8; }
+  // The words of group g's first chunk in a tile (its chunk i at + i * TILE).
+  const int32_t* words(int64_t tile, int64_t g) const { return p + (tile * groups + g) * stride; }
+  const at::BFloat16* line(int64_t tile, int64_t g) const {
+    return reinterpret_cast<const at::BFloat16*>(words(tile, g) + group * 2);
+  }
   float scale(int64_t tile, int64_t g, int r) const {
     return static_cast<float>(line(tile, g)[pairs ? 2 * r : r]);
   }
@@ -719,26 +732,30 @@ constexpr int64_t GROUPED_X_ROWS = 2;  // rows of x per pass of int8_dot_gemv_gr
 // rounds x for itself before each GEMV.
 thread_local Int4DotActivations rounded_for_int4;
 
-// What each level's int4_dot_blocks walks by block index (every group one block): T streams' tile words and scales
-// (tiles first + t * step), and M rows of x from m0: row m's nibble-ordered pairs at x + m * chunks * 2, its block
-// scales, sums and offsets at d, x_sums and offsets + m * blocks.
+// What each level's int4_dot_blocks walks by block index (every group one block): T streams' tiles (first + t *
+// step; block b's chunk words and then its scales' line at block(t, b)), and M rows of x from m0: row m's
+// nibble-ordered pairs at x + m * chunks * 2, its block scales, sums and offsets at d, x_sums and offsets + m * blocks.
 template <int T>
 struct Int4BlockWalk {
-  const int32_t* weights[T];
-  const at::BFloat16* scales[T];
+  const int32_t* tiles[T];
+  int64_t stride;  // words per block of a tile
   const int32_t* x;
   const float* d;
   const float* x_sums;
   const int32_t* offsets;
 
-  Int4BlockWalk(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
-                int64_t first, int64_t step)
-      : x(a.pairs.data() + m0 * (k / 8) * 2), d(a.d.data() + m0 * (k / DOT_BLOCK)),
-        x_sums(a.sums.data() + m0 * (k / DOT_BLOCK)), offsets(a.offsets.data() + m0 * (k / DOT_BLOCK)) {
-    for (int t = 0; t < T; ++t) {
-      weights[t] = w + (first + t * step) * (k / 8) * TILE;
-      scales[t] = sz.line(first + t * step, 0);
-    }
+  Int4BlockWalk(const Int4DotActivations& a, int64_t m0, const Int4Tiles& w, int64_t first, int64_t step)
+      : stride(w.stride), x(a.pairs.data() + m0 * (w.k() / 8) * 2), d(a.d.data() + m0 * (w.k() / DOT_BLOCK)),
+        x_sums(a.sums.data() + m0 * (w.k() / DOT_BLOCK)), offsets(a.offsets.data() + m0 * (w.k() / DOT_BLOCK)) {
+    for (int t = 0; t < T; ++t) tiles[t] = w.words(first + t * step, 0);
+  }
+  const int32_t* block(int t, int64_t b) const { return tiles[t] + b * stride; }
+  const at::BFloat16* line(int t, int64_t b) const {
+    return reinterpret_cast<const at::BFloat16*>(block(t, b) + 2 * DOT_BLOCK);
+  }
+  // Block b's chunk words in each stream.
+  void blocks(int64_t b, const int32_t* (&words)[T]) const {
+    for (int t = 0; t < T; ++t) words[t] = block(t, b);
   }
 };
 
@@ -1769,7 +1786,7 @@ std::vector<float> group_sums(const at::BFloat16* x, int64_t m, int64_t k, int64
   return sums;
 }
 
-// (scale, zero) of a tile's 16 rows from one line of its scales (Int4Scales::line): bf16 (scale, zero) pairs where
+// (scale, zero) of a tile's 16 rows from one line of its scales (Int4Tiles::line): bf16 (scale, zero) pairs where
 // PAIRS, else scales alone (zero 0).
 template <bool PAIRS>
 inline void line_scale_zero(const at::BFloat16* line, __m512& scale, __m512& zero) {
@@ -1784,37 +1801,36 @@ inline void line_scale_zero(const at::BFloat16* line, __m512& scale, __m512& zer
 }
 
 // (scale, zero) of a tile's 16 rows in one group.
-inline void int4_scale_zero(const Int4Scales& sz, int64_t tile, int64_t g, __m512& scale, __m512& zero) {
-  if (sz.pairs) return line_scale_zero<true>(sz.line(tile, g), scale, zero);
-  line_scale_zero<false>(sz.line(tile, g), scale, zero);
+inline void int4_scale_zero(const Int4Tiles& w, int64_t tile, int64_t g, __m512& scale, __m512& zero) {
+  if (w.pairs) return line_scale_zero<true>(w.line(tile, g), scale, zero);
+  line_scale_zero<false>(w.line(tile, g), scale, zero);
 }
 
 // (scale, zero - bias * scale) of a tile's 16 rows in one group: the factor of a dot product of codes offset by
 // bias, and of the sum of x.
-inline void int4_scale_offset(const Int4Scales& sz, int64_t tile, int64_t g, float bias, __m512& scale,
+inline void int4_scale_offset(const Int4Tiles& w, int64_t tile, int64_t g, float bias, __m512& scale,
                               __m512& offset) {
   __m512 zero;
-  int4_scale_zero(sz, tile, g, scale, zero);
+  int4_scale_zero(w, tile, g, scale, zero);
   offset = _mm512_fnmadd_ps(scale, _mm512_set1_ps(bias), zero);
 }
 
 template <int M>
-void int4_tile(const at::BFloat16* x, const float* xsum, const int32_t* w, const Int4Scales& sz, int64_t k,
-               int64_t group, int64_t tile, at::BFloat16* out, int64_t n_total) {
+void int4_tile(const at::BFloat16* x, const float* xsum, const Int4Tiles& w, int64_t tile, at::BFloat16* out,
+               int64_t n_total) {
   constexpr int m_rows = M;
-  const int64_t chunks = k / 8, groups = k / group, chunks_per_group = group / 8;
-  const int32_t* base = w + tile * chunks * TILE;
-  const char* stream = reinterpret_cast<const char*>(base);
+  const int64_t k = w.k(), groups = w.groups, chunks_per_group = w.chunks_per_group();
   __m512 acc[M];
   UNROLLED for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     __m512 dot[M][4];  // one accumulator per column pair: four independent dependency chains
     UNROLLED for (int m = 0; m < M; ++m)
       for (int p = 0; p < 4; ++p) dot[m][p] = _mm512_setzero_ps();
-    for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-      prefetch<PREFETCH_INT4>(stream + c * 64 + PREFETCH_BYTES, M);
+    const int32_t* words = w.words(tile, g);
+    for (int64_t i = 0, c = g * chunks_per_group; i < chunks_per_group; ++i, ++c) {
+      prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(words + i * TILE) + PREFETCH_BYTES, M);
       __m512i pairs[4];
-      int4_pairs(_mm512_loadu_si512(base + c * TILE), pairs);
+      int4_pairs(_mm512_loadu_si512(words + i * TILE), pairs);
       UNROLLED for (int64_t m = 0; m < m_rows; ++m) {
         const int32_t* xpairs = reinterpret_cast<const int32_t*>(x + m * k + c * 8);
         for (int p = 0; p < 4; ++p)
@@ -1822,7 +1838,7 @@ void int4_tile(const at::BFloat16* x, const float* xsum, const int32_t* w, const
       }
     }
     __m512 scale, offset;
-    int4_scale_offset(sz, tile, g, 136.0f, scale, offset);
+    int4_scale_offset(w, tile, g, 136.0f, scale, offset);
     UNROLLED for (int64_t m = 0; m < m_rows; ++m) {
       const __m512 dot_m = _mm512_add_ps(_mm512_add_ps(dot[m][0], dot[m][1]), _mm512_add_ps(dot[m][2], dot[m][3]));
       acc[m] = _mm512_fmadd_ps(dot_m, scale, acc[m]);
@@ -1842,30 +1858,29 @@ void int4_tile(const at::BFloat16* x, const float* xsum, const int32_t* w, const
 // trip of the decoded tiles through L1 makes it slower (docs/kernels.md has the measurements).
 // Tiles [t_begin, t_end) for all m rows of x (x holds whole AMX_ROWS chunks of rows when m > AMX_ROWS: padded).
 __attribute__((target("amx-tile,amx-bf16")))
-void int4_amx_tiles(const at::BFloat16* x, int64_t m, const float* xsum, const int32_t* w, const Int4Scales& sz,
-                    int64_t k, int64_t group, int64_t t_begin, int64_t t_end, at::BFloat16* out, int64_t n_total) {
+void int4_amx_tiles(const at::BFloat16* x, int64_t m, const float* xsum, const Int4Tiles& w, int64_t t_begin,
+                    int64_t t_end, at::BFloat16* out, int64_t n_total) {
   TileConfig config;
   config.rows[0] = config.rows[1] = static_cast<uint8_t>(std::min(m, AMX_ROWS));
   config.rows[2] = 16;
   for (int t = 0; t < 3; ++t) config.bytes_per_row[t] = 64;
   _tile_loadconfig(&config);
-  const int64_t chunks = k / 8, groups = k / group, slices = group / AMX_COLUMNS;
+  const int64_t k = w.k(), group = w.group, groups = w.groups, slices = group / AMX_COLUMNS;
   // per-call scratch from ATen (64-byte aligned): the decoded slices of one group, and one accumulator per row of x
   const at::Tensor scratch = at::empty({(slices * 16 + m) * 64}, at::TensorOptions().dtype(at::kByte));
   __m512i* decoded = reinterpret_cast<__m512i*>(scratch.data_ptr<uint8_t>());
   __m512* acc = reinterpret_cast<__m512*>(decoded + slices * 16);
   alignas(64) float sums[AMX_ROWS * TILE];
   for (int64_t tile = t_begin; tile < t_end; ++tile) {
-    const int32_t* base = w + tile * chunks * TILE;
-    const char* stream = reinterpret_cast<const char*>(base);
     for (int64_t r = 0; r < m; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      for (int64_t c = g * group / 8, i = 0; i < slices * 4; ++c, ++i) {
-        prefetch<PREFETCH_INT4>(stream + c * 64 + PREFETCH_BYTES, m);
-        int4_pairs(_mm512_loadu_si512(base + c * TILE), &decoded[4 * i]);
+      const int32_t* words = w.words(tile, g);
+      for (int64_t i = 0; i < slices * 4; ++i) {
+        prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(words + i * TILE) + PREFETCH_BYTES, m);
+        int4_pairs(_mm512_loadu_si512(words + i * TILE), &decoded[4 * i]);
       }
       __m512 scale, offset;
-      int4_scale_offset(sz, tile, g, 136.0f, scale, offset);
+      int4_scale_offset(w, tile, g, 136.0f, scale, offset);
       for (int64_t m0 = 0; m0 < m; m0 += AMX_ROWS) {
         _tile_zero(0);
         for (int64_t s = 0; s < slices; ++s) {
@@ -1887,37 +1902,35 @@ void int4_amx_tiles(const at::BFloat16* x, int64_t m, const float* xsum, const i
   _tile_release();
 }
 
-at::Tensor int4_amx(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
-  const int64_t tiles = w.size(0), k = w.size(1) * 8, m = x.size(0), n = tiles * TILE;
+at::Tensor int4_amx(const at::Tensor& x, const at::Tensor& w, int64_t group) {
+  const Int4Tiles wt(w, group);
+  const int64_t tiles = w.size(0), k = wt.k(), m = x.size(0), n = tiles * TILE;
   at::Tensor rows = x;  // A tiles read AMX_ROWS rows of x at a time: pad the last chunk with zero rows
   if (m > AMX_ROWS && m % AMX_ROWS) rows = at::constant_pad_nd(x, {0, 0, 0, AMX_ROWS - m % AMX_ROWS});
   const auto* xp = rows.data_ptr<at::BFloat16>();
   const std::vector<float> xsum = group_sums(xp, m, k, group);
   auto out = kernel_output({m, n}, x.options());
-  const int32_t* wp = w.data_ptr<int32_t>();
-  const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
   parallel_units(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    int4_amx_tiles(xp, m, xsum.data(), wp, zp, k, group, begin, end, op, n);
+    int4_amx_tiles(xp, m, xsum.data(), wt, begin, end, op, n);
   });
   return out;
 }
 
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
-  const int64_t tiles = w.size(0), k = w.size(1) * 8, m = x.size(0), n = tiles * TILE;
-  if (m >= AMX_MIN_ROWS && group % AMX_COLUMNS == 0 && amx_ready()) return int4_amx(x, w, sz, group);
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, int64_t group) {
+  const Int4Tiles wt(w, group);
+  const int64_t tiles = w.size(0), k = wt.k(), m = x.size(0), n = tiles * TILE;
+  if (m >= AMX_MIN_ROWS && group % AMX_COLUMNS == 0 && amx_ready()) return int4_amx(x, w, group);
   const auto* xp = x.data_ptr<at::BFloat16>();
   const std::vector<float> xsum = group_sums(xp, m, k, group);
   auto out = kernel_output({m, n}, x.options());
   const float* sp = xsum.data();
-  const int32_t* wp = w.data_ptr<int32_t>();
-  const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
-  const int64_t groups = k / group;
+  const int64_t groups = wt.groups;
   parallel_units(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for_x_chunks<MAX_ROWS>(m, [&](auto m_c, int64_t m0) {
-        int4_tile<decltype(m_c)::value>(xp + m0 * k, sp + m0 * groups, wp, zp, k, group, t, op + m0 * n, n);
+        int4_tile<decltype(m_c)::value>(xp + m0 * k, sp + m0 * groups, wt, t, op + m0 * n, n);
       });
   });
   return out;
@@ -1962,12 +1975,13 @@ __attribute__((target("avx512f"))) inline __m512i chains_sum(const __m512i (&sum
 }
 
 // Block b's int32 sums for M rows of x (row m's nibble-ordered pairs at x + m * row_stride, its block offsets at
-// offsets + m * blocks) and T tiles (weights[t]): sums[m][t] in CHAINS chains, independent so that enough vpdpbusd
-// chains are in flight for its latency; the first starts from the block's offset, so chains_sum gives the exact sum
-// of (code - 8) * q. With more than one chain, the high nibbles stay in place (16 times their value) until then.
+// offsets + m * blocks) and T tiles (the block's chunk words in tile t at words[t]): sums[m][t] in CHAINS chains,
+// independent so that enough vpdpbusd chains are in flight for its latency; the first starts from the block's offset,
+// so chains_sum gives the exact sum of (code - 8) * q. With more than one chain, the high nibbles stay in place (16
+// times their value) until then.
 template <int M, int T, int CHAINS>
 __attribute__((target("avx512vnni")))
-inline void int4_block_sums(const int32_t* const (&weights)[T], const int32_t* x, int64_t row_stride,
+inline void int4_block_sums(const int32_t* const (&words)[T], const int32_t* x, int64_t row_stride,
                             const int32_t* offsets, int64_t blocks, int64_t b, __m512i (&sums)[M][T][CHAINS]) {
   const __m512i nibbles = _mm512_set1_epi32(0x0F0F0F0F);
   UNROLLED for (int m = 0; m < M; ++m) {
@@ -1978,12 +1992,12 @@ inline void int4_block_sums(const int32_t* const (&weights)[T], const int32_t* x
   UNROLLED for (int i = 0; i < 4; ++i) {
     const int64_t c = b * 4 + i;
     UNROLLED for (int t = 0; t < T; ++t) {
-      prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(weights[t] + c * TILE) + PREFETCH_BYTES, M);
-      __m512i words = _mm512_loadu_si512(weights[t] + c * TILE);
-      keep_in_registers(words);
-      const __m512i low = _mm512_and_si512(words, nibbles);
-      const __m512i high = CHAINS > 1 ? _mm512_andnot_si512(nibbles, words)
-                                      : _mm512_and_si512(_mm512_srli_epi32(words, 4), nibbles);
+      prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(words[t] + i * TILE) + PREFETCH_BYTES, M);
+      __m512i chunk = _mm512_loadu_si512(words[t] + i * TILE);
+      keep_in_registers(chunk);
+      const __m512i low = _mm512_and_si512(chunk, nibbles);
+      const __m512i high = CHAINS > 1 ? _mm512_andnot_si512(nibbles, chunk)
+                                      : _mm512_and_si512(_mm512_srli_epi32(chunk, 4), nibbles);
       UNROLLED for (int m = 0; m < M; ++m) {
         const int32_t* xp = x + m * row_stride + c * 2;
         __m512i& low_sum = sums[m][t][(2 * i) % CHAINS];
@@ -2014,12 +2028,11 @@ constexpr int INT4_CHAINS = M * T <= 4 ? 2 : 1;
 // T tiles at once (T weight streams, for_spans): tile first + i * step for i < T.
 template <int M, int T>
 __attribute__((target("avx512vnni")))
-void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
-                    int64_t group, int64_t first, int64_t step, at::BFloat16* out, int64_t n_total) {
-  const int64_t chunks = k / 8, groups = k / group, blocks = k / DOT_BLOCK, blocks_per_group = group / DOT_BLOCK;
+void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const Int4Tiles& w, int64_t first, int64_t step,
+                    at::BFloat16* out, int64_t n_total) {
+  const int64_t k = w.k(), chunks = k / 8, groups = w.groups, blocks = k / DOT_BLOCK;
+  const int64_t blocks_per_group = w.group / DOT_BLOCK;
   constexpr int CHAINS = INT4_CHAINS<M, T>;
-  const int32_t* base[T];
-  UNROLLED for (int t = 0; t < T; ++t) base[t] = w + (first + t * step) * chunks * TILE;
   const int32_t* x = a.pairs.data() + m0 * chunks * 2;
   const int32_t* offsets = a.offsets.data() + m0 * blocks;
   __m512 acc[M][T];
@@ -2029,9 +2042,11 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
     __m512 dots[M][T];
     UNROLLED for (int m = 0; m < M; ++m)
       UNROLLED for (int t = 0; t < T; ++t) dots[m][t] = _mm512_setzero_ps();
-    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+    for (int64_t i = 0, b = g * blocks_per_group; i < blocks_per_group; ++i, ++b) {
+      const int32_t* words[T];
+      UNROLLED for (int t = 0; t < T; ++t) words[t] = w.words(first + t * step, g) + i * 4 * TILE;
       __m512i sums[M][T][CHAINS];
-      int4_block_sums<M, T, CHAINS>(base, x, chunks * 2, offsets, blocks, b, sums);
+      int4_block_sums<M, T, CHAINS>(words, x, chunks * 2, offsets, blocks, b, sums);
       UNROLLED for (int m = 0; m < M; ++m) {
         const __m512 d = _mm512_set1_ps(a.d[(m0 + m) * blocks + b]);
         UNROLLED for (int t = 0; t < T; ++t) {
@@ -2042,9 +2057,9 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
     }
     UNROLLED for (int t = 0; t < T; ++t) {
       __m512 scale, zero;
-      int4_scale_zero(sz, first + t * step, g, scale, zero);
+      int4_scale_zero(w, first + t * step, g, scale, zero);
       UNROLLED for (int m = 0; m < M; ++m) acc[m][t] = _mm512_fmadd_ps(dots[m][t], scale, acc[m][t]);
-      if (sz.pairs) {
+      if (w.pairs) {
         UNROLLED for (int m = 0; m < M; ++m)
           acc[m][t] = _mm512_fmadd_ps(zero, _mm512_set1_ps(a.sums[(m0 + m) * groups + g]), acc[m][t]);
       }
@@ -2059,21 +2074,22 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
 // the scale handling is as long as the four chunks' products, so these few instructions are worth a loop of their own.
 template <int M, int T, bool PAIRS>
 __attribute__((target("avx512vnni")))
-void int4_dot_blocks(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
-                     int64_t first, int64_t step, at::BFloat16* out, int64_t n_total) {
-  const int64_t chunks = k / 8, blocks = k / DOT_BLOCK;
+void int4_dot_blocks(const Int4DotActivations& a, int64_t m0, const Int4Tiles& w, int64_t first, int64_t step,
+                     at::BFloat16* out, int64_t n_total) {
+  const int64_t chunks = w.k() / 8, blocks = w.k() / DOT_BLOCK;
   constexpr int CHAINS = INT4_CHAINS<M, T>;
-  constexpr int64_t LINE = TILE * (PAIRS ? 2 : 1);  // bf16 values of a tile's scales (and zeros) in one block
-  const Int4BlockWalk<T> walk(a, m0, w, sz, k, first, step);
+  const Int4BlockWalk<T> walk(a, m0, w, first, step);
   __m512 acc[M][T];
   UNROLLED for (int m = 0; m < M; ++m)
     UNROLLED for (int t = 0; t < T; ++t) acc[m][t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
+    const int32_t* words[T];
+    walk.blocks(b, words);
     __m512i sums[M][T][CHAINS];
-    int4_block_sums<M, T, CHAINS>(walk.weights, walk.x, chunks * 2, walk.offsets, blocks, b, sums);
+    int4_block_sums<M, T, CHAINS>(words, walk.x, chunks * 2, walk.offsets, blocks, b, sums);
     UNROLLED for (int t = 0; t < T; ++t) {
       __m512 scale, zero;
-      line_scale_zero<PAIRS>(walk.scales[t] + b * LINE, scale, zero);
+      line_scale_zero<PAIRS>(walk.line(t, b), scale, zero);
       UNROLLED for (int m = 0; m < M; ++m) {
         const __m512 dots = _mm512_fmadd_ps(_mm512_cvtepi32_ps(chains_sum<CHAINS>(sums[m][t])),
                                             _mm512_set1_ps(walk.d[m * blocks + b]), _mm512_setzero_ps());
@@ -2086,22 +2102,21 @@ void int4_dot_blocks(const Int4DotActivations& a, int64_t m0, const int32_t* w, 
   store_tiles<M, T>(acc, out, n_total, first, step);
 }
 
-at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
-  const int64_t tiles = w.size(0), k = w.size(1) * 8, m = x.size(0), n = tiles * TILE;
+at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, int64_t group) {
+  const Int4Tiles wt(w, group);
+  const int64_t tiles = w.size(0), k = wt.k(), m = x.size(0), n = tiles * TILE;
   Int4DotActivations& a = rounded_for_int4;
   round_rows_for_int4(x.data_ptr<at::BFloat16>(), m, k, group, a);
   auto out = kernel_output({m, n}, x.options());
-  const int32_t* wp = w.data_ptr<int32_t>();
-  const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
   parallel_streams<4>(tiles, m, [&](auto t_c, int64_t first, int64_t step) {
     constexpr int T = decltype(t_c)::value;
     // up to 8 rows of x per pass over a tile (its unpacked nibbles serve them all), fewer with more streams
     for_x_chunks<std::max<int64_t>(TWO_STREAM_ROWS, INT4_DOT_ROWS / T)>(m, [&](auto m_c, int64_t m0) {
       constexpr int M = decltype(m_c)::value;
-      if (group != DOT_BLOCK) int4_dot_tiles<M, T>(a, m0, wp, zp, k, group, first, step, op + m0 * n, n);
-      else if (zp.pairs) int4_dot_blocks<M, T, true>(a, m0, wp, zp, k, first, step, op + m0 * n, n);
-      else int4_dot_blocks<M, T, false>(a, m0, wp, zp, k, first, step, op + m0 * n, n);
+      if (group != DOT_BLOCK) int4_dot_tiles<M, T>(a, m0, wt, first, step, op + m0 * n, n);
+      else if (wt.pairs) int4_dot_blocks<M, T, true>(a, m0, wt, first, step, op + m0 * n, n);
+      else int4_dot_blocks<M, T, false>(a, m0, wt, first, step, op + m0 * n, n);
     });
   });
   return out;
@@ -2126,10 +2141,8 @@ inline __m512 int4_column_pair(const int32_t* words, int64_t c, int64_t r, __m51
   return _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), scale, zero);
 }
 
-void int4_dequantize_tile(const int32_t* w, const Int4Scales& sz, int64_t k, int64_t group, int64_t tile,
-                          at::BFloat16* out) {  // out: the tile's first row
-  const int64_t chunks = k / 8, groups = k / group, chunks_per_group = group / 8;
-  const int32_t* words = w + tile * chunks * TILE;
+void int4_dequantize_tile(const Int4Tiles& w, int64_t tile, at::BFloat16* out) {  // out: the tile's first row
+  const int64_t k = w.k(), groups = w.groups, chunks_per_group = w.chunks_per_group();
   const __m512 q_minus_8 = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
   __m512i spread[4];  // row 4l + i of a transposed block: its words sit in dwords 4l .. 4l + 3 of T_i
   for (int l = 0; l < 4; ++l) {
@@ -2142,7 +2155,7 @@ void int4_dequantize_tile(const int32_t* w, const Int4Scales& sz, int64_t k, int
   const __m512i shifts = _mm512_load_si512(shift_values);
   for (int64_t g = 0; g < groups; ++g) {
     __m512 scale_v, zero_v;
-    int4_scale_zero(sz, tile, g, scale_v, zero_v);
+    int4_scale_zero(w, tile, g, scale_v, zero_v);
     alignas(64) float scales[TILE], zeros[TILE];
     _mm512_store_ps(scales, scale_v);
     _mm512_store_ps(zeros, zero_v);
@@ -2151,9 +2164,10 @@ void int4_dequantize_tile(const int32_t* w, const Int4Scales& sz, int64_t k, int
       const __m512 values = _mm512_fmadd_ps(q_minus_8, _mm512_set1_ps(scales[r]), _mm512_set1_ps(zeros[r]));
       table[r] = (__m512i)_mm512_cvtne2ps_pbh(values, values);
     }
-    const int64_t c_begin = g * chunks_per_group, c_end = c_begin + chunks_per_group;
-    int64_t c = c_begin;
-    for (; c + 4 <= c_end; c += 4) {  // 32 columns x 16 rows
+    const int32_t* words = w.words(tile, g);  // chunk i at words + i * TILE
+    at::BFloat16* group_out = out + g * w.group;
+    int64_t c = 0;
+    for (; c + 4 <= chunks_per_group; c += 4) {  // 32 columns x 16 rows
       const int32_t* block = words + c * TILE;
       const __m512i a = _mm512_loadu_si512(block), b = _mm512_loadu_si512(block + TILE);
       const __m512i cc = _mm512_loadu_si512(block + 2 * TILE), d = _mm512_loadu_si512(block + 3 * TILE);
@@ -2163,17 +2177,17 @@ void int4_dequantize_tile(const int32_t* w, const Int4Scales& sz, int64_t k, int
                             _mm512_unpacklo_epi64(ab_hi, cd_hi), _mm512_unpackhi_epi64(ab_hi, cd_hi)};
       for (int r = 0; r < TILE; ++r) {
         const __m512i nibbles = _mm512_srlv_epi16(_mm512_permutexvar_epi16(spread[r >> 2], t[r & 3]), shifts);
-        _mm512_storeu_si512(out + r * k + c * 8, _mm512_permutexvar_epi16(nibbles, table[r]));
+        _mm512_storeu_si512(group_out + r * k + c * 8, _mm512_permutexvar_epi16(nibbles, table[r]));
       }
     }
-    for (int r = 0; c < c_end && r < TILE; ++r) {  // 8 to 24 columns left: group not a multiple of 32
+    for (int r = 0; c < chunks_per_group && r < TILE; ++r) {  // 8 to 24 columns left: group not a multiple of 32
       const __m512 scale = _mm512_set1_ps(scales[r]), zero = _mm512_set1_ps(zeros[r]);
-      at::BFloat16* row = out + r * k;
+      at::BFloat16* row = group_out + r * k;
       int64_t left = c;
-      for (; left + 2 <= c_end; left += 2)
+      for (; left + 2 <= chunks_per_group; left += 2)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + left * 8),
                             (__m256i)_mm512_cvtneps_pbh(int4_column_pair(words, left, r, scale, zero)));
-      if (left < c_end)
+      if (left < chunks_per_group)
         _mm_storeu_si128(reinterpret_cast<__m128i*>(row + left * 8),
                          _mm256_castsi256_si128((__m256i)_mm512_cvtneps_pbh(
                              int4_column_pair(words, left, r, scale, zero, true))));
@@ -2182,13 +2196,10 @@ void int4_dequantize_tile(const int32_t* w, const Int4Scales& sz, int64_t k, int
 }
 
 // Tiles first .. end - 1 into out (row-major bf16, from the first tile's first row).
-void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t group, int64_t first, int64_t end,
-                          at::BFloat16* out) {
-  const int64_t k = w.size(1) * 8;
-  const int32_t* wp = w.data_ptr<int32_t>();
-  const Int4Scales zp(sz);
+void int4_dequantize_into(const at::Tensor& w, int64_t group, int64_t first, int64_t end, at::BFloat16* out) {
+  const Int4Tiles wt(w, group);
   at::parallel_for(first, end, 1, [&](int64_t begin, int64_t stop) {
-    for (int64_t t = begin; t < stop; ++t) int4_dequantize_tile(wp, zp, k, group, t, out + (t - first) * TILE * k);
+    for (int64_t t = begin; t < stop; ++t) int4_dequantize_tile(wt, t, out + (t - first) * TILE * wt.k());
   });
 }
 
@@ -3377,7 +3388,7 @@ std::vector<float> group_sums(const float* x, int64_t m, int64_t k, int64_t grou
   return sums;
 }
 
-// Tile half h's (scale, zero) from one line of its scales (Int4Scales::line): its 8 rows' bf16 (scale, zero) pairs
+// Tile half h's (scale, zero) from one line of its scales (Int4Tiles::line): its 8 rows' bf16 (scale, zero) pairs
 // (scale in each dword's low half) where PAIRS, else scales alone (zero 0).
 template <bool PAIRS>
 inline void half_line_scale_zero(const at::BFloat16* line, int h, __m256& scale, __m256& zero) {
@@ -3392,9 +3403,9 @@ inline void half_line_scale_zero(const at::BFloat16* line, int h, __m256& scale,
 }
 
 // Tile half h's (scale, zero) in group g.
-inline void half_scale_zero(const Int4Scales& sz, int64_t tile, int64_t g, int h, __m256& scale, __m256& zero) {
-  if (sz.pairs) return half_line_scale_zero<true>(sz.line(tile, g), h, scale, zero);
-  half_line_scale_zero<false>(sz.line(tile, g), h, scale, zero);
+inline void half_scale_zero(const Int4Tiles& w, int64_t tile, int64_t g, int h, __m256& scale, __m256& zero) {
+  if (w.pairs) return half_line_scale_zero<true>(w.line(tile, g), h, scale, zero);
+  half_line_scale_zero<false>(w.line(tile, g), h, scale, zero);
 }
 
 // M rows of a tile's 16 outputs (two halves of 8), rounded to bf16.
@@ -3409,11 +3420,9 @@ inline void store_tile(const __m256 acc[M][2], at::BFloat16* out, int64_t n_tota
 }
 
 template <int M>
-void int4_tile(const float* x, const float* xsum, const int32_t* w, const Int4Scales& sz, int64_t k, int64_t group,
-               int64_t tile, at::BFloat16* out, int64_t n_total) {
-  const int64_t chunks = k / 8, groups = k / group, chunks_per_group = group / 8;
-  const int32_t* base = w + tile * chunks * TILE;
-  const char* stream = reinterpret_cast<const char*>(base);
+void int4_tile(const float* x, const float* xsum, const Int4Tiles& w, int64_t tile, at::BFloat16* out,
+               int64_t n_total) {
+  const int64_t k = w.k(), groups = w.groups, chunks_per_group = w.chunks_per_group();
   const __m256i nibble = _mm256_set1_epi32(0x000F0000), one = _mm256_set1_epi32(0x3F800000);
   __m256 acc[M][2];
   UNROLLED for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
@@ -3421,10 +3430,11 @@ void int4_tile(const float* x, const float* xsum, const int32_t* w, const Int4Sc
     __m256 dot[M][2][2];  // [x row][half][even/odd slot]: independent dependency chains
     UNROLLED for (int m = 0; m < M; ++m)
       for (int h = 0; h < 2; ++h) dot[m][h][0] = dot[m][h][1] = _mm256_setzero_ps();
-    for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
-      prefetch<PREFETCH_INT4>(stream + c * 64 + PREFETCH_BYTES, M);
-      const __m256i q[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + c * TILE)),
-                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base + c * TILE + 8))};
+    const int32_t* words = w.words(tile, g);
+    for (int64_t i = 0, c = g * chunks_per_group; i < chunks_per_group; ++i, ++c) {
+      prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(words + i * TILE) + PREFETCH_BYTES, M);
+      const __m256i q[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + i * TILE)),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words + i * TILE + 8))};
       for (int s = 0; s < 8; ++s) {
         __m256 v[2];
         for (int h = 0; h < 2; ++h) {
@@ -3440,7 +3450,7 @@ void int4_tile(const float* x, const float* xsum, const int32_t* w, const Int4Sc
     }
     for (int h = 0; h < 2; ++h) {
       __m256 scale, zero;
-      half_scale_zero(sz, tile, g, h, scale, zero);
+      half_scale_zero(w, tile, g, h, scale, zero);
       const __m256 offset = _mm256_fnmadd_ps(scale, _mm256_set1_ps(136.0f), zero);
       const __m256 dot_scale = _mm256_mul_ps(scale, _mm256_set1_ps(128.0f));
       UNROLLED for (int m = 0; m < M; ++m) {
@@ -3452,21 +3462,20 @@ void int4_tile(const float* x, const float* xsum, const int32_t* w, const Int4Sc
   store_tile<M>(acc, out, n_total, tile);
 }
 
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
-  const int64_t tiles = w.size(0), k = w.size(1) * 8, m = x.size(0), n = tiles * TILE;
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, int64_t group) {
+  const Int4Tiles wt(w, group);
+  const int64_t tiles = w.size(0), k = wt.k(), m = x.size(0), n = tiles * TILE;
   const at::Tensor xf = to_float(x);
   const float* xp = xf.data_ptr<float>();
   const std::vector<float> xsum = group_sums(xp, m, k, group);
   auto out = kernel_output({m, n}, x.options());
   const float* sp = xsum.data();
-  const int32_t* wp = w.data_ptr<int32_t>();
-  const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
-  const int64_t groups = k / group;
+  const int64_t groups = wt.groups;
   parallel_units(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for_x_chunks<X_ROWS>(m, [&](auto m_c, int64_t m0) {
-        int4_tile<decltype(m_c)::value>(xp + m0 * k, sp + m0 * groups, wp, zp, k, group, t, op + m0 * n, n);
+        int4_tile<decltype(m_c)::value>(xp + m0 * k, sp + m0 * groups, wt, t, op + m0 * n, n);
       });
   });
   return out;
@@ -3493,10 +3502,10 @@ inline void store_tiles(const __m256 (&acc)[M][T][2], at::BFloat16* out, int64_t
   }
 }
 
-// Block b's sums for M rows of x (row m's nibble-ordered pairs at x + m * row_stride) and T tiles (weights[t]), per
-// half of 8 rows: sums[m][t][h], 16-bit pair sums (with VNNI int32 sums) of code * q.
+// Block b's sums for M rows of x (row m's nibble-ordered pairs at x + m * row_stride) and T tiles (the block's chunk
+// words in tile t at words[t]), per half of 8 rows: sums[m][t][h], 16-bit pair sums (with VNNI int32 sums) of code * q.
 template <bool VNNI, int M, int T>
-inline void int4_block_sums(const int32_t* const (&weights)[T], const int32_t* x, int64_t row_stride, int64_t b,
+inline void int4_block_sums(const int32_t* const (&words)[T], const int32_t* x, int64_t row_stride, int64_t b,
                             __m256i (&sums)[M][T][2]) {
   const __m256i nibbles = _mm256_set1_epi8(0x0F);
   UNROLLED for (int m = 0; m < M; ++m)
@@ -3504,11 +3513,11 @@ inline void int4_block_sums(const int32_t* const (&weights)[T], const int32_t* x
   UNROLLED for (int i = 0; i < 4; ++i) {
     const int64_t c = b * 4 + i;
     UNROLLED for (int t = 0; t < T; ++t) {
-      prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(weights[t] + c * TILE) + PREFETCH_BYTES, M);
+      prefetch<PREFETCH_INT4>(reinterpret_cast<const char*>(words[t] + i * TILE) + PREFETCH_BYTES, M);
       UNROLLED for (int h = 0; h < 2; ++h) {
-        const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(weights[t] + c * TILE + 8 * h));
-        const __m256i low = _mm256_and_si256(words, nibbles);
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi32(words, 4), nibbles);
+        const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(words[t] + i * TILE + 8 * h));
+        const __m256i low = _mm256_and_si256(half, nibbles);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi32(half, 4), nibbles);
         UNROLLED for (int m = 0; m < M; ++m) {
           const int32_t* xp = x + m * row_stride + c * 2;
           const __m256i x_low = _mm256_set1_epi32(xp[0]), x_high = _mm256_set1_epi32(xp[1]);
@@ -3534,11 +3543,10 @@ inline __m256 int4_block_dot(__m256i sums, int32_t offset) {
 }
 
 template <bool VNNI, int M, int T>  // T tiles at once: first + i * step (for_spans)
-void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
-                    int64_t group, int64_t first, int64_t step, at::BFloat16* out, int64_t n_total) {
-  const int64_t chunks = k / 8, groups = k / group, blocks = k / DOT_BLOCK, blocks_per_group = group / DOT_BLOCK;
-  const int32_t* base[T];
-  UNROLLED for (int t = 0; t < T; ++t) base[t] = w + (first + t * step) * chunks * TILE;
+void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const Int4Tiles& w, int64_t first, int64_t step,
+                    at::BFloat16* out, int64_t n_total) {
+  const int64_t k = w.k(), chunks = k / 8, groups = w.groups, blocks = k / DOT_BLOCK;
+  const int64_t blocks_per_group = w.group / DOT_BLOCK;
   __m256 acc[M][T][2];
   UNROLLED for (int m = 0; m < M; ++m)
     UNROLLED for (int t = 0; t < T; ++t) acc[m][t][0] = acc[m][t][1] = _mm256_setzero_ps();
@@ -3546,9 +3554,11 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
     __m256 dots[M][T][2];
     UNROLLED for (int m = 0; m < M; ++m)
       UNROLLED for (int t = 0; t < T; ++t) dots[m][t][0] = dots[m][t][1] = _mm256_setzero_ps();
-    for (int64_t b = g * blocks_per_group; b < (g + 1) * blocks_per_group; ++b) {
+    for (int64_t i = 0, b = g * blocks_per_group; i < blocks_per_group; ++i, ++b) {
+      const int32_t* words[T];
+      UNROLLED for (int t = 0; t < T; ++t) words[t] = w.words(first + t * step, g) + i * 4 * TILE;
       __m256i sums[M][T][2];  // [x row][tile][half]
-      int4_block_sums<VNNI, M, T>(base, a.pairs.data() + m0 * chunks * 2, chunks * 2, b, sums);
+      int4_block_sums<VNNI, M, T>(words, a.pairs.data() + m0 * chunks * 2, chunks * 2, b, sums);
       UNROLLED for (int m = 0; m < M; ++m) {
         const __m256 d = _mm256_set1_ps(a.d[(m0 + m) * blocks + b]);
         const int32_t offset = a.offsets[(m0 + m) * blocks + b];
@@ -3560,9 +3570,9 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
     UNROLLED for (int t = 0; t < T; ++t)
       UNROLLED for (int h = 0; h < 2; ++h) {
         __m256 scale, zero;
-        half_scale_zero(sz, first + t * step, g, h, scale, zero);
+        half_scale_zero(w, first + t * step, g, h, scale, zero);
         UNROLLED for (int m = 0; m < M; ++m) acc[m][t][h] = _mm256_fmadd_ps(dots[m][t][h], scale, acc[m][t][h]);
-        if (sz.pairs) {
+        if (w.pairs) {
           UNROLLED for (int m = 0; m < M; ++m)
             acc[m][t][h] = _mm256_fmadd_ps(zero, _mm256_set1_ps(a.sums[(m0 + m) * groups + g]), acc[m][t][h]);
         }
@@ -3575,21 +3585,22 @@ void int4_dot_tiles(const Int4DotActivations& a, int64_t m0, const int32_t* w, c
 // bits, without the group loop around the block loop; streams and rows are walked by the block index, and whether the
 // scales come with zeros is fixed at compile time (as the AVX-512 kernel's int4_dot_blocks).
 template <bool VNNI, int M, int T, bool PAIRS>
-void int4_dot_blocks(const Int4DotActivations& a, int64_t m0, const int32_t* w, const Int4Scales& sz, int64_t k,
-                     int64_t first, int64_t step, at::BFloat16* out, int64_t n_total) {
-  const int64_t chunks = k / 8, blocks = k / DOT_BLOCK;
-  constexpr int64_t LINE = TILE * (PAIRS ? 2 : 1);  // bf16 values of a tile's scales (and zeros) in one block
-  const Int4BlockWalk<T> walk(a, m0, w, sz, k, first, step);
+void int4_dot_blocks(const Int4DotActivations& a, int64_t m0, const Int4Tiles& w, int64_t first, int64_t step,
+                     at::BFloat16* out, int64_t n_total) {
+  const int64_t chunks = w.k() / 8, blocks = w.k() / DOT_BLOCK;
+  const Int4BlockWalk<T> walk(a, m0, w, first, step);
   __m256 acc[M][T][2];
   UNROLLED for (int m = 0; m < M; ++m)
     UNROLLED for (int t = 0; t < T; ++t) acc[m][t][0] = acc[m][t][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
+    const int32_t* words[T];
+    walk.blocks(b, words);
     __m256i sums[M][T][2];  // [x row][tile][half]
-    int4_block_sums<VNNI, M, T>(walk.weights, walk.x, chunks * 2, b, sums);
+    int4_block_sums<VNNI, M, T>(words, walk.x, chunks * 2, b, sums);
     UNROLLED for (int t = 0; t < T; ++t)
       UNROLLED for (int h = 0; h < 2; ++h) {
         __m256 scale, zero;
-        half_line_scale_zero<PAIRS>(walk.scales[t] + b * LINE, h, scale, zero);
+        half_line_scale_zero<PAIRS>(walk.line(t, b), h, scale, zero);
         UNROLLED for (int m = 0; m < M; ++m) {
           const __m256 dots = _mm256_fmadd_ps(int4_block_dot<VNNI>(sums[m][t][h], walk.offsets[m * blocks + b]),
                                               _mm256_set1_ps(walk.d[m * blocks + b]), _mm256_setzero_ps());
@@ -3603,22 +3614,21 @@ void int4_dot_blocks(const Int4DotActivations& a, int64_t m0, const int32_t* w, 
 }
 
 template <bool VNNI>
-at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
-  const int64_t tiles = w.size(0), k = w.size(1) * 8, m = x.size(0), n = tiles * TILE;
+at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, int64_t group) {
+  const Int4Tiles wt(w, group);
+  const int64_t tiles = w.size(0), k = wt.k(), m = x.size(0), n = tiles * TILE;
   const DotRows rows = round_rows(x.data_ptr<at::BFloat16>(), m, k);
   Int4DotActivations& a = rounded_for_int4;
   int4_dot_activations(rows.q.data(), k, rows.d.data(), m, k, group, a);
   auto out = kernel_output({m, n}, x.options());
-  const int32_t* wp = w.data_ptr<int32_t>();
-  const Int4Scales zp(sz);
   auto* op = out.data_ptr<at::BFloat16>();
   parallel_streams(tiles, m, [&](auto t_c, int64_t first, int64_t step) {
     constexpr int T = decltype(t_c)::value;
     for_x_chunks<MAX_ROWS / T>(m, [&](auto m_c, int64_t m0) {  // 4 rows x 1 tile: 8 sums in the 16 registers
       constexpr int M = decltype(m_c)::value;
-      if (group != DOT_BLOCK) int4_dot_tiles<VNNI, M, T>(a, m0, wp, zp, k, group, first, step, op + m0 * n, n);
-      else if (zp.pairs) int4_dot_blocks<VNNI, M, T, true>(a, m0, wp, zp, k, first, step, op + m0 * n, n);
-      else int4_dot_blocks<VNNI, M, T, false>(a, m0, wp, zp, k, first, step, op + m0 * n, n);
+      if (group != DOT_BLOCK) int4_dot_tiles<VNNI, M, T>(a, m0, wt, first, step, op + m0 * n, n);
+      else if (wt.pairs) int4_dot_blocks<VNNI, M, T, true>(a, m0, wt, first, step, op + m0 * n, n);
+      else int4_dot_blocks<VNNI, M, T, false>(a, m0, wt, first, step, op + m0 * n, n);
     });
   });
   return out;
@@ -3660,32 +3670,29 @@ inline __m256 f32x8_rounded(__m256 v) {
 
 // One tile row's chunk (8 columns) at a time: the word broadcast to 8 lanes, each lane shifted to its column's
 // nibble (column j sits in slot ORDER^-1[j]), then (q - 8) * scale + zero in float32 and rounded to bf16.
-void int4_dequantize_tile(const int32_t* w, const Int4Scales& sz, int64_t k, int64_t group, int64_t tile,
-                          at::BFloat16* out) {  // out: the tile's first row
-  const int64_t chunks = k / 8, groups = k / group, chunks_per_group = group / 8;
-  const int32_t* words = w + tile * chunks * TILE;
+void int4_dequantize_tile(const Int4Tiles& w, int64_t tile, at::BFloat16* out) {  // out: the tile's first row
+  const int64_t k = w.k(), groups = w.groups, chunks_per_group = w.chunks_per_group();
   const __m256i shifts = _mm256_setr_epi32(0, 16, 4, 20, 8, 24, 12, 28), nibble = _mm256_set1_epi32(15);
   const __m256i eight = _mm256_set1_epi32(8);
-  for (int64_t g = 0; g < groups; ++g)
+  for (int64_t g = 0; g < groups; ++g) {
+    const int32_t* words = w.words(tile, g);
     for (int r = 0; r < TILE; ++r) {
-      const __m256 scale = _mm256_set1_ps(sz.scale(tile, g, r)), zero = _mm256_set1_ps(sz.zero(tile, g, r));
-      at::BFloat16* row = out + r * k;
-      for (int64_t c = g * chunks_per_group; c < (g + 1) * chunks_per_group; ++c) {
+      const __m256 scale = _mm256_set1_ps(w.scale(tile, g, r)), zero = _mm256_set1_ps(w.zero(tile, g, r));
+      at::BFloat16* row = out + r * k + g * w.group;
+      for (int64_t c = 0; c < chunks_per_group; ++c) {
         const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(words[c * TILE + r]), shifts), nibble);
         const __m256 value = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(q, eight)), scale, zero);
         _mm_storeu_si128(reinterpret_cast<__m128i*>(row + c * 8), f32x8_to_bf16(value));
       }
     }
+  }
 }
 
 // Tiles first .. end - 1 into out (row-major bf16, from the first tile's first row).
-void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t group, int64_t first, int64_t end,
-                          at::BFloat16* out) {
-  const int64_t k = w.size(1) * 8;
-  const int32_t* wp = w.data_ptr<int32_t>();
-  const Int4Scales zp(sz);
+void int4_dequantize_into(const at::Tensor& w, int64_t group, int64_t first, int64_t end, at::BFloat16* out) {
+  const Int4Tiles wt(w, group);
   at::parallel_for(first, end, 1, [&](int64_t begin, int64_t stop) {
-    for (int64_t t = begin; t < stop; ++t) int4_dequantize_tile(wp, zp, k, group, t, out + (t - first) * TILE * k);
+    for (int64_t t = begin; t < stop; ++t) int4_dequantize_tile(wt, t, out + (t - first) * TILE * wt.k());
   });
 }
 
@@ -4408,23 +4415,23 @@ at::Tensor int8_dot16_gemv_grouped(const at::Tensor& x, const at::Tensor& w, con
   return avx2::int8_dot16_gemv_grouped(x, w, scales);
 }
 
-at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& w, int64_t group) {
   check_isa("int4_gemv");
-  check_int4_tiles(w, sz, group, "int4_gemv");
-  check_rows(x, w.size(1) * 8, "int4_gemv");
-  return isa() >= ISA_AVX512 ? avx512::int4_gemv(x, w, sz, group) : avx2::int4_gemv(x, w, sz, group);
+  check_int4_tiles(w, group, "int4_gemv");
+  check_rows(x, w.size(1) * group, "int4_gemv");
+  return isa() >= ISA_AVX512 ? avx512::int4_gemv(x, w, group) : avx2::int4_gemv(x, w, group);
 }
 
 // int4 decode rows with x rounded to int8 per block of 32 and integer dot products (AVX512-VNNI where vnni_ready(),
 // else vpmaddubsw) where the group is whole blocks; else (and from AMX_MIN_ROWS rows on AMX) int4_gemv on x as it is.
-at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+at::Tensor int4_dot_gemv(const at::Tensor& x, const at::Tensor& w, int64_t group) {
   check_isa("int4_dot_gemv");
-  check_int4_tiles(w, sz, group, "int4_dot_gemv");
-  check_rows(x, w.size(1) * 8, "int4_dot_gemv");
+  check_int4_tiles(w, group, "int4_dot_gemv");
+  check_rows(x, w.size(1) * group, "int4_dot_gemv");
   const bool tiles = x.size(0) >= avx512::INT4_DOT_AMX_MIN_ROWS && group % avx512::AMX_COLUMNS == 0 && amx_ready();
-  if (!int4_dot_ready() || group % DOT_BLOCK != 0 || tiles) return int4_gemv(x, w, sz, group);
-  if (vnni_ready()) return avx512::int4_dot_gemv(x, w, sz, group);
-  return avx_vnni_ready() ? avx2::int4_dot_gemv<true>(x, w, sz, group) : avx2::int4_dot_gemv<false>(x, w, sz, group);
+  if (!int4_dot_ready() || group % DOT_BLOCK != 0 || tiles) return int4_gemv(x, w, group);
+  if (vnni_ready()) return avx512::int4_dot_gemv(x, w, group);
+  return avx_vnni_ready() ? avx2::int4_dot_gemv<true>(x, w, group) : avx2::int4_dot_gemv<false>(x, w, group);
 }
 
 void int8_to_bf16_into(const int8_t* src, int64_t numel, at::BFloat16* dst) {
@@ -4432,17 +4439,16 @@ void int8_to_bf16_into(const int8_t* src, int64_t numel, at::BFloat16* dst) {
   else avx2::int8_to_bf16_into(src, numel, dst);
 }
 
-void int4_dequantize_into(const at::Tensor& w, const at::Tensor& sz, int64_t group, int64_t first, int64_t end,
-                          at::BFloat16* out) {
-  if (isa() >= ISA_AVX512) avx512::int4_dequantize_into(w, sz, group, first, end, out);
-  else avx2::int4_dequantize_into(w, sz, group, first, end, out);
+void int4_dequantize_into(const at::Tensor& w, int64_t group, int64_t first, int64_t end, at::BFloat16* out) {
+  if (isa() >= ISA_AVX512) avx512::int4_dequantize_into(w, group, first, end, out);
+  else avx2::int4_dequantize_into(w, group, first, end, out);
 }
 
-at::Tensor int4_dequantize(const at::Tensor& w, const at::Tensor& sz, int64_t group) {
+at::Tensor int4_dequantize(const at::Tensor& w, int64_t group) {
   check_isa("int4_dequantize");
-  check_int4_tiles(w, sz, group, "int4_dequantize");
-  auto out = at::empty({w.size(0) * TILE, w.size(1) * 8}, w.options().dtype(at::kBFloat16));
-  int4_dequantize_into(w, sz, group, 0, w.size(0), out.data_ptr<at::BFloat16>());
+  check_int4_tiles(w, group, "int4_dequantize");
+  auto out = at::empty({w.size(0) * TILE, w.size(1) * group}, w.options().dtype(at::kBFloat16));
+  int4_dequantize_into(w, group, 0, w.size(0), out.data_ptr<at::BFloat16>());
   return out;
 }
 
@@ -4548,21 +4554,21 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w_in, const at::Te
   return at::linear(x, weight) * scales;
 }
 
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& sz, int64_t group, bool widen) {
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& w, int64_t group, bool widen) {
   check_isa("int4_linear");
-  check_int4_tiles(w, sz, group, "int4_linear");
-  const int64_t n = w.size(0) * TILE, k = w.size(1) * 8;
+  check_int4_tiles(w, group, "int4_linear");
+  const int64_t n = w.size(0) * TILE, k = w.size(1) * group;
   check_rows(x, k, "int4_linear");
   std::lock_guard<std::mutex> lock(prefill_mutex);
   if (widen) {
     return widened_gemms(x, n, TILE, [&](int64_t first, int64_t rows, at::Tensor& slab) {
       const at::Tensor weight = prefill_weight(rows, k);
-      int4_dequantize_into(w, sz, group, first / TILE, (first + rows) / TILE, weight.data_ptr<at::BFloat16>());
+      int4_dequantize_into(w, group, first / TILE, (first + rows) / TILE, weight.data_ptr<at::BFloat16>());
       slab.copy_(weight);
     }).to(x.scalar_type());
   }
   const at::Tensor weight = prefill_weight(n, k);
-  int4_dequantize_into(w, sz, group, 0, w.size(0), weight.data_ptr<at::BFloat16>());
+  int4_dequantize_into(w, group, 0, w.size(0), weight.data_ptr<at::BFloat16>());
   return at::linear(x, weight);
 }
 
@@ -4683,8 +4689,8 @@ void layer_gemv_into(const LayerLinear& l, const at::Tensor& x, const at::Tensor
       case GEMV_INT8: int8_gemv(x, l.w, l.scales); break;
       case GEMV_INT8_DOT: int8_dot_gemv(x, l.w, l.scales); break;
       case GEMV_INT8_DOT16: int8_dot16_gemv(x, l.w, l.scales); break;
-      case GEMV_INT4: int4_gemv(x, l.w, l.scales, l.group); break;
-      case GEMV_INT4_DOT: int4_dot_gemv(x, l.w, l.scales, l.group); break;
+      case GEMV_INT4: int4_gemv(x, l.w, l.group); break;
+      case GEMV_INT4_DOT: int4_dot_gemv(x, l.w, l.group); break;
       default: {
         const int64_t kept = kept_group(l.group);
         thread_local std::vector<at::BFloat16> spread;
@@ -4712,8 +4718,9 @@ void take_linear_tensors(LayerLinear& l, const c10::List<std::optional<at::Tenso
   const std::optional<at::Tensor> w = tensors.get(first);
   const std::optional<at::Tensor> scales = tensors.get(first + 1);
   const std::optional<at::Tensor> bias = tensors.get(first + 2);
-  TORCH_CHECK(w.has_value() && (l.kind == GEMV_BF16 || scales.has_value()), who, " needs its weight",
-              l.kind == GEMV_BF16 ? "" : " and scales");
+  const bool own_scales = l.kind == GEMV_BF16 || int4_kind(l.kind);  // int4 tiles hold their scales
+  TORCH_CHECK(w.has_value() && (own_scales || scales.has_value()), who, " needs its weight",
+              own_scales ? "" : " and scales");
   l.w = *w;
   if (scales) l.scales = *scales;
   if (bias) l.bias = *bias;
@@ -4780,7 +4787,7 @@ void check_layer_inputs(const at::Tensor& x, const at::Tensor& keys, const at::T
 // A linear's [outputs, inputs] as its GEMV reads them (int4 tiles: 16 rows a tile, 8 columns a word; grouped int8:
 // each group's padding left out).
 std::pair<int64_t, int64_t> linear_shape(const LayerLinear& l) {
-  if (int4_kind(l.kind)) return {l.w.size(0) * TILE, l.w.size(1) * 8};
+  if (int4_kind(l.kind)) return {l.w.size(0) * TILE, l.w.size(1) * l.group};
   if (grouped_kind(l.kind) && l.group > 0) return {l.w.size(0), l.w.size(1) / kept_group(l.group) * l.group};
   return {l.w.size(0), l.w.size(1)};
 }
@@ -4790,7 +4797,7 @@ void check_layer_linear(const LayerLinear& l, const std::string& name) {
   if (l.kind == GEMV_BF16) {
     check_bf16_weight(l.w, name.c_str());
   } else if (int4_kind(l.kind)) {
-    check_int4_tiles(l.w, l.scales, l.group, name.c_str());
+    check_int4_tiles(l.w, l.group, name.c_str());
   } else if (grouped_kind(l.kind)) {
     check_int8_grouped_weight(l.w, l.scales, name.c_str());
     TORCH_CHECK(l.group >= 0 && (l.group == 0 || l.w.size(1) == l.scales.size(1) * kept_group(l.group)), name,
@@ -5628,14 +5635,14 @@ TORCH_LIBRARY(splice_kernels, lib) {
   lib.def("int8_dot_gemv_grouped(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int8_dot16_gemv(Tensor x, Tensor w, Tensor scales) -> Tensor");
   lib.def("int8_dot16_gemv_grouped(Tensor x, Tensor w, Tensor scales) -> Tensor");
-  lib.def("int4_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
-  lib.def("int4_dot_gemv(Tensor x, Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
+  lib.def("int4_gemv(Tensor x, Tensor w, int group) -> Tensor");
+  lib.def("int4_dot_gemv(Tensor x, Tensor w, int group) -> Tensor");
   lib.def("stream_read(Tensor t, int streams=4, bool prefetch=True) -> int");
   lib.def("gptq_columns(Tensor(a!) w, Tensor hinv, int first, int end, Tensor scales, Tensor zeros, "
           "Tensor(b!) codes, Tensor(c!) errors) -> ()");
-  lib.def("int4_dequantize(Tensor w, Tensor scales_and_zeros, int group) -> Tensor");
+  lib.def("int4_dequantize(Tensor w, int group) -> Tensor");
   lib.def("int8_linear(Tensor x, Tensor w, Tensor scales, bool widen=False) -> Tensor");
-  lib.def("int4_linear(Tensor x, Tensor w, Tensor scales_and_zeros, int group, bool widen=False) -> Tensor");
+  lib.def("int4_linear(Tensor x, Tensor w, int group, bool widen=False) -> Tensor");
   lib.def("widened_linear(Tensor x, Tensor w) -> Tensor");
   lib.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
   lib.def("decode_attention_sinks(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale, Tensor sinks) -> Tensor");

@@ -181,42 +181,39 @@ def int4_padded_shape(out_features: int, in_features: int, group: int, device: t
     return -(-out_features // n_multiple) * n_multiple, -(-in_features // k_multiple) * k_multiple
 
 
-def int4_pack(q: torch.Tensor, use_native: bool = False) -> torch.Tensor:
-    """``q [N, K]`` (0..15, already padded) -> the kernel layout: splice's native tiles (``use_native``, CPU), else
-    torch's layout for ``q``'s device."""
+def int4_pack(q: torch.Tensor, scales_and_zeros: torch.Tensor,
+              use_native: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [N, K]`` (0..15, already padded) and the saved ``scales_and_zeros [K / group, N, 2]`` -> ``(packed,
+    packed_scales)`` as :func:`int4_mm` reads them: splice's native tiles (``use_native``, CPU) hold the scales
+    beside the weight (``packed_scales`` empty), torch's layout for ``q``'s device keeps them apart, in bf16."""
     if use_native:
-        return native.int4_tile_pack(q)
+        return native.int4_tile_pack(q, scales_and_zeros), scales_and_zeros.new_empty(0, dtype=COMPUTE_DTYPE)
+    scales = scales_and_zeros.to(COMPUTE_DTYPE)
     if q.device.type == "cuda":
-        return torch._convert_weight_to_int4pack(qmath.pack_nibbles(q), CUDA_INNER_K_TILES)
-    return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        return torch._convert_weight_to_int4pack(qmath.pack_nibbles(q), CUDA_INNER_K_TILES), scales
+    return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1), scales
 
 
-def int4_pack_scales(scales_and_zeros: torch.Tensor, use_native: bool = False) -> torch.Tensor:
-    """Saved ``scales_and_zeros [K / group, N, 2]`` -> the bf16 form :func:`int4_mm` reads (tiled for native)."""
-    if use_native:
-        return native.int4_tile_scales(scales_and_zeros)
-    return scales_and_zeros.to(COMPUTE_DTYPE)
-
-
-def int4_unpack_scales(packed_scales: torch.Tensor, use_native: bool = False) -> torch.Tensor:
-    """Inverse of :func:`int4_pack_scales`: ``[K / group, N, 2]``."""
-    return native.int4_untile_scales(packed_scales) if use_native else packed_scales
+def int4_unpack_scales(packed: torch.Tensor, packed_scales: torch.Tensor, use_native: bool = False) -> torch.Tensor:
+    """The saved ``scales_and_zeros [K / group, N, 2]`` of :func:`int4_pack`'s pair."""
+    return native.int4_untile_scales(packed) if use_native else packed_scales
 
 
 def int4_mm(x: torch.Tensor, packed: torch.Tensor, group: int, scales_and_zeros: torch.Tensor,
             use_native: bool = False, dot_products: bool = False, widen: bool = False) -> torch.Tensor:
-    """``x [M, K] bf16`` times the int4 weight packed by :func:`int4_pack` (same ``use_native``), scales and zeros
-    from :func:`int4_pack_scales`. Native tiles: ``int4_gemv`` up to ``native.MAX_ROWS["int4"]`` rows (with
-    ``dot_products``, ``int4_dot_gemv`` up to ``native.MAX_ROWS["int4_dot"]``: x rounded to int8 per block of 32,
-    integer dot products), above that ``int4_linear`` (the weight de-quantised into the kept bf16 buffer for one
-    oneDNN/AMX GEMM; with ``widen``, slab by slab, widened, for float32 GEMMs)."""
+    """``x [M, K] bf16`` times the int4 weight packed by :func:`int4_pack` (same ``use_native``), with the scales and
+    zeros it gave (native tiles hold their own, and ``scales_and_zeros`` is not read). Native tiles: ``int4_gemv`` up
+    to ``native.MAX_ROWS["int4"]`` rows (with ``dot_products``, ``int4_dot_gemv`` up to
+    ``native.MAX_ROWS["int4_dot"]``: x rounded to int8 per block of 32, integer dot products), above that
+    ``int4_linear`` (the weight de-quantised into the kept bf16 buffer for one oneDNN/AMX GEMM; with ``widen``, slab
+    by slab, widened, for float32 GEMMs)."""
     if use_native:
         if x.shape[0] == 0:  # the native ops take at least one row
             return x.new_empty((0, packed.shape[0] * native.INT4_TILE))
         if x.shape[0] <= native.MAX_ROWS["int4_dot" if dot_products else "int4"]:
             op = torch.ops.splice_kernels.int4_dot_gemv if dot_products else torch.ops.splice_kernels.int4_gemv
-            return op(x, packed, scales_and_zeros, group)
-        return torch.ops.splice_kernels.int4_linear(x, packed, scales_and_zeros, group, widen)
+            return op(x, packed, group)
+        return torch.ops.splice_kernels.int4_linear(x, packed, group, widen)
     if x.device.type == "cuda":
         return torch._weight_int4pack_mm(x, packed, group, scales_and_zeros)
     return torch._weight_int4pack_mm_for_cpu(x, packed, group, scales_and_zeros)

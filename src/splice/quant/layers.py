@@ -311,8 +311,9 @@ class Int4WeightOnlyLinear(_RepackedWeight):
 
     ``N`` and ``K`` are zero-padded to what the device's kernels need (CPU and CUDA differ). Saved form: ``qweight
     [N', K' / 2]`` uint8 (two values per byte, see ``qmath.pack_nibbles``) and ``scales_and_zeros [K' / group, N',
-    2]``; the layer holds only the packed weight and scales (``packed``, ``packed_scales``) and converts on saving and
-    loading. A saved form padded for another device loads too: its padding is cut or zero-extended to this layer's.
+    2]``; the layer holds only the packed weight and scales (``packed``, ``packed_scales``; native tiles hold both in
+    ``packed``, ``packed_scales`` empty) and converts on saving and loading. A saved form padded for another device
+    loads too: its padding is cut or zero-extended to this layer's.
     """
 
     kind = "int4_weight_only"
@@ -357,8 +358,7 @@ class Int4WeightOnlyLinear(_RepackedWeight):
                    group, native, dot_products)
 
     def _pack(self, q: torch.Tensor, scales_and_zeros: torch.Tensor) -> None:
-        self.packed = kernels.int4_pack(q, self.use_native)
-        self.packed_scales = kernels.int4_pack_scales(scales_and_zeros, self.use_native)
+        self.packed, self.packed_scales = kernels.int4_pack(q, scales_and_zeros, self.use_native)
         self.packed_on = q.device.type
         self.padded_shape = tuple(q.shape)
         # Saving reads torch's layout back directly when its AVX-512 form checks out here, else via the kernel.
@@ -374,7 +374,7 @@ class Int4WeightOnlyLinear(_RepackedWeight):
 
     def _scales_and_zeros(self) -> torch.Tensor:
         """``[K' / group, N', 2]``, the saved form of the scales and zeros."""
-        return kernels.int4_unpack_scales(self.packed_scales, self.use_native)
+        return kernels.int4_unpack_scales(self.packed, self.packed_scales, self.use_native)
 
     def _saved_form(self) -> dict[str, torch.Tensor]:
         return {"qweight": qmath.pack_nibbles(self._q()), "scales_and_zeros": self._scales_and_zeros()}
