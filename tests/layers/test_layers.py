@@ -279,3 +279,28 @@ def test_attention_with_sinks_is_gpt_oss_eager_attention(dtype):
     expected, _ = eager_attention_forward(module, q, k, v, hf_mask, scaling=0.25)
     got = attend_with_sinks(q, k, v, additive_mask(causal[None, None], 7, 7, dtype, q.device), 0.25, sinks)
     assert torch.equal(got.transpose(1, 2), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["sinks", "capped"])
+def test_attention_that_forms_every_score_takes_long_prompts_in_query_chunks(monkeypatch, dtype, name):
+    """Soft-capped attention and attention with sinks hold at most ``SCORE_ELEMENTS`` scores at once: a prompt past
+    that goes in chunks of queries (here 3 of 2 x 4 x 23 keys: 8 chunks, the last short), each with its rows of the
+    mask, and gives what the whole prompt at once gives (up to the matmuls' float rounding); the matmuls are never
+    handed more queries than a chunk."""
+    from splice.layers import block
+
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, heads, 23, 16, generator=generator).to(dtype) for heads in (4, 2, 2))
+    mask = block.additive_mask(torch.ones(23, 23, dtype=torch.bool).tril()[None, None], 23, 23, dtype, q.device)
+    sinks = torch.randn(4, generator=generator).to(dtype)
+    attend = {"sinks": lambda: block.attend_with_sinks(q, k, v, mask, 0.25, sinks),
+              "capped": lambda: block.attend_capped(q, k, v, mask, 0.25, 5.0)}[name]
+    whole = attend()
+    monkeypatch.setattr(block, "SCORE_ELEMENTS", 2 * 4 * 23 * 3)
+    queries = []
+    real_matmul = torch.matmul
+    monkeypatch.setattr(torch, "matmul", lambda a, b: queries.append(a.shape[2]) or real_matmul(a, b))
+    chunked = attend()
+    assert max(queries) == 3 and len(queries) == 16
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)  # a matmul of fewer rows may round differently

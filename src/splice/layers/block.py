@@ -405,28 +405,53 @@ def bf16_rounded(x: torch.Tensor) -> torch.Tensor:
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) & -0x10000).view(torch.float32)
 
 
-def attend_capped(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
-    """Attention with the scores soft-capped (``cap * tanh(s / cap)``) before the mask, softmax in fp32 (Gemma 2)."""
+#: The most score elements (batch x heads x queries x keys) the attention functions that form every score (soft-capped,
+#: with sinks) hold at once: a longer prompt's queries go in chunks, so its memory grows with its length, not with the
+#: square of it. Each query's softmax is its own, so the chunks give the same rows (up to the float rounding of a
+#: matmul of fewer rows).
+SCORE_ELEMENTS = 1 << 25
+
+
+def by_query_chunks(attend_rows, q, k, v, mask: torch.Tensor) -> torch.Tensor:
+    """``attend_rows(q, k, v, mask)`` for query chunks of ``q [B, H, L, D]`` (and the rows of ``mask`` that go with
+    them) holding at most :data:`SCORE_ELEMENTS` scores each, joined along the queries; K/V repeated for every query
+    head once, before."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale
-    scores = torch.tanh(scores / softcap) * softcap + mask
-    probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(probs, v)
+    rows = max(1, SCORE_ELEMENTS // (q.shape[0] * q.shape[1] * k.shape[2]))
+    if rows >= q.shape[2]:
+        return attend_rows(q, k, v, mask)
+    mask_rows = (lambda first: mask[..., first:first + rows, :]) if mask.shape[-2] > 1 else (lambda first: mask)
+    return torch.cat([attend_rows(q[:, :, first:first + rows], k, v, mask_rows(first))
+                      for first in range(0, q.shape[2], rows)], dim=2)
+
+
+def attend_capped(q, k, v, mask: torch.Tensor, scale: float, softcap: float) -> torch.Tensor:
+    """Attention with the scores soft-capped (``cap * tanh(s / cap)``) before the mask, softmax in fp32 (Gemma 2);
+    queries in chunks (:func:`by_query_chunks`)."""
+    def capped(q, k, v, mask):
+        scores = torch.matmul(q, k.transpose(2, 3)) * scale
+        scores = torch.tanh(scores / softcap) * softcap + mask
+        probs = scores.softmax(-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, v)
+
+    return by_query_chunks(capped, q, k, v, mask)
 
 
 def attend_with_sinks(q, k, v, mask: torch.Tensor, scale: float, sinks: torch.Tensor) -> torch.Tensor:
     """Attention whose softmax also takes one learned logit per query head (``sinks``), which takes its share of the
     probability and adds no value (GPT-OSS's attention sinks), in the model's dtype as its eager attention computes it:
-    the scores plus the additive ``mask``, the sink joined, the row's maximum taken off, softmax, the sink dropped."""
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.matmul(q, k.transpose(2, 3)) * scale + mask
-    sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)
-    logits = torch.cat([scores, sink], dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = logits.softmax(-1, dtype=logits.dtype)[..., :-1]
-    return torch.matmul(probs.to(v.dtype), v)
+    the scores plus the additive ``mask``, the sink joined, the row's maximum taken off, softmax, the sink dropped;
+    queries in chunks (:func:`by_query_chunks`)."""
+    def with_sinks(q, k, v, mask):
+        scores = torch.matmul(q, k.transpose(2, 3)) * scale + mask
+        sink = sinks.to(scores.dtype).reshape(1, -1, 1, 1).expand(q.shape[0], -1, q.shape[2], 1)
+        logits = torch.cat([scores, sink], dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = logits.softmax(-1, dtype=logits.dtype)[..., :-1]
+        return torch.matmul(probs.to(v.dtype), v)
+
+    return by_query_chunks(with_sinks, q, k, v, mask)
 
 
 def attend_one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float | None = None,
