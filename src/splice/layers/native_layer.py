@@ -1,8 +1,9 @@
 """A decode step's fused blocks as native calls (``splice_kernels.decode_layers``): a run of consecutive blocks in one.
 
-A pre-norm block with a gated SiLU MLP (Llama's and its relatives', with or without Qwen3's qk-norm) makes a dozen calls
-a decode step through its modules: norms, four GEMVs, rotary, the cache writes, attention, residual adds, the
-activation. Each has its dispatch, allocations and threads to wake, and in a small model those, and the Python around
+A pre-norm block (Llama's and its relatives', with or without Qwen3's qk-norm; RMSNorms or LayerNorms; a gated MLP or a
+plain one with SiLU, GELU or ReLU; a sequential residual or a parallel one, as GPT-NeoX, Phi, Falcon and GPT-J have)
+makes a dozen calls a decode step through its modules: norms, four GEMVs, rotary, the cache writes, attention, residual
+adds, the activation. Each has its dispatch, allocations and threads to wake, and in a small model those, and the Python around
 them, cost more than reading the weights. ``decode_layers`` does the same work for every block of a run in one call,
 with the same GEMVs and attention kernel, rounding each elementwise result to bf16 where the block's eager ops round it.
 
@@ -34,6 +35,11 @@ from .norm import HeadRMSNorm, RMSNorm
 LINEARS = ("qkv", "o", "gate_up", "down")
 #: the activation modules transformers gives an experts module for "silu" ("swish")
 SILU_CLASSES = (nn.SiLU, SiLUActivation)
+#: decode_layers' norm kinds (gemv.cpp's NormKind)
+NORM_RMS, NORM_LAYER = 0, 1
+#: decode_layers' MLP activations (gemv.cpp's MlpActivation) by the fused block's activation names
+LAYER_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu": 1, "gelu_python": 1, "gelu_pytorch_tanh": 2, "gelu_new": 2,
+                     "gelu_fast": 2, "gelu_python_tanh": 2, "relu": 3}
 
 
 class LayerGemv(NamedTuple):
@@ -87,18 +93,20 @@ def unfit_reason(block: nn.Module) -> str | None:
     layout, shape = block.layout, block.shape
     if block.moe is not None:
         return f"its MLP is the model's own {type(block.moe).__name__} (a mixture of experts)"
-    if not (layout.causal and layout.norm_before and not layout.parallel and layout.gated):
-        return "its layout is not a causal pre-norm block with a sequential residual and a gated MLP"
-    if shape.activation not in ("silu", "swish"):
-        return f"its MLP's activation is {shape.activation}, not SiLU"
-    return attention_unfit_reason(block) or linears_unfit_reason(block, ("gate_up", "down"))
+    if not (layout.causal and layout.norm_before):
+        return "its layout is not a causal pre-norm block"
+    if shape.activation not in LAYER_ACTIVATIONS:
+        return f"its MLP's activation is {shape.activation}, not one of {', '.join(LAYER_ACTIVATIONS)}"
+    return (attention_unfit_reason(block, whole_layer=True) or norms_unfit_reason(block, whole_layer=True)
+            or linears_unfit_reason(block, ("gate_up", "down")))
 
 
-def attention_unfit_reason(block: nn.Module) -> str | None:
+def attention_unfit_reason(block: nn.Module, whole_layer: bool = False) -> str | None:
     """Why ``block``'s attention half (its norm, qkv, rotary, attention, o and residual add, and its MLP's norm) cannot
-    step in a native call (``decode_attention_half``), or None if it can."""
+    step in a native call (``decode_attention_half``; RMSNorms and a sequential residual), or None if it can;
+    ``whole_layer``: as part of the whole layer's call (:func:`unfit_reason`, which asks about the norms itself)."""
     layout, shape = block.layout, block.shape
-    if not (layout.causal and layout.norm_before and not layout.parallel):
+    if not (layout.causal and layout.norm_before and (whole_layer or not layout.parallel)):
         return "its layout is not a causal pre-norm block with a sequential residual"
     extras = [name for name in ("attn_out_norm", "mlp_out_norm", "alibi_slopes") if getattr(block, name) is not None]
     if extras or layout.softcap is not None:
@@ -116,12 +124,38 @@ def attention_unfit_reason(block: nn.Module) -> str | None:
         return "its qk-norm spans each whole projection, not one head"
     if qk_norm is not None and (qk_norm.offset or qk_norm.weight.dtype != torch.bfloat16):
         return "its qk-norm scales in float32 (an offset weight, as Gemma 3's)"
-    for norm in (block.attn_norm, block.mlp_norm):
-        if not isinstance(norm, RMSNorm) or norm.weight.dtype != torch.bfloat16:
-            return "its norms are not RMSNorm with bf16 weights"
+    if not whole_layer:
+        norms_reason = norms_unfit_reason(block, whole_layer=False)
+        if norms_reason:
+            return norms_reason
     if shape.head_dim % 16 or shape.head_dim > 256:
         return f"its head_dim {shape.head_dim} is not a multiple of 16 up to 256"
     return linears_unfit_reason(block, ("qkv", "o"))
+
+
+def norm_kind(norm: nn.Module | None, hidden: int) -> int | None:
+    """The norm's kind for the native calls (``NORM_RMS``: splice's RMSNorm with a bf16 weight; ``NORM_LAYER``:
+    torch's own ``nn.LayerNorm`` over ``hidden`` features with a bf16 weight and a bf16 bias or none), else None."""
+    if isinstance(norm, RMSNorm) and norm.weight.dtype == torch.bfloat16:
+        return NORM_RMS
+    if type(norm) is nn.LayerNorm and norm.normalized_shape == (hidden,) and norm.weight is not None \
+            and norm.weight.dtype == torch.bfloat16 and (norm.bias is None or norm.bias.dtype == torch.bfloat16):
+        return NORM_LAYER
+    return None
+
+
+def norms_unfit_reason(block: nn.Module, whole_layer: bool) -> str | None:
+    """Why the block's norms keep it out of the native calls: RMSNorms with bf16 weights, or in a whole layer's call
+    also torch's LayerNorms with bf16 weights and biases, both of one kind (a parallel block's MLP norm may be absent:
+    its MLP reads the attention's), or None if they fit."""
+    hidden = block.attn_norm.weight.shape[-1] if getattr(block.attn_norm, "weight", None) is not None else -1
+    norms = [block.attn_norm] + ([block.mlp_norm] if block.mlp_norm is not None or not block.layout.parallel else [])
+    kinds = {norm_kind(norm, hidden) for norm in norms}
+    allowed = {NORM_RMS, NORM_LAYER} if whole_layer else {NORM_RMS}
+    if len(kinds) != 1 or not kinds <= allowed:
+        return ("its norms are not RMSNorms or LayerNorms (one kind) with bf16 weights" if whole_layer
+                else "its norms are not RMSNorm with bf16 weights")
+    return None
 
 
 def linears_unfit_reason(block: nn.Module, names: tuple[str, ...]) -> str | None:
@@ -145,12 +179,14 @@ def step_takes_calls(x: torch.Tensor) -> bool:
 
 class LayerCall(NamedTuple):
     """What ``decode_layers`` takes of one block, besides a step's mask and rotary rows: its cache layer, its norms'
-    weights and eps (the attention's, the MLP's, the qk-norm's or None and 0.0), its linears' tensors (weight, scales,
-    bias each), GEMV kinds and groups (:class:`LayerGemv`), its query and KV heads, its attention scale and its
-    residual scale (each branch's output times it before the residual add; 1.0: none)."""
+    tensors (the attention's weight, the MLP's or None where a parallel block's MLP reads the attention's norm, the
+    qk-norm's or None, then the attention's and the MLP's LayerNorm biases or None) and eps (the attention's, the
+    MLP's, the qk-norm's or 0.0), its linears' tensors (weight, scales, bias each), GEMV kinds and groups
+    (:class:`LayerGemv`), its query and KV heads, its attention scale, its residual scale (each branch's output times
+    it before the residual add; 1.0: none) and its layout (:func:`layer_layout`)."""
 
     layer: int
-    norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
+    norms: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
     eps: tuple[float, float, float]
     tensors: list[torch.Tensor | None]
     kinds: list[int]
@@ -158,6 +194,15 @@ class LayerCall(NamedTuple):
     heads: tuple[int, int]
     scale: float
     residual_scale: float
+    layout: tuple[int, int, int, int] | None  # None: the attention half's (decode_attention_half takes no layout)
+
+
+def layer_layout(block: nn.Module) -> tuple[int, int, int, int]:
+    """The block's layout as ``decode_layers`` takes it: its norms' kind (``NORM_RMS`` or ``NORM_LAYER``), its MLP's
+    activation (:data:`LAYER_ACTIVATIONS`), 1 for a gated MLP (else plain, act(up)), 1 for a parallel residual."""
+    hidden = block.attn_norm.weight.shape[-1]
+    return (norm_kind(block.attn_norm, hidden), LAYER_ACTIVATIONS[block.shape.activation], int(block.layout.gated),
+            int(block.layout.parallel))
 
 
 def layer_call(block: nn.Module, rows: int, read=getattr) -> LayerCall | None:
@@ -168,7 +213,8 @@ def layer_call(block: nn.Module, rows: int, read=getattr) -> LayerCall | None:
     (:func:`held` in eager steps, ``getattr`` in a compiled step's trace)."""
     if not block.native_layer:
         return None
-    return linears_call(block, LINEARS, rows, read)
+    call = linears_call(block, LINEARS, rows, read)
+    return None if call is None else call._replace(layout=layer_layout(block))
 
 
 def attention_call(block: nn.Module, rows: int) -> LayerCall | None:
@@ -191,10 +237,17 @@ def linears_call(block: nn.Module, names: tuple[str, ...], rows: int, read) -> L
     attn_norm, mlp_norm, qk_norm = read(block, "attn_norm"), read(block, "mlp_norm"), read(block, "qk_norm")
     shape = block.shape
     qk = (read(qk_norm, "weight"), qk_norm.eps) if qk_norm is not None else (None, 0.0)
-    return LayerCall(block.layer_idx, (read(attn_norm, "weight"), read(mlp_norm, "weight"), qk[0]),
-                     (attn_norm.eps, mlp_norm.eps, qk[1]), tensors, [gemv.kind for gemv in gemvs],
-                     [gemv.group for gemv in gemvs], (shape.n_heads, shape.n_kv_heads), block.scale,
-                     1.0 if block.layout.residual_scale is None else block.layout.residual_scale)
+    norms = (read(attn_norm, "weight"), None if mlp_norm is None else read(mlp_norm, "weight"), qk[0],
+             norm_bias(attn_norm, read), norm_bias(mlp_norm, read))
+    return LayerCall(block.layer_idx, norms, (attn_norm.eps, 0.0 if mlp_norm is None else mlp_norm.eps, qk[1]),
+                     tensors, [gemv.kind for gemv in gemvs], [gemv.group for gemv in gemvs],
+                     (shape.n_heads, shape.n_kv_heads), block.scale,
+                     1.0 if block.layout.residual_scale is None else block.layout.residual_scale, None)
+
+
+def norm_bias(norm: nn.Module | None, read=getattr) -> torch.Tensor | None:
+    """A LayerNorm's bias (None for none, and for an RMSNorm)."""
+    return read(norm, "bias") if isinstance(norm, nn.LayerNorm) and norm.bias is not None else None
 
 
 def decode_attention_half(call: LayerCall, x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -202,8 +255,9 @@ def decode_attention_half(call: LayerCall, x: torch.Tensor, keys: torch.Tensor, 
                           sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """A block's attention half for decode rows ``x`` in one native call (its keys and values written into its layer
     of ``keys, values``, the cache, at ``slots``): the rows after the attention's residual add and their MLP norm."""
-    return torch.ops.splice_kernels.decode_attention_half(x.contiguous(), keys, values, call.layer, slots, mask,
-                                                          kv_len, cos, sin, *call[1:])
+    return torch.ops.splice_kernels.decode_attention_half(
+        x.contiguous(), keys, values, call.layer, slots, mask, kv_len, cos, sin, call.norms, call.eps, call.tensors,
+        call.kinds, call.groups, call.heads, call.scale, call.residual_scale)
 
 
 class ExpertsCall(NamedTuple):
@@ -241,10 +295,13 @@ def experts_call(experts: nn.Module, x: torch.Tensor, index: torch.Tensor) -> Ex
 
 
 class HeadCall(NamedTuple):
-    """What ``decode_layers`` takes of the model's head when a step's last run ends with it: the final norm's weight
-    and eps, the lm_head's tensors (weight, scales, bias), GEMV kind and int4 group."""
+    """What ``decode_layers`` takes of the model's head when a step's last run ends with it: the final norm's weight,
+    its LayerNorm bias (or None), its kind (``NORM_RMS``, ``NORM_LAYER``) and eps, the lm_head's tensors (weight,
+    scales, bias), GEMV kind and int4 group."""
 
     norm: torch.Tensor
+    norm_bias: torch.Tensor | None
+    norm_kind: int
     eps: float
     tensors: list[torch.Tensor | None]
     kind: int
@@ -253,15 +310,17 @@ class HeadCall(NamedTuple):
 
 def head_call(norm: nn.Module | None, lm_head: nn.Module, rows: int, read=getattr) -> HeadCall | None:
     """The head's part of a ``decode_layers`` call for steps of ``rows`` rows (the final norm, then the lm_head), or
-    None where it runs its own modules: a final norm other than RMSNorm with bf16 weights, or an lm_head without a
-    native GEMV that takes these rows (a vocab-parallel one, say). ``read`` as for :func:`layer_call`."""
-    if not isinstance(norm, RMSNorm) or norm.weight.dtype != torch.bfloat16:
+    None where it runs its own modules: a final norm other than RMSNorm or torch's LayerNorm with bf16 weights
+    (:func:`norm_kind`), or an lm_head without a native GEMV that takes these rows (a vocab-parallel one, say).
+    ``read`` as for :func:`layer_call`."""
+    kind = None if norm is None or getattr(norm, "weight", None) is None else norm_kind(norm, norm.weight.shape[-1])
+    if kind is None:
         return None
     gemv = layer_gemv(lm_head)
     if gemv is None or rows > native.MAX_ROWS[gemv.rows]:
         return None
     tensors = [read(lm_head, name) if name else None for name in gemv.tensors]
-    return HeadCall(read(norm, "weight"), norm.eps, tensors, gemv.kind, gemv.group)
+    return HeadCall(read(norm, "weight"), norm_bias(norm, read), kind, norm.eps, tensors, gemv.kind, gemv.group)
 
 
 class Registered:
@@ -292,7 +351,7 @@ class Registered:
     def _register(self, run: "NativeRun", hidden: int, head_dim: int) -> None:
         self.windows, self.ropes = list(dict.fromkeys(run.windows)), list(dict.fromkeys(run.ropes))
         number = torch.ops.splice_kernels.register_layers(
-            run.layers, run.norms, run.eps, run.tensors, run.kinds, run.groups, run.heads, run.scales,
+            run.layers, run.norms, run.eps, run.tensors, run.kinds, run.groups, run.heads, run.scales, run.layouts,
             *head_arguments(run.head), hidden, head_dim, [self.windows.index(window) for window in run.windows],
             [self.ropes.index(rope) for rope in run.ropes])
         finalizer = weakref.finalize(self, torch.ops.splice_kernels.release_layers, number)
@@ -316,6 +375,7 @@ class NativeRun(NamedTuple):
     groups: list[int]
     heads: list[int]
     scales: list[float]
+    layouts: list[int]
     head: HeadCall | None = None
     registered: Registered | None = None
 
@@ -326,7 +386,8 @@ def native_run(blocks: list[nn.Module], calls: list[LayerCall]) -> NativeRun:
                      [e for call in calls for e in call.eps], [t for call in calls for t in call.tensors],
                      [k for call in calls for k in call.kinds], [g for call in calls for g in call.groups],
                      [h for call in calls for h in call.heads],
-                     [s for call in calls for s in (call.scale, call.residual_scale)])
+                     [s for call in calls for s in (call.scale, call.residual_scale)],
+                     [entry for call in calls for entry in call.layout])
 
 
 def step_plan(blocks, rows: int, masks: dict, read=getattr, head: HeadCall | None = None) -> list:
@@ -368,7 +429,7 @@ def decode_layers(run: NativeRun, x: torch.Tensor, keys: torch.Tensor, values: t
     return torch.ops.splice_kernels.decode_layers(
         x.contiguous(), keys, values, run.layers, slots, [masks[window] for window in run.windows], kv_len,
         *rotary_rows(rotary, run.ropes), run.norms, run.eps, run.tensors, run.kinds, run.groups, run.heads,
-        run.scales, *head_arguments(run.head))
+        run.scales, run.layouts, *head_arguments(run.head))
 
 
 def rotary_rows(rotary: list, tables: list[int]) -> tuple[list, list]:
@@ -380,11 +441,11 @@ def rotary_rows(rotary: list, tables: list[int]) -> tuple[list, list]:
 
 
 def head_arguments(head: HeadCall | None) -> tuple:
-    """The ops' head arguments: the final norm's weight and the lm_head's tensors, eps, GEMV kind and group; an empty
-    list and zeros without a head."""
+    """The ops' head arguments: the final norm's weight and bias and the lm_head's tensors, the norm's eps and kind,
+    the GEMV kind and group; an empty list and zeros without a head."""
     if head is None:
-        return [], 0.0, 0, 0
-    return [head.norm, *head.tensors], head.eps, head.kind, head.group
+        return [], 0.0, 0, 0, 0
+    return [head.norm, head.norm_bias, *head.tensors], head.eps, head.norm_kind, head.kind, head.group
 
 
 def held(module: nn.Module, name: str):

@@ -656,12 +656,12 @@ def _register_fakes() -> None:
 
 
 def _fake_decode_layers(x, keys, values, layers, slots, masks, kv_len, cos, sin, norms, eps, tensors, kinds, groups,
-                        heads, scales, head, head_eps, head_kind, head_group):
-    """The hidden states' shape, or with a head (its norm, then the lm_head's weight, scales and bias) the logits'
-    (an int4 weight is int32 tiles of INT4_TILE rows)."""
+                        heads, scales, layouts, head, head_eps, head_norm, head_kind, head_group):
+    """The hidden states' shape, or with a head (its norm's weight and bias, then the lm_head's weight, scales and
+    bias) the logits' (an int4 weight is int32 tiles of INT4_TILE rows)."""
     if not head:
         return x.new_empty(x.shape)
-    outputs = head[1].shape[0] * (INT4_TILE if head[1].dtype == torch.int32 else 1)
+    outputs = head[2].shape[0] * (INT4_TILE if head[2].dtype == torch.int32 else 1)
     return x.new_empty((x.shape[0], outputs))
 
 

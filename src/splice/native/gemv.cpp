@@ -3979,6 +3979,44 @@ void rms_norm_row(const at::BFloat16* x, const at::BFloat16* w, int64_t n, float
   }
 }
 
+// LayerNorm of one row x [n] with a bf16 weight and bias (or none), as torch's LayerNorm of a bf16 row computes it:
+// mean and variance in float32 (here the lanes' sums joined in double, so at most their last bits apart), rstd = 1 /
+// sqrt(var + eps), then (x * rstd - mean * rstd) * w + b in float32, rounded once to bf16.
+void layer_norm_row(const at::BFloat16* x, const at::BFloat16* w, const at::BFloat16* bias, int64_t n, float eps,
+                    at::BFloat16* out) {
+  __m256 sums = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) sums = _mm256_add_ps(sums, bf16x8_to_f32(x + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, sums);
+  double total = 0;
+  for (float lane : lanes) total += lane;
+  for (; i < n; ++i) total += static_cast<float>(x[i]);
+  const float mean = static_cast<float>(total / static_cast<double>(n));
+  __m256 squares = _mm256_setzero_ps();
+  const __m256 mean_v = _mm256_set1_ps(mean);
+  for (i = 0; i + 8 <= n; i += 8) {
+    const __m256 d = _mm256_sub_ps(bf16x8_to_f32(x + i), mean_v);
+    squares = _mm256_fmadd_ps(d, d, squares);
+  }
+  _mm256_store_ps(lanes, squares);
+  double square_total = 0;
+  for (float lane : lanes) square_total += lane;
+  for (; i < n; ++i) square_total += (static_cast<float>(x[i]) - mean) * (static_cast<float>(x[i]) - mean);
+  const float rstd = 1.0f / std::sqrt(static_cast<float>(square_total / static_cast<double>(n)) + eps);
+  const __m256 scale = _mm256_set1_ps(rstd), shift = _mm256_set1_ps(-mean * rstd);
+  for (i = 0; i + 8 <= n; i += 8) {
+    __m256 y = _mm256_mul_ps(_mm256_fmadd_ps(bf16x8_to_f32(x + i), scale, shift), bf16x8_to_f32(w + i));
+    if (bias) y = _mm256_add_ps(y, bf16x8_to_f32(bias + i));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), f32x8_to_bf16(y));
+  }
+  for (; i < n; ++i) {
+    float y = std::fma(static_cast<float>(x[i]), rstd, -mean * rstd) * static_cast<float>(w[i]);
+    if (bias) y += static_cast<float>(bias[i]);
+    out[i] = at::BFloat16(y);
+  }
+}
+
 // x[0 .. rotary) = x * cos + rotate_half(x) * sin for one head, rounded as apply_rotary_ rounds it: each product to
 // bf16, then their sum (sin carries rotate_half's sign). Eight lanes of each half at a time where the half is a
 // multiple of 8.
@@ -4030,6 +4068,69 @@ void silu_mul_row(const at::BFloat16* gate, const at::BFloat16* up, int64_t n, a
     const float silu = static_cast<float>(at::BFloat16(g / (1.0f + std::exp(std::min(-g, 88.0f)))));
     out[i] = at::BFloat16(silu * static_cast<float>(up[i]));
   }
+}
+
+// An MLP's activations (splice.layers.block.ACTIVATIONS, gemv.cpp's MlpActivation) of 8 floats, in float32: SiLU
+// x / (1 + e^-x); GELU (erf) x * (1 - erfc(x / sqrt 2) / 2) for x >= 0 and x * erfc(-x / sqrt 2) / 2 below, erfc
+// from Numerical Recipes' Chebyshev fit (fractional error under 1.2e-7); the tanh GELU 0.5 x (1 + tanh(u)) as x / (1 +
+// e^(-2u)), u = sqrt(2 / pi) (x + 0.044715 x^3); ReLU max(x, 0). torch's own approximations differ in the last bits
+// of the float32, so the bf16 results agree but for a rare last-bit rounding.
+inline __m256 sigmoid_times(__m256 x, __m256 z) {  // x / (1 + e^-z)
+  const __m256 e = exp_scores(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), z), _mm256_set1_ps(88.0f)));
+  return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+inline __m256 erfc_positive(__m256 z) {  // erfc(z) for z >= 0
+  const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_set1_ps(0.5f), z, _mm256_set1_ps(1.0f)));
+  constexpr float c[10] = {-1.26551223f, 1.00002368f, 0.37409196f, 0.09678418f, -0.18628806f,
+                           0.27886807f, -1.13520398f, 1.48851587f, -0.82215223f, 0.17087277f};
+  __m256 poly = _mm256_set1_ps(c[9]);
+  for (int j = 8; j >= 0; --j) poly = _mm256_fmadd_ps(poly, t, _mm256_set1_ps(c[j]));
+  const __m256 exponent = _mm256_sub_ps(poly, _mm256_mul_ps(z, z));
+  return _mm256_mul_ps(t, exp_scores(_mm256_max_ps(exponent, _mm256_set1_ps(-100.0f))));
+}
+
+inline __m256 activation8(__m256 x, int64_t kind) {
+  switch (kind) {
+    case 1: {  // GELU
+      const __m256 negative = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ);
+      const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
+      const __m256 half_erfc = _mm256_mul_ps(_mm256_set1_ps(0.5f),
+                                             erfc_positive(_mm256_mul_ps(magnitude, _mm256_set1_ps(0.70710678f))));
+      const __m256 factor = _mm256_blendv_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), half_erfc), half_erfc, negative);
+      return _mm256_mul_ps(x, factor);
+    }
+    case 2: {  // the tanh GELU
+      const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+      const __m256 inner = _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), cube, x);
+      const __m256 u = _mm256_mul_ps(_mm256_set1_ps(0.7978845608f), inner);
+      return sigmoid_times(x, _mm256_add_ps(u, u));
+    }
+    case 3: return _mm256_max_ps(x, _mm256_setzero_ps());  // ReLU
+    default: return sigmoid_times(x, x);  // SiLU
+  }
+}
+
+// act(h) of a plain MLP's row (up, n values) into out, each value in float32 rounded once to bf16 (as torch's
+// activation of a bf16 tensor); or with `up` a gated MLP's bf16(bf16(act(gate)) * up), rounded as act(gate).mul_(up)
+// rounds.
+void activation_row(const at::BFloat16* h, const at::BFloat16* up, int64_t n, int64_t kind, at::BFloat16* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 value = activation8(bf16x8_to_f32(h + i), kind);
+    if (up) value = _mm256_mul_ps(f32x8_rounded(value), bf16x8_to_f32(up + i));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), f32x8_to_bf16(value));
+  }
+  if (i == n) return;
+  alignas(32) float tail_in[8] = {}, tail_up[8] = {}, tail_out[8];
+  for (int64_t j = i; j < n; ++j) {
+    tail_in[j - i] = static_cast<float>(h[j]);
+    if (up) tail_up[j - i] = static_cast<float>(up[j]);
+  }
+  __m256 value = activation8(_mm256_load_ps(tail_in), kind);
+  if (up) value = _mm256_mul_ps(f32x8_rounded(value), _mm256_load_ps(tail_up));
+  _mm256_store_ps(tail_out, value);
+  for (int64_t j = i; j < n; ++j) out[j] = at::BFloat16(tail_out[j - i]);
 }
 
 }  // namespace avx2
@@ -4637,14 +4738,16 @@ int64_t stream_read(const at::Tensor& t, int64_t streams, bool prefetch_ahead) {
 
 
 // ---- one decoder layer of a decode step ----------------------------------------------------------------------------
-// A pre-norm decoder layer with a gated SiLU MLP (Llama's and its relatives') for one new token per row, as one
-// function (layer_step, run by decode_layers below): RMSNorm, the QKV GEMV, a per-head RMSNorm of q and k where the
-// layer has one (qk-norm), rotary on q and k, the keys and values
-// written into the layer's cache at their slots, decode_attention, the o GEMV and residual add, RMSNorm, the gate+up
-// GEMV, SiLU(gate) * up, the down GEMV and residual add. The fused block's ops make a dozen calls for that, each with
-// its dispatch, allocations and threads to wake: in a small model those cost more than reading the weights. The
-// arithmetic is theirs: the same GEMVs and attention, and each elementwise result rounded to bf16 where the block's
-// eager ops round it.
+// A pre-norm decoder layer (Llama's and its relatives') for one new token per row, as one function (layer_step, run
+// by decode_layers below): its norm, the QKV GEMV, a per-head RMSNorm of q and k where the layer has one (qk-norm),
+// rotary on q and k, the keys and values written into the layer's cache at their slots, decode_attention, the o GEMV
+// and residual add, the MLP's norm, the gate+up GEMV, act(gate) * up, the down GEMV and residual add. Its layout
+// (LayerLayout) varies that: RMSNorm or LayerNorm (with or without biases); a gated MLP or a plain one, act(up), with
+// SiLU, GELU, the tanh GELU or ReLU; and a parallel block (GPT-NeoX, Phi, Falcon, GPT-J), whose MLP reads the layer's
+// input x through its own norm, or through the attention's where it has none, and adds into the same residual. The
+// fused block's ops make a dozen calls for that, each with its dispatch, allocations and threads to wake: in a small
+// model those cost more than reading the weights. The arithmetic is theirs: the same GEMVs and attention, and each
+// elementwise result rounded to bf16 where the block's eager ops round it.
 //
 // Each linear is three entries of `tensors` (weight, scales, bias: None where absent) plus its GEMV kind and int4
 // group; a bias is added in bf16 after the GEMV, as the linear layers add it.
@@ -4655,7 +4758,14 @@ enum LayerGemv : int64_t {
 inline bool int4_kind(int64_t kind) { return kind == GEMV_INT4 || kind == GEMV_INT4_DOT; }
 inline bool grouped_kind(int64_t kind) { return kind == GEMV_INT8_GROUPED || kind == GEMV_INT8_GROUPED16; }
 constexpr int64_t LAYER_LINEARS = 4, TENSORS_PER_LINEAR = 3;  // qkv, o, gate_up, down; weight, scales, bias
-constexpr int64_t LAYER_NORMS = 3;  // the attention's, the MLP's, the qk-norm's (or None): weights and eps
+// A layer's norm tensors: the attention's, the MLP's (None: a parallel block's MLP reads the attention's), the
+// qk-norm's (or None) weights, then the attention's and the MLP's LayerNorm biases (or None); and their eps (the
+// attention's, the MLP's, the qk-norm's).
+constexpr int64_t LAYER_NORMS = 5, LAYER_EPS = 3;
+// A layer's layout: four integers a layer in decode_layers' `layouts` (splice.layers.native_layer.layer_layout).
+enum NormKind : int64_t { NORM_RMS, NORM_LAYER, NORM_KINDS };
+enum MlpActivation : int64_t { ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_RELU, ACTIVATIONS };
+constexpr int64_t LAYER_LAYOUT = 4;  // norm kind, activation, gated (1) or plain (0), parallel (1) or not (0)
 
 struct LayerLinear {
   int64_t kind = GEMV_BF16, group = 0;  // int4: columns per group; grouped int8: inputs per group (0: the weight's)
@@ -4818,14 +4928,14 @@ void check_layer_linear(const LayerLinear& l, const std::string& name) {
 // Every linear, and its shape against the layer's, before anything is written: qkv [width, hidden], o [hidden,
 // heads * dim], gate_up [2 ffn, hidden], down [hidden, ffn] (ffn from down).
 void check_layer_linears(const std::vector<LayerLinear>& linears, int64_t hidden, int64_t width, int64_t attended,
-                         const std::string& who) {
+                         const std::string& who, bool gated = true) {
   const char* names[LAYER_LINEARS] = {"qkv", "o", "gate_up", "down"};
   const int64_t count = static_cast<int64_t>(linears.size());  // all four, or the attention's two (qkv, o)
   for (int64_t i = 0; i < count; ++i)
     check_layer_linear(linears[i], who + ": the " + names[i] + " linear");
   const int64_t ffn = count == LAYER_LINEARS ? linear_shape(linears[3]).second : 0;
   const std::pair<int64_t, int64_t> wanted[LAYER_LINEARS] = {
-      {width, hidden}, {hidden, attended}, {2 * ffn, hidden}, {hidden, ffn}};
+      {width, hidden}, {hidden, attended}, {(gated ? 2 : 1) * ffn, hidden}, {hidden, ffn}};
   for (int64_t i = 0; i < count; ++i) {
     const auto [n, k] = linear_shape(linears[i]);
     TORCH_CHECK(n == wanted[i].first && k == wanted[i].second, who, ": the ", names[i], " linear is [", n,
@@ -4854,6 +4964,22 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const int64_t n = weight.numel();
   if (n > 0) rms_norm_rows(x.data_ptr<at::BFloat16>(), x.numel() / n, n, weight, eps, out.data_ptr<at::BFloat16>());
   return out;
+}
+
+// LayerNorm of each of the rows of x [rows, hidden] into out, with its bias where defined.
+void layer_norm_rows(const at::BFloat16* x, int64_t rows, int64_t hidden, const at::Tensor& weight,
+                     const at::Tensor& bias, double eps, at::BFloat16* out) {
+  const at::BFloat16* b = bias.defined() ? bias.data_ptr<at::BFloat16>() : nullptr;
+  for (int64_t m = 0; m < rows; ++m)
+    avx2::layer_norm_row(x + m * hidden, weight.data_ptr<at::BFloat16>(), b, hidden, static_cast<float>(eps),
+                         out + m * hidden);
+}
+
+// The norm of a layer (NormKind `kind`: RMSNorm, or LayerNorm with its bias) of rows x [rows, hidden] into out.
+void norm_rows(int64_t kind, const at::BFloat16* x, int64_t rows, int64_t hidden, const at::Tensor& weight,
+               const at::Tensor& bias, double eps, at::BFloat16* out) {
+  if (kind == NORM_LAYER) return layer_norm_rows(x, rows, hidden, weight, bias, eps, out);
+  rms_norm_rows(x, rows, hidden, weight, eps, out);
 }
 
 // out[m] = a[m] + b[m] for rows of `width`, in bf16.
@@ -4908,6 +5034,10 @@ void rotate_and_store(at::Tensor& qkv, const std::optional<at::Tensor>& cos, con
 // One layer of a decode_layers call, unpacked from its lists: what stays the same from step to step (LayerStack).
 struct LayerCall {
   at::Tensor attn_norm, mlp_norm, qk_norm;  // qk_norm: undefined, or per-head RMSNorm weights of q and k
+  at::Tensor attn_norm_bias, mlp_norm_bias;  // LayerNorm's biases, or undefined
+  // mlp_norm undefined: a parallel block whose MLP reads the attention's norm of x
+  int64_t norm = NORM_RMS, activation = ACT_SILU;
+  bool gated = true, parallel = false;
   double attn_eps = 0, mlp_eps = 0, qk_eps = 0, scale = 0;
   double residual_scale = 1;  // each branch's output times this before its residual add (scale_rows; 1: none)
   int64_t n_heads = 0, n_kv_heads = 0;
@@ -4950,7 +5080,7 @@ struct LayerBuffers {
 
   bool fits(const LayerCall& l, int64_t ffn, int64_t dim) const {
     return qkv.size(1) == (l.n_heads + 2 * l.n_kv_heads) * dim && attended.size(1) == l.n_heads * dim &&
-           act.size(1) == ffn;
+           act.size(1) == ffn && gate_up.size(1) == (l.gated ? 2 : 1) * ffn;
   }
 };
 
@@ -4962,7 +5092,7 @@ LayerBuffers layer_buffers(const at::Tensor& x, const LayerCall& l, int64_t ffn,
   b.qkv = at::empty({batch, (l.n_heads + 2 * l.n_kv_heads) * dim}, options);
   b.attended = at::empty({batch, l.n_heads * dim}, options);
   b.o = at::empty({batch, hidden}, options);
-  b.gate_up = at::empty({batch, 2 * ffn}, options);
+  b.gate_up = at::empty({batch, (l.gated ? 2 : 1) * ffn}, options);  // a plain MLP's up: ffn
   b.act = at::empty({batch, ffn}, options);
   b.down = at::empty({batch, hidden}, options);
   b.parts = attention_parts(batch, l.n_kv_heads, kv_len, at::get_num_threads());
@@ -4970,25 +5100,46 @@ LayerBuffers layer_buffers(const at::Tensor& x, const LayerCall& l, int64_t ffn,
   return b;
 }
 
-// SiLU(gate) * up of each row of gate_up [rows, 2 ffn] into act [rows, ffn]; in a team each thread a part of the
-// columns, in whole 256-column chunks (so every element takes the path it takes in one pass).
-void silu_mul_rows(const at::Tensor& gate_up, int64_t ffn, const at::Tensor& act) {
+// f(row, first column, columns) for the 256-column chunks of `rows` rows of `ffn` MLP features; in a team each thread
+// takes a part of the chunks (so every element takes the path it takes in one pass).
+template <typename F>
+void for_feature_chunks(int64_t rows, int64_t ffn, const F& f) {
   constexpr int64_t CHUNK = 256;
-  const int64_t rows = gate_up.size(0), chunks = (ffn + CHUNK - 1) / CHUNK;
-  const at::BFloat16* gp = gate_up.data_ptr<at::BFloat16>();
-  at::BFloat16* ap = act.data_ptr<at::BFloat16>();
-  const int64_t units = rows * chunks;
+  const int64_t chunks = (ffn + CHUNK - 1) / CHUNK, units = rows * chunks;
   parallel_units(0, units, units, [&](int64_t begin, int64_t end) {  // one grain: on its own, on this thread
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t m = u / chunks, c = u % chunks * CHUNK;
-      const at::BFloat16* gate = gp + m * 2 * ffn + c;
-      avx2::silu_mul_row(gate, gate + ffn, std::min(CHUNK, ffn - c), ap + m * ffn + c);
+      const int64_t c = u % chunks * CHUNK;
+      f(u / chunks, c, std::min(CHUNK, ffn - c));
     }
   });
 }
 
+// SiLU(gate) * up of each row of gate_up [rows, 2 ffn] into act [rows, ffn].
+void silu_mul_rows(const at::Tensor& gate_up, int64_t ffn, const at::Tensor& act) {
+  const at::BFloat16* gp = gate_up.data_ptr<at::BFloat16>();
+  at::BFloat16* ap = act.data_ptr<at::BFloat16>();
+  for_feature_chunks(gate_up.size(0), ffn, [&](int64_t m, int64_t c, int64_t n) {
+    const at::BFloat16* gate = gp + m * 2 * ffn + c;
+    avx2::silu_mul_row(gate, gate + ffn, n, ap + m * ffn + c);
+  });
+}
+
+// act(gate) * up of each row of gate_up [rows, 2 ffn] (gated), or act(up) of up [rows, ffn] (plain), into act [rows,
+// ffn], the layer's activation; SiLU gated as silu_mul_rows, the same bits.
+void mlp_activation_rows(const LayerCall& l, const at::Tensor& gate_up, int64_t ffn, const at::Tensor& act) {
+  if (l.gated && l.activation == ACT_SILU) return silu_mul_rows(gate_up, ffn, act);
+  const int64_t width = gate_up.size(1);
+  const at::BFloat16* gp = gate_up.data_ptr<at::BFloat16>();
+  at::BFloat16* ap = act.data_ptr<at::BFloat16>();
+  for_feature_chunks(gate_up.size(0), ffn, [&](int64_t m, int64_t c, int64_t n) {
+    const at::BFloat16* h = gp + m * width + c;
+    avx2::activation_row(h, l.gated ? h + ffn : nullptr, n, l.activation, ap + m * ffn + c);
+  });
+}
+
 // The attention half of a layer's step for rows x [B, 1, hidden] (checked: decode_layers) into out (the same shape;
-// not x: x plus the attention's o), and its MLP's RMSNorm of out into b.normed, with its inputs `in` and buffers b:
+// not x: x plus the attention's o), and its MLP's norm of out (of x in a parallel block) into b.normed, with its
+// inputs `in` and buffers b:
 // its keys and values written at slots. In a team every thread calls it; the leader runs the small ops between the
 // kernels, and out and b.normed are complete (on every thread) when it returns.
 void attention_step(const at::Tensor& x, const LayerCall& l, const LayerInputs& in, const at::Tensor& slots,
@@ -4997,7 +5148,8 @@ void attention_step(const at::Tensor& x, const LayerCall& l, const LayerInputs& 
   const int64_t batch = x.size(0), hidden = x.size(2), dim = in.keys.size(3);
   at::BFloat16* normed = b.normed.data_ptr<at::BFloat16>();
   at::BFloat16* outp = out.data_ptr<at::BFloat16>();
-  if (leads_team()) rms_norm_rows(x.data_ptr<at::BFloat16>(), batch, hidden, l.attn_norm, l.attn_eps, normed);
+  if (leads_team())
+    norm_rows(l.norm, x.data_ptr<at::BFloat16>(), batch, hidden, l.attn_norm, l.attn_norm_bias, l.attn_eps, normed);
   team_barrier();
   layer_gemv_into(linears[0], b.normed, b.qkv);
   if (leads_team())
@@ -5012,7 +5164,10 @@ void attention_step(const at::Tensor& x, const LayerCall& l, const LayerInputs& 
   if (leads_team()) {
     if (l.residual_scale != 1) scale_rows(b.o.data_ptr<at::BFloat16>(), batch, hidden, l.residual_scale);
     add_rows(x.data_ptr<at::BFloat16>(), b.o.data_ptr<at::BFloat16>(), batch, hidden, outp);
-    rms_norm_rows(outp, batch, hidden, l.mlp_norm, l.mlp_eps, normed);
+    // a parallel block's MLP reads x through its own norm, or through the attention's (still in normed)
+    if (!l.parallel) norm_rows(l.norm, outp, batch, hidden, l.mlp_norm, l.mlp_norm_bias, l.mlp_eps, normed);
+    else if (l.mlp_norm.defined())
+      norm_rows(l.norm, x.data_ptr<at::BFloat16>(), batch, hidden, l.mlp_norm, l.mlp_norm_bias, l.mlp_eps, normed);
   }
   team_barrier();
 }
@@ -5027,7 +5182,7 @@ void layer_step(const at::Tensor& x, const LayerCall& l, const LayerInputs& in, 
   at::BFloat16* outp = out.data_ptr<at::BFloat16>();
   attention_step(x, l, in, slots, kv_len, b, out);
   layer_gemv_into(linears[2], b.normed, b.gate_up);
-  silu_mul_rows(b.gate_up, ffn, b.act);
+  mlp_activation_rows(l, b.gate_up, ffn, b.act);
   team_barrier();
   layer_gemv_into(linears[3], b.act, b.down);
   if (leads_team()) {
@@ -5040,34 +5195,43 @@ void layer_step(const at::Tensor& x, const LayerCall& l, const LayerInputs& in, 
 // lm_head's GEMV (with its bias), whose logits [B, vocab] the call returns. Python's own ops would take longer than
 // the norm's arithmetic, and the GEMV would wake the threads again.
 struct HeadCall {
-  at::Tensor norm;  // undefined: no head
+  at::Tensor norm, norm_bias;  // norm undefined: no head; norm_bias: a LayerNorm's, or undefined
+  int64_t norm_kind = NORM_RMS;
   double eps = 0;
   LayerLinear linear;
 
   bool given() const { return norm.defined(); }
 };
 
-// The head from decode_layers' head arguments: none (an empty list) or the final norm's weight, then the lm_head's
-// weight, scales and bias (None where absent), checked against the hidden size.
-HeadCall head_call(const c10::List<std::optional<at::Tensor>>& head, double eps, int64_t kind, int64_t group,
-                   int64_t hidden, const char* op) {
+// The head from decode_layers' head arguments: none (an empty list) or the final norm's weight and its LayerNorm bias
+// (or None), then the lm_head's weight, scales and bias (None where absent), checked against the hidden size; the
+// norm's NormKind and eps, the lm_head's GEMV kind and group.
+HeadCall head_call(const c10::List<std::optional<at::Tensor>>& head, double eps, int64_t norm_kind, int64_t kind,
+                   int64_t group, int64_t hidden, const char* op) {
   HeadCall h;
   if (head.size() == 0) return h;
   const std::string who = std::string(op) + ": the head";
-  TORCH_CHECK(head.size() == 1 + TENSORS_PER_LINEAR, who, " takes ", 1 + TENSORS_PER_LINEAR,
-              " tensors (the final norm's weight, then the lm_head's weight, scales and bias), got ", head.size());
-  const std::optional<at::Tensor> norm = head.get(0);
+  constexpr int64_t HEAD_TENSORS = 2 + TENSORS_PER_LINEAR;
+  TORCH_CHECK(head.size() == HEAD_TENSORS, who, " takes ", HEAD_TENSORS, " tensors (the final norm's weight and "
+              "bias, then the lm_head's weight, scales and bias), got ", head.size());
+  TORCH_CHECK(norm_kind == NORM_RMS || norm_kind == NORM_LAYER, who, ": norm kind ", norm_kind,
+              "; allowed: 0 (RMSNorm) or 1 (LayerNorm)");
+  const std::optional<at::Tensor> norm = head.get(0), norm_bias = head.get(1);
   TORCH_CHECK(norm.has_value(), who, ": the final norm's weight is missing");
+  TORCH_CHECK(!norm_bias || norm_kind == NORM_LAYER, who, ": only a LayerNorm takes a bias");
   check_norm_weight(*norm, hidden, who + ": the final norm's weight");
+  if (norm_bias) check_norm_weight(*norm_bias, hidden, who + ": the final norm's bias");
   h.eps = eps;
+  h.norm_kind = norm_kind;
   h.linear.kind = kind;
   h.linear.group = group;
-  take_linear_tensors(h.linear, head, 1, who + "'s lm_head");
+  take_linear_tensors(h.linear, head, 2, who + "'s lm_head");
   check_layer_linear(h.linear, who + "'s lm_head");
   TORCH_CHECK(linear_shape(h.linear).second == hidden, who, ": the lm_head takes ", linear_shape(h.linear).second,
               " inputs; the layers' hidden size is ", hidden);
   if (h.linear.bias.defined()) h.linear.bias = h.linear.bias.to(at::kBFloat16).contiguous();
   h.norm = *norm;
+  if (norm_bias) h.norm_bias = *norm_bias;
   return h;
 }
 
@@ -5083,26 +5247,49 @@ struct LayerStack {
   int64_t hidden = 0, head_dim = 0;
 };
 
-// Layer i's norms (the attention's, the MLP's, the qk-norm's or None), eps, heads and scales (the attention's, the
-// residual's: 2i and 2i + 1) from decode_layers' lists (their sizes checked beforehand) into l, checked.
+// Layer i's layout (LAYER_LAYOUT entries of `layouts` from 4i; none: RMSNorm, a gated SiLU MLP, not parallel, as
+// decode_attention_half's layers are) into l, checked.
+void take_layer_layout(LayerCall& l, at::IntArrayRef layouts, int64_t i, const std::string& who) {
+  if (layouts.empty()) return;
+  const int64_t* layout = layouts.data() + LAYER_LAYOUT * i;
+  TORCH_CHECK(0 <= layout[0] && layout[0] < NORM_KINDS && 0 <= layout[1] && layout[1] < ACTIVATIONS &&
+                  (layout[2] == 0 || layout[2] == 1) && (layout[3] == 0 || layout[3] == 1),
+              who, ": the layout (norm kind, activation, gated, parallel) must be (0 RMSNorm or 1 LayerNorm, 0 SiLU, "
+              "1 GELU, 2 tanh GELU or 3 ReLU, 0 or 1, 0 or 1), got (", layout[0], ", ", layout[1], ", ", layout[2],
+              ", ", layout[3], ")");
+  l.norm = layout[0];
+  l.activation = layout[1];
+  l.gated = layout[2] == 1;
+  l.parallel = layout[3] == 1;
+}
+
+// Layer i's norms (the attention's, the MLP's or None in a parallel block, the qk-norm's or None, the LayerNorm
+// biases or None), eps, layout, heads and scales (the attention's, the residual's: 2i and 2i + 1) from decode_layers'
+// lists (their sizes checked beforehand) into l, checked.
 void take_layer_norms(LayerCall& l, const c10::List<std::optional<at::Tensor>>& norms, at::ArrayRef<double> eps,
-                      at::IntArrayRef heads, at::ArrayRef<double> scales, int64_t i, int64_t hidden, int64_t head_dim,
-                      const std::string& who) {
+                      at::IntArrayRef layouts, at::IntArrayRef heads, at::ArrayRef<double> scales, int64_t i,
+                      int64_t hidden, int64_t head_dim, const std::string& who) {
+  take_layer_layout(l, layouts, i, who);
   const std::optional<at::Tensor> attn_norm = norms.get(LAYER_NORMS * i), mlp_norm = norms.get(LAYER_NORMS * i + 1);
   const std::optional<at::Tensor> qk_norm = norms.get(LAYER_NORMS * i + 2);
-  TORCH_CHECK(attn_norm.has_value() && mlp_norm.has_value(), who, ": the attention and MLP norms' weights are "
-              "needed (only the qk-norm may be None)");
+  const std::optional<at::Tensor> attn_bias = norms.get(LAYER_NORMS * i + 3), mlp_bias = norms.get(LAYER_NORMS * i + 4);
+  TORCH_CHECK(attn_norm.has_value() && (mlp_norm.has_value() || l.parallel), who, ": the attention and MLP norms' "
+              "weights are needed (only the qk-norm, a parallel block's MLP norm and LayerNorm biases may be None)");
+  TORCH_CHECK(l.norm == NORM_LAYER || !(attn_bias || mlp_bias), who, ": only LayerNorms take biases");
+  TORCH_CHECK(!mlp_bias || mlp_norm, who, ": an MLP norm's bias without its weight");
   l.attn_norm = *attn_norm;
-  l.mlp_norm = *mlp_norm;
-  l.attn_eps = eps[LAYER_NORMS * i];
-  l.mlp_eps = eps[LAYER_NORMS * i + 1];
-  l.qk_eps = eps[LAYER_NORMS * i + 2];
+  if (mlp_norm) l.mlp_norm = *mlp_norm;
+  if (attn_bias) l.attn_norm_bias = *attn_bias;
+  if (mlp_bias) l.mlp_norm_bias = *mlp_bias;
+  l.attn_eps = eps[LAYER_EPS * i];
+  l.mlp_eps = eps[LAYER_EPS * i + 1];
+  l.qk_eps = eps[LAYER_EPS * i + 2];
   l.n_heads = heads[2 * i];
   l.n_kv_heads = heads[2 * i + 1];
   l.scale = scales[2 * i];
   l.residual_scale = scales[2 * i + 1];
-  for (const at::Tensor* norm : {&l.attn_norm, &l.mlp_norm})
-    check_norm_weight(*norm, hidden, who + ": the norms' weights");
+  for (const at::Tensor* norm : {&l.attn_norm, &l.mlp_norm, &l.attn_norm_bias, &l.mlp_norm_bias})
+    if (norm->defined()) check_norm_weight(*norm, hidden, who + ": the norms' weights and biases");
   TORCH_CHECK(l.n_kv_heads >= 1 && l.n_heads % l.n_kv_heads == 0, who, ": ", l.n_heads,
               " query heads are not a multiple of ", l.n_kv_heads, " KV heads");
   if (qk_norm) {
@@ -5116,27 +5303,28 @@ void take_layer_norms(LayerCall& l, const c10::List<std::optional<at::Tensor>>& 
   }
 }
 
-// The stack of n = layers.size() layers from decode_layers' lists (layer i: norms and eps 3i .. 3i + 2, linears
-// 4i .. 4i + 3 of three tensors each, heads and scales 2i and 2i + 1; its mask and rotary rows those at mask_of[i] and
+// The stack of n = layers.size() layers from decode_layers' lists (layer i: norms 5i .. 5i + 4, eps 3i .. 3i + 2,
+// linears 4i .. 4i + 3 of three tensors each, heads and scales 2i and 2i + 1, layout 4i .. 4i + 3; its mask and
+// rotary rows those at mask_of[i] and
 // rope_of[i] of a step's lists), for rows of `hidden` and heads of `head_dim`: every norm, linear and the head checked
 // against them.
 LayerStack layer_stack(at::IntArrayRef layers, const c10::List<std::optional<at::Tensor>>& norms,
                        at::ArrayRef<double> eps,
                        const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds,
                        at::IntArrayRef groups, at::IntArrayRef heads, at::ArrayRef<double> scales,
-                       const c10::List<std::optional<at::Tensor>>& head, double head_eps, int64_t head_kind,
-                       int64_t head_group, int64_t hidden, int64_t head_dim, at::IntArrayRef mask_of,
-                       at::IntArrayRef rope_of, const char* op) {
+                       at::IntArrayRef layouts, const c10::List<std::optional<at::Tensor>>& head, double head_eps,
+                       int64_t head_norm, int64_t head_kind, int64_t head_group, int64_t hidden, int64_t head_dim,
+                       at::IntArrayRef mask_of, at::IntArrayRef rope_of, const char* op) {
   const int64_t n = static_cast<int64_t>(layers.size());
   const int64_t got[] = {static_cast<int64_t>(norms.size()), static_cast<int64_t>(eps.size()),
                          static_cast<int64_t>(tensors.size()), static_cast<int64_t>(kinds.size()),
                          static_cast<int64_t>(groups.size()), static_cast<int64_t>(heads.size()),
-                         static_cast<int64_t>(scales.size()), static_cast<int64_t>(mask_of.size()),
-                         static_cast<int64_t>(rope_of.size())};
-  const int64_t per_layer[] = {LAYER_NORMS, LAYER_NORMS, LAYER_LINEARS * TENSORS_PER_LINEAR, LAYER_LINEARS,
-                               LAYER_LINEARS, 2, 2, 1, 1};
-  const char* const names[] = {"norms", "eps", "tensors", "kinds", "groups", "heads", "scales", "mask indices",
-                               "rotary indices"};
+                         static_cast<int64_t>(scales.size()), static_cast<int64_t>(layouts.size()),
+                         static_cast<int64_t>(mask_of.size()), static_cast<int64_t>(rope_of.size())};
+  const int64_t per_layer[] = {LAYER_NORMS, LAYER_EPS, LAYER_LINEARS * TENSORS_PER_LINEAR, LAYER_LINEARS,
+                               LAYER_LINEARS, 2, 2, LAYER_LAYOUT, 1, 1};
+  const char* const names[] = {"norms", "eps", "tensors", "kinds", "groups", "heads", "scales", "layouts",
+                               "mask indices", "rotary indices"};
   check_list_sizes(n, got, per_layer, names, op);
   TORCH_CHECK(head_dim > 0 && head_dim_fits(head_dim), op, ": head_dim ", head_dim,
               "; the layers take a head_dim a multiple of 16 up to ", MAX_HEAD_DIM);
@@ -5150,13 +5338,14 @@ LayerStack layer_stack(at::IntArrayRef layers, const c10::List<std::optional<at:
   for (int64_t i = 0; i < n; ++i) {
     const std::string who = std::string(op) + ": layer " + std::to_string(i);
     LayerCall& l = stack.calls[i];
-    take_layer_norms(l, norms, eps, heads, scales, i, hidden, head_dim, who);
+    take_layer_norms(l, norms, eps, layouts, heads, scales, i, hidden, head_dim, who);
     l.linears = layer_linears(tensors, kinds, groups, i, who);
-    check_layer_linears(l.linears, hidden, (l.n_heads + 2 * l.n_kv_heads) * head_dim, l.n_heads * head_dim, who);
+    check_layer_linears(l.linears, hidden, (l.n_heads + 2 * l.n_kv_heads) * head_dim, l.n_heads * head_dim, who,
+                        l.gated);
     for (LayerLinear& linear : l.linears)
       if (linear.bias.defined()) linear.bias = linear.bias.to(at::kBFloat16).contiguous();
   }
-  stack.head = head_call(head, head_eps, head_kind, head_group, hidden, op);
+  stack.head = head_call(head, head_eps, head_norm, head_kind, head_group, hidden, op);
   return stack;
 }
 
@@ -5219,8 +5408,8 @@ at::Tensor run_layer_stack(const LayerStack& stack, const at::Tensor& x, const a
     }
     if (!final_head.given()) return;
     if (leads_team())
-      rms_norm_rows(out.data_ptr<at::BFloat16>(), batch, hidden, final_head.norm, final_head.eps,
-                    normed.data_ptr<at::BFloat16>());
+      norm_rows(final_head.norm_kind, out.data_ptr<at::BFloat16>(), batch, hidden, final_head.norm,
+                final_head.norm_bias, final_head.eps, normed.data_ptr<at::BFloat16>());
     team_barrier();
     layer_gemv_into(final_head.linear, normed, logits);
   });
@@ -5230,9 +5419,11 @@ at::Tensor run_layer_stack(const LayerStack& stack, const at::Tensor& x, const a
 // decode_layers runs consecutive decoder layers (each as layer_step, above) on rows x [B, 1, hidden], one after
 // another, in one call: a step's Python and dispatch per layer cost more than a small layer's weights take to read.
 // Layer i reads and writes the KV cache's layer layers[i] (keys, values: the whole cache [cache layers, B, kv_heads,
-// L, head_dim]); its mask, cos and sin are entry i of their lists, its norms' weights and eps entries 3i .. 3i + 2
-// (the attention's, the MLP's, and the qk-norm's: None, or a bf16 row a query head then a row a KV head, applied to
-// each q and k head before rotary as the fused block's HeadRMSNorm does), its linears 4i .. 4i + 3 (three tensors
+// L, head_dim]); its mask, cos and sin are entry i of their lists, its norms entries 5i .. 5i + 4 of norms (the
+// attention's weight, the MLP's (None in a parallel block whose MLP reads the attention's norm), the qk-norm's: None,
+// or a bf16 row a query head then a row a KV head, applied to each q and k head before rotary as the fused block's
+// HeadRMSNorm does, then the two LayerNorm biases or None) and their eps entries 3i .. 3i + 2 of eps, its layout
+// entries 4i .. 4i + 3 of layouts (NormKind, MlpActivation, gated, parallel), its linears 4i .. 4i + 3 (three tensors
 // each: weight, scales, bias), its query and KV heads entries 2i and 2i + 1 of heads, and of scales its attention's
 // score scale and its residual scale (each branch's output times it before the residual add; 1: none). With a head
 // (HeadCall) the call returns its logits [B, vocab], else the last layer's hidden states. Every layer and the head
@@ -5244,8 +5435,8 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::
                          const c10::List<std::optional<at::Tensor>>& norms, at::ArrayRef<double> eps,
                          const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds,
                          at::IntArrayRef groups, at::IntArrayRef heads, at::ArrayRef<double> scales,
-                         const c10::List<std::optional<at::Tensor>>& head,
-                         double head_eps, int64_t head_kind, int64_t head_group) {
+                         at::IntArrayRef layouts, const c10::List<std::optional<at::Tensor>>& head,
+                         double head_eps, int64_t head_norm, int64_t head_kind, int64_t head_group) {
   check_isa("decode_layers");
   const int64_t n = static_cast<int64_t>(layers.size());
   const int64_t got[] = {static_cast<int64_t>(masks.size()), static_cast<int64_t>(cos.size()),
@@ -5256,8 +5447,9 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& keys, const at::
               values.sizes(), " and ", x.sizes());
   std::vector<int64_t> each(n);
   std::iota(each.begin(), each.end(), 0);
-  const LayerStack stack = layer_stack(layers, norms, eps, tensors, kinds, groups, heads, scales, head, head_eps,
-                                       head_kind, head_group, x.size(2), keys.size(4), each, each, "decode_layers");
+  const LayerStack stack = layer_stack(layers, norms, eps, tensors, kinds, groups, heads, scales, layouts, head,
+                                       head_eps, head_norm, head_kind, head_group, x.size(2), keys.size(4), each, each,
+                                       "decode_layers");
   return run_layer_stack(stack, x, keys, values, slots, masks, kv_len, cos, sin, "decode_layers");
 }
 
@@ -5281,7 +5473,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_half(
   const int64_t got[] = {static_cast<int64_t>(norms.size()), static_cast<int64_t>(eps.size()),
                          static_cast<int64_t>(tensors.size()), static_cast<int64_t>(kinds.size()),
                          static_cast<int64_t>(groups.size()), static_cast<int64_t>(heads.size())};
-  const int64_t per_layer[] = {LAYER_NORMS, LAYER_NORMS, 2 * TENSORS_PER_LINEAR, 2, 2, 2};
+  const int64_t per_layer[] = {LAYER_NORMS, LAYER_EPS, 2 * TENSORS_PER_LINEAR, 2, 2, 2};
   const char* const names[] = {"norms", "eps", "tensors", "kinds", "groups", "heads"};
   check_list_sizes(1, got, per_layer, names, op);
   const int64_t hidden = x.size(2), head_dim = keys.size(4);
@@ -5290,7 +5482,7 @@ std::tuple<at::Tensor, at::Tensor> decode_attention_half(
   const std::string who = std::string(op) + ": layer " + std::to_string(layer);
   LayerCall l;
   const double scales[] = {scale, residual_scale};
-  take_layer_norms(l, norms, eps, heads, scales, 0, hidden, head_dim, who);
+  take_layer_norms(l, norms, eps, {}, heads, scales, 0, hidden, head_dim, who);  // RMSNorm, not parallel
   l.linears = layer_linears(tensors, kinds, groups, 0, who, 2);  // qkv, o
   check_layer_linears(l.linears, hidden, (l.n_heads + 2 * l.n_kv_heads) * head_dim, l.n_heads * head_dim, who);
   for (LayerLinear& linear : l.linears)
@@ -5440,12 +5632,13 @@ int64_t register_layers(at::IntArrayRef layers, const c10::List<std::optional<at
                         at::ArrayRef<double> eps,
                         const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds,
                         at::IntArrayRef groups, at::IntArrayRef heads, at::ArrayRef<double> scales,
-                        const c10::List<std::optional<at::Tensor>>& head, double head_eps, int64_t head_kind,
-                        int64_t head_group, int64_t hidden, int64_t head_dim, at::IntArrayRef mask_of,
-                        at::IntArrayRef rope_of) {
+                        at::IntArrayRef layouts, const c10::List<std::optional<at::Tensor>>& head, double head_eps,
+                        int64_t head_norm, int64_t head_kind, int64_t head_group, int64_t hidden, int64_t head_dim,
+                        at::IntArrayRef mask_of, at::IntArrayRef rope_of) {
   auto stack = std::make_shared<const LayerStack>(layer_stack(layers, norms, eps, tensors, kinds, groups, heads,
-                                                              scales, head, head_eps, head_kind, head_group, hidden,
-                                                              head_dim, mask_of, rope_of, "register_layers"));
+                                                              scales, layouts, head, head_eps, head_norm, head_kind,
+                                                              head_group,
+                                                              hidden, head_dim, mask_of, rope_of, "register_layers"));
   const std::lock_guard<std::mutex> lock(registered_stacks_mutex);
   const int64_t number = next_stack_number++;
   registered_stacks.emplace(number, std::move(stack));
@@ -5657,8 +5850,8 @@ TORCH_LIBRARY(splice_kernels, lib) {
           "int[] kinds, int[] groups) -> Tensor");
   lib.def("decode_layers(Tensor x, Tensor(a!) keys, Tensor(b!) values, int[] layers, Tensor slots, Tensor?[] masks, "
           "int kv_len, Tensor?[] cos, Tensor?[] sin, Tensor?[] norms, float[] eps, Tensor?[] tensors, int[] kinds, "
-          "int[] groups, int[] heads, float[] scales, Tensor?[] head, float head_eps, int head_kind, int head_group) "
-          "-> Tensor");
+          "int[] groups, int[] heads, float[] scales, int[] layouts, Tensor?[] head, float head_eps, int head_norm, "
+          "int head_kind, int head_group) -> Tensor");
   lib.def("decode_registered(Tensor x, Tensor(a!) keys, Tensor(b!) values, int stack, Tensor slots, Tensor?[] masks, "
           "int kv_len, Tensor?[] cos, Tensor?[] sin) -> Tensor");
   lib.def("decode_greedy(Tensor embedding, float? embed_scale, Tensor(a!) keys, Tensor(b!) values, int stack, "
@@ -5667,8 +5860,8 @@ TORCH_LIBRARY(splice_kernels, lib) {
           "int eos_banned_below, int steps) -> (Tensor, int, int, int)");
   // keeps tensors, computes nothing: one kernel for every backend
   lib.def("register_layers(int[] layers, Tensor?[] norms, float[] eps, Tensor?[] tensors, int[] kinds, int[] groups, "
-          "int[] heads, float[] scales, Tensor?[] head, float head_eps, int head_kind, int head_group, int hidden, "
-          "int head_dim, int[] mask_of, int[] rope_of) -> int", &register_layers);
+          "int[] heads, float[] scales, int[] layouts, Tensor?[] head, float head_eps, int head_norm, int head_kind, "
+          "int head_group, int hidden, int head_dim, int[] mask_of, int[] rope_of) -> int", &register_layers);
   // no tensors: one kernel for every backend
   lib.def("release_layers(int stack) -> ()", &release_layers);
   lib.def("registered_layer_stacks() -> int", &registered_layer_stacks);
