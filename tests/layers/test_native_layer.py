@@ -534,7 +534,7 @@ def test_the_registered_ops_name_bad_inputs():
         ops.decode_registered(x, cache.keys, cache.values, number, slots, [], 4, [rotary[0][0]], [rotary[0][1]])
     count = ops.registered_layer_stacks()
     wrong_norms = [None if norm is None else norm.float() for norm in run.norms]
-    with pytest.raises(RuntimeError, match=r"register_layers: layer 0: the norms' weights and biases must be contiguous"):
+    with pytest.raises(RuntimeError, match=r"layer 0: the norms' weights and biases must be contiguous bf16"):
         ops.register_layers(run.layers, wrong_norms, run.eps, run.tensors, run.kinds, run.groups, run.heads,
                             run.scales, run.layouts, [], 0.0, 0, 0, 0, 64, 16, [0] * len(run.layers),
                             [0] * len(run.layers))

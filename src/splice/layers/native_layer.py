@@ -3,9 +3,10 @@
 A pre-norm block (Llama's and its relatives', with or without Qwen3's qk-norm; RMSNorms or LayerNorms; a gated MLP or a
 plain one with SiLU, GELU or ReLU; a sequential residual or a parallel one, as GPT-NeoX, Phi, Falcon and GPT-J have)
 makes a dozen calls a decode step through its modules: norms, four GEMVs, rotary, the cache writes, attention, residual
-adds, the activation. Each has its dispatch, allocations and threads to wake, and in a small model those, and the Python around
-them, cost more than reading the weights. ``decode_layers`` does the same work for every block of a run in one call,
-with the same GEMVs and attention kernel, rounding each elementwise result to bf16 where the block's eager ops round it.
+adds, the activation. Each has its dispatch, allocations and threads to wake, and in a small model those, and the Python
+around them, cost more than reading the weights. ``decode_layers`` does the same work for every block of a run in one
+call, with the same GEMVs and attention kernel, rounding each elementwise result to bf16 where the block's eager ops
+round it.
 
 :func:`unfit_reason` says whether a block's structure and layers allow it (the kernels step asks once per block);
 :func:`step_takes_calls` and :func:`layer_call` whether a given step does (one new token per row, bf16, every linear on
