@@ -86,13 +86,14 @@ def assert_same_steps(engine, per_row_slots: bool = False, batch: int = 2) -> No
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "mistral", "qwen3", "granite", "stablelm", "starcoder2",
-                                    "gpt_neox", "phi", "gptj", "falcon"])
+                                    "gpt_neox", "phi", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "gpt_neo"])
 def test_families_blocks_step_as_their_own_ops_do(family):
     """Llama; qkv biases and a sliding window (qwen2); rotary on half of each head (phi3); a window (mistral);
     per-head q and k norms before rotary (qwen3); each branch's output scaled before its residual add (granite);
     LayerNorms with biases and a gated SiLU MLP (stablelm), a plain tanh-GELU MLP with biases (starcoder2); parallel
     blocks: two LayerNorms and an erf GELU (gpt_neox), one LayerNorm and the tanh GELU (phi, gptj), no biases
-    (falcon)."""
+    (falcon); learned positions, no rotary: GPT-2 (Conv1D linears), OPT (ReLU), GPT-BigCode (one KV head), GPT-Neo
+    (local attention layers, unscaled scores)."""
     engine = engine_of(family)
     assert all(block.native_layer for block in engine.runtime.blocks)
     assert_same_steps(engine)
@@ -175,7 +176,7 @@ def test_a_block_on_its_own_ops_splits_the_run():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "qwen3", "granite", "stablelm", "starcoder2", "gpt_neox",
-                                    "phi", "gptj", "falcon"])
+                                    "phi", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "gpt_neo"])
 def test_decode_steps_agree_with_the_hf_reference(family):
     """The native calls' decode steps, teacher-forced one token at a time, against the unmodified bf16 HF model's
     logits at the same positions: within 5 % of the logit std and the argmax above 90 % the same (bf16 rounding
@@ -355,7 +356,7 @@ def test_a_compiled_engine_runs_steps_in_one_native_call_eagerly(fresh_compiles)
 
 @pytest.mark.parametrize("family, reason", [
     ("gemma", "its norms are not RMSNorms or LayerNorms (one kind) with bf16 weights"),  # float32 (1 + w) weights
-    ("gpt2", "it takes no rotary positions"),
+    ("bloom", "it has alibi_slopes"),
     ("cohere", "it rotates q and k in float32"),
     ("mixtral", "its MLP is the model's own MixtralSparseMoeBlock (a mixture of experts)"),
     ("olmo", "it clamps q, k and v (clip_qkv)"),
@@ -738,12 +739,21 @@ def test_a_rotation_in_float32_keeps_its_blocks_own_ops():
     assert unfit_reason(block) == "it rotates q and k in float32, rounding once (rotary_float)"
 
 
-def test_a_layer_without_positions_in_a_rotary_model_keeps_its_blocks_own_ops():
-    """The native call rotates every layer of a run with its table: a layer that takes no positions (Cohere 2's
-    full-attention layers) keeps its own ops, which take the table and leave q and k as they are."""
-    block = engine_of("llama").runtime.blocks[0]
+def test_a_layer_without_positions_in_a_rotary_model_steps_unrotated():
+    """A layer that takes no positions in a rotary model (Cohere 2's full-attention layers) steps in the call with no
+    table (its q and k left as they are), as its own ops step with the table they ignore; the greedy steps, whose
+    tables serve every layer, leave such a model to the step path."""
+    rotary = engine_of("llama").runtime
+    assert rotary.greedy_steps(1, rotary.new_cache(1), None, 0, 0) is not None
+    engine = engine_of("llama")
+    runtime = engine.runtime
+    block = runtime.blocks[0]
     block.layout = dataclasses.replace(block.layout, rotary=False)
-    assert unfit_reason(block) == "it takes no rotary positions"
+    assert unfit_reason(block) is None
+    (run,) = native_layer.step_plan(runtime.blocks, 1, {None: None})
+    assert run.ropes == [None, 0]
+    assert runtime.greedy_steps(1, runtime.new_cache(1), None, 0, 0) is None
+    assert_same_steps(engine)
 
 
 def test_attention_sinks_attend_on_the_attention_kernel_but_keep_the_layer_calls_off():

@@ -177,6 +177,8 @@ class SpliceBlock(nn.Module):
 
             call = attention_call(self, x.shape[0]) if step_takes_calls(x) and mask_takes_calls(mask) else None
             if call is not None:
+                if not self.layout.rotary:  # a layer without positions in a rotary model: the call rotates nothing
+                    cos = sin = None
                 out, h = decode_attention_half(call, x, cache.keys, cache.values, slots, mask, kv_len, cos, sin)
                 mlp = self.mlp(h)  # before out.add_ is looked up: a compiled step may resume after the MLP
                 return out.add_(mlp)

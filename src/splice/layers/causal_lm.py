@@ -299,10 +299,10 @@ class SpliceCausalLM:
         (:class:`GreedySteps`; ``eos``, ``pad`` and ``eos_banned_below`` as it takes them), or None where they cannot
         run so: the eager step must be one native run ending with the head (:meth:`step_runs_natively`) and the
         embedding a plain lookup in a contiguous bf16 CPU table (no module that scales it, no learned positions, norm
-        or projection after it, no hooks on it; at most one scale, Gemma's or Granite's). Registers the run with the
-        native library."""
+        or projection after it, no hooks on it; at most one scale, Gemma's or Granite's), and no layer without positions
+        in a rotary model (Cohere 2's full-attention layers). Registers the run with the native library."""
         run = self.native_step_run(rows) if self.graphs is None else None
-        if run is None or run.head is None or run.registered is None:
+        if run is None or run.head is None or run.registered is None or (self.ropes and None in run.ropes):
             return None
         embed, ends = self.embed, self.ends
         weight = getattr(embed, "weight", None)

@@ -112,8 +112,6 @@ def attention_unfit_reason(block: nn.Module, whole_layer: bool = False) -> str |
     extras = [name for name in ("attn_out_norm", "mlp_out_norm", "alibi_slopes") if getattr(block, name) is not None]
     if extras or layout.softcap is not None:
         return f"it has {', '.join(extras or ['soft-capped scores'])}"
-    if not layout.rotary:
-        return "it takes no rotary positions"
     if block.sinks is not None:
         return "its attention has sinks (a learned logit per head in the softmax)"
     if layout.clip_qkv is not None:
@@ -334,7 +332,7 @@ class Registered:
     def __init__(self):
         self.number: int | None = None
         self.windows: list[int | None] = []  # the step's masks the run takes, by window
-        self.ropes: list[int] = []  # the step's rotary tables the run takes
+        self.ropes: list[int | None] = []  # the step's rotary tables the run takes (None: none)
 
     def step(self, run: "NativeRun", x: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
              masks: dict, kv_len: int, rotary: list) -> torch.Tensor:
@@ -367,7 +365,7 @@ class NativeRun(NamedTuple):
     by the native library (:class:`Registered`)."""
 
     windows: list[int | None]
-    ropes: list[int]
+    ropes: list[int | None]
     layers: list[int]
     norms: list[torch.Tensor | None]
     eps: list[float]
@@ -381,8 +379,14 @@ class NativeRun(NamedTuple):
     registered: Registered | None = None
 
 
+def block_rope(block: nn.Module) -> int | None:
+    """The rotary table the block's step takes, or None for a block without positions (learned positions added to
+    the embeddings, as GPT-2's; Cohere 2's full-attention layers in a rotary model): its call rotates nothing."""
+    return block.layout.rope_index if block.layout.rotary else None
+
+
 def native_run(blocks: list[nn.Module], calls: list[LayerCall]) -> NativeRun:
-    return NativeRun([block.window for block in blocks], [block.layout.rope_index for block in blocks],
+    return NativeRun([block.window for block in blocks], [block_rope(block) for block in blocks],
                      [call.layer for call in calls], [t for call in calls for t in call.norms],
                      [e for call in calls for e in call.eps], [t for call in calls for t in call.tensors],
                      [k for call in calls for k in call.kinds], [g for call in calls for g in call.groups],
@@ -433,12 +437,11 @@ def decode_layers(run: NativeRun, x: torch.Tensor, keys: torch.Tensor, values: t
         run.scales, run.layouts, *head_arguments(run.head))
 
 
-def rotary_rows(rotary: list, tables: list[int]) -> tuple[list, list]:
+def rotary_rows(rotary: list, tables: list[int | None]) -> tuple[list, list]:
     """The cos and sin lists the ops take for rotary ``tables`` (indices into ``rotary``, each table's (cos, sin)
-    rows; empty without rotary: None each)."""
-    if not rotary:
-        return [None] * len(tables), [None] * len(tables)
-    return [rotary[index][0] for index in tables], [rotary[index][1] for index in tables]
+    rows; None for a table where the blocks take no positions, and each None where the model has no rotary)."""
+    rows = [rotary[index] if rotary and index is not None else (None, None) for index in tables]
+    return [cos for cos, _ in rows], [sin for _, sin in rows]
 
 
 def head_arguments(head: HeadCall | None) -> tuple:
