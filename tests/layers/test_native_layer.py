@@ -85,15 +85,18 @@ def assert_same_steps(engine, per_row_slots: bool = False, batch: int = 2) -> No
         torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "mistral", "qwen3", "granite", "stablelm", "starcoder2",
-                                    "gpt_neox", "phi", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "gpt_neo"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "mistral", "qwen3", "granite", "gemma", "gemma3_text",
+                                    "stablelm", "starcoder2", "gpt_neox", "phi", "gptj", "falcon", "gpt2", "opt",
+                                    "gpt_bigcode", "gpt_neo"])
 def test_families_blocks_step_as_their_own_ops_do(family):
     """Llama; qkv biases and a sliding window (qwen2); rotary on half of each head (phi3); a window (mistral);
     per-head q and k norms before rotary (qwen3); each branch's output scaled before its residual add (granite);
     LayerNorms with biases and a gated SiLU MLP (stablelm), a plain tanh-GELU MLP with biases (starcoder2); parallel
     blocks: two LayerNorms and an erf GELU (gpt_neox), one LayerNorm and the tanh GELU (phi, gptj), no biases
     (falcon); learned positions, no rotary: GPT-2 (Conv1D linears), OPT (ReLU), GPT-BigCode (one KV head), GPT-Neo
-    (local attention layers, unscaled scores)."""
+    (local attention layers, unscaled scores); RMSNorms with float32 weights (Gemma's 1 + w) and a gated tanh GELU
+    (gemma), with norms on the branch outputs and a qk-norm scaled in float32, local and global rotary tables (Gemma
+    3)."""
     engine = engine_of(family)
     assert all(block.native_layer for block in engine.runtime.blocks)
     assert_same_steps(engine)
@@ -118,24 +121,25 @@ def test_wide_layer_norms_and_activations_step_as_their_own_ops_do(family, activ
 
 @pytest.mark.parametrize("family, scheme, batch", [
     ("llama", "bf16", 1), ("llama", "bf16", 2), ("llama", "int8", 1), ("llama", "int4-sym", 2), ("gpt_neox", "bf16", 2),
-    ("phi", "int8", 1)])
+    ("phi", "int8", 1), ("gemma3_text", "bf16", 2)])
 def test_the_head_in_the_last_call_gives_the_same_logits(family, scheme, batch):
-    """The final norm (RMSNorm; LayerNorm with its bias: gpt_neox, phi) and the lm_head's GEMV (phi's with a bias)
-    joining the step's last native call: the same arithmetic as the head's own modules (its norm rounds as the blocks'
-    norms do, its GEMV is the lm_head's), so the same bits where the norm is an RMSNorm, and within a bf16 step of them
-    where it is a LayerNorm (its sums in another order)."""
+    """The final norm (RMSNorm; with a float32 weight: gemma3_text; LayerNorm with its bias: gpt_neox, phi) and the
+    lm_head's GEMV (phi's with a bias) joining the step's last native call: the same arithmetic as the head's own
+    modules (its norm rounds as the blocks' norms do, its GEMV is the lm_head's), so the same bits where the norm is an
+    RMSNorm, and within a bf16 step of them where it is a LayerNorm (its sums in another order)."""
     engine = engine_of(family, scheme)
     runtime = engine.runtime
     head = runtime.head_call(batch)
     assert head is not None and head.kind == layer_gemv(runtime.lm_head).kind
-    assert head.norm_kind == (native_layer.NORM_LAYER if family != "llama" else native_layer.NORM_RMS)
+    kinds = {"llama": native_layer.NORM_RMS, "gemma3_text": native_layer.NORM_RMS_FLOAT}
+    assert head.norm_kind == kinds.get(family, native_layer.NORM_LAYER)
     joined = decode(engine, True, batch=batch)
     runtime.head_in_call = False
     try:
         apart = decode(engine, True, batch=batch)
     finally:
         runtime.head_in_call = True
-    if family == "llama":
+    if head.norm_kind != native_layer.NORM_LAYER:
         assert all(torch.equal(a, b) for a, b in zip(joined, apart))
     else:
         torch.testing.assert_close(joined[0], apart[0], rtol=0.02, atol=0.02 * apart[0].abs().max().item())
@@ -175,8 +179,9 @@ def test_a_block_on_its_own_ops_splits_the_run():
     assert (got[0].argmax(-1) == expected[0].argmax(-1)).all()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "qwen3", "granite", "stablelm", "starcoder2", "gpt_neox",
-                                    "phi", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode", "gpt_neo"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "phi3", "qwen3", "granite", "gemma", "gemma3_text", "stablelm",
+                                    "starcoder2", "gpt_neox", "phi", "gptj", "falcon", "gpt2", "opt", "gpt_bigcode",
+                                    "gpt_neo"])
 def test_decode_steps_agree_with_the_hf_reference(family):
     """The native calls' decode steps, teacher-forced one token at a time, against the unmodified bf16 HF model's
     logits at the same positions: within 5 % of the logit std and the argmax above 90 % the same (bf16 rounding
@@ -355,12 +360,12 @@ def test_a_compiled_engine_runs_steps_in_one_native_call_eagerly(fresh_compiles)
 
 
 @pytest.mark.parametrize("family, reason", [
-    ("gemma", "its norms are not RMSNorms or LayerNorms (one kind) with bf16 weights"),  # float32 (1 + w) weights
+    ("gemma2", "it has soft-capped scores"),
     ("bloom", "it has alibi_slopes"),
     ("cohere", "it rotates q and k in float32"),
     ("mixtral", "its MLP is the model's own MixtralSparseMoeBlock (a mixture of experts)"),
     ("olmo", "it clamps q, k and v (clip_qkv)"),
-    ("olmo2", "it has attn_out_norm, mlp_out_norm"),
+    ("olmo2", "it rotates q and k in float32"),
 ])
 def test_blocks_it_does_not_fit_keep_their_own_ops_and_the_report_says_why(family, reason):
     engine = engine_of(family)
@@ -480,8 +485,10 @@ def test_the_op_names_bad_inputs():
         run(both._replace(head=head._replace(norm=head.norm.float())), slots=torch.tensor([5]))
     with pytest.raises(RuntimeError, match="the head: only a LayerNorm takes a bias"):
         run(both._replace(head=head._replace(norm_bias=torch.zeros(64, dtype=torch.bfloat16))), slots=torch.tensor([5]))
-    with pytest.raises(RuntimeError, match=r"the head: norm kind 2; allowed: 0 \(RMSNorm\) or 1 \(LayerNorm\)"):
-        run(both._replace(head=head._replace(norm_kind=2)), slots=torch.tensor([5]))
+    with pytest.raises(RuntimeError, match=r"the head: norm kind 3; allowed: 0 \(RMSNorm\), 1 \(LayerNorm\) or 2"):
+        run(both._replace(head=head._replace(norm_kind=3)), slots=torch.tensor([5]))
+    with pytest.raises(RuntimeError, match=r"the final norm's weight must be contiguous float32 \[64\], got BFloat16"):
+        run(both._replace(head=head._replace(norm_kind=native_layer.NORM_RMS_FLOAT)), slots=torch.tensor([5]))
     assert torch.equal(cache.keys, before[0]) and torch.equal(cache.values, before[1])
 
 
@@ -535,7 +542,7 @@ def test_the_registered_ops_name_bad_inputs():
         ops.decode_registered(x, cache.keys, cache.values, number, slots, [], 4, [rotary[0][0]], [rotary[0][1]])
     count = ops.registered_layer_stacks()
     wrong_norms = [None if norm is None else norm.float() for norm in run.norms]
-    with pytest.raises(RuntimeError, match=r"layer 0: the norms' weights and biases must be contiguous bf16"):
+    with pytest.raises(RuntimeError, match=r"layer 0: the norms' weights must be contiguous bf16"):
         ops.register_layers(run.layers, wrong_norms, run.eps, run.tensors, run.kinds, run.groups, run.heads,
                             run.scales, run.layouts, [], 0.0, 0, 0, 0, 64, 16, [0] * len(run.layers),
                             [0] * len(run.layers))
@@ -549,7 +556,7 @@ def test_the_registered_ops_name_bad_inputs():
                             [0] * len(run.layers))
     wrong_qk = list(run.norms)
     wrong_qk[2] = torch.ones(3, 16, dtype=torch.bfloat16)  # 4 query and 2 KV heads need 6 rows
-    with pytest.raises(RuntimeError, match=r"layer 0: the qk-norm's weights must be contiguous bf16 \[6, 16\]"):
+    with pytest.raises(RuntimeError, match=r"the qk-norm's weights must be contiguous bf16 or float32 \[6, 16\]"):
         ops.register_layers(run.layers, wrong_qk, run.eps, run.tensors, run.kinds, run.groups, run.heads,
                             run.scales, run.layouts, [], 0.0, 0, 0, 0, 64, 16, [0] * len(run.layers),
                             [0] * len(run.layers))
@@ -778,12 +785,14 @@ def test_attention_sinks_attend_on_the_attention_kernel_but_keep_the_layer_calls
     torch.testing.assert_close(got.float(), expected.float(), rtol=0.02, atol=0.02)
 
 
-def test_a_qk_norm_scaled_in_float32_keeps_its_blocks_own_ops():
-    """Gemma 3's qk-norm (an offset weight, scaled in float32) rounds otherwise than the native call's norm."""
+def test_a_qk_norm_rounding_otherwise_than_its_weight_says_keeps_its_blocks_own_ops():
+    """A qk-norm with an offset scales in float32 and rounds once, one without rounds before its bf16 weight: the
+    native call takes the rounding from the weight's dtype (float32: Gemma 3's), so an offset on a bf16 weight keeps
+    the block's own ops."""
     block = engine_of("qwen3").runtime.blocks[0]
     assert unfit_reason(block) is None
     block.qk_norm.offset = 1.0
-    assert unfit_reason(block) == "its qk-norm scales in float32 (an offset weight, as Gemma 3's)"
+    assert unfit_reason(block) == "its qk-norm's weight is not float32 with an offset (Gemma 3's) or bf16 without one"
 
 
 def test_granites_logits_divisor_keeps_the_head_out_of_the_native_calls():

@@ -36,8 +36,8 @@ from .norm import HeadRMSNorm, RMSNorm
 LINEARS = ("qkv", "o", "gate_up", "down")
 #: the activation modules transformers gives an experts module for "silu" ("swish")
 SILU_CLASSES = (nn.SiLU, SiLUActivation)
-#: decode_layers' norm kinds (gemv.cpp's NormKind)
-NORM_RMS, NORM_LAYER = 0, 1
+#: decode_layers' norm kinds (gemv.cpp's NormKind): RMSNorm, LayerNorm, RMSNorm with a float32 weight
+NORM_RMS, NORM_LAYER, NORM_RMS_FLOAT = 0, 1, 2
 #: decode_layers' MLP activations (gemv.cpp's MlpActivation) by the fused block's activation names
 LAYER_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu": 1, "gelu_python": 1, "gelu_pytorch_tanh": 2, "gelu_new": 2,
                      "gelu_fast": 2, "gelu_python_tanh": 2, "relu": 3}
@@ -109,7 +109,8 @@ def attention_unfit_reason(block: nn.Module, whole_layer: bool = False) -> str |
     layout, shape = block.layout, block.shape
     if not (layout.causal and layout.norm_before and (whole_layer or not layout.parallel)):
         return "its layout is not a causal pre-norm block with a sequential residual"
-    extras = [name for name in ("attn_out_norm", "mlp_out_norm", "alibi_slopes") if getattr(block, name) is not None]
+    extras = ["alibi_slopes"] + ([] if whole_layer else ["attn_out_norm", "mlp_out_norm"])
+    extras = [name for name in extras if getattr(block, name) is not None]
     if extras or layout.softcap is not None:
         return f"it has {', '.join(extras or ['soft-capped scores'])}"
     if block.sinks is not None:
@@ -121,8 +122,8 @@ def attention_unfit_reason(block: nn.Module, whole_layer: bool = False) -> str |
     qk_norm = block.qk_norm
     if qk_norm is not None and not isinstance(qk_norm, HeadRMSNorm):
         return "its qk-norm spans each whole projection, not one head"
-    if qk_norm is not None and (qk_norm.offset or qk_norm.weight.dtype != torch.bfloat16):
-        return "its qk-norm scales in float32 (an offset weight, as Gemma 3's)"
+    if qk_norm is not None and qk_norm.weight.dtype != (torch.float32 if qk_norm.offset else torch.bfloat16):
+        return "its qk-norm's weight is not float32 with an offset (Gemma 3's) or bf16 without one"
     if not whole_layer:
         norms_reason = norms_unfit_reason(block, whole_layer=False)
         if norms_reason:
@@ -133,10 +134,11 @@ def attention_unfit_reason(block: nn.Module, whole_layer: bool = False) -> str |
 
 
 def norm_kind(norm: nn.Module | None, hidden: int) -> int | None:
-    """The norm's kind for the native calls (``NORM_RMS``: splice's RMSNorm with a bf16 weight; ``NORM_LAYER``:
-    torch's own ``nn.LayerNorm`` over ``hidden`` features with a bf16 weight and a bf16 bias or none), else None."""
-    if isinstance(norm, RMSNorm) and norm.weight.dtype == torch.bfloat16:
-        return NORM_RMS
+    """The norm's kind for the native calls (``NORM_RMS``: splice's RMSNorm with a bf16 weight; ``NORM_RMS_FLOAT``:
+    with a float32 one, Gemma's folded ``1 + w`` or a weight scaled in float32; ``NORM_LAYER``: torch's own
+    ``nn.LayerNorm`` over ``hidden`` features with a bf16 weight and a bf16 bias or none), else None."""
+    if isinstance(norm, RMSNorm) and norm.weight.dtype in (torch.bfloat16, torch.float32):
+        return NORM_RMS if norm.weight.dtype == torch.bfloat16 else NORM_RMS_FLOAT
     if type(norm) is nn.LayerNorm and norm.normalized_shape == (hidden,) and norm.weight is not None \
             and norm.weight.dtype == torch.bfloat16 and (norm.bias is None or norm.bias.dtype == torch.bfloat16):
         return NORM_LAYER
@@ -145,15 +147,16 @@ def norm_kind(norm: nn.Module | None, hidden: int) -> int | None:
 
 def norms_unfit_reason(block: nn.Module, whole_layer: bool) -> str | None:
     """Why the block's norms keep it out of the native calls: RMSNorms with bf16 weights, or in a whole layer's call
-    also torch's LayerNorms with bf16 weights and biases, both of one kind (a parallel block's MLP norm may be absent:
-    its MLP reads the attention's), or None if they fit."""
+    also RMSNorms with float32 weights and torch's LayerNorms with bf16 weights and biases, both of one kind (a
+    parallel block's MLP norm may be absent: its MLP reads the attention's), or None if they fit."""
     hidden = block.attn_norm.weight.shape[-1] if getattr(block.attn_norm, "weight", None) is not None else -1
     norms = [block.attn_norm] + ([block.mlp_norm] if block.mlp_norm is not None or not block.layout.parallel else [])
+    norms += [norm for norm in (block.attn_out_norm, block.mlp_out_norm) if norm is not None]
     kinds = {norm_kind(norm, hidden) for norm in norms}
-    allowed = {NORM_RMS, NORM_LAYER} if whole_layer else {NORM_RMS}
+    allowed = {NORM_RMS, NORM_LAYER, NORM_RMS_FLOAT} if whole_layer else {NORM_RMS}
     if len(kinds) != 1 or not kinds <= allowed:
-        return ("its norms are not RMSNorms or LayerNorms (one kind) with bf16 weights" if whole_layer
-                else "its norms are not RMSNorm with bf16 weights")
+        return ("its norms are not RMSNorms or LayerNorms of one kind (bf16 weights, or float32 ones for RMSNorms)"
+                if whole_layer else "its norms are not RMSNorm with bf16 weights")
     return None
 
 
@@ -179,14 +182,15 @@ def step_takes_calls(x: torch.Tensor) -> bool:
 class LayerCall(NamedTuple):
     """What ``decode_layers`` takes of one block, besides a step's mask and rotary rows: its cache layer, its norms'
     tensors (the attention's weight, the MLP's or None where a parallel block's MLP reads the attention's norm, the
-    qk-norm's or None, then the attention's and the MLP's LayerNorm biases or None) and eps (the attention's, the
-    MLP's, the qk-norm's or 0.0), its linears' tensors (weight, scales, bias each), GEMV kinds and groups
+    qk-norm's or None, the attention's and the MLP's LayerNorm biases or None, the weights of the norms on the
+    attention's and the MLP's outputs or None) and eps (the attention's, the MLP's, the qk-norm's, the two output
+    norms'; 0.0 for none), its linears' tensors (weight, scales, bias each), GEMV kinds and groups
     (:class:`LayerGemv`), its query and KV heads, its attention scale, its residual scale (each branch's output times
     it before the residual add; 1.0: none) and its layout (:func:`layer_layout`)."""
 
     layer: int
-    norms: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
-    eps: tuple[float, float, float]
+    norms: tuple[torch.Tensor | None, ...]
+    eps: tuple[float, ...]
     tensors: list[torch.Tensor | None]
     kinds: list[int]
     groups: list[int]
@@ -236,9 +240,13 @@ def linears_call(block: nn.Module, names: tuple[str, ...], rows: int, read) -> L
     attn_norm, mlp_norm, qk_norm = read(block, "attn_norm"), read(block, "mlp_norm"), read(block, "qk_norm")
     shape = block.shape
     qk = (read(qk_norm, "weight"), qk_norm.eps) if qk_norm is not None else (None, 0.0)
+    outs = [read(block, name) for name in ("attn_out_norm", "mlp_out_norm")]
     norms = (read(attn_norm, "weight"), None if mlp_norm is None else read(mlp_norm, "weight"), qk[0],
-             norm_bias(attn_norm, read), norm_bias(mlp_norm, read))
-    return LayerCall(block.layer_idx, norms, (attn_norm.eps, 0.0 if mlp_norm is None else mlp_norm.eps, qk[1]),
+             norm_bias(attn_norm, read), norm_bias(mlp_norm, read),
+             *(None if norm is None else read(norm, "weight") for norm in outs))
+    eps = (attn_norm.eps, 0.0 if mlp_norm is None else mlp_norm.eps, qk[1],
+           *(0.0 if norm is None else norm.eps for norm in outs))
+    return LayerCall(block.layer_idx, norms, eps,
                      tensors, [gemv.kind for gemv in gemvs], [gemv.group for gemv in gemvs],
                      (shape.n_heads, shape.n_kv_heads), block.scale,
                      1.0 if block.layout.residual_scale is None else block.layout.residual_scale, None)

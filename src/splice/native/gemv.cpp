@@ -3957,8 +3957,8 @@ int64_t argmax_row(const T* x, int64_t n) {
 // Each rounds to bf16 where the fused block's eager ops round (torch computes bf16 ops in float32, rounding each
 // result once).
 
-// out = bf16(bf16(x * r) * w), r = 1 / sqrt(mean(x^2) + eps) in float32 (RMSNorm as splice.layers.norm rounds it).
-void rms_norm_row(const at::BFloat16* x, const at::BFloat16* w, int64_t n, float eps, at::BFloat16* out) {
+// r = 1 / sqrt(mean(x^2) + eps) of one row x [n] in float32.
+float rms_scale(const at::BFloat16* x, int64_t n, float eps) {
   __m256 squares = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -3967,9 +3967,15 @@ void rms_norm_row(const at::BFloat16* x, const at::BFloat16* w, int64_t n, float
   }
   float total = horizontal_sum(squares);
   for (; i < n; ++i) total += static_cast<float>(x[i]) * static_cast<float>(x[i]);
-  const float r = 1.0f / std::sqrt(total / static_cast<float>(n) + eps);
+  return 1.0f / std::sqrt(total / static_cast<float>(n) + eps);
+}
+
+// out = bf16(bf16(x * r) * w), r = rms_scale(x) (RMSNorm as splice.layers.norm rounds it).
+void rms_norm_row(const at::BFloat16* x, const at::BFloat16* w, int64_t n, float eps, at::BFloat16* out) {
+  const float r = rms_scale(x, n, eps);
   const __m256 rv = _mm256_set1_ps(r);
-  for (i = 0; i + 8 <= n; i += 8) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
     const __m256 normed = f32x8_rounded(_mm256_mul_ps(bf16x8_to_f32(x + i), rv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), f32x8_to_bf16(_mm256_mul_ps(normed, bf16x8_to_f32(w + i))));
   }
@@ -3977,6 +3983,19 @@ void rms_norm_row(const at::BFloat16* x, const at::BFloat16* w, int64_t n, float
     const float normed = static_cast<float>(at::BFloat16(static_cast<float>(x[i]) * r));
     out[i] = at::BFloat16(normed * static_cast<float>(w[i]));
   }
+}
+
+// RMSNorm of one row x [n] with a float32 weight: out = bf16(x * r * w), r = rms_scale(x), the product in float32
+// rounded once (as splice.layers.norm.RMSNorm scales with a float32 weight).
+void rms_norm_row_float(const at::BFloat16* x, const float* w, int64_t n, float eps, at::BFloat16* out) {
+  const float r = rms_scale(x, n, eps);
+  const __m256 rv = _mm256_set1_ps(r);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 normed = _mm256_mul_ps(bf16x8_to_f32(x + i), rv);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), f32x8_to_bf16(_mm256_mul_ps(normed, _mm256_loadu_ps(w + i))));
+  }
+  for (; i < n; ++i) out[i] = at::BFloat16(static_cast<float>(x[i]) * r * w[i]);
 }
 
 // LayerNorm of one row x [n] with a bf16 weight and bias (or none), as torch's LayerNorm of a bf16 row computes it:
@@ -4759,11 +4778,13 @@ inline bool int4_kind(int64_t kind) { return kind == GEMV_INT4 || kind == GEMV_I
 inline bool grouped_kind(int64_t kind) { return kind == GEMV_INT8_GROUPED || kind == GEMV_INT8_GROUPED16; }
 constexpr int64_t LAYER_LINEARS = 4, TENSORS_PER_LINEAR = 3;  // qkv, o, gate_up, down; weight, scales, bias
 // A layer's norm tensors: the attention's, the MLP's (None: a parallel block's MLP reads the attention's), the
-// qk-norm's (or None) weights, then the attention's and the MLP's LayerNorm biases (or None); and their eps (the
-// attention's, the MLP's, the qk-norm's).
-constexpr int64_t LAYER_NORMS = 5, LAYER_EPS = 3;
+// qk-norm's (or None) weights, the attention's and the MLP's LayerNorm biases (or None), and the weights of the norms
+// on the attention's and the MLP's outputs before their residual adds (or None: Gemma 2 and 3's, OLMo 2's); and their
+// eps (the attention's, the MLP's, the qk-norm's, the two output norms').
+constexpr int64_t LAYER_NORMS = 7, LAYER_EPS = 5;
 // A layer's layout: four integers a layer in decode_layers' `layouts` (splice.layers.native_layer.layer_layout).
-enum NormKind : int64_t { NORM_RMS, NORM_LAYER, NORM_KINDS };
+// NORM_RMS_FLOAT: an RMSNorm whose weight is float32, the product rounded once (Gemma's folded 1 + w)
+enum NormKind : int64_t { NORM_RMS, NORM_LAYER, NORM_RMS_FLOAT, NORM_KINDS };
 enum MlpActivation : int64_t { ACT_SILU, ACT_GELU, ACT_GELU_TANH, ACT_RELU, ACTIVATIONS };
 constexpr int64_t LAYER_LAYOUT = 4;  // norm kind, activation, gated (1) or plain (0), parallel (1) or not (0)
 
@@ -4852,10 +4873,12 @@ std::vector<LayerLinear> layer_linears(const c10::List<std::optional<at::Tensor>
   return linears;
 }
 
-// A norm's weight: contiguous bf16 [hidden] (`what` names it in the error).
-void check_norm_weight(const at::Tensor& norm, int64_t hidden, const std::string& what) {
-  TORCH_CHECK(norm.dim() == 1 && norm.size(0) == hidden && norm.scalar_type() == at::kBFloat16 && norm.is_contiguous(),
-              what, " must be contiguous bf16 [", hidden, "], got ", norm.scalar_type(), " ", norm.sizes());
+// A norm's weight: contiguous bf16 [hidden], or float32 where `float_weight` (`what` names it in the error).
+void check_norm_weight(const at::Tensor& norm, int64_t hidden, const std::string& what, bool float_weight = false) {
+  const at::ScalarType dtype = float_weight ? at::kFloat : at::kBFloat16;
+  TORCH_CHECK(norm.dim() == 1 && norm.size(0) == hidden && norm.scalar_type() == dtype && norm.is_contiguous(),
+              what, " must be contiguous ", float_weight ? "float32" : "bf16", " [", hidden, "], got ",
+              norm.scalar_type(), " ", norm.sizes());
 }
 
 // A step's inputs to one layer (its norms, heads and linears were checked with its stack: layer_stack).
@@ -4975,10 +4998,17 @@ void layer_norm_rows(const at::BFloat16* x, int64_t rows, int64_t hidden, const 
                          out + m * hidden);
 }
 
-// The norm of a layer (NormKind `kind`: RMSNorm, or LayerNorm with its bias) of rows x [rows, hidden] into out.
+// The norm of a layer (NormKind `kind`: RMSNorm, with a float32 weight, or LayerNorm with its bias) of rows x [rows,
+// hidden] into out.
 void norm_rows(int64_t kind, const at::BFloat16* x, int64_t rows, int64_t hidden, const at::Tensor& weight,
                const at::Tensor& bias, double eps, at::BFloat16* out) {
   if (kind == NORM_LAYER) return layer_norm_rows(x, rows, hidden, weight, bias, eps, out);
+  if (kind == NORM_RMS_FLOAT) {
+    for (int64_t m = 0; m < rows; ++m)
+      avx2::rms_norm_row_float(x + m * hidden, weight.data_ptr<float>(), hidden, static_cast<float>(eps),
+                               out + m * hidden);
+    return;
+  }
   rms_norm_rows(x, rows, hidden, weight, eps, out);
 }
 
@@ -5002,11 +5032,14 @@ void rotate_and_store(at::Tensor& qkv, const std::optional<at::Tensor>& cos, con
   const int64_t rows = qkv.size(0), width = qkv.size(1), dim = keys.size(3);
   at::BFloat16* qp = qkv.data_ptr<at::BFloat16>();
   if (qk_norm.defined()) {  // each q and k head RMS-normed with its row of qk_norm [heads + kv_heads, dim]
-    const at::BFloat16* wp = qk_norm.data_ptr<at::BFloat16>();
+    const bool float_weight = qk_norm.scalar_type() == at::kFloat;  // scaled in float32, rounded once (Gemma 3)
     for (int64_t m = 0; m < rows; ++m)
       for (int64_t head = 0; head < n_heads + n_kv_heads; ++head) {
         at::BFloat16* h = qp + m * width + head * dim;
-        avx2::rms_norm_row(h, wp + head * dim, dim, static_cast<float>(qk_eps), h);
+        if (float_weight)
+          avx2::rms_norm_row_float(h, qk_norm.data_ptr<float>() + head * dim, dim, static_cast<float>(qk_eps), h);
+        else
+          avx2::rms_norm_row(h, qk_norm.data_ptr<at::BFloat16>() + head * dim, dim, static_cast<float>(qk_eps), h);
       }
   }
   if (cos) {
@@ -5035,10 +5068,11 @@ void rotate_and_store(at::Tensor& qkv, const std::optional<at::Tensor>& cos, con
 struct LayerCall {
   at::Tensor attn_norm, mlp_norm, qk_norm;  // qk_norm: undefined, or per-head RMSNorm weights of q and k
   at::Tensor attn_norm_bias, mlp_norm_bias;  // LayerNorm's biases, or undefined
+  at::Tensor attn_out_norm, mlp_out_norm;  // norms of the branch outputs before their residual adds, or undefined
   // mlp_norm undefined: a parallel block whose MLP reads the attention's norm of x
   int64_t norm = NORM_RMS, activation = ACT_SILU;
   bool gated = true, parallel = false;
-  double attn_eps = 0, mlp_eps = 0, qk_eps = 0, scale = 0;
+  double attn_eps = 0, mlp_eps = 0, qk_eps = 0, attn_out_eps = 0, mlp_out_eps = 0, scale = 0;
   double residual_scale = 1;  // each branch's output times this before its residual add (scale_rows; 1: none)
   int64_t n_heads = 0, n_kv_heads = 0;
   std::vector<LayerLinear> linears;
@@ -5162,8 +5196,10 @@ void attention_step(const at::Tensor& x, const LayerCall& l, const LayerInputs& 
   team_barrier();
   layer_gemv_into(linears[1], b.attended, b.o);
   if (leads_team()) {
-    if (l.residual_scale != 1) scale_rows(b.o.data_ptr<at::BFloat16>(), batch, hidden, l.residual_scale);
-    add_rows(x.data_ptr<at::BFloat16>(), b.o.data_ptr<at::BFloat16>(), batch, hidden, outp);
+    at::BFloat16* o = b.o.data_ptr<at::BFloat16>();
+    if (l.attn_out_norm.defined()) norm_rows(l.norm, o, batch, hidden, l.attn_out_norm, {}, l.attn_out_eps, o);
+    if (l.residual_scale != 1) scale_rows(o, batch, hidden, l.residual_scale);
+    add_rows(x.data_ptr<at::BFloat16>(), o, batch, hidden, outp);
     // a parallel block's MLP reads x through its own norm, or through the attention's (still in normed)
     if (!l.parallel) norm_rows(l.norm, outp, batch, hidden, l.mlp_norm, l.mlp_norm_bias, l.mlp_eps, normed);
     else if (l.mlp_norm.defined())
@@ -5186,8 +5222,10 @@ void layer_step(const at::Tensor& x, const LayerCall& l, const LayerInputs& in, 
   team_barrier();
   layer_gemv_into(linears[3], b.act, b.down);
   if (leads_team()) {
-    if (l.residual_scale != 1) scale_rows(b.down.data_ptr<at::BFloat16>(), batch, hidden, l.residual_scale);
-    add_rows(outp, b.down.data_ptr<at::BFloat16>(), batch, hidden, outp);
+    at::BFloat16* down = b.down.data_ptr<at::BFloat16>();
+    if (l.mlp_out_norm.defined()) norm_rows(l.norm, down, batch, hidden, l.mlp_out_norm, {}, l.mlp_out_eps, down);
+    if (l.residual_scale != 1) scale_rows(down, batch, hidden, l.residual_scale);
+    add_rows(outp, down, batch, hidden, outp);
   }
 }
 
@@ -5214,12 +5252,12 @@ HeadCall head_call(const c10::List<std::optional<at::Tensor>>& head, double eps,
   constexpr int64_t HEAD_TENSORS = 2 + TENSORS_PER_LINEAR;
   TORCH_CHECK(head.size() == HEAD_TENSORS, who, " takes ", HEAD_TENSORS, " tensors (the final norm's weight and "
               "bias, then the lm_head's weight, scales and bias), got ", head.size());
-  TORCH_CHECK(norm_kind == NORM_RMS || norm_kind == NORM_LAYER, who, ": norm kind ", norm_kind,
-              "; allowed: 0 (RMSNorm) or 1 (LayerNorm)");
+  TORCH_CHECK(0 <= norm_kind && norm_kind < NORM_KINDS, who, ": norm kind ", norm_kind,
+              "; allowed: 0 (RMSNorm), 1 (LayerNorm) or 2 (RMSNorm with a float32 weight)");
   const std::optional<at::Tensor> norm = head.get(0), norm_bias = head.get(1);
   TORCH_CHECK(norm.has_value(), who, ": the final norm's weight is missing");
   TORCH_CHECK(!norm_bias || norm_kind == NORM_LAYER, who, ": only a LayerNorm takes a bias");
-  check_norm_weight(*norm, hidden, who + ": the final norm's weight");
+  check_norm_weight(*norm, hidden, who + ": the final norm's weight", norm_kind == NORM_RMS_FLOAT);
   if (norm_bias) check_norm_weight(*norm_bias, hidden, who + ": the final norm's bias");
   h.eps = eps;
   h.norm_kind = norm_kind;
@@ -5254,9 +5292,9 @@ void take_layer_layout(LayerCall& l, at::IntArrayRef layouts, int64_t i, const s
   const int64_t* layout = layouts.data() + LAYER_LAYOUT * i;
   TORCH_CHECK(0 <= layout[0] && layout[0] < NORM_KINDS && 0 <= layout[1] && layout[1] < ACTIVATIONS &&
                   (layout[2] == 0 || layout[2] == 1) && (layout[3] == 0 || layout[3] == 1),
-              who, ": the layout (norm kind, activation, gated, parallel) must be (0 RMSNorm or 1 LayerNorm, 0 SiLU, "
-              "1 GELU, 2 tanh GELU or 3 ReLU, 0 or 1, 0 or 1), got (", layout[0], ", ", layout[1], ", ", layout[2],
-              ", ", layout[3], ")");
+              who, ": the layout (norm kind, activation, gated, parallel) must be (0 RMSNorm, 1 LayerNorm or 2 RMSNorm "
+              "with a float32 weight, 0 SiLU, 1 GELU, 2 tanh GELU or 3 ReLU, 0 or 1, 0 or 1), got (", layout[0], ", ",
+              layout[1], ", ", layout[2], ", ", layout[3], ")");
   l.norm = layout[0];
   l.activation = layout[1];
   l.gated = layout[2] == 1;
@@ -5264,8 +5302,8 @@ void take_layer_layout(LayerCall& l, at::IntArrayRef layouts, int64_t i, const s
 }
 
 // Layer i's norms (the attention's, the MLP's or None in a parallel block, the qk-norm's or None, the LayerNorm
-// biases or None), eps, layout, heads and scales (the attention's, the residual's: 2i and 2i + 1) from decode_layers'
-// lists (their sizes checked beforehand) into l, checked.
+// biases or None, the branch outputs' norms or None), eps, layout, heads and scales (the attention's, the
+// residual's: 2i and 2i + 1) from decode_layers' lists (their sizes checked beforehand) into l, checked.
 void take_layer_norms(LayerCall& l, const c10::List<std::optional<at::Tensor>>& norms, at::ArrayRef<double> eps,
                       at::IntArrayRef layouts, at::IntArrayRef heads, at::ArrayRef<double> scales, int64_t i,
                       int64_t hidden, int64_t head_dim, const std::string& who) {
@@ -5273,6 +5311,7 @@ void take_layer_norms(LayerCall& l, const c10::List<std::optional<at::Tensor>>& 
   const std::optional<at::Tensor> attn_norm = norms.get(LAYER_NORMS * i), mlp_norm = norms.get(LAYER_NORMS * i + 1);
   const std::optional<at::Tensor> qk_norm = norms.get(LAYER_NORMS * i + 2);
   const std::optional<at::Tensor> attn_bias = norms.get(LAYER_NORMS * i + 3), mlp_bias = norms.get(LAYER_NORMS * i + 4);
+  const std::optional<at::Tensor> attn_out = norms.get(LAYER_NORMS * i + 5), mlp_out = norms.get(LAYER_NORMS * i + 6);
   TORCH_CHECK(attn_norm.has_value() && (mlp_norm.has_value() || l.parallel), who, ": the attention and MLP norms' "
               "weights are needed (only the qk-norm, a parallel block's MLP norm and LayerNorm biases may be None)");
   TORCH_CHECK(l.norm == NORM_LAYER || !(attn_bias || mlp_bias), who, ": only LayerNorms take biases");
@@ -5281,29 +5320,36 @@ void take_layer_norms(LayerCall& l, const c10::List<std::optional<at::Tensor>>& 
   if (mlp_norm) l.mlp_norm = *mlp_norm;
   if (attn_bias) l.attn_norm_bias = *attn_bias;
   if (mlp_bias) l.mlp_norm_bias = *mlp_bias;
+  if (attn_out) l.attn_out_norm = *attn_out;
+  if (mlp_out) l.mlp_out_norm = *mlp_out;
   l.attn_eps = eps[LAYER_EPS * i];
   l.mlp_eps = eps[LAYER_EPS * i + 1];
   l.qk_eps = eps[LAYER_EPS * i + 2];
+  l.attn_out_eps = eps[LAYER_EPS * i + 3];
+  l.mlp_out_eps = eps[LAYER_EPS * i + 4];
   l.n_heads = heads[2 * i];
   l.n_kv_heads = heads[2 * i + 1];
   l.scale = scales[2 * i];
   l.residual_scale = scales[2 * i + 1];
-  for (const at::Tensor* norm : {&l.attn_norm, &l.mlp_norm, &l.attn_norm_bias, &l.mlp_norm_bias})
-    if (norm->defined()) check_norm_weight(*norm, hidden, who + ": the norms' weights and biases");
+  for (const at::Tensor* norm : {&l.attn_norm, &l.mlp_norm, &l.attn_out_norm, &l.mlp_out_norm})
+    if (norm->defined()) check_norm_weight(*norm, hidden, who + ": the norms' weights", l.norm == NORM_RMS_FLOAT);
+  for (const at::Tensor* bias : {&l.attn_norm_bias, &l.mlp_norm_bias})
+    if (bias->defined()) check_norm_weight(*bias, hidden, who + ": the norms' biases");
   TORCH_CHECK(l.n_kv_heads >= 1 && l.n_heads % l.n_kv_heads == 0, who, ": ", l.n_heads,
               " query heads are not a multiple of ", l.n_kv_heads, " KV heads");
   if (qk_norm) {
     l.qk_norm = *qk_norm;
     TORCH_CHECK(l.qk_norm.dim() == 2 && l.qk_norm.size(0) == l.n_heads + l.n_kv_heads &&
-                    l.qk_norm.size(1) == head_dim && l.qk_norm.scalar_type() == at::kBFloat16 &&
+                    l.qk_norm.size(1) == head_dim &&
+                    (l.qk_norm.scalar_type() == at::kBFloat16 || l.qk_norm.scalar_type() == at::kFloat) &&
                     l.qk_norm.is_contiguous(),
-                who, ": the qk-norm's weights must be contiguous bf16 [", l.n_heads + l.n_kv_heads, ", ", head_dim,
-                "] (a row a query head, then a row a KV head), got ", l.qk_norm.scalar_type(), " ",
+                who, ": the qk-norm's weights must be contiguous bf16 or float32 [", l.n_heads + l.n_kv_heads, ", ",
+                head_dim, "] (a row a query head, then a row a KV head), got ", l.qk_norm.scalar_type(), " ",
                 l.qk_norm.sizes());
   }
 }
 
-// The stack of n = layers.size() layers from decode_layers' lists (layer i: norms 5i .. 5i + 4, eps 3i .. 3i + 2,
+// The stack of n = layers.size() layers from decode_layers' lists (layer i: norms 7i .. 7i + 6, eps 5i .. 5i + 4,
 // linears 4i .. 4i + 3 of three tensors each, heads and scales 2i and 2i + 1, layout 4i .. 4i + 3; its mask and
 // rotary rows those at mask_of[i] and
 // rope_of[i] of a step's lists), for rows of `hidden` and heads of `head_dim`: every norm, linear and the head checked
@@ -5419,10 +5465,11 @@ at::Tensor run_layer_stack(const LayerStack& stack, const at::Tensor& x, const a
 // decode_layers runs consecutive decoder layers (each as layer_step, above) on rows x [B, 1, hidden], one after
 // another, in one call: a step's Python and dispatch per layer cost more than a small layer's weights take to read.
 // Layer i reads and writes the KV cache's layer layers[i] (keys, values: the whole cache [cache layers, B, kv_heads,
-// L, head_dim]); its mask, cos and sin are entry i of their lists, its norms entries 5i .. 5i + 4 of norms (the
+// L, head_dim]); its mask, cos and sin are entry i of their lists, its norms entries 7i .. 7i + 6 of norms (the
 // attention's weight, the MLP's (None in a parallel block whose MLP reads the attention's norm), the qk-norm's: None,
-// or a bf16 row a query head then a row a KV head, applied to each q and k head before rotary as the fused block's
-// HeadRMSNorm does, then the two LayerNorm biases or None) and their eps entries 3i .. 3i + 2 of eps, its layout
+// or a bf16 (float32: scaled in float32) row a query head then a row a KV head, applied to each q and k head before
+// rotary as the fused block's HeadRMSNorm does, then the two LayerNorm biases or None, then the norms of the
+// attention's and the MLP's outputs or None) and their eps entries 5i .. 5i + 4 of eps, its layout
 // entries 4i .. 4i + 3 of layouts (NormKind, MlpActivation, gated, parallel), its linears 4i .. 4i + 3 (three tensors
 // each: weight, scales, bias), its query and KV heads entries 2i and 2i + 1 of heads, and of scales its attention's
 // score scale and its residual scale (each branch's output times it before the residual add; 1: none). With a head
