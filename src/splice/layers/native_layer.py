@@ -201,7 +201,7 @@ class LayerCall(NamedTuple):
 
 
 def layer_layout(block: nn.Module) -> tuple[int, int, int, int]:
-    """The block's layout as ``decode_layers`` takes it: its norms' kind (``NORM_RMS`` or ``NORM_LAYER``), its MLP's
+    """The block's layout as ``decode_layers`` takes it: its norms' kind (:func:`norm_kind`), its MLP's
     activation (:data:`LAYER_ACTIVATIONS`), 1 for a gated MLP (else plain, act(up)), 1 for a parallel residual."""
     hidden = block.attn_norm.weight.shape[-1]
     return (norm_kind(block.attn_norm, hidden), LAYER_ACTIVATIONS[block.shape.activation], int(block.layout.gated),
@@ -303,8 +303,8 @@ def experts_call(experts: nn.Module, x: torch.Tensor, index: torch.Tensor) -> Ex
 
 class HeadCall(NamedTuple):
     """What ``decode_layers`` takes of the model's head when a step's last run ends with it: the final norm's weight,
-    its LayerNorm bias (or None), its kind (``NORM_RMS``, ``NORM_LAYER``) and eps, the lm_head's tensors (weight,
-    scales, bias), GEMV kind and int4 group."""
+    its LayerNorm bias (or None), its kind (:func:`norm_kind`) and eps, the lm_head's tensors (weight, scales, bias),
+    GEMV kind and int4 group."""
 
     norm: torch.Tensor
     norm_bias: torch.Tensor | None
@@ -317,9 +317,9 @@ class HeadCall(NamedTuple):
 
 def head_call(norm: nn.Module | None, lm_head: nn.Module, rows: int, read=getattr) -> HeadCall | None:
     """The head's part of a ``decode_layers`` call for steps of ``rows`` rows (the final norm, then the lm_head), or
-    None where it runs its own modules: a final norm other than RMSNorm or torch's LayerNorm with bf16 weights
-    (:func:`norm_kind`), or an lm_head without a native GEMV that takes these rows (a vocab-parallel one, say).
-    ``read`` as for :func:`layer_call`."""
+    None where it runs its own modules: a final norm the calls do not take (:func:`norm_kind`: RMSNorm with a bf16 or
+    float32 weight, torch's LayerNorm with bf16 ones), or an lm_head without a native GEMV that takes these rows (a
+    vocab-parallel one, say). ``read`` as for :func:`layer_call`."""
     kind = None if norm is None or getattr(norm, "weight", None) is None else norm_kind(norm, norm.weight.shape[-1])
     if kind is None:
         return None
