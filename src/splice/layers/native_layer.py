@@ -98,14 +98,14 @@ def unfit_reason(block: nn.Module) -> str | None:
         return "its layout is not a causal pre-norm block"
     if shape.activation not in LAYER_ACTIVATIONS:
         return f"its MLP's activation is {shape.activation}, not one of {', '.join(LAYER_ACTIVATIONS)}"
-    return (attention_unfit_reason(block, whole_layer=True) or norms_unfit_reason(block, whole_layer=True)
-            or linears_unfit_reason(block, ("gate_up", "down")))
+    return attention_unfit_reason(block, whole_layer=True) or linears_unfit_reason(block, ("gate_up", "down"))
 
 
 def attention_unfit_reason(block: nn.Module, whole_layer: bool = False) -> str | None:
     """Why ``block``'s attention half (its norm, qkv, rotary, attention, o and residual add, and its MLP's norm) cannot
     step in a native call (``decode_attention_half``; RMSNorms and a sequential residual), or None if it can;
-    ``whole_layer``: as part of the whole layer's call (:func:`unfit_reason`, which asks about the norms itself)."""
+    ``whole_layer``: as part of the whole layer's call (:func:`unfit_reason`: any residual, and the norms
+    :func:`norms_unfit_reason` takes there)."""
     layout, shape = block.layout, block.shape
     if not (layout.causal and layout.norm_before and (whole_layer or not layout.parallel)):
         return "its layout is not a causal pre-norm block with a sequential residual"
@@ -124,10 +124,9 @@ def attention_unfit_reason(block: nn.Module, whole_layer: bool = False) -> str |
         return "its qk-norm spans each whole projection, not one head"
     if qk_norm is not None and qk_norm.weight.dtype != (torch.float32 if qk_norm.offset else torch.bfloat16):
         return "its qk-norm's weight is not float32 with an offset (Gemma 3's) or bf16 without one"
-    if not whole_layer:
-        norms_reason = norms_unfit_reason(block, whole_layer=False)
-        if norms_reason:
-            return norms_reason
+    norms_reason = norms_unfit_reason(block, whole_layer)
+    if norms_reason:
+        return norms_reason
     if shape.head_dim % 16 or shape.head_dim > 256:
         return f"its head_dim {shape.head_dim} is not a multiple of 16 up to 256"
     return linears_unfit_reason(block, ("qkv", "o"))

@@ -640,8 +640,7 @@ def _register_fakes() -> None:
         lambda x, w, group, widen=False: fake_rows(x, w.shape[0] * INT4_TILE))
     torch.library.register_fake("splice_kernels::widened_linear")(lambda x, w: x.new_empty((x.shape[0], w.shape[0])))
     torch.library.register_fake("splice_kernels::int4_dequantize")(
-        lambda w, group: w.new_empty((w.shape[0] * INT4_TILE, w.shape[1] * group),
-                                                       dtype=torch.bfloat16))
+        lambda w, group: w.new_empty((w.shape[0] * INT4_TILE, w.shape[1] * group), dtype=torch.bfloat16))
     torch.library.register_fake("splice_kernels::decode_attention")(
         lambda q, k, v, mask, scale: q.new_empty((q.shape[0], q.shape[1], 1, q.shape[3])))
     torch.library.register_fake("splice_kernels::decode_attention_sinks")(

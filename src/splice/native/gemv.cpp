@@ -4989,27 +4989,19 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-// LayerNorm of each of the rows of x [rows, hidden] into out, with its bias where defined.
-void layer_norm_rows(const at::BFloat16* x, int64_t rows, int64_t hidden, const at::Tensor& weight,
-                     const at::Tensor& bias, double eps, at::BFloat16* out) {
-  const at::BFloat16* b = bias.defined() ? bias.data_ptr<at::BFloat16>() : nullptr;
-  for (int64_t m = 0; m < rows; ++m)
-    avx2::layer_norm_row(x + m * hidden, weight.data_ptr<at::BFloat16>(), b, hidden, static_cast<float>(eps),
-                         out + m * hidden);
-}
-
-// The norm of a layer (NormKind `kind`: RMSNorm, with a float32 weight, or LayerNorm with its bias) of rows x [rows,
-// hidden] into out.
+// The norm of a layer (NormKind `kind`: RMSNorm, with a float32 weight, or LayerNorm with its bias where defined) of
+// rows x [rows, hidden] into out.
 void norm_rows(int64_t kind, const at::BFloat16* x, int64_t rows, int64_t hidden, const at::Tensor& weight,
                const at::Tensor& bias, double eps, at::BFloat16* out) {
-  if (kind == NORM_LAYER) return layer_norm_rows(x, rows, hidden, weight, bias, eps, out);
-  if (kind == NORM_RMS_FLOAT) {
-    for (int64_t m = 0; m < rows; ++m)
-      avx2::rms_norm_row_float(x + m * hidden, weight.data_ptr<float>(), hidden, static_cast<float>(eps),
-                               out + m * hidden);
-    return;
+  if (kind == NORM_RMS) return rms_norm_rows(x, rows, hidden, weight, eps, out);
+  const at::BFloat16* b = bias.defined() ? bias.data_ptr<at::BFloat16>() : nullptr;
+  for (int64_t m = 0; m < rows; ++m) {
+    const at::BFloat16* row = x + m * hidden;
+    if (kind == NORM_LAYER)
+      avx2::layer_norm_row(row, weight.data_ptr<at::BFloat16>(), b, hidden, static_cast<float>(eps), out + m * hidden);
+    else
+      avx2::rms_norm_row_float(row, weight.data_ptr<float>(), hidden, static_cast<float>(eps), out + m * hidden);
   }
-  rms_norm_rows(x, rows, hidden, weight, eps, out);
 }
 
 // out[m] = a[m] + b[m] for rows of `width`, in bf16.
@@ -5229,7 +5221,7 @@ void layer_step(const at::Tensor& x, const LayerCall& l, const LayerInputs& in, 
   }
 }
 
-// The model's head after the last layer, where a decode_layers call ends the step: the final RMSNorm and the
+// The model's head after the last layer, where a decode_layers call ends the step: the final norm (NormKind) and the
 // lm_head's GEMV (with its bias), whose logits [B, vocab] the call returns. Python's own ops would take longer than
 // the norm's arithmetic, and the GEMV would wake the threads again.
 struct HeadCall {
@@ -5351,9 +5343,8 @@ void take_layer_norms(LayerCall& l, const c10::List<std::optional<at::Tensor>>& 
 
 // The stack of n = layers.size() layers from decode_layers' lists (layer i: norms 7i .. 7i + 6, eps 5i .. 5i + 4,
 // linears 4i .. 4i + 3 of three tensors each, heads and scales 2i and 2i + 1, layout 4i .. 4i + 3; its mask and
-// rotary rows those at mask_of[i] and
-// rope_of[i] of a step's lists), for rows of `hidden` and heads of `head_dim`: every norm, linear and the head checked
-// against them.
+// rotary rows those at mask_of[i] and rope_of[i] of a step's lists), for rows of `hidden` and heads of `head_dim`:
+// every norm, linear and the head checked against them.
 LayerStack layer_stack(at::IntArrayRef layers, const c10::List<std::optional<at::Tensor>>& norms,
                        at::ArrayRef<double> eps,
                        const c10::List<std::optional<at::Tensor>>& tensors, at::IntArrayRef kinds,
@@ -5684,8 +5675,8 @@ int64_t register_layers(at::IntArrayRef layers, const c10::List<std::optional<at
                         at::IntArrayRef mask_of, at::IntArrayRef rope_of) {
   auto stack = std::make_shared<const LayerStack>(layer_stack(layers, norms, eps, tensors, kinds, groups, heads,
                                                               scales, layouts, head, head_eps, head_norm, head_kind,
-                                                              head_group,
-                                                              hidden, head_dim, mask_of, rope_of, "register_layers"));
+                                                              head_group, hidden, head_dim, mask_of, rope_of,
+                                                              "register_layers"));
   const std::lock_guard<std::mutex> lock(registered_stacks_mutex);
   const int64_t number = next_stack_number++;
   registered_stacks.emplace(number, std::move(stack));
